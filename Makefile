@@ -1,0 +1,37 @@
+# Two entry points a newcomer needs: `make demo` and `make test`. Both build .venv first.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: demo test lint typecheck check bench chaos chaos-long clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m broker_adapter demo
+
+test: $(STAMP)
+	$(PY) -m ruff check broker_adapter tests
+	$(PY) -m mypy
+	$(PY) -m pytest -q
+
+lint: $(STAMP)
+	$(PY) -m ruff check broker_adapter tests
+	$(PY) -m ruff format --check broker_adapter tests
+
+typecheck: $(STAMP)
+	$(PY) -m mypy
+
+bench: $(STAMP)
+	$(PY) bench/run.py
+
+chaos: $(STAMP)
+	$(PY) -m pytest -q -m chaos tests/chaos
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,3 @@
+from broker_adapter.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,262 @@
+"""The task envelope: what an agent sends, validated strictly, with one canonical encoding.
+
+Identity is (authenticated principal, ``message_id``); the principal is never taken from the
+body alone (see ``auth``). Two envelopes with the same identity are the *same request* when
+their fingerprints match, and a *conflict* otherwise. The fingerprint covers what the request
+asks for (``kind``, ``payload``, ``correlation_id``, ``parent_id``), not how it is delivered
+(``deadline``, ``max_attempts``, ``hops``), so a resend with a recomputed deadline is still a
+duplicate.
+
+Canonical JSON: UTF-8, keys sorted, no insignificant white space, no NaN or infinities,
+non-ASCII characters kept as they are. ``canonical_json`` is the only encoder used for
+fingerprints, signatures and stored payloads.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from broker_adapter.errors import EnvelopeError
+
+MESSAGE_ID_MAX_BYTES = 128
+PRINCIPAL_MAX_BYTES = 64
+PAYLOAD_MAX_BYTES = 64 * 1024
+PAYLOAD_MAX_DEPTH = 16
+PAYLOAD_MAX_NODES = 10_000
+MAX_ATTEMPTS_LIMIT = 10
+HOPS_LIMIT = 2**31 - 1
+PRINCIPAL_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
+
+Kind = Literal["task", "result", "event"]
+
+
+def canonical_json(value: Any) -> bytes:
+    """Encode ``value`` as canonical JSON bytes.
+
+    Raises:
+        ValueError: the value holds NaN/infinity or a type JSON cannot carry.
+    """
+    return json.dumps(
+        value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
+    ).encode("utf-8")
+
+
+def sha256_hex(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def loads_strict(data: bytes | str) -> Any:
+    """Parse JSON, refusing ``NaN``/``Infinity`` and duplicate object keys."""
+
+    def no_dup_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        obj: dict[str, Any] = {}
+        for key, val in pairs:
+            if key in obj:
+                raise ValueError(f"duplicate key {key!r}")
+            obj[key] = val
+        return obj
+
+    return json.loads(data, parse_constant=_reject_constant, object_pairs_hook=no_dup_keys)
+
+
+def check_payload(payload: Any) -> None:
+    """Check the payload bounds: object, string keys, finite numbers, depth, nodes.
+
+    Raises:
+        EnvelopeError: with ``field="payload"`` and a specific reason.
+    """
+    if not isinstance(payload, dict):
+        raise EnvelopeError("payload", "not_object", "payload must be a JSON object")
+    nodes = 0
+    # Iterative walk so that a hostile nesting depth cannot exhaust the Python stack.
+    stack: list[tuple[Any, int]] = [(payload, 1)]
+    while stack:
+        value, depth = stack.pop()
+        nodes += 1
+        if nodes > PAYLOAD_MAX_NODES:
+            raise EnvelopeError(
+                "payload", "too_many_nodes", f"payload has more than {PAYLOAD_MAX_NODES} nodes"
+            )
+        if depth > PAYLOAD_MAX_DEPTH:
+            raise EnvelopeError(
+                "payload", "too_deep", f"payload nests deeper than {PAYLOAD_MAX_DEPTH} levels"
+            )
+        if isinstance(value, dict):
+            for key, item in value.items():
+                if not isinstance(key, str):
+                    raise EnvelopeError(
+                        "payload", "non_string_key", f"object key {key!r} is not a string"
+                    )
+                stack.append((item, depth + 1))
+        elif isinstance(value, list):
+            stack.extend((item, depth + 1) for item in value)
+        elif isinstance(value, bool) or value is None or isinstance(value, str | int):
+            continue
+        elif isinstance(value, float):
+            if not math.isfinite(value):
+                raise EnvelopeError("payload", "not_finite", "payload holds NaN or infinity")
+        else:
+            raise EnvelopeError(
+                "payload", "bad_type", f"payload holds a {type(value).__name__}, not JSON"
+            )
+    size = len(canonical_json(payload))
+    if size > PAYLOAD_MAX_BYTES:
+        raise EnvelopeError(
+            "payload", "too_large", f"payload is {size} bytes canonical, limit {PAYLOAD_MAX_BYTES}"
+        )
+
+
+def check_principal(value: str, field: str = "sender") -> str:
+    """Validate a principal name (it appears in Redis keys, so its alphabet is small)."""
+    size = len(value.encode("utf-8"))
+    if not 1 <= size <= PRINCIPAL_MAX_BYTES:
+        raise EnvelopeError(
+            field, "bad_length", f"must be 1..{PRINCIPAL_MAX_BYTES} bytes, got {size}"
+        )
+    if not set(value) <= PRINCIPAL_CHARS:
+        raise EnvelopeError(field, "bad_chars", "may hold only letters, digits, '.', '_', '-'")
+    return value
+
+
+def _check_id(value: str, field: str) -> str:
+    size = len(value.encode("utf-8"))
+    if not 1 <= size <= MESSAGE_ID_MAX_BYTES:
+        raise EnvelopeError(
+            field, "bad_length", f"must be 1..{MESSAGE_ID_MAX_BYTES} UTF-8 bytes, got {size}"
+        )
+    if any(ord(ch) < 0x20 or ord(ch) == 0x7F for ch in value):
+        raise EnvelopeError(field, "control_char", "must not contain control characters")
+    return value
+
+
+class Envelope(BaseModel):
+    """One request from an agent. Frozen and strict: no coercion, no unknown fields."""
+
+    model_config = ConfigDict(frozen=True, strict=True, extra="forbid")
+
+    message_id: str
+    sender: str
+    kind: Kind = "task"
+    payload: dict[str, Any]
+    deadline: float = Field(description="absolute deadline, epoch seconds")
+    max_attempts: int = Field(default=3, ge=1, le=MAX_ATTEMPTS_LIMIT)
+    hops: int = Field(default=0, ge=0, le=HOPS_LIMIT)
+    correlation_id: str | None = None
+    parent_id: str | None = None
+
+    @field_validator("message_id")
+    @classmethod
+    def _message_id(cls, v: str) -> str:
+        return _check_id(v, "message_id")
+
+    @field_validator("correlation_id", "parent_id")
+    @classmethod
+    def _optional_ids(cls, v: str | None, info: Any) -> str | None:
+        return None if v is None else _check_id(v, info.field_name)
+
+    @field_validator("sender")
+    @classmethod
+    def _sender(cls, v: str) -> str:
+        return check_principal(v)
+
+    @field_validator("deadline")
+    @classmethod
+    def _deadline(cls, v: float) -> float:
+        if not math.isfinite(v):
+            raise EnvelopeError("deadline", "not_finite", "deadline must be a finite number")
+        if v <= 0:
+            raise EnvelopeError("deadline", "not_positive", "deadline must be after the epoch")
+        return v
+
+    @field_validator("payload")
+    @classmethod
+    def _payload(cls, v: dict[str, Any]) -> dict[str, Any]:
+        check_payload(v)
+        return v
+
+    # -- construction -------------------------------------------------------------------
+
+    @classmethod
+    def build(cls, **fields: Any) -> Envelope:
+        """Validate ``fields`` into an Envelope.
+
+        Raises:
+            EnvelopeError: naming the first offending field and why.
+        """
+        try:
+            return cls.model_validate(fields)
+        except ValidationError as exc:
+            raise _translate(exc) from None
+
+    @classmethod
+    def from_json(cls, data: bytes) -> Envelope:
+        """Parse the wire form (canonical JSON bytes of ``to_dict()``).
+
+        Raises:
+            EnvelopeError: the bytes are not UTF-8 JSON, not an object, or not a valid envelope.
+        """
+        try:
+            raw = loads_strict(data)
+        except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+            raise EnvelopeError("", "unparseable", f"envelope is not valid JSON: {exc}") from None
+        if not isinstance(raw, dict):
+            raise EnvelopeError("", "not_object", "envelope must be a JSON object")
+        return cls.build(**raw)
+
+    # -- encodings ----------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        out = self.model_dump()
+        return {k: v for k, v in out.items() if v is not None}
+
+    def to_json(self) -> bytes:
+        """The canonical wire form."""
+        return canonical_json(self.to_dict())
+
+    def content(self) -> dict[str, Any]:
+        """The part of the envelope the fingerprint covers."""
+        return {
+            "kind": self.kind,
+            "payload": self.payload,
+            "correlation_id": self.correlation_id,
+            "parent_id": self.parent_id,
+        }
+
+    def fingerprint(self) -> str:
+        """SHA-256 (hex) of the canonical content."""
+        return sha256_hex(canonical_json(self.content()))
+
+    def payload_json(self) -> str:
+        return canonical_json(self.payload).decode("utf-8")
+
+
+def _translate(exc: ValidationError) -> EnvelopeError:
+    err = exc.errors()[0]
+    loc = err.get("loc", ())
+    field = str(loc[0]) if loc else ""
+    ctx = err.get("ctx") or {}
+    inner = ctx.get("error")
+    if isinstance(inner, EnvelopeError):
+        return inner
+    kind = err.get("type", "invalid")
+    reasons = {
+        "missing": "missing",
+        "extra_forbidden": "unknown_field",
+        "literal_error": "bad_value",
+        "greater_than_equal": "too_small",
+        "less_than_equal": "too_large",
+    }
+    reason = reasons.get(kind, "bad_type" if kind.endswith("_type") else kind)
+    detail = err.get("msg", "invalid")
+    if field == "payload" and len(loc) > 1:
+        detail = f"{detail} at {'.'.join(str(p) for p in loc[1:])}"
+    return EnvelopeError(field, reason, detail)

@@ -1,0 +1,104 @@
+"""The whole error tree of broker_adapter, sorted by what the caller does next.
+
+* ``ConfigError``: fix the configuration; nothing ran.
+* ``EnvelopeError``: poison input; dead-letter it with the reason, then acknowledge it.
+* ``TransientError``: retry later (Redis unreachable, SQLite busy).
+* ``StaleError``: a fenced write was refused; stop and write nothing.
+
+A duplicate is an outcome (a returned enum value), never an exception.
+"""
+
+from __future__ import annotations
+
+
+class BrokerAdapterError(Exception):
+    """Root of every error this library raises on purpose."""
+
+
+class ConfigError(BrokerAdapterError, ValueError):
+    """A configuration value is missing, malformed or inconsistent."""
+
+
+class EnvelopeError(BrokerAdapterError, ValueError):
+    """An envelope (or the stream entry that carries it) is invalid.
+
+    Attributes:
+        field: the envelope field at fault (``""`` when the whole entry is at fault).
+        reason: a short machine-readable reason code, e.g. ``"too_long"``.
+        detail: the human-readable explanation.
+    """
+
+    def __init__(self, field: str, reason: str, detail: str) -> None:
+        self.field = field
+        self.reason = reason
+        self.detail = detail
+        where = f"{field}: " if field else ""
+        super().__init__(f"{where}{detail} [{reason}]")
+
+
+class AuthError(EnvelopeError):
+    """The entry's signature, key id or principal could not be verified."""
+
+
+class TransientError(BrokerAdapterError):
+    """A failure that may go away by itself; safe to retry with backoff."""
+
+
+class RedisUnavailable(TransientError):
+    """Redis could not be reached or timed out. A write may or may not have happened."""
+
+
+class StoreBusy(TransientError):
+    """SQLite stayed locked past the busy timeout."""
+
+
+class StoreError(BrokerAdapterError):
+    """The SQLite database is unusable (corrupt, newer schema, disk full)."""
+
+
+class GroupMissingError(BrokerAdapterError):
+    """The consumer group (or its stream) no longer exists in Redis."""
+
+
+class StaleError(BrokerAdapterError):
+    """A fenced write was refused: the caller no longer holds what it thinks it holds.
+
+    Attributes:
+        task_id: the task or reply the write was for.
+        reason: why it was refused (``"fence"``, ``"owner"``, ``"lease_expired"``,
+            ``"deadline"``, ``"not_running"``, ``"cancelled"``).
+    """
+
+    def __init__(self, task_id: str, reason: str, detail: str = "") -> None:
+        self.task_id = task_id
+        self.reason = reason
+        msg = f"stale write refused for {task_id}: {reason}"
+        super().__init__(f"{msg} ({detail})" if detail else msg)
+
+
+class FencedError(StaleError):
+    """The fencing token presented is lower than the current one."""
+
+    def __init__(self, task_id: str, token: int, current: int) -> None:
+        self.token = token
+        self.current = current
+        super().__init__(task_id, "fence", f"token {token}, current {current}")
+
+
+class TaskCancelled(StaleError):
+    """The task was cancelled while the caller held its lease."""
+
+    def __init__(self, task_id: str) -> None:
+        super().__init__(task_id, "cancelled")
+
+
+class ReplyConflict(BrokerAdapterError):
+    """A reply id was seen before with a different content hash."""
+
+    def __init__(self, reply_id: str, stored_hash: str, new_hash: str) -> None:
+        self.reply_id = reply_id
+        self.stored_hash = stored_hash
+        self.new_hash = new_hash
+        super().__init__(
+            f"reply {reply_id} conflicts: stored hash {stored_hash[:12]}, got {new_hash[:12]}"
+        )

@@ -1,0 +1,276 @@
+"""One SQLite connection with the pragmas our guarantees rest on, plus schema migrations.
+
+Every write is one short ``BEGIN IMMEDIATE`` transaction opened by ``Database.write``. An
+immediate transaction takes the write lock up front, so it waits out ``busy_timeout``
+instead of failing at its first write the way a deferred one does. Crash points
+``store.<op>.before_commit`` and ``store.<op>.after_commit`` sit on both sides of every
+COMMIT: a process killed before it leaves no trace (SQLite rolls the journal back on the
+next open), a process killed after it leaves the whole transaction durable
+(``synchronous=FULL`` syncs the WAL at every commit).
+
+A connection belongs to the process that opened it: using it after ``fork()`` corrupts
+SQLite's locking, so ``Database`` refuses to.
+"""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Literal
+
+from broker_adapter import crashpoints
+from broker_adapter.errors import ConfigError, StoreBusy, StoreError
+
+Synchronous = Literal["FULL", "NORMAL", "EXTRA"]
+DEFAULT_BUSY_TIMEOUT_MS = 10_000
+
+# Schema, one entry per version. Never edit a released entry: append a new one.
+#
+# tasks     one row per accepted request; the state machine (see tasks.py).
+# inbox     dedupe record: (principal, message_id) -> fingerprint, task_id.
+# outbox    replies waiting to be published; exactly one per terminal task.
+# receipts  the receiver side: one row per reply id applied, with its content hash.
+MIGRATIONS: tuple[str, ...] = (
+    """
+    CREATE TABLE tasks (
+        task_id        TEXT PRIMARY KEY,
+        principal      TEXT NOT NULL,
+        message_id     TEXT NOT NULL,
+        kind           TEXT NOT NULL,
+        payload        TEXT NOT NULL,
+        fingerprint    TEXT NOT NULL,
+        correlation_id TEXT,
+        parent_id      TEXT,
+        state          TEXT NOT NULL CHECK (state IN ('pending', 'running', 'done', 'failed',
+                           'cancelled', 'expired', 'hop_limit', 'unknown', 'waiting_approval')),
+        attempts       INTEGER NOT NULL DEFAULT 0,
+        max_attempts   INTEGER NOT NULL CHECK (max_attempts BETWEEN 1 AND 10),
+        fence          INTEGER NOT NULL DEFAULT 0,
+        owner          TEXT,
+        lease_until    REAL,
+        not_before     REAL NOT NULL,
+        deadline       REAL NOT NULL,
+        hops           INTEGER NOT NULL,
+        created_at     REAL NOT NULL,
+        updated_at     REAL NOT NULL,
+        finished_at    REAL,
+        result         TEXT,
+        error          TEXT,
+        CHECK (attempts <= max_attempts)
+    );
+    CREATE INDEX tasks_ready ON tasks (not_before) WHERE state = 'pending';
+    CREATE INDEX tasks_leases ON tasks (lease_until) WHERE state = 'running';
+    CREATE INDEX tasks_state ON tasks (state);
+    CREATE INDEX tasks_live_deadline ON tasks (deadline)
+        WHERE state IN ('pending', 'running');
+
+    CREATE TABLE inbox (
+        principal   TEXT NOT NULL,
+        message_id  TEXT NOT NULL,
+        fingerprint TEXT NOT NULL,
+        task_id     TEXT NOT NULL REFERENCES tasks (task_id),
+        entry_id    TEXT,
+        received_at REAL NOT NULL,
+        duplicates  INTEGER NOT NULL DEFAULT 0,
+        conflicts   INTEGER NOT NULL DEFAULT 0,
+        PRIMARY KEY (principal, message_id)
+    ) WITHOUT ROWID;
+    CREATE INDEX inbox_received ON inbox (received_at);
+
+    CREATE TABLE outbox (
+        reply_id     TEXT PRIMARY KEY,
+        task_id      TEXT REFERENCES tasks (task_id),
+        principal    TEXT NOT NULL,
+        message_id   TEXT NOT NULL,
+        status       TEXT NOT NULL,
+        body         BLOB NOT NULL,
+        content_hash TEXT NOT NULL,
+        state        TEXT NOT NULL CHECK (state IN ('pending', 'sending', 'sent', 'dead')),
+        attempts     INTEGER NOT NULL DEFAULT 0,
+        fence        INTEGER NOT NULL DEFAULT 0,
+        owner        TEXT,
+        lease_until  REAL,
+        not_before   REAL NOT NULL,
+        last_error   TEXT,
+        entry_id     TEXT,
+        created_at   REAL NOT NULL,
+        sent_at      REAL,
+        replays      INTEGER NOT NULL DEFAULT 0,
+        replayed_by  TEXT,
+        replayed_at  REAL
+    );
+    CREATE UNIQUE INDEX outbox_one_reply_per_task ON outbox (task_id)
+        WHERE task_id IS NOT NULL;
+    CREATE INDEX outbox_ready ON outbox (not_before) WHERE state = 'pending';
+    CREATE INDEX outbox_leases ON outbox (lease_until) WHERE state = 'sending';
+    CREATE INDEX outbox_state ON outbox (state);
+
+    CREATE TABLE receipts (
+        reply_id     TEXT PRIMARY KEY,
+        content_hash TEXT NOT NULL,
+        principal    TEXT NOT NULL,
+        message_id   TEXT,
+        task_id      TEXT,
+        status       TEXT,
+        body         BLOB NOT NULL,
+        entry_id     TEXT,
+        received_at  REAL NOT NULL,
+        effects      INTEGER NOT NULL DEFAULT 0,
+        effect_result TEXT
+    );
+    """,
+)
+SCHEMA_VERSION = len(MIGRATIONS)
+
+
+class Database:
+    """A SQLite connection configured for durability, owned by one process.
+
+    Args:
+        path: the database file (created if absent).
+        synchronous: ``FULL`` (default) syncs the WAL at every commit; ``NORMAL`` may lose
+            the last commits on power loss (never on a process crash).
+        busy_timeout_ms: how long a writer waits for the lock before ``StoreBusy``.
+    """
+
+    def __init__(
+        self,
+        path: str | Path,
+        *,
+        synchronous: Synchronous = "FULL",
+        busy_timeout_ms: int = DEFAULT_BUSY_TIMEOUT_MS,
+    ) -> None:
+        if synchronous not in ("FULL", "NORMAL", "EXTRA"):
+            raise ConfigError(f"synchronous must be FULL, NORMAL or EXTRA, got {synchronous!r}")
+        self.path = Path(path)
+        self._pid = os.getpid()
+        self._lock = threading.RLock()
+        try:
+            self.conn = sqlite3.connect(
+                str(self.path),
+                isolation_level=None,
+                timeout=busy_timeout_ms / 1000,
+                check_same_thread=False,
+            )
+        except sqlite3.Error as exc:
+            raise StoreError(f"cannot open database {self.path}: {exc}") from exc
+        self.conn.row_factory = sqlite3.Row
+        try:
+            self._configure(synchronous, busy_timeout_ms)
+            self._migrate()
+        except sqlite3.DatabaseError as exc:
+            self.conn.close()
+            raise StoreError(f"cannot use database {self.path}: {exc}") from exc
+
+    def _configure(self, synchronous: str, busy_timeout_ms: int) -> None:
+        c = self.conn
+        c.execute(f"PRAGMA busy_timeout = {int(busy_timeout_ms)}")
+        mode = c.execute("PRAGMA journal_mode = WAL").fetchone()[0]
+        if str(mode).lower() != "wal":
+            raise StoreError(f"{self.path}: journal_mode is {mode}, WAL is required")
+        c.execute(f"PRAGMA synchronous = {synchronous}")
+        c.execute("PRAGMA foreign_keys = ON")
+        expected = {"FULL": 2, "NORMAL": 1, "EXTRA": 3}[synchronous]
+        got = c.execute("PRAGMA synchronous").fetchone()[0]
+        if got != expected:
+            raise StoreError(f"{self.path}: synchronous is {got}, expected {expected}")
+
+    def _migrate(self) -> None:
+        with self._lock:
+            self.conn.execute("BEGIN IMMEDIATE")
+            try:
+                version = self.conn.execute("PRAGMA user_version").fetchone()[0]
+                if version > SCHEMA_VERSION:
+                    raise StoreError(
+                        f"{self.path} has schema version {version}, this library knows "
+                        f"{SCHEMA_VERSION}: upgrade broker_adapter"
+                    )
+                for number in range(version, SCHEMA_VERSION):
+                    for statement in _split(MIGRATIONS[number]):
+                        self.conn.execute(statement)
+                    self.conn.execute(f"PRAGMA user_version = {number + 1}")
+                self.conn.execute("COMMIT")
+            except BaseException:
+                self.conn.execute("ROLLBACK")
+                raise
+
+    def _check_owner(self) -> None:
+        if os.getpid() != self._pid:
+            raise StoreError(
+                "a SQLite connection was used after fork(); open a new Database in the child"
+            )
+
+    @contextmanager
+    def write(self, op: str) -> Iterator[sqlite3.Connection]:
+        """Run one write transaction (``BEGIN IMMEDIATE`` ... ``COMMIT``).
+
+        Args:
+            op: the operation's name; crash points ``store.<op>.before_commit`` and
+                ``store.<op>.after_commit`` fire around the COMMIT.
+
+        Raises:
+            StoreBusy: the write lock was not free within the busy timeout.
+            StoreError: the database failed (disk full, I/O error, corruption).
+        """
+        self._check_owner()
+        with self._lock:
+            try:
+                self.conn.execute("BEGIN IMMEDIATE")
+            except sqlite3.OperationalError as exc:
+                raise _translate(exc) from exc
+            try:
+                yield self.conn
+                crashpoints.hit(f"store.{op}.before_commit")
+                self.conn.execute("COMMIT")
+            except BaseException as exc:
+                if self.conn.in_transaction:
+                    self.conn.execute("ROLLBACK")
+                if isinstance(exc, sqlite3.OperationalError):
+                    raise _translate(exc) from exc
+                raise
+        crashpoints.hit(f"store.{op}.after_commit")
+
+    @contextmanager
+    def read(self) -> Iterator[sqlite3.Connection]:
+        """A consistent read snapshot (a deferred transaction that never writes)."""
+        self._check_owner()
+        with self._lock:
+            self.conn.execute("BEGIN")
+            try:
+                yield self.conn
+            finally:
+                self.conn.execute("COMMIT")
+
+    def integrity_check(self) -> str:
+        with self._lock:
+            return str(self.conn.execute("PRAGMA integrity_check").fetchone()[0])
+
+    def close(self) -> None:
+        if os.getpid() == self._pid:
+            self.conn.close()
+
+    def __enter__(self) -> Database:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def open_database(path: str | Path, **kwargs: object) -> Database:
+    """Open (and migrate) the database at ``path``; see ``Database`` for the arguments."""
+    return Database(path, **kwargs)  # type: ignore[arg-type]
+
+
+def _split(script: str) -> list[str]:
+    return [s.strip() for s in script.split(";") if s.strip()]
+
+
+def _translate(exc: sqlite3.OperationalError) -> Exception:
+    text = str(exc).lower()
+    if "locked" in text or "busy" in text:
+        return StoreBusy(f"database is locked: {exc}")
+    return StoreError(str(exc))

@@ -1,0 +1,291 @@
+"""The transactional outbox: replies written with their task's terminal state, published later.
+
+A reply row is inserted inside the same transaction that makes its task terminal
+(``enqueue`` takes the caller's connection), so a terminal task without its reply, or a
+reply without its terminal task, cannot be observed. The unique index on ``task_id`` makes
+"exactly one reply per terminal task" a database constraint.
+
+The publisher side has its own lease and fence: ``claim`` hands a batch of rows to one
+dispatcher (attempts+1, fence+1), and ``mark_sent`` / ``retry`` / ``mark_dead`` succeed only
+for the current holder. The body bytes are fixed at enqueue time, so every resend carries the
+same reply id and the same bytes. ``dead`` means "no trusted confirmation", not "not
+delivered": ``replay`` puts such a row back in line after the operator checked Redis.
+"""
+
+from __future__ import annotations
+
+import random
+import sqlite3
+from dataclasses import dataclass, field
+from typing import Any
+
+from broker_adapter.backoff import Backoff
+from broker_adapter.clock import Clock, SystemClock
+from broker_adapter.envelope import canonical_json, sha256_hex
+from broker_adapter.errors import BrokerAdapterError, FencedError, StaleError
+from broker_adapter.store.db import Database
+
+OUTBOX_STATES = ("pending", "sending", "sent", "dead")
+
+
+@dataclass(frozen=True)
+class OutboxPolicy:
+    """Publication limits.
+
+    Attributes:
+        lease_s: how long a dispatcher holds a claimed reply before another may take it.
+        max_attempts: publication attempts before the row goes ``dead``.
+        backoff: delay between attempts.
+    """
+
+    lease_s: float = 30.0
+    max_attempts: int = 20
+    backoff: Backoff = field(default_factory=lambda: Backoff(base_s=0.5, cap_s=30.0))
+
+
+@dataclass(frozen=True)
+class OutboxRow:
+    reply_id: str
+    task_id: str | None
+    principal: str
+    message_id: str
+    status: str
+    body: bytes
+    content_hash: str
+    state: str
+    attempts: int
+    fence: int
+    owner: str | None
+    lease_until: float | None
+    last_error: str | None
+    entry_id: str | None
+    created_at: float
+    sent_at: float | None
+    replays: int
+    replayed_by: str | None
+
+    @classmethod
+    def from_row(cls, row: sqlite3.Row) -> OutboxRow:
+        return cls(**{name: row[name] for name in cls.__dataclass_fields__})
+
+
+_COLUMNS = ", ".join(OutboxRow.__dataclass_fields__)
+
+
+class UnknownReply(BrokerAdapterError, KeyError):
+    def __init__(self, reply_id: str) -> None:
+        self.reply_id = reply_id
+        super().__init__(f"no reply {reply_id!r} in the outbox")
+
+
+def enqueue(
+    conn: sqlite3.Connection,
+    *,
+    reply_id: str,
+    task_id: str | None,
+    principal: str,
+    message_id: str,
+    status: str,
+    body: dict[str, Any],
+    now: float,
+) -> bool:
+    """Insert a reply inside the caller's open transaction. Returns False if it existed."""
+    data = canonical_json(body)
+    cur = conn.execute(
+        "INSERT OR IGNORE INTO outbox (reply_id, task_id, principal, message_id, status, body,"
+        " content_hash, state, not_before, created_at)"
+        " VALUES (?, ?, ?, ?, ?, ?, ?, 'pending', ?, ?)",
+        (reply_id, task_id, principal, message_id, status, data, sha256_hex(data), now, now),
+    )
+    return cur.rowcount == 1
+
+
+class OutboxStore:
+    """Publisher-side access to the outbox.
+
+    Args:
+        db: the database (one per process).
+        clock: time source.
+        policy: lease, attempt budget and backoff.
+        rng: randomness for jitter (inject a seeded one in tests).
+    """
+
+    def __init__(
+        self,
+        db: Database,
+        clock: Clock | None = None,
+        policy: OutboxPolicy | None = None,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.db = db
+        self.clock = clock or SystemClock()
+        self.policy = policy or OutboxPolicy()
+        self.rng = rng or random.Random()
+
+    def claim(self, owner: str, n: int) -> list[OutboxRow]:
+        """Take up to ``n`` publishable replies: lease, attempts+1, fence+1, one transaction.
+
+        Rows whose publisher lease ran out are put back in line first.
+        """
+        now = self.clock.now()
+        lease_until = now + self.policy.lease_s
+        with self.db.write("outbox_claim") as c:
+            c.execute(
+                "UPDATE outbox SET state = 'pending', owner = NULL, lease_until = NULL"
+                " WHERE state = 'sending' AND lease_until <= ?",
+                (now,),
+            )
+            ids = [
+                r[0]
+                for r in c.execute(
+                    "SELECT reply_id FROM outbox WHERE state = 'pending' AND not_before <= ?"
+                    " ORDER BY not_before, created_at LIMIT ?",
+                    (now, n),
+                )
+            ]
+            rows: list[OutboxRow] = []
+            for reply_id in ids:
+                row = c.execute(
+                    "UPDATE outbox SET state = 'sending', owner = ?, lease_until = ?,"
+                    " attempts = attempts + 1, fence = fence + 1"
+                    f" WHERE reply_id = ? AND state = 'pending' RETURNING {_COLUMNS}",
+                    (owner, lease_until, reply_id),
+                ).fetchone()
+                if row is not None:
+                    rows.append(OutboxRow.from_row(row))
+        return rows
+
+    def _holder(self, c: sqlite3.Connection, reply_id: str, owner: str, fence: int) -> sqlite3.Row:
+        row: sqlite3.Row | None = c.execute(
+            "SELECT state, owner, fence, lease_until, attempts FROM outbox WHERE reply_id = ?",
+            (reply_id,),
+        ).fetchone()
+        if row is None:
+            raise UnknownReply(reply_id)
+        if row["fence"] != fence:
+            raise FencedError(reply_id, fence, row["fence"])
+        if row["state"] != "sending":
+            raise StaleError(reply_id, "not_sending", f"state is {row['state']}")
+        if row["owner"] != owner:
+            raise StaleError(reply_id, "owner", f"held by {row['owner']}")
+        if row["lease_until"] <= self.clock.now():
+            raise StaleError(reply_id, "lease_expired")
+        return row
+
+    def mark_sent(self, reply_id: str, owner: str, fence: int, entry_id: str) -> None:
+        """Record a confirmed publication (fenced).
+
+        Raises:
+            StaleError: the caller no longer holds the row; nothing is written.
+        """
+        with self.db.write("mark_sent") as c:
+            self._holder(c, reply_id, owner, fence)
+            c.execute(
+                "UPDATE outbox SET state = 'sent', owner = NULL, lease_until = NULL,"
+                " entry_id = ?, sent_at = ?, last_error = NULL WHERE reply_id = ? AND fence = ?",
+                (entry_id, self.clock.now(), reply_id, fence),
+            )
+
+    def retry(self, reply_id: str, owner: str, fence: int, error: str) -> str:
+        """Record a failed attempt: back in line after a backoff, or ``dead`` past the budget.
+
+        Returns:
+            the row's new state, ``"pending"`` or ``"dead"``.
+        """
+        now = self.clock.now()
+        with self.db.write("reply_retry") as c:
+            row = self._holder(c, reply_id, owner, fence)
+            if row["attempts"] >= self.policy.max_attempts:
+                state, not_before = "dead", now
+            else:
+                state = "pending"
+                not_before = now + self.policy.backoff.delay(row["attempts"], self.rng)
+            c.execute(
+                "UPDATE outbox SET state = ?, owner = NULL, lease_until = NULL, not_before = ?,"
+                " last_error = ? WHERE reply_id = ? AND fence = ?",
+                (state, not_before, error, reply_id, fence),
+            )
+        return state
+
+    def mark_dead(self, reply_id: str, owner: str, fence: int, error: str) -> None:
+        """A permanent failure (e.g. a content conflict in Redis): ``dead`` at once, fenced."""
+        with self.db.write("reply_dead") as c:
+            self._holder(c, reply_id, owner, fence)
+            c.execute(
+                "UPDATE outbox SET state = 'dead', owner = NULL, lease_until = NULL,"
+                " last_error = ? WHERE reply_id = ? AND fence = ?",
+                (error, reply_id, fence),
+            )
+
+    def replay(self, reply_id: str, by: str) -> OutboxRow:
+        """Put a ``dead`` reply back in line under the same reply id, recording who and when.
+
+        Check the receiving side first (the dispatcher's ``replay`` does); this only moves
+        the row.
+
+        Raises:
+            UnknownReply: no such reply.
+            StaleError: the row is not ``dead``.
+        """
+        now = self.clock.now()
+        with self.db.write("reply_replay") as c:
+            row = c.execute("SELECT state FROM outbox WHERE reply_id = ?", (reply_id,)).fetchone()
+            if row is None:
+                raise UnknownReply(reply_id)
+            if row["state"] != "dead":
+                raise StaleError(reply_id, "not_dead", f"state is {row['state']}")
+            new = c.execute(
+                "UPDATE outbox SET state = 'pending', attempts = 0, not_before = ?,"
+                " replays = replays + 1, replayed_by = ?, replayed_at = ?"
+                f" WHERE reply_id = ? RETURNING {_COLUMNS}",
+                (now, by, now, reply_id),
+            ).fetchone()
+        return OutboxRow.from_row(new)
+
+    def requeue_sent(self, since: float | None = None) -> int:
+        """Put ``sent`` replies back in line (Redis lost them: a wipe or a lost AOF tail).
+
+        Args:
+            since: only rows sent at or after this time; ``None`` for every sent row.
+
+        Returns:
+            how many rows were put back. The receiver dedupes the resends.
+        """
+        now = self.clock.now()
+        with self.db.write("reply_retry") as c:
+            cur = c.execute(
+                "UPDATE outbox SET state = 'pending', not_before = ?, attempts = 0"
+                " WHERE state = 'sent' AND sent_at >= ?",
+                (now, since if since is not None else float("-inf")),
+            )
+            return cur.rowcount
+
+    def get(self, reply_id: str) -> OutboxRow | None:
+        with self.db.read() as c:
+            row = c.execute(f"SELECT {_COLUMNS} FROM outbox WHERE reply_id = ?", (reply_id,))
+            found = row.fetchone()
+        return OutboxRow.from_row(found) if found else None
+
+    def list(self, state: str | None = None, limit: int = 1000) -> list[OutboxRow]:
+        sql = f"SELECT {_COLUMNS} FROM outbox"
+        args: tuple[Any, ...] = ()
+        if state is not None:
+            sql += " WHERE state = ?"
+            args = (state,)
+        with self.db.read() as c:
+            rows = c.execute(sql + " ORDER BY created_at LIMIT ?", (*args, limit)).fetchall()
+        return [OutboxRow.from_row(r) for r in rows]
+
+    def counts(self) -> dict[str, int]:
+        with self.db.read() as c:
+            rows = c.execute("SELECT state, count(*) FROM outbox GROUP BY state").fetchall()
+        out = dict.fromkeys(OUTBOX_STATES, 0)
+        out.update({r[0]: r[1] for r in rows})
+        return out
+
+    def oldest_unsent_age(self) -> float | None:
+        with self.db.read() as c:
+            row = c.execute(
+                "SELECT min(created_at) FROM outbox WHERE state IN ('pending', 'sending')"
+            ).fetchone()
+        return None if row[0] is None else max(0.0, self.clock.now() - row[0])

@@ -1,0 +1,137 @@
+"""Receiver-side receipts: each reply applied once, its effect committed with its receipt.
+
+``apply`` runs in ONE transaction: look up the reply id; if new, run the caller's effect on
+the same connection and insert the receipt; commit. A crash before COMMIT leaves neither
+the receipt nor the effect, so the redelivered reply applies cleanly; a crash after it
+leaves both, so the redelivery is recognised as a duplicate and the effect is skipped.
+The same reply id with another content hash is refused and nothing is written.
+
+The effect callback runs inside the transaction by design: it must be a local database
+write, quick and free of network calls. Effects that leave this database (HTTP, e-mail,
+payments) must instead carry the reply's idempotency key to a system that checks it.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+from broker_adapter.clock import Clock, SystemClock
+from broker_adapter.envelope import canonical_json
+from broker_adapter.store.db import Database
+
+
+class ReceiptOutcome(StrEnum):
+    APPLIED = "applied"
+    DUPLICATE = "duplicate"
+    CONFLICT = "conflict"
+
+
+@dataclass(frozen=True)
+class Receipt:
+    reply_id: str
+    content_hash: str
+    principal: str
+    message_id: str | None
+    task_id: str | None
+    status: str | None
+    body: bytes
+    entry_id: str | None
+    received_at: float
+    effects: int
+    effect_result: str | None
+
+    def reply(self) -> dict[str, Any]:
+        value: dict[str, Any] = json.loads(self.body)
+        return value
+
+
+_COLUMNS = ", ".join(Receipt.__dataclass_fields__)
+
+#: effect(conn, reply) -> JSON value kept as the receipt's ``effect_result``.
+Effect = Callable[[sqlite3.Connection, dict[str, Any]], Any]
+
+
+class ReceiptStore:
+    """Receipts of replies applied by one receiver.
+
+    Args:
+        db: the receiver's database.
+        clock: time source.
+    """
+
+    def __init__(self, db: Database, clock: Clock | None = None) -> None:
+        self.db = db
+        self.clock = clock or SystemClock()
+
+    def apply(
+        self,
+        *,
+        reply_id: str,
+        content_hash: str,
+        principal: str,
+        body: bytes,
+        effect: Effect | None,
+        entry_id: str | None = None,
+    ) -> tuple[ReceiptOutcome, Receipt]:
+        """Apply one reply at most once.
+
+        Args:
+            reply_id: the stable reply id.
+            content_hash: SHA-256 of ``body``, as published.
+            principal: whose reply stream it came from.
+            body: the reply's canonical JSON bytes.
+            effect: called with (connection, reply dict) inside the transaction, only for a
+                reply not seen before; an exception rolls everything back and propagates.
+            entry_id: the stream entry it arrived in (for diagnostics).
+
+        Returns:
+            the outcome and the receipt (the earlier one for a duplicate or a conflict).
+        """
+        reply: dict[str, Any] = json.loads(body)
+        now = self.clock.now()
+        with self.db.write("receipt") as c:
+            row = c.execute(
+                f"SELECT {_COLUMNS} FROM receipts WHERE reply_id = ?", (reply_id,)
+            ).fetchone()
+            if row is not None:
+                earlier = Receipt(**dict(row))
+                same = earlier.content_hash == content_hash
+                return (ReceiptOutcome.DUPLICATE if same else ReceiptOutcome.CONFLICT), earlier
+            effect_result = None
+            if effect is not None:
+                effect_result = canonical_json(effect(c, reply)).decode("utf-8")
+            receipt = Receipt(
+                reply_id=reply_id,
+                content_hash=content_hash,
+                principal=principal,
+                message_id=reply.get("message_id"),
+                task_id=reply.get("task_id"),
+                status=reply.get("status"),
+                body=body,
+                entry_id=entry_id,
+                received_at=now,
+                effects=1 if effect is not None else 0,
+                effect_result=effect_result,
+            )
+            c.execute(
+                f"INSERT INTO receipts ({_COLUMNS}) VALUES ({', '.join('?' * 11)})",
+                tuple(getattr(receipt, n) for n in Receipt.__dataclass_fields__),
+            )
+        return ReceiptOutcome.APPLIED, receipt
+
+    def get(self, reply_id: str) -> Receipt | None:
+        with self.db.read() as c:
+            row = c.execute(
+                f"SELECT {_COLUMNS} FROM receipts WHERE reply_id = ?", (reply_id,)
+            ).fetchone()
+        return Receipt(**dict(row)) if row else None
+
+    def list(self) -> list[Receipt]:
+        with self.db.read() as c:
+            rows = c.execute(f"SELECT {_COLUMNS} FROM receipts ORDER BY received_at").fetchall()
+        return [Receipt(**dict(r)) for r in rows]

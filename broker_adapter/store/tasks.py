@@ -1,0 +1,625 @@
+"""The inbox and the task state machine.
+
+::
+
+    accept ──> pending ──claim──> running ──finish──> done
+                  ^                  │ ──fail(retryable, budget left)──> pending (backoff)
+                  └──lease expired───┤ ──fail / budget spent──> failed
+                                     │ ──deadline reached──> expired
+               cancel (any live) ────┴──> cancelled          hops > limit at accept ──> hop_limit
+    reserved, not reached yet: unknown (outcome of an external effect not known),
+                               waiting_approval (needs a separate authorization record)
+
+Every arrow into a terminal state writes the task's one reply into the outbox in the same
+transaction. A claim sets owner, lease, attempts+1 and fence+1 in one short transaction;
+renew / finish / fail succeed only while the task is running, owner and fence match, the
+lease is unexpired and the deadline not reached, so an expired lease is fenced even before
+anyone reclaims it. A refused write raises ``StaleError`` and rolls back: nothing is written.
+
+Retries never extend the absolute deadline. Attempts are counted in the claim transaction,
+before any handler runs, so a task whose handler kills its worker still spends its budget.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import sqlite3
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+from broker_adapter.backoff import Backoff
+from broker_adapter.clock import Clock, SystemClock
+from broker_adapter.envelope import Envelope, canonical_json, sha256_hex
+from broker_adapter.errors import BrokerAdapterError, FencedError, StaleError, TaskCancelled
+from broker_adapter.store.db import Database
+from broker_adapter.store.outbox import enqueue
+
+
+class TaskState(StrEnum):
+    PENDING = "pending"
+    RUNNING = "running"
+    DONE = "done"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+    EXPIRED = "expired"
+    HOP_LIMIT = "hop_limit"
+    UNKNOWN = "unknown"
+    WAITING_APPROVAL = "waiting_approval"
+
+
+TERMINAL_STATES = frozenset(
+    {TaskState.DONE, TaskState.FAILED, TaskState.CANCELLED, TaskState.EXPIRED, TaskState.HOP_LIMIT}
+)
+LIVE_STATES = frozenset({TaskState.PENDING, TaskState.RUNNING, TaskState.WAITING_APPROVAL})
+
+
+class Outcome(StrEnum):
+    """What ``accept`` did with one envelope."""
+
+    STORED = "stored"  # a new pending task
+    DUPLICATE = "duplicate"  # same identity, same content: the earlier task id
+    CONFLICT = "conflict"  # same identity, other content: refused, stored row untouched
+    EXPIRED = "expired"  # deadline already past: terminal at once, with its reply
+    HOP_LIMIT = "hop_limit"  # too many hops: terminal at once, with its reply
+    NOT_TASK = "not_task"  # kind is not "task": nothing written, caller dead-letters it
+
+
+class FailOutcome(StrEnum):
+    RETRY = "retry"
+    FAILED = "failed"
+
+
+@dataclass(frozen=True)
+class TaskPolicy:
+    """Limits of the task state machine.
+
+    Attributes:
+        lease_s: lease granted by ``claim`` and ``renew``.
+        max_hops: envelopes with more hops are accepted straight into ``hop_limit``.
+        retention_s: how long an inbox record dedupes its (principal, message_id); past it,
+            once the task is terminal, a reused id is a new request.
+        backoff: delay before a retryable failure runs again.
+    """
+
+    lease_s: float = 30.0
+    max_hops: int = 16
+    retention_s: float = 7 * 24 * 3600.0
+    backoff: Backoff = field(default_factory=Backoff)
+
+
+@dataclass(frozen=True)
+class AcceptItem:
+    """One authenticated envelope. ``principal`` must come from a verified check."""
+
+    principal: str
+    envelope: Envelope
+    entry_id: str | None = None
+
+
+@dataclass(frozen=True)
+class AcceptResult:
+    outcome: Outcome
+    task_id: str | None = None
+    reply_id: str | None = None
+    detail: str = ""
+
+
+@dataclass(frozen=True)
+class ClaimedTask:
+    """A task handed to one worker, with the fence that worker must present."""
+
+    task_id: str
+    principal: str
+    message_id: str
+    kind: str
+    payload: dict[str, Any]
+    attempt: int
+    max_attempts: int
+    fence: int
+    owner: str
+    lease_until: float
+    deadline: float
+    hops: int
+    correlation_id: str | None
+    parent_id: str | None
+
+    @property
+    def idempotency_key(self) -> str:
+        """Stable across attempts and fences: key external effects by this."""
+        return f"ba:{self.task_id}"
+
+
+@dataclass(frozen=True)
+class TaskRow:
+    task_id: str
+    principal: str
+    message_id: str
+    state: str
+    attempts: int
+    max_attempts: int
+    fence: int
+    owner: str | None
+    lease_until: float | None
+    deadline: float
+    not_before: float
+    created_at: float
+    finished_at: float | None
+    result: str | None
+    error: str | None
+
+
+_TASK_COLUMNS = ", ".join(TaskRow.__dataclass_fields__)
+
+
+class UnknownTask(BrokerAdapterError, KeyError):
+    def __init__(self, task_id: str) -> None:
+        self.task_id = task_id
+        super().__init__(f"no task {task_id!r}")
+
+
+def reply_id_for(task_id: str) -> str:
+    """The stable reply id of a task's terminal reply."""
+    return f"r-{task_id}"
+
+
+def conflict_reply_id(principal: str, message_id: str, fingerprint: str) -> str:
+    """A stable id for the "conflict" answer to one (identity, other content) pair."""
+    digest = sha256_hex(f"{principal}\0{message_id}\0{fingerprint}".encode())
+    return f"c-{digest[:32]}"
+
+
+def new_task_id() -> str:
+    return os.urandom(16).hex()
+
+
+class TaskStore:
+    """The inbox and the task state machine on one ``Database``.
+
+    Args:
+        db: the database (one per process).
+        clock: time source (a ``FakeClock`` in tests).
+        policy: leases, hop limit, retention, backoff.
+        rng: randomness for backoff jitter.
+    """
+
+    def __init__(
+        self,
+        db: Database,
+        clock: Clock | None = None,
+        policy: TaskPolicy | None = None,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.db = db
+        self.clock = clock or SystemClock()
+        self.policy = policy or TaskPolicy()
+        self.rng = rng or random.Random()
+
+    # -- intake ---------------------------------------------------------------------------
+
+    def accept(self, items: Sequence[AcceptItem]) -> list[AcceptResult]:
+        """Record a batch of authenticated envelopes in one transaction.
+
+        Returns:
+            one ``AcceptResult`` per item, in order. Items are independent: a conflict in
+            one does not affect the others. Nothing is written for ``CONFLICT``'s stored
+            request; its answer goes to the outbox under a stable conflict reply id.
+        """
+        now = self.clock.now()
+        results: list[AcceptResult] = []
+        if not items:
+            return results
+        with self.db.write("accept") as c:
+            for item in items:
+                results.append(self._accept_one(c, item, now))
+        return results
+
+    def _accept_one(self, c: sqlite3.Connection, item: AcceptItem, now: float) -> AcceptResult:
+        env = item.envelope
+        if env.kind != "task":
+            return AcceptResult(Outcome.NOT_TASK, detail=f"kind {env.kind!r} does not become work")
+        fingerprint = env.fingerprint()
+        row = c.execute(
+            "SELECT i.fingerprint, i.task_id, i.received_at, t.state FROM inbox i"
+            " JOIN tasks t ON t.task_id = i.task_id WHERE i.principal = ? AND i.message_id = ?",
+            (item.principal, env.message_id),
+        ).fetchone()
+        if row is not None:
+            retained = now - row["received_at"] < self.policy.retention_s
+            if retained or row["state"] not in TERMINAL_STATES:
+                return self._known(c, item, row, fingerprint, now)
+        task_id = new_task_id()
+        state = TaskState.PENDING
+        outcome = Outcome.STORED
+        error = None
+        if env.deadline <= now:
+            state, outcome, error = TaskState.EXPIRED, Outcome.EXPIRED, "deadline already past"
+        elif env.hops > self.policy.max_hops:
+            state, outcome = TaskState.HOP_LIMIT, Outcome.HOP_LIMIT
+            error = f"hops {env.hops} exceed the limit {self.policy.max_hops}"
+        c.execute(
+            "INSERT INTO tasks (task_id, principal, message_id, kind, payload, fingerprint,"
+            " correlation_id, parent_id, state, max_attempts, not_before, deadline, hops,"
+            " created_at, updated_at, finished_at, error)"
+            " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            (
+                task_id, item.principal, env.message_id, env.kind, env.payload_json(),
+                fingerprint, env.correlation_id, env.parent_id, state.value, env.max_attempts,
+                now, env.deadline, env.hops, now, now,
+                None if state is TaskState.PENDING else now, error,
+            ),
+        )  # fmt: skip
+        c.execute(
+            "INSERT INTO inbox (principal, message_id, fingerprint, task_id, entry_id,"
+            " received_at) VALUES (?, ?, ?, ?, ?, ?)"
+            " ON CONFLICT (principal, message_id) DO UPDATE SET fingerprint = excluded.fingerprint,"
+            " task_id = excluded.task_id, entry_id = excluded.entry_id,"
+            " received_at = excluded.received_at, duplicates = 0, conflicts = 0",
+            (item.principal, env.message_id, fingerprint, task_id, item.entry_id, now),
+        )
+        reply_id = None
+        if state is not TaskState.PENDING:
+            reply_id = self._terminal_reply(c, task_id, state, None, error, now)
+        return AcceptResult(outcome, task_id, reply_id, error or "")
+
+    def _known(
+        self,
+        c: sqlite3.Connection,
+        item: AcceptItem,
+        row: sqlite3.Row,
+        fingerprint: str,
+        now: float,
+    ) -> AcceptResult:
+        env = item.envelope
+        key = (item.principal, env.message_id)
+        if row["fingerprint"] == fingerprint:
+            c.execute(
+                "UPDATE inbox SET duplicates = duplicates + 1"
+                " WHERE principal = ? AND message_id = ?",
+                key,
+            )
+            return AcceptResult(Outcome.DUPLICATE, row["task_id"])
+        c.execute(
+            "UPDATE inbox SET conflicts = conflicts + 1 WHERE principal = ? AND message_id = ?", key
+        )
+        reply_id = conflict_reply_id(item.principal, env.message_id, fingerprint)
+        detail = "message_id reused with different content; the first request stands"
+        enqueue(
+            c,
+            reply_id=reply_id,
+            task_id=None,
+            principal=item.principal,
+            message_id=env.message_id,
+            status="conflict",
+            body={
+                "v": 1,
+                "reply_id": reply_id,
+                "task_id": row["task_id"],
+                "principal": item.principal,
+                "message_id": env.message_id,
+                "correlation_id": env.correlation_id,
+                "status": "conflict",
+                "result": None,
+                "error": detail,
+                "fingerprint": fingerprint,
+                "stored_fingerprint": row["fingerprint"],
+            },
+            now=now,
+        )
+        return AcceptResult(Outcome.CONFLICT, row["task_id"], reply_id, detail)
+
+    def _terminal_reply(
+        self,
+        c: sqlite3.Connection,
+        task_id: str,
+        state: TaskState,
+        result: str | None,
+        error: str | None,
+        now: float,
+    ) -> str:
+        t = c.execute(
+            "SELECT principal, message_id, correlation_id, attempts, fence FROM tasks"
+            " WHERE task_id = ?",
+            (task_id,),
+        ).fetchone()
+        reply_id = reply_id_for(task_id)
+        inserted = enqueue(
+            c,
+            reply_id=reply_id,
+            task_id=task_id,
+            principal=t["principal"],
+            message_id=t["message_id"],
+            status=state.value,
+            body={
+                "v": 1,
+                "reply_id": reply_id,
+                "task_id": task_id,
+                "principal": t["principal"],
+                "message_id": t["message_id"],
+                "correlation_id": t["correlation_id"],
+                "status": state.value,
+                "result": None if result is None else json.loads(result),
+                "error": error,
+                "attempts": t["attempts"],
+                "fence": t["fence"],
+                "finished_at": now,
+            },
+            now=now,
+        )
+        if not inserted:  # the unique index makes this unreachable unless a bug re-terminates
+            raise StaleError(task_id, "already_terminal", "a terminal reply already exists")
+        return reply_id
+
+    def _to_terminal(
+        self,
+        c: sqlite3.Connection,
+        task_id: str,
+        state: TaskState,
+        now: float,
+        *,
+        result: str | None = None,
+        error: str | None = None,
+    ) -> str:
+        c.execute(
+            "UPDATE tasks SET state = ?, owner = NULL, lease_until = NULL, updated_at = ?,"
+            " finished_at = ?, result = ?, error = ? WHERE task_id = ?",
+            (state.value, now, now, result, error, task_id),
+        )
+        return self._terminal_reply(c, task_id, state, result, error, now)
+
+    # -- workers --------------------------------------------------------------------------
+
+    def claim(self, owner: str, n: int = 1) -> list[ClaimedTask]:
+        """Hand up to ``n`` ready tasks to ``owner``: lease, attempts+1, fence+1.
+
+        Expired leases and deadlines are reconciled first, in the same transaction.
+        """
+        if n < 1:
+            return []
+        now = self.clock.now()
+        lease_until = now + self.policy.lease_s
+        claimed: list[ClaimedTask] = []
+        with self.db.write("claim") as c:
+            self._reconcile(c, now)
+            ids = [
+                r[0]
+                for r in c.execute(
+                    "SELECT task_id FROM tasks WHERE state = 'pending' AND not_before <= ?"
+                    " ORDER BY not_before LIMIT ?",
+                    (now, n),
+                )
+            ]
+            for task_id in ids:
+                r = c.execute(
+                    "UPDATE tasks SET state = 'running', owner = ?, lease_until = ?,"
+                    " attempts = attempts + 1, fence = fence + 1, updated_at = ?"
+                    " WHERE task_id = ? AND state = 'pending'"
+                    " RETURNING task_id, principal, message_id, kind, payload, attempts,"
+                    " max_attempts, fence, deadline, hops, correlation_id, parent_id",
+                    (owner, lease_until, now, task_id),
+                ).fetchone()
+                if r is None:
+                    continue
+                claimed.append(
+                    ClaimedTask(
+                        task_id=r["task_id"],
+                        principal=r["principal"],
+                        message_id=r["message_id"],
+                        kind=r["kind"],
+                        payload=json.loads(r["payload"]),
+                        attempt=r["attempts"],
+                        max_attempts=r["max_attempts"],
+                        fence=r["fence"],
+                        owner=owner,
+                        lease_until=lease_until,
+                        deadline=float(r["deadline"]),
+                        hops=r["hops"],
+                        correlation_id=r["correlation_id"],
+                        parent_id=r["parent_id"],
+                    )
+                )
+        return claimed
+
+    def _holder(self, c: sqlite3.Connection, task_id: str, owner: str, fence: int) -> sqlite3.Row:
+        """Check INVARIANTS rule 10; raise ``StaleError`` (and so roll back) if any fails."""
+        row: sqlite3.Row | None = c.execute(
+            "SELECT state, owner, fence, lease_until, deadline, attempts, max_attempts"
+            " FROM tasks WHERE task_id = ?",
+            (task_id,),
+        ).fetchone()
+        if row is None:
+            raise UnknownTask(task_id)
+        now = self.clock.now()
+        if row["fence"] != fence:
+            raise FencedError(task_id, fence, row["fence"])
+        if row["state"] == TaskState.CANCELLED:
+            raise TaskCancelled(task_id)
+        if row["state"] != TaskState.RUNNING:
+            raise StaleError(task_id, "not_running", f"state is {row['state']}")
+        if row["owner"] != owner:
+            raise StaleError(task_id, "owner", f"held by {row['owner']}")
+        if row["lease_until"] <= now:
+            raise StaleError(task_id, "lease_expired")
+        if row["deadline"] <= now:
+            raise StaleError(task_id, "deadline")
+        return row
+
+    def renew(self, task_id: str, owner: str, fence: int) -> float:
+        """Extend the lease by ``policy.lease_s``.
+
+        Returns:
+            the new ``lease_until``.
+
+        Raises:
+            TaskCancelled: the task was cancelled; stop work.
+            StaleError: the lease is lost (fence, owner, expiry, deadline).
+        """
+        now = self.clock.now()
+        lease_until = now + self.policy.lease_s
+        with self.db.write("renew") as c:
+            self._holder(c, task_id, owner, fence)
+            c.execute(
+                "UPDATE tasks SET lease_until = ?, updated_at = ? WHERE task_id = ? AND fence = ?",
+                (lease_until, now, task_id, fence),
+            )
+        return lease_until
+
+    def finish(self, task_id: str, owner: str, fence: int, result: Any) -> str:
+        """Commit success: state ``done`` and its reply, in one transaction (fenced).
+
+        Args:
+            result: any JSON value; stored canonically and carried in the reply.
+
+        Returns:
+            the reply id.
+
+        Raises:
+            StaleError: refused; nothing is written.
+            ValueError: ``result`` is not JSON (NaN, a set, ...); nothing is written.
+        """
+        encoded = canonical_json(result).decode("utf-8")
+        now = self.clock.now()
+        with self.db.write("finish") as c:
+            self._holder(c, task_id, owner, fence)
+            return self._to_terminal(c, task_id, TaskState.DONE, now, result=encoded)
+
+    def fail(
+        self, task_id: str, owner: str, fence: int, error: str, *, retryable: bool
+    ) -> FailOutcome:
+        """Record a failed attempt (fenced).
+
+        A retryable failure with attempts left, and time left before the deadline after the
+        backoff, goes back to ``pending``; anything else ends ``failed`` with its reply.
+
+        Raises:
+            StaleError: refused; nothing is written.
+        """
+        now = self.clock.now()
+        with self.db.write("fail") as c:
+            row = self._holder(c, task_id, owner, fence)
+            if retryable and row["attempts"] < row["max_attempts"]:
+                not_before = now + self.policy.backoff.delay(row["attempts"], self.rng)
+                if not_before < row["deadline"]:
+                    c.execute(
+                        "UPDATE tasks SET state = 'pending', owner = NULL, lease_until = NULL,"
+                        " not_before = ?, error = ?, updated_at = ? WHERE task_id = ?",
+                        (not_before, error, now, task_id),
+                    )
+                    return FailOutcome.RETRY
+                error = f"{error} (no retry: the deadline comes first)"
+            elif retryable:
+                error = f"{error} (attempts exhausted: {row['attempts']}/{row['max_attempts']})"
+            self._to_terminal(c, task_id, TaskState.FAILED, now, error=error)
+        return FailOutcome.FAILED
+
+    def cancel(self, task_id: str, reason: str = "cancelled") -> TaskState:
+        """Cancel a live task durably (with its reply). A running handler is fenced out:
+        its renew and commit are refused from now on. An effect it already caused stays.
+
+        Returns:
+            the task's state afterwards (unchanged if it was already terminal).
+
+        Raises:
+            UnknownTask: no such task.
+        """
+        now = self.clock.now()
+        with self.db.write("cancel") as c:
+            row = c.execute("SELECT state FROM tasks WHERE task_id = ?", (task_id,)).fetchone()
+            if row is None:
+                raise UnknownTask(task_id)
+            state = TaskState(row["state"])
+            if state in TERMINAL_STATES:
+                return state
+            self._to_terminal(c, task_id, TaskState.CANCELLED, now, error=reason)
+        return TaskState.CANCELLED
+
+    def is_cancelled(self, task_id: str) -> bool:
+        with self.db.read() as c:
+            row = c.execute("SELECT state FROM tasks WHERE task_id = ?", (task_id,)).fetchone()
+        return row is not None and row[0] == TaskState.CANCELLED
+
+    # -- housekeeping ---------------------------------------------------------------------
+
+    def reconcile(self) -> dict[str, int]:
+        """Apply the clock: expire deadlines, take back expired leases.
+
+        Returns:
+            counts by what happened: ``expired``, ``requeued``, ``exhausted``.
+        """
+        with self.db.write("reconcile") as c:
+            return self._reconcile(c, self.clock.now())
+
+    def _reconcile(self, c: sqlite3.Connection, now: float) -> dict[str, int]:
+        counts = {"expired": 0, "requeued": 0, "exhausted": 0}
+        for (task_id,) in c.execute(
+            "SELECT task_id FROM tasks WHERE state IN ('pending', 'running') AND deadline <= ?",
+            (now,),
+        ).fetchall():
+            self._to_terminal(c, task_id, TaskState.EXPIRED, now, error="deadline reached")
+            counts["expired"] += 1
+        for r in c.execute(
+            "SELECT task_id, attempts, max_attempts, owner FROM tasks"
+            " WHERE state = 'running' AND lease_until <= ?",
+            (now,),
+        ).fetchall():
+            if r["attempts"] >= r["max_attempts"]:
+                self._to_terminal(
+                    c,
+                    r["task_id"],
+                    TaskState.FAILED,
+                    now,
+                    error=f"lease of {r['owner']} expired on the last attempt "
+                    f"({r['attempts']}/{r['max_attempts']})",
+                )
+                counts["exhausted"] += 1
+            else:
+                c.execute(
+                    "UPDATE tasks SET state = 'pending', owner = NULL, lease_until = NULL,"
+                    " not_before = ?, error = ?, updated_at = ? WHERE task_id = ?",
+                    (now, f"lease of {r['owner']} expired", now, r["task_id"]),
+                )
+                counts["requeued"] += 1
+        return counts
+
+    def purge(self) -> int:
+        """Forget inbox records past the retention window whose task is terminal and whose
+        reply was sent. Returns how many were removed."""
+        cutoff = self.clock.now() - self.policy.retention_s
+        with self.db.write("purge") as c:
+            cur = c.execute(
+                "DELETE FROM inbox WHERE received_at < ? AND task_id IN ("
+                " SELECT t.task_id FROM tasks t LEFT JOIN outbox o ON o.task_id = t.task_id"
+                " WHERE t.state IN ('done', 'failed', 'cancelled', 'expired', 'hop_limit')"
+                " AND (o.state IS NULL OR o.state = 'sent'))",
+                (cutoff,),
+            )
+            return cur.rowcount
+
+    # -- reads ----------------------------------------------------------------------------
+
+    def get(self, task_id: str) -> TaskRow | None:
+        with self.db.read() as c:
+            row = c.execute(
+                f"SELECT {_TASK_COLUMNS} FROM tasks WHERE task_id = ?", (task_id,)
+            ).fetchone()
+        return TaskRow(**dict(row)) if row else None
+
+    def find(self, principal: str, message_id: str) -> TaskRow | None:
+        with self.db.read() as c:
+            row = c.execute(
+                f"SELECT {', '.join('t.' + n for n in TaskRow.__dataclass_fields__)}"
+                " FROM inbox i JOIN tasks t ON t.task_id = i.task_id"
+                " WHERE i.principal = ? AND i.message_id = ?",
+                (principal, message_id),
+            ).fetchone()
+        return TaskRow(**dict(row)) if row else None
+
+    def counts(self) -> dict[str, int]:
+        with self.db.read() as c:
+            rows = c.execute("SELECT state, count(*) FROM tasks GROUP BY state").fetchall()
+        out = {s.value: 0 for s in TaskState}
+        out.update({r[0]: r[1] for r in rows})
+        return out

@@ -1,0 +1,61 @@
+"""Shared fixtures: private redis-servers, databases in tmp_path, a fake clock."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+
+from broker_adapter import crashpoints
+from broker_adapter.clock import FakeClock
+from tests.support.redis_server import RedisServer, require_binary
+
+
+@pytest.fixture(autouse=True)
+def _reset_crashpoints(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    monkeypatch.delenv(crashpoints.ENV_CRASH, raising=False)
+    monkeypatch.delenv(crashpoints.ENV_PAUSE, raising=False)
+    crashpoints.reset()
+    yield
+    crashpoints.reset()
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    """One private redis-server shared by a test session; tests use unique key prefixes."""
+    require_binary()
+    server = RedisServer(tmp_path_factory.mktemp("redis-shared"))
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def fresh_redis(tmp_path: Path) -> Iterator[RedisServer]:
+    """A redis-server of the test's own (AOF always), for tests that kill or restart it."""
+    require_binary()
+    server = RedisServer(tmp_path / "redis")
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def redis_client(redis_server: RedisServer) -> Iterator[redis.Redis]:
+    client = redis_server.client()
+    yield client
+    client.close()
+
+
+@pytest.fixture
+def prefix() -> str:
+    """A key prefix no other test uses."""
+    return f"t{uuid.uuid4().hex[:10]}"
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
