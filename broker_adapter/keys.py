@@ -1,0 +1,78 @@
+"""Every Redis key, stream and group name broker_adapter uses. The key schema:
+
+==============================  =====================================================
+key                             what it holds
+==============================  =====================================================
+``{p}:{in}:tasks``              inbound task stream shared by all principals (signed mode)
+``{p}:{in.P}:tasks``            inbound task stream of principal P (ACL mode)
+``{p}:{in}:dead``               dead letters of the shared inbound stream
+``{p}:{in.P}:dead``             dead letters of P's inbound stream
+``{p}:{out.P}:replies``         replies addressed to principal P
+``{p}:{out.P}:dead``            replies P's receiver refused (content conflicts, poison)
+``{p}:{out.P}:rid:<reply id>``  publication record: content hash and entry id (TTL)
+``{p}:{meta}:epoch``            set once with NX; its absence means Redis lost its data
+==============================  =====================================================
+
+``{p}`` is the configurable prefix (default ``ba``). The part in braces is a Redis Cluster
+hash tag: a stream, its dead-letter stream and its publication records share one, so the
+Lua scripts that touch several of them stay within one slot, while different principals'
+streams can live on different shards. In ACL mode each principal gets key patterns of its
+own (``{p}:{in.P}:*``), which is what lets an ACL bind a principal to its stream.
+
+Groups: ``ba-ingest`` reads inbound streams; a receiver's group on its reply stream is
+``ba-receiver`` unless configured otherwise.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from broker_adapter.envelope import check_principal
+
+INGEST_GROUP = "ba-ingest"
+RECEIVER_GROUP = "ba-receiver"
+DEFAULT_PREFIX = "ba"
+
+
+@dataclass(frozen=True)
+class Keys:
+    """Key builder for one prefix."""
+
+    prefix: str = DEFAULT_PREFIX
+
+    def __post_init__(self) -> None:
+        if not self.prefix or any(c in self.prefix for c in "{} \n\r\t"):
+            raise ValueError(f"bad key prefix {self.prefix!r}: no braces or white space")
+
+    def _in_tag(self, principal: str | None) -> str:
+        return "in" if principal is None else f"in.{check_principal(principal, 'principal')}"
+
+    def inbound(self, principal: str | None = None) -> str:
+        """The inbound task stream: shared (``None``) or one principal's own (ACL mode)."""
+        return f"{self.prefix}:{{{self._in_tag(principal)}}}:tasks"
+
+    def inbound_dead(self, principal: str | None = None) -> str:
+        return f"{self.prefix}:{{{self._in_tag(principal)}}}:dead"
+
+    def _out_tag(self, principal: str) -> str:
+        return f"out.{check_principal(principal, 'principal')}"
+
+    def replies(self, principal: str) -> str:
+        """The reply stream addressed to ``principal``."""
+        return f"{self.prefix}:{{{self._out_tag(principal)}}}:replies"
+
+    def replies_dead(self, principal: str) -> str:
+        return f"{self.prefix}:{{{self._out_tag(principal)}}}:dead"
+
+    def reply_record(self, principal: str, reply_id: str) -> str:
+        return f"{self.prefix}:{{{self._out_tag(principal)}}}:rid:{reply_id}"
+
+    def epoch(self) -> str:
+        return f"{self.prefix}:{{meta}}:epoch"
+
+    def dead_for(self, stream: str) -> str:
+        """The dead-letter stream that goes with ``stream`` (same hash tag)."""
+        head, sep, _ = stream.rpartition(":")
+        if not sep:
+            raise ValueError(f"not a broker_adapter stream key: {stream!r}")
+        return f"{head}:dead"

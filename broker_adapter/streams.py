@@ -1,0 +1,411 @@
+"""The only module that talks to Redis: client setup, error translation, and the one
+consumer-group reader that ingest and the receiver share.
+
+Delivery discipline (``GroupReader``):
+
+* The group is created from ``0`` with MKSTREAM (never ``$``, which would skip entries
+  published before the group existed); BUSYGROUP means it exists, which is fine.
+* On start and after EVERY error, the reader first re-reads its own pending entries
+  (``XREADGROUP ... 0``) until none are left, then switches to new ones (``>``) with BLOCK
+  and COUNT. An XREADGROUP whose reply was lost left its entries in this consumer's pending
+  list; this is what recovers them.
+* A missing group (Redis lost its data) is recreated from ``0``, logged as an alarm, and
+  reading carries on.
+* ``take_over`` runs XAUTOCLAIM with a carried cursor until it comes back to ``0-0``, so
+  every idle entry of a dead consumer is eventually examined, not just the first page.
+* Entries whose payload was deleted or trimmed (nil fields, or XAUTOCLAIM's deleted list)
+  and entries delivered more than ``max_deliveries`` times are moved to the dead-letter
+  stream with their reason and acknowledged in ONE Lua script (atomic, even across an AOF
+  tail loss), so they are neither looped on nor silently dropped.
+
+Redis writes are never re-sent by the client library (``Retry(NoBackoff(), 0)``): a write
+whose reply was lost may or may not have happened, and only the caller, knowing what is
+idempotent, decides to try again. Every redis-py error becomes a ``broker_adapter`` error
+here, with ``raise ... from``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import redis
+import tenacity
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from broker_adapter.errors import BrokerAdapterError, GroupMissingError, RedisUnavailable
+
+Fields = dict[bytes, bytes]
+T = TypeVar("T")
+
+log = logging.getLogger("broker_adapter.streams")
+
+
+def connect(
+    url: str, *, socket_timeout_s: float = 10.0, connect_timeout_s: float = 5.0
+) -> redis.Redis:
+    """A redis-py client that never re-sends a command by itself.
+
+    Args:
+        url: ``redis://host:port/db`` (or ``rediss://``, ``unix://``).
+        socket_timeout_s: per-command socket timeout; must exceed any BLOCK used on it.
+        connect_timeout_s: TCP connect timeout.
+    """
+    return redis.Redis.from_url(
+        url,
+        socket_timeout=socket_timeout_s,
+        socket_connect_timeout=connect_timeout_s,
+        retry=Retry(NoBackoff(), 0),
+        retry_on_timeout=False,
+        health_check_interval=0,
+    )
+
+
+@contextmanager
+def translated() -> Iterator[None]:
+    """Translate redis-py exceptions into the library's error tree."""
+    try:
+        yield
+    except (redis.ConnectionError, redis.TimeoutError) as exc:
+        raise RedisUnavailable(f"redis unavailable: {exc}") from exc
+    except redis.ResponseError as exc:
+        text = str(exc)
+        if text.startswith("NOGROUP"):
+            raise GroupMissingError(text) from exc
+        if text.startswith(("LOADING", "BUSY ", "TRYAGAIN", "CLUSTERDOWN", "MASTERDOWN")):
+            raise RedisUnavailable(text) from exc
+        raise BrokerAdapterError(f"redis error: {text}") from exc
+    except redis.RedisError as exc:
+        raise RedisUnavailable(f"redis error: {exc}") from exc
+
+
+def call(fn: Callable[[], T]) -> T:
+    """Run one Redis call with errors translated."""
+    with translated():
+        return fn()
+
+
+def text(value: bytes | str) -> str:
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else value
+
+
+# Dead-letter one entry: XADD to the dead stream and XACK the source, atomically.
+# KEYS[1] source stream, KEYS[2] dead stream; ARGV[1] group, ARGV[2] entry id,
+# ARGV[3..] field/value pairs of the dead-letter entry.
+_DEAD_LETTER = """
+local dead_id = redis.call('XADD', KEYS[2], '*', unpack(ARGV, 3))
+redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
+return dead_id
+"""
+
+
+@dataclass(frozen=True)
+class StreamEntry:
+    """One delivered entry. ``fields`` is None when its payload was deleted or trimmed."""
+
+    entry_id: str
+    fields: Fields | None
+    deliveries: int = 1
+
+
+@dataclass(frozen=True)
+class ReaderConfig:
+    """How a ``GroupReader`` reads.
+
+    Attributes:
+        count: entries per read.
+        block_ms: how long a read of new entries blocks.
+        claim_min_idle_ms: entries idle this long in another consumer's list are taken over.
+        max_deliveries: entries delivered more often than this go to the dead-letter stream.
+    """
+
+    count: int = 256
+    block_ms: int = 1000
+    claim_min_idle_ms: int = 60_000
+    max_deliveries: int = 10
+
+
+@dataclass
+class ReaderStats:
+    read: int = 0
+    replayed: int = 0
+    taken_over: int = 0
+    acked: int = 0
+    dead_lettered: int = 0
+    deleted: int = 0
+    group_recreated: int = 0
+    reconnects: int = 0
+    by_reason: dict[str, int] = field(default_factory=dict)
+
+
+class GroupReader:
+    """Reads one stream as one consumer of one group, at least once.
+
+    Args:
+        client: a client from ``connect`` (no automatic re-sends).
+        stream: the stream key.
+        group: the consumer group.
+        consumer: this reader's stable name (one per process slot, reused across restarts).
+        dead_stream: where poison and deleted entries go (same hash tag as ``stream``).
+        config: batch sizes and limits.
+        logger: where alarms go.
+    """
+
+    def __init__(
+        self,
+        client: redis.Redis,
+        stream: str,
+        group: str,
+        consumer: str,
+        dead_stream: str,
+        config: ReaderConfig | None = None,
+        logger: logging.Logger | None = None,
+    ) -> None:
+        self.client = client
+        self.stream = stream
+        self.group = group
+        self.consumer = consumer
+        self.dead_stream = dead_stream
+        self.config = config or ReaderConfig()
+        self.log = logger or log
+        self.stats = ReaderStats()
+        self._replaying = True
+        self._cursor = "0-0"
+        self._group_ready = False
+        self._dead_letter = client.register_script(_DEAD_LETTER)
+
+    # -- group ----------------------------------------------------------------------------
+
+    def ensure_group(self) -> None:
+        """Create the group from ``0`` (MKSTREAM); an existing group is left as it is."""
+        try:
+            with translated():
+                self.client.xgroup_create(self.stream, self.group, id="0", mkstream=True)
+        except BrokerAdapterError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+        self._group_ready = True
+
+    def _recreate_group(self) -> None:
+        self.log.error(
+            "ALARM: consumer group %s on %s is gone (Redis lost its data?); recreating from 0",
+            self.group,
+            self.stream,
+        )
+        self.stats.group_recreated += 1
+        self.ensure_group()
+        self._replaying = True
+        self._cursor = "0-0"
+
+    def reset(self) -> None:
+        """Call after any error: the next read starts again with this consumer's own pending."""
+        self._replaying = True
+        self.stats.reconnects += 1
+
+    # -- reading --------------------------------------------------------------------------
+
+    def read(self) -> list[StreamEntry]:
+        """The next batch: own pending entries first (after start or an error), then new ones.
+
+        Poison and deleted entries are dead-lettered here and not returned.
+
+        Raises:
+            RedisUnavailable: the read failed; call again (it will replay pending first).
+        """
+        if not self._group_ready:
+            self.ensure_group()
+        try:
+            batch = self._read_once()
+        except GroupMissingError:
+            self._recreate_group()
+            return []
+        except RedisUnavailable:
+            self.reset()
+            raise
+        return self._screen(batch)
+
+    def _read_once(self) -> list[StreamEntry]:
+        cfg = self.config
+        if self._replaying:
+            with translated():
+                reply = self.client.xreadgroup(
+                    self.group, self.consumer, {self.stream: "0"}, count=cfg.count
+                )
+            entries = _entries(reply)
+            if not entries:
+                self._replaying = False
+                return []
+            self.stats.replayed += len(entries)
+            return self._with_deliveries(entries)
+        with translated():
+            reply = self.client.xreadgroup(
+                self.group, self.consumer, {self.stream: ">"}, count=cfg.count, block=cfg.block_ms
+            )
+        entries = _entries(reply)
+        self.stats.read += len(entries)
+        return [StreamEntry(eid, f, 1) for eid, f in entries]
+
+    def _with_deliveries(self, entries: list[tuple[str, Fields | None]]) -> list[StreamEntry]:
+        """Attach delivery counts (from XPENDING) to entries that came from a pending list."""
+        ids = [eid for eid, _ in entries]
+        with translated():
+            rows = self.client.xpending_range(
+                self.stream, self.group, min=min(ids, key=_id_key), max=max(ids, key=_id_key),
+                count=len(ids) * 2 + 10, consumername=self.consumer,
+            )  # fmt: skip
+        counts = {text(r["message_id"]): int(r["times_delivered"]) for r in rows}  # type: ignore[arg-type]
+        return [StreamEntry(eid, f, counts.get(eid, 1)) for eid, f in entries]
+
+    def _screen(self, batch: list[StreamEntry]) -> list[StreamEntry]:
+        good: list[StreamEntry] = []
+        for entry in batch:
+            if entry.fields is None:
+                self.stats.deleted += 1
+                self.dead_letter(entry, "payload_deleted", "entry was deleted or trimmed")
+            elif entry.deliveries > self.config.max_deliveries:
+                self.dead_letter(
+                    entry,
+                    "delivery_limit",
+                    f"delivered {entry.deliveries} times, limit {self.config.max_deliveries}",
+                )
+            else:
+                good.append(entry)
+        return good
+
+    def take_over(self) -> list[StreamEntry]:
+        """XAUTOCLAIM one page of entries idle past ``claim_min_idle_ms`` (from any consumer).
+
+        The cursor is carried between calls and restarts from ``0-0`` only when Redis says
+        the scan is complete. Deleted entries are dead-lettered; the rest are returned.
+        """
+        if not self._group_ready:
+            self.ensure_group()
+        try:
+            with translated():
+                reply = self.client.xautoclaim(
+                    self.stream, self.group, self.consumer,
+                    min_idle_time=self.config.claim_min_idle_ms,
+                    start_id=self._cursor, count=self.config.count,
+                )  # fmt: skip
+        except GroupMissingError:
+            self._recreate_group()
+            return []
+        except RedisUnavailable:
+            self.reset()
+            raise
+        cursor, claimed = text(reply[0]), reply[1]
+        deleted = reply[2] if len(reply) > 2 else []
+        self._cursor = cursor
+        for raw_id in deleted:
+            # XAUTOCLAIM already removed deleted ids from the pending list: record them.
+            self.stats.deleted += 1
+            self._dead_letter_fields(
+                text(raw_id), "payload_deleted", "entry was deleted or trimmed", 0, ack=False
+            )
+        entries = [(text(eid), f or None) for eid, f in claimed]
+        if not entries:
+            return []
+        self.stats.taken_over += len(entries)
+        return self._screen(self._with_deliveries(entries))
+
+    @property
+    def scan_complete(self) -> bool:
+        """True when the last ``take_over`` reached the end of the pending list."""
+        return self._cursor == "0-0"
+
+    # -- acknowledging --------------------------------------------------------------------
+
+    def ack(self, entry_ids: Sequence[str]) -> int:
+        """XACK a batch (one command). A count below ``len(entry_ids)`` is not an error: an
+        entry acknowledged before (a lost XACK reply, a replay) counts 0."""
+        if not entry_ids:
+            return 0
+        with translated():
+            n = int(self.client.xack(self.stream, self.group, *entry_ids))
+        self.stats.acked += n
+        return n
+
+    def dead_letter(self, entry: StreamEntry, reason: str, detail: str) -> str:
+        """Move ``entry`` to the dead-letter stream with its reason, and XACK it, atomically.
+
+        Returns:
+            the dead-letter entry's id.
+        """
+        return self._dead_letter_fields(
+            entry.entry_id, reason, detail, entry.deliveries, original=entry.fields
+        )
+
+    def _dead_letter_fields(
+        self,
+        entry_id: str,
+        reason: str,
+        detail: str,
+        deliveries: int,
+        *,
+        original: Fields | None = None,
+        ack: bool = True,
+    ) -> str:
+        argv: list[bytes | str] = [self.group, entry_id]
+        meta = {
+            "dl.reason": reason,
+            "dl.detail": detail[:1000],
+            "dl.source": self.stream,
+            "dl.entry_id": entry_id,
+            "dl.deliveries": str(deliveries),
+            "dl.group": self.group,
+            "dl.consumer": self.consumer,
+        }
+        for k, v in meta.items():
+            argv += [k, v]
+        for name, value in (original or {}).items():
+            argv += [b"orig." + name, value]
+        if not ack:
+            argv[1] = "0-0"  # nothing left to acknowledge
+        with translated():
+            dead_id = self._dead_letter(keys=[self.stream, self.dead_stream], args=argv)
+        self.stats.dead_lettered += 1
+        self.stats.by_reason[reason] = self.stats.by_reason.get(reason, 0) + 1
+        self.log.warning("dead-lettered %s from %s: %s (%s)", entry_id, self.stream, reason, detail)
+        return text(dead_id)
+
+    # -- inspection -----------------------------------------------------------------------
+
+    def pending(self) -> dict[str, int]:
+        """Pending entries per consumer of this group."""
+        with translated():
+            info = self.client.xpending(self.stream, self.group)
+        return {text(c["name"]): int(c["pending"]) for c in info.get("consumers") or []}
+
+
+def _id_key(entry_id: str) -> tuple[int, int]:
+    ms, _, seq = entry_id.partition("-")
+    return int(ms), int(seq or 0)
+
+
+def _entries(reply: Any) -> list[tuple[str, Fields | None]]:
+    out: list[tuple[str, Fields | None]] = []
+    for _stream, items in reply or []:
+        for eid, fields in items:
+            out.append((text(eid), fields or None))
+    return out
+
+
+def retrying(*, max_wait_s: float = 5.0, multiplier_s: float = 0.05) -> tenacity.Retrying:
+    """A tenacity policy for loops that talk to Redis or SQLite: retry ``TransientError``
+    forever with capped exponential backoff and full jitter."""
+    from broker_adapter.errors import TransientError
+
+    return tenacity.Retrying(
+        retry=tenacity.retry_if_exception_type(TransientError),
+        wait=tenacity.wait_random_exponential(multiplier=multiplier_s, max=max_wait_s),
+        reraise=True,
+        before_sleep=lambda state: log.warning(
+            "transient failure (attempt %d), backing off: %s",
+            state.attempt_number,
+            state.outcome.exception() if state.outcome else "?",
+        ),
+    )
