@@ -1,0 +1,211 @@
+"""A pool of worker processes on one SQLite database.
+
+Invariant kept: no SQLite connection crosses a process boundary. Children are started with
+multiprocessing's ``spawn`` context (a fresh interpreter, never ``fork``) and each opens its
+own ``Database``; a connection used after ``fork()`` corrupts SQLite's locks. Each child has
+its own lease owner name, so owner checks (INVARIANTS rule 10) tell the workers apart.
+
+Crash: the pool restarts nothing. A child that dies leaves its claimed task ``running`` until
+the lease expires; any other worker then takes it back with attempts+1 and fence+1, and the
+dead child's late commit, if it ever came, would be fenced. ``stop`` sends SIGTERM: each child
+sets its stop event, claims nothing more, lets the running handler finish within its grace
+and exits 0.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import signal
+import threading
+import time
+from collections.abc import Callable
+from multiprocessing.context import SpawnProcess
+from multiprocessing.synchronize import Event as ProcessEvent
+from pathlib import Path
+from types import FrameType
+
+from broker_adapter.errors import ConfigError
+from broker_adapter.handlers import load_handler
+from broker_adapter.store.db import open_database
+from broker_adapter.store.tasks import TaskPolicy, TaskStore
+from broker_adapter.worker import Worker, WorkerConfig
+
+#: How long ``stop`` waits beyond the longest grace before it SIGKILLs a child.
+STOP_MARGIN_S = 5.0
+#: How long ``stop`` waits for a child still starting up to install its SIGTERM handler.
+READY_TIMEOUT_S = 30.0
+
+
+class WorkerPool:
+    """N worker processes running the same handler on the same database.
+
+    Args:
+        n: how many processes.
+        db_path: the SQLite database every child opens for itself.
+        handler_spec: ``"module:callable"``, importable in a fresh interpreter.
+        config_factory: the config of child ``i`` (called in this process, ``i`` from 0);
+            the owners must differ.
+        policy: the store's policy in every child (lease, backoff); the default if ``None``.
+
+    Raises:
+        ConfigError: ``n < 1``, the handler cannot be loaded, or two owners are the same.
+    """
+
+    def __init__(
+        self,
+        n: int,
+        db_path: str | Path,
+        handler_spec: str,
+        config_factory: Callable[[int], WorkerConfig],
+        *,
+        policy: TaskPolicy | None = None,
+    ) -> None:
+        if n < 1:
+            raise ConfigError(f"a worker pool needs at least one process, got {n}")
+        load_handler(handler_spec)  # fail here, not once per child
+        self.configs = [config_factory(i) for i in range(n)]
+        owners = [c.owner for c in self.configs]
+        if len(set(owners)) != n:
+            raise ConfigError(f"worker owners must be unique, got {owners}")
+        self.db_path = Path(db_path)
+        self.handler_spec = handler_spec
+        self.policy = policy
+        self._ctx = multiprocessing.get_context("spawn")
+        self._ready: list[ProcessEvent] = []
+        self._procs: list[SpawnProcess] = []
+
+    def start(self) -> None:
+        """Start the children (once)."""
+        if self._procs:
+            raise RuntimeError("the pool was already started")
+        for config in self.configs:
+            ready = self._ctx.Event()
+            proc = self._ctx.Process(
+                target=_child_main,
+                args=(str(self.db_path), self.handler_spec, config, self.policy, ready),
+                name=f"ba-worker-{config.owner}",
+            )
+            proc.start()
+            self._ready.append(ready)
+            self._procs.append(proc)
+
+    @property
+    def pids(self) -> list[int | None]:
+        return [p.pid for p in self._procs]
+
+    @property
+    def exitcodes(self) -> list[int | None]:
+        return [p.exitcode for p in self._procs]
+
+    def alive(self) -> int:
+        """How many children are running."""
+        return sum(p.is_alive() for p in self._procs)
+
+    def wait_ready(self, timeout_s: float) -> bool:
+        """Wait until every child has opened its database and handles SIGTERM.
+
+        Args:
+            timeout_s: seconds to wait at most, in total.
+
+        Returns:
+            whether all children are ready.
+        """
+        deadline = time.monotonic() + timeout_s
+        return all(r.wait(max(0.0, deadline - time.monotonic())) for r in self._ready)
+
+    def stop(self, timeout_s: float | None = None) -> list[int | None]:
+        """SIGTERM every child and wait for it to drain; SIGKILL what outlives the wait.
+
+        Args:
+            timeout_s: how long to wait in total; the longest ``grace_s`` plus
+                ``STOP_MARGIN_S`` if ``None``.
+
+        Returns:
+            the children's exit codes (0 is a clean drain; ``-9`` was killed).
+        """
+        if timeout_s is None:
+            timeout_s = max(c.grace_s for c in self.configs) + STOP_MARGIN_S
+        # A SIGTERM that arrives before the child installed its handler kills it outright:
+        # let children that are still starting up get that far first.
+        ready_deadline = time.monotonic() + READY_TIMEOUT_S
+        for proc, ready in zip(self._procs, self._ready, strict=True):
+            while proc.is_alive() and not ready.wait(0.05):
+                if time.monotonic() > ready_deadline:
+                    break
+            if proc.is_alive():
+                proc.terminate()
+        deadline = time.monotonic() + timeout_s
+        for proc in self._procs:
+            proc.join(max(0.0, deadline - time.monotonic()))
+        for proc in self._procs:
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+        return self.exitcodes
+
+    def __enter__(self) -> WorkerPool:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def run_pool(
+    n: int,
+    db_path: str | Path,
+    handler_spec: str,
+    config_factory: Callable[[int], WorkerConfig],
+    stop: threading.Event,
+    *,
+    policy: TaskPolicy | None = None,
+) -> list[int | None]:
+    """Run a ``WorkerPool`` until ``stop`` is set (or every child has exited), then stop it.
+
+    Args:
+        n: how many processes.
+        db_path: the SQLite database.
+        handler_spec: ``"module:callable"``.
+        config_factory: the config of child ``i``.
+        stop: set it to drain the pool and return.
+        policy: the store's policy in every child.
+
+    Returns:
+        the children's exit codes.
+
+    Raises:
+        ConfigError: see ``WorkerPool``.
+    """
+    pool = WorkerPool(n, db_path, handler_spec, config_factory, policy=policy)
+    pool.start()
+    try:
+        while not stop.wait(1.0):
+            if pool.alive() == 0:
+                break
+    finally:
+        codes = pool.stop()
+    return codes
+
+
+def _child_main(
+    db_path: str,
+    handler_spec: str,
+    config: WorkerConfig,
+    policy: TaskPolicy | None,
+    ready: ProcessEvent,
+) -> None:
+    """A child's whole life: its own database, one worker, SIGTERM/SIGINT to drain."""
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    db = open_database(db_path)
+    try:
+        worker = Worker(config, TaskStore(db, policy=policy), handler_spec)
+        ready.set()
+        worker.run(stop)
+    finally:
+        db.close()
