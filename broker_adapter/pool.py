@@ -14,7 +14,10 @@ and exits 0.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import multiprocessing
+import os
 import signal
 import threading
 import time
@@ -73,21 +76,43 @@ class WorkerPool:
         self._ctx = multiprocessing.get_context("spawn")
         self._ready: list[ProcessEvent] = []
         self._procs: list[SpawnProcess] = []
+        self.restarts = 0
+
+    def _spawn(self, config: WorkerConfig) -> tuple[SpawnProcess, ProcessEvent]:
+        ready = self._ctx.Event()
+        proc = self._ctx.Process(
+            target=_child_main,
+            args=(str(self.db_path), self.handler_spec, config, self.policy, ready, os.getpid()),
+            name=f"ba-worker-{config.owner}",
+        )
+        proc.start()
+        return proc, ready
 
     def start(self) -> None:
         """Start the children (once)."""
         if self._procs:
             raise RuntimeError("the pool was already started")
         for config in self.configs:
-            ready = self._ctx.Event()
-            proc = self._ctx.Process(
-                target=_child_main,
-                args=(str(self.db_path), self.handler_spec, config, self.policy, ready),
-                name=f"ba-worker-{config.owner}",
-            )
-            proc.start()
+            proc, ready = self._spawn(config)
             self._ready.append(ready)
             self._procs.append(proc)
+
+    def replace_dead(self) -> int:
+        """Start a new child in place of each one that died (SIGKILL, a handler that killed
+        its process). Its claimed task comes back when the lease expires, fenced.
+
+        Returns:
+            how many children were replaced.
+        """
+        replaced = 0
+        for i, proc in enumerate(self._procs):
+            if proc.exitcode is None:
+                continue
+            proc.join()
+            self._procs[i], self._ready[i] = self._spawn(self.configs[i])
+            self.restarts += 1
+            replaced += 1
+        return replaced
 
     @property
     def pids(self) -> list[int | None]:
@@ -193,8 +218,13 @@ def _child_main(
     config: WorkerConfig,
     policy: TaskPolicy | None,
     ready: ProcessEvent,
+    parent_pid: int,
 ) -> None:
-    """A child's whole life: its own database, one worker, SIGTERM/SIGINT to drain."""
+    """A child's whole life: its own database, one worker, SIGTERM/SIGINT to drain.
+
+    A child dies with its parent: a SIGKILLed runner must not leave orphans claiming tasks.
+    """
+    _die_with_parent(parent_pid)
     stop = threading.Event()
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
@@ -209,3 +239,28 @@ def _child_main(
         worker.run(stop)
     finally:
         db.close()
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """Ask Linux to SIGKILL this process when its parent dies; poll as a fallback."""
+    armed = False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        armed = libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        armed = False
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        os.kill(os.getpid(), signal.SIGKILL)
+    if armed:
+        return
+
+    def watch() -> None:
+        while True:
+            time.sleep(1.0)  # a watchdog's period, not a wait for a result
+            if os.getppid() != parent_pid:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()

@@ -316,3 +316,50 @@ def test_worker_pool_refuses_duplicate_owners(tmp_path: Path) -> None:
         WorkerPool(2, tmp_path / "x.db", EFFECT, lambda i: WorkerConfig(owner="same"))
     with pytest.raises(ConfigError, match="at least one process"):
         WorkerPool(0, tmp_path / "x.db", EFFECT, lambda i: WorkerConfig(owner="w"))
+
+
+def test_worker_pool_children_die_with_a_sigkilled_parent(
+    setup: Setup, pools: list[subprocess.Popen[str]]
+) -> None:
+    pool = subprocess.Popen(
+        script(setup, "pool", "--workers", "2", "--owner", "orphan"),
+        cwd=ROOT, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    pools.append(pool)
+    line = first_line(pool)
+    children: list[int] = json.loads(line.removeprefix("READY "))
+    pool.kill()
+    pool.communicate(timeout=WAIT_S)
+
+    def gone(pid: int) -> bool:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        # a zombie not yet reaped by init still answers kill(0): look at its state
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] == "Z"
+
+    wait_until(lambda: all(gone(pid) for pid in children))
+
+
+def test_worker_pool_replaces_a_dead_child(setup: Setup) -> None:
+    pool = WorkerPool(
+        1, setup.db_path, EFFECT, lambda i: WorkerConfig(owner=f"r{i}", idle_poll_s=0.05)
+    )
+    pool.start()
+    try:
+        assert pool.wait_ready(WAIT_S)
+        (pid,) = pool.pids
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)
+        wait_until(lambda: pool.alive() == 0)
+        assert pool.replace_dead() == 1
+        assert pool.restarts == 1
+        assert pool.pids != [pid]
+        assert pool.wait_ready(WAIT_S)
+        ids = setup.submit(5, now=time.time())
+        wait_until(lambda: setup.counts()["done"] == 5)
+        assert sorted(setup.replies()) == sorted(ids)
+    finally:
+        assert pool.stop() == [0]
