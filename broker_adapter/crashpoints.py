@@ -76,15 +76,15 @@ def parse_spec(spec: str) -> tuple[str, int]:
     Raises:
         ConfigError: the name is not a known point, or n is not a positive integer.
     """
-    name, _, count = spec.strip().partition("@")
+    name, at, count = spec.strip().partition("@")
     if name not in POINTS:
         raise ConfigError(f"unknown crash point {name!r}; known: {', '.join(sorted(POINTS))}")
-    if not count:
+    if not at:
         return name, 1
-    try:
-        nth = int(count)
-    except ValueError:
-        raise ConfigError(f"crash point count must be a whole number, got {count!r}") from None
+    # Plain ASCII digits only: int() would also take "", " 2", "+2", "3_0" or "٣".
+    if not (count.isascii() and count.isdigit()):
+        raise ConfigError(f"crash point count must be a whole number, got {count!r}")
+    nth = int(count)
     if nth < 1:
         raise ConfigError(f"crash point count must be >= 1, got {nth}")
     return name, nth

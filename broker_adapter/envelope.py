@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import unicodedata
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -39,11 +40,18 @@ def canonical_json(value: Any) -> bytes:
     """Encode ``value`` as canonical JSON bytes.
 
     Raises:
-        ValueError: the value holds NaN/infinity or a type JSON cannot carry.
+        ValueError: the value holds NaN/infinity, a type JSON cannot carry, a string that is
+            not encodable as UTF-8 (a lone surrogate), or nests too deeply to encode.
     """
-    return json.dumps(
-        value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
-    ).encode("utf-8")
+    try:
+        text = json.dumps(
+            value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
+        )
+    except (TypeError, RecursionError) as exc:
+        # json raises TypeError for a set, bytes, a non-str key mix, ...; callers (and the
+        # documented contract) expect ValueError for "not JSON".
+        raise ValueError(f"not JSON-encodable: {exc}") from None
+    return text.encode("utf-8")  # UnicodeEncodeError is a ValueError
 
 
 def sha256_hex(data: bytes) -> str:
@@ -86,7 +94,9 @@ def check_payload(payload: Any) -> None:
             raise EnvelopeError(
                 "payload", "too_many_nodes", f"payload has more than {PAYLOAD_MAX_NODES} nodes"
             )
-        if depth > PAYLOAD_MAX_DEPTH:
+        # Only objects and arrays open a nesting level: 16 nested objects holding a scalar
+        # nest 16 levels deep, not 17.
+        if depth > PAYLOAD_MAX_DEPTH and isinstance(value, dict | list):
             raise EnvelopeError(
                 "payload", "too_deep", f"payload nests deeper than {PAYLOAD_MAX_DEPTH} levels"
             )
@@ -108,16 +118,28 @@ def check_payload(payload: Any) -> None:
             raise EnvelopeError(
                 "payload", "bad_type", f"payload holds a {type(value).__name__}, not JSON"
             )
-    size = len(canonical_json(payload))
+    try:
+        size = len(canonical_json(payload))
+    except UnicodeEncodeError:
+        raise EnvelopeError(
+            "payload", "bad_utf8", "payload holds a string that is not valid UTF-8"
+        ) from None
     if size > PAYLOAD_MAX_BYTES:
         raise EnvelopeError(
             "payload", "too_large", f"payload is {size} bytes canonical, limit {PAYLOAD_MAX_BYTES}"
         )
 
 
+def _utf8_size(value: str, field: str) -> int:
+    try:
+        return len(value.encode("utf-8"))
+    except UnicodeEncodeError:
+        raise EnvelopeError(field, "bad_utf8", "must be valid UTF-8 (no lone surrogates)") from None
+
+
 def check_principal(value: str, field: str = "sender") -> str:
     """Validate a principal name (it appears in Redis keys, so its alphabet is small)."""
-    size = len(value.encode("utf-8"))
+    size = _utf8_size(value, field)
     if not 1 <= size <= PRINCIPAL_MAX_BYTES:
         raise EnvelopeError(
             field, "bad_length", f"must be 1..{PRINCIPAL_MAX_BYTES} bytes, got {size}"
@@ -128,12 +150,13 @@ def check_principal(value: str, field: str = "sender") -> str:
 
 
 def _check_id(value: str, field: str) -> str:
-    size = len(value.encode("utf-8"))
+    size = _utf8_size(value, field)
     if not 1 <= size <= MESSAGE_ID_MAX_BYTES:
         raise EnvelopeError(
             field, "bad_length", f"must be 1..{MESSAGE_ID_MAX_BYTES} UTF-8 bytes, got {size}"
         )
-    if any(ord(ch) < 0x20 or ord(ch) == 0x7F for ch in value):
+    # Unicode category Cc: C0 controls, DEL and the C1 controls (U+0080..U+009F).
+    if any(unicodedata.category(ch) == "Cc" for ch in value):
         raise EnvelopeError(field, "control_char", "must not contain control characters")
     return value
 
@@ -177,16 +200,18 @@ class Envelope(BaseModel):
             raise EnvelopeError("deadline", "not_positive", "deadline must be after the epoch")
         return v
 
-    @field_validator("payload")
+    # "before": check_payload sees the raw value, so a non-object or a non-string key gets
+    # its specific reason (not_object, non_string_key) rather than a generic type error.
+    @field_validator("payload", mode="before")
     @classmethod
-    def _payload(cls, v: dict[str, Any]) -> dict[str, Any]:
+    def _payload(cls, v: Any) -> Any:
         check_payload(v)
         return v
 
     # -- construction -------------------------------------------------------------------
 
     @classmethod
-    def build(cls, **fields: Any) -> Envelope:
+    def build(cls, /, **fields: Any) -> Envelope:
         """Validate ``fields`` into an Envelope.
 
         Raises:
@@ -204,9 +229,17 @@ class Envelope(BaseModel):
         Raises:
             EnvelopeError: the bytes are not UTF-8 JSON, not an object, or not a valid envelope.
         """
+        if isinstance(data, bytes | bytearray | memoryview):
+            try:
+                # Strict UTF-8: json.loads(bytes) would also sniff UTF-16/32 and a BOM.
+                text = bytes(data).decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise EnvelopeError("", "not_utf8", f"envelope is not UTF-8: {exc}") from None
+        else:
+            text = data
         try:
-            raw = loads_strict(data)
-        except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+            raw = loads_strict(text)
+        except (ValueError, RecursionError) as exc:
             raise EnvelopeError("", "unparseable", f"envelope is not valid JSON: {exc}") from None
         if not isinstance(raw, dict):
             raise EnvelopeError("", "not_object", "envelope must be a JSON object")

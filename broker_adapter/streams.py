@@ -27,7 +27,7 @@ here, with ``raise ... from``.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -329,14 +329,27 @@ class GroupReader:
         self.stats.acked += n
         return n
 
-    def dead_letter(self, entry: StreamEntry, reason: str, detail: str) -> str:
+    def dead_letter(
+        self,
+        entry: StreamEntry,
+        reason: str,
+        detail: str,
+        *,
+        extra: Mapping[str, str] | None = None,
+    ) -> str:
         """Move ``entry`` to the dead-letter stream with its reason, and XACK it, atomically.
+
+        Args:
+            entry: the entry to move.
+            reason: machine-readable reason code (``dl.reason``).
+            detail: human-readable explanation (``dl.detail``, cut to 1000 characters).
+            extra: more ``dl.*`` fields to record, e.g. ``{"dl.field": "payload"}``.
 
         Returns:
             the dead-letter entry's id.
         """
         return self._dead_letter_fields(
-            entry.entry_id, reason, detail, entry.deliveries, original=entry.fields
+            entry.entry_id, reason, detail, entry.deliveries, original=entry.fields, extra=extra
         )
 
     def _dead_letter_fields(
@@ -348,6 +361,7 @@ class GroupReader:
         *,
         original: Fields | None = None,
         ack: bool = True,
+        extra: Mapping[str, str] | None = None,
     ) -> str:
         argv: list[bytes | str] = [self.group, entry_id]
         meta = {
@@ -359,6 +373,8 @@ class GroupReader:
             "dl.group": self.group,
             "dl.consumer": self.consumer,
         }
+        for k, v in (extra or {}).items():
+            meta.setdefault(k, v[:1000])
         for k, v in meta.items():
             argv += [k, v]
         for name, value in (original or {}).items():
@@ -409,3 +425,88 @@ def retrying(*, max_wait_s: float = 5.0, multiplier_s: float = 0.05) -> tenacity
             state.outcome.exception() if state.outcome else "?",
         ),
     )
+
+
+def connect_async(
+    url: str, *, socket_timeout_s: float = 10.0, connect_timeout_s: float = 5.0
+) -> redis.asyncio.Redis:
+    """The ``redis.asyncio`` twin of ``connect``: a client that never re-sends a command.
+
+    Args:
+        url: ``redis://host:port/db`` (or ``rediss://``, ``unix://``).
+        socket_timeout_s: per-command socket timeout; must exceed any BLOCK used on it.
+        connect_timeout_s: TCP connect timeout.
+    """
+    import redis.asyncio
+    from redis.asyncio.retry import Retry as AsyncRetry
+
+    return redis.asyncio.Redis.from_url(
+        url,
+        socket_timeout=socket_timeout_s,
+        socket_connect_timeout=connect_timeout_s,
+        retry=AsyncRetry(NoBackoff(), 0),
+        retry_on_timeout=False,
+        health_check_interval=0,
+    )
+
+
+# -- batched scripts (added for the reply dispatcher) ------------------------------------
+
+
+def script_sha(source: str) -> str:
+    """The SHA-1 Redis files a script under (what EVALSHA takes)."""
+    import hashlib
+
+    return hashlib.sha1(source.encode("utf-8")).hexdigest()
+
+
+def _as_error(exc: redis.ResponseError) -> BrokerAdapterError:
+    try:
+        with translated():
+            raise exc
+    except BrokerAdapterError as out:
+        return out
+
+
+def eval_many(
+    client: redis.Redis,
+    source: str,
+    calls: Sequence[tuple[Sequence[str], Sequence[bytes | str | int]]],
+) -> list[Any]:
+    """Run one Lua script once per ``(keys, args)`` call, pipelined in ONE round trip.
+
+    A call the server refused (a script error, WRONGTYPE, OOM) gets the translated error
+    *instance* in its result slot instead of failing its neighbours. Calls refused with
+    NOSCRIPT (first use on a server, or a restart emptied the script cache) did not run:
+    the script is loaded and only those calls are sent again.
+
+    Returns:
+        one result per call, in order: the script's reply or a ``BrokerAdapterError``.
+
+    Raises:
+        RedisUnavailable: the round trip failed; any prefix of the calls may have run.
+    """
+    sha = script_sha(source)
+    results: list[Any] = [None] * len(calls)
+    todo = list(range(len(calls)))
+    for attempt in range(2):
+        with translated():
+            pipe = client.pipeline(transaction=False)
+            for i in todo:
+                keys, args = calls[i]
+                pipe.execute_command("EVALSHA", sha, len(keys), *keys, *args)  # type: ignore[no-untyped-call]
+            replies = pipe.execute(raise_on_error=False)
+        missing: list[int] = []
+        for i, reply in zip(todo, replies, strict=True):
+            if isinstance(reply, redis.exceptions.NoScriptError) and attempt == 0:
+                missing.append(i)
+            elif isinstance(reply, redis.ResponseError):
+                results[i] = _as_error(reply)
+            else:
+                results[i] = reply
+        if not missing:
+            break
+        with translated():
+            client.script_load(source)
+        todo = missing
+    return results

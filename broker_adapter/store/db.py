@@ -165,6 +165,11 @@ class Database:
         except sqlite3.DatabaseError as exc:
             self.conn.close()
             raise StoreError(f"cannot use database {self.path}: {exc}") from exc
+        except BaseException:
+            # e.g. the StoreError for a newer schema or a refused pragma: do not leak the
+            # connection (and its file descriptors) of a Database that was never returned.
+            self.conn.close()
+            raise
 
     def _configure(self, synchronous: str, busy_timeout_ms: int) -> None:
         c = self.conn

@@ -14,8 +14,10 @@ delivered": ``replay`` puts such a row back in line after the operator checked R
 
 from __future__ import annotations
 
+import builtins
 import random
 import sqlite3
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,6 +65,7 @@ class OutboxRow:
     sent_at: float | None
     replays: int
     replayed_by: str | None
+    replayed_at: float | None = None
 
     @classmethod
     def from_row(cls, row: sqlite3.Row) -> OutboxRow:
@@ -127,6 +130,8 @@ class OutboxStore:
 
         Rows whose publisher lease ran out are put back in line first.
         """
+        if n < 1:  # SQLite reads LIMIT -1 as "no limit"
+            return []
         now = self.clock.now()
         lease_until = now + self.policy.lease_s
         with self.db.write("outbox_claim") as c:
@@ -289,3 +294,95 @@ class OutboxStore:
                 "SELECT min(created_at) FROM outbox WHERE state IN ('pending', 'sending')"
             ).fetchone()
         return None if row[0] is None else max(0.0, self.clock.now() - row[0])
+
+    # -- added for the reply dispatcher (broker_adapter.dispatcher) ------------------------
+
+    def mark_sent_many(
+        self, owner: str, items: Sequence[tuple[str, int, str]]
+    ) -> builtins.list[StaleError | None]:
+        """Record a batch of confirmed publications in ONE transaction (fenced per row).
+
+        Each row gets its own SAVEPOINT: a row the caller no longer holds is rolled back to
+        its savepoint and reported, the others commit together (one fsync for the batch).
+
+        Args:
+            owner: the dispatcher that claimed the rows.
+            items: ``(reply_id, fence, entry_id)`` per row.
+
+        Returns:
+            one entry per item, in order: ``None`` when marked sent, else the ``StaleError``
+            (a ``FencedError`` for a newer fence) that refused it.
+        """
+        out: builtins.list[StaleError | None] = []
+        if not items:
+            return out
+        now = self.clock.now()
+        with self.db.write("mark_sent") as c:
+            for reply_id, fence, entry_id in items:
+                c.execute("SAVEPOINT mark_one")
+                try:
+                    self._holder(c, reply_id, owner, fence)
+                    c.execute(
+                        "UPDATE outbox SET state = 'sent', owner = NULL, lease_until = NULL,"
+                        " entry_id = ?, sent_at = ?, last_error = NULL"
+                        " WHERE reply_id = ? AND fence = ?",
+                        (entry_id, now, reply_id, fence),
+                    )
+                except StaleError as exc:
+                    c.execute("ROLLBACK TO mark_one")
+                    out.append(exc)
+                else:
+                    out.append(None)
+                c.execute("RELEASE mark_one")
+        return out
+
+    def mark_published(self, reply_id: str, entry_id: str, by: str) -> OutboxRow:
+        """Reconcile a ``dead`` reply that Redis shows as published: ``sent`` with that entry id.
+
+        Used by the operator's replay after the publication record in Redis was found with
+        the same content hash. Counts as a replay (``replays``, ``replayed_by``,
+        ``replayed_at``); ``last_error`` is kept as the record of why it went dead.
+
+        Raises:
+            UnknownReply: no such reply.
+            StaleError: the row is not ``dead``.
+        """
+        now = self.clock.now()
+        with self.db.write("reply_replay") as c:
+            row = c.execute("SELECT state FROM outbox WHERE reply_id = ?", (reply_id,)).fetchone()
+            if row is None:
+                raise UnknownReply(reply_id)
+            if row["state"] != "dead":
+                raise StaleError(reply_id, "not_dead", f"state is {row['state']}")
+            new = c.execute(
+                "UPDATE outbox SET state = 'sent', owner = NULL, lease_until = NULL,"
+                " entry_id = ?, sent_at = ?, replays = replays + 1, replayed_by = ?,"
+                f" replayed_at = ? WHERE reply_id = ? RETURNING {_COLUMNS}",
+                (entry_id, now, by, now, reply_id),
+            ).fetchone()
+        return OutboxRow.from_row(new)
+
+    def requeue_sent_near(self, restart_at: float, window_s: float) -> int:
+        """Put back the ``sent`` replies a Redis restart at ``restart_at`` may have lost.
+
+        Those are the rows sent in the ``window_s`` seconds before the last send that
+        precedes ``restart_at`` (Redis was down in between, so nothing was sent), up to
+        ``restart_at + window_s`` (slack for the restart time being an estimate).
+
+        Returns:
+            how many rows were put back. The publication records in Redis make a resend of
+            a reply that did survive a no-op.
+        """
+        now = self.clock.now()
+        with self.db.write("reply_retry") as c:
+            last = c.execute(
+                "SELECT max(sent_at) FROM outbox WHERE state = 'sent' AND sent_at < ?",
+                (restart_at,),
+            ).fetchone()[0]
+            since = (restart_at if last is None else float(last)) - window_s
+            cur = c.execute(
+                "UPDATE outbox SET state = 'pending', not_before = ?, attempts = 0"
+                " WHERE state = 'sent' AND sent_at >= ? AND sent_at <= ?",
+                (now, since, restart_at + window_s),
+            )
+            return cur.rowcount

@@ -13,9 +13,10 @@ payments) must instead carry the reply's idempotency key to a system that checks
 
 from __future__ import annotations
 
+import builtins
 import json
 import sqlite3
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
@@ -135,3 +136,105 @@ class ReceiptStore:
         with self.db.read() as c:
             rows = c.execute(f"SELECT {_COLUMNS} FROM receipts ORDER BY received_at").fetchall()
         return [Receipt(**dict(r)) for r in rows]
+
+    # -- added for the batched receiver (broker_adapter.receiver) --------------------------
+
+    def apply_many(
+        self, items: Sequence[ReceiptItem], effect: Effect | None
+    ) -> builtins.list[AppliedItem]:
+        """Apply a batch of replies, each at most once, in ONE transaction.
+
+        Each reply runs under its own SAVEPOINT, exactly like ``apply`` runs in its own
+        transaction: new → effect and receipt; known with the same hash → ``DUPLICATE`` with
+        the earlier receipt, effect skipped; known with another hash → ``CONFLICT``, nothing
+        written. An effect that raises rolls back to its savepoint (neither its receipt nor
+        any of its writes are kept) and is reported; the rest of the batch commits. The
+        same reply id twice in one batch is a duplicate the second time.
+
+        Args:
+            items: the replies, in stream order.
+            effect: called with (connection, reply dict) for each new reply, inside the
+                transaction; a local database write only (see the module docstring).
+
+        Returns:
+            one ``AppliedItem`` per item, in order.
+
+        Raises:
+            StoreBusy, StoreError: the transaction as a whole failed; nothing was kept.
+        """
+        out: builtins.list[AppliedItem] = []
+        if not items:
+            return out
+        now = self.clock.now()
+        with self.db.write("receipt") as c:
+            for item in items:
+                c.execute("SAVEPOINT receipt_one")
+                try:
+                    outcome, receipt = self._apply_in(c, item, effect, now)
+                except Exception as exc:  # noqa: BLE001 - the user's effect failed: report it
+                    c.execute("ROLLBACK TO receipt_one")
+                    out.append(AppliedItem(item.reply_id, None, None, exc))
+                else:
+                    out.append(AppliedItem(item.reply_id, outcome, receipt))
+                c.execute("RELEASE receipt_one")
+        return out
+
+    def _apply_in(
+        self, c: sqlite3.Connection, item: ReceiptItem, effect: Effect | None, now: float
+    ) -> tuple[ReceiptOutcome, Receipt]:
+        row = c.execute(
+            f"SELECT {_COLUMNS} FROM receipts WHERE reply_id = ?", (item.reply_id,)
+        ).fetchone()
+        if row is not None:
+            earlier = Receipt(**dict(row))
+            same = earlier.content_hash == item.content_hash
+            return (ReceiptOutcome.DUPLICATE if same else ReceiptOutcome.CONFLICT), earlier
+        reply: dict[str, Any] = json.loads(item.body)
+        effect_result = None
+        if effect is not None:
+            effect_result = canonical_json(effect(c, reply)).decode("utf-8")
+        receipt = Receipt(
+            reply_id=item.reply_id,
+            content_hash=item.content_hash,
+            principal=item.principal,
+            message_id=reply.get("message_id"),
+            task_id=reply.get("task_id"),
+            status=reply.get("status"),
+            body=item.body,
+            entry_id=item.entry_id,
+            received_at=now,
+            effects=1 if effect is not None else 0,
+            effect_result=effect_result,
+        )
+        c.execute(
+            f"INSERT INTO receipts ({_COLUMNS}) VALUES ({', '.join('?' * 11)})",
+            tuple(getattr(receipt, n) for n in Receipt.__dataclass_fields__),
+        )
+        return ReceiptOutcome.APPLIED, receipt
+
+
+@dataclass(frozen=True)
+class ReceiptItem:
+    """One reply to apply: what ``apply`` takes, as a value for ``apply_many``."""
+
+    reply_id: str
+    content_hash: str
+    principal: str
+    body: bytes
+    entry_id: str | None = None
+
+
+@dataclass(frozen=True)
+class AppliedItem:
+    """What ``apply_many`` did with one reply.
+
+    Attributes:
+        outcome: ``None`` when the effect raised (nothing of this reply was kept).
+        receipt: the new receipt, or the earlier one for a duplicate or a conflict.
+        error: the effect's exception when ``outcome`` is ``None``.
+    """
+
+    reply_id: str
+    outcome: ReceiptOutcome | None
+    receipt: Receipt | None
+    error: Exception | None = None

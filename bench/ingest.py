@@ -1,0 +1,143 @@
+"""Benchmark: ingest throughput against raw XREADGROUP + XACK on the same redis-server.
+
+Not a test. Starts a private redis-server (AOF on, ``--appendfsync``), publishes N signed
+envelopes, then measures
+
+* **ingest**: ``Ingestor.step`` until all N are in the inbox: signatures checked, envelopes
+  validated, one ``TaskStore.accept`` transaction (SQLite ``synchronous=FULL``) and one XACK
+  per batch;
+* **raw**: XREADGROUP COUNT <count> + one XACK per batch over a copy of the same entries,
+  nothing else: the ceiling any consumer on this machine and server can reach.
+
+Each is run ``--runs`` times (fresh keys and a fresh database each run); medians are
+printed with their ratio. The target is ingest >= 15% of raw.
+
+Usage::
+
+    .venv/bin/python bench/ingest.py [--n 20000] [--count 512] [--runs 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import cast
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import redis  # noqa: E402
+
+from broker_adapter.auth import Keyring  # noqa: E402
+from broker_adapter.envelope import Envelope  # noqa: E402
+from broker_adapter.ingest import IngestConfig, Ingestor  # noqa: E402
+from broker_adapter.keys import INGEST_GROUP, Keys  # noqa: E402
+from broker_adapter.store import TaskStore, open_database  # noqa: E402
+from broker_adapter.streams import connect  # noqa: E402
+from tests.support.redis_server import RedisServer, binary_available  # noqa: E402
+
+KEYRING = Keyring({"agent-a": {"k1": "a benchmark secret of reasonable length, 32+ bytes"}})
+
+
+def _publish(client: redis.Redis, stream: str, n: int) -> None:
+    """Put N signed envelopes on ``stream`` (set-up, not measured: pipelined)."""
+    pipe = client.pipeline(transaction=False)
+    for i in range(n):
+        env = Envelope.build(
+            message_id=f"bench-{i}",
+            sender="agent-a",
+            payload={"action": "summarise", "doc": f"doc-{i}", "words": 400, "lang": "en"},
+            deadline=4_000_000_000.0,
+        )
+        pipe.xadd(stream, KEYRING.sign(env))  # type: ignore[arg-type]
+        if len(pipe) >= 1000:
+            pipe.execute()
+    pipe.execute()
+
+
+def run_ingest(server: RedisServer, workdir: Path, n: int, count: int) -> float:
+    """Messages per second through ``Ingestor.step``."""
+    prefix = f"b{uuid.uuid4().hex[:8]}"
+    client = connect(server.url)
+    _publish(client, Keys(prefix).inbound(), n)
+    db = open_database(workdir / f"{prefix}.db", synchronous="FULL")
+    tasks = TaskStore(db)
+    config = IngestConfig(prefix=prefix, consumer="bench-0", count=count, block_ms=100)
+    ingestor = Ingestor(config, client, tasks, KEYRING)
+    start = time.perf_counter()
+    while ingestor.stats.accepted < n:
+        ingestor.step()
+    elapsed = time.perf_counter() - start
+    assert ingestor.stats.dead_lettered_total == 0, ingestor.stats.dead_lettered
+    db.close()
+    client.close()
+    return n / elapsed
+
+
+def run_raw(server: RedisServer, n: int, count: int) -> float:
+    """Messages per second through bare XREADGROUP + XACK, same entry sizes."""
+    stream = f"raw{uuid.uuid4().hex[:8]}"
+    client = connect(server.url)
+    _publish(client, stream, n)
+    client.xgroup_create(stream, INGEST_GROUP, id="0")
+    done = 0
+    start = time.perf_counter()
+    while done < n:
+        reply = cast(
+            list[tuple[bytes, list[tuple[bytes, dict[bytes, bytes]]]]] | None,
+            client.xreadgroup(INGEST_GROUP, "raw-0", {stream: ">"}, count=count, block=100),
+        )
+        for _, items in reply or []:
+            ids = [eid for eid, _fields in items]
+            client.xack(stream, INGEST_GROUP, *ids)
+            done += len(ids)
+    elapsed = time.perf_counter() - start
+    client.close()
+    return n / elapsed
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--n", type=int, default=20_000, help="messages per run")
+    parser.add_argument("--count", type=int, default=512, help="entries per batch")
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--appendfsync", default="always", choices=["always", "everysec", "no"])
+    args = parser.parse_args()
+    if not binary_available():
+        print("redis-server is not installed", file=sys.stderr)
+        return 2
+    with tempfile.TemporaryDirectory(prefix="ba-bench-") as tmp:
+        workdir = Path(tmp)
+        server = RedisServer(workdir / "redis", appendfsync=args.appendfsync)
+        server.start()
+        try:
+            ingest, raw = [], []
+            for run in range(1, args.runs + 1):
+                ingest.append(run_ingest(server, workdir, args.n, args.count))
+                raw.append(run_raw(server, args.n, args.count))
+                print(
+                    f"run {run}: ingest {ingest[-1]:,.0f} msg/s, raw {raw[-1]:,.0f} msg/s",
+                    flush=True,
+                )
+        finally:
+            server.stop()
+    med_ingest, med_raw = statistics.median(ingest), statistics.median(raw)
+    ratio = med_ingest / med_raw
+    print(
+        f"n={args.n} count={args.count} appendfsync={args.appendfsync} sqlite=FULL "
+        f"signatures=checked runs={args.runs}"
+    )
+    print(f"median ingest: {med_ingest:,.0f} msg/s")
+    print(f"median raw XREADGROUP+XACK: {med_raw:,.0f} msg/s")
+    print(f"ratio: {ratio:.1%} (target >= 15%)")
+    return 0 if ratio >= 0.15 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,537 @@
+"""The reply dispatcher: outbox rows to the principal's reply stream, one entry per reply id.
+
+Invariants kept (INVARIANTS.md 13, 14): every reply is published under its stable reply id
+with the bytes fixed in the outbox; the publisher holds each row under its own claim, lease
+and fence; after the retry budget a row is ``dead`` with its last error, and the operator's
+replay checks Redis by reply id first.
+
+Publication is idempotent in Redis itself. ONE Lua script on two keys of one hash tag,
+``reply_record(P, reply_id)`` and ``replies(P)``, looks up the reply's publication record
+(``"<content hash> <entry id>"``, kept ``record_ttl_s``) and XADDs only when there is none:
+
+* no record: XADD the entry (``v``, ``reply_id``, ``hash``, ``body``), record it (SET NX, TTL);
+* record, same hash: already published, the earlier entry id is returned, nothing added;
+* record, other hash: a permanent conflict; the row goes ``dead`` with the reason.
+
+The script's two writes reach the AOF as one MULTI/EXEC, so they survive or vanish together.
+The scripts of a claimed batch are pipelined (one round trip) and the batch is marked sent
+in one SQLite transaction (a savepoint per row, so a fenced-out row does not sink the rest).
+Redis >= 8.6 has ``XADD ... IDMP`` (detected and logged); it keeps ids for at most a day and
+does not compare content, so the script stays the path that also catches conflicts.
+
+Crash order is XADD, then mark sent (the reverse could lose a reply):
+
+* killed before the XADD (``dispatcher.before_xadd``): the row stays ``sending`` until its
+  lease runs out, then is claimed again and published;
+* killed after the XADD, before the mark (``dispatcher.after_xadd``): reclaimed later, the
+  script finds the record and returns the same entry id; no second entry;
+* killed after the mark (``dispatcher.after_mark_sent``): nothing left to do;
+* reply of the script lost (connection cut after the server ran it): the failure is
+  ambiguous, the row is retried, the record makes the retry return the same entry id.
+
+A stale dispatcher (lease expired, another one claimed with fence+1) is refused at the
+mark; what it published is the same entry the new holder gets back from the record.
+
+Redis data loss (RELIABILITY.md 1.1, F13-F15, R5). Before each batch the dispatcher reads
+the epoch key (``{p}:{meta}:epoch``, set once with NX to a random value) and
+``INFO server``:
+
+* epoch key gone or changed (a wipe, FLUSHALL, a new server): ALARM, every ``sent`` row is
+  put back in line (which replies a receiver saw we cannot know; its receipts dedupe them),
+  a new epoch is set. At start-up, a missing epoch key with ``sent`` rows in the outbox is
+  the same alarm.
+* only ``run_id`` changed (a restart): with ``appendfsync everysec`` the last ~1 s, at worst
+  ~2 s, of acknowledged writes can be gone, so rows sent from ``loss_window_s`` before the
+  last look at the old server onwards are put back. At start-up (no earlier look) the
+  server's start time (now - ``uptime_in_seconds``) stands in: rows sent within
+  ``loss_window_s`` before the last send that preceded it are put back. Records that did
+  survive make those resends no-ops. With ``appendfsync always`` nothing is lost and the
+  resends only cost a script call each. Set ``maxmemory-policy noeviction``: an evicted
+  epoch key reads as a wipe.
+
+The epoch a dispatcher saw is kept in memory only. With one outbox database per Redis that
+is enough (a missing key at start-up is the alarm); where several databases share a Redis,
+a dispatcher that was down during a wipe and starts after another one set a new epoch
+misses the alarm: after a known wipe, have the operator run ``OutboxStore.requeue_sent(None)``
+on every such database (persisting the last epoch seen would close this gap; it needs a
+schema migration).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import socket
+import threading
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import TYPE_CHECKING, Any
+
+import tenacity
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from broker_adapter import crashpoints
+from broker_adapter.clock import Clock
+from broker_adapter.errors import (
+    BrokerAdapterError,
+    RedisUnavailable,
+    ReplyConflict,
+    StaleError,
+    TransientError,
+)
+from broker_adapter.keys import DEFAULT_PREFIX, Keys
+from broker_adapter.store.outbox import OutboxRow, OutboxStore, UnknownReply
+from broker_adapter.streams import call, eval_many, retrying, text, translated
+
+if TYPE_CHECKING:
+    import redis
+
+DEFAULT_BATCH = 64
+DEFAULT_RECORD_TTL_S = 7 * 24 * 3600.0
+DEFAULT_IDLE_POLL_S = 0.5
+DEFAULT_LOSS_WINDOW_S = 2.0
+REPLY_FORMAT_VERSION = "1"
+IDMP_MIN_VERSION = (8, 6)
+
+# KEYS[1] publication record, KEYS[2] reply stream (same hash tag).
+# ARGV[1] content hash, ARGV[2] record TTL ms, ARGV[3] reply id, ARGV[4] body bytes,
+# ARGV[5] entry format version.
+# Returns {0, entry id} new, {1, entry id} published before with the same hash,
+# {2, stored hash} conflict.
+PUBLISH_SCRIPT = """
+local rec = redis.call('GET', KEYS[1])
+if rec then
+  local stored, eid = string.match(rec, '^(%S+) (%S+)$')
+  if stored == ARGV[1] then
+    return {1, eid}
+  end
+  return {2, stored or rec}
+end
+local eid = redis.call('XADD', KEYS[2], '*', 'v', ARGV[5], 'reply_id', ARGV[3],
+  'hash', ARGV[1], 'body', ARGV[4])
+redis.call('SET', KEYS[1], ARGV[1] .. ' ' .. eid, 'PX', ARGV[2], 'NX')
+return {0, eid}
+"""
+
+
+def default_owner() -> str:
+    """A dispatcher name unique on this host: ``dispatcher-<host>-<pid>``."""
+    return f"dispatcher-{socket.gethostname()}-{os.getpid()}"
+
+
+class DispatcherConfig(BaseModel):
+    """How a ``Dispatcher`` publishes.
+
+    Attributes:
+        prefix: the key prefix (see ``keys``).
+        owner: this dispatcher's name on the outbox rows it claims.
+        batch: rows claimed, published (one pipeline) and marked (one transaction) at once.
+        record_ttl_s: how long a publication record dedupes its reply id, seconds. Past it
+            a resend appends a second entry (the receiver's receipts still dedupe it).
+        idle_poll_s: how long ``run`` waits when the outbox had nothing ready, seconds.
+        loss_window_s: how far back a Redis restart can have lost acknowledged writes,
+            seconds (``appendfsync everysec``: 1 s nominal, 2 s worst case).
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    prefix: str = DEFAULT_PREFIX
+    owner: str = Field(default_factory=default_owner, min_length=1, max_length=200)
+    batch: int = Field(default=DEFAULT_BATCH, ge=1, le=10_000)
+    record_ttl_s: float = Field(default=DEFAULT_RECORD_TTL_S, gt=0)
+    idle_poll_s: float = Field(default=DEFAULT_IDLE_POLL_S, gt=0)
+    loss_window_s: float = Field(default=DEFAULT_LOSS_WINDOW_S, ge=0)
+
+    @field_validator("prefix")
+    @classmethod
+    def _prefix(cls, v: str) -> str:
+        Keys(v)  # raises ValueError for a bad prefix
+        return v
+
+
+class PublishOutcome(StrEnum):
+    PUBLISHED = "published"  # a new entry
+    ALREADY_PUBLISHED = "already_published"  # the record's entry, nothing added
+    CONFLICT = "conflict"  # the reply id was published with other content
+    FAILED = "failed"  # not confirmed: retried with backoff
+
+
+@dataclass(frozen=True)
+class Publication:
+    """What publishing one row did.
+
+    Attributes:
+        entry_id: the reply's stream entry, for the two successful outcomes.
+        detail: why it failed or conflicted.
+        transient: the failure was Redis being unreachable or busy (not this row's fault).
+    """
+
+    reply_id: str
+    outcome: PublishOutcome
+    entry_id: str | None = None
+    detail: str = ""
+    transient: bool = False
+
+
+class ReplayOutcome(StrEnum):
+    ALREADY_PUBLISHED = "already_published"  # Redis has it: marked sent, nothing re-sent
+    REQUEUED = "requeued"  # back in line under the same reply id
+
+
+@dataclass(frozen=True)
+class ReplayResult:
+    reply_id: str
+    outcome: ReplayOutcome
+    entry_id: str | None = None
+
+
+class LossEvent(StrEnum):
+    NONE = "none"
+    WIPE = "wipe"
+    RESTART = "restart"
+
+
+@dataclass(frozen=True)
+class Watch:
+    """What one look at the server found, and how many rows it put back in line."""
+
+    event: LossEvent
+    epoch: str
+    run_id: str
+    requeued: int = 0
+
+
+@dataclass
+class DispatcherStats:
+    published: int = 0
+    already_published: int = 0
+    conflicts: int = 0
+    failed: int = 0
+    dead: int = 0
+    fenced: int = 0
+    wipes: int = 0
+    restarts: int = 0
+    requeued: int = 0
+
+
+def parse_version(version: str) -> tuple[int, ...]:
+    """``"7.0.15"`` -> ``(7, 0, 15)``; unparsable parts count as 0."""
+    parts: list[int] = []
+    for piece in version.split("."):
+        digits = "".join(ch for ch in piece if ch.isdigit())
+        parts.append(int(digits) if digits else 0)
+    return tuple(parts)
+
+
+def _parse_record(raw: bytes | str) -> tuple[str, str | None]:
+    stored, _, entry_id = text(raw).partition(" ")
+    return stored, entry_id or None
+
+
+class Dispatcher:
+    """Publishes outbox rows to the reply streams, at most one entry per reply id.
+
+    Args:
+        config: batch size, retention window, loss window.
+        client: a client from ``streams.connect`` (no automatic re-sends).
+        outbox: the outbox of this process's database.
+        clock: time source (defaults to the outbox's clock).
+        logger: where alarms go.
+    """
+
+    def __init__(
+        self,
+        config: DispatcherConfig,
+        client: redis.Redis,
+        outbox: OutboxStore,
+        *,
+        clock: Clock | None = None,
+        logger: logging.Logger | None = None,
+    ) -> None:
+        self.config = config
+        self.client = client
+        self.outbox = outbox
+        self.clock = clock or outbox.clock
+        self.keys = Keys(config.prefix)
+        self.log = logger or logging.getLogger("broker_adapter.dispatcher")
+        self.stats = DispatcherStats()
+        self.redis_version: str | None = None
+        #: True when the server takes ``XADD ... IDMP`` (Redis >= 8.6); noted, not used.
+        self.idmp_supported: bool | None = None
+        self._epoch: str | None = None
+        self._run_id: str | None = None
+        self._last_ok_at: float | None = None
+
+    # -- loss detection ---------------------------------------------------------------------
+
+    def watch(self) -> Watch:
+        """Look for Redis data loss (epoch key, ``run_id``) and put lost replies back in line.
+
+        Returns:
+            what was found and how many rows were put back.
+
+        Raises:
+            RedisUnavailable: Redis could not be asked; nothing was changed.
+        """
+        now = self.clock.now()
+        epoch_key = self.keys.epoch()
+        with translated():
+            pipe = self.client.pipeline(transaction=False)
+            pipe.get(epoch_key)
+            pipe.info("server")
+            raw_epoch, info = pipe.execute()
+        epoch = None if raw_epoch is None else text(raw_epoch)
+        run_id = str(info.get("run_id", ""))
+        uptime_s = float(info.get("uptime_in_seconds", 0))
+        self._note_version(str(info.get("redis_version", "0")))
+        event, requeued = LossEvent.NONE, 0
+        if self._epoch is None:  # first look since this dispatcher started
+            if epoch is None and self.outbox.counts()["sent"] > 0:
+                event, requeued = LossEvent.WIPE, self._requeue_all("epoch key missing at start")
+            elif epoch is not None:
+                requeued = self.outbox.requeue_sent_near(now - uptime_s, self.config.loss_window_s)
+                if requeued:
+                    self.log.info(
+                        "start-up: %d replies sent around the Redis start (%.0f s ago) put back"
+                        " in line; surviving records make their resends no-ops",
+                        requeued,
+                        uptime_s,
+                    )
+        elif epoch != self._epoch:
+            event, requeued = LossEvent.WIPE, self._requeue_all("epoch key gone or changed")
+        elif run_id != self._run_id:
+            event = LossEvent.RESTART
+            last_ok = self._last_ok_at if self._last_ok_at is not None else now
+            since = last_ok - self.config.loss_window_s
+            requeued = self.outbox.requeue_sent(since)
+            self.stats.restarts += 1
+            self.log.warning(
+                "Redis restarted (run_id %s -> %s): %d replies sent in its last %.1f s put back"
+                " in line (appendfsync everysec may have lost them)",
+                self._run_id,
+                run_id,
+                requeued,
+                self.config.loss_window_s,
+            )
+        if epoch is None:
+            epoch = self._set_epoch()
+        self.stats.requeued += requeued
+        self._epoch, self._run_id, self._last_ok_at = epoch, run_id, now
+        return Watch(event, epoch, run_id, requeued)
+
+    def _requeue_all(self, why: str) -> int:
+        n = self.outbox.requeue_sent(None)
+        self.stats.wipes += 1
+        self.log.error(
+            "ALARM: Redis lost its data (%s): %d sent replies put back in line to be published"
+            " again; receivers dedupe them by reply id",
+            why,
+            n,
+        )
+        return n
+
+    def _set_epoch(self) -> str:
+        key = self.keys.epoch()
+        with translated():
+            pipe = self.client.pipeline(transaction=False)
+            pipe.set(key, secrets.token_hex(16), nx=True)
+            pipe.get(key)
+            _, raw = pipe.execute()
+        return text(raw)
+
+    def _note_version(self, version: str) -> None:
+        if version == self.redis_version:
+            return
+        self.redis_version = version
+        self.idmp_supported = parse_version(version)[:2] >= IDMP_MIN_VERSION
+        self.log.info(
+            "Redis %s: XADD IDMP %s; publishing through the record script (content checked)",
+            version,
+            "available" if self.idmp_supported else "not available",
+        )
+
+    # -- publishing ---------------------------------------------------------------------------
+
+    def claim(self) -> list[OutboxRow]:
+        """Claim up to ``batch`` ready rows (lease, attempts+1, fence+1)."""
+        return self.outbox.claim(self.config.owner, self.config.batch)
+
+    def publish(self, rows: list[OutboxRow]) -> list[Publication]:
+        """Run the publication script for each row, all in one pipelined round trip.
+
+        Never raises for Redis trouble: an unreachable server makes every row ``FAILED``
+        (the outcome is ambiguous; the records make the retry safe).
+        """
+        if not rows:
+            return []
+        crashpoints.hit("dispatcher.before_xadd")
+        ttl_ms = max(1, int(self.config.record_ttl_s * 1000))
+        calls: list[tuple[list[str], list[bytes | str | int]]] = [
+            (
+                [self.keys.reply_record(r.principal, r.reply_id), self.keys.replies(r.principal)],
+                [r.content_hash, ttl_ms, r.reply_id, bytes(r.body), REPLY_FORMAT_VERSION],
+            )
+            for r in rows
+        ]
+        try:
+            replies = eval_many(self.client, PUBLISH_SCRIPT, calls)
+        except RedisUnavailable as exc:
+            failed = PublishOutcome.FAILED
+            return [Publication(r.reply_id, failed, None, str(exc), True) for r in rows]
+        crashpoints.hit("dispatcher.after_xadd")
+        return [self._outcome(r, reply) for r, reply in zip(rows, replies, strict=True)]
+
+    def _outcome(self, row: OutboxRow, reply: Any) -> Publication:
+        if isinstance(reply, BrokerAdapterError):
+            transient = isinstance(reply, TransientError)
+            return Publication(row.reply_id, PublishOutcome.FAILED, None, str(reply), transient)
+        code, value = int(reply[0]), text(reply[1])
+        if code == 0:
+            return Publication(row.reply_id, PublishOutcome.PUBLISHED, value)
+        if code == 1:
+            return Publication(row.reply_id, PublishOutcome.ALREADY_PUBLISHED, value)
+        detail = (
+            f"reply_conflict: reply id {row.reply_id} was published with content hash "
+            f"{value[:16]}, the outbox holds {row.content_hash[:16]}"
+        )
+        return Publication(row.reply_id, PublishOutcome.CONFLICT, None, detail)
+
+    def settle(self, rows: list[OutboxRow], pubs: list[Publication]) -> int:
+        """Record what ``publish`` did: sent (one transaction), dead, or retry later.
+
+        Rows this dispatcher no longer holds (lease expired, fence moved on) are refused by
+        the store and only counted in ``stats.fenced``: their new holder settles them.
+
+        Returns:
+            how many rows were marked sent.
+        """
+        owner = self.config.owner
+        done = [
+            (row, pub)
+            for row, pub in zip(rows, pubs, strict=True)
+            if pub.outcome in (PublishOutcome.PUBLISHED, PublishOutcome.ALREADY_PUBLISHED)
+        ]
+        refused = self.outbox.mark_sent_many(
+            owner, [(row.reply_id, row.fence, pub.entry_id or "") for row, pub in done]
+        )
+        crashpoints.hit("dispatcher.after_mark_sent")
+        marked = 0
+        for (row, pub), stale in zip(done, refused, strict=True):
+            if stale is not None:
+                self._fenced(row, stale)
+                continue
+            marked += 1
+            if pub.outcome is PublishOutcome.PUBLISHED:
+                self.stats.published += 1
+            else:
+                self.stats.already_published += 1
+        for row, pub in zip(rows, pubs, strict=True):
+            try:
+                if pub.outcome is PublishOutcome.CONFLICT:
+                    self.stats.conflicts += 1
+                    self.outbox.mark_dead(row.reply_id, owner, row.fence, pub.detail)
+                    self.stats.dead += 1
+                    self.log.error("reply %s is dead: %s", row.reply_id, pub.detail)
+                elif pub.outcome is PublishOutcome.FAILED:
+                    self.stats.failed += 1
+                    state = self.outbox.retry(row.reply_id, owner, row.fence, pub.detail)
+                    if state == "dead":
+                        self.stats.dead += 1
+                        self.log.error(
+                            "reply %s is dead after %d attempts: %s",
+                            row.reply_id,
+                            row.attempts,
+                            pub.detail,
+                        )
+            except StaleError as exc:
+                self._fenced(row, exc)
+        return marked
+
+    def _fenced(self, row: OutboxRow, exc: StaleError) -> None:
+        self.stats.fenced += 1
+        self.log.warning("reply %s: this dispatcher no longer holds it (%s)", row.reply_id, exc)
+
+    def step(self) -> int:
+        """Watch for data loss, then claim, publish and settle one batch.
+
+        Returns:
+            how many replies were marked sent.
+
+        Raises:
+            RedisUnavailable: Redis could not be reached or was busy (the rows concerned
+                were put back in line with backoff first).
+            StoreBusy: SQLite stayed locked; claimed rows return when their lease runs out.
+        """
+        self.watch()
+        rows = self.claim()
+        if not rows:
+            return 0
+        pubs = self.publish(rows)
+        marked = self.settle(rows, pubs)
+        unreachable = [p for p in pubs if p.transient]
+        if unreachable:  # rows are back in line; let the caller back off
+            raise RedisUnavailable(
+                f"{len(unreachable)} of {len(pubs)} replies not confirmed: {unreachable[0].detail}"
+            )
+        return marked
+
+    def run(self, stop: threading.Event) -> None:
+        """Call ``step`` until ``stop`` is set; back off (tenacity) on ``TransientError``.
+
+        Waits ``idle_poll_s`` whenever a step marked nothing sent.
+        """
+        policy = retrying().copy(stop=tenacity.stop_when_event_set(stop), sleep=stop.wait)
+        while not stop.is_set():
+            try:
+                marked = policy(self.step)
+            except TransientError:
+                if stop.is_set():
+                    return
+                raise
+            if marked == 0:
+                stop.wait(self.config.idle_poll_s)
+
+    # -- operator path ------------------------------------------------------------------------
+
+    def list_dead(self, limit: int = 1000) -> list[OutboxRow]:
+        """Replies with no trusted confirmation, oldest first, each with its ``last_error``."""
+        return self.outbox.list("dead", limit)
+
+    def replay(self, reply_id: str, by: str) -> ReplayResult:
+        """Operator action on a ``dead`` reply, reconciled against Redis first.
+
+        If Redis holds the reply's publication record with the same content hash, the reply
+        was published: the row is marked sent with that entry id and nothing is re-sent.
+        Otherwise the row is put back in line under the same reply id. Either way the row
+        records who replayed it and when. (Past ``record_ttl_s`` the record is gone and a
+        replay may append a second entry; the receiver's receipts dedupe it.)
+
+        Raises:
+            UnknownReply: no such reply.
+            StaleError: the row is not ``dead``.
+            ReplyConflict: Redis holds this reply id with other content; resolve by hand.
+            RedisUnavailable: the record could not be read; nothing was changed.
+        """
+        row = self.outbox.get(reply_id)
+        if row is None:
+            raise UnknownReply(reply_id)
+        if row.state != "dead":
+            raise StaleError(reply_id, "not_dead", f"state is {row.state}")
+        key = self.keys.reply_record(row.principal, reply_id)
+        raw = call(lambda: self.client.get(key))
+        if raw is not None:
+            stored, entry_id = _parse_record(raw)
+            if stored != row.content_hash or entry_id is None:
+                raise ReplyConflict(reply_id, stored, row.content_hash)
+            self.outbox.mark_published(reply_id, entry_id, by)
+            self.log.warning(
+                "replay of %s by %s: already published as %s; marked sent",
+                reply_id,
+                by,
+                entry_id,
+            )
+            return ReplayResult(reply_id, ReplayOutcome.ALREADY_PUBLISHED, entry_id)
+        self.outbox.replay(reply_id, by)
+        self.log.warning("replay of %s by %s: put back in line", reply_id, by)
+        return ReplayResult(reply_id, ReplayOutcome.REQUEUED)

@@ -1,0 +1,436 @@
+"""Ingest: inbound stream entries into the SQLite inbox, at least once in, exactly once stored.
+
+Invariants kept:
+
+* Rule 2: every stored request carries a principal from a trusted check: a verified HMAC
+  (signed mode, ``auth.Keyring``) or the stream a Redis ACL lets only that principal write
+  (ACL mode). An entry that fails the check is dead-lettered, never stored.
+* Rule 5: XACK comes only after the inbox rows and task rows of the whole batch committed
+  together in ONE ``TaskStore.accept`` transaction. The ACK means "durably in the inbox",
+  never "done".
+* Bad input of every shape (oversize, not UTF-8, not JSON, not an envelope, unsigned,
+  spoofed, not a task) is moved to the dead-letter stream with its reason and the original
+  fields, and acknowledged in one atomic script: rejected, nothing written, nothing lost.
+
+How one batch goes (``step``)::
+
+    read (own pending first)  -> hit ingest.after_read
+    check size, authenticate, validate; dead-letter the bad ones -> ingest.after_dead_letter
+    TaskStore.accept(batch)   -> one transaction (store.accept.before/after_commit)
+                              -> hit ingest.after_commit
+    dead-letter NOT_TASK outcomes
+    ONE XACK for the batch    -> hit ingest.after_xack
+
+Crash safety: a crash anywhere before the XACK leaves the entries pending in this consumer's
+list. On restart under the same consumer name the ``GroupReader`` replays them first; under
+a new name, ``take_over`` claims them with XAUTOCLAIM once they are idle past
+``claim_min_idle_ms``. The replayed copies meet the inbox's unique (principal, message_id)
+key and come back ``DUPLICATE`` (same task id), so nothing is stored twice; a crash before
+the commit left nothing behind to duplicate. Every failed Redis write is treated as "maybe
+executed": XACK and the dead-letter script are idempotent (an acknowledged entry is not
+replayed; an unacknowledged one is handled again), and after any error the reader replays
+its own pending list before it reads anything new. No Redis call happens inside the SQLite
+transaction.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Literal
+
+import tenacity
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from broker_adapter import crashpoints
+from broker_adapter.auth import Authenticated, Keyring, check_stream_principal
+from broker_adapter.clock import Clock, SystemClock
+from broker_adapter.envelope import check_principal
+from broker_adapter.errors import ConfigError, EnvelopeError, TransientError
+from broker_adapter.keys import DEFAULT_PREFIX, INGEST_GROUP, Keys
+from broker_adapter.store.tasks import AcceptItem, AcceptResult, Outcome, TaskStore
+from broker_adapter.streams import GroupReader, ReaderConfig, StreamEntry
+
+if TYPE_CHECKING:
+    import redis
+
+DEFAULT_COUNT = 256
+DEFAULT_BLOCK_MS = 1000
+DEFAULT_CLAIM_MIN_IDLE_MS = 60_000
+DEFAULT_CLAIM_EVERY_S = 5.0
+DEFAULT_MAX_DELIVERIES = 10
+DEFAULT_MAX_ENTRY_BYTES = 256 * 1024
+#: ``take_over`` pages through at most this many XAUTOCLAIM replies per stream per call.
+TAKE_OVER_MAX_PAGES = 64
+_CONSUMER_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._:-")
+
+log = logging.getLogger("broker_adapter.ingest")
+
+
+class IngestConfig(BaseModel):
+    """How an ``Ingestor`` reads.
+
+    Attributes:
+        prefix: key prefix (see ``keys``).
+        consumer: this process slot's consumer name, stable across restarts (e.g.
+            ``ingest-<host>-<slot>``), so a restarted process replays its own pending list.
+        mode: ``signed`` (one shared stream, HMAC per entry) or ``acl`` (one stream per
+            principal, Redis ACLs decide who may write it).
+        acl_principals: the principals whose streams are read in ACL mode.
+        count: entries per read; one accept transaction and one XACK per batch.
+        block_ms: how long a read of new entries blocks (split across streams in ACL mode).
+        claim_min_idle_ms: entries idle this long in another consumer's list are taken over.
+        claim_every_s: how often ``run`` looks for such entries.
+        max_deliveries: entries delivered more often go to the dead-letter stream.
+        max_entry_bytes: entries larger than this (all field names and values) are
+            dead-lettered as ``oversize`` before any parsing.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    prefix: str = DEFAULT_PREFIX
+    consumer: str
+    mode: Literal["signed", "acl"] = "signed"
+    acl_principals: tuple[str, ...] = ()
+    count: int = Field(default=DEFAULT_COUNT, ge=1, le=10_000)
+    block_ms: int = Field(default=DEFAULT_BLOCK_MS, ge=1)
+    claim_min_idle_ms: int = Field(default=DEFAULT_CLAIM_MIN_IDLE_MS, ge=1)
+    claim_every_s: float = Field(default=DEFAULT_CLAIM_EVERY_S, gt=0)
+    max_deliveries: int = Field(default=DEFAULT_MAX_DELIVERIES, ge=1)
+    max_entry_bytes: int = Field(default=DEFAULT_MAX_ENTRY_BYTES, ge=1024)
+
+    @field_validator("prefix")
+    @classmethod
+    def _prefix(cls, v: str) -> str:
+        Keys(v)  # raises ValueError for braces or white space
+        return v
+
+    @field_validator("consumer")
+    @classmethod
+    def _consumer(cls, v: str) -> str:
+        if not 1 <= len(v) <= 128 or not set(v) <= _CONSUMER_CHARS:
+            raise ValueError("consumer must be 1..128 characters of letters, digits, '._:-'")
+        return v
+
+    @field_validator("acl_principals")
+    @classmethod
+    def _principals(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        for p in v:
+            try:
+                check_principal(p, "acl_principals")
+            except EnvelopeError as exc:
+                raise ValueError(str(exc)) from None
+        if len(set(v)) != len(v):
+            raise ValueError("acl_principals lists a principal twice")
+        return v
+
+    @model_validator(mode="after")
+    def _mode(self) -> IngestConfig:
+        if self.mode == "acl" and not self.acl_principals:
+            raise ValueError("ACL mode needs acl_principals (whose streams to read)")
+        if self.mode == "signed" and self.acl_principals:
+            raise ValueError("acl_principals is for ACL mode only")
+        return self
+
+
+@dataclass
+class IngestStats:
+    """Counters since start. ``dead_lettered`` is by reason, including the reader's own
+    (``payload_deleted``, ``delivery_limit``)."""
+
+    batches: int = 0
+    entries: int = 0
+    accepted: int = 0
+    duplicates: int = 0
+    conflicts: int = 0
+    expired: int = 0
+    hop_limited: int = 0
+    acked: int = 0
+    taken_over: int = 0
+    transient_errors: int = 0
+    dead_lettered: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def dead_lettered_total(self) -> int:
+        return sum(self.dead_lettered.values())
+
+
+_OUTCOME_COUNTER = {
+    Outcome.STORED: "accepted",
+    Outcome.DUPLICATE: "duplicates",
+    Outcome.CONFLICT: "conflicts",
+    Outcome.EXPIRED: "expired",
+    Outcome.HOP_LIMIT: "hop_limited",
+}
+
+
+@dataclass
+class _Source:
+    """One inbound stream and, in ACL mode, the principal its ACL binds to it."""
+
+    reader: GroupReader
+    principal: str | None
+
+
+class Ingestor:
+    """Moves inbound entries into the inbox: authenticate, store in one transaction, XACK.
+
+    Args:
+        config: what to read and how.
+        client: a client from ``streams.connect`` (no automatic re-sends); its socket
+            timeout must exceed ``block_ms``.
+        tasks: the inbox / task store.
+        keyring: verifies signatures; required in signed mode, ignored in ACL mode.
+        clock: decides when ``take_over`` is due (a ``FakeClock`` in tests).
+        logger: where warnings and alarms go.
+
+    Raises:
+        ConfigError: signed mode without a keyring, or a socket timeout not above BLOCK.
+    """
+
+    def __init__(
+        self,
+        config: IngestConfig,
+        client: redis.Redis,
+        tasks: TaskStore,
+        keyring: Keyring | None,
+        *,
+        clock: Clock | None = None,
+        logger: logging.Logger | None = None,
+    ) -> None:
+        if config.mode == "signed" and keyring is None:
+            raise ConfigError("signed mode needs a keyring to verify signatures")
+        self.config = config
+        self.client = client
+        self.tasks = tasks
+        self.keyring = keyring
+        self.clock = clock or SystemClock()
+        self.log = logger or log
+        self.keys = Keys(config.prefix)
+        self.stats = IngestStats()
+        principals: Sequence[str | None] = (
+            list(config.acl_principals) if config.mode == "acl" else [None]
+        )
+        block_ms = max(1, config.block_ms // len(principals))
+        timeout = client.connection_pool.connection_kwargs.get("socket_timeout")
+        if timeout is not None and float(timeout) * 1000 <= block_ms:
+            raise ConfigError(
+                f"client socket timeout {timeout}s must exceed block_ms={block_ms}: a blocked "
+                "read would otherwise look like a dead connection"
+            )
+        reader_config = ReaderConfig(
+            count=config.count,
+            block_ms=block_ms,
+            claim_min_idle_ms=config.claim_min_idle_ms,
+            max_deliveries=config.max_deliveries,
+        )
+        self._sources = [
+            _Source(
+                GroupReader(
+                    client,
+                    self.keys.inbound(p),
+                    INGEST_GROUP,
+                    config.consumer,
+                    self.keys.inbound_dead(p),
+                    reader_config,
+                    self.log,
+                ),
+                p,
+            )
+            for p in principals
+        ]
+        self._next_take_over = float("-inf")
+
+    @property
+    def readers(self) -> list[GroupReader]:
+        """One reader per inbound stream (one in signed mode)."""
+        return [s.reader for s in self._sources]
+
+    # -- the loop ---------------------------------------------------------------------------
+
+    def step(self) -> int:
+        """Read and ingest one batch per stream (own pending entries first).
+
+        Returns:
+            how many entries were handled (stored, duplicate, conflict or dead-lettered).
+
+        Raises:
+            TransientError: Redis or SQLite failed; call again (the reader replays first).
+        """
+        handled = 0
+        for source in self._sources:
+            try:
+                entries = source.reader.read()
+                if entries:
+                    crashpoints.hit("ingest.after_read")
+                    handled += self._handle(source, entries)
+            except BaseException:
+                # Whatever failed, the batch is not acknowledged (or maybe only partly):
+                # the next read replays this consumer's pending list before new entries.
+                source.reader.reset()
+                raise
+            finally:
+                self._sync_stats()
+        return handled
+
+    def take_over(self) -> int:
+        """Claim (XAUTOCLAIM) entries idle past ``claim_min_idle_ms`` in any consumer's list,
+        typically a dead process's, and ingest them like fresh ones.
+
+        Pages through the pending list with a carried cursor until the scan completes or
+        ``TAKE_OVER_MAX_PAGES`` pages were handled.
+
+        Returns:
+            how many claimed entries were handled.
+
+        Raises:
+            TransientError: Redis or SQLite failed; call again.
+        """
+        handled = 0
+        for source in self._sources:
+            try:
+                for _ in range(TAKE_OVER_MAX_PAGES):
+                    entries = source.reader.take_over()
+                    if entries:
+                        crashpoints.hit("ingest.after_autoclaim")
+                        self.stats.taken_over += len(entries)
+                        handled += self._handle(source, entries)
+                    if source.reader.scan_complete:
+                        break
+            except BaseException:
+                source.reader.reset()
+                raise
+            finally:
+                self._sync_stats()
+        self._next_take_over = self.clock.now() + self.config.claim_every_s
+        return handled
+
+    def tick(self) -> int:
+        """One iteration of ``run``: ``take_over`` when due, then ``step``.
+
+        Returns:
+            how many entries were handled.
+        """
+        handled = 0
+        if self.clock.now() >= self._next_take_over:
+            handled += self.take_over()
+        return handled + self.step()
+
+    def run(self, stop: threading.Event) -> None:
+        """Ingest until ``stop`` is set, backing off (capped, jittered) on transient errors.
+
+        Raises:
+            BrokerAdapterError: a non-transient failure (e.g. ``StoreError``, an ACL
+                refusal); the loop stops loudly rather than spin.
+        """
+
+        def note(state: tenacity.RetryCallState) -> None:
+            self.stats.transient_errors += 1
+            exc = state.outcome.exception() if state.outcome else None
+            self.log.warning("ingest: transient failure, backing off: %s", exc)
+
+        def pause(seconds: float) -> None:
+            stop.wait(seconds)  # a stop request cuts the backoff short
+
+        retrying = tenacity.Retrying(
+            retry=tenacity.retry_if_exception_type(TransientError),
+            wait=tenacity.wait_random_exponential(multiplier=0.05, max=5.0),
+            stop=tenacity.stop_when_event_set(stop),
+            sleep=pause,
+            before_sleep=note,
+            reraise=True,
+        )
+        while not stop.is_set():
+            try:
+                for attempt in retrying:
+                    with attempt:
+                        self.tick()
+            except TransientError:
+                if not stop.is_set():  # pragma: no cover - the retry policy never gives up
+                    raise
+                self.log.info("ingest: stopping during backoff")
+
+    # -- one batch --------------------------------------------------------------------------
+
+    def _authenticate(self, source: _Source, entry: StreamEntry) -> Authenticated:
+        fields = entry.fields or {}
+        size = sum(len(k) + len(v) for k, v in fields.items())
+        if size > self.config.max_entry_bytes:
+            raise EnvelopeError(
+                "", "oversize", f"entry is {size} bytes, limit {self.config.max_entry_bytes}"
+            )
+        if source.principal is not None:
+            return check_stream_principal(fields, source.principal)
+        assert self.keyring is not None  # checked in __init__
+        return self.keyring.authenticate(fields)
+
+    def _handle(self, source: _Source, entries: list[StreamEntry]) -> int:
+        reader = source.reader
+        good: list[StreamEntry] = []
+        items: list[AcceptItem] = []
+        for entry in entries:
+            try:
+                auth = self._authenticate(source, entry)
+            except EnvelopeError as exc:
+                extra = {"dl.field": exc.field}
+                if source.principal is not None:
+                    extra["dl.principal"] = source.principal
+                reader.dead_letter(entry, exc.reason, exc.detail, extra=extra)
+                continue
+            good.append(entry)
+            items.append(AcceptItem(auth.principal, auth.envelope, entry.entry_id))
+        if len(good) < len(entries):
+            crashpoints.hit("ingest.after_dead_letter")
+        self.stats.batches += 1
+        self.stats.entries += len(entries)
+        if not items:
+            return len(entries)
+        # One transaction for the whole batch; no Redis call happens inside it.
+        results = self.tasks.accept(items)
+        crashpoints.hit("ingest.after_commit")
+        to_ack = self._after_commit(reader, good, items, results)
+        # XACK after COMMIT: a crash between the two leaves the entries pending, and the
+        # inbox's unique key turns their redelivery into duplicates.
+        self.stats.acked += reader.ack(to_ack)
+        crashpoints.hit("ingest.after_xack")
+        return len(entries)
+
+    def _after_commit(
+        self,
+        reader: GroupReader,
+        entries: list[StreamEntry],
+        items: list[AcceptItem],
+        results: list[AcceptResult],
+    ) -> list[str]:
+        to_ack: list[str] = []
+        for entry, item, result in zip(entries, items, results, strict=True):
+            if result.outcome is Outcome.NOT_TASK:
+                # Nothing was written for it; results never become tasks by themselves.
+                reader.dead_letter(
+                    entry,
+                    "not_task",
+                    result.detail or f"kind {item.envelope.kind!r} is not a task",
+                    extra={"dl.field": "kind", "dl.principal": item.principal},
+                )
+                continue
+            name = _OUTCOME_COUNTER.get(result.outcome)
+            if name is not None:
+                setattr(self.stats, name, getattr(self.stats, name) + 1)
+            if result.outcome is Outcome.CONFLICT:
+                self.log.warning(
+                    "conflict: %s reused message_id %r with other content (entry %s)",
+                    item.principal,
+                    item.envelope.message_id,
+                    entry.entry_id,
+                )
+            to_ack.append(entry.entry_id)
+        return to_ack
+
+    def _sync_stats(self) -> None:
+        merged: dict[str, int] = {}
+        for source in self._sources:
+            for reason, n in source.reader.stats.by_reason.items():
+                merged[reason] = merged.get(reason, 0) + n
+        self.stats.dead_lettered = merged

@@ -1,0 +1,195 @@
+"""Operator views: ``status`` and ``dead-letters``. Reads the database and Redis; the only
+writes are an explicit replay, which goes through the same fenced paths as the adapter."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+from broker_adapter.keys import INGEST_GROUP, Keys
+from broker_adapter.store import OutboxStore, open_database
+from broker_adapter.store.report import snapshot
+from broker_adapter.streams import call, connect, text
+
+
+def _dead_streams(client: Any, prefix: str) -> list[str]:
+    found = {text(k) for k in call(lambda: list(client.scan_iter(match=f"{prefix}:{{*}}:dead")))}
+    return sorted(found)
+
+
+def _inbound_streams(client: Any, prefix: str) -> list[str]:
+    found = {text(k) for k in call(lambda: list(client.scan_iter(match=f"{prefix}:{{in*}}:tasks")))}
+    return sorted(found)
+
+
+def collect_status(db_path: Path, redis_url: str | None, prefix: str) -> dict[str, Any]:
+    """Everything ``broker-adapter status`` shows, as one JSON-ready dict."""
+    if not db_path.exists():
+        from broker_adapter.errors import ConfigError
+
+        raise ConfigError(f"no database at {db_path}")
+    db = open_database(db_path)
+    try:
+        report: dict[str, Any] = snapshot(db, time.time())
+    finally:
+        db.close()
+    if redis_url:
+        client: Any = connect(redis_url)
+        streams: dict[str, Any] = {}
+        for stream in _inbound_streams(client, prefix):
+            info = call(partial(client.xpending, stream, INGEST_GROUP))
+            streams[stream] = {
+                "length": call(partial(client.xlen, stream)),
+                "pending": int(info.get("pending", 0)),
+                "pending_by_consumer": {
+                    text(c["name"]): int(c["pending"]) for c in info.get("consumers") or []
+                },
+            }
+        report["redis"] = {
+            "inbound": streams,
+            "dead_letters": {
+                s: call(partial(client.xlen, s)) for s in _dead_streams(client, prefix)
+            },
+        }
+    return report
+
+
+def format_status(report: dict[str, Any]) -> str:
+    r, p, t, d = (report[k] for k in ("received", "processing", "terminal", "delivery"))
+    lines = [
+        f"received    inbox {r['inbox']}  (duplicates {r['duplicates']}, "
+        f"conflicts {r['conflicts']})",
+        f"processing  pending {p['pending']} (ready {p['ready']})  running {p['running']}  "
+        f"live leases {p['live_leases']}  expired leases {p['expired_leases']}",
+        "terminal    " + "  ".join(f"{k} {v}" for k, v in t.items()),
+        "delivery    "
+        + "  ".join(f"{k} {d[k]}" for k in ("pending", "sending", "sent", "dead"))
+        + f"  oldest unsent {d['oldest_unsent_age_s']}s",
+    ]
+    if "redis" in report:
+        for stream, info in report["redis"]["inbound"].items():
+            per = ", ".join(f"{c}={n}" for c, n in info["pending_by_consumer"].items()) or "-"
+            lines.append(
+                f"redis       {stream}: length {info['length']}, pending {info['pending']} ({per})"
+            )
+        for stream, n in report["redis"]["dead_letters"].items():
+            lines.append(f"dead        {stream}: {n}")
+    return "\n".join(lines)
+
+
+def _reply_view(row: Any) -> dict[str, Any]:
+    return {
+        "type": "reply",
+        "reply_id": row.reply_id,
+        "task_id": row.task_id,
+        "principal": row.principal,
+        "message_id": row.message_id,
+        "status": row.status,
+        "state": row.state,
+        "attempts": row.attempts,
+        "last_error": row.last_error,
+        "replays": row.replays,
+        "replayed_by": row.replayed_by,
+    }
+
+
+def _entry_view(stream: str, entry_id: str, fields: dict[bytes, bytes]) -> dict[str, Any]:
+    decoded = {text(k): text(v) for k, v in fields.items()}
+    return {
+        "type": "entry",
+        "stream": stream,
+        "entry_id": entry_id,
+        "reason": decoded.get("dl.reason"),
+        "detail": decoded.get("dl.detail"),
+        "source": decoded.get("dl.source"),
+        "source_entry_id": decoded.get("dl.entry_id"),
+        "deliveries": decoded.get("dl.deliveries"),
+        "fields": decoded,
+    }
+
+
+def dead_letters_command(args: argparse.Namespace) -> int:
+    """``dead-letters list|show|replay``: dead replies (database) and dead-letter entries
+    (Redis, when ``--redis`` is given)."""
+    from broker_adapter.errors import ConfigError
+
+    db = open_database(args.db)
+    outbox = OutboxStore(db)
+    client: Any = connect(args.redis) if args.redis else None
+    out: list[dict[str, Any]] = []
+    try:
+        if args.dl_command == "list":
+            out = [_reply_view(r) for r in outbox.list(state="dead")]
+            if client is not None:
+                for stream in _dead_streams(client, args.prefix):
+                    for eid, fields in call(partial(client.xrange, stream)):
+                        out.append(_entry_view(stream, text(eid), fields))
+        elif args.dl_command == "show":
+            row = outbox.get(args.id)
+            if row is not None:
+                out = [{**_reply_view(row), "body": json.loads(row.body)}]
+            elif client is not None:
+                for stream in _dead_streams(client, args.prefix):
+                    for eid, fields in call(partial(client.xrange, stream, args.id, args.id)):
+                        out.append(_entry_view(stream, text(eid), fields))
+            if not out:
+                raise ConfigError(f"no dead reply or dead-letter entry {args.id!r}")
+        else:
+            out = [_replay(args, outbox, client)]
+    finally:
+        db.close()
+    for item in out:
+        if args.json:
+            print(json.dumps(item, sort_keys=True, default=str))
+        elif item["type"] == "reply":
+            print(
+                f"reply {item['reply_id']}  {item['status']}  state={item['state']}  "
+                f"attempts={item['attempts']}  last_error={item['last_error']}"
+            )
+        else:
+            print(
+                f"entry {item['stream']} {item['entry_id']}  reason={item['reason']}  "
+                f"{item.get('detail') or ''}"
+            )
+    return 0
+
+
+def _replay(args: argparse.Namespace, outbox: OutboxStore, client: Any) -> dict[str, Any]:
+    from broker_adapter.errors import ConfigError
+
+    row = outbox.get(args.id)
+    if row is not None:
+        if client is None:
+            raise ConfigError("replaying a reply needs --redis (it checks Redis first)")
+        from broker_adapter.dispatcher import Dispatcher, DispatcherConfig
+
+        dispatcher = Dispatcher(
+            DispatcherConfig(prefix=args.prefix, owner=f"replay-{args.by}"), client, outbox
+        )
+        result = dispatcher.replay(args.id, by=args.by)
+        return {"type": "reply", "reply_id": args.id, "replay": str(result)}
+    if client is None:
+        raise ConfigError(f"no dead reply {args.id!r} in the database (entries need --redis)")
+    keys = Keys(args.prefix)
+    for stream in _dead_streams(client, args.prefix):
+        entries = call(partial(client.xrange, stream, args.id, args.id))
+        if not entries:
+            continue
+        fields = {text(k): v for k, v in entries[0][1].items()}
+        source = text(fields.get("dl.source", b""))
+        if not source or keys.dead_for(source) != stream:
+            raise ConfigError(f"dead-letter entry {args.id} does not name its source stream")
+        original = {k.removeprefix("orig."): v for k, v in fields.items() if k.startswith("orig.")}
+        if not original:
+            raise ConfigError(f"dead-letter entry {args.id} kept no original fields to replay")
+        pipe = client.pipeline(transaction=True)
+        pipe.xadd(source, original)
+        pipe.xdel(stream, args.id)
+        new_id, _ = call(pipe.execute)
+        return {"type": "entry", "entry_id": args.id, "replayed_to": source, "new_entry_id":
+                text(new_id)}  # fmt: skip
+    raise ConfigError(f"no dead reply or dead-letter entry {args.id!r}")

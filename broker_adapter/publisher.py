@@ -1,0 +1,170 @@
+"""The agent side of the inbound protocol: sign an envelope and XADD it to the inbound stream.
+
+Invariant kept: a request's identity is (principal, ``message_id``), fixed by the sender
+and unchanged across resends (INVARIANTS rule 1). Publishing the same envelope twice is
+therefore safe: the ingest's inbox answers the second copy as a duplicate of the first.
+
+Crash and fault behaviour: the client must not re-send commands by itself (use
+``streams.connect`` / ``streams.connect_async``, which set ``Retry(NoBackoff(), 0)``), because a
+library retry after a lost reply appends a second entry without the caller knowing. A failed
+publish raises ``RedisUnavailable``, which means *maybe published*: the entry may or may not
+be in the stream. The agent then retries with the SAME envelope (same ``message_id``, same
+content); the inbox turns any extra copy into a duplicate. A publisher that crashes before
+it saw an entry id must do the same after it restarts. Never publish the retry under a new
+``message_id``: that is a second request.
+
+Entries are never trimmed here (no MAXLEN): trimming can delete entries the ingest has not
+read yet, which would lose them.
+
+Modes:
+
+* signed (a ``Keyring`` is given): the entry goes to the shared stream ``keys.inbound()`` with
+  ``v``, ``env``, ``kid`` and ``sig`` (see ``auth`` and ``docs/PROTOCOL.md``);
+* ACL (``keyring=None``): the entry goes to the principal's own stream
+  ``keys.inbound(principal)`` with only ``v`` and ``env``; Redis ACLs must let this
+  connection's user write only that stream.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from broker_adapter.auth import Keyring, unsigned_fields
+from broker_adapter.envelope import Envelope, check_principal
+from broker_adapter.errors import AuthError, ConfigError, EnvelopeError
+from broker_adapter.keys import Keys
+from broker_adapter.streams import text, translated
+
+if TYPE_CHECKING:
+    import redis
+    import redis.asyncio
+
+
+class _Signer:
+    """What both publishers share: where to write and which fields to write."""
+
+    def __init__(
+        self, keys: Keys, principal: str, keyring: Keyring | None, key_id: str | None
+    ) -> None:
+        try:
+            self.principal = check_principal(principal, "principal")
+        except EnvelopeError as exc:
+            raise ConfigError(f"bad principal {principal!r}: {exc}") from None
+        self.keys = keys
+        self.keyring = keyring
+        if keyring is None:
+            if key_id is not None:
+                raise ConfigError("key_id needs a keyring (ACL mode sends no signature)")
+            self.key_id: str | None = None
+            self.stream = keys.inbound(principal)
+        else:
+            kids = keyring.key_ids(principal)
+            if not kids:
+                raise ConfigError(f"keyring has no keys for principal {principal!r}")
+            if key_id is not None and key_id not in kids:
+                raise ConfigError(f"principal {principal!r} has no key {key_id!r}")
+            self.key_id = key_id or kids[0]
+            self.stream = keys.inbound()
+
+    def fields(self, envelope: Envelope) -> dict[str, bytes]:
+        """The entry fields for ``envelope`` (signed unless in ACL mode).
+
+        Raises:
+            AuthError: reason ``sender_mismatch`` when ``envelope.sender`` is not this
+                publisher's principal.
+        """
+        if envelope.sender != self.principal:
+            raise AuthError(
+                "sender",
+                "sender_mismatch",
+                f"publisher of {self.principal!r} cannot send as {envelope.sender!r}",
+            )
+        if self.keyring is None:
+            return unsigned_fields(envelope)
+        return self.keyring.sign(envelope, self.key_id)
+
+
+class Publisher:
+    """Publishes one principal's envelopes to the inbound stream (synchronous redis-py).
+
+    Args:
+        client: a client from ``streams.connect`` (no automatic re-sends).
+        keys: the key schema (its prefix must match the ingest's).
+        principal: who publishes; every envelope's ``sender`` must equal it.
+        keyring: signs entries (signed mode); ``None`` for ACL mode.
+        key_id: the key to sign with; default the principal's first key.
+
+    Raises:
+        ConfigError: bad principal, or the keyring has no such principal or key.
+    """
+
+    def __init__(
+        self,
+        client: redis.Redis,
+        keys: Keys,
+        principal: str,
+        keyring: Keyring | None,
+        key_id: str | None = None,
+    ) -> None:
+        self.client = client
+        self._signer = _Signer(keys, principal, keyring, key_id)
+
+    @property
+    def stream(self) -> str:
+        """The stream this publisher writes to."""
+        return self._signer.stream
+
+    def publish(self, envelope: Envelope) -> str:
+        """XADD ``envelope`` to the inbound stream.
+
+        Returns:
+            the stream entry id Redis assigned. It is *not* the request's identity (that is
+            the ``message_id``) and it means only "Redis has the entry", not "done".
+
+        Raises:
+            AuthError: ``envelope.sender`` is not this publisher's principal.
+            RedisUnavailable: maybe published. Retry with the SAME envelope.
+            BrokerAdapterError: Redis refused the write (e.g. ``NOPERM`` under an ACL).
+        """
+        fields = self._signer.fields(envelope)
+        with translated():
+            entry_id = self.client.xadd(self._signer.stream, fields)  # type: ignore[arg-type]
+        return text(entry_id)
+
+
+class AsyncPublisher:
+    """``Publisher`` on ``redis.asyncio``; same arguments, same guarantees.
+
+    Args:
+        client: a client from ``streams.connect_async`` (no automatic re-sends).
+        keys: the key schema.
+        principal: who publishes.
+        keyring: signs entries (signed mode); ``None`` for ACL mode.
+        key_id: the key to sign with; default the principal's first key.
+    """
+
+    def __init__(
+        self,
+        client: redis.asyncio.Redis,
+        keys: Keys,
+        principal: str,
+        keyring: Keyring | None,
+        key_id: str | None = None,
+    ) -> None:
+        self.client = client
+        self._signer = _Signer(keys, principal, keyring, key_id)
+
+    @property
+    def stream(self) -> str:
+        return self._signer.stream
+
+    async def publish(self, envelope: Envelope) -> str:
+        """XADD ``envelope``; see ``Publisher.publish`` (``RedisUnavailable`` = maybe published).
+
+        Returns:
+            the stream entry id.
+        """
+        fields = self._signer.fields(envelope)
+        with translated():
+            entry_id = await self.client.xadd(self._signer.stream, fields)  # type: ignore[arg-type]
+        return text(entry_id)

@@ -1,0 +1,375 @@
+"""The idempotent receiver: each reply on a principal's reply stream applied exactly once.
+
+Invariants kept (INVARIANTS.md 15, 16): replies are deduplicated by reply id with a content
+hash check; the receipt and the caller's effect commit in ONE SQLite transaction; a duplicate
+skips the effect and returns the earlier result; different content under a known reply id is
+refused (dead-lettered with reason ``reply_conflict``) and its effect never runs.
+
+Reading goes through the shared ``streams.GroupReader`` (consumer group ``ba-receiver`` on
+``replies(P)``): after start and after every error it re-reads its own pending entries
+first, it takes over entries idle in a dead consumer's list (XAUTOCLAIM, every
+``take_over_interval_s``), it recreates a group Redis lost, and it dead-letters deleted
+entries and entries past ``max_deliveries``.
+
+Per batch: check each entry (fields ``v``, ``reply_id``, ``hash``, ``body``; SHA-256 of the
+body equals ``hash``; the body names this reply id and principal; anything else is
+dead-lettered with its reason), then ``receiver.before_commit``, one transaction with a
+savepoint per reply (``ReceiptStore.apply_many``), ``receiver.after_commit``, one XACK for the
+batch, ``receiver.after_xack``. Surviving a crash:
+
+* killed before the commit: nothing was written; the entries are still pending and come
+  back (own-pending replay on restart, or another consumer's takeover); applied once then;
+* killed after the commit, before the XACK: the receipts exist, so the redelivered entries
+  are duplicates: effect skipped, entries acknowledged;
+* killed after the XACK: nothing left to do.
+
+A rewind (``XGROUP SETID <stream> ba-receiver 0``), a Redis wipe that made the dispatcher
+re-send everything, or a second entry under one reply id all end as duplicates: zero new
+effects. An effect that raises leaves no trace of its reply (savepoint), the entry stays
+pending and is retried through the own-pending replay until ``max_deliveries``, after which
+it is dead-lettered with reason ``delivery_limit``.
+
+Effects. The callback ``effect(conn, reply)`` runs inside the receipt's transaction on the
+same connection: it must be a quick local write to this database, with no network call.
+An effect that leaves the transaction (HTTP, e-mail, a payment) must not be done blindly
+from the callback. Record an intent row instead, keyed by ``effect_key(reply)``, in the same
+transaction; a separate sender then performs the call carrying ``EffectKey.idempotency_key``
+(stable across resends: it is derived from the reply id) and ``EffectKey.fence`` (the
+fencing token the reply was committed under) to a system that checks them, and sends an
+outcome it cannot confirm to reconciliation rather than retrying it blindly::
+
+    def effect(conn, reply):
+        key = effect_key(reply)
+        conn.execute(
+            "INSERT INTO http_intents (idempotency_key, task_id, fence, payload)"
+            " VALUES (?, ?, ?, ?)",
+            (key.idempotency_key, key.task_id, key.fence, json.dumps(reply["result"])),
+        )
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import tenacity
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from broker_adapter import crashpoints
+from broker_adapter.clock import Clock
+from broker_adapter.envelope import check_principal, sha256_hex
+from broker_adapter.errors import ConfigError, TransientError
+from broker_adapter.keys import DEFAULT_PREFIX, RECEIVER_GROUP, Keys
+from broker_adapter.store.receipts import (
+    AppliedItem,
+    Effect,
+    ReceiptItem,
+    ReceiptOutcome,
+    ReceiptStore,
+)
+from broker_adapter.streams import GroupReader, ReaderConfig, StreamEntry, retrying, text
+
+if TYPE_CHECKING:
+    import sqlite3
+
+    import redis
+
+DEFAULT_COUNT = 64
+DEFAULT_BLOCK_MS = 1000
+DEFAULT_CLAIM_MIN_IDLE_MS = 60_000
+DEFAULT_MAX_DELIVERIES = 10
+DEFAULT_TAKE_OVER_INTERVAL_S = 30.0
+REPLY_FORMAT_VERSION = b"1"
+_HEX = frozenset("0123456789abcdef")
+
+
+class ReceiverConfig(BaseModel):
+    """How a ``Receiver`` reads one principal's replies.
+
+    Attributes:
+        prefix: the key prefix (see ``keys``).
+        principal: whose reply stream to read.
+        group: the consumer group.
+        consumer: this receiver's stable name (reuse it across restarts: its pending
+            entries come back to it first).
+        count: entries per read (and per transaction).
+        block_ms: how long a read of new entries blocks; the client's socket timeout must
+            be longer.
+        claim_min_idle_ms: entries idle this long in another consumer's list are taken over.
+        max_deliveries: entries delivered more often go to the dead-letter stream.
+        take_over_interval_s: how often a takeover scan starts, seconds.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    prefix: str = DEFAULT_PREFIX
+    principal: str
+    group: str = Field(default=RECEIVER_GROUP, min_length=1)
+    consumer: str = Field(default="receiver-1", min_length=1)
+    count: int = Field(default=DEFAULT_COUNT, ge=1, le=10_000)
+    block_ms: int = Field(default=DEFAULT_BLOCK_MS, ge=1)
+    claim_min_idle_ms: int = Field(default=DEFAULT_CLAIM_MIN_IDLE_MS, ge=0)
+    max_deliveries: int = Field(default=DEFAULT_MAX_DELIVERIES, ge=1)
+    take_over_interval_s: float = Field(default=DEFAULT_TAKE_OVER_INTERVAL_S, gt=0)
+
+    @field_validator("prefix")
+    @classmethod
+    def _prefix(cls, v: str) -> str:
+        Keys(v)
+        return v
+
+    @field_validator("principal")
+    @classmethod
+    def _principal(cls, v: str) -> str:
+        return check_principal(v, "principal")
+
+
+@dataclass(frozen=True)
+class EffectKey:
+    """What an effect that leaves the receipt's transaction must carry.
+
+    Attributes:
+        idempotency_key: stable across every resend of the reply; give it to the remote
+            system (e.g. an ``Idempotency-Key`` header) so that it can refuse a repeat.
+        reply_id: the reply's id.
+        task_id: the task the reply answers (``None`` for a conflict answer).
+        fence: the fencing token the task's result was committed under.
+    """
+
+    idempotency_key: str
+    reply_id: str
+    task_id: str | None
+    fence: int | None
+
+
+def effect_key(reply: Mapping[str, Any]) -> EffectKey:
+    """The idempotency key and fence of a reply, for effects outside the transaction."""
+    reply_id = str(reply["reply_id"])
+    fence = reply.get("fence")
+    task_id = reply.get("task_id")
+    return EffectKey(
+        idempotency_key=f"ba-reply:{reply_id}",
+        reply_id=reply_id,
+        task_id=None if task_id is None else str(task_id),
+        fence=fence if isinstance(fence, int) else None,
+    )
+
+
+def record_effect(conn: sqlite3.Connection, reply: dict[str, Any]) -> dict[str, Any]:
+    """A minimal effect (the CLI's ``receive``): the receipt, which keeps the body, is the
+    record. Writes nothing else; returns the reply's task id, status and idempotency key,
+    kept as the receipt's ``effect_result``."""
+    return {
+        "task_id": reply.get("task_id"),
+        "status": reply.get("status"),
+        "idempotency_key": effect_key(reply).idempotency_key,
+    }
+
+
+class BadReply(Exception):
+    """An entry that is not a well-formed reply (internal: it is dead-lettered)."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        self.reason = reason
+        self.detail = detail
+        super().__init__(f"{detail} [{reason}]")
+
+
+def parse_entry(fields: Mapping[bytes, bytes], principal: str, entry_id: str) -> ReceiptItem:
+    """Check one reply entry and turn it into a ``ReceiptItem``.
+
+    Raises:
+        BadReply: ``bad_reply`` (fields, version, body), ``bad_hash`` or ``wrong_principal``.
+    """
+    missing = [f for f in (b"v", b"reply_id", b"hash", b"body") if f not in fields]
+    if missing:
+        names = ", ".join(text(m) for m in missing)
+        raise BadReply("bad_reply", f"missing field(s): {names}")
+    if fields[b"v"] != REPLY_FORMAT_VERSION:
+        raise BadReply("bad_reply", f"unknown reply format version {text(fields[b'v'])!r}")
+    reply_id, content_hash, body = text(fields[b"reply_id"]), text(fields[b"hash"]), fields[b"body"]
+    if len(content_hash) != 64 or not set(content_hash) <= _HEX:
+        raise BadReply("bad_hash", "hash is not a SHA-256 hex digest")
+    actual = sha256_hex(body)
+    if actual != content_hash:
+        raise BadReply("bad_hash", f"body hashes to {actual[:16]}, entry says {content_hash[:16]}")
+    try:
+        reply = json.loads(body.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise BadReply("bad_reply", f"body is not UTF-8 JSON: {exc}") from None
+    if not isinstance(reply, dict):
+        raise BadReply("bad_reply", "body is not a JSON object")
+    if reply.get("reply_id") != reply_id:
+        raise BadReply("bad_reply", f"body names reply {reply.get('reply_id')!r}, not {reply_id!r}")
+    if reply.get("principal") != principal:
+        raise BadReply(
+            "wrong_principal", f"reply for {reply.get('principal')!r} on {principal!r}'s stream"
+        )
+    return ReceiptItem(reply_id, content_hash, principal, bytes(body), entry_id)
+
+
+@dataclass
+class ReceiverStats:
+    applied: int = 0
+    duplicates: int = 0
+    conflicts: int = 0
+    bad: int = 0
+    effect_failures: int = 0
+
+
+class Receiver:
+    """Applies the replies addressed to one principal, each exactly once.
+
+    Args:
+        config: which stream, group and consumer; batch and takeover limits.
+        client: a client from ``streams.connect`` whose socket timeout exceeds ``block_ms``.
+        receipts: the receiver's receipt store.
+        effect: called once per new reply inside its receipt's transaction (see above).
+        clock: time source for takeover scheduling (defaults to the receipts' clock).
+        logger: where warnings go.
+
+    Raises:
+        ConfigError: the client's socket timeout would cut a blocking read short.
+    """
+
+    def __init__(
+        self,
+        config: ReceiverConfig,
+        client: redis.Redis,
+        receipts: ReceiptStore,
+        effect: Effect | None = None,
+        *,
+        clock: Clock | None = None,
+        logger: logging.Logger | None = None,
+    ) -> None:
+        timeout = client.connection_pool.connection_kwargs.get("socket_timeout")
+        if timeout is not None and float(timeout) * 1000 <= config.block_ms:
+            raise ConfigError(
+                f"socket timeout {timeout} s must exceed block_ms {config.block_ms} ms"
+            )
+        self.config = config
+        self.client = client
+        self.receipts = receipts
+        self.effect = effect
+        self.clock = clock or receipts.clock
+        self.log = logger or logging.getLogger("broker_adapter.receiver")
+        self.stats = ReceiverStats()
+        keys = Keys(config.prefix)
+        self.reader = GroupReader(
+            client,
+            keys.replies(config.principal),
+            config.group,
+            config.consumer,
+            keys.replies_dead(config.principal),
+            ReaderConfig(
+                count=config.count,
+                block_ms=config.block_ms,
+                claim_min_idle_ms=config.claim_min_idle_ms,
+                max_deliveries=config.max_deliveries,
+            ),
+            self.log,
+        )
+        self._next_take_over = float("-inf")
+        self._failed_last_step = False
+
+    def step(self) -> int:
+        """Read one batch (own pending first after any error, then new entries, plus a
+        takeover page when due), apply it, acknowledge it.
+
+        Returns:
+            how many entries were acknowledged (applied or duplicate).
+
+        Raises:
+            RedisUnavailable: Redis could not be reached; the next step replays own pending.
+            StoreBusy, StoreError: the transaction failed; nothing was acknowledged.
+        """
+        try:
+            entries = self.reader.read()
+            now = self.clock.now()
+            if now >= self._next_take_over:
+                entries += self.reader.take_over()
+                if self.reader.scan_complete:
+                    self._next_take_over = now + self.config.take_over_interval_s
+            return self._handle(entries)
+        except BaseException:
+            self.reader.reset()  # after ANY error: own pending entries first next time
+            raise
+
+    def _handle(self, entries: list[StreamEntry]) -> int:
+        seen: set[str] = set()
+        good: list[tuple[StreamEntry, ReceiptItem]] = []
+        for entry in entries:
+            if entry.entry_id in seen or entry.fields is None:
+                continue
+            seen.add(entry.entry_id)
+            try:
+                good.append(
+                    (entry, parse_entry(entry.fields, self.config.principal, entry.entry_id))
+                )
+            except BadReply as bad:
+                self.stats.bad += 1
+                self.reader.dead_letter(entry, bad.reason, bad.detail)
+        self._failed_last_step = False
+        if not good:
+            return 0
+        crashpoints.hit("receiver.before_commit")
+        results = self.receipts.apply_many([item for _, item in good], self.effect)
+        crashpoints.hit("receiver.after_commit")
+        ack: list[str] = []
+        for (entry, _item), result in zip(good, results, strict=True):
+            if self._outcome(entry, result):
+                ack.append(entry.entry_id)
+        self.reader.ack(ack)
+        crashpoints.hit("receiver.after_xack")
+        if self._failed_last_step:
+            self.reader.reset()  # the failed entries come back through own-pending replay
+        return len(ack)
+
+    def _outcome(self, entry: StreamEntry, result: AppliedItem) -> bool:
+        """Count one reply's outcome; True when its entry is to be acknowledged."""
+        if result.outcome is None:
+            self.stats.effect_failures += 1
+            self._failed_last_step = True
+            self.log.warning(
+                "effect for reply %s (entry %s) failed, will retry: %r",
+                result.reply_id,
+                entry.entry_id,
+                result.error,
+            )
+            return False
+        if result.outcome is ReceiptOutcome.CONFLICT:
+            self.stats.conflicts += 1
+            earlier = result.receipt.content_hash[:16] if result.receipt else "?"
+            self.reader.dead_letter(
+                entry,
+                "reply_conflict",
+                f"reply {result.reply_id} was applied with content hash {earlier}; "
+                "this entry carries other content and is refused",
+            )
+            return False
+        if result.outcome is ReceiptOutcome.DUPLICATE:
+            self.stats.duplicates += 1
+        else:
+            self.stats.applied += 1
+        return True
+
+    def run(self, stop: threading.Event) -> None:
+        """Call ``step`` until ``stop`` is set; back off (tenacity) on ``TransientError``.
+
+        A step whose effects failed is followed by a pause of ``block_ms`` so that a
+        failing effect is not retried in a tight loop.
+        """
+        policy = retrying().copy(stop=tenacity.stop_when_event_set(stop), sleep=stop.wait)
+        while not stop.is_set():
+            try:
+                policy(self.step)
+            except TransientError:
+                if stop.is_set():
+                    return
+                raise
+            if self._failed_last_step:
+                stop.wait(self.config.block_ms / 1000)

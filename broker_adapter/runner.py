@@ -1,0 +1,214 @@
+"""Wires the stages into one running adapter: ingest, N worker processes, the dispatcher.
+
+The stages never call each other; they meet only in the SQLite file and in Redis. Each
+thread and each process opens its own ``Database`` (no connection crosses a thread or a
+``fork``); worker processes are started with ``spawn``.
+
+Lifecycle: ``Runner.run(stop)`` returns after ``stop`` is set (SIGTERM / SIGINT in the CLI):
+ingest and the dispatcher finish their current batch, the workers stop claiming and let the
+running handlers finish within ``grace_s``. A worker process that dies (SIGKILL, a handler
+that kills it) is replaced; its claimed task comes back to the pool when its lease expires,
+with attempts+1 and fence+1, and the dead process's late commit, if any, is fenced.
+A whole-runner SIGKILL loses nothing either: ingested entries are in SQLite before they are
+acknowledged, replies are in the outbox before they are published.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from broker_adapter.auth import Keyring
+from broker_adapter.clock import SystemClock
+from broker_adapter.dispatcher import Dispatcher, DispatcherConfig
+from broker_adapter.envelope import check_principal
+from broker_adapter.errors import BrokerAdapterError, ConfigError
+from broker_adapter.ingest import IngestConfig, Ingestor
+from broker_adapter.pool import WorkerPool
+from broker_adapter.store import OutboxStore, TaskStore, open_database
+from broker_adapter.store.tasks import TaskPolicy
+from broker_adapter.streams import connect
+from broker_adapter.worker import WorkerConfig
+
+log = logging.getLogger("broker_adapter.runner")
+
+DEFAULT_WORKERS = 2
+SUPERVISE_EVERY_S = 0.5
+
+
+class RunConfig(BaseModel):
+    """Everything ``broker-adapter run`` needs; validated before anything starts.
+
+    Attributes:
+        redis_url: the Redis holding the streams.
+        db_path: the SQLite file (created if absent).
+        handler: ``module:callable`` run for each task.
+        workers: worker processes.
+        keyring_path: JSON keyring (signed mode).
+        mode: ``signed`` (HMAC per entry) or ``acl`` (the stream fixes the principal).
+        acl_principals: in ACL mode, whose streams to read.
+        prefix: Redis key prefix.
+        name: this adapter's stable name (consumer and owner names derive from it).
+        lease_s: task lease.
+        call_timeout_s: per handler call.
+        grace_s: how long running handlers may finish on stop.
+        claim_min_idle_ms: pending entries idle this long are taken over from dead consumers.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    redis_url: str
+    db_path: Path
+    handler: str
+    workers: int = Field(default=DEFAULT_WORKERS, ge=1, le=64)
+    keyring_path: Path | None = None
+    mode: Literal["signed", "acl"] = "signed"
+    acl_principals: tuple[str, ...] = ()
+    prefix: str = "ba"
+    name: str = Field(default_factory=lambda: socket.gethostname().split(".")[0] or "adapter")
+    lease_s: float = Field(default=30.0, gt=0)
+    call_timeout_s: float = Field(default=60.0, gt=0)
+    grace_s: float = Field(default=10.0, ge=0)
+    claim_min_idle_ms: int = Field(default=60_000, ge=0)
+
+    @field_validator("redis_url")
+    @classmethod
+    def _url(cls, v: str) -> str:
+        if not v.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError("must start with redis://, rediss:// or unix://")
+        return v
+
+    @field_validator("handler")
+    @classmethod
+    def _handler(cls, v: str) -> str:
+        module, sep, attr = v.partition(":")
+        if not (module and sep and attr):
+            raise ValueError("must look like 'package.module:function'")
+        return v
+
+    @field_validator("acl_principals")
+    @classmethod
+    def _principals(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        return tuple(check_principal(p, "acl_principals") for p in v)
+
+    @model_validator(mode="after")
+    def _modes(self) -> RunConfig:
+        if self.mode == "signed" and self.keyring_path is None:
+            raise ValueError("signed mode needs a keyring (--keyring FILE or BA_KEYRING)")
+        if self.mode == "acl" and not self.acl_principals:
+            raise ValueError("acl mode needs at least one principal (--acl-principal P)")
+        return self
+
+
+class Runner:
+    """Runs the whole adapter until told to stop.
+
+    Args:
+        config: validated settings.
+        logger: where progress and alarms go.
+    """
+
+    def __init__(self, config: RunConfig, logger: logging.Logger | None = None) -> None:
+        self.config = config
+        self.log = logger or log
+        self.keyring = Keyring.load(config.keyring_path) if config.keyring_path else None
+        self.policy = TaskPolicy(lease_s=config.lease_s)
+        open_database(config.db_path).close()  # create and migrate once, up front
+        self.errors: list[BaseException] = []
+
+    def _worker_config(self, i: int) -> WorkerConfig:
+        return WorkerConfig(
+            # unique per incarnation: a leftover of an earlier run never shares an owner name
+            owner=f"{self.config.name}-w{i}-{os.getpid()}",
+            call_timeout_s=self.config.call_timeout_s,
+            grace_s=self.config.grace_s,
+        )
+
+    def _pool(self) -> WorkerPool:
+        return WorkerPool(
+            self.config.workers,
+            self.config.db_path,
+            self.config.handler,
+            self._worker_config,
+            policy=self.policy,
+        )
+
+    def _thread(self, name: str, body: Callable[[], None]) -> threading.Thread:
+        def guarded() -> None:
+            try:
+                body()
+            except BaseException as exc:
+                self.log.exception("%s stopped on an error", name)
+                self.errors.append(exc)
+
+        thread = threading.Thread(target=guarded, name=name, daemon=True)
+        thread.start()
+        return thread
+
+    def _ingest(self, stop: threading.Event) -> None:
+        cfg = self.config
+        db = open_database(cfg.db_path)
+        try:
+            ingest_cfg = IngestConfig(
+                prefix=cfg.prefix,
+                consumer=f"{cfg.name}-ingest",
+                mode=cfg.mode,
+                acl_principals=cfg.acl_principals,
+                claim_min_idle_ms=cfg.claim_min_idle_ms,
+            )
+            client = connect(cfg.redis_url)
+            tasks = TaskStore(db, SystemClock(), self.policy)
+            Ingestor(ingest_cfg, client, tasks, self.keyring, logger=self.log).run(stop)
+        finally:
+            db.close()
+
+    def _dispatch(self, stop: threading.Event) -> None:
+        cfg = self.config
+        db = open_database(cfg.db_path)
+        try:
+            client = connect(cfg.redis_url)
+            outbox = OutboxStore(db, SystemClock())
+            dispatch_cfg = DispatcherConfig(prefix=cfg.prefix, owner=f"{cfg.name}-dispatcher")
+            Dispatcher(dispatch_cfg, client, outbox, logger=self.log).run(stop)
+        finally:
+            db.close()
+
+    def run(self, stop: threading.Event) -> int:
+        """Run until ``stop`` is set. Returns the exit code (0 after a clean drain)."""
+        cfg = self.config
+        self.log.info(
+            "broker-adapter running: %d workers, db %s, handler %s", cfg.workers, cfg.db_path,
+            cfg.handler,
+        )  # fmt: skip
+        pool = self._pool()
+        pool.start()
+        threads = [
+            self._thread("ingest", lambda: self._ingest(stop)),
+            self._thread("dispatcher", lambda: self._dispatch(stop)),
+        ]
+        try:
+            while not stop.wait(SUPERVISE_EVERY_S):
+                if self.errors:
+                    stop.set()
+                    break
+                dead = pool.replace_dead()
+                if dead:
+                    self.log.warning("replaced %d dead worker process(es)", dead)
+        finally:
+            stop.set()
+            codes = pool.stop()
+            for thread in threads:
+                thread.join(timeout=cfg.grace_s + 10)
+        if self.errors:
+            exc = self.errors[0]
+            if isinstance(exc, BrokerAdapterError):
+                raise exc
+            raise ConfigError(f"adapter stopped: {exc}") from exc
+        return 0 if all(code == 0 for code in codes) else 1

@@ -1,0 +1,123 @@
+"""SIGKILL the ingest process at each named point, restart it, and check the invariant:
+exactly one task per request, an empty pending list, each bad entry dead-lettered once.
+
+The restart is either the same consumer name (it replays its own pending list) or a new
+one, which takes the dead consumer's entries over with XAUTOCLAIM. Instead of waiting out
+``claim_min_idle_ms`` the test ages those entries with ``XCLAIM ... IDLE 3600000 JUSTID``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import redis
+
+from broker_adapter.auth import Keyring, signature
+from broker_adapter.keys import Keys
+from broker_adapter.publisher import Publisher
+from broker_adapter.store import TaskStore, open_database
+from broker_adapter.streams import connect, text
+from tests.support.ingest_script import (
+    KEYRING,
+    age_pending,
+    drained,
+    envelope,
+    pending_total,
+    task_counts,
+    write_keyring,
+)
+from tests.support.redis_server import RedisServer
+
+pytestmark = pytest.mark.crash
+
+ROOT = Path(__file__).resolve().parents[2]
+# point@n: the n-th time the process passes it (batches of 5 entries; entry 3 is bad)
+POINTS = [
+    "ingest.after_read@2",
+    "store.accept.before_commit@2",
+    "ingest.after_commit@2",
+    "ingest.after_xack@2",
+    "ingest.after_dead_letter@1",
+]
+
+
+def _run(
+    server: RedisServer,
+    prefix: str,
+    tmp_path: Path,
+    consumer: str,
+    crashpoint: str | None,
+) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("BA_")}
+    if crashpoint is not None:
+        env["BA_CRASHPOINT"] = crashpoint
+    cmd = [
+        sys.executable, "-m", "tests.support.ingest_script",
+        "--url", server.url, "--prefix", prefix, "--db", str(tmp_path / "inbox.db"),
+        "--consumer", consumer, "--keyring", str(tmp_path / "keys.json"), "--count", "5",
+    ]  # fmt: skip
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+
+
+def _publish(client: redis.Redis, prefix: str, keyring: Keyring) -> set[tuple[str, str]]:
+    keys = Keys(prefix)
+    alice = Publisher(client, keys, "alice", keyring)
+    bob = Publisher(client, keys, "bob", keyring)
+    expected: set[tuple[str, str]] = set()
+    for i in range(12):
+        if i == 2:  # a bad entry in the first batch: bob's key, alice's name
+            env = envelope("spoof").to_json()
+            sig = signature(KEYRING["bob"]["bob-1"].encode(), "bob-1", env)
+            client.xadd(keys.inbound(), {"v": "1", "env": env, "kid": "bob-1", "sig": sig})
+        alice.publish(envelope(f"a{i}"))
+        expected.add(("alice", f"a{i}"))
+        if i % 3 == 0:
+            bob.publish(envelope(f"b{i}", sender="bob"))
+            expected.add(("bob", f"b{i}"))
+    for i in range(3):
+        alice.publish(envelope(f"a{i}"))  # resends
+    return expected
+
+
+@pytest.mark.parametrize("heir", ["same", "new"])
+@pytest.mark.parametrize("point", POINTS)
+def test_ingest_crash_then_restart_stores_each_request_once(
+    redis_server: RedisServer, prefix: str, tmp_path: Path, point: str, heir: str
+) -> None:
+    client = connect(redis_server.url)
+    keys = Keys(prefix)
+    keyring = write_keyring(tmp_path / "keys.json")
+    expected = _publish(client, prefix, keyring)
+
+    crashed = _run(redis_server, prefix, tmp_path, "ingest-h-0", point)
+    assert crashed.returncode == -signal.SIGKILL, crashed.stderr
+
+    left = pending_total(client, keys.inbound())
+    # killed before its XACK, the batch is still pending; killed after it, nothing is
+    assert (left == 0) == point.startswith("ingest.after_xack"), left
+
+    consumer = "ingest-h-0"
+    aged = 0
+    if heir == "new":
+        aged = age_pending(client, keys.inbound(), "ingest-h-0")
+        consumer = "ingest-h-1"
+    finished = _run(redis_server, prefix, tmp_path, consumer, None)
+    assert finished.returncode == 0, finished.stderr
+
+    db = open_database(tmp_path / "inbox.db")
+    try:
+        assert task_counts(TaskStore(db)) == dict.fromkeys(expected, 1)
+        assert db.integrity_check() == "ok"
+    finally:
+        db.close()
+    assert pending_total(client, keys.inbound()) == 0
+    assert drained(client, keys.inbound())
+    dead = client.xrange(keys.inbound_dead()) or []
+    assert [text(f[b"dl.reason"]) for _, f in dead] == ["sender_mismatch"]  # type: ignore[index]
+    if heir == "new" and aged:
+        assert f'"taken_over": {aged}' in finished.stdout

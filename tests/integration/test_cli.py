@@ -1,0 +1,216 @@
+"""The CLI end to end against a real redis-server, every stage a real subprocess."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.support.redis_server import RedisServer
+
+pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parents[2]
+WAIT_S = 60.0
+
+
+def _cli(
+    *args: str, env: dict[str, str] | None = None, timeout: float = 60
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "broker_adapter", *args],
+        cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env or _env(),
+    )  # fmt: skip
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("BA_")}
+    env.update(extra)
+    return env
+
+
+def _start_run(
+    redis_url: str, db: Path, keyring: Path, prefix: str, *extra: str
+) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "broker_adapter", "run", "--redis", redis_url, "--db", str(db),
+         "--handler", "broker_adapter.examples:echo", "--workers", "2", "--keyring", str(keyring),
+         "--prefix", prefix, "--lease", "2", "--claim-min-idle-ms", "1000", *extra],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(),
+    )  # fmt: skip
+
+
+def _count(db: Path, sql: str) -> int:
+    if not db.exists():
+        return 0
+    conn = sqlite3.connect(db, timeout=10)
+    try:
+        return int(conn.execute(sql).fetchone()[0])
+    except sqlite3.OperationalError:
+        return 0
+    finally:
+        conn.close()
+
+
+def _wait_for(pred: Any, what: str, timeout_s: float = WAIT_S) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if pred():
+            return
+        time.sleep(0.05)  # polling a condition with an explicit timeout
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+@pytest.fixture
+def keyring(tmp_path: Path) -> Path:
+    path = tmp_path / "keyring.json"
+    path.write_text(json.dumps({"alice": {"k1": "alice-secret"}, "bob": {"k1": "bob-secret"}}))
+    return path
+
+
+def _publish(
+    redis_url: str, keyring: Path, prefix: str, principal: str, n: int, start: int = 0
+) -> None:
+    for i in range(start, start + n):
+        res = _cli("publish", "--redis", redis_url, "--principal", principal, "--keyring",
+                   str(keyring), "--prefix", prefix, "--id", f"m{i}",
+                   "--payload", json.dumps({"i": i}))  # fmt: skip
+        assert res.returncode == 0, res.stderr
+        ack = json.loads(res.stdout)
+        assert ack["message_id"] == f"m{i}"
+        assert ack["entry_id"]
+
+
+def _receipts(db: Path) -> list[dict[str, Any]]:
+    res = _cli("receipts", "--db", str(db), "--json")
+    assert res.returncode == 0, res.stderr
+    return [json.loads(line) for line in res.stdout.splitlines() if line.strip()]
+
+
+def _receive(redis_url: str, db: Path, prefix: str, principal: str) -> None:
+    res = _cli("receive", "--redis", redis_url, "--db", str(db), "--principal", principal,
+               "--prefix", prefix, "--until-idle", "1.5")  # fmt: skip
+    assert res.returncode == 0, res.stderr
+
+
+def _stop(proc: subprocess.Popen[str], sig: int = signal.SIGTERM) -> int:
+    proc.send_signal(sig)
+    try:
+        return proc.wait(timeout=60)
+    finally:
+        if proc.stdout:
+            proc.stdout.close()
+
+
+def test_cli_publish_run_receive_gives_one_effect_per_message(
+    redis_server: RedisServer, tmp_path: Path, keyring: Path, prefix: str
+) -> None:
+    n = 12
+    db, rdb = tmp_path / "adapter.db", tmp_path / "receiver.db"
+    _publish(redis_server.url, keyring, prefix, "alice", n)
+    _publish(redis_server.url, keyring, prefix, "alice", 3)  # resends of m0..m2: duplicates
+    proc = _start_run(redis_server.url, db, keyring, prefix)
+    try:
+        _wait_for(
+            lambda: _count(db, "SELECT count(*) FROM outbox WHERE state = 'sent'") == n,
+            "all replies sent",
+        )
+    finally:
+        assert _stop(proc) == 0
+    _receive(redis_server.url, rdb, prefix, "alice")
+    receipts = _receipts(rdb)
+    assert sorted(r["message_id"] for r in receipts) == sorted(f"m{i}" for i in range(n))
+    assert all(r["effects"] == 1 and r["status"] == "done" for r in receipts)
+    assert {r["result"]["echo"]["i"] for r in receipts} == set(range(n))
+    status = _cli("status", "--db", str(db), "--redis", redis_server.url, "--prefix", prefix,
+                  "--json")  # fmt: skip
+    assert status.returncode == 0, status.stderr
+    report = json.loads(status.stdout)
+    assert report["received"] == {"inbox": n, "duplicates": 3, "conflicts": 0}
+    assert report["terminal"]["done"] == n
+    assert report["delivery"]["sent"] == n
+    assert report["delivery"]["pending"] == 0
+    assert report["processing"]["running"] == 0
+    assert all(s["pending"] == 0 for s in report["redis"]["inbound"].values())
+
+
+def test_cli_run_killed_mid_stream_and_restarted_loses_and_doubles_nothing(
+    redis_server: RedisServer, tmp_path: Path, keyring: Path, prefix: str
+) -> None:
+    n = 40
+    db, rdb = tmp_path / "adapter.db", tmp_path / "receiver.db"
+    _publish(redis_server.url, keyring, prefix, "bob", n)
+    proc = _start_run(redis_server.url, db, keyring, prefix)
+    _wait_for(lambda: _count(db, "SELECT count(*) FROM tasks") > 0, "first tasks ingested")
+    proc.kill()  # SIGKILL the whole runner (its worker children die with their parent's pipe)
+    proc.wait(timeout=30)
+    if proc.stdout:
+        proc.stdout.close()
+    proc = _start_run(redis_server.url, db, keyring, prefix)
+    try:
+        _wait_for(
+            lambda: _count(db, "SELECT count(*) FROM outbox WHERE state = 'sent'") == n,
+            "all replies sent after restart",
+        )
+    finally:
+        assert _stop(proc) == 0
+    _receive(redis_server.url, rdb, prefix, "bob")
+    receipts = _receipts(rdb)
+    assert len(receipts) == n
+    assert sorted(r["message_id"] for r in receipts) == sorted(f"m{i}" for i in range(n))
+    assert all(r["effects"] == 1 for r in receipts)
+    assert _count(db, "SELECT count(*) FROM tasks") == n
+
+
+def test_cli_sigterm_drains_cleanly(
+    redis_server: RedisServer, tmp_path: Path, keyring: Path, prefix: str
+) -> None:
+    db = tmp_path / "adapter.db"
+    proc = _start_run(redis_server.url, db, keyring, prefix)
+    _wait_for(lambda: _count(db, "SELECT count(*) FROM sqlite_master") > 0, "database created")
+    _publish(redis_server.url, keyring, prefix, "alice", 3)
+    _wait_for(
+        lambda: _count(db, "SELECT count(*) FROM outbox WHERE state = 'sent'") == 3, "replies"
+    )
+    assert _stop(proc) == 0
+    assert _count(db, "SELECT count(*) FROM tasks WHERE state = 'running'") == 0
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["run", "--redis", "redis://x", "--db", "d.db", "--handler", "nocolon"], "handler"),
+        (["run", "--redis", "http://x", "--db", "d.db", "--handler", "a:b", "--keyring", "k"],
+         "redis_url"),
+        (["run", "--redis", "redis://x", "--db", "d.db", "--handler", "a:b"], "keyring"),
+        (["run", "--redis", "redis://x", "--db", "d.db", "--handler", "a:b", "--workers", "0",
+          "--keyring", "k"], "workers"),
+        (["run", "--redis", "redis://x", "--db", "d.db", "--handler", "a:b", "--workers", "x"],
+         "invalid int"),
+        (["publish", "--redis", "redis://127.0.0.1:1", "--principal", "a", "--keyring",
+          "/nonexistent.json", "--id", "m", "--payload", "{}"], "keyring"),
+        (["publish", "--redis", "redis://127.0.0.1:1", "--principal", "a", "--keyring", "k",
+          "--id", "m", "--payload", "{not json"], "payload"),
+        (["frobnicate"], "invalid choice"),
+    ],
+)  # fmt: skip
+def test_cli_bad_flags_give_one_clear_error_line(
+    tmp_path: Path, args: list[str], needle: str
+) -> None:
+    res = subprocess.run(
+        [sys.executable, "-m", "broker_adapter", *args], cwd=tmp_path, capture_output=True,
+        text=True, timeout=60, env={**_env(), "PYTHONPATH": str(ROOT)},
+    )  # fmt: skip
+    assert res.returncode == 2
+    lines = [line for line in res.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, res.stderr
+    assert lines[0].startswith("broker-adapter: error:")
+    assert needle in lines[0]

@@ -1,0 +1,274 @@
+"""Receiver against a real redis-server: once-only effects, duplicates, conflicts, bad
+entries, rewinds, failing effects and takeover of a dead consumer's entries."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from broker_adapter.clock import FakeClock
+from broker_adapter.envelope import canonical_json, sha256_hex
+from broker_adapter.errors import ConfigError
+from broker_adapter.keys import RECEIVER_GROUP, Keys
+from broker_adapter.receiver import Receiver, ReceiverConfig, effect_key
+from broker_adapter.store import ReceiptStore, open_database
+from broker_adapter.store.db import Database
+from broker_adapter.streams import connect
+from tests.support.redis_server import RedisServer
+from tests.support.replies_script import (
+    dispatcher_for,
+    drain,
+    effect_counts,
+    make_replies,
+    receiver_for,
+    record_effect,
+)
+
+pytestmark = pytest.mark.integration
+
+P = "alice"
+
+
+@pytest.fixture
+def agent_db(tmp_path: Path) -> Iterator[Database]:
+    db = open_database(tmp_path / "agent.db")
+    yield db
+    db.close()
+
+
+@pytest.fixture
+def rx_path(tmp_path: Path) -> Path:
+    return tmp_path / "receiver.db"
+
+
+@pytest.fixture
+def rx_db(rx_path: Path) -> Iterator[Database]:
+    db = open_database(rx_path)
+    yield db
+    db.close()
+
+
+def _publish(
+    server: RedisServer, agent_db: Database, clock: FakeClock, prefix: str, n: int
+) -> list[str]:
+    ids = make_replies(agent_db, clock, P, n)
+    assert dispatcher_for(server.url, agent_db, clock, prefix, "d1").step() == n
+    return ids
+
+
+def _client(server: RedisServer) -> Any:
+    return server.client()
+
+
+def _raw_reply(reply_id: str, **extra: Any) -> dict[bytes, bytes]:
+    body = canonical_json({"reply_id": reply_id, "principal": P, "status": "done", **extra})
+    return {b"v": b"1", b"reply_id": reply_id.encode(), b"hash": sha256_hex(body).encode(),
+            b"body": body}  # fmt: skip
+
+
+def test_receiver_applies_each_reply_once_and_acks(
+    redis_server: RedisServer,
+    agent_db: Database,
+    rx_db: Database,
+    rx_path: Path,
+    clock: FakeClock,
+    prefix: str,
+) -> None:
+    ids = _publish(redis_server, agent_db, clock, prefix, 4)
+    rc = receiver_for(redis_server.url, rx_db, clock, prefix, P, "r1")
+    assert drain(rc) == 4
+    assert effect_counts(rx_path) == dict.fromkeys(ids, 1)
+    assert rc.stats.applied == 4
+    assert rc.reader.pending() == {}
+    receipt = rc.receipts.get(ids[0])
+    assert receipt is not None
+    assert receipt.effects == 1
+    assert json.loads(receipt.effect_result or "null") == {"applied": ids[0]}
+
+
+def test_receiver_second_entry_of_same_reply_is_a_duplicate(
+    redis_server: RedisServer,
+    agent_db: Database,
+    rx_db: Database,
+    rx_path: Path,
+    clock: FakeClock,
+    prefix: str,
+) -> None:
+    (rid,) = _publish(redis_server, agent_db, clock, prefix, 1)
+    client = _client(redis_server)
+    stream = Keys(prefix).replies(P)
+    ((_, fields),) = client.xrange(stream)
+    client.xadd(stream, fields)  # e.g. a resend after the record's retention ran out
+    rc = receiver_for(redis_server.url, rx_db, clock, prefix, P, "r1")
+    assert drain(rc) == 2
+    assert (rc.stats.applied, rc.stats.duplicates) == (1, 1)
+    assert effect_counts(rx_path) == {rid: 1}
+
+
+def test_receiver_rewind_of_the_group_produces_zero_new_effects(
+    redis_server: RedisServer,
+    agent_db: Database,
+    rx_db: Database,
+    rx_path: Path,
+    clock: FakeClock,
+    prefix: str,
+) -> None:
+    ids = _publish(redis_server, agent_db, clock, prefix, 3)
+    rc = receiver_for(redis_server.url, rx_db, clock, prefix, P, "r1")
+    drain(rc)
+    _client(redis_server).xgroup_setid(Keys(prefix).replies(P), RECEIVER_GROUP, "0")
+    assert drain(rc) == 3  # everything read and acknowledged again ...
+    assert rc.stats.duplicates == 3
+    assert effect_counts(rx_path) == dict.fromkeys(ids, 1)  # ... with no new effect
+    assert rc.reader.pending() == {}
+
+
+def test_receiver_refuses_conflicting_content_without_running_the_effect(
+    redis_server: RedisServer, rx_db: Database, rx_path: Path, clock: FakeClock, prefix: str
+) -> None:
+    client = _client(redis_server)
+    stream = Keys(prefix).replies(P)
+    client.xadd(stream, _raw_reply("r-1", result=1))
+    client.xadd(stream, _raw_reply("r-1", result=2))  # same reply id, other content
+    rc = receiver_for(redis_server.url, rx_db, clock, prefix, P, "r1")
+    assert drain(rc) == 1
+    assert effect_counts(rx_path) == {"r-1": 1}
+    (dead,) = client.xrange(Keys(prefix).replies_dead(P))
+    assert dead[1][b"dl.reason"] == b"reply_conflict"
+    assert json.loads(dead[1][b"orig.body"])["result"] == 2
+    assert rc.stats.conflicts == 1
+    assert rc.reader.pending() == {}
+    receipt = rc.receipts.get("r-1")
+    assert receipt is not None
+    assert json.loads(receipt.body)["result"] == 1
+
+
+def _with_body(fields: dict[bytes, bytes], body: bytes) -> dict[bytes, bytes]:
+    return {**fields, b"body": body, b"hash": sha256_hex(body).encode()}
+
+
+@pytest.mark.parametrize(
+    ("fields", "reason"),
+    [
+        ({b"v": b"1", b"reply_id": b"r-x"}, b"bad_reply"),
+        ({**_raw_reply("r-x"), b"v": b"9"}, b"bad_reply"),
+        ({**_raw_reply("r-x"), b"hash": b"0" * 64}, b"bad_hash"),
+        ({**_raw_reply("r-x"), b"hash": b"nothex"}, b"bad_hash"),
+        ({**_raw_reply("r-x"), b"reply_id": b"r-other"}, b"bad_reply"),
+        (_raw_reply("r-x", principal="mallory"), b"wrong_principal"),
+        (_with_body(_raw_reply("r-x"), b"\xff"), b"bad_reply"),
+        (_with_body(_raw_reply("r-x"), b"[1]"), b"bad_reply"),
+    ],
+)
+def test_receiver_dead_letters_malformed_entries_with_reason(
+    redis_server: RedisServer,
+    rx_db: Database,
+    rx_path: Path,
+    clock: FakeClock,
+    prefix: str,
+    fields: dict[bytes, bytes],
+    reason: bytes,
+) -> None:
+    client = _client(redis_server)
+    client.xadd(Keys(prefix).replies(P), fields)
+    rc = receiver_for(redis_server.url, rx_db, clock, prefix, P, "r1")
+    assert drain(rc) == 0
+    (dead,) = client.xrange(Keys(prefix).replies_dead(P))
+    assert dead[1][b"dl.reason"] == reason
+    assert effect_counts(rx_path) == {}
+    assert rc.receipts.list() == []
+    assert rc.reader.pending() == {}
+
+
+def test_receiver_failing_effect_leaves_nothing_and_is_retried_then_dead_lettered(
+    redis_server: RedisServer,
+    agent_db: Database,
+    rx_db: Database,
+    rx_path: Path,
+    clock: FakeClock,
+    prefix: str,
+) -> None:
+    ids = _publish(redis_server, agent_db, clock, prefix, 2)
+    poison = ids[0]
+
+    def effect(conn: sqlite3.Connection, reply: dict[str, Any]) -> Any:
+        record_effect(conn, reply)  # written, then rolled back with its savepoint
+        if reply["reply_id"] == poison:
+            raise RuntimeError("downstream table full")
+        return None
+
+    config = ReceiverConfig(prefix=prefix, principal=P, consumer="r1", block_ms=20,
+                            max_deliveries=3)  # fmt: skip
+    rc = Receiver(config, connect(redis_server.url), ReceiptStore(rx_db, clock), effect)
+    for _ in range(10):
+        rc.step()
+    assert effect_counts(rx_path) == {ids[1]: 1}
+    assert rc.receipts.get(poison) is None
+    assert rc.stats.effect_failures == 3
+    (dead,) = _client(redis_server).xrange(Keys(prefix).replies_dead(P))
+    assert dead[1][b"dl.reason"] == b"delivery_limit"
+    assert rc.reader.pending() == {}
+
+
+def test_receiver_takes_over_entries_of_a_dead_consumer(
+    redis_server: RedisServer,
+    agent_db: Database,
+    rx_db: Database,
+    rx_path: Path,
+    clock: FakeClock,
+    prefix: str,
+) -> None:
+    ids = _publish(redis_server, agent_db, clock, prefix, 3)
+    client = _client(redis_server)
+    stream = Keys(prefix).replies(P)
+    client.xgroup_create(stream, RECEIVER_GROUP, id="0")
+    client.xreadgroup(RECEIVER_GROUP, "dead-one", {stream: ">"})  # read, never applied
+    heir = receiver_for(redis_server.url, rx_db, clock, prefix, P, "heir", claim_min_idle_ms=0)
+    assert drain(heir) == 3
+    assert heir.reader.stats.taken_over == 3
+    assert effect_counts(rx_path) == dict.fromkeys(ids, 1)
+    assert heir.reader.pending() == {}
+
+
+def test_receiver_config_refuses_socket_timeout_shorter_than_block(
+    redis_server: RedisServer, rx_db: Database, prefix: str
+) -> None:
+    config = ReceiverConfig(prefix=prefix, principal=P, block_ms=5000)
+    with pytest.raises(ConfigError):
+        Receiver(config, connect(redis_server.url, socket_timeout_s=2), ReceiptStore(rx_db))
+
+
+def test_effect_key_is_stable_and_carries_the_fence() -> None:
+    reply = {"reply_id": "r-abc", "task_id": "abc", "fence": 3, "status": "done"}
+    key = effect_key(reply)
+    assert key == effect_key(dict(reply))
+    assert (key.idempotency_key, key.task_id, key.fence) == ("ba-reply:r-abc", "abc", 3)
+
+
+def test_receiver_run_applies_until_stopped(
+    redis_server: RedisServer,
+    agent_db: Database,
+    rx_db: Database,
+    rx_path: Path,
+    clock: FakeClock,
+    prefix: str,
+) -> None:
+    ids = _publish(redis_server, agent_db, clock, prefix, 3)
+    rc = receiver_for(redis_server.url, rx_db, clock, prefix, P, "r1")
+    stop = threading.Event()
+    worker = threading.Thread(target=rc.run, args=(stop,))
+    worker.start()
+    deadline = time.monotonic() + 10
+    while rc.stats.applied < len(ids):  # poll the condition, with a timeout
+        assert time.monotonic() < deadline, "run() did not apply everything"
+    stop.set()
+    worker.join(timeout=10)
+    assert not worker.is_alive()
+    assert effect_counts(rx_path) == dict.fromkeys(ids, 1)

@@ -1,0 +1,511 @@
+"""The task and outbox state machines against a simple model (hypothesis, stateful).
+
+Every rule predicts the store's answer from the model first (outcome, refusal reason, which
+rows may be claimed), then calls the store and compares. After every step the invariants
+are checked against the database itself:
+
+* at most one terminal reply per task, and every terminal task has exactly one;
+* no fenced commit the model calls stale ever succeeded;
+* attempts never exceed max_attempts;
+* deadlines never change after accept;
+* every task and reply row matches the model field for field.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    Bundle,
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    multiple,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
+
+from broker_adapter.clock import FakeClock
+from broker_adapter.errors import StaleError
+from broker_adapter.store import (
+    AcceptItem,
+    FailOutcome,
+    OutboxStore,
+    Outcome,
+    TaskStore,
+    open_database,
+)
+from broker_adapter.store.outbox import OutboxPolicy
+from broker_adapter.store.tasks import conflict_reply_id, reply_id_for
+from tests.support.store_script import (
+    LEASE_S,
+    MAX_HOPS,
+    OUTBOX_BACKOFF,
+    OUTBOX_LEASE_S,
+    RETENTION_S,
+    T0,
+    TASK_BACKOFF,
+    envelope,
+    task_policy,
+)
+
+TERMINAL = {"done", "failed", "cancelled", "expired", "hop_limit"}
+LIVE = {"pending", "running"}
+PRINCIPALS = ("alice", "bob")
+MESSAGE_IDS = ("m0", "m1", "m2")
+WORKERS = ("w1", "w2", "w3")
+DISPATCHERS = ("d1", "d2")
+RARELY = st.sampled_from([False, False, False, True])
+# A small publication budget, so that "dead" (and replay) is reached within a few steps.
+OUTBOX_MAX_ATTEMPTS = 2
+OUTBOX_POLICY = OutboxPolicy(
+    lease_s=OUTBOX_LEASE_S, max_attempts=OUTBOX_MAX_ATTEMPTS, backoff=OUTBOX_BACKOFF
+)
+
+
+@dataclass
+class MTask:
+    task_id: str
+    state: str
+    attempts: int
+    max_attempts: int
+    fence: int
+    owner: str | None
+    lease_until: float | None
+    not_before: float
+    deadline: float
+
+
+@dataclass
+class MReply:
+    reply_id: str
+    task_id: str | None
+    state: str
+    attempts: int
+    fence: int
+    owner: str | None
+    lease_until: float | None
+    not_before: float
+    created_at: float
+
+
+@dataclass(frozen=True)
+class Handle:
+    """What a worker (or dispatcher) holds after a claim: its id, owner and fence."""
+
+    key: str
+    owner: str
+    fence: int
+
+
+@dataclass
+class InboxRecord:
+    variant: int
+    task_id: str
+    received_at: float
+
+
+class StoreMachine(RuleBasedStateMachine):
+    task_ids = Bundle("task_ids")
+    task_handles = Bundle("task_handles")
+    reply_handles = Bundle("reply_handles")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dir = Path(tempfile.mkdtemp(prefix="ba-sm-"))
+        self.db = open_database(self.dir / "sm.db", synchronous="NORMAL")
+        self.clock = FakeClock(T0)
+        self.tasks_model: dict[str, MTask] = {}
+        self.replies_model: dict[str, MReply] = {}
+        self.inbox: dict[tuple[str, str], InboxRecord] = {}
+        self.deadlines: dict[str, float] = {}
+        self.stale_commits = 0
+        self.tasks = TaskStore(self.db, self.clock, task_policy(), random.Random(0))
+        self.outbox = OutboxStore(self.db, self.clock, OUTBOX_POLICY, random.Random(1))
+
+    def teardown(self) -> None:
+        self.db.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    @initialize(seed=st.integers(0, 2**32 - 1))
+    def seed_rngs(self, seed: int) -> None:
+        self.tasks.rng = random.Random(seed)
+        self.outbox.rng = random.Random(seed + 1)
+
+    # -- model helpers ------------------------------------------------------------------
+
+    def _terminal(self, task: MTask, state: str, now: float) -> None:
+        task.state, task.owner, task.lease_until = state, None, None
+        self._new_reply(reply_id_for(task.task_id), task.task_id, now)
+
+    def _new_reply(self, reply_id: str, task_id: str | None, now: float) -> None:
+        assert reply_id not in self.replies_model
+        self.replies_model[reply_id] = MReply(
+            reply_id, task_id, "pending", 0, 0, None, None, now, now
+        )
+
+    def _reconcile_model(self, now: float) -> dict[str, int]:
+        counts = {"expired": 0, "requeued": 0, "exhausted": 0}
+        for t in self.tasks_model.values():
+            if t.state in LIVE and t.deadline <= now:
+                self._terminal(t, "expired", now)
+                counts["expired"] += 1
+        for t in self.tasks_model.values():
+            if t.state == "running" and t.lease_until is not None and t.lease_until <= now:
+                if t.attempts >= t.max_attempts:
+                    self._terminal(t, "failed", now)
+                    counts["exhausted"] += 1
+                else:
+                    t.state, t.owner, t.lease_until, t.not_before = "pending", None, None, now
+                    counts["requeued"] += 1
+        return counts
+
+    def _task_refusal(self, h: Handle, owner: str) -> str | None:
+        """The reason the store must give for refusing this fenced write, or None."""
+        t = self.tasks_model[h.key]
+        now = self.clock.now()
+        if t.fence != h.fence:
+            return "fence"
+        if t.state == "cancelled":
+            return "cancelled"
+        if t.state != "running":
+            return "not_running"
+        if t.owner != owner:
+            return "owner"
+        assert t.lease_until is not None
+        if t.lease_until <= now:
+            return "lease_expired"
+        if t.deadline <= now:
+            return "deadline"
+        return None
+
+    def _reply_refusal(self, h: Handle) -> str | None:
+        r = self.replies_model[h.key]
+        if r.fence != h.fence:
+            return "fence"
+        if r.state != "sending":
+            return "not_sending"
+        if r.owner != h.owner:
+            return "owner"
+        assert r.lease_until is not None
+        if r.lease_until <= self.clock.now():
+            return "lease_expired"
+        return None
+
+    def _snapshot(self) -> str:
+        with self.db.read() as c:
+            rows = {
+                table: [dict(r) for r in c.execute(f"SELECT * FROM {table} ORDER BY 1, 2")]
+                for table in ("tasks", "inbox", "outbox")
+            }
+        return json.dumps(rows, sort_keys=True, default=repr)
+
+    def _refused(self, call: Any, reason: str) -> None:
+        before = self._snapshot()
+        refusal: StaleError | None = None
+        try:
+            call()
+        except StaleError as exc:
+            refusal = exc
+        if refusal is None:
+            self.stale_commits += 1
+            raise AssertionError(f"a stale write ({reason}) was committed")
+        assert refusal.reason == reason, (refusal.reason, reason)
+        assert self._snapshot() == before, "a refused write changed the database"
+
+    # -- tasks --------------------------------------------------------------------------
+
+    @rule(
+        target=task_ids,
+        principal=st.sampled_from(PRINCIPALS),
+        message_id=st.sampled_from(MESSAGE_IDS),
+        variant=st.integers(0, 1),
+        deadline_in=st.sampled_from([10.0, 20.0, 45.0, 400.0, 400.0, 0.0, -1.0]),
+        max_attempts=st.integers(1, 3),
+        hops=st.sampled_from([0, 0, 0, MAX_HOPS, MAX_HOPS + 1]),
+    )
+    def accept(
+        self,
+        principal: str,
+        message_id: str,
+        variant: int,
+        deadline_in: float,
+        max_attempts: int,
+        hops: int,
+    ) -> Any:
+        now = self.clock.now()
+        env = envelope(
+            message_id,
+            payload={"variant": variant},
+            deadline=now + deadline_in if now + deadline_in > 0 else 1.0,
+            max_attempts=max_attempts,
+            hops=hops,
+        )
+        known = self.inbox.get((principal, message_id))
+        (res,) = self.tasks.accept([AcceptItem(principal, env)])
+        if known is not None and (
+            now - known.received_at < RETENTION_S
+            or self.tasks_model[known.task_id].state not in TERMINAL
+        ):
+            assert res.task_id == known.task_id
+            if known.variant == variant:
+                assert res.outcome is Outcome.DUPLICATE
+            else:
+                assert res.outcome is Outcome.CONFLICT
+                reply_id = conflict_reply_id(principal, message_id, env.fingerprint())
+                assert res.reply_id == reply_id
+                if reply_id not in self.replies_model:
+                    self._new_reply(reply_id, None, now)
+            return multiple()
+        assert res.task_id is not None
+        assert res.task_id not in self.tasks_model
+        task = MTask(res.task_id, "pending", 0, max_attempts, 0, None, None, now, env.deadline)
+        self.tasks_model[res.task_id] = task
+        self.deadlines[res.task_id] = env.deadline
+        self.inbox[(principal, message_id)] = InboxRecord(variant, res.task_id, now)
+        if env.deadline <= now:
+            assert res.outcome is Outcome.EXPIRED
+            self._terminal(task, "expired", now)
+        elif hops > MAX_HOPS:
+            assert res.outcome is Outcome.HOP_LIMIT
+            self._terminal(task, "hop_limit", now)
+        else:
+            assert res.outcome is Outcome.STORED
+        return res.task_id
+
+    @rule(target=task_handles, worker=st.sampled_from(WORKERS), n=st.integers(1, 2))
+    def claim(self, worker: str, n: int) -> Any:
+        now = self.clock.now()
+        self._reconcile_model(now)
+        eligible = {
+            t.task_id: t.not_before
+            for t in self.tasks_model.values()
+            if t.state == "pending" and t.not_before <= now
+        }
+        got = self.tasks.claim(worker, n)
+        assert len(got) == min(n, len(eligible))
+        chosen = {c.task_id for c in got}
+        assert chosen <= set(eligible)
+        rest = [nb for tid, nb in eligible.items() if tid not in chosen]
+        if rest and chosen:
+            assert max(eligible[tid] for tid in chosen) <= min(rest)
+        handles = []
+        for c in got:
+            t = self.tasks_model[c.task_id]
+            t.state, t.owner, t.lease_until = "running", worker, now + LEASE_S
+            t.attempts += 1
+            t.fence += 1
+            assert (c.attempt, c.fence, c.lease_until, c.deadline) == (
+                t.attempts, t.fence, t.lease_until, t.deadline,
+            )  # fmt: skip
+            handles.append(Handle(c.task_id, worker, c.fence))
+        return multiple(*handles)
+
+    @rule(h=task_handles, intruder=RARELY)
+    def finish(self, h: Handle, intruder: bool) -> None:
+        owner = "intruder" if intruder else h.owner
+        reason = self._task_refusal(h, owner)
+        if reason is not None:
+            self._refused(lambda: self.tasks.finish(h.key, owner, h.fence, {"ok": 1}), reason)
+            return
+        assert self.tasks.finish(h.key, owner, h.fence, {"ok": 1}) == reply_id_for(h.key)
+        self._terminal(self.tasks_model[h.key], "done", self.clock.now())
+
+    @rule(h=task_handles, retryable=st.booleans(), intruder=RARELY)
+    def fail(self, h: Handle, retryable: bool, intruder: bool) -> None:
+        owner = "intruder" if intruder else h.owner
+        reason = self._task_refusal(h, owner)
+        if reason is not None:
+            self._refused(
+                lambda: self.tasks.fail(h.key, owner, h.fence, "boom", retryable=retryable),
+                reason,
+            )
+            return
+        t = self.tasks_model[h.key]
+        now = self.clock.now()
+        allowed = {FailOutcome.FAILED}
+        ceiling = TASK_BACKOFF.ceiling(t.attempts)
+        if retryable and t.attempts < t.max_attempts:
+            if now + ceiling < t.deadline:
+                allowed = {FailOutcome.RETRY}
+            elif now + ceiling / 2 < t.deadline:
+                allowed = {FailOutcome.RETRY, FailOutcome.FAILED}  # depends on the jitter
+        outcome = self.tasks.fail(h.key, owner, h.fence, "boom", retryable=retryable)
+        assert outcome in allowed, (outcome, allowed)
+        if outcome is FailOutcome.RETRY:
+            row = self.tasks.get(h.key)
+            assert row is not None
+            assert now + ceiling / 2 <= row.not_before <= now + ceiling
+            assert row.not_before < t.deadline
+            t.state, t.owner, t.lease_until, t.not_before = "pending", None, None, row.not_before
+        else:
+            self._terminal(t, "failed", now)
+
+    @rule(h=task_handles, intruder=RARELY)
+    def renew(self, h: Handle, intruder: bool) -> None:
+        owner = "intruder" if intruder else h.owner
+        reason = self._task_refusal(h, owner)
+        if reason is not None:
+            self._refused(lambda: self.tasks.renew(h.key, owner, h.fence), reason)
+            return
+        t = self.tasks_model[h.key]
+        t.lease_until = self.clock.now() + LEASE_S
+        assert self.tasks.renew(h.key, owner, h.fence) == t.lease_until
+
+    @rule(task_id=task_ids, go=RARELY)
+    def cancel(self, task_id: str, go: bool) -> None:
+        if not go:  # keep cancellations rare, or they end most tasks before any claim
+            return
+        t = self.tasks_model[task_id]
+        expected = "cancelled" if t.state in LIVE else t.state
+        assert self.tasks.cancel(task_id).value == expected
+        if t.state in LIVE:
+            self._terminal(t, "cancelled", self.clock.now())
+
+    @rule(seconds=st.sampled_from([0.25, 1.0, 4.0, 15.0, 29.0, 31.0, 120.0]))
+    def advance(self, seconds: float) -> None:
+        self.clock.advance(seconds)
+
+    @rule()
+    def reconcile(self) -> None:
+        expected = self._reconcile_model(self.clock.now())
+        assert self.tasks.reconcile() == expected
+
+    # -- outbox -------------------------------------------------------------------------
+
+    @rule(target=reply_handles, dispatcher=st.sampled_from(DISPATCHERS), n=st.integers(1, 2))
+    def outbox_claim(self, dispatcher: str, n: int) -> Any:
+        now = self.clock.now()
+        for r in self.replies_model.values():
+            if r.state == "sending" and r.lease_until is not None and r.lease_until <= now:
+                r.state, r.owner, r.lease_until = "pending", None, None
+        eligible = {
+            r.reply_id: (r.not_before, r.created_at)
+            for r in self.replies_model.values()
+            if r.state == "pending" and r.not_before <= now
+        }
+        got = self.outbox.claim(dispatcher, n)
+        assert len(got) == min(n, len(eligible))
+        chosen = {g.reply_id for g in got}
+        assert chosen <= set(eligible)
+        rest = [key for rid, key in eligible.items() if rid not in chosen]
+        if rest and chosen:
+            assert max(eligible[rid] for rid in chosen) <= min(rest)
+        handles = []
+        for g in got:
+            r = self.replies_model[g.reply_id]
+            r.state, r.owner, r.lease_until = "sending", dispatcher, now + OUTBOX_LEASE_S
+            r.attempts += 1
+            r.fence += 1
+            assert (g.attempts, g.fence) == (r.attempts, r.fence)
+            handles.append(Handle(g.reply_id, dispatcher, g.fence))
+        return multiple(*handles)
+
+    @rule(h=reply_handles)
+    def mark_sent(self, h: Handle) -> None:
+        reason = self._reply_refusal(h)
+        if reason is not None:
+            self._refused(lambda: self.outbox.mark_sent(h.key, h.owner, h.fence, "1-0"), reason)
+            return
+        self.outbox.mark_sent(h.key, h.owner, h.fence, "1-0")
+        r = self.replies_model[h.key]
+        r.state, r.owner, r.lease_until = "sent", None, None
+
+    @rule(h=reply_handles)
+    def reply_retry(self, h: Handle) -> None:
+        reason = self._reply_refusal(h)
+        if reason is not None:
+            self._refused(lambda: self.outbox.retry(h.key, h.owner, h.fence, "nope"), reason)
+            return
+        r = self.replies_model[h.key]
+        now = self.clock.now()
+        new_state = self.outbox.retry(h.key, h.owner, h.fence, "nope")
+        assert new_state == ("dead" if r.attempts >= OUTBOX_MAX_ATTEMPTS else "pending")
+        r.state, r.owner, r.lease_until = new_state, None, None
+        with self.db.read() as c:
+            r.not_before = c.execute(
+                "SELECT not_before FROM outbox WHERE reply_id = ?", (h.key,)
+            ).fetchone()[0]
+        if new_state == "pending":
+            ceiling = OUTBOX_BACKOFF.ceiling(r.attempts)
+            assert now + ceiling / 2 <= r.not_before <= now + ceiling
+
+    @rule(h=reply_handles)
+    def reply_dead(self, h: Handle) -> None:
+        reason = self._reply_refusal(h)
+        if reason is not None:
+            self._refused(lambda: self.outbox.mark_dead(h.key, h.owner, h.fence, "perm"), reason)
+            return
+        self.outbox.mark_dead(h.key, h.owner, h.fence, "perm")
+        r = self.replies_model[h.key]
+        r.state, r.owner, r.lease_until = "dead", None, None
+
+    @precondition(lambda self: any(r.state == "dead" for r in self.replies_model.values()))
+    @rule(data=st.data())
+    def replay(self, data: st.DataObject) -> None:
+        dead = sorted(k for k, r in self.replies_model.items() if r.state == "dead")
+        reply_id = data.draw(st.sampled_from(dead))
+        row = self.outbox.replay(reply_id, "ops")
+        r = self.replies_model[reply_id]
+        r.state, r.attempts, r.not_before = "pending", 0, self.clock.now()
+        assert (row.state, row.attempts, row.replayed_by) == ("pending", 0, "ops")
+
+    # -- invariants ---------------------------------------------------------------------
+
+    @invariant()
+    def no_stale_commit(self) -> None:
+        assert self.stale_commits == 0
+
+    @invariant()
+    def database_matches_model(self) -> None:
+        with self.db.read() as c:
+            tasks = {r["task_id"]: r for r in c.execute("SELECT * FROM tasks")}
+            outbox = {r["reply_id"]: r for r in c.execute("SELECT * FROM outbox")}
+        assert set(tasks) == set(self.tasks_model)
+        assert set(outbox) == set(self.replies_model)
+        replies_per_task: dict[str, int] = {}
+        for r in outbox.values():
+            if r["task_id"] is not None:
+                replies_per_task[r["task_id"]] = replies_per_task.get(r["task_id"], 0) + 1
+        for task_id, row in tasks.items():
+            m = self.tasks_model[task_id]
+            n_replies = replies_per_task.get(task_id, 0)
+            assert n_replies <= 1
+            assert n_replies == (1 if row["state"] in TERMINAL else 0)
+            assert row["attempts"] <= row["max_attempts"]
+            assert row["deadline"] == self.deadlines[task_id]
+            assert (row["state"], row["attempts"], row["fence"], row["owner"]) == (
+                m.state, m.attempts, m.fence, m.owner,
+            )  # fmt: skip
+            assert (row["lease_until"], row["deadline"]) == (m.lease_until, m.deadline)
+            if row["state"] == "pending":
+                assert row["not_before"] == m.not_before
+        for reply_id, row in outbox.items():
+            r = self.replies_model[reply_id]
+            assert (row["task_id"], row["state"], row["attempts"], row["fence"]) == (
+                r.task_id, r.state, r.attempts, r.fence,
+            )  # fmt: skip
+            assert (row["owner"], row["lease_until"]) == (r.owner, r.lease_until)
+            if r.task_id is not None:
+                assert json.loads(row["body"])["status"] == self.tasks_model[r.task_id].state
+
+
+def test_store_state_machine_keeps_invariants() -> None:
+    run_state_machine_as_test(
+        StoreMachine,
+        settings=settings(
+            max_examples=150,
+            stateful_step_count=50,
+            deadline=None,
+            suppress_health_check=[HealthCheck.too_slow],
+        ),
+    )
