@@ -289,6 +289,8 @@ def cmd_dead_letters(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from broker_adapter.demo import run_demo
 
+    if not args.verbose:  # the report tells the story; the adapter's own log would repeat it
+        logging.getLogger("broker_adapter").setLevel(logging.ERROR)
     return run_demo()
 
 

@@ -280,7 +280,13 @@ class Dispatcher:
             pipe = self.client.pipeline(transaction=False)
             pipe.get(epoch_key)
             pipe.info("server")
-            raw_epoch, info = pipe.execute()
+            raw_epoch, info = pipe.execute(raise_on_error=False)
+        if isinstance(raw_epoch, Exception):
+            with translated():
+                raise raw_epoch
+        if isinstance(info, Exception):
+            # A server without INFO (an embedded fake): only the epoch key can be watched.
+            info = {}
         epoch = None if raw_epoch is None else text(raw_epoch)
         run_id = str(info.get("run_id", ""))
         uptime_s = float(info.get("uptime_in_seconds", 0))

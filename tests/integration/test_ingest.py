@@ -415,6 +415,31 @@ def test_ingest_run_loop_takes_over_and_ingests_until_stopped(
     assert pending_total(client, keys.inbound()) == 0
 
 
+def test_ingest_run_loop_backs_off_and_recovers_when_redis_restarts(
+    fresh_redis: RedisServer, prefix: str, tasks: TaskStore, keyring: Keyring, clock: FakeClock
+) -> None:
+    client = connect(fresh_redis.url, socket_timeout_s=1.0)
+    _publish_many(client, prefix, keyring, 6, "u")
+    ingestor = _ingestor(client, prefix, tasks, keyring, clock, count=4)
+    stop = threading.Event()
+    worker = threading.Thread(target=ingestor.run, args=(stop,))
+    worker.start()
+    try:
+        _wait_for(lambda: len(task_counts(tasks)) == 6, what="the first tasks")
+        fresh_redis.kill()
+        _wait_for(lambda: ingestor.stats.transient_errors >= 2, what="the loop to back off")
+        fresh_redis.restart()
+        _publish_many(client, prefix, keyring, 9, "u")  # 6 resends and 3 new requests
+        _wait_for(lambda: len(task_counts(tasks)) == 9, what="tasks after the restart")
+        _wait_for(lambda: drained(client, Keys(prefix).inbound()), what="the stream to drain")
+    finally:
+        stop.set()
+        worker.join(timeout=10)
+    assert not worker.is_alive()
+    assert task_counts(tasks) == {("alice", f"u{i}"): 1 for i in range(9)}
+    assert ingestor.stats.duplicates == 6
+
+
 # -- faults ----------------------------------------------------------------------------------
 
 
