@@ -135,10 +135,15 @@ class OutboxStore:
         now = self.clock.now()
         lease_until = now + self.policy.lease_s
         with self.db.write("outbox_claim") as c:
+            # A publisher that died holding the row spent an attempt too: past the budget
+            # the row is dead (kept, with the reason), not claimed forever.
             c.execute(
-                "UPDATE outbox SET state = 'pending', owner = NULL, lease_until = NULL"
+                "UPDATE outbox SET owner = NULL, lease_until = NULL,"
+                " state = CASE WHEN attempts >= ? THEN 'dead' ELSE 'pending' END,"
+                " last_error = CASE WHEN attempts >= ?"
+                "   THEN 'publisher lease expired on the last attempt' ELSE last_error END"
                 " WHERE state = 'sending' AND lease_until <= ?",
-                (now,),
+                (self.policy.max_attempts, self.policy.max_attempts, now),
             )
             ids = [
                 r[0]

@@ -232,14 +232,15 @@ class TaskStore:
             if retained or row["state"] not in TERMINAL_STATES:
                 return self._known(c, item, row, fingerprint, now)
         task_id = new_task_id()
+        hops = self._hops(c, env)
         state = TaskState.PENDING
         outcome = Outcome.STORED
         error = None
         if env.deadline <= now:
             state, outcome, error = TaskState.EXPIRED, Outcome.EXPIRED, "deadline already past"
-        elif env.hops > self.policy.max_hops:
+        elif hops > self.policy.max_hops:
             state, outcome = TaskState.HOP_LIMIT, Outcome.HOP_LIMIT
-            error = f"hops {env.hops} exceed the limit {self.policy.max_hops}"
+            error = f"hops {hops} exceed the limit {self.policy.max_hops}"
         c.execute(
             "INSERT INTO tasks (task_id, principal, message_id, kind, payload, fingerprint,"
             " correlation_id, parent_id, state, max_attempts, not_before, deadline, hops,"
@@ -248,7 +249,7 @@ class TaskStore:
             (
                 task_id, item.principal, env.message_id, env.kind, env.payload_json(),
                 fingerprint, env.correlation_id, env.parent_id, state.value, env.max_attempts,
-                now, env.deadline, env.hops, now, now,
+                now, env.deadline, hops, now, now,
                 None if state is TaskState.PENDING else now, error,
             ),
         )  # fmt: skip
@@ -264,6 +265,16 @@ class TaskStore:
         if state is not TaskState.PENDING:
             reply_id = self._terminal_reply(c, task_id, state, None, error, now)
         return AcceptResult(outcome, task_id, reply_id, error or "")
+
+    @staticmethod
+    def _hops(c: sqlite3.Connection, env: Envelope) -> int:
+        """Hops as the system counts them (INVARIANTS rule 12): a request whose
+        ``parent_id`` names a task of ours is one hop further than that task, whatever its
+        body says; the body's figure can only add hops, never remove them."""
+        if env.parent_id is None:
+            return env.hops
+        row = c.execute("SELECT hops FROM tasks WHERE task_id = ?", (env.parent_id,)).fetchone()
+        return env.hops if row is None else max(env.hops, int(row[0]) + 1)
 
     def _known(
         self,

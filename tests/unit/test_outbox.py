@@ -274,3 +274,27 @@ def test_outbox_reply_body_is_fixed_at_enqueue(s: Stores, clock: FakeClock) -> N
     (r2,) = s.outbox.claim("d1", 1)
     assert r2.body == r.body
     assert r2.content_hash == r.content_hash
+
+
+def test_outbox_claim_marks_dead_a_row_whose_publishers_keep_dying(
+    tmp_path: Path, clock: FakeClock
+) -> None:
+    from broker_adapter.envelope import Envelope
+    from broker_adapter.store import AcceptItem, OutboxStore, TaskStore, open_database
+    from broker_adapter.store.outbox import OutboxPolicy
+
+    db = open_database(tmp_path / "dying.db")
+    tasks = TaskStore(db, clock)
+    outbox = OutboxStore(db, clock, OutboxPolicy(lease_s=5, max_attempts=2))
+    env = Envelope.build(message_id="m", sender="a", payload={}, deadline=clock.now() + 1)
+    tasks.accept([AcceptItem("a", env)])
+    clock.advance(2)
+    tasks.reconcile()  # expired: its reply is in the outbox
+    for _ in range(2):  # each publisher claims the row and dies holding it
+        (row,) = outbox.claim("doomed", 10)
+        clock.advance(6)
+    assert outbox.claim("next", 10) == []
+    (dead,) = outbox.list(state="dead")
+    assert dead.reply_id == row.reply_id
+    assert dead.attempts == 2
+    assert dead.last_error == "publisher lease expired on the last attempt"

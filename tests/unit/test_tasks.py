@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from broker_adapter.clock import FakeClock
+from broker_adapter.envelope import Envelope
 from broker_adapter.errors import (
     ConfigError,
     FencedError,
@@ -30,7 +31,13 @@ from broker_adapter.store import (
     open_database,
 )
 from broker_adapter.store.db import SCHEMA_VERSION
-from broker_adapter.store.tasks import UnknownTask, conflict_reply_id, reply_id_for
+from broker_adapter.store.tasks import (
+    TaskPolicy,
+    TaskStore,
+    UnknownTask,
+    conflict_reply_id,
+    reply_id_for,
+)
 from tests.support.store_script import (
     LEASE_S,
     MAX_HOPS,
@@ -797,3 +804,29 @@ def test_database_refuses_use_after_fork(tmp_path: Path) -> None:
         with db.write("claim") as c:  # the parent's connection still works
             c.execute("SELECT 1")
         assert db.integrity_check() == "ok"
+
+
+def test_tasks_accept_counts_hops_from_the_parent_task_not_the_body(
+    tmp_path: Path, clock: FakeClock
+) -> None:
+    db = open_database(tmp_path / "hops.db")
+    tasks = TaskStore(db, clock, TaskPolicy(max_hops=2))
+    deadline = clock.now() + 60
+    parent = Envelope.build(message_id="p", sender="a", payload={}, deadline=deadline)
+    (root,) = tasks.accept([AcceptItem("a", parent)])
+    assert root.task_id is not None
+    chain = [root.task_id]
+    outcomes = []
+    for i in range(3):  # every child claims hops=0 in its body
+        child = Envelope.build(
+            message_id=f"c{i}", sender="a", payload={}, deadline=deadline, parent_id=chain[-1]
+        )
+        (res,) = tasks.accept([AcceptItem("a", child)])
+        assert res.task_id is not None
+        chain.append(res.task_id)
+        outcomes.append(res.outcome)
+    assert outcomes == [Outcome.STORED, Outcome.STORED, Outcome.HOP_LIMIT]
+    with db.read() as c:
+        hops = [c.execute("SELECT hops FROM tasks WHERE task_id = ?", (t,)).fetchone()[0]
+                for t in chain]  # fmt: skip
+    assert hops == [0, 1, 2, 3]
