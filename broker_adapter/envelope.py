@@ -18,9 +18,18 @@ import hashlib
 import json
 import math
 import unicodedata
+from contextvars import ContextVar
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from broker_adapter.errors import EnvelopeError
 
@@ -76,8 +85,11 @@ def loads_strict(data: bytes | str) -> Any:
     return json.loads(data, parse_constant=_reject_constant, object_pairs_hook=no_dup_keys)
 
 
-def check_payload(payload: Any) -> None:
-    """Check the payload bounds: object, string keys, finite numbers, depth, nodes.
+def check_payload(payload: Any) -> bytes:
+    """Check the payload bounds: object, string keys, finite numbers, depth, nodes, size.
+
+    Returns:
+        the payload's canonical JSON bytes (computed for the size check anyway).
 
     Raises:
         EnvelopeError: with ``field="payload"`` and a specific reason.
@@ -119,7 +131,8 @@ def check_payload(payload: Any) -> None:
                 "payload", "bad_type", f"payload holds a {type(value).__name__}, not JSON"
             )
     try:
-        size = len(canonical_json(payload))
+        encoded = canonical_json(payload)
+        size = len(encoded)
     except UnicodeEncodeError:
         raise EnvelopeError(
             "payload", "bad_utf8", "payload holds a string that is not valid UTF-8"
@@ -128,6 +141,7 @@ def check_payload(payload: Any) -> None:
         raise EnvelopeError(
             "payload", "too_large", f"payload is {size} bytes canonical, limit {PAYLOAD_MAX_BYTES}"
         )
+    return encoded
 
 
 def _utf8_size(value: str, field: str) -> int:
@@ -161,6 +175,11 @@ def _check_id(value: str, field: str) -> str:
     return value
 
 
+# The canonical bytes computed while validating a payload, handed from the field validator
+# to the model validator of the same (synchronous) validation.
+_checked_payload: ContextVar[bytes | None] = ContextVar("_checked_payload", default=None)
+
+
 class Envelope(BaseModel):
     """One request from an agent. Frozen and strict: no coercion, no unknown fields."""
 
@@ -175,6 +194,7 @@ class Envelope(BaseModel):
     hops: int = Field(default=0, ge=0, le=HOPS_LIMIT)
     correlation_id: str | None = None
     parent_id: str | None = None
+    _payload_bytes: tuple[dict[str, Any], bytes] | None = PrivateAttr(default=None)
 
     @field_validator("message_id")
     @classmethod
@@ -200,13 +220,23 @@ class Envelope(BaseModel):
             raise EnvelopeError("deadline", "not_positive", "deadline must be after the epoch")
         return v
 
-    # "before": check_payload sees the raw value, so a non-object or a non-string key gets
-    # its specific reason (not_object, non_string_key) rather than a generic type error.
+    # "before": the payload is checked on the raw value, so a non-object or a non-string key
+    # gets its specific reason (not_object, non_string_key) rather than a generic type
+    # error. The canonical bytes computed for the size check are kept for the fingerprint
+    # and the stored copy, so an envelope's payload is encoded once.
     @field_validator("payload", mode="before")
     @classmethod
     def _payload(cls, v: Any) -> Any:
-        check_payload(v)
+        _checked_payload.set(check_payload(v))
         return v
+
+    @model_validator(mode="after")
+    def _keep_payload_bytes(self) -> Envelope:
+        encoded = _checked_payload.get()
+        if encoded is not None:
+            _checked_payload.set(None)
+            self._payload_bytes = (self.payload, encoded)
+        return self
 
     # -- construction -------------------------------------------------------------------
 
@@ -264,12 +294,25 @@ class Envelope(BaseModel):
             "parent_id": self.parent_id,
         }
 
+    def payload_bytes(self) -> bytes:
+        """The payload's canonical JSON bytes (encoded once per envelope)."""
+        cached = self._payload_bytes
+        if cached is not None and cached[0] is self.payload:
+            return cached[1]
+        encoded = canonical_json(self.payload)  # a model_copy(update=...) changed it
+        self._payload_bytes = (self.payload, encoded)
+        return encoded
+
     def fingerprint(self) -> str:
-        """SHA-256 (hex) of the canonical content."""
-        return sha256_hex(canonical_json(self.content()))
+        """SHA-256 (hex) of the canonical content: canonical_json(self.content()), with the
+        payload's bytes spliced in rather than encoded again (keys in sorted order)."""
+        head = canonical_json(
+            {"correlation_id": self.correlation_id, "kind": self.kind, "parent_id": self.parent_id}
+        )
+        return sha256_hex(head[:-1] + b',"payload":' + self.payload_bytes() + b"}")
 
     def payload_json(self) -> str:
-        return canonical_json(self.payload).decode("utf-8")
+        return self.payload_bytes().decode("utf-8")
 
 
 def _translate(exc: ValidationError) -> EnvelopeError:

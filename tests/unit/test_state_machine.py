@@ -387,7 +387,9 @@ class StoreMachine(RuleBasedStateMachine):
         now = self.clock.now()
         for r in self.replies_model.values():
             if r.state == "sending" and r.lease_until is not None and r.lease_until <= now:
-                r.state, r.owner, r.lease_until = "pending", None, None
+                # a publisher that died holding the row spent its attempt too
+                r.state = "dead" if r.attempts >= OUTBOX_MAX_ATTEMPTS else "pending"
+                r.owner, r.lease_until = None, None
         eligible = {
             r.reply_id: (r.not_before, r.created_at)
             for r in self.replies_model.values()
