@@ -214,3 +214,37 @@ def test_cli_bad_flags_give_one_clear_error_line(
     assert len(lines) == 1, res.stderr
     assert lines[0].startswith("broker-adapter: error:")
     assert needle in lines[0]
+
+
+def test_cli_dead_letters_list_show_replay(
+    redis_server: RedisServer, tmp_path: Path, keyring: Path, prefix: str
+) -> None:
+    db = tmp_path / "adapter.db"
+    client: Any = redis_server.client()
+    stream = f"{prefix}:{{in}}:tasks"
+    client.xadd(stream, {"v": "1", "env": "{not json", "kid": "k1", "sig": "00"})
+    proc = _start_run(redis_server.url, db, keyring, prefix)
+    try:
+        _wait_for(lambda: client.xlen(f"{prefix}:{{in}}:dead") == 1, "the dead letter")
+    finally:
+        assert _stop(proc) == 0
+    common = ["--db", str(db), "--redis", redis_server.url, "--prefix", prefix, "--json"]
+    listed = _cli("dead-letters", "list", *common)
+    assert listed.returncode == 0, listed.stderr
+    (item,) = [json.loads(line) for line in listed.stdout.splitlines()]
+    assert item["reason"] == "unparseable"
+    assert item["fields"]["orig.env"] == "{not json"
+    shown = _cli("dead-letters", "show", *common, item["entry_id"])
+    assert shown.returncode == 0, shown.stderr
+    assert json.loads(shown.stdout)["entry_id"] == item["entry_id"]
+    replayed = _cli("dead-letters", "replay", *common, item["entry_id"])
+    assert replayed.returncode == 0, replayed.stderr
+    result = json.loads(replayed.stdout)
+    assert result["replayed_to"] == stream
+    assert client.xlen(f"{prefix}:{{in}}:dead") == 0  # moved back, original fields intact
+    (last,) = client.xrevrange(stream, count=1)
+    assert last[1][b"env"] == b"{not json"
+    missing = _cli("dead-letters", "show", *common, "0-1")
+    assert missing.returncode == 2
+    assert "no dead reply or dead-letter entry" in missing.stderr
+    client.close()
