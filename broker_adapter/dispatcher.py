@@ -15,7 +15,12 @@ Publication is idempotent in Redis itself. ONE Lua script on two keys of one has
 
 The script's two writes reach the AOF as one MULTI/EXEC, so they survive or vanish together.
 The scripts of a claimed batch are pipelined (one round trip) and the batch is marked sent
-in one SQLite transaction (a savepoint per row, so a fenced-out row does not sink the rest).
+in one SQLite transaction (each row fenced on its own: a fenced-out row is refused before it
+writes anything and does not sink the rest). In ``run`` that transaction also claims the next
+batch (one fsync instead of two); rows claimed ahead are published by the next step, also
+when a stop arrives in between. When idle, ``run`` looks at the outbox with a read
+(``OutboxStore.has_ready``) every ``wake_poll_s`` for a second after its last publication,
+then less and less often, up to ``idle_poll_s``.
 Redis >= 8.6 has ``XADD ... IDMP`` (detected and logged); it keeps ids for at most a day and
 does not compare content, so the script stays the path that also catches conflicts.
 
@@ -64,6 +69,7 @@ import os
 import secrets
 import socket
 import threading
+import time
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any
@@ -89,7 +95,12 @@ if TYPE_CHECKING:
 
 DEFAULT_BATCH = 64
 DEFAULT_RECORD_TTL_S = 7 * 24 * 3600.0
-DEFAULT_IDLE_POLL_S = 0.5
+DEFAULT_IDLE_POLL_S = 0.05
+DEFAULT_WAKE_POLL_S = 0.001
+#: An idle dispatcher still runs a whole step (the data-loss watch included) this often.
+IDLE_STEP_EVERY_S = 0.5
+#: After its last publication the dispatcher keeps looking every ``wake_poll_s`` this long.
+ALERT_AFTER_WORK_S = 1.0
 DEFAULT_LOSS_WINDOW_S = 2.0
 REPLY_FORMAT_VERSION = "1"
 IDMP_MIN_VERSION = (8, 6)
@@ -129,7 +140,12 @@ class DispatcherConfig(BaseModel):
         batch: rows claimed, published (one pipeline) and marked (one transaction) at once.
         record_ttl_s: how long a publication record dedupes its reply id, seconds. Past it
             a resend appends a second entry (the receiver's receipts still dedupe it).
-        idle_poll_s: how long ``run`` waits when the outbox had nothing ready, seconds.
+        idle_poll_s: the longest pause between two looks at the outbox when it had nothing
+            ready, seconds. A look is a read (``OutboxStore.has_ready``: no write lock, no
+            fsync); a step follows when it finds a row, and every ``IDLE_STEP_EVERY_S``.
+        wake_poll_s: the pause between looks for ``ALERT_AFTER_WORK_S`` after the last
+            publication, seconds; then it doubles with every empty look, up to
+            ``idle_poll_s``.
         loss_window_s: how far back a Redis restart can have lost acknowledged writes,
             seconds (``appendfsync everysec``: 1 s nominal, 2 s worst case).
     """
@@ -141,6 +157,7 @@ class DispatcherConfig(BaseModel):
     batch: int = Field(default=DEFAULT_BATCH, ge=1, le=10_000)
     record_ttl_s: float = Field(default=DEFAULT_RECORD_TTL_S, gt=0)
     idle_poll_s: float = Field(default=DEFAULT_IDLE_POLL_S, gt=0)
+    wake_poll_s: float = Field(default=DEFAULT_WAKE_POLL_S, gt=0)
     loss_window_s: float = Field(default=DEFAULT_LOSS_WINDOW_S, ge=0)
 
     @field_validator("prefix")
@@ -261,6 +278,8 @@ class Dispatcher:
         self.idmp_supported: bool | None = None
         self._epoch: str | None = None
         self._run_id: str | None = None
+        #: Rows claimed in the last batch's mark-sent transaction, published next (``run``).
+        self._ahead: list[OutboxRow] = []
         self._last_ok_at: float | None = None
 
     # -- loss detection ---------------------------------------------------------------------
@@ -403,8 +422,10 @@ class Dispatcher:
         )
         return Publication(row.reply_id, PublishOutcome.CONFLICT, None, detail)
 
-    def settle(self, rows: list[OutboxRow], pubs: list[Publication]) -> int:
-        """Record what ``publish`` did: sent (one transaction), dead, or retry later.
+    def settle(self, rows: list[OutboxRow], pubs: list[Publication], *, claim_next: int = 0) -> int:
+        """Record what ``publish`` did: sent (one transaction), dead, or retry later. With
+        ``claim_next`` the mark-sent transaction also claims up to that many rows for the
+        next step (one fsync instead of two).
 
         Rows this dispatcher no longer holds (lease expired, fence moved on) are refused by
         the store and only counted in ``stats.fenced``: their new holder settles them.
@@ -418,9 +439,10 @@ class Dispatcher:
             for row, pub in zip(rows, pubs, strict=True)
             if pub.outcome in (PublishOutcome.PUBLISHED, PublishOutcome.ALREADY_PUBLISHED)
         ]
-        refused = self.outbox.mark_sent_many(
-            owner, [(row.reply_id, row.fence, pub.entry_id or "") for row, pub in done]
-        )
+        refused, self._ahead = self.outbox.mark_sent_and_claim(
+            owner, [(row.reply_id, row.fence, pub.entry_id or "") for row, pub in done],
+            claim_next,
+        )  # fmt: skip
         crashpoints.hit("dispatcher.after_mark_sent")
         marked = 0
         for (row, pub), stale in zip(done, refused, strict=True):
@@ -458,8 +480,12 @@ class Dispatcher:
         self.stats.fenced += 1
         self.log.warning("reply %s: this dispatcher no longer holds it (%s)", row.reply_id, exc)
 
-    def step(self) -> int:
+    def step(self, *, claim_ahead: bool = False) -> int:
         """Watch for data loss, then claim, publish and settle one batch.
+
+        Args:
+            claim_ahead: let the settling transaction claim the next batch too (``run``);
+                the next step publishes it instead of claiming.
 
         Returns:
             how many replies were marked sent.
@@ -470,12 +496,13 @@ class Dispatcher:
             StoreBusy: SQLite stayed locked; claimed rows return when their lease runs out.
         """
         self.watch()
-        rows = self.claim()
+        rows, self._ahead = self._ahead or self.claim(), []
         if not rows:
             return 0
         pubs = self.publish(rows)
-        marked = self.settle(rows, pubs)
         unreachable = [p for p in pubs if p.transient]
+        ahead = self.config.batch if claim_ahead and not unreachable else 0
+        marked = self.settle(rows, pubs, claim_next=ahead)
         if unreachable:  # rows are back in line; let the caller back off
             raise RedisUnavailable(
                 f"{len(unreachable)} of {len(pubs)} replies not confirmed: {unreachable[0].detail}"
@@ -485,18 +512,36 @@ class Dispatcher:
     def run(self, stop: threading.Event) -> None:
         """Call ``step`` until ``stop`` is set; back off (tenacity) on ``TransientError``.
 
-        Waits ``idle_poll_s`` whenever a step marked nothing sent.
+        After a step that marked nothing sent it looks at the outbox (a read) every
+        ``wake_poll_s`` for ``ALERT_AFTER_WORK_S`` after its last publication, then at
+        doubling intervals up to ``idle_poll_s``, and steps again as soon as a row is ready,
+        or after ``IDLE_STEP_EVERY_S`` in any case.
         """
         policy = retrying().copy(stop=tenacity.stop_when_event_set(stop), sleep=stop.wait)
-        while not stop.is_set():
+        pause = self.config.wake_poll_s
+        busy_at = time.monotonic()
+        while not stop.is_set() or self._ahead:  # rows claimed ahead are published first
             try:
-                marked = policy(self.step)
+                marked = policy(lambda: self.step(claim_ahead=not stop.is_set()))
             except TransientError:
                 if stop.is_set():
                     return
                 raise
-            if marked == 0:
-                stop.wait(self.config.idle_poll_s)
+            stepped_at = time.monotonic()
+            if marked or self._ahead:
+                busy_at = stepped_at
+                pause = self.config.wake_poll_s
+                continue
+            while not stop.wait(pause):
+                if time.monotonic() - busy_at >= ALERT_AFTER_WORK_S:
+                    pause = min(pause * 2, self.config.idle_poll_s)
+                if time.monotonic() - stepped_at >= IDLE_STEP_EVERY_S:
+                    break
+                try:
+                    if self.outbox.has_ready():
+                        break
+                except TransientError as exc:
+                    self.log.warning("looking at the outbox failed, will retry: %s", exc)
 
     # -- operator path ------------------------------------------------------------------------
 

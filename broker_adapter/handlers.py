@@ -1,7 +1,10 @@
 """Handlers: loading ``module:callable`` specs, the ``Task`` a handler sees, and one bounded call.
 
 Invariant kept: no handler runs inside a SQLite transaction (INVARIANTS rule 9). A call runs
-on a daemon thread of its own while the worker holds no transaction; this module only
+on a daemon thread while the worker holds no transaction (one call thread per calling
+thread, reused from call to call while its calls end; an abandoned call keeps its thread and
+the next call gets a new one: starting a thread per call cost more than the trivial
+handlers themselves); this module only
 *reports* the outcome (a value, an exception, a timeout) and never writes anything, so the
 worker commits it afterwards in the store's own short transaction.
 
@@ -17,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import importlib
 import inspect
+import queue
 import threading
 import time
 from collections.abc import Awaitable, Callable
@@ -372,8 +376,77 @@ async def _bounded(awaitable: Awaitable[Any], timeout_s: float) -> Any:
     raise _AsyncTimeout
 
 
+class _CallThread:
+    """A daemon thread that runs one caller thread's handler calls, one after another.
+
+    Reused while its calls end. A call that is abandoned (timeout, stop) keeps it busy: the
+    next call gets a fresh thread, and this one ends once the stuck call returns. An idle
+    thread ends after ``IDLE_EXIT_S``.
+    """
+
+    IDLE_EXIT_S = 5.0
+
+    def __init__(self) -> None:
+        self._todo: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._busy = False
+        self._retired = False
+        threading.Thread(target=self._loop, name="handler-calls", daemon=True).start()
+
+    def take(self) -> bool:
+        """Reserve this thread for one call; False if it is busy or has ended."""
+        with self._lock:
+            if self._busy or self._retired:
+                return False
+            self._busy = True
+            return True
+
+    def release(self) -> None:
+        """The reserved call ended (called on this thread, before the caller is told)."""
+        with self._lock:
+            self._busy = False
+
+    def retire(self) -> None:
+        """End after the call in progress, if any."""
+        with self._lock:
+            self._retired = True
+        self._todo.put(None)
+
+    def submit(self, fn: Callable[[], None]) -> None:
+        self._todo.put(fn)
+
+    def _loop(self) -> None:
+        while True:
+            try:
+                fn = self._todo.get(timeout=self.IDLE_EXIT_S)
+            except queue.Empty:
+                with self._lock:
+                    if self._busy:  # reserved, its call is on the way
+                        continue
+                    self._retired = True
+                return
+            if fn is None:
+                return
+            fn()
+
+
+_CALLERS = threading.local()
+
+
+def _call_thread() -> _CallThread:
+    """The calling thread's call thread, reserved for one call (a new one if it is busy)."""
+    current: _CallThread | None = getattr(_CALLERS, "thread", None)
+    if current is not None and current.take():
+        return current
+    if current is not None:
+        current.retire()
+    fresh = _CALLERS.thread = _CallThread()
+    fresh.take()
+    return fresh
+
+
 class HandlerCall:
-    """One handler call on a daemon thread of its own.
+    """One handler call on a daemon thread (the calling thread's reusable call thread).
 
     An ``async def`` handler's coroutine runs on a fresh event loop on that thread
     (``asyncio.run``), bounded by ``timeout_s``: at the timeout it is cancelled.
@@ -392,14 +465,14 @@ class HandlerCall:
         self._is_async = False
         self._outcome: CallOutcome | None = None
         self._started = 0.0
-        self._thread = threading.Thread(
-            target=self._run, name=f"handler-{task.task_id[:8]}", daemon=True
-        )
+        self._release: Callable[[], None] | None = None
 
     def start(self) -> HandlerCall:
-        """Start the thread. Returns ``self``."""
+        """Start the call on a call thread. Returns ``self``."""
         self._started = time.monotonic()
-        self._thread.start()
+        runner = _call_thread()
+        self._release = runner.release
+        runner.submit(self._run)
         return self
 
     @property
@@ -439,6 +512,8 @@ class HandlerCall:
         else:
             outcome = CallOutcome(value=value, elapsed_s=self._elapsed())
         self._outcome = outcome
+        if self._release is not None:
+            self._release()  # before the caller hears of it: its next call may reuse us
         self._done.set()
 
     def _elapsed(self) -> float:

@@ -11,6 +11,16 @@ Invariants kept (INVARIANTS.md):
   before the commit. A cancelled task's outcome is dropped: the store already wrote
   ``cancelled`` and its one reply. An effect the handler already caused stays.
 
+Batches: a claim takes up to ``WorkerConfig.batch`` tasks in one transaction, sized by the
+running average of handler times so that a batch takes about ``batch_window_s`` (slow
+handlers: one at a time). The handlers run one after another, outside any transaction; their
+outcomes commit together in one transaction (``TaskStore.settle_and_claim``: each outcome
+fenced on its own), which in ``run`` also claims the next batch. Every claimed task's lease is
+renewed (one ``LeaseRenewer`` thread per worker) from its claim until its commit, so a task
+waiting its turn, or an outcome waiting for its batch, never loses its lease and runs twice.
+When idle, ``run`` looks for work with a read (``TaskStore.has_work``) every ``wake_poll_s``
+for a second after its last work, then less and less often, up to ``idle_poll_s``.
+
 Crash: the worker keeps nothing durable of its own. Killed after the claim
 (``worker.after_claim``) or after the handler's effect (``worker.after_effect``), its task
 stays ``running`` until the lease expires; the next claim takes it back with attempts+1 and
@@ -49,14 +59,23 @@ from broker_adapter.handlers import (
     is_retryable,
     load_handler,
 )
-from broker_adapter.store.tasks import ClaimedTask, FailOutcome, TaskStore
+from broker_adapter.store.tasks import ClaimedTask, FailOutcome, Settlement, TaskStore
 
-DEFAULT_BATCH = 1
+DEFAULT_BATCH = 32
+DEFAULT_BATCH_WINDOW_S = 0.05
 DEFAULT_CALL_TIMEOUT_S = 60.0
-DEFAULT_IDLE_POLL_S = 0.5
+DEFAULT_IDLE_POLL_S = 0.05
+DEFAULT_WAKE_POLL_S = 0.001
 DEFAULT_GRACE_S = 10.0
 #: With ``renew_every_s=None`` a lease is renewed this many times per lease period.
 RENEWALS_PER_LEASE = 3
+#: The first claim of a worker takes at most this many tasks (no handler time known yet).
+INITIAL_CLAIM = 4
+#: An idle worker keeps looking every ``wake_poll_s`` this long after its last work, then
+#: backs off towards ``idle_poll_s``.
+ALERT_AFTER_WORK_S = 1.0
+#: Weight of the newest handler time in the running average that sizes claims.
+HANDLER_TIME_WEIGHT = 0.2
 
 
 class WorkerConfig(BaseModel):
@@ -64,10 +83,23 @@ class WorkerConfig(BaseModel):
 
     Attributes:
         owner: the name written as the lease owner; unique per running worker.
-        batch: how many tasks one claim takes.
+        batch: the most tasks one claim takes (one transaction). Claims are sized so that
+            a batch's handlers take about ``batch_window_s`` (from the running average of
+            this worker's handler times): fast handlers are claimed ``batch`` at a time,
+            handlers slower than the window one at a time. The first claim takes at most
+            ``INITIAL_CLAIM``. Every claimed task's lease is renewed until its commit.
+        batch_window_s: how long a batch may keep outcomes before committing them. The
+            outcomes of a batch commit together (one transaction, one fsync) after its
+            last handler, or before the next handler starts once the oldest uncommitted
+            outcome is this old, seconds.
         call_timeout_s: per handler call; capped by the time left to the task's deadline.
         renew_every_s: lease renewal interval; ``None`` means a third of the store's lease.
-        idle_poll_s: how long ``run`` waits when there was nothing to claim.
+        idle_poll_s: the longest pause between two looks for work when idle, seconds. A
+            look is a read (``TaskStore.has_work``: no write lock, no fsync); a claim
+            follows only when it finds something.
+        wake_poll_s: the pause between looks for ``ALERT_AFTER_WORK_S`` after the last
+            work, seconds; after that it doubles with every empty look, up to
+            ``idle_poll_s``.
         grace_s: on stop, how long the running handler may still take.
     """
 
@@ -75,9 +107,11 @@ class WorkerConfig(BaseModel):
 
     owner: str = Field(min_length=1, max_length=128)
     batch: int = Field(default=DEFAULT_BATCH, ge=1, le=1000)
+    batch_window_s: float = Field(default=DEFAULT_BATCH_WINDOW_S, ge=0)
     call_timeout_s: float = Field(default=DEFAULT_CALL_TIMEOUT_S, gt=0)
     renew_every_s: float | None = Field(default=None, gt=0)
     idle_poll_s: float = Field(default=DEFAULT_IDLE_POLL_S, gt=0)
+    wake_poll_s: float = Field(default=DEFAULT_WAKE_POLL_S, gt=0)
     grace_s: float = Field(default=DEFAULT_GRACE_S, ge=0)
 
 
@@ -90,7 +124,8 @@ class WorkerStats:
         done: committed ``done``.
         retried: committed a retryable failure (back to ``pending``).
         failed: committed ``failed``.
-        stale_commits: commits the store refused (fence, owner, lease, deadline).
+        stale_commits: commits the store refused (fence, owner, lease, deadline), and claimed
+            tasks not started because a renewal found their lease lost meanwhile.
         cancelled: tasks found cancelled; nothing committed.
         timeouts: calls abandoned (call timeout, or still running past the stop grace).
         expired: tasks whose deadline passed before their handler could start.
@@ -113,18 +148,82 @@ class WorkerStats:
         return asdict(self)
 
 
+class LeaseRenewer:
+    """One thread that renews the leases of all of a worker's claimed tasks when due.
+
+    A worker holds a lease for every task it claimed, started or not, until the task's
+    outcome is committed; one thread for all of them costs nothing per task. Each renewal
+    is its own short transaction (``LeaseKeeper.renew_now``), never inside another one.
+    The thread starts with the first lease and ends after a second with none.
+    """
+
+    IDLE_EXIT_S = 1.0
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self._cond = threading.Condition()
+        self._due: dict[LeaseKeeper, float] = {}
+        self._thread: threading.Thread | None = None
+        self._wakes_at = float("inf")  # when the thread's current wait ends
+
+    def add(self, keeper: LeaseKeeper) -> None:
+        with self._cond:
+            due = time.monotonic() + keeper.interval_s
+            self._due[keeper] = due
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._loop, name=f"renew-{self._name}", daemon=True
+                )
+                self._thread.start()
+            elif due < self._wakes_at:  # rarely: a wake-up per claimed task costs a switch
+                self._cond.notify()
+
+    def remove(self, keeper: LeaseKeeper) -> None:
+        with self._cond:
+            self._due.pop(keeper, None)
+
+    def _next(self) -> list[LeaseKeeper] | None:
+        """The keepers due now (rescheduled); ``None`` when the thread should end."""
+        with self._cond:
+            while True:
+                now = time.monotonic()
+                if not self._due:
+                    self._wakes_at = now + self.IDLE_EXIT_S
+                    self._cond.wait(self.IDLE_EXIT_S)
+                    if not self._due:
+                        self._thread = None
+                        return None
+                    continue
+                due = [k for k, at in self._due.items() if at <= now]
+                if due:
+                    self._wakes_at = float("inf")
+                    for keeper in due:
+                        self._due[keeper] = now + keeper.interval_s
+                    return due
+                self._wakes_at = min(self._due.values())
+                self._cond.wait(self._wakes_at - now)
+
+    def _loop(self) -> None:
+        while (due := self._next()) is not None:
+            for keeper in due:  # outside the lock: each renewal is a store transaction
+                if not keeper.renew_now():
+                    self.remove(keeper)
+
+
 class LeaseKeeper:
-    """Renews one claimed task's lease on a background thread until stopped.
+    """Keeps one claimed task's lease renewed every ``interval_s`` until stopped.
 
     A renewal refused as cancelled marks the task cancelled; refused for any other reason
     marks its lease lost. Either way renewing ends, and the handler sees ``cancelled()``.
 
     Args:
         tasks: the store.
-        task: the running task.
+        task: the claimed task.
         interval_s: seconds between renewals (a real-time wait).
         stats: where ``renewals`` is counted.
         logger: where refusals are reported.
+        renewer: the worker's shared renewal thread; without one the keeper runs a thread
+            of its own.
     """
 
     def __init__(
@@ -134,12 +233,14 @@ class LeaseKeeper:
         interval_s: float,
         stats: WorkerStats,
         logger: logging.Logger,
+        renewer: LeaseRenewer | None = None,
     ) -> None:
         self._tasks = tasks
         self._task = task
-        self._interval_s = interval_s
+        self.interval_s = interval_s
         self._stats = stats
         self._log = logger
+        self._renewer = renewer
         self._lock = threading.Lock()
         self._ended = False
         self._stop = threading.Event()
@@ -147,13 +248,16 @@ class LeaseKeeper:
 
     def start(self) -> None:
         """Start renewing every ``interval_s`` seconds."""
+        if self._renewer is not None:
+            self._renewer.add(self)
+            return
         self._thread = threading.Thread(
             target=self._loop, name=f"lease-{self._task.task_id[:8]}", daemon=True
         )
         self._thread.start()
 
     def renew_now(self) -> bool:
-        """Renew once, now (the background thread calls this; tests may too).
+        """Renew once, now (the renewal thread calls this; tests may too).
 
         Returns:
             True while the lease is held (a transient store error counts as held: the next
@@ -189,15 +293,27 @@ class LeaseKeeper:
     def stop(self) -> None:
         """Stop renewing; returns after any renewal in flight has ended."""
         self._stop.set()
+        if self._renewer is not None:
+            self._renewer.remove(self)
         with self._lock:
             self._ended = True
         if self._thread is not None:
             self._thread.join()
 
     def _loop(self) -> None:
-        while not self._stop.wait(self._interval_s):
+        while not self._stop.wait(self.interval_s):
             if not self.renew_now():
                 return
+
+
+@dataclass
+class _Ran:
+    """A handler that ended, waiting for its outcome to be committed with its batch."""
+
+    task: Task
+    outcome: CallOutcome
+    timeout_s: float
+    ended_at: float
 
 
 class Worker:
@@ -240,18 +356,35 @@ class Worker:
         self.stats = WorkerStats()
         self._keepers: dict[str, LeaseKeeper] = {}
         self._keepers_lock = threading.Lock()
+        self._renewer = LeaseRenewer(config.owner)
         self._stop: threading.Event | None = None
         self._drain_until: float | None = None
+        #: Running average of this worker's handler call times (None: none ran yet).
+        self._handler_s: float | None = None
+        #: Tasks claimed in the last batch's commit transaction, to run next (``run`` only).
+        self._ahead: list[Task] = []
 
     @property
     def owner(self) -> str:
         return self.config.owner
 
+    def claim_size(self) -> int:
+        """How many tasks the next claim takes: ``batch_window_s`` worth of handler time
+        (by the running average), between 1 and ``config.batch``; ``INITIAL_CLAIM`` at most
+        before any handler ran."""
+        cap = self.config.batch
+        if self._handler_s is None:
+            return min(cap, INITIAL_CLAIM)
+        if self._handler_s <= 0:
+            return cap
+        return max(1, min(cap, int(self.config.batch_window_s / self._handler_s)))
+
     def run_once(self, max_tasks: int | None = None) -> int:
-        """Claim one batch and process it: run each handler, commit each outcome.
+        """Claim one batch and process it: run each handler, then commit the outcomes
+        together (one transaction; earlier if the batch runs past ``batch_window_s``).
 
         Args:
-            max_tasks: claim at most this many (and never more than ``config.batch``).
+            max_tasks: claim at most this many (and never more than ``claim_size()``).
 
         Returns:
             how many claimed tasks were processed (handled, found cancelled or expired).
@@ -260,34 +393,65 @@ class Worker:
             StoreBusy: the claim could not get the write lock; nothing was claimed.
             StoreError: the database failed.
         """
-        n = self.config.batch if max_tasks is None else min(self.config.batch, max_tasks)
-        if n < 1 or self._stopping():
-            return 0
-        claimed = self.tasks.claim(self.config.owner, n)
-        self.stats.claimed += len(claimed)
+        return self._run_batch(max_tasks, claim_ahead=False)
+
+    def _run_batch(self, max_tasks: int | None, *, claim_ahead: bool) -> int:
+        """``run_once``; with ``claim_ahead`` the batch's commit transaction also claims the
+        next batch (one transaction, one fsync, instead of two), run by the next call."""
+        tasks, self._ahead = self._ahead, []
+        if not tasks:
+            n = self.claim_size() if max_tasks is None else min(self.claim_size(), max_tasks)
+            if n < 1 or self._stopping():
+                return 0
+            claimed = self.tasks.claim(self.config.owner, n)
+            self.stats.claimed += len(claimed)
+            # Every claimed task's lease is kept from now until its outcome is committed: a
+            # task waiting its turn in the batch, or an outcome waiting for the batch's
+            # commit, must not lose its lease to another worker and run twice.
+            tasks = [self._keep(c) for c in claimed]
+        ran: list[_Ran] = []
         processed = 0
-        for index, task in enumerate(claimed):
-            # A stop that lands after the claim (a signal during it) still lets the claimed
-            # tasks run: they are ours, and leaving them costs an attempt and a lease period.
-            # They share one drain deadline, ``grace_s`` after the stop was first seen.
-            if self._stopping() and self._drain_deadline() <= time.monotonic():
-                # No release in the store yet: these leases expire and the tasks come back.
-                self.log.warning(
-                    "stopping: %d claimed task(s) not started; they return at lease expiry",
-                    len(claimed) - index,
-                )
-                break
-            self._process(task)
-            processed += 1
+        finished = False
+        try:
+            for index, task in enumerate(tasks):
+                # A stop that lands after the claim (a signal during it) still lets the
+                # claimed tasks run: they are ours, and leaving them costs an attempt and a
+                # lease period. They share one drain deadline, ``grace_s`` after the stop
+                # was first seen.
+                if self._stopping() and self._drain_deadline() <= time.monotonic():
+                    # No release in the store yet: these leases expire and the tasks come back.
+                    self.log.warning(
+                        "stopping: %d claimed task(s) not started; they return at lease expiry",
+                        len(tasks) - index,
+                    )
+                    break
+                if ran and time.monotonic() - ran[0].ended_at >= self.config.batch_window_s:
+                    self._commit(ran)
+                    ran = []
+                done = self._process(task)
+                processed += 1
+                if done is not None:
+                    ran.append(done)
+            finished = True
+        finally:
+            try:
+                self._commit(ran, claim_next=claim_ahead and finished)
+            finally:
+                for task in tasks:  # those not started or not committed: leases expire
+                    self._release_keeper(task.task_id)
         return processed
 
     def run(self, stop: threading.Event) -> None:
         """Process tasks until ``stop`` is set.
 
-        When there is nothing to claim it waits on ``stop`` for ``config.idle_poll_s``. Once
-        ``stop`` is set it claims nothing more; the running handler (and any task of the
-        batch already claimed) gets ``config.grace_s`` from that moment to finish. A handler
-        still running then is abandoned and its task handed back as a retryable failure.
+        When there is nothing to claim it looks again every ``config.wake_poll_s`` for
+        ``ALERT_AFTER_WORK_S`` after its last work, then at doubling intervals up to
+        ``config.idle_poll_s``; a look is a read
+        (``TaskStore.has_work``), a claim follows only when the look finds work. The pauses
+        are waits on ``stop``. Once ``stop`` is set it claims nothing more; the running
+        handler (and any task of the batch already claimed) gets ``config.grace_s`` from
+        that moment to finish. A handler still running then is abandoned and its task
+        handed back as a retryable failure.
 
         Args:
             stop: set it (e.g. from a SIGTERM handler) to drain and return.
@@ -297,20 +461,32 @@ class Worker:
         """
         self._stop = stop
         self._drain_until = None
+        pause = self.config.wake_poll_s
+        busy_at = time.monotonic()
         try:
-            while not stop.is_set():
+            while not stop.is_set() or self._ahead:  # tasks claimed ahead run in the drain
                 try:
-                    processed = self.run_once()
+                    processed = self._run_batch(None, claim_ahead=True)
                 except TransientError as exc:
                     self.log.warning("claim failed, will retry: %s", exc)
                     processed = 0
-                if processed == 0:
-                    stop.wait(self.config.idle_poll_s)
+                if processed:
+                    busy_at = time.monotonic()
+                    pause = self.config.wake_poll_s
+                    continue
+                while not stop.wait(pause):
+                    if time.monotonic() - busy_at >= ALERT_AFTER_WORK_S:
+                        pause = min(pause * 2, self.config.idle_poll_s)
+                    try:
+                        if self.tasks.has_work():
+                            break
+                    except TransientError as exc:
+                        self.log.warning("looking for work failed, will retry: %s", exc)
         finally:
             self._stop = None
 
     def renew_leases(self) -> int:
-        """Renew the lease of every running task now, out of the keeper's schedule.
+        """Renew the lease of every claimed task now, out of the keeper's schedule.
 
         Returns:
             how many leases are still held afterwards.
@@ -331,105 +507,148 @@ class Worker:
                 self._drain_until = time.monotonic() + self.config.grace_s
             return self._drain_until
 
-    def _process(self, claimed: ClaimedTask) -> None:
-        crashpoints.hit("worker.after_claim")
+    def _keep(self, claimed: ClaimedTask) -> Task:
+        """The handler's view of a claimed task, with its lease kept from now on."""
         task = Task(
             claimed,
             clock=self.clock,
             cancel_check=partial(self.tasks.is_cancelled, claimed.task_id),
         )
-        if task.cancelled():
-            self.stats.cancelled += 1
-            self.log.info("task %s was cancelled before its handler started", claimed.task_id)
-            return
-        time_left_s = claimed.deadline - self.clock.now()
-        if time_left_s <= 0:
-            # Reconcile moves it to ``expired`` with its reply; running it would be refused.
-            self.tasks.reconcile()
-            self.stats.expired += 1
-            self.log.info("task %s reached its deadline before it started", claimed.task_id)
-            return
-        timeout_s = min(self.config.call_timeout_s, time_left_s)
-        keeper = LeaseKeeper(self.tasks, task, self.renew_every_s, self.stats, self.log)
+        keeper = LeaseKeeper(
+            self.tasks, task, self.renew_every_s, self.stats, self.log, self._renewer
+        )
         with self._keepers_lock:
             self._keepers[claimed.task_id] = keeper
         keeper.start()
-        try:
-            outcome = call_handler(
-                self.handler, task, timeout_s, stop=self._stop, drain_deadline=self._drain_deadline
-            )
-        finally:
-            # Stop renewing before the commit: a renewal racing the commit would be refused
-            # ("not running") and report a lost lease that was in fact released.
+        return task
+
+    def _release_keeper(self, task_id: str) -> None:
+        """Stop renewing ``task_id``; returns after a renewal in flight has ended."""
+        with self._keepers_lock:
+            keeper = self._keepers.pop(task_id, None)
+        if keeper is not None:
             keeper.stop()
-            with self._keepers_lock:
-                self._keepers.pop(claimed.task_id, None)
-        crashpoints.hit("worker.after_effect")
-        if self._commit(task, outcome, timeout_s):
-            crashpoints.hit("worker.after_finish")
 
-    def _commit(self, task: Task, outcome: CallOutcome, timeout_s: float) -> bool:
-        """Write the outcome (fenced). Returns whether the store accepted a commit."""
+    def _process(self, task: Task) -> _Ran | None:
+        """Run one claimed task's handler (outside any transaction).
+
+        Returns:
+            its outcome, to be committed with the batch; ``None`` when it did not run
+            (cancelled, lease lost while it waited its turn, or its deadline passed first).
+        """
         claimed = task.claimed
-        # Rule 11: the last check before the commit. The store wrote ``cancelled`` and its
-        # reply when cancel() was called; a cancel after this check is refused by finish.
-        if task.stop_reason == "cancelled" or self.tasks.is_cancelled(claimed.task_id):
-            self._note_cancelled(claimed)
-            return False
-        try:
-            if outcome.ok:
-                error = _json_error(outcome)
-                if error is None:
-                    self.tasks.finish(claimed.task_id, claimed.owner, claimed.fence, outcome.value)
-                    self.stats.done += 1
-                else:
-                    self._fail(claimed, error, retryable=False)
-            elif outcome.timed_out:
-                self.stats.timeouts += 1
-                error = f"TimeoutError: the handler did not return within {timeout_s:.3f} s"
-                self._fail(claimed, error, retryable=True)
-            elif outcome.stopped:
-                self.stats.timeouts += 1
-                error = (
-                    f"WorkerStopping: the handler did not finish within the "
-                    f"{self.config.grace_s} s shutdown grace"
+        crashpoints.hit("worker.after_claim")
+        if task.cancelled():
+            self._release_keeper(claimed.task_id)
+            if task.stop_reason == "lease_lost":  # a renewal was refused while it waited
+                self.stats.stale_commits += 1
+                self.log.warning(
+                    "task %s lost its lease before its handler started: %s",
+                    claimed.task_id,
+                    task.lease_lost,
                 )
-                self._fail(claimed, error, retryable=True)
-            else:
-                assert outcome.error is not None
-                exc = outcome.error
-                self._fail(claimed, describe_error(exc), retryable=is_retryable(exc))
-        except TaskCancelled:
-            self._note_cancelled(claimed)
-            return False
-        except StaleError as exc:
-            self.stats.stale_commits += 1
-            self.log.warning(
-                "stale commit refused for task %s (owner %s, fence %d): %s",
-                claimed.task_id,
-                claimed.owner,
-                claimed.fence,
-                exc,
-            )
-            return False
-        except TransientError as exc:
-            self.stats.store_errors += 1
-            self.log.warning(
-                "commit of task %s failed; the task returns at lease expiry: %s",
-                claimed.task_id,
-                exc,
-            )
-            return False
-        return True
-
-    def _fail(self, claimed: ClaimedTask, error: str, *, retryable: bool) -> None:
-        result = self.tasks.fail(
-            claimed.task_id, claimed.owner, claimed.fence, error, retryable=retryable
+                return None
+            self.stats.cancelled += 1
+            self.log.info("task %s was cancelled before its handler started", claimed.task_id)
+            return None
+        time_left_s = claimed.deadline - self.clock.now()
+        if time_left_s <= 0:
+            # Reconcile moves it to ``expired`` with its reply; running it would be refused.
+            self._release_keeper(claimed.task_id)
+            self.tasks.reconcile()
+            self.stats.expired += 1
+            self.log.info("task %s reached its deadline before it started", claimed.task_id)
+            return None
+        timeout_s = min(self.config.call_timeout_s, time_left_s)
+        outcome = call_handler(
+            self.handler, task, timeout_s, stop=self._stop, drain_deadline=self._drain_deadline
         )
-        if result is FailOutcome.RETRY:
-            self.stats.retried += 1
-        else:
-            self.stats.failed += 1
+        elapsed = outcome.elapsed_s
+        avg = self._handler_s
+        self._handler_s = elapsed if avg is None else avg + HANDLER_TIME_WEIGHT * (elapsed - avg)
+        crashpoints.hit("worker.after_effect")
+        return _Ran(task, outcome, timeout_s, time.monotonic())
+
+    def _commit(self, ran: list[_Ran], *, claim_next: bool = False) -> None:
+        """Write the outcomes of a batch (each fenced) in one transaction; with
+        ``claim_next`` (and not stopping) the same transaction claims the next batch."""
+        if not ran:
+            return
+        # Stop renewing before the commit: a renewal racing the commit would be refused
+        # ("not running") and report a lost lease that was in fact released.
+        for r in ran:
+            self._release_keeper(r.task.task_id)
+        items: list[tuple[ClaimedTask, Settlement]] = []
+        for r in ran:
+            claimed = r.task.claimed
+            # Rule 11: the last check before the commit is in the commit's transaction: the
+            # store refuses a cancelled task (TaskCancelled) and keeps its ``cancelled``.
+            if r.task.stop_reason == "cancelled":
+                self._note_cancelled(claimed)
+                continue
+            items.append((claimed, self._settlement(claimed, r.outcome, r.timeout_s)))
+        n = self.claim_size() if claim_next and not self._stopping() else 0
+        try:
+            results, ahead = self.tasks.settle_and_claim(
+                [item for _, item in items], self.config.owner, n
+            )
+        except TransientError as exc:
+            self.stats.store_errors += len(items)
+            self.log.warning(
+                "commit of %d task(s) failed; they return at lease expiry: %s", len(items), exc
+            )
+            return
+        for (claimed, _item), result in zip(items, results, strict=True):
+            if isinstance(result, TaskCancelled):
+                self._note_cancelled(claimed)
+            elif isinstance(result, StaleError):
+                self.stats.stale_commits += 1
+                self.log.warning(
+                    "stale commit refused for task %s (owner %s, fence %d): %s",
+                    claimed.task_id,
+                    claimed.owner,
+                    claimed.fence,
+                    result,
+                )
+            else:
+                if isinstance(result, FailOutcome):
+                    if result is FailOutcome.RETRY:
+                        self.stats.retried += 1
+                    else:
+                        self.stats.failed += 1
+                else:
+                    self.stats.done += 1
+                crashpoints.hit("worker.after_finish")
+        self.stats.claimed += len(ahead)
+        self._ahead = [self._keep(c) for c in ahead]
+
+    def _settlement(
+        self, claimed: ClaimedTask, outcome: CallOutcome, timeout_s: float
+    ) -> Settlement:
+        """What to commit for one handler outcome."""
+        fail = partial(Settlement, claimed.task_id, claimed.owner, claimed.fence, None)
+        if outcome.ok:
+            try:
+                encoded = canonical_json(outcome.value).decode("utf-8")
+            except (TypeError, ValueError, RecursionError) as exc:
+                error = f"{type(exc).__name__}: the handler returned a non-JSON result: {exc}"
+                return fail(error, False)
+            return Settlement(
+                claimed.task_id, claimed.owner, claimed.fence, encoded, claimed=claimed
+            )
+        if outcome.timed_out:
+            self.stats.timeouts += 1
+            return fail(f"TimeoutError: the handler did not return within {timeout_s:.3f} s", True)
+        if outcome.stopped:
+            self.stats.timeouts += 1
+            return fail(
+                f"WorkerStopping: the handler did not finish within the "
+                f"{self.config.grace_s} s shutdown grace",
+                True,
+            )
+        assert outcome.error is not None
+        raised = outcome.error
+        return fail(describe_error(raised), is_retryable(raised))
 
     def _note_cancelled(self, claimed: ClaimedTask) -> None:
         self.stats.cancelled += 1
@@ -438,12 +657,3 @@ class Worker:
             "(an effect the handler already caused stays)",
             claimed.task_id,
         )
-
-
-def _json_error(outcome: CallOutcome) -> str | None:
-    """The error text if the handler's value is not JSON, else ``None``."""
-    try:
-        canonical_json(outcome.value)
-    except (TypeError, ValueError, RecursionError) as exc:
-        return f"{type(exc).__name__}: the handler returned a non-JSON result: {exc}"
-    return None

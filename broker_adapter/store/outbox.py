@@ -94,13 +94,48 @@ def enqueue(
 ) -> bool:
     """Insert a reply inside the caller's open transaction. Returns False if it existed."""
     data = canonical_json(body)
+    return enqueue_encoded(
+        conn, reply_id=reply_id, task_id=task_id, principal=principal, message_id=message_id,
+        status=status, data=data, content_hash=sha256_hex(data), now=now,
+    )  # fmt: skip
+
+
+def encode_body(body: dict[str, Any]) -> tuple[bytes, str]:
+    """A reply body's canonical bytes and their SHA-256 (what ``enqueue`` stores)."""
+    data = canonical_json(body)
+    return data, sha256_hex(data)
+
+
+def enqueue_encoded(
+    conn: sqlite3.Connection,
+    *,
+    reply_id: str,
+    task_id: str | None,
+    principal: str,
+    message_id: str,
+    status: str,
+    data: bytes,
+    content_hash: str,
+    now: float,
+) -> bool:
+    """``enqueue`` for a body already encoded by ``encode_body`` (outside the transaction,
+    so the write lock is not held while JSON is encoded and hashed)."""
     cur = conn.execute(
         "INSERT OR IGNORE INTO outbox (reply_id, task_id, principal, message_id, status, body,"
         " content_hash, state, not_before, created_at)"
         " VALUES (?, ?, ?, ?, ?, ?, ?, 'pending', ?, ?)",
-        (reply_id, task_id, principal, message_id, status, data, sha256_hex(data), now, now),
+        (reply_id, task_id, principal, message_id, status, data, content_hash, now, now),
     )
     return cur.rowcount == 1
+
+
+def _require_dead(c: sqlite3.Connection, reply_id: str) -> None:
+    """Raise unless ``reply_id`` exists and is ``dead`` (the operator paths start there)."""
+    row = c.execute("SELECT state FROM outbox WHERE reply_id = ?", (reply_id,)).fetchone()
+    if row is None:
+        raise UnknownReply(reply_id)
+    if row["state"] != "dead":
+        raise StaleError(reply_id, "not_dead", f"state is {row['state']}")
 
 
 class OutboxStore:
@@ -133,37 +168,59 @@ class OutboxStore:
         if n < 1:  # SQLite reads LIMIT -1 as "no limit"
             return []
         now = self.clock.now()
-        lease_until = now + self.policy.lease_s
         with self.db.write("outbox_claim") as c:
-            # A publisher that died holding the row spent an attempt too: past the budget
-            # the row is dead (kept, with the reason), not claimed forever.
-            c.execute(
-                "UPDATE outbox SET owner = NULL, lease_until = NULL,"
-                " state = CASE WHEN attempts >= ? THEN 'dead' ELSE 'pending' END,"
-                " last_error = CASE WHEN attempts >= ?"
-                "   THEN 'publisher lease expired on the last attempt' ELSE last_error END"
-                " WHERE state = 'sending' AND lease_until <= ?",
-                (self.policy.max_attempts, self.policy.max_attempts, now),
+            return self._claim_in(c, owner, n, now)
+
+    def _claim_in(
+        self, c: sqlite3.Connection, owner: str, n: int, now: float
+    ) -> builtins.list[OutboxRow]:
+        """``claim``'s writes inside the caller's transaction."""
+        # A publisher that died holding the row spent an attempt too: past the budget the
+        # row is dead (kept, with the reason), not claimed forever.
+        c.execute(
+            "UPDATE outbox INDEXED BY outbox_leases SET owner = NULL, lease_until = NULL,"
+            " state = CASE WHEN attempts >= ? THEN 'dead' ELSE 'pending' END,"
+            " last_error = CASE WHEN attempts >= ?"
+            "   THEN 'publisher lease expired on the last attempt' ELSE last_error END"
+            " WHERE state = 'sending' AND lease_until <= ?",
+            (self.policy.max_attempts, self.policy.max_attempts, now),
+        )
+        ids = [
+            r[0]
+            for r in c.execute(
+                "SELECT reply_id FROM outbox INDEXED BY outbox_ready"
+                " WHERE state = 'pending' AND not_before <= ?"
+                " ORDER BY not_before, created_at LIMIT ?",
+                (now, n),
             )
-            ids = [
-                r[0]
-                for r in c.execute(
-                    "SELECT reply_id FROM outbox WHERE state = 'pending' AND not_before <= ?"
-                    " ORDER BY not_before, created_at LIMIT ?",
-                    (now, n),
-                )
-            ]
-            rows: list[OutboxRow] = []
-            for reply_id in ids:
-                row = c.execute(
-                    "UPDATE outbox SET state = 'sending', owner = ?, lease_until = ?,"
-                    " attempts = attempts + 1, fence = fence + 1"
-                    f" WHERE reply_id = ? AND state = 'pending' RETURNING {_COLUMNS}",
-                    (owner, lease_until, reply_id),
-                ).fetchone()
-                if row is not None:
-                    rows.append(OutboxRow.from_row(row))
-        return rows
+        ]
+        if not ids:
+            return []
+        # One statement for the batch; RETURNING order is unspecified: re-sorted below.
+        # ``+state`` keeps the planner on the primary key, not on ``outbox_state``.
+        found = c.execute(
+            "UPDATE outbox SET state = 'sending', owner = ?, lease_until = ?,"
+            " attempts = attempts + 1, fence = fence + 1"
+            f" WHERE reply_id IN ({', '.join('?' * len(ids))}) AND +state = 'pending'"
+            f" RETURNING {_COLUMNS}",
+            (owner, now + self.policy.lease_s, *ids),
+        ).fetchall()
+        by_id = {r["reply_id"]: r for r in found}
+        return [OutboxRow.from_row(by_id[i]) for i in ids if i in by_id]
+
+    def has_ready(self) -> bool:
+        """Whether ``claim`` would find a row now (ready, or a publisher lease run out). A
+        read (no write lock, no fsync): an idle dispatcher asks this before claiming."""
+        now = self.clock.now()
+        with self.db.read() as c:
+            row = c.execute(
+                "SELECT EXISTS (SELECT 1 FROM outbox INDEXED BY outbox_ready"
+                " WHERE state = 'pending' AND not_before <= ?)"
+                " OR EXISTS (SELECT 1 FROM outbox INDEXED BY outbox_leases"
+                " WHERE state = 'sending' AND lease_until <= ?)",
+                (now, now),
+            ).fetchone()
+        return bool(row[0])
 
     def _holder(self, c: sqlite3.Connection, reply_id: str, owner: str, fence: int) -> sqlite3.Row:
         row: sqlite3.Row | None = c.execute(
@@ -239,11 +296,7 @@ class OutboxStore:
         """
         now = self.clock.now()
         with self.db.write("reply_replay") as c:
-            row = c.execute("SELECT state FROM outbox WHERE reply_id = ?", (reply_id,)).fetchone()
-            if row is None:
-                raise UnknownReply(reply_id)
-            if row["state"] != "dead":
-                raise StaleError(reply_id, "not_dead", f"state is {row['state']}")
+            _require_dead(c, reply_id)
             new = c.execute(
                 "UPDATE outbox SET state = 'pending', attempts = 0, not_before = ?,"
                 " replays = replays + 1, replayed_by = ?, replayed_at = ?"
@@ -305,41 +358,47 @@ class OutboxStore:
     def mark_sent_many(
         self, owner: str, items: Sequence[tuple[str, int, str]]
     ) -> builtins.list[StaleError | None]:
-        """Record a batch of confirmed publications in ONE transaction (fenced per row).
+        """``mark_sent_and_claim`` without the claim."""
+        return self.mark_sent_and_claim(owner, items, 0)[0]
 
-        Each row gets its own SAVEPOINT: a row the caller no longer holds is rolled back to
-        its savepoint and reported, the others commit together (one fsync for the batch).
+    def mark_sent_and_claim(
+        self, owner: str, items: Sequence[tuple[str, int, str]], n: int
+    ) -> tuple[builtins.list[StaleError | None], builtins.list[OutboxRow]]:
+        """Record a batch of confirmed publications (fenced per row) and claim up to ``n``
+        more rows (like ``claim``; none when ``n`` is 0) in ONE transaction.
+
+        A row the caller no longer holds is refused at its holder check, before anything of
+        it is written, and reported; the others commit together (one fsync for the batch).
 
         Args:
-            owner: the dispatcher that claimed the rows.
+            owner: the dispatcher that claimed the rows (and claims the next ones).
             items: ``(reply_id, fence, entry_id)`` per row.
+            n: how many rows to claim at most.
 
         Returns:
             one entry per item, in order: ``None`` when marked sent, else the ``StaleError``
-            (a ``FencedError`` for a newer fence) that refused it.
+            (a ``FencedError`` for a newer fence) that refused it; and the claimed rows.
         """
         out: builtins.list[StaleError | None] = []
-        if not items:
-            return out
+        if not items and n < 1:
+            return out, []
         now = self.clock.now()
         with self.db.write("mark_sent") as c:
             for reply_id, fence, entry_id in items:
-                c.execute("SAVEPOINT mark_one")
                 try:
                     self._holder(c, reply_id, owner, fence)
-                    c.execute(
-                        "UPDATE outbox SET state = 'sent', owner = NULL, lease_until = NULL,"
-                        " entry_id = ?, sent_at = ?, last_error = NULL"
-                        " WHERE reply_id = ? AND fence = ?",
-                        (entry_id, now, reply_id, fence),
-                    )
-                except StaleError as exc:
-                    c.execute("ROLLBACK TO mark_one")
+                except StaleError as exc:  # refused before anything of this row was written
                     out.append(exc)
-                else:
-                    out.append(None)
-                c.execute("RELEASE mark_one")
-        return out
+                    continue
+                c.execute(
+                    "UPDATE outbox SET state = 'sent', owner = NULL, lease_until = NULL,"
+                    " entry_id = ?, sent_at = ?, last_error = NULL"
+                    " WHERE reply_id = ? AND fence = ?",
+                    (entry_id, now, reply_id, fence),
+                )
+                out.append(None)
+            claimed = self._claim_in(c, owner, n, now) if n >= 1 else []
+        return out, claimed
 
     def mark_published(self, reply_id: str, entry_id: str, by: str) -> OutboxRow:
         """Reconcile a ``dead`` reply that Redis shows as published: ``sent`` with that entry id.
@@ -354,11 +413,7 @@ class OutboxStore:
         """
         now = self.clock.now()
         with self.db.write("reply_replay") as c:
-            row = c.execute("SELECT state FROM outbox WHERE reply_id = ?", (reply_id,)).fetchone()
-            if row is None:
-                raise UnknownReply(reply_id)
-            if row["state"] != "dead":
-                raise StaleError(reply_id, "not_dead", f"state is {row['state']}")
+            _require_dead(c, reply_id)
             new = c.execute(
                 "UPDATE outbox SET state = 'sent', owner = NULL, lease_until = NULL,"
                 " entry_id = ?, sent_at = ?, replays = replays + 1, replayed_by = ?,"

@@ -93,37 +93,15 @@ class ReceiptStore:
         Returns:
             the outcome and the receipt (the earlier one for a duplicate or a conflict).
         """
-        reply: dict[str, Any] = json.loads(body)
-        now = self.clock.now()
+        item = ReceiptItem(
+            reply_id=reply_id,
+            content_hash=content_hash,
+            principal=principal,
+            body=body,
+            entry_id=entry_id,
+        )
         with self.db.write("receipt") as c:
-            row = c.execute(
-                f"SELECT {_COLUMNS} FROM receipts WHERE reply_id = ?", (reply_id,)
-            ).fetchone()
-            if row is not None:
-                earlier = Receipt(**dict(row))
-                same = earlier.content_hash == content_hash
-                return (ReceiptOutcome.DUPLICATE if same else ReceiptOutcome.CONFLICT), earlier
-            effect_result = None
-            if effect is not None:
-                effect_result = canonical_json(effect(c, reply)).decode("utf-8")
-            receipt = Receipt(
-                reply_id=reply_id,
-                content_hash=content_hash,
-                principal=principal,
-                message_id=reply.get("message_id"),
-                task_id=reply.get("task_id"),
-                status=reply.get("status"),
-                body=body,
-                entry_id=entry_id,
-                received_at=now,
-                effects=1 if effect is not None else 0,
-                effect_result=effect_result,
-            )
-            c.execute(
-                f"INSERT INTO receipts ({_COLUMNS}) VALUES ({', '.join('?' * 11)})",
-                tuple(getattr(receipt, n) for n in Receipt.__dataclass_fields__),
-            )
-        return ReceiptOutcome.APPLIED, receipt
+            return self._apply_in(c, item, effect, self.clock.now())
 
     def get(self, reply_id: str) -> Receipt | None:
         with self.db.read() as c:

@@ -36,7 +36,7 @@ from broker_adapter.clock import Clock, SystemClock
 from broker_adapter.envelope import Envelope, canonical_json, sha256_hex
 from broker_adapter.errors import BrokerAdapterError, FencedError, StaleError, TaskCancelled
 from broker_adapter.store.db import Database
-from broker_adapter.store.outbox import enqueue
+from broker_adapter.store.outbox import encode_body, enqueue, enqueue_encoded
 
 _PREFETCH_CHUNK = 400  # inbox keys per lookup query (two bound parameters each)
 
@@ -147,6 +147,7 @@ class Settlement:
     result: str | None = None
     error: str | None = None
     retryable: bool = False
+    claimed: ClaimedTask | None = None  # lets ``settle_many`` encode the reply up front
 
 
 #: What ``settle_many`` did with one item: reply id, failure outcome, or the refusal.
@@ -377,36 +378,27 @@ class TaskStore:
         result: str | None,
         error: str | None,
         now: float,
+        t: sqlite3.Row | Mapping[str, Any] | None = None,
+        encoded: tuple[bytes, str] | None = None,
     ) -> str:
-        t = c.execute(
-            "SELECT principal, message_id, correlation_id, attempts, fence FROM tasks"
-            " WHERE task_id = ?",
-            (task_id,),
-        ).fetchone()
+        if t is None:
+            t = c.execute(
+                "SELECT principal, message_id, correlation_id, attempts, fence FROM tasks"
+                " WHERE task_id = ?",
+                (task_id,),
+            ).fetchone()
         reply_id = reply_id_for(task_id)
-        inserted = enqueue(
-            c,
-            reply_id=reply_id,
-            task_id=task_id,
-            principal=t["principal"],
-            message_id=t["message_id"],
-            status=state.value,
-            body={
-                "v": 1,
-                "reply_id": reply_id,
-                "task_id": task_id,
-                "principal": t["principal"],
-                "message_id": t["message_id"],
-                "correlation_id": t["correlation_id"],
-                "status": state.value,
-                "result": None if result is None else json.loads(result),
-                "error": error,
-                "attempts": t["attempts"],
-                "fence": t["fence"],
-                "finished_at": now,
-            },
-            now=now,
-        )
+        if encoded is None:
+            encoded = encode_body(
+                _reply_body(task_id, state, t["principal"], t["message_id"],
+                            t["correlation_id"], result, error, t["attempts"], t["fence"], now)
+            )  # fmt: skip
+        data, content_hash = encoded
+        inserted = enqueue_encoded(
+            c, reply_id=reply_id, task_id=task_id, principal=t["principal"],
+            message_id=t["message_id"], status=state.value, data=data,
+            content_hash=content_hash, now=now,
+        )  # fmt: skip
         if not inserted:  # the unique index makes this unreachable unless a bug re-terminates
             raise StaleError(task_id, "already_terminal", "a terminal reply already exists")
         return reply_id
@@ -420,13 +412,19 @@ class TaskStore:
         *,
         result: str | None = None,
         error: str | None = None,
+        row: sqlite3.Row | Mapping[str, Any] | None = None,
+        encoded: tuple[bytes, str] | None = None,
     ) -> str:
+        """Make a task terminal and write its reply. ``row``: the task's ``principal``,
+        ``message_id``, ``correlation_id``, ``attempts`` and ``fence`` if already read in
+        this transaction (``_holder`` reads them), to spare a lookup; ``encoded``: the
+        reply body from ``encode_body``, if built before the transaction from them."""
         c.execute(
             "UPDATE tasks SET state = ?, owner = NULL, lease_until = NULL, updated_at = ?,"
             " finished_at = ?, result = ?, error = ? WHERE task_id = ?",
             (state.value, now, now, result, error, task_id),
         )
-        return self._terminal_reply(c, task_id, state, result, error, now)
+        return self._terminal_reply(c, task_id, state, result, error, now, row, encoded)
 
     # -- workers --------------------------------------------------------------------------
 
@@ -438,54 +436,66 @@ class TaskStore:
         if n < 1:
             return []
         now = self.clock.now()
-        lease_until = now + self.policy.lease_s
-        claimed: list[ClaimedTask] = []
         with self.db.write("claim") as c:
-            self._reconcile(c, now)
-            ids = [
-                r[0]
-                for r in c.execute(
-                    "SELECT task_id FROM tasks INDEXED BY tasks_ready"
-                    " WHERE state = 'pending' AND not_before <= ? ORDER BY not_before LIMIT ?",
-                    (now, n),
-                )
-            ]
-            for task_id in ids:
-                r = c.execute(
-                    "UPDATE tasks SET state = 'running', owner = ?, lease_until = ?,"
-                    " attempts = attempts + 1, fence = fence + 1, updated_at = ?"
-                    " WHERE task_id = ? AND state = 'pending'"
-                    " RETURNING task_id, principal, message_id, kind, payload, attempts,"
-                    " max_attempts, fence, deadline, hops, correlation_id, parent_id",
-                    (owner, lease_until, now, task_id),
-                ).fetchone()
-                if r is None:
-                    continue
-                claimed.append(
-                    ClaimedTask(
-                        task_id=r["task_id"],
-                        principal=r["principal"],
-                        message_id=r["message_id"],
-                        kind=r["kind"],
-                        payload=json.loads(r["payload"]),
-                        attempt=r["attempts"],
-                        max_attempts=r["max_attempts"],
-                        fence=r["fence"],
-                        owner=owner,
-                        lease_until=lease_until,
-                        deadline=float(r["deadline"]),
-                        hops=r["hops"],
-                        correlation_id=r["correlation_id"],
-                        parent_id=r["parent_id"],
-                    )
-                )
-        return claimed
+            rows = self._claim_in(c, owner, n, now)
+        return self._claimed(rows, owner, now)
+
+    def _claim_in(self, c: sqlite3.Connection, owner: str, n: int, now: float) -> list[sqlite3.Row]:
+        """``claim``'s writes inside the caller's transaction; rows in claim order."""
+        self._reconcile(c, now)
+        ids = [
+            r[0]
+            for r in c.execute(
+                "SELECT task_id FROM tasks INDEXED BY tasks_ready"
+                " WHERE state = 'pending' AND not_before <= ? ORDER BY not_before LIMIT ?",
+                (now, n),
+            )
+        ]
+        if not ids:
+            return []
+        # One statement for the whole batch; RETURNING order is unspecified, so the rows are
+        # put back in claim order (oldest not_before first). ``+state`` keeps the planner on
+        # the primary key: on ``tasks_state`` it would scan every pending task.
+        rows = c.execute(
+            "UPDATE tasks SET state = 'running', owner = ?, lease_until = ?,"
+            " attempts = attempts + 1, fence = fence + 1, updated_at = ?"
+            f" WHERE task_id IN ({', '.join('?' * len(ids))}) AND +state = 'pending'"
+            " RETURNING task_id, principal, message_id, kind, payload, attempts,"
+            " max_attempts, fence, deadline, hops, correlation_id, parent_id",
+            (owner, now + self.policy.lease_s, now, *ids),
+        ).fetchall()
+        by_id = {r["task_id"]: r for r in rows}
+        return [by_id[i] for i in ids if i in by_id]
+
+    def _claimed(self, rows: list[sqlite3.Row], owner: str, now: float) -> list[ClaimedTask]:
+        """The claims of ``_claim_in``'s rows (built after COMMIT: decoding payloads need not
+        hold the write lock)."""
+        lease_until = now + self.policy.lease_s
+        return [
+            ClaimedTask(
+                task_id=r["task_id"],
+                principal=r["principal"],
+                message_id=r["message_id"],
+                kind=r["kind"],
+                payload=json.loads(r["payload"]),
+                attempt=r["attempts"],
+                max_attempts=r["max_attempts"],
+                fence=r["fence"],
+                owner=owner,
+                lease_until=lease_until,
+                deadline=float(r["deadline"]),
+                hops=r["hops"],
+                correlation_id=r["correlation_id"],
+                parent_id=r["parent_id"],
+            )
+            for r in rows
+        ]
 
     def _holder(self, c: sqlite3.Connection, task_id: str, owner: str, fence: int) -> sqlite3.Row:
         """Check INVARIANTS rule 10; raise ``StaleError`` (and so roll back) if any fails."""
         row: sqlite3.Row | None = c.execute(
-            "SELECT state, owner, fence, lease_until, deadline, attempts, max_attempts"
-            " FROM tasks WHERE task_id = ?",
+            "SELECT state, owner, fence, lease_until, deadline, attempts, max_attempts,"
+            " principal, message_id, correlation_id FROM tasks WHERE task_id = ?",
             (task_id,),
         ).fetchone()
         if row is None:
@@ -559,60 +569,119 @@ class TaskStore:
             return self._fail_in(c, task_id, owner, fence, error, retryable, now)
 
     def settle_many(self, items: Sequence[Settlement]) -> list[SettleResult]:
-        """Commit a batch of outcomes (each fenced like ``finish`` / ``fail``) in ONE
-        transaction: one fsync for the batch instead of one per task.
+        """``settle_and_claim`` without the claim."""
+        return self.settle_and_claim(items, "", 0)[0]
 
-        Each item runs under its own SAVEPOINT: an item the store refuses (stale fence,
-        lost lease, cancelled, deadline) is rolled back to its savepoint and reported, and
-        the others commit together. Crash points are ``store.finish.before_commit`` and
+    def settle_and_claim(
+        self, items: Sequence[Settlement], owner: str, n: int
+    ) -> tuple[list[SettleResult], list[ClaimedTask]]:
+        """Commit a batch of outcomes (each fenced like ``finish`` / ``fail``) and claim the
+        next batch (like ``claim(owner, n)``; nothing when ``n`` is 0) in ONE transaction:
+        one fsync for both instead of one per task and one per claim.
+
+        An item the store refuses (stale fence, lost lease, cancelled, deadline) is refused
+        at its holder check, before it writes anything, and reported; the others commit
+        together. Crash points are ``store.finish.before_commit`` and
         ``store.finish.after_commit``, once per batch.
 
         Args:
             items: the outcomes, in the order the handlers ended.
+            owner: who claims the next batch.
+            n: how many tasks to claim at most.
 
         Returns:
             one entry per item, in order: the reply id (done), a ``FailOutcome`` (failed or
-            back to pending), or the ``StaleError`` that refused it.
+            back to pending), or the ``StaleError`` that refused it; and the claimed tasks.
 
         Raises:
             StoreBusy, StoreError: the transaction as a whole failed; nothing was written.
         """
         out: list[SettleResult] = []
-        if not items:
-            return out
+        if not items and n < 1:
+            return out, []
         now = self.clock.now()
+        # Replies of successes are encoded and hashed before the transaction (from what the
+        # claim returned), so the write lock is held for the SQL only. Inside, each one is
+        # used only if the row still says the same (it does whenever the fence matches).
+        bodies = [_done_reply(item, now) for item in items]
         with self.db.write("finish") as c:
-            for item in items:
-                c.execute("SAVEPOINT settle_one")
+            for item, body in zip(items, bodies, strict=True):
+                # A refusal (StaleError) comes from the holder check, before this item wrote
+                # anything; an error after its first write aborts the whole transaction.
+                if item.result is not None:
+                    row = self._finish_check(c, item, now, out)
+                    if row is not None:
+                        out.append(self._finish_reply(c, item, row, body, now))
+                    continue
                 try:
-                    if item.result is not None:
-                        done: SettleResult = self._finish_in(
-                            c, item.task_id, item.owner, item.fence, item.result, now
-                        )
-                    else:
-                        done = self._fail_in(
-                            c, item.task_id, item.owner, item.fence, item.error or "",
-                            item.retryable, now,
-                        )  # fmt: skip
+                    row = self._holder(c, item.task_id, item.owner, item.fence)
                 except StaleError as exc:
-                    c.execute("ROLLBACK TO settle_one")
-                    done = exc
-                c.execute("RELEASE settle_one")
-                out.append(done)
-        return out
+                    out.append(exc)
+                    continue
+                out.append(
+                    self._fail_row(c, row, item.task_id, item.error or "", item.retryable, now)
+                )
+            rows = self._claim_in(c, owner, n, now) if n >= 1 else []
+        return out, self._claimed(rows, owner, now)
+
+    def _finish_check(
+        self, c: sqlite3.Connection, item: Settlement, now: float, out: list[SettleResult]
+    ) -> sqlite3.Row | None:
+        """Mark one item ``done`` inside ``settle_and_claim``: the holder check (rule 10) is
+        the WHERE clause of the state change itself, one statement instead of two. When it
+        matches nothing, nothing was written and ``_holder``'s precise refusal is appended
+        to ``out``; returns the row the reply is built from otherwise."""
+        check_at = self.clock.now()
+        row: sqlite3.Row | None = c.execute(
+            "UPDATE tasks SET state = 'done', owner = NULL, lease_until = NULL, updated_at = ?,"
+            " finished_at = ?, result = ?, error = NULL WHERE task_id = ? AND fence = ?"
+            " AND state = 'running' AND owner = ? AND lease_until > ? AND deadline > ?"
+            " RETURNING principal, message_id, correlation_id, attempts, fence",
+            (now, now, item.result, item.task_id, item.fence, item.owner, check_at, check_at),
+        ).fetchone()
+        if row is None:
+            try:
+                self._holder(c, item.task_id, item.owner, item.fence)
+                out.append(StaleError(item.task_id, "lease_expired"))  # the clock moved on
+            except StaleError as exc:
+                out.append(exc)
+        return row
+
+    def _finish_reply(
+        self,
+        c: sqlite3.Connection,
+        item: Settlement,
+        row: sqlite3.Row,
+        body: tuple[_ReplyKey, tuple[bytes, str]] | None,
+        now: float,
+    ) -> str:
+        """The reply of an item ``_finish_check`` marked done (same transaction)."""
+        encoded = body[1] if body is not None and body[0] == _reply_key(row) else None
+        try:
+            return self._terminal_reply(
+                c, item.task_id, TaskState.DONE, item.result, None, now, row, encoded
+            )
+        except StaleError as exc:  # a second terminal reply: a bug, never a refusal
+            raise BrokerAdapterError(f"task {item.task_id} was finished twice: {exc}") from exc
 
     def _finish_in(
         self, c: sqlite3.Connection, task_id: str, owner: str, fence: int, encoded: str,
         now: float,
     ) -> str:  # fmt: skip
-        self._holder(c, task_id, owner, fence)
-        return self._to_terminal(c, task_id, TaskState.DONE, now, result=encoded)
+        row = self._holder(c, task_id, owner, fence)
+        return self._to_terminal(c, task_id, TaskState.DONE, now, result=encoded, row=row)
 
     def _fail_in(
         self, c: sqlite3.Connection, task_id: str, owner: str, fence: int, error: str,
         retryable: bool, now: float,
     ) -> FailOutcome:  # fmt: skip
         row = self._holder(c, task_id, owner, fence)
+        return self._fail_row(c, row, task_id, error, retryable, now)
+
+    def _fail_row(
+        self, c: sqlite3.Connection, row: sqlite3.Row, task_id: str, error: str,
+        retryable: bool, now: float,
+    ) -> FailOutcome:  # fmt: skip
         if retryable and row["attempts"] < row["max_attempts"]:
             not_before = now + self.policy.backoff.delay(row["attempts"], self.rng)
             if not_before < row["deadline"]:
@@ -625,7 +694,7 @@ class TaskStore:
             error = f"{error} (no retry: the deadline comes first)"
         elif retryable:
             error = f"{error} (attempts exhausted: {row['attempts']}/{row['max_attempts']})"
-        self._to_terminal(c, task_id, TaskState.FAILED, now, error=error)
+        self._to_terminal(c, task_id, TaskState.FAILED, now, error=error, row=row)
         return FailOutcome.FAILED
 
     def has_work(self) -> bool:
@@ -751,3 +820,45 @@ class TaskStore:
         out = {s.value: 0 for s in TaskState}
         out.update({r[0]: r[1] for r in rows})
         return out
+
+
+def _reply_body(
+    task_id: str, state: TaskState, principal: str, message_id: str,
+    correlation_id: str | None, result: str | None, error: str | None, attempts: int,
+    fence: int, now: float,
+) -> dict[str, Any]:  # fmt: skip
+    """A terminal reply's body (``result`` is the stored canonical JSON text)."""
+    return {
+        "v": 1,
+        "reply_id": reply_id_for(task_id),
+        "task_id": task_id,
+        "principal": principal,
+        "message_id": message_id,
+        "correlation_id": correlation_id,
+        "status": state.value,
+        "result": None if result is None else json.loads(result),
+        "error": error,
+        "attempts": attempts,
+        "fence": fence,
+        "finished_at": now,
+    }
+
+
+_ReplyKey = tuple[str, str, str | None, int, int]
+
+
+def _reply_key(row: sqlite3.Row | Mapping[str, Any]) -> _ReplyKey:
+    """What a reply body takes from the task row besides the outcome."""
+    return (row["principal"], row["message_id"], row["correlation_id"], row["attempts"],
+            row["fence"])  # fmt: skip
+
+
+def _done_reply(item: Settlement, now: float) -> tuple[_ReplyKey, tuple[bytes, str]] | None:
+    """The encoded ``done`` reply of ``item``, built from its claim, or ``None``."""
+    claimed = item.claimed
+    if item.result is None or claimed is None:
+        return None
+    key = (claimed.principal, claimed.message_id, claimed.correlation_id, claimed.attempt,
+           claimed.fence)  # fmt: skip
+    body = _reply_body(claimed.task_id, TaskState.DONE, *key[:3], item.result, None, *key[3:], now)
+    return key, encode_body(body)

@@ -437,7 +437,9 @@ def test_ingest_run_loop_backs_off_and_recovers_when_redis_restarts(
         worker.join(timeout=10)
     assert not worker.is_alive()
     assert task_counts(tasks) == {("alice", f"u{i}"): 1 for i in range(9)}
-    assert ingestor.stats.duplicates == 6
+    # 6 resends, plus the last batch again if the kill landed between its commit and its
+    # XACK (redelivered after the restart): duplicates, never second tasks.
+    assert 6 <= ingestor.stats.duplicates <= 6 + 4
 
 
 # -- faults ----------------------------------------------------------------------------------

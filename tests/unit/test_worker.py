@@ -31,7 +31,7 @@ from broker_adapter.store import (
     open_database,
 )
 from broker_adapter.store.tasks import TaskPolicy
-from broker_adapter.worker import Worker, WorkerConfig
+from broker_adapter.worker import DEFAULT_BATCH, Worker, WorkerConfig
 from tests.support import handlers as sample
 
 WAIT_S = 10.0
@@ -442,7 +442,7 @@ def test_worker_renews_in_the_background(
 
 def test_worker_config_is_frozen_and_strict_about_fields() -> None:
     config = WorkerConfig(owner="w1")
-    assert (config.batch, config.renew_every_s) == (1, None)
+    assert (config.batch, config.renew_every_s) == (DEFAULT_BATCH, None)
     with pytest.raises(ValidationError):
         config.batch = 2  # type: ignore[misc]
     with pytest.raises(ValidationError):
@@ -543,7 +543,7 @@ def test_worker_stop_drains_the_running_handler_and_claims_nothing_more(
         return "drained"
 
     stop = threading.Event()
-    worker = make_worker(tasks, gated, idle_poll_s=0.01, grace_s=WAIT_S)
+    worker = make_worker(tasks, gated, batch=1, idle_poll_s=0.01, grace_s=WAIT_S)
     runner = start_run(worker, stop)
     assert entered.wait(WAIT_S)
     stop.set()
