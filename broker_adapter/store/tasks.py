@@ -233,10 +233,13 @@ class TaskStore:
         results: list[AcceptResult] = []
         if not items:
             return results
+        # Hash and encode before taking the write lock: the transaction holds it for SQL only.
+        fingerprints = [item.envelope.fingerprint() for item in items]
+        payloads = [item.envelope.payload_json() for item in items]
         with self.db.write("accept") as c:
             known = self._prefetch(c, items)
-            for item in items:
-                results.append(self._accept_one(c, item, now, known))
+            for item, fingerprint, payload in zip(items, fingerprints, payloads, strict=True):
+                results.append(self._accept_one(c, item, now, known, fingerprint, payload))
         return results
 
     @staticmethod
@@ -265,11 +268,12 @@ class TaskStore:
         item: AcceptItem,
         now: float,
         known: dict[tuple[str, str], Mapping[str, Any]],
+        fingerprint: str,
+        payload: str,
     ) -> AcceptResult:
         env = item.envelope
         if env.kind != "task":
             return AcceptResult(Outcome.NOT_TASK, detail=f"kind {env.kind!r} does not become work")
-        fingerprint = env.fingerprint()
         row = known.get((item.principal, env.message_id))
         if row is not None:
             retained = now - row["received_at"] < self.policy.retention_s
@@ -291,7 +295,7 @@ class TaskStore:
             " created_at, updated_at, finished_at, error)"
             " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
             (
-                task_id, item.principal, env.message_id, env.kind, env.payload_json(),
+                task_id, item.principal, env.message_id, env.kind, payload,
                 fingerprint, env.correlation_id, env.parent_id, state.value, env.max_attempts,
                 now, env.deadline, hops, now, now,
                 None if state is TaskState.PENDING else now, error,
