@@ -48,7 +48,7 @@ from broker_adapter import crashpoints
 from broker_adapter.auth import Authenticated, Keyring, check_stream_principal
 from broker_adapter.clock import Clock, SystemClock
 from broker_adapter.envelope import check_principal
-from broker_adapter.errors import ConfigError, EnvelopeError, TransientError
+from broker_adapter.errors import ConfigError, EnvelopeError, StoreBusy, TransientError
 from broker_adapter.keys import DEFAULT_PREFIX, INGEST_GROUP, Keys
 from broker_adapter.store.tasks import AcceptItem, AcceptResult, Outcome, TaskStore
 from broker_adapter.streams import GroupReader, ReaderConfig, StreamEntry
@@ -172,6 +172,10 @@ class _Source:
 
     reader: GroupReader
     principal: str | None
+    # A checked batch whose accept transaction failed on a busy or failing store: retried
+    # as it is, without reading the entries again, so a store outage does not raise their
+    # Redis delivery counts towards the poison limit.
+    held: tuple[list[StreamEntry], list[AcceptItem]] | None = None
 
 
 class Ingestor:
@@ -262,10 +266,16 @@ class Ingestor:
         handled = 0
         for source in self._sources:
             try:
+                if source.held is not None:
+                    good, items = source.held
+                    handled += self._commit(source, good, items)
+                    continue
                 entries = source.reader.read()
                 if entries:
                     crashpoints.hit("ingest.after_read")
                     handled += self._handle(source, entries)
+            except StoreBusy:
+                raise  # the batch is held (see _commit); no re-read, no redelivery
             except BaseException:
                 # Whatever failed, the batch is not acknowledged (or maybe only partly):
                 # the next read replays this consumer's pending list before new entries.
@@ -387,15 +397,24 @@ class Ingestor:
         self.stats.entries += len(entries)
         if not items:
             return len(entries)
+        return self._commit(source, good, items) + len(entries) - len(good)
+
+    def _commit(self, source: _Source, good: list[StreamEntry], items: list[AcceptItem]) -> int:
+        reader = source.reader
         # One transaction for the whole batch; no Redis call happens inside it.
-        results = self.tasks.accept(items)
+        try:
+            results = self.tasks.accept(items)
+        except StoreBusy:
+            source.held = (good, items)
+            raise
+        source.held = None
         crashpoints.hit("ingest.after_commit")
         to_ack = self._after_commit(reader, good, items, results)
         # XACK after COMMIT: a crash between the two leaves the entries pending, and the
         # inbox's unique key turns their redelivery into duplicates.
         self.stats.acked += reader.ack(to_ack)
         crashpoints.hit("ingest.after_xack")
-        return len(entries)
+        return len(good)
 
     def _after_commit(
         self,

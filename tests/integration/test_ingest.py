@@ -627,3 +627,41 @@ def test_publisher_and_ingest_config_are_checked(
     config = IngestConfig(consumer="c")
     with pytest.raises(pydantic.ValidationError):
         config.count = 5  # type: ignore[misc]
+
+
+def test_ingest_busy_store_holds_the_batch_and_spends_no_delivery_count(
+    redis_server: RedisServer, prefix: str, tmp_path: Path, keyring: Keyring
+) -> None:
+    """A store outage must not turn good requests into poison: the checked batch is kept and
+    retried as it is, not read again (each re-read would raise its Redis delivery count)."""
+    import sqlite3
+
+    from broker_adapter.errors import StoreBusy
+    from broker_adapter.store.db import Database
+
+    client = connect(redis_server.url)
+    _publish_many(client, prefix, keyring, 3, "busy")
+    db_path = tmp_path / "busy.db"
+    db = Database(db_path, busy_timeout_ms=20)
+    ingest = Ingestor(
+        IngestConfig(prefix=prefix, consumer="busy-1", block_ms=50, max_deliveries=3),
+        client, TaskStore(db), keyring,
+    )  # fmt: skip
+    ingest.step()  # own pending list: empty
+    holder = sqlite3.connect(str(db_path), isolation_level=None)
+    holder.execute("BEGIN IMMEDIATE")  # someone else holds the write lock
+    failures = 0
+    for _ in range(8):  # more failures than max_deliveries
+        try:
+            ingest.step()
+        except StoreBusy:
+            failures += 1
+    holder.execute("COMMIT")
+    holder.close()
+    assert failures == 8
+    assert ingest.step() == 3
+    assert client.xlen(Keys(prefix).inbound_dead()) == 0
+    assert task_counts(TaskStore(db)) == {("alice", f"busy{i}"): 1 for i in range(3)}
+    pending = client.xpending_range(Keys(prefix).inbound(), INGEST_GROUP, "-", "+", 10)
+    assert pending == []
+    db.close()
