@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck check bench chaos chaos-long clean
+.PHONY: demo test lint typecheck bench chaos chaos-long clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -32,6 +32,12 @@ bench: $(STAMP)
 
 chaos: $(STAMP)
 	$(PY) -m pytest -q -m chaos tests/chaos
+
+SEED ?= 42
+MODE ?= durable
+# The long Jepsen-style soak: about 25 minutes on 2 cores.
+chaos-long: $(STAMP)
+	$(PY) -m tests.chaos.run --profile long --seed $(SEED) --redis-mode $(MODE) --out $(or $(OUT),/tmp/broker-adapter-chaos-long-$(SEED))
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

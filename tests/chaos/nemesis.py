@@ -1,0 +1,541 @@
+"""The nemesis: Jepsen's package generator over the faults this host can inject.
+
+Every period (``period_s``, drawn per period) it picks a random non-empty subset of the
+enabled packages (dealt from a shuffled deck, so all come up), or none with probability
+``quiet_p``, starts each, waits out the period,
+and runs each package's stop step. Every start and stop is logged with a fault id, so the
+checker can tie a loss to a fault window. ``heal()`` ends everything: SIGCONT, proxy back to
+pass, CLIENT UNPAUSE, Redis up, every component restarted unarmed.
+
+Packages (RELIABILITY.md 5.4; the kind is the ``fault`` field of the history event):
+
+* ``kill-adapter`` / ``kill-receiver``: SIGKILL the process group / restart it at stop;
+* ``kill-worker``: SIGKILL one worker child (its runner replaces it);
+* ``crashpoint``: restart a component with ``BA_CRASHPOINT=<point>@<n>``; it dies there and
+  the supervisor restarts it unarmed (stop: disarm if it never fired);
+* ``pausepoint``: restart an adapter with ``BA_PAUSEPOINT``; a worker stops itself there and
+  the supervisor resumes it past the lease (a zombie);
+* ``pause-adapter`` / ``pause-receiver``: SIGSTOP a whole adapter, one worker child or a
+  receiver for the period / SIGCONT;
+* ``redis-kill`` (``redis-wipe`` in ephemeral mode): SIGKILL redis-server, restart it
+  (wiped) after a short outage;
+* ``redis-tail-loss`` (everysec mode only): SIGKILL redis-server, truncate its AOF at a
+  command boundary after the fault's start (a power loss), restart it;
+* ``net``: through the proxy: reset every connection, delay, drop one reply, cut a reply
+  after n bytes, or blackhole;
+* ``client-pause``: ``CLIENT PAUSE <ms> ALL|WRITE``;
+* ``idle-skew``: ``XCLAIM ... IDLE 3600000 JUSTID`` on every pending entry of every group;
+* ``storm``: ``XGROUP SETID <replies> ba-receiver 0`` and agents re-publish recent keys;
+* ``sqlite-busy``: another connection holds ``BEGIN IMMEDIATE`` on the adapter database.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import random
+import signal
+import sqlite3
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import redis
+
+from broker_adapter import crashpoints
+from broker_adapter.keys import INGEST_GROUP, RECEIVER_GROUP, Keys
+from tests.chaos.cluster import Cluster, Component
+from tests.chaos.history import INFO, History
+from tests.chaos.workload import Workload
+
+ADAPTER_POINTS = tuple(
+    p
+    for p in (
+        "ingest.after_read", "ingest.after_commit", "ingest.after_xack",
+        "ingest.after_dead_letter", "ingest.after_autoclaim", "worker.after_claim",
+        "worker.after_effect", "worker.after_finish", "dispatcher.before_xadd",
+        "dispatcher.after_xadd", "dispatcher.after_mark_sent",
+        *(f"store.{op}.{when}" for op in ("accept", "claim", "renew", "finish", "fail",
+                                          "outbox_claim", "mark_sent", "reply_retry")
+          for when in ("before_commit", "after_commit")),
+    )
+    if p in crashpoints.POINTS
+)  # fmt: skip
+RECEIVER_POINTS = tuple(
+    p
+    for p in (
+        "receiver.before_commit", "receiver.after_commit", "receiver.after_xack",
+        "store.receipt.before_commit", "store.receipt.after_commit",
+    )
+    if p in crashpoints.POINTS
+)  # fmt: skip
+PAUSE_POINTS = tuple(
+    p
+    for p in ("worker.after_claim", "worker.after_effect", "store.finish.before_commit")
+    if p in crashpoints.POINTS
+)
+NET_MODES = ("reset", "delay", "drop", "cut", "blackhole")
+DROP_MATCHES = (b"XADD", b"XACK", b"EVALSHA", b"XREADGROUP", b"XAUTOCLAIM", b"EVAL")
+COMMON_PACKAGES = (
+    "kill-adapter", "kill-worker", "kill-receiver", "crashpoint", "pausepoint",
+    "pause-adapter", "pause-receiver", "net", "client-pause", "idle-skew", "storm",
+    "sqlite-busy",
+)  # fmt: skip
+SKEW_IDLE_MS = 3_600_000
+BUSY_HOLD_MAX_S = 3.0
+
+
+def packages_for(mode: str) -> tuple[str, ...]:
+    """The packages a Redis mode allows: a kill is a wipe without persistence, and only
+    ``everysec`` may lose an acknowledged write's tail."""
+    if mode == "ephemeral":
+        return (*COMMON_PACKAGES, "redis-wipe")
+    if mode == "everysec":
+        return (*COMMON_PACKAGES, "redis-kill", "redis-tail-loss")
+    return (*COMMON_PACKAGES, "redis-kill")
+
+
+def newest_incr_aof(redis_dir: Path) -> Path | None:
+    """The AOF file Redis 7 appends to (the highest-numbered ``*.incr.aof``)."""
+
+    def seq(path: Path) -> int:
+        digits = path.name.removesuffix(".incr.aof").rpartition(".")[2]
+        return int(digits) if digits.isdigit() else -1
+
+    files = sorted(redis_dir.glob("**/*.incr.aof"), key=seq)
+    return files[-1] if files else None
+
+
+def command_starts(data: bytes, start: int) -> list[int]:
+    """Offsets of the RESP commands (``*<n>`` arrays of bulk strings) that begin at or after
+    ``start``, which must itself be a command boundary. A torn last command is left out."""
+    out: list[int] = []
+    i = start
+    while i < len(data) and data[i : i + 1] == b"*":
+        begin = i
+        try:
+            eol = data.index(b"\r\n", i)
+            n = int(data[i + 1 : eol])
+            i = eol + 2
+            for _ in range(n):
+                eol = data.index(b"\r\n", i)
+                size = int(data[i + 1 : eol])
+                i = eol + 2 + size + 2
+        except ValueError:
+            break
+        if i > len(data):
+            break
+        out.append(begin)
+    return out
+
+
+@dataclass
+class Fault:
+    fid: str
+    fault: str
+    target: str
+    stop: Callable[[], None] | None = None
+
+
+class Nemesis:
+    """Runs the fault schedule against a ``Cluster``.
+
+    Args:
+        cluster: the components, Redis and the proxy.
+        workload: the agents (for ``storm`` re-publishes).
+        history: where faults are logged (``proc`` ``nemesis``).
+        rng: the seeded generator of the schedule.
+        packages: the enabled packages.
+        mode: ``durable``, ``everysec`` or ``ephemeral``.
+        lease_s: the adapters' lease (pauses outlast it).
+        adapter_db: the adapter database (``sqlite-busy``).
+        prefix: the Redis key prefix.
+        principals: every agent principal (reply streams).
+        period_s: bounds of one period, seconds.
+        quiet_p: probability of a period without faults.
+        max_packages: most packages started in one period.
+    """
+
+    def __init__(
+        self,
+        cluster: Cluster,
+        workload: Workload,
+        history: History,
+        rng: random.Random,
+        packages: tuple[str, ...],
+        *,
+        mode: str,
+        lease_s: float,
+        adapter_db: Path,
+        prefix: str,
+        principals: tuple[str, ...],
+        period_s: tuple[float, float] = (2.0, 4.0),
+        quiet_p: float = 0.25,
+        max_packages: int = 3,
+    ) -> None:
+        self.cluster = cluster
+        self.workload = workload
+        self.history = history
+        self.rng = rng
+        self.packages = packages
+        self.mode = mode
+        self.lease_s = lease_s
+        self.adapter_db = adapter_db
+        self.keys = Keys(prefix)
+        self.principals = principals
+        self.period_s = period_s
+        self.quiet_p = quiet_p
+        self.max_packages = max_packages
+        self.prng = random.Random(rng.getrandbits(64))  # per started package (see ``run``)
+        self.active: list[Fault] = []
+        self._deck: list[str] = []
+        self._admin: redis.Redis | None = None
+        self._ids = itertools.count(1)
+        self._stop = threading.Event()
+        self._busy_release = threading.Event()
+
+    def admin(self) -> redis.Redis:
+        """A direct (not proxied) client for administrative commands."""
+        if self._admin is None:
+            self._admin = redis.Redis(port=self.cluster.redis.port, socket_timeout=5)
+        return self._admin
+
+    def close(self) -> None:
+        if self._admin is not None:
+            self._admin.close()
+            self._admin = None
+
+    def draw(self, k: int) -> list[str]:
+        """``k`` different packages from a shuffled deck: every package comes up once before
+        any comes up twice, so even a short run covers them all."""
+        chosen: list[str] = []
+        while len(chosen) < k:
+            if not self._deck:
+                self._deck = list(self.packages)
+                self.rng.shuffle(self._deck)
+            name = self._deck.pop()
+            if name in chosen:
+                self._deck.insert(0, name)
+            else:
+                chosen.append(name)
+        return chosen
+
+    # -- logging ----------------------------------------------------------------------------
+
+    def begin(self, fault: str, target: str = "", **extra: Any) -> Fault:
+        f = Fault(str(next(self._ids)), fault, target)
+        self.history.log(
+            INFO, "start", value={"id": f.fid, "fault": fault, "target": target, **extra},
+            proc="nemesis",
+        )  # fmt: skip
+        return f
+
+    def end(self, f: Fault, **extra: Any) -> None:
+        self.history.log(
+            INFO, "stop", value={"id": f.fid, "fault": f.fault, "target": f.target, **extra},
+            proc="nemesis",
+        )  # fmt: skip
+
+    def instant(self, fault: str, target: str = "", **extra: Any) -> None:
+        self.end(self.begin(fault, target, **extra))
+
+    # -- the schedule -----------------------------------------------------------------------
+
+    def run(self, until_monotonic: float) -> None:
+        """Run periods until ``until_monotonic`` (or ``stop``), then stop the last faults."""
+        import time
+
+        while not self._stop.is_set() and time.monotonic() < until_monotonic:
+            # A fixed number of draws per period: the schedule (periods, packages, and one
+            # seed per started package) replays from the seed whatever the run's timing.
+            period = self.rng.uniform(*self.period_s)
+            quiet = self.rng.random() < self.quiet_p or not self.packages
+            k = self.rng.randint(1, max(1, min(self.max_packages, len(self.packages))))
+            chosen = [] if quiet else self.draw(k)
+            for name, seed in [(name, self.rng.getrandbits(64)) for name in chosen]:
+                self.prng = random.Random(seed)
+                try:
+                    fault = self.start_package(name)
+                except (redis.RedisError, OSError) as exc:
+                    self.history.log(INFO, "skip", value={"fault": name}, error=str(exc),
+                                     proc="nemesis")  # fmt: skip
+                    continue
+                if fault is not None:
+                    self.active.append(fault)
+            self._stop.wait(min(period, max(0.0, until_monotonic - time.monotonic())))
+            self.stop_active()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def stop_active(self) -> None:
+        while self.active:
+            fault = self.active.pop()
+            try:
+                if fault.stop is not None:
+                    fault.stop()
+            except (redis.RedisError, OSError) as exc:
+                self.history.log(INFO, "stop-error", value={"fault": fault.fault}, error=str(exc),
+                                 proc="nemesis")  # fmt: skip
+            self.end(fault)
+
+    def heal(self) -> None:
+        """Stop every fault and bring everything back, unarmed."""
+        self.stop()
+        self.stop_active()
+        self._busy_release.set()
+        self.cluster.proxy.heal()
+        self.cluster.start_redis()
+        with contextlib.suppress(redis.RedisError):
+            self.admin().execute_command("CLIENT", "UNPAUSE")  # type: ignore[no-untyped-call]
+        self.cluster.heal_processes()
+        self.close()
+        self.history.log(INFO, "heal", proc="run")
+
+    # -- packages ---------------------------------------------------------------------------
+
+    def start_package(self, name: str) -> Fault | None:
+        starters: dict[str, Callable[[], Fault | None]] = {
+            "kill-adapter": lambda: self.kill("adapter"),
+            "kill-receiver": lambda: self.kill("receiver"),
+            "kill-worker": self.kill_worker,
+            "crashpoint": self.crashpoint,
+            "pausepoint": self.pausepoint,
+            "pause-adapter": lambda: self.pause("adapter"),
+            "pause-receiver": lambda: self.pause("receiver"),
+            "redis-kill": lambda: self.redis_kill(wipe=False),
+            "redis-wipe": lambda: self.redis_kill(wipe=True),
+            "redis-tail-loss": self.redis_tail_loss,
+            "net": self.net,
+            "client-pause": self.client_pause,
+            "idle-skew": self.idle_skew,
+            "storm": self.storm,
+            "sqlite-busy": self.sqlite_busy,
+        }
+        return starters[name]()
+
+    def _pick(self, role: str) -> Component | None:
+        comps = [c for c in self.cluster.role(role) if c.alive() and not c.hold_down]
+        return self.prng.choice(comps) if comps else None
+
+    def kill(self, role: str, comp: Component | None = None) -> Fault | None:
+        comp = comp or self._pick(role)
+        if comp is None:
+            return None
+        with self.cluster.lock:
+            comp.hold_down = True
+            comp.kill()
+        f = self.begin(f"kill-{role}", comp.name)
+
+        def stop() -> None:
+            with self.cluster.lock:
+                if comp.hold_down:
+                    self.cluster.restart(comp, why="nemesis")
+
+        f.stop = stop
+        return f
+
+    def kill_worker(self) -> Fault | None:
+        comp = self._pick("adapter")
+        pids = comp.worker_pids() if comp is not None else []
+        if comp is None or not pids:
+            return None
+        pid = self.prng.choice(pids)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+        self.instant("kill-worker", comp.name, pid=pid)
+        return None
+
+    def crashpoint(self, comp: Component | None = None, spec: str | None = None) -> Fault | None:
+        if comp is None:
+            role = "receiver" if self.prng.random() < 0.25 else "adapter"
+            comp = self._pick(role)
+        if comp is None:
+            return None
+        if spec is None:
+            points = RECEIVER_POINTS if comp.role == "receiver" else ADAPTER_POINTS
+            spec = f"{self.prng.choice(points)}@{self.prng.randint(1, 3)}"
+        self.cluster.restart(comp, armed={crashpoints.ENV_CRASH: spec}, why="crashpoint")
+        f = self.begin("crashpoint", comp.name, point=spec)
+
+        def stop() -> None:
+            with self.cluster.lock:
+                if comp.armed.get(crashpoints.ENV_CRASH) == spec and comp.alive():
+                    self.cluster.restart(comp, why="disarm")
+
+        f.stop = stop
+        return f
+
+    def pausepoint(self, comp: Component | None = None, spec: str | None = None) -> Fault | None:
+        comp = comp or self._pick("adapter")
+        if comp is None:
+            return None
+        spec = spec or f"{self.prng.choice(PAUSE_POINTS)}@{self.prng.randint(1, 2)}"
+        self.cluster.restart(comp, armed={crashpoints.ENV_PAUSE: spec}, why="pausepoint")
+        return self.begin("pausepoint", comp.name, point=spec)
+
+    def pause(self, role: str, comp: Component | None = None) -> Fault | None:
+        comp = comp or self._pick(role)
+        if comp is None:
+            return None
+        workers = comp.worker_pids() if role == "adapter" else []
+        if workers and self.prng.random() < 0.5:
+            pid = self.prng.choice(workers)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGSTOP)
+            f = self.begin(f"pause-{role}", comp.name, pid=pid)
+
+            def resume_one() -> None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGCONT)
+
+            f.stop = resume_one
+            return f
+        comp.pause()
+        f = self.begin(f"pause-{role}", comp.name, whole=True)
+        f.stop = comp.resume
+        return f
+
+    def redis_kill(self, *, wipe: bool, down_s: float | None = None) -> Fault | None:
+        fault = "redis-wipe" if wipe else "redis-kill"
+        f = self.begin(fault, "redis")
+        self.cluster.kill_redis()
+        self._stop.wait(down_s if down_s is not None else self.prng.uniform(0.2, 1.5))
+        self.cluster.start_redis(wipe=wipe)
+        self.end(f)
+        return None
+
+    def redis_tail_loss(self) -> Fault | None:
+        """Power loss under ``appendfsync everysec``: SIGKILL, then cut the AOF at a command
+        boundary among the commands appended since this fault started (so only writes
+        acknowledged inside the logged window can be lost), then restart."""
+        aof = newest_incr_aof(self.cluster.redis.workdir)
+        if aof is None:
+            return None
+        f = self.begin("redis-tail-loss", "redis")
+        size_before = aof.stat().st_size
+        self._stop.wait(self.prng.uniform(0.3, 1.5))
+        self.cluster.kill_redis()
+        data = aof.read_bytes()
+        starts = command_starts(data, size_before)
+        cut = self.prng.choice([*starts, len(data)]) if starts else size_before
+        with aof.open("r+b") as fh:
+            fh.truncate(cut)
+        self.cluster.start_redis()
+        self.end(f, cut=cut, dropped_bytes=len(data) - cut, commands_after_start=len(starts))
+        return None
+
+    def net(self) -> Fault | None:
+        proxy = self.cluster.proxy
+        mode = self.prng.choice(NET_MODES)
+        extra: dict[str, Any] = {}
+        if mode == "reset":
+            extra["connections"] = proxy.reset_all()
+            self.instant("net-reset", "proxy", **extra)
+            return None
+        if mode == "delay":
+            extra["delay_s"] = round(self.prng.uniform(0.02, 0.3), 3)
+            proxy.delay(extra["delay_s"])
+        elif mode == "drop":
+            match = self.prng.choice(DROP_MATCHES)
+            extra["match"] = match.decode()
+            proxy.drop_reply_once(match)
+        elif mode == "cut":
+            extra["after_bytes"] = self.prng.randint(0, 300)
+            proxy.reset_after_bytes(extra["after_bytes"])
+        else:
+            proxy.blackhole()
+        f = self.begin(f"net-{mode}", "proxy", **extra)
+
+        def stop() -> None:
+            proxy.heal()
+
+        f.stop = stop
+        return f
+
+    def client_pause(self) -> Fault | None:
+        ms = self.prng.randint(300, 2500)
+        how = self.prng.choice(("ALL", "WRITE"))
+        self.admin().execute_command("CLIENT", "PAUSE", ms, how)  # type: ignore[no-untyped-call]
+        f = self.begin("client-pause", "redis", ms=ms, how=how)
+
+        def stop() -> None:
+            with contextlib.suppress(redis.RedisError):
+                self.admin().execute_command("CLIENT", "UNPAUSE")  # type: ignore[no-untyped-call]
+
+        f.stop = stop
+        return f
+
+    def _groups(self) -> list[tuple[str, str]]:
+        groups = [(self.keys.inbound(), INGEST_GROUP)]
+        groups += [(self.keys.replies(p), RECEIVER_GROUP) for p in self.principals]
+        return groups
+
+    def idle_skew(self) -> Fault | None:
+        admin = self.admin()
+        aged = 0
+        for stream, group in self._groups():
+            try:
+                rows = admin.xpending_range(stream, group, min="-", max="+", count=1000)
+            except redis.ResponseError:
+                continue  # no such group (yet)
+            for row in rows:
+                owner = row["consumer"]
+                owner = owner.decode() if isinstance(owner, bytes) else str(owner)
+                admin.xclaim(
+                    stream, group, owner, 0, [row["message_id"]], idle=SKEW_IDLE_MS, justid=True
+                )
+                aged += 1
+        self.instant("idle-skew", "redis", aged=aged)
+        return None
+
+    def storm(self) -> Fault | None:
+        admin = self.admin()
+        rewound = []
+        for p in self.principals:
+            if self.prng.random() < 0.5:
+                with contextlib.suppress(redis.ResponseError):
+                    admin.xgroup_setid(self.keys.replies(p), RECEIVER_GROUP, "0")
+                    rewound.append(p)
+        n = self.prng.randint(3, 10)
+        self.workload.storm(self.rng, n)
+        self.instant("storm", "replies", rewound=rewound, republish=n)
+        return None
+
+    def sqlite_busy(self) -> Fault | None:
+        hold_s = min(BUSY_HOLD_MAX_S, self.prng.uniform(0.5, BUSY_HOLD_MAX_S))
+        release = threading.Event()
+        self._busy_release = release
+        held = threading.Event()
+
+        def holder() -> None:
+            try:
+                conn = sqlite3.connect(str(self.adapter_db), timeout=30.0, isolation_level=None)
+            except sqlite3.Error:
+                held.set()
+                return
+            try:
+                conn.execute("BEGIN IMMEDIATE")
+                held.set()
+                release.wait(hold_s)
+                conn.execute("COMMIT")
+            except sqlite3.Error:
+                pass
+            finally:
+                held.set()
+                conn.close()
+
+        thread = threading.Thread(target=holder, name="sqlite-busy", daemon=True)
+        thread.start()
+        held.wait(30.0)
+        f = self.begin("sqlite-busy", "adapter-db", hold_s=round(hold_s, 3))
+
+        def stop() -> None:
+            release.set()
+            thread.join(timeout=30.0)
+
+        f.stop = stop
+        return f
