@@ -295,13 +295,22 @@ class OutboxStore:
             StaleError: the row is not ``dead``.
         """
         now = self.clock.now()
+        return self._move_dead(
+            reply_id, by, "state = 'pending', attempts = 0, not_before = ?", (now,)
+        )
+
+    def _move_dead(
+        self, reply_id: str, by: str, assignments: str, params: tuple[Any, ...]
+    ) -> OutboxRow:
+        """The operator paths out of ``dead``: apply ``assignments`` and count a replay
+        (``replays``, ``replayed_by``, ``replayed_at``), in one transaction."""
+        now = self.clock.now()
         with self.db.write("reply_replay") as c:
             _require_dead(c, reply_id)
             new = c.execute(
-                "UPDATE outbox SET state = 'pending', attempts = 0, not_before = ?,"
-                " replays = replays + 1, replayed_by = ?, replayed_at = ?"
-                f" WHERE reply_id = ? RETURNING {_COLUMNS}",
-                (now, by, now, reply_id),
+                f"UPDATE outbox SET {assignments}, replays = replays + 1, replayed_by = ?,"
+                f" replayed_at = ? WHERE reply_id = ? RETURNING {_COLUMNS}",
+                (*params, by, now, reply_id),
             ).fetchone()
         return OutboxRow.from_row(new)
 
@@ -411,16 +420,12 @@ class OutboxStore:
             UnknownReply: no such reply.
             StaleError: the row is not ``dead``.
         """
-        now = self.clock.now()
-        with self.db.write("reply_replay") as c:
-            _require_dead(c, reply_id)
-            new = c.execute(
-                "UPDATE outbox SET state = 'sent', owner = NULL, lease_until = NULL,"
-                " entry_id = ?, sent_at = ?, replays = replays + 1, replayed_by = ?,"
-                f" replayed_at = ? WHERE reply_id = ? RETURNING {_COLUMNS}",
-                (entry_id, now, by, now, reply_id),
-            ).fetchone()
-        return OutboxRow.from_row(new)
+        return self._move_dead(
+            reply_id,
+            by,
+            "state = 'sent', owner = NULL, lease_until = NULL, entry_id = ?, sent_at = ?",
+            (entry_id, self.clock.now()),
+        )
 
     def requeue_sent_near(self, restart_at: float, window_s: float) -> int:
         """Put back the ``sent`` replies a Redis restart at ``restart_at`` may have lost.
