@@ -62,7 +62,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from broker_adapter import crashpoints
 from broker_adapter.clock import Clock
 from broker_adapter.envelope import check_principal, sha256_hex
-from broker_adapter.errors import ConfigError, TransientError
+from broker_adapter.errors import ConfigError, StoreBusy, TransientError
 from broker_adapter.keys import DEFAULT_PREFIX, RECEIVER_GROUP, Keys
 from broker_adapter.store.receipts import (
     AppliedItem,
@@ -275,6 +275,7 @@ class Receiver:
         )
         self._next_take_over = float("-inf")
         self._failed_last_step = False
+        self._held: list[tuple[StreamEntry, ReceiptItem]] | None = None
 
     def step(self) -> int:
         """Read one batch (own pending first after any error, then new entries, plus a
@@ -288,6 +289,8 @@ class Receiver:
             StoreBusy, StoreError: the transaction failed; nothing was acknowledged.
         """
         try:
+            if self._held is not None:
+                return self._commit(self._held)
             entries = self.reader.read()
             now = self.clock.now()
             if now >= self._next_take_over:
@@ -295,8 +298,10 @@ class Receiver:
                 if self.reader.scan_complete:
                     self._next_take_over = now + self.config.take_over_interval_s
             return self._handle(entries)
+        except StoreBusy:
+            raise  # the batch is held (see _commit): retried as it is, not read again
         except BaseException:
-            self.reader.reset()  # after ANY error: own pending entries first next time
+            self.reader.reset()  # after ANY other error: own pending entries first next time
             raise
 
     def _handle(self, entries: list[StreamEntry]) -> int:
@@ -313,11 +318,21 @@ class Receiver:
             except BadReply as bad:
                 self.stats.bad += 1
                 self.reader.dead_letter(entry, bad.reason, bad.detail)
+        return self._commit(good)
+
+    def _commit(self, good: list[tuple[StreamEntry, ReceiptItem]]) -> int:
         self._failed_last_step = False
         if not good:
             return 0
         crashpoints.hit("receiver.before_commit")
-        results = self.receipts.apply_many([item for _, item in good], self.effect)
+        try:
+            results = self.receipts.apply_many([item for _, item in good], self.effect)
+        except StoreBusy:
+            # Keep the checked batch: re-reading it would raise each entry's delivery count
+            # towards the poison limit although nothing is wrong with it.
+            self._held = good
+            raise
+        self._held = None
         crashpoints.hit("receiver.after_commit")
         ack: list[str] = []
         for (entry, _item), result in zip(good, results, strict=True):

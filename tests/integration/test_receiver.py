@@ -272,3 +272,32 @@ def test_receiver_run_applies_until_stopped(
     worker.join(timeout=10)
     assert not worker.is_alive()
     assert effect_counts(rx_path) == dict.fromkeys(ids, 1)
+
+
+def test_receiver_busy_store_holds_the_batch_and_spends_no_delivery_count(
+    redis_server: RedisServer, agent_db: Database, tmp_path: Path, clock: FakeClock, prefix: str
+) -> None:
+    """A receipts database locked for longer than the delivery limit's worth of retries must
+    not dead-letter good replies: the batch is retried as it is, not read again."""
+    from broker_adapter.errors import StoreBusy
+
+    ids = _publish(redis_server, agent_db, clock, prefix, 3)
+    path = tmp_path / "busy-rx.db"
+    db = Database(path, busy_timeout_ms=20)
+    rc = receiver_for(redis_server.url, db, clock, prefix, P, "busy", max_deliveries=3)
+    holder = sqlite3.connect(str(path), isolation_level=None)
+    holder.execute("BEGIN IMMEDIATE")  # someone else holds the write lock
+    failures = 0
+    for _ in range(8):  # more failures than max_deliveries
+        try:
+            rc.step()
+        except StoreBusy:
+            failures += 1
+    holder.execute("COMMIT")
+    holder.close()
+    assert failures >= 6  # the first steps may only replay the (empty) own pending list
+    assert drain(rc) == 3
+    assert effect_counts(path) == dict.fromkeys(ids, 1)
+    assert _client(redis_server).xlen(Keys(prefix).replies_dead(P)) == 0
+    assert rc.reader.pending() == {}
+    db.close()
