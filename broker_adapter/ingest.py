@@ -51,7 +51,7 @@ from broker_adapter.envelope import check_principal
 from broker_adapter.errors import ConfigError, EnvelopeError, StoreBusy, TransientError
 from broker_adapter.keys import DEFAULT_PREFIX, INGEST_GROUP, Keys
 from broker_adapter.store.tasks import AcceptItem, AcceptResult, Outcome, TaskStore
-from broker_adapter.streams import GroupReader, ReaderConfig, StreamEntry
+from broker_adapter.streams import GroupReader, ReaderConfig, StreamEntry, retrying
 
 if TYPE_CHECKING:
     import redis
@@ -341,22 +341,13 @@ class Ingestor:
             exc = state.outcome.exception() if state.outcome else None
             self.log.warning("ingest: transient failure, backing off: %s", exc)
 
-        def pause(seconds: float) -> None:
-            stop.wait(seconds)  # a stop request cuts the backoff short
-
-        retrying = tenacity.Retrying(
-            retry=tenacity.retry_if_exception_type(TransientError),
-            wait=tenacity.wait_random_exponential(multiplier=0.05, max=5.0),
-            stop=tenacity.stop_when_event_set(stop),
-            sleep=pause,
-            before_sleep=note,
-            reraise=True,
+        # The shared policy (streams.retrying); a stop request cuts the backoff short.
+        policy = retrying().copy(
+            stop=tenacity.stop_when_event_set(stop), sleep=stop.wait, before_sleep=note
         )
         while not stop.is_set():
             try:
-                for attempt in retrying:
-                    with attempt:
-                        self.tick()
+                policy(self.tick)
             except TransientError:
                 if not stop.is_set():  # pragma: no cover - the retry policy never gives up
                     raise

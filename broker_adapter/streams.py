@@ -56,13 +56,18 @@ def connect(
         connect_timeout_s: TCP connect timeout.
     """
     return redis.Redis.from_url(
-        url,
-        socket_timeout=socket_timeout_s,
-        socket_connect_timeout=connect_timeout_s,
-        retry=Retry(NoBackoff(), 0),
-        retry_on_timeout=False,
-        health_check_interval=0,
+        url, retry=Retry(NoBackoff(), 0), **_client_options(socket_timeout_s, connect_timeout_s)
     )
+
+
+def _client_options(socket_timeout_s: float, connect_timeout_s: float) -> dict[str, Any]:
+    """What ``connect`` and ``connect_async`` share besides their retry object."""
+    return {
+        "socket_timeout": socket_timeout_s,
+        "socket_connect_timeout": connect_timeout_s,
+        "retry_on_timeout": False,
+        "health_check_interval": 0,
+    }
 
 
 @contextmanager
@@ -442,11 +447,8 @@ def connect_async(
 
     return redis.asyncio.Redis.from_url(
         url,
-        socket_timeout=socket_timeout_s,
-        socket_connect_timeout=connect_timeout_s,
         retry=AsyncRetry(NoBackoff(), 0),
-        retry_on_timeout=False,
-        health_check_interval=0,
+        **_client_options(socket_timeout_s, connect_timeout_s),
     )
 
 

@@ -93,10 +93,10 @@ def enqueue(
     now: float,
 ) -> bool:
     """Insert a reply inside the caller's open transaction. Returns False if it existed."""
-    data = canonical_json(body)
+    data, content_hash = encode_body(body)
     return enqueue_encoded(
         conn, reply_id=reply_id, task_id=task_id, principal=principal, message_id=message_id,
-        status=status, data=data, content_hash=sha256_hex(data), now=now,
+        status=status, data=data, content_hash=content_hash, now=now,
     )  # fmt: skip
 
 
