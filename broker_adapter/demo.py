@@ -179,7 +179,7 @@ def _story(tmp: Path, redis: EmbeddedRedis) -> bool:
                                    deadline=deadline))  # fmt: skip
     spoof = Envelope.build(message_id="restart-all", sender="planner",
                            payload={"service": "*"}, deadline=deadline)  # fmt: skip
-    fields = keyring.sign(spoof.model_copy(update={"sender": "reviewer"}))
+    fields = keyring.sign(spoof.replace(sender="reviewer"))
     fields["env"] = spoof.to_json()  # claims to be planner, signed with reviewer's key
     client.xadd(keys.inbound(), fields)  # type: ignore[arg-type]
     _say("   planner: restart-web, restart-db, restart-cache; restart-web again (a resend);")

@@ -18,18 +18,8 @@ import hashlib
 import json
 import math
 import re
-from contextvars import ContextVar
+from json.encoder import encode_basestring
 from typing import Any, Literal
-
-from pydantic import (
-    BaseModel,
-    ConfigDict,
-    Field,
-    PrivateAttr,
-    ValidationError,
-    field_validator,
-    model_validator,
-)
 
 from broker_adapter.errors import EnvelopeError
 
@@ -45,6 +35,13 @@ PRINCIPAL_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXY
 Kind = Literal["task", "result", "event"]
 
 
+# One encoder and one decoder, built once: ``json.dumps``/``json.loads`` with options build
+# a new one on every call, which costs as much as encoding a small payload.
+_ENCODER = json.JSONEncoder(
+    sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
+)
+
+
 def canonical_json(value: Any) -> bytes:
     """Encode ``value`` as canonical JSON bytes.
 
@@ -53,9 +50,7 @@ def canonical_json(value: Any) -> bytes:
             not encodable as UTF-8 (a lone surrogate), or nests too deeply to encode.
     """
     try:
-        text = json.dumps(
-            value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
-        )
+        text = _ENCODER.encode(value)
     except (TypeError, RecursionError) as exc:
         # json raises TypeError for a set, bytes, a non-str key mix, ...; callers (and the
         # documented contract) expect ValueError for "not JSON".
@@ -72,17 +67,28 @@ def _reject_constant(name: str) -> Any:
 
 
 def loads_strict(data: bytes | str) -> Any:
-    """Parse JSON, refusing ``NaN``/``Infinity`` and duplicate object keys."""
+    """Parse JSON, refusing ``NaN``/``Infinity`` and duplicate object keys.
 
-    def no_dup_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-        obj: dict[str, Any] = {}
-        for key, val in pairs:
-            if key in obj:
+    Raises:
+        ValueError: not UTF-8, not JSON, a constant or a duplicate key.
+    """
+    if not isinstance(data, str):
+        data = bytes(data).decode("utf-8")  # json.loads would also sniff UTF-16/32
+    return _DECODER.decode(data)
+
+
+def _no_dup_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    obj = dict(pairs)
+    if len(obj) != len(pairs):
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
                 raise ValueError(f"duplicate key {key!r}")
-            obj[key] = val
-        return obj
+            seen.add(key)
+    return obj
 
-    return json.loads(data, parse_constant=_reject_constant, object_pairs_hook=no_dup_keys)
+
+_DECODER = json.JSONDecoder(parse_constant=_reject_constant, object_pairs_hook=_no_dup_keys)
 
 
 def check_payload(payload: Any) -> bytes:
@@ -156,6 +162,8 @@ def _utf8_size(value: str, field: str) -> int:
 
 def check_principal(value: str, field: str = "sender") -> str:
     """Validate a principal name (it appears in Redis keys, so its alphabet is small)."""
+    if _PRINCIPAL.fullmatch(value):
+        return value  # the common case in one step; the checks below say what is wrong
     size = _utf8_size(value, field)
     if not 1 <= size <= PRINCIPAL_MAX_BYTES:
         raise EnvelopeError(
@@ -166,12 +174,14 @@ def check_principal(value: str, field: str = "sender") -> str:
     return value
 
 
+_PRINCIPAL = re.compile(f"[A-Za-z0-9._-]{{1,{PRINCIPAL_MAX_BYTES}}}")
+
 # Unicode category Cc exactly: C0 controls, DEL and the C1 controls (U+0080..U+009F).
 _CONTROL_CHARS = re.compile("[\x00-\x1f\x7f-\x9f]")
 
 
 def _check_id(value: str, field: str) -> str:
-    size = _utf8_size(value, field)
+    size = len(value) if value.isascii() else _utf8_size(value, field)
     if not 1 <= size <= MESSAGE_ID_MAX_BYTES:
         raise EnvelopeError(
             field, "bad_length", f"must be 1..{MESSAGE_ID_MAX_BYTES} UTF-8 bytes, got {size}"
@@ -181,68 +191,138 @@ def _check_id(value: str, field: str) -> str:
     return value
 
 
-# The canonical bytes computed while validating a payload, handed from the field validator
-# to the model validator of the same (synchronous) validation.
-_checked_payload: ContextVar[bytes | None] = ContextVar("_checked_payload", default=None)
+_FIELDS = (
+    "message_id", "sender", "kind", "payload", "deadline", "max_attempts", "hops",
+    "correlation_id", "parent_id",
+)  # fmt: skip
+_REQUIRED = frozenset({"message_id", "sender", "payload", "deadline"})
+_KINDS: tuple[Kind, ...] = ("task", "result", "event")
 
 
-class Envelope(BaseModel):
-    """One request from an agent. Frozen and strict: no coercion, no unknown fields."""
+def _type_error(field: str, expected: str, value: Any) -> EnvelopeError:
+    return EnvelopeError(field, "bad_type", f"must be {expected}, got {type(value).__name__}")
 
-    model_config = ConfigDict(frozen=True, strict=True, extra="forbid")
+
+def _check_str(value: Any, field: str) -> str:
+    if not isinstance(value, str):
+        raise _type_error(field, "a string", value)
+    return value
+
+
+def _check_int(value: Any, field: str, low: int, high: int) -> int:
+    # Strict: a bool is not an int here, nor is 1.0 or "1".
+    if type(value) is not int and (not isinstance(value, int) or isinstance(value, bool)):
+        raise _type_error(field, "an integer", value)
+    if value < low:
+        raise EnvelopeError(field, "too_small", f"must be >= {low}, got {value}")
+    if value > high:
+        raise EnvelopeError(field, "too_large", f"must be <= {high}, got {value}")
+    return int(value)
+
+
+def _check_deadline(value: Any) -> float:
+    if type(value) is not float and (not isinstance(value, int | float) or isinstance(value, bool)):
+        raise _type_error("deadline", "a number (epoch seconds)", value)
+    try:
+        number = float(value)
+    except OverflowError:
+        number = math.inf
+    if not math.isfinite(number):
+        raise EnvelopeError("deadline", "not_finite", "deadline must be a finite number")
+    if number <= 0:
+        raise EnvelopeError("deadline", "not_positive", "deadline must be after the epoch")
+    return number
+
+
+def _check_optional_id(value: Any, field: str) -> str | None:
+    return None if value is None else _check_id(_check_str(value, field), field)
+
+
+def _check_kind(value: Any) -> Kind:
+    if isinstance(value, str):
+        for kind in _KINDS:
+            if value == kind:
+                return kind
+    raise EnvelopeError("kind", "bad_value", f"must be one of {', '.join(_KINDS)}; got {value!r}")
+
+
+class Envelope:
+    """One request from an agent. Frozen and strict: no coercion, no unknown fields.
+
+    Build one with ``Envelope.build(**fields)`` (or ``Envelope(...)``, the same checks) or
+    parse the wire form with ``Envelope.from_json``; both raise ``EnvelopeError`` naming
+    the first offending field (in the order below) and why.
+
+    Attributes:
+        message_id: the sender's stable id for this request (1..128 UTF-8 bytes).
+        sender: the principal the sender claims to be (checked against its signature).
+        kind: ``task`` (becomes work), ``result`` or ``event`` (refused as work).
+        payload: a JSON object within the payload bounds.
+        deadline: absolute deadline, epoch seconds (an int is kept as a float).
+        max_attempts: 1..10.
+        hops: how many hand-offs led here, as the sender counts them (0..2**31-1).
+        correlation_id: the sender's conversation id, echoed in the reply.
+        parent_id: the task this request was made on behalf of.
+    """
+
+    __slots__ = (*_FIELDS, "_payload_bytes")
 
     message_id: str
     sender: str
-    kind: Kind = "task"
+    kind: Kind
     payload: dict[str, Any]
-    deadline: float = Field(description="absolute deadline, epoch seconds")
-    max_attempts: int = Field(default=3, ge=1, le=MAX_ATTEMPTS_LIMIT)
-    hops: int = Field(default=0, ge=0, le=HOPS_LIMIT)
-    correlation_id: str | None = None
-    parent_id: str | None = None
-    _payload_bytes: tuple[dict[str, Any], bytes] | None = PrivateAttr(default=None)
+    deadline: float
+    max_attempts: int
+    hops: int
+    correlation_id: str | None
+    parent_id: str | None
+    _payload_bytes: bytes
 
-    @field_validator("message_id")
-    @classmethod
-    def _message_id(cls, v: str) -> str:
-        return _check_id(v, "message_id")
+    def __init__(
+        self,
+        *,
+        message_id: str,
+        sender: str,
+        payload: dict[str, Any],
+        deadline: float,
+        kind: Kind = "task",
+        max_attempts: int = 3,
+        hops: int = 0,
+        correlation_id: str | None = None,
+        parent_id: str | None = None,
+    ) -> None:
+        # Checked in the order of ``_FIELDS``: the first offending field is the one named.
+        put = object.__setattr__
+        put(self, "message_id", _check_id(_check_str(message_id, "message_id"), "message_id"))
+        put(self, "sender", check_principal(_check_str(sender, "sender")))
+        put(self, "kind", _check_kind(kind))
+        # The canonical bytes computed for the size check are kept for the fingerprint and
+        # the stored copy, so an envelope's payload is encoded once.
+        put(self, "_payload_bytes", check_payload(payload))
+        put(self, "payload", payload)
+        put(self, "deadline", _check_deadline(deadline))
+        put(self, "max_attempts", _check_int(max_attempts, "max_attempts", 1, MAX_ATTEMPTS_LIMIT))
+        put(self, "hops", _check_int(hops, "hops", 0, HOPS_LIMIT))
+        put(self, "correlation_id", _check_optional_id(correlation_id, "correlation_id"))
+        put(self, "parent_id", _check_optional_id(parent_id, "parent_id"))
 
-    @field_validator("correlation_id", "parent_id")
-    @classmethod
-    def _optional_ids(cls, v: str | None, info: Any) -> str | None:
-        return None if v is None else _check_id(v, info.field_name)
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(f"Envelope is frozen: cannot set {name!r}")
 
-    @field_validator("sender")
-    @classmethod
-    def _sender(cls, v: str) -> str:
-        return check_principal(v)
+    def __delattr__(self, name: str) -> None:
+        raise AttributeError(f"Envelope is frozen: cannot delete {name!r}")
 
-    @field_validator("deadline")
-    @classmethod
-    def _deadline(cls, v: float) -> float:
-        if not math.isfinite(v):
-            raise EnvelopeError("deadline", "not_finite", "deadline must be a finite number")
-        if v <= 0:
-            raise EnvelopeError("deadline", "not_positive", "deadline must be after the epoch")
-        return v
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Envelope):
+            return NotImplemented
+        return all(getattr(self, f) == getattr(other, f) for f in _FIELDS)
 
-    # "before": the payload is checked on the raw value, so a non-object or a non-string key
-    # gets its specific reason (not_object, non_string_key) rather than a generic type
-    # error. The canonical bytes computed for the size check are kept for the fingerprint
-    # and the stored copy, so an envelope's payload is encoded once.
-    @field_validator("payload", mode="before")
-    @classmethod
-    def _payload(cls, v: Any) -> Any:
-        _checked_payload.set(check_payload(v))
-        return v
+    def __hash__(self) -> int:
+        return hash((self.message_id, self.sender, self.fingerprint()))
 
-    @model_validator(mode="after")
-    def _keep_payload_bytes(self) -> Envelope:
-        encoded = _checked_payload.get()
-        if encoded is not None:
-            _checked_payload.set(None)
-            self._payload_bytes = (self.payload, encoded)
-        return self
+    def __repr__(self) -> str:
+        inner = ", ".join(f"{f}={getattr(self, f)!r}" for f in _FIELDS)
+        return f"Envelope({inner})"
 
     # -- construction -------------------------------------------------------------------
 
@@ -251,15 +331,24 @@ class Envelope(BaseModel):
         """Validate ``fields`` into an Envelope.
 
         Raises:
-            EnvelopeError: naming the first offending field and why.
+            EnvelopeError: naming the first offending field and why (``missing`` and
+                ``unknown_field`` included).
         """
-        try:
-            return cls.model_validate(fields)
-        except ValidationError as exc:
-            raise _translate(exc) from None
+        keys = fields.keys()
+        if not keys >= _REQUIRED:
+            missing = next(name for name in _FIELDS if name in _REQUIRED and name not in keys)
+            raise EnvelopeError(missing, "missing", "field required")
+        if not keys <= _FIELD_SET:
+            extra = next(k for k in fields if k not in _FIELD_SET)
+            raise EnvelopeError(str(extra), "unknown_field", "not a field of the envelope")
+        return cls(**fields)
+
+    def replace(self, **changes: Any) -> Envelope:
+        """A copy with ``changes`` applied, checked like ``build``."""
+        return Envelope.build(**(self.to_dict() | changes))
 
     @classmethod
-    def from_json(cls, data: bytes) -> Envelope:
+    def from_json(cls, data: bytes | str) -> Envelope:
         """Parse the wire form (canonical JSON bytes of ``to_dict()``).
 
         Raises:
@@ -284,8 +373,13 @@ class Envelope(BaseModel):
     # -- encodings ----------------------------------------------------------------------
 
     def to_dict(self) -> dict[str, Any]:
-        out = self.model_dump()
-        return {k: v for k, v in out.items() if v is not None}
+        """The fields, without those that are ``None``."""
+        out: dict[str, Any] = {}
+        for name in _FIELDS:
+            value = getattr(self, name)
+            if value is not None:
+                out[name] = value
+        return out
 
     def to_json(self) -> bytes:
         """The canonical wire form."""
@@ -301,44 +395,31 @@ class Envelope(BaseModel):
         }
 
     def payload_bytes(self) -> bytes:
-        """The payload's canonical JSON bytes (encoded once per envelope)."""
-        cached = self._payload_bytes
-        if cached is not None and cached[0] is self.payload:
-            return cached[1]
-        encoded = canonical_json(self.payload)  # a model_copy(update=...) changed it
-        self._payload_bytes = (self.payload, encoded)
-        return encoded
+        """The payload's canonical JSON bytes (encoded once, when the envelope was checked).
+
+        The payload dict is the caller's: mutating it after the build is not seen here.
+        """
+        return self._payload_bytes
 
     def fingerprint(self) -> str:
-        """SHA-256 (hex) of the canonical content: canonical_json(self.content()), with the
-        payload's bytes spliced in rather than encoded again (keys in sorted order)."""
-        head = canonical_json(
-            {"correlation_id": self.correlation_id, "kind": self.kind, "parent_id": self.parent_id}
-        )
-        return sha256_hex(head[:-1] + b',"payload":' + self.payload_bytes() + b"}")
+        """SHA-256 (hex) of the canonical content, ``canonical_json(self.content())``,
+        assembled from its parts (keys in sorted order) with the payload's bytes spliced
+        in rather than encoded again."""
+        head = (
+            '{"correlation_id":' + _json_str_or_null(self.correlation_id)
+            + ',"kind":' + _json_str_or_null(self.kind)
+            + ',"parent_id":' + _json_str_or_null(self.parent_id)
+            + ',"payload":'
+        )  # fmt: skip
+        return sha256_hex(head.encode("utf-8") + self._payload_bytes + b"}")
 
     def payload_json(self) -> str:
-        return self.payload_bytes().decode("utf-8")
+        return self._payload_bytes.decode("utf-8")
 
 
-def _translate(exc: ValidationError) -> EnvelopeError:
-    err = exc.errors()[0]
-    loc = err.get("loc", ())
-    field = str(loc[0]) if loc else ""
-    ctx = err.get("ctx") or {}
-    inner = ctx.get("error")
-    if isinstance(inner, EnvelopeError):
-        return inner
-    kind = err.get("type", "invalid")
-    reasons = {
-        "missing": "missing",
-        "extra_forbidden": "unknown_field",
-        "literal_error": "bad_value",
-        "greater_than_equal": "too_small",
-        "less_than_equal": "too_large",
-    }
-    reason = reasons.get(kind, "bad_type" if kind.endswith("_type") else kind)
-    detail = err.get("msg", "invalid")
-    if field == "payload" and len(loc) > 1:
-        detail = f"{detail} at {'.'.join(str(p) for p in loc[1:])}"
-    return EnvelopeError(field, reason, detail)
+_FIELD_SET = frozenset(_FIELDS)
+
+
+def _json_str_or_null(value: str | None) -> str:
+    """The canonical JSON of a string or ``None`` (as ``canonical_json`` writes it)."""
+    return "null" if value is None else encode_basestring(value)

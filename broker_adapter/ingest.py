@@ -357,7 +357,7 @@ class Ingestor:
 
     def _authenticate(self, source: _Source, entry: StreamEntry) -> Authenticated:
         fields = entry.fields or {}
-        size = sum(len(k) + len(v) for k, v in fields.items())
+        size = sum(map(len, fields)) + sum(map(len, fields.values()))
         if size > self.config.max_entry_bytes:
             raise EnvelopeError(
                 "", "oversize", f"entry is {size} bytes, limit {self.config.max_entry_bytes}"

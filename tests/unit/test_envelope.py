@@ -285,8 +285,38 @@ def test_envelope_deadline_int_is_stored_as_float() -> None:
 
 def test_envelope_is_frozen() -> None:
     env = Envelope.build(**fields())
-    with pytest.raises(ValueError, match="frozen"):
-        env.message_id = "other"  # type: ignore[misc]
+    with pytest.raises(AttributeError, match="frozen"):
+        env.message_id = "other"
+    with pytest.raises(AttributeError, match="frozen"):
+        del env.payload
+    assert env.message_id == "m-1"
+
+
+def test_envelope_constructor_checks_like_build() -> None:
+    assert Envelope(**fields()) == Envelope.build(**fields())
+    with pytest.raises(EnvelopeError) as info:
+        Envelope(**fields(max_attempts=0))
+    assert (info.value.field, info.value.reason) == ("max_attempts", "too_small")
+
+
+def test_envelope_replace_checks_the_copy() -> None:
+    env = Envelope.build(**fields())
+    other = env.replace(sender="bob")
+    assert (other.sender, other.message_id, env.sender) == ("bob", env.message_id, "alice")
+    with pytest.raises(EnvelopeError) as info:
+        env.replace(sender="b b")
+    assert (info.value.field, info.value.reason) == ("sender", "bad_chars")
+
+
+def test_envelope_fingerprint_is_the_hash_of_canonical_content() -> None:
+    for extra in (
+        {},
+        {"correlation_id": 'c-\u00e9"q'},
+        {"parent_id": "p\u2028"},
+        {"kind": "event"},
+    ):
+        env = Envelope.build(**fields(**extra))
+        assert env.fingerprint() == sha256_hex(canonical_json(env.content()))
 
 
 # -- the wire form --------------------------------------------------------------------------
