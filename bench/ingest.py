@@ -9,8 +9,10 @@ envelopes, then measures
 * **raw**: XREADGROUP COUNT <count> + one XACK per batch over a copy of the same entries,
   nothing else: the ceiling any consumer on this machine and server can reach.
 
-Each is run ``--runs`` times (fresh keys and a fresh database each run); medians are
-printed with their ratio. The target is ingest >= 15% of raw.
+Each is run ``--runs`` times (fresh keys and a fresh database each run), the two back to
+back in alternating order; the ratio is taken per pair (so that a burst of load from
+elsewhere on a 2-core machine hits both sides of it) and the median of those ratios is the
+figure. The target is ingest >= 15% of raw.
 
 Usage::
 
@@ -117,25 +119,31 @@ def main() -> int:
         server = RedisServer(workdir / "redis", appendfsync=args.appendfsync)
         server.start()
         try:
-            ingest, raw = [], []
+            ingest: list[float] = []
+            raw: list[float] = []
             for run in range(1, args.runs + 1):
-                ingest.append(run_ingest(server, workdir, args.n, args.count))
-                raw.append(run_raw(server, args.n, args.count))
+                if run % 2:
+                    ingest.append(run_ingest(server, workdir, args.n, args.count))
+                    raw.append(run_raw(server, args.n, args.count))
+                else:
+                    raw.append(run_raw(server, args.n, args.count))
+                    ingest.append(run_ingest(server, workdir, args.n, args.count))
                 print(
-                    f"run {run}: ingest {ingest[-1]:,.0f} msg/s, raw {raw[-1]:,.0f} msg/s",
+                    f"run {run}: ingest {ingest[-1]:,.0f} msg/s, raw {raw[-1]:,.0f} msg/s,"
+                    f" ratio {ingest[-1] / raw[-1]:.1%}",
                     flush=True,
                 )
         finally:
             server.stop()
     med_ingest, med_raw = statistics.median(ingest), statistics.median(raw)
-    ratio = med_ingest / med_raw
+    ratio = statistics.median(i / r for i, r in zip(ingest, raw, strict=True))
     print(
         f"n={args.n} count={args.count} appendfsync={args.appendfsync} sqlite=FULL "
         f"signatures=checked runs={args.runs}"
     )
     print(f"median ingest: {med_ingest:,.0f} msg/s")
     print(f"median raw XREADGROUP+XACK: {med_raw:,.0f} msg/s")
-    print(f"ratio: {ratio:.1%} (target >= 15%)")
+    print(f"median of the paired ratios: {ratio:.1%} (target >= 15%)")
     return 0 if ratio >= 0.15 else 1
 
 

@@ -26,9 +26,8 @@ from __future__ import annotations
 import hmac
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from broker_adapter.envelope import Envelope, check_principal
 from broker_adapter.errors import AuthError, ConfigError, EnvelopeError
@@ -50,6 +49,7 @@ _B_VERSION = FIELD_VERSION.encode()
 _B_ENV = FIELD_ENV.encode()
 _B_KID = FIELD_KID.encode()
 _B_SIG = FIELD_SIG.encode()
+_B_WIRE_VERSION = WIRE_VERSION.encode()
 
 
 def signature(secret: bytes, kid: str, env: bytes) -> str:
@@ -79,9 +79,9 @@ def check_kid(kid: str) -> str:
     return kid
 
 
-@dataclass(frozen=True)
-class Authenticated:
-    """An entry whose principal was established by a trusted check.
+class Authenticated(NamedTuple):
+    """An entry whose principal was established by a trusted check (an immutable tuple:
+    one is made per inbound entry, so it is the cheapest immutable record there is).
 
     Attributes:
         principal: the authenticated principal.
@@ -103,7 +103,7 @@ def _field(fields: EntryFields, name: bytes) -> bytes:
 
 def _check_version(fields: EntryFields) -> None:
     version = _field(fields, _B_VERSION)
-    if version != WIRE_VERSION.encode():
+    if version != _B_WIRE_VERSION:
         shown = version[:16].decode("utf-8", "replace")
         raise AuthError(
             FIELD_VERSION, "bad_version", f"wire version {shown!r} is not {WIRE_VERSION!r}"
@@ -269,10 +269,12 @@ class Keyring:
             AuthError: see ``verify``.
             EnvelopeError: ``env`` is not a valid envelope.
         """
-        _check_version(fields)
-        env = _field(fields, _B_ENV)
-        raw_kid = _field(fields, _B_KID)
-        sig = _field(fields, _B_SIG)
+        get = fields.get
+        env, raw_kid, sig = get(_B_ENV), get(_B_KID), get(_B_SIG)
+        if get(_B_VERSION) != _B_WIRE_VERSION or env is None or raw_kid is None or sig is None:
+            # Say what is wrong, in this order: version, then the first missing field.
+            _check_version(fields)
+            env, raw_kid, sig = (_field(fields, name) for name in (_B_ENV, _B_KID, _B_SIG))
         envelope = Envelope.from_json(env)
         try:
             kid = raw_kid.decode("ascii")

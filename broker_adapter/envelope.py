@@ -18,6 +18,7 @@ import hashlib
 import json
 import math
 import re
+from collections.abc import Callable
 from json.encoder import encode_basestring
 from typing import Any, Literal
 
@@ -151,6 +152,30 @@ def check_payload(payload: Any) -> bytes:
             "payload", "too_large", f"payload is {size} bytes canonical, limit {PAYLOAD_MAX_BYTES}"
         )
     return encoded
+
+
+def check_parsed_payload(payload: Any) -> bytes:
+    """``check_payload`` for a value ``json`` parsed (the wire path), with the same answers.
+
+    Parsed JSON has string keys and JSON types by construction, so the walk is needed only
+    where the encoded bytes cannot prove the bounds by themselves: every node takes at least
+    one byte of its own, and every nesting level an opening bracket. A payload that is short
+    enough and has few enough brackets (inside strings or not) is within the node and depth
+    limits; any other, and any that fails to encode, gets the full walk and its reason.
+    """
+    if type(payload) is dict:
+        try:
+            encoded = canonical_json(payload)
+        except ValueError:  # infinity (1e400 parses as inf) or a lone surrogate
+            return check_payload(payload)
+        size = len(encoded)
+        if (
+            size <= PAYLOAD_MAX_BYTES
+            and size <= PAYLOAD_MAX_NODES
+            and encoded.count(b"{") + encoded.count(b"[") <= PAYLOAD_MAX_DEPTH
+        ):
+            return encoded
+    return check_payload(payload)
 
 
 def _utf8_size(value: str, field: str) -> int:
@@ -291,6 +316,24 @@ class Envelope:
         correlation_id: str | None = None,
         parent_id: str | None = None,
     ) -> None:
+        self._setup(
+            check_payload, message_id, sender, payload, deadline, kind, max_attempts, hops,
+            correlation_id, parent_id,
+        )  # fmt: skip
+
+    def _setup(
+        self,
+        payload_check: Callable[[Any], bytes],
+        message_id: str,
+        sender: str,
+        payload: dict[str, Any],
+        deadline: float,
+        kind: Kind = "task",
+        max_attempts: int = 3,
+        hops: int = 0,
+        correlation_id: str | None = None,
+        parent_id: str | None = None,
+    ) -> None:
         # Checked in the order of ``_FIELDS``: the first offending field is the one named.
         put = object.__setattr__
         put(self, "message_id", _check_id(_check_str(message_id, "message_id"), "message_id"))
@@ -298,7 +341,7 @@ class Envelope:
         put(self, "kind", _check_kind(kind))
         # The canonical bytes computed for the size check are kept for the fingerprint and
         # the stored copy, so an envelope's payload is encoded once.
-        put(self, "_payload_bytes", check_payload(payload))
+        put(self, "_payload_bytes", payload_check(payload))
         put(self, "payload", payload)
         put(self, "deadline", _check_deadline(deadline))
         put(self, "max_attempts", _check_int(max_attempts, "max_attempts", 1, MAX_ATTEMPTS_LIMIT))
@@ -334,6 +377,10 @@ class Envelope:
             EnvelopeError: naming the first offending field and why (``missing`` and
                 ``unknown_field`` included).
         """
+        return cls._build(fields, check_payload)
+
+    @classmethod
+    def _build(cls, fields: dict[str, Any], payload_check: Callable[[Any], bytes]) -> Envelope:
         keys = fields.keys()
         if not keys >= _REQUIRED:
             missing = next(name for name in _FIELDS if name in _REQUIRED and name not in keys)
@@ -341,7 +388,9 @@ class Envelope:
         if not keys <= _FIELD_SET:
             extra = next(k for k in fields if k not in _FIELD_SET)
             raise EnvelopeError(str(extra), "unknown_field", "not a field of the envelope")
-        return cls(**fields)
+        env = object.__new__(cls)
+        env._setup(payload_check, **fields)
+        return env
 
     def replace(self, **changes: Any) -> Envelope:
         """A copy with ``changes`` applied, checked like ``build``."""
@@ -368,7 +417,7 @@ class Envelope:
             raise EnvelopeError("", "unparseable", f"envelope is not valid JSON: {exc}") from None
         if not isinstance(raw, dict):
             raise EnvelopeError("", "not_object", "envelope must be a JSON object")
-        return cls.build(**raw)
+        return cls._build(raw, check_parsed_payload)
 
     # -- encodings ----------------------------------------------------------------------
 

@@ -176,6 +176,9 @@ class _Source:
     # as it is, without reading the entries again, so a store outage does not raise their
     # Redis delivery counts towards the poison limit.
     held: tuple[list[StreamEntry], list[AcceptItem]] | None = None
+    # New entries read in the round trip of the last XACK (``GroupReader.ack_and_peek``),
+    # handled by the next ``step`` before it reads again.
+    ahead: list[StreamEntry] = field(default_factory=list)
 
 
 class Ingestor:
@@ -254,8 +257,13 @@ class Ingestor:
 
     # -- the loop ---------------------------------------------------------------------------
 
-    def step(self) -> int:
+    def step(self, *, peek: bool = True) -> int:
         """Read and ingest one batch per stream (own pending entries first).
+
+        Args:
+            peek: read the next new entries in the round trip of this batch's XACK; they are
+                handled by the next call (``run`` ends with a call without it, so that a
+                clean stop leaves nothing read and unhandled).
 
         Returns:
             how many entries were handled (stored, duplicate, conflict or dead-lettered).
@@ -268,17 +276,18 @@ class Ingestor:
             try:
                 if source.held is not None:
                     good, items = source.held
-                    handled += self._commit(source, good, items)
+                    handled += self._commit(source, good, items, peek=peek)
                     continue
-                entries = source.reader.read()
+                entries, source.ahead = source.ahead or source.reader.read(), []
                 if entries:
                     crashpoints.hit("ingest.after_read")
-                    handled += self._handle(source, entries)
+                    handled += self._handle(source, entries, peek=peek)
             except StoreBusy:
                 raise  # the batch is held (see _commit); no re-read, no redelivery
             except BaseException:
                 # Whatever failed, the batch is not acknowledged (or maybe only partly):
                 # the next read replays this consumer's pending list before new entries.
+                source.ahead = []
                 source.reader.reset()
                 raise
             finally:
@@ -352,6 +361,11 @@ class Ingestor:
                 if not stop.is_set():  # pragma: no cover - the retry policy never gives up
                     raise
                 self.log.info("ingest: stopping during backoff")
+        if any(source.ahead for source in self._sources):
+            try:
+                self.step(peek=False)  # entries read ahead: handled now, not replayed later
+            except TransientError as exc:
+                self.log.warning("ingest: entries read ahead stay pending (%s)", exc)
 
     # -- one batch --------------------------------------------------------------------------
 
@@ -367,7 +381,7 @@ class Ingestor:
         assert self.keyring is not None  # checked in __init__
         return self.keyring.authenticate(fields)
 
-    def _handle(self, source: _Source, entries: list[StreamEntry]) -> int:
+    def _handle(self, source: _Source, entries: list[StreamEntry], *, peek: bool = False) -> int:
         reader = source.reader
         good: list[StreamEntry] = []
         items: list[AcceptItem] = []
@@ -388,9 +402,18 @@ class Ingestor:
         self.stats.entries += len(entries)
         if not items:
             return len(entries)
-        return self._commit(source, good, items) + len(entries) - len(good)
+        return self._commit(source, good, items, peek=peek) + len(entries) - len(good)
 
-    def _commit(self, source: _Source, good: list[StreamEntry], items: list[AcceptItem]) -> int:
+    def _commit(
+        self,
+        source: _Source,
+        good: list[StreamEntry],
+        items: list[AcceptItem],
+        *,
+        peek: bool = False,
+    ) -> int:
+        """Accept a checked batch in one transaction, then XACK it (with ``peek``, reading
+        the next new entries in the same round trip)."""
         reader = source.reader
         # One transaction for the whole batch; no Redis call happens inside it.
         try:
@@ -403,7 +426,11 @@ class Ingestor:
         to_ack = self._after_commit(reader, good, items, results)
         # XACK after COMMIT: a crash between the two leaves the entries pending, and the
         # inbox's unique key turns their redelivery into duplicates.
-        self.stats.acked += reader.ack(to_ack)
+        if peek:
+            acked, source.ahead = reader.ack_and_peek(to_ack)
+        else:
+            acked = reader.ack(to_ack)
+        self.stats.acked += acked
         crashpoints.hit("ingest.after_xack")
         return len(good)
 

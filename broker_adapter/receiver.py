@@ -209,7 +209,7 @@ def parse_entry(fields: Mapping[bytes, bytes], principal: str, entry_id: str) ->
         raise BadReply(
             "wrong_principal", f"reply for {reply.get('principal')!r} on {principal!r}'s stream"
         )
-    return ReceiptItem(reply_id, content_hash, principal, bytes(body), entry_id)
+    return ReceiptItem(reply_id, content_hash, principal, bytes(body), entry_id, reply)
 
 
 @dataclass

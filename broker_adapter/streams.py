@@ -334,6 +334,43 @@ class GroupReader:
         self.stats.acked += n
         return n
 
+    def ack_and_peek(self, entry_ids: Sequence[str]) -> tuple[int, list[StreamEntry]]:
+        """XACK a batch and, in the same round trip, read the next new entries without
+        blocking: one round trip (and, on an ``appendfsync always`` server, one fsync)
+        where ``ack`` then ``read`` take two.
+
+        While this reader still replays its own pending list it only acknowledges (the
+        replay goes on through ``read``).
+
+        Returns:
+            how many entries the XACK acknowledged, and the next batch (possibly empty).
+
+        Raises:
+            RedisUnavailable: the call failed; both commands may or may not have run (the
+                reader is reset: the next ``read`` replays this consumer's pending list).
+        """
+        if not entry_ids:
+            return 0, []
+        if self._replaying:
+            return self.ack(entry_ids), []
+        pipe = self.client.pipeline(transaction=False)
+        pipe.xack(self.stream, self.group, *entry_ids)
+        pipe.xreadgroup(self.group, self.consumer, {self.stream: ">"}, count=self.config.count)
+        try:
+            with translated():
+                acked, reply = pipe.execute()
+        except GroupMissingError:
+            self._recreate_group()
+            return 0, []
+        except BaseException:
+            self.reset()
+            raise
+        n = int(acked)
+        self.stats.acked += n
+        entries = _entries(reply)
+        self.stats.read += len(entries)
+        return n, self._screen([StreamEntry(eid, f, 1) for eid, f in entries])
+
     def dead_letter(
         self,
         entry: StreamEntry,

@@ -17,7 +17,7 @@ import builtins
 import json
 import sqlite3
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
@@ -52,6 +52,7 @@ class Receipt:
 
 
 _COLUMNS = ", ".join(Receipt.__dataclass_fields__)
+_PREFETCH_CHUNK = 500  # reply ids per lookup query
 
 #: effect(conn, reply) -> JSON value kept as the receipt's ``effect_result``.
 Effect = Callable[[sqlite3.Connection, dict[str, Any]], Any]
@@ -145,10 +146,15 @@ class ReceiptStore:
             return out
         now = self.clock.now()
         with self.db.write("receipt") as c:
+            known = self._prefetch(c, items)
             for item in items:
+                if effect is None:  # nothing that can fail half-way: no savepoint needed
+                    outcome, receipt = self._apply_in(c, item, None, now, known)
+                    out.append(AppliedItem(item.reply_id, outcome, receipt))
+                    continue
                 c.execute("SAVEPOINT receipt_one")
                 try:
-                    outcome, receipt = self._apply_in(c, item, effect, now)
+                    outcome, receipt = self._apply_in(c, item, effect, now, known)
                 except Exception as exc:  # noqa: BLE001 - the user's effect failed: report it
                     c.execute("ROLLBACK TO receipt_one")
                     out.append(AppliedItem(item.reply_id, None, None, exc))
@@ -157,17 +163,40 @@ class ReceiptStore:
                 c.execute("RELEASE receipt_one")
         return out
 
+    @staticmethod
+    def _prefetch(c: sqlite3.Connection, items: Sequence[ReceiptItem]) -> dict[str, Receipt]:
+        """The receipts already kept for a batch's reply ids (primary-key searches)."""
+        ids = list({item.reply_id for item in items})
+        known: dict[str, Receipt] = {}
+        for start in range(0, len(ids), _PREFETCH_CHUNK):
+            chunk = ids[start : start + _PREFETCH_CHUNK]
+            marks = ", ".join("?" * len(chunk))
+            rows = c.execute(f"SELECT {_COLUMNS} FROM receipts WHERE reply_id IN ({marks})", chunk)
+            for row in rows:
+                known[row["reply_id"]] = Receipt(**dict(row))
+        return known
+
     def _apply_in(
-        self, c: sqlite3.Connection, item: ReceiptItem, effect: Effect | None, now: float
+        self,
+        c: sqlite3.Connection,
+        item: ReceiptItem,
+        effect: Effect | None,
+        now: float,
+        known: dict[str, Receipt] | None = None,
     ) -> tuple[ReceiptOutcome, Receipt]:
-        row = c.execute(
-            f"SELECT {_COLUMNS} FROM receipts WHERE reply_id = ?", (item.reply_id,)
-        ).fetchone()
-        if row is not None:
-            earlier = Receipt(**dict(row))
+        """Apply one reply in the open transaction. ``known``, when given, holds every
+        receipt of the batch's reply ids (``_prefetch``) and learns the new ones."""
+        if known is None:
+            row = c.execute(
+                f"SELECT {_COLUMNS} FROM receipts WHERE reply_id = ?", (item.reply_id,)
+            ).fetchone()
+            earlier = None if row is None else Receipt(**dict(row))
+        else:
+            earlier = known.get(item.reply_id)
+        if earlier is not None:
             same = earlier.content_hash == item.content_hash
             return (ReceiptOutcome.DUPLICATE if same else ReceiptOutcome.CONFLICT), earlier
-        reply: dict[str, Any] = json.loads(item.body)
+        reply: dict[str, Any] = item.reply if item.reply is not None else json.loads(item.body)
         effect_result = None
         if effect is not None:
             effect_result = canonical_json(effect(c, reply)).decode("utf-8")
@@ -188,6 +217,8 @@ class ReceiptStore:
             f"INSERT INTO receipts ({_COLUMNS}) VALUES ({', '.join('?' * 11)})",
             tuple(getattr(receipt, n) for n in Receipt.__dataclass_fields__),
         )
+        if known is not None:
+            known[item.reply_id] = receipt
         return ReceiptOutcome.APPLIED, receipt
 
 
@@ -200,6 +231,8 @@ class ReceiptItem:
     principal: str
     body: bytes
     entry_id: str | None = None
+    #: ``body`` already parsed (by the receiver's checks), so it is not parsed twice.
+    reply: dict[str, Any] | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True)

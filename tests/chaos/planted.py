@@ -39,7 +39,7 @@ def _patch_xack_before_commit() -> None:
     acknowledges the batch's entries and only then commits them (the planted bug)."""
     original_handle = Ingestor._handle
 
-    def handle(self: Ingestor, source: Any, entries: list[Any]) -> int:
+    def handle(self: Ingestor, source: Any, entries: list[Any], *, peek: bool = False) -> int:
         tasks = self.tasks
         accept = tasks.accept
 
@@ -50,7 +50,7 @@ def _patch_xack_before_commit() -> None:
 
         tasks.accept = accept_after_ack  # type: ignore[method-assign]
         try:
-            return original_handle(self, source, entries)
+            return original_handle(self, source, entries, peek=peek)
         finally:
             del tasks.accept  # back to the class's method
 
@@ -88,7 +88,7 @@ def _patch_stale_finish() -> None:
         return original_finish(self, task_id, owner, fence, result)
 
     TaskStore.finish = finish  # type: ignore[method-assign]
-    for name in ("settle_many", "settle_and_claim"):
+    for name in ("settle_many", "settle_and_claim", "settle_batch"):
         original = getattr(TaskStore, name, None)
         if callable(original):
             setattr(TaskStore, name, _relabelled(original))

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from broker_adapter.keys import Keys
-from broker_adapter.streams import GroupReader, ReaderConfig, connect
+from broker_adapter.streams import GroupReader, ReaderConfig, connect, text
 from tests.support.redis_server import RedisServer
 
 pytestmark = pytest.mark.integration
@@ -111,3 +111,26 @@ def test_group_reader_recreates_missing_group_after_wipe(
     assert reader.stats.group_recreated == 1
     reader.read()
     assert [e.fields for e in reader.read()] == [{b"n": b"2"}]
+
+
+def test_group_reader_ack_and_peek_acks_then_reads_the_next_batch_in_one_trip(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    reader, client = _reader(redis_server, prefix, "c1", count=2)
+    reader.ensure_group()
+    for i in range(5):
+        client.xadd(reader.stream, {"n": str(i)})
+    assert reader.read() == []  # own pending list empty: from now on new entries
+    first = reader.read()
+    # while replaying, ack_and_peek only acknowledges; here it also reads the next two
+    acked, ahead = reader.ack_and_peek([e.entry_id for e in first])
+    assert acked == 2
+    assert [e.fields for e in ahead] == [{b"n": b"2"}, {b"n": b"3"}]
+    rows = client.xpending_range(reader.stream, "g", min="-", max="+", count=10)
+    assert {text(r["message_id"]) for r in rows} == {e.entry_id for e in ahead}
+    # after an error the reader replays its own pending list: peeking stops until then
+    reader.reset()
+    acked, more = reader.ack_and_peek([ahead[0].entry_id])
+    assert (acked, more) == (1, [])
+    assert [e.entry_id for e in reader.read()] == [ahead[1].entry_id]
+    assert reader.ack_and_peek([]) == (0, [])

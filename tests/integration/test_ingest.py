@@ -415,6 +415,29 @@ def test_ingest_run_loop_takes_over_and_ingests_until_stopped(
     assert pending_total(client, keys.inbound()) == 0
 
 
+def test_ingest_reads_ahead_with_its_xack_and_a_stop_leaves_nothing_read_unhandled(
+    redis_server: RedisServer, prefix: str, tasks: TaskStore, keyring: Keyring, clock: FakeClock
+) -> None:
+    client = connect(redis_server.url)
+    keys = Keys(prefix)
+    pub = Publisher(client, keys, "alice", keyring)
+    for i in range(6):
+        pub.publish(envelope(f"p{i}"))
+    ingestor = _ingestor(client, prefix, tasks, keyring, clock, count=2)
+    assert ingestor.step() == 0  # the replay of its own (empty) pending list
+    assert ingestor.step() == 2  # p0, p1 stored and acked; p2, p3 read in the XACK's trip
+    assert len(task_counts(tasks)) == 2
+    assert pending_total(client, keys.inbound()) == 2
+    assert ingestor.step() == 2  # p2, p3 from memory, no read of their own
+    assert len(task_counts(tasks)) == 4
+    stop = threading.Event()
+    stop.set()
+    ingestor.run(stop)  # stopped at once: only what was read ahead (p4, p5) is handled
+    assert task_counts(tasks) == {("alice", f"p{i}"): 1 for i in range(6)}
+    assert pending_total(client, keys.inbound()) == 0
+    assert ingestor.stats.acked == 6
+
+
 def test_ingest_run_loop_backs_off_and_recovers_when_redis_restarts(
     fresh_redis: RedisServer, prefix: str, tasks: TaskStore, keyring: Keyring, clock: FakeClock
 ) -> None:

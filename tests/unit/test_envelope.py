@@ -9,6 +9,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from broker_adapter.envelope import (
     HOPS_LIMIT,
@@ -20,6 +22,7 @@ from broker_adapter.envelope import (
     PRINCIPAL_MAX_BYTES,
     Envelope,
     canonical_json,
+    check_parsed_payload,
     check_payload,
     loads_strict,
     sha256_hex,
@@ -468,3 +471,50 @@ def test_loads_strict_refuses_constants_and_duplicates() -> None:
         loads_strict("[NaN]")
     with pytest.raises(ValueError, match="duplicate key 'k'"):
         loads_strict('{"x": {"k": 1, "k": 2}}')
+
+
+_json_leaves = (
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.floats(allow_nan=False)
+    | st.text(max_size=8)
+    | st.sampled_from(["{", "[[[[", "{[", "\ud800"])
+)
+_json_values = st.recursive(
+    _json_leaves,
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=4), inner, max_size=4)
+    ),
+    max_leaves=60,
+)
+
+
+def _checked(check: Any, payload: Any) -> tuple[str, Any]:
+    try:
+        return ("ok", check(payload))
+    except EnvelopeError as exc:
+        return (exc.reason, exc.field)
+
+
+@given(payload=st.dictionaries(st.text(max_size=4), _json_values, max_size=6))
+@settings(max_examples=400, deadline=None)
+def test_parsed_payload_check_agrees_with_the_full_walk(payload: dict[str, Any]) -> None:
+    assert _checked(check_parsed_payload, payload) == _checked(check_payload, payload)
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [
+        nested(PAYLOAD_MAX_DEPTH),
+        nested(PAYLOAD_MAX_DEPTH + 1),
+        {"a": "[" * 40},
+        {"a": [0] * (PAYLOAD_MAX_NODES - 2)},
+        {"a": [0] * (PAYLOAD_MAX_NODES - 1)},
+        {"a": 1e308 * 10},
+        sized(PAYLOAD_MAX_BYTES),
+        sized(PAYLOAD_MAX_BYTES + 1),
+    ],
+)
+def test_parsed_payload_check_agrees_at_the_edges(payload: dict[str, Any]) -> None:
+    assert _checked(check_parsed_payload, payload) == _checked(check_payload, payload)
