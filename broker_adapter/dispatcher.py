@@ -1,5 +1,14 @@
 """The reply dispatcher: outbox rows to the principal's reply stream, one entry per reply id.
 
+Who publishes: a worker with a Redis client publishes the replies of its own batches right
+after their commit (``worker.Worker``): its settle transaction writes them already claimed
+by its publisher (``sending``, owner ``<worker>-pub``, a lease, fence 1), and it publishes
+them with this module's ``ReplyPublisher``, the same code, script and crash points as the
+dispatcher's. The dispatcher publishes everything else (conflict answers, expiries,
+cancellations, replies of workers without Redis) and sweeps: a worker's row whose publisher
+lease ran out (the worker died, or Redis failed it and it went back in line) is claimed and
+published here like any other.
+
 Invariants kept (INVARIANTS.md 13, 14): every reply is published under its stable reply id
 with the bytes fixed in the outbox; the publisher holds each row under its own claim, lease
 and fence; after the retry budget a row is ``dead`` with its last error, and the operator's
@@ -54,6 +63,14 @@ the epoch key (``{p}:{meta}:epoch``, set once with NX to a random value) and
   resends only cost a script call each. Set ``maxmemory-policy noeviction``: an evicted
   epoch key reads as a wipe.
 
+A worker marks its publications sent in a transaction of its own, so a mark can commit after
+the alarm's requeue and leave a lost reply ``sent``. After each alarm the dispatcher puts
+back the rows of the lost window confirmed before the alarm once more, ``RECHECK_AFTER_S``
+later and again when every publisher lease held at the alarm has run out (a worker's mark is
+refused after its lease). A worker must not mark its first publications before the
+dispatcher's first look (a ``sent`` row with no epoch key reads as a wipe): the runner starts
+the workers after it.
+
 The epoch a dispatcher saw is kept in memory only. With one outbox database per Redis that
 is enough (a missing key at start-up is the alarm); where several databases share a Redis,
 a dispatcher that was down during a wipe and starts after another one set a new epoch
@@ -102,6 +119,10 @@ IDLE_STEP_EVERY_S = 0.5
 #: After its last publication the dispatcher keeps looking every ``wake_poll_s`` this long.
 ALERT_AFTER_WORK_S = 1.0
 DEFAULT_LOSS_WINDOW_S = 2.0
+#: After a data loss, the sent rows of the lost window are looked at again this long after
+#: the alarm, and once more when every publisher lease then held has run out (see
+#: ``Dispatcher.watch``: a worker's mark-sent can commit after the alarm).
+RECHECK_AFTER_S = 1.0
 REPLY_FORMAT_VERSION = "1"
 IDMP_MIN_VERSION = (8, 6)
 
@@ -220,6 +241,15 @@ class Watch:
 
 
 @dataclass
+class _Recheck:
+    """A later look for rows of a lost window that were marked sent after the alarm."""
+
+    since: float | None
+    until: float
+    due: list[float]
+
+
+@dataclass
 class DispatcherStats:
     published: int = 0
     already_published: int = 0
@@ -244,6 +274,163 @@ def parse_version(version: str) -> tuple[int, ...]:
 def _parse_record(raw: bytes | str) -> tuple[str, str | None]:
     stored, _, entry_id = text(raw).partition(" ")
     return stored, entry_id or None
+
+
+class ReplyPublisher:
+    """Publishes claimed outbox rows and records what that did, under one publisher
+    identity (``owner``): the one publication path of the dispatcher and of workers that
+    publish their own replies.
+
+    ``publish`` runs the record script for a batch (one pipelined round trip; crash points
+    ``dispatcher.before_xadd`` / ``dispatcher.after_xadd``); ``settle`` marks the
+    confirmed rows sent (one transaction, each row fenced; then ``dispatcher.after_mark_sent``)
+    and records the others (``settle_failures``): a content conflict is ``dead`` at once,
+    a failure goes back in line with backoff (``dead`` past the budget). A caller that
+    writes the marks in a transaction of its own uses ``confirmed`` and ``count_marked``
+    around it instead of ``settle``'s mark step.
+
+    Args:
+        client: a client from ``streams.connect`` (no automatic re-sends).
+        outbox: the outbox of this process's database.
+        keys: the key layout.
+        owner: the publisher's name on the rows it holds.
+        record_ttl_s: how long a publication record dedupes its reply id.
+        stats: where outcomes are counted.
+        logger: where dead replies and refusals are reported.
+    """
+
+    def __init__(
+        self,
+        client: redis.Redis,
+        outbox: OutboxStore,
+        keys: Keys,
+        owner: str,
+        *,
+        record_ttl_s: float = DEFAULT_RECORD_TTL_S,
+        stats: DispatcherStats | None = None,
+        logger: logging.Logger | None = None,
+    ) -> None:
+        self.client = client
+        self.outbox = outbox
+        self.keys = keys
+        self.owner = owner
+        self.record_ttl_s = record_ttl_s
+        self.stats = stats if stats is not None else DispatcherStats()
+        self.log = logger or logging.getLogger("broker_adapter.dispatcher")
+
+    def publish(self, rows: list[OutboxRow]) -> list[Publication]:
+        """Run the publication script for each row, all in one pipelined round trip.
+
+        Never raises for Redis trouble: an unreachable server makes every row ``FAILED``
+        (the outcome is ambiguous; the records make the retry safe).
+        """
+        if not rows:
+            return []
+        crashpoints.hit("dispatcher.before_xadd")
+        ttl_ms = max(1, int(self.record_ttl_s * 1000))
+        calls: list[tuple[list[str], list[bytes | str | int]]] = [
+            (
+                [self.keys.reply_record(r.principal, r.reply_id), self.keys.replies(r.principal)],
+                [r.content_hash, ttl_ms, r.reply_id, bytes(r.body), REPLY_FORMAT_VERSION],
+            )
+            for r in rows
+        ]
+        try:
+            replies = eval_many(self.client, PUBLISH_SCRIPT, calls)
+        except RedisUnavailable as exc:
+            failed = PublishOutcome.FAILED
+            return [Publication(r.reply_id, failed, None, str(exc), True) for r in rows]
+        crashpoints.hit("dispatcher.after_xadd")
+        return [self._outcome(r, reply) for r, reply in zip(rows, replies, strict=True)]
+
+    def _outcome(self, row: OutboxRow, reply: Any) -> Publication:
+        if isinstance(reply, BrokerAdapterError):
+            transient = isinstance(reply, TransientError)
+            return Publication(row.reply_id, PublishOutcome.FAILED, None, str(reply), transient)
+        code, value = int(reply[0]), text(reply[1])
+        if code == 0:
+            return Publication(row.reply_id, PublishOutcome.PUBLISHED, value)
+        if code == 1:
+            return Publication(row.reply_id, PublishOutcome.ALREADY_PUBLISHED, value)
+        detail = (
+            f"reply_conflict: reply id {row.reply_id} was published with content hash "
+            f"{value[:16]}, the outbox holds {row.content_hash[:16]}"
+        )
+        return Publication(row.reply_id, PublishOutcome.CONFLICT, None, detail)
+
+    @staticmethod
+    def confirmed(
+        rows: list[OutboxRow], pubs: list[Publication]
+    ) -> list[tuple[OutboxRow, Publication]]:
+        """The rows Redis confirmed (published now or before), with their publication."""
+        ok = (PublishOutcome.PUBLISHED, PublishOutcome.ALREADY_PUBLISHED)
+        return [(row, pub) for row, pub in zip(rows, pubs, strict=True) if pub.outcome in ok]
+
+    def count_marked(
+        self, done: list[tuple[OutboxRow, Publication]], refused: list[StaleError | None]
+    ) -> int:
+        """Count what a mark-sent write did (``refused``: one entry per ``done`` row);
+        returns how many rows were marked sent."""
+        marked = 0
+        for (row, pub), stale in zip(done, refused, strict=True):
+            if stale is not None:
+                self._fenced(row, stale)
+                continue
+            marked += 1
+            if pub.outcome is PublishOutcome.PUBLISHED:
+                self.stats.published += 1
+            else:
+                self.stats.already_published += 1
+        return marked
+
+    def settle(
+        self, rows: list[OutboxRow], pubs: list[Publication], *, claim_next: int = 0
+    ) -> tuple[int, list[OutboxRow]]:
+        """Record what ``publish`` did: sent (one transaction), dead, or retry later. With
+        ``claim_next`` the mark-sent transaction also claims up to that many rows.
+
+        Returns:
+            how many rows were marked sent, and the rows claimed.
+        """
+        done = self.confirmed(rows, pubs)
+        refused, ahead = self.outbox.mark_sent_and_claim(
+            self.owner, [(row.reply_id, row.fence, pub.entry_id or "") for row, pub in done],
+            claim_next,
+        )  # fmt: skip
+        crashpoints.hit("dispatcher.after_mark_sent")
+        marked = self.count_marked(done, refused)
+        self.settle_failures(rows, pubs)
+        return marked, ahead
+
+    def settle_failures(self, rows: list[OutboxRow], pubs: list[Publication]) -> None:
+        """Record the rows ``publish`` did not confirm: a conflict is ``dead`` at once, a
+        failure goes back in line with backoff (``dead`` past the budget). Each its own
+        short transaction, fenced; rows this publisher no longer holds are only counted."""
+        owner = self.owner
+        for row, pub in zip(rows, pubs, strict=True):
+            try:
+                if pub.outcome is PublishOutcome.CONFLICT:
+                    self.stats.conflicts += 1
+                    self.outbox.mark_dead(row.reply_id, owner, row.fence, pub.detail)
+                    self.stats.dead += 1
+                    self.log.error("reply %s is dead: %s", row.reply_id, pub.detail)
+                elif pub.outcome is PublishOutcome.FAILED:
+                    self.stats.failed += 1
+                    state = self.outbox.retry(row.reply_id, owner, row.fence, pub.detail)
+                    if state == "dead":
+                        self.stats.dead += 1
+                        self.log.error(
+                            "reply %s is dead after %d attempts: %s",
+                            row.reply_id,
+                            row.attempts,
+                            pub.detail,
+                        )
+            except StaleError as exc:
+                self._fenced(row, exc)
+
+    def _fenced(self, row: OutboxRow, exc: StaleError) -> None:
+        self.stats.fenced += 1
+        self.log.warning("reply %s: %s no longer holds it (%s)", row.reply_id, self.owner, exc)
 
 
 class Dispatcher:
@@ -281,6 +468,11 @@ class Dispatcher:
         #: Rows claimed in the last batch's mark-sent transaction, published next (``run``).
         self._ahead: list[OutboxRow] = []
         self._last_ok_at: float | None = None
+        self._rechecks: list[_Recheck] = []
+        self.publisher = ReplyPublisher(
+            client, outbox, self.keys, config.owner, record_ttl_s=config.record_ttl_s,
+            stats=self.stats, logger=self.log,
+        )  # fmt: skip
 
     # -- loss detection ---------------------------------------------------------------------
 
@@ -311,6 +503,7 @@ class Dispatcher:
         uptime_s = float(info.get("uptime_in_seconds", 0))
         self._note_version(str(info.get("redis_version", "0")))
         event, requeued = LossEvent.NONE, 0
+        rechecked = self._recheck(now)
         if self._epoch is None:  # first look since this dispatcher started
             if epoch is None and self.outbox.counts()["sent"] > 0:
                 event, requeued = LossEvent.WIPE, self._requeue_all("epoch key missing at start")
@@ -325,11 +518,13 @@ class Dispatcher:
                     )
         elif epoch != self._epoch:
             event, requeued = LossEvent.WIPE, self._requeue_all("epoch key gone or changed")
+            self._schedule_recheck(None, now)
         elif run_id != self._run_id:
             event = LossEvent.RESTART
             last_ok = self._last_ok_at if self._last_ok_at is not None else now
             since = last_ok - self.config.loss_window_s
             requeued = self.outbox.requeue_sent(since)
+            self._schedule_recheck(since, now)
             self.stats.restarts += 1
             self.log.warning(
                 "Redis restarted (run_id %s -> %s): %d replies sent in its last %.1f s put back"
@@ -341,9 +536,39 @@ class Dispatcher:
             )
         if epoch is None:
             epoch = self._set_epoch()
+        requeued += rechecked
         self.stats.requeued += requeued
         self._epoch, self._run_id, self._last_ok_at = epoch, run_id, now
         return Watch(event, epoch, run_id, requeued)
+
+    def _schedule_recheck(self, since: float | None, now: float) -> None:
+        """A worker that publishes its own replies marks them sent in a transaction of its
+        own, possibly after this alarm's requeue: a reply it published to the server that
+        lost its data would stay ``sent``. Its mark commits while its publisher lease holds,
+        so rows confirmed (``sent_at``) up to now that show up ``sent`` later are put back
+        in line again: soon, and when every lease held now has run out."""
+        lease_s = self.outbox.policy.lease_s
+        self._rechecks.append(_Recheck(since, now, [now + RECHECK_AFTER_S, now + lease_s]))
+
+    def _recheck(self, now: float) -> int:
+        """Run the rechecks that are due; returns how many rows they put back."""
+        requeued = 0
+        for check in list(self._rechecks):
+            if check.due[0] > now:
+                continue
+            while check.due and check.due[0] <= now:
+                check.due.pop(0)
+            n = self.outbox.requeue_sent(check.since, check.until)
+            if n:
+                self.log.warning(
+                    "%d replies published before the Redis data loss were marked sent after"
+                    " it: put back in line",
+                    n,
+                )
+            requeued += n
+            if not check.due:
+                self._rechecks.remove(check)
+        return requeued
 
     def _requeue_all(self, why: str) -> int:
         n = self.outbox.requeue_sent(None)
@@ -383,44 +608,8 @@ class Dispatcher:
         return self.outbox.claim(self.config.owner, self.config.batch)
 
     def publish(self, rows: list[OutboxRow]) -> list[Publication]:
-        """Run the publication script for each row, all in one pipelined round trip.
-
-        Never raises for Redis trouble: an unreachable server makes every row ``FAILED``
-        (the outcome is ambiguous; the records make the retry safe).
-        """
-        if not rows:
-            return []
-        crashpoints.hit("dispatcher.before_xadd")
-        ttl_ms = max(1, int(self.config.record_ttl_s * 1000))
-        calls: list[tuple[list[str], list[bytes | str | int]]] = [
-            (
-                [self.keys.reply_record(r.principal, r.reply_id), self.keys.replies(r.principal)],
-                [r.content_hash, ttl_ms, r.reply_id, bytes(r.body), REPLY_FORMAT_VERSION],
-            )
-            for r in rows
-        ]
-        try:
-            replies = eval_many(self.client, PUBLISH_SCRIPT, calls)
-        except RedisUnavailable as exc:
-            failed = PublishOutcome.FAILED
-            return [Publication(r.reply_id, failed, None, str(exc), True) for r in rows]
-        crashpoints.hit("dispatcher.after_xadd")
-        return [self._outcome(r, reply) for r, reply in zip(rows, replies, strict=True)]
-
-    def _outcome(self, row: OutboxRow, reply: Any) -> Publication:
-        if isinstance(reply, BrokerAdapterError):
-            transient = isinstance(reply, TransientError)
-            return Publication(row.reply_id, PublishOutcome.FAILED, None, str(reply), transient)
-        code, value = int(reply[0]), text(reply[1])
-        if code == 0:
-            return Publication(row.reply_id, PublishOutcome.PUBLISHED, value)
-        if code == 1:
-            return Publication(row.reply_id, PublishOutcome.ALREADY_PUBLISHED, value)
-        detail = (
-            f"reply_conflict: reply id {row.reply_id} was published with content hash "
-            f"{value[:16]}, the outbox holds {row.content_hash[:16]}"
-        )
-        return Publication(row.reply_id, PublishOutcome.CONFLICT, None, detail)
+        """Run the publication script for each row (``ReplyPublisher.publish``)."""
+        return self.publisher.publish(rows)
 
     def settle(self, rows: list[OutboxRow], pubs: list[Publication], *, claim_next: int = 0) -> int:
         """Record what ``publish`` did: sent (one transaction), dead, or retry later. With
@@ -433,52 +622,8 @@ class Dispatcher:
         Returns:
             how many rows were marked sent.
         """
-        owner = self.config.owner
-        done = [
-            (row, pub)
-            for row, pub in zip(rows, pubs, strict=True)
-            if pub.outcome in (PublishOutcome.PUBLISHED, PublishOutcome.ALREADY_PUBLISHED)
-        ]
-        refused, self._ahead = self.outbox.mark_sent_and_claim(
-            owner, [(row.reply_id, row.fence, pub.entry_id or "") for row, pub in done],
-            claim_next,
-        )  # fmt: skip
-        crashpoints.hit("dispatcher.after_mark_sent")
-        marked = 0
-        for (row, pub), stale in zip(done, refused, strict=True):
-            if stale is not None:
-                self._fenced(row, stale)
-                continue
-            marked += 1
-            if pub.outcome is PublishOutcome.PUBLISHED:
-                self.stats.published += 1
-            else:
-                self.stats.already_published += 1
-        for row, pub in zip(rows, pubs, strict=True):
-            try:
-                if pub.outcome is PublishOutcome.CONFLICT:
-                    self.stats.conflicts += 1
-                    self.outbox.mark_dead(row.reply_id, owner, row.fence, pub.detail)
-                    self.stats.dead += 1
-                    self.log.error("reply %s is dead: %s", row.reply_id, pub.detail)
-                elif pub.outcome is PublishOutcome.FAILED:
-                    self.stats.failed += 1
-                    state = self.outbox.retry(row.reply_id, owner, row.fence, pub.detail)
-                    if state == "dead":
-                        self.stats.dead += 1
-                        self.log.error(
-                            "reply %s is dead after %d attempts: %s",
-                            row.reply_id,
-                            row.attempts,
-                            pub.detail,
-                        )
-            except StaleError as exc:
-                self._fenced(row, exc)
+        marked, self._ahead = self.publisher.settle(rows, pubs, claim_next=claim_next)
         return marked
-
-    def _fenced(self, row: OutboxRow, exc: StaleError) -> None:
-        self.stats.fenced += 1
-        self.log.warning("reply %s: this dispatcher no longer holds it (%s)", row.reply_id, exc)
 
     def step(self, *, claim_ahead: bool = False) -> int:
         """Watch for data loss, then claim, publish and settle one batch.

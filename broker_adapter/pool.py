@@ -39,6 +39,39 @@ STOP_MARGIN_S = 5.0
 READY_TIMEOUT_S = 30.0
 
 
+class WakeUp:
+    """Wakes idle worker processes when new tasks were committed, instead of 1 ms polls.
+
+    A process-shared semaphore: an idle worker waits on it (``wait``, with its poll
+    interval as the timeout: work that comes without a signal, a retry's backoff or an
+    expired lease, is still found by the poll); ``notify(n)`` after a commit that stored
+    ``n`` tasks releases up to ``n`` permits, each waking one waiting worker. Busy workers
+    are not waiting, so idle ones are woken first. Permits that nobody took are kept, at
+    most one per worker: a later wait returns at once and finds nothing (a read).
+
+    Args:
+        workers: how many workers wait on it (the most permits kept).
+    """
+
+    def __init__(self, workers: int) -> None:
+        self._sem = multiprocessing.get_context("spawn").Semaphore(0)
+        self._limit = max(1, workers)
+
+    def notify(self, n: int = 1) -> None:
+        """Wake up to ``n`` idle workers (never blocks)."""
+        for _ in range(min(n, self._limit)):
+            try:
+                if self._sem.get_value() >= self._limit:
+                    return
+            except NotImplementedError:  # macOS has no sem_getvalue: keep no bound
+                pass
+            self._sem.release()
+
+    def wait(self, timeout_s: float) -> bool:
+        """Wait until woken or ``timeout_s`` passed; True when woken."""
+        return bool(self._sem.acquire(timeout=timeout_s))
+
+
 class WorkerPool:
     """N worker processes running the same handler on the same database.
 
@@ -49,6 +82,9 @@ class WorkerPool:
         config_factory: the config of child ``i`` (called in this process, ``i`` from 0);
             the owners must differ.
         policy: the store's policy in every child (lease, backoff); the default if ``None``.
+        wake: give the children a ``WakeUp`` (``self.wake``): idle workers wait on it with
+            ``idle_poll_s`` as the timeout instead of polling every ``wake_poll_s``. Call
+            ``self.wake.notify(n)`` after committing ``n`` new tasks.
 
     Raises:
         ConfigError: ``n < 1``, the handler cannot be loaded, or two owners are the same.
@@ -62,6 +98,7 @@ class WorkerPool:
         config_factory: Callable[[int], WorkerConfig],
         *,
         policy: TaskPolicy | None = None,
+        wake: bool = False,
     ) -> None:
         if n < 1:
             raise ConfigError(f"a worker pool needs at least one process, got {n}")
@@ -77,12 +114,21 @@ class WorkerPool:
         self._ready: list[ProcessEvent] = []
         self._procs: list[SpawnProcess] = []
         self.restarts = 0
+        self.wake = WakeUp(n) if wake else None
 
     def _spawn(self, config: WorkerConfig) -> tuple[SpawnProcess, ProcessEvent]:
         ready = self._ctx.Event()
         proc = self._ctx.Process(
             target=_child_main,
-            args=(str(self.db_path), self.handler_spec, config, self.policy, ready, os.getpid()),
+            args=(
+                str(self.db_path),
+                self.handler_spec,
+                config,
+                self.policy,
+                ready,
+                os.getpid(),
+                self.wake,
+            ),
             name=f"ba-worker-{config.owner}",
         )
         proc.start()
@@ -219,6 +265,7 @@ def _child_main(
     policy: TaskPolicy | None,
     ready: ProcessEvent,
     parent_pid: int,
+    wake: WakeUp | None = None,
 ) -> None:
     """A child's whole life: its own database, one worker, SIGTERM/SIGINT to drain.
 
@@ -234,7 +281,12 @@ def _child_main(
     signal.signal(signal.SIGINT, on_signal)
     db = open_database(db_path)
     try:
-        worker = Worker(config, TaskStore(db, policy=policy), handler_spec)
+        worker = Worker(
+            config,
+            TaskStore(db, policy=policy),
+            handler_spec,
+            wake=None if wake is None else wake.wait,
+        )
         ready.set()
         worker.run(stop)
     finally:

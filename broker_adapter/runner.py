@@ -19,9 +19,9 @@ import logging
 import os
 import socket
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -29,11 +29,11 @@ from broker_adapter.auth import Keyring
 from broker_adapter.clock import SystemClock
 from broker_adapter.dispatcher import Dispatcher, DispatcherConfig
 from broker_adapter.envelope import check_principal
-from broker_adapter.errors import BrokerAdapterError, ConfigError
+from broker_adapter.errors import BrokerAdapterError, ConfigError, TransientError
 from broker_adapter.ingest import IngestConfig, Ingestor
 from broker_adapter.pool import WorkerPool
 from broker_adapter.store import OutboxStore, TaskStore, open_database
-from broker_adapter.store.tasks import TaskPolicy
+from broker_adapter.store.tasks import AcceptItem, AcceptResult, Outcome, TaskPolicy
 from broker_adapter.streams import connect
 from broker_adapter.worker import WorkerConfig
 
@@ -41,6 +41,8 @@ log = logging.getLogger("broker_adapter.runner")
 
 DEFAULT_WORKERS = 2
 SUPERVISE_EVERY_S = 0.5
+#: Workers start after the dispatcher's first look at Redis, or after this long at most.
+FIRST_LOOK_TIMEOUT_S = 5.0
 
 
 class RunConfig(BaseModel):
@@ -60,6 +62,9 @@ class RunConfig(BaseModel):
         call_timeout_s: per handler call.
         grace_s: how long running handlers may finish on stop.
         claim_min_idle_ms: pending entries idle this long are taken over from dead consumers.
+        worker_publish: workers publish their replies right after their commit (the
+            dispatcher then only sweeps what they could not publish); off, the dispatcher
+            publishes every reply.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -77,6 +82,7 @@ class RunConfig(BaseModel):
     call_timeout_s: float = Field(default=60.0, gt=0)
     grace_s: float = Field(default=10.0, ge=0)
     claim_min_idle_ms: int = Field(default=60_000, ge=0)
+    worker_publish: bool = True
 
     @field_validator("redis_url")
     @classmethod
@@ -107,6 +113,22 @@ class RunConfig(BaseModel):
         return self
 
 
+class NotifyingTaskStore(TaskStore):
+    """The ingest's store: after a commit that stored new tasks, ``notify(n)`` wakes idle
+    worker processes (``pool.WakeUp``) instead of leaving them to their next poll."""
+
+    def __init__(self, *args: Any, notify: Callable[[int], None], **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._notify = notify
+
+    def accept(self, items: Sequence[AcceptItem]) -> list[AcceptResult]:
+        results = super().accept(items)
+        stored = sum(r.outcome is Outcome.STORED for r in results)
+        if stored:
+            self._notify(stored)
+        return results
+
+
 class Runner:
     """Runs the whole adapter until told to stop.
 
@@ -122,6 +144,7 @@ class Runner:
         self.policy = TaskPolicy(lease_s=config.lease_s)
         open_database(config.db_path).close()  # create and migrate once, up front
         self.errors: list[BaseException] = []
+        self._first_look = threading.Event()
 
     def _worker_config(self, i: int) -> WorkerConfig:
         return WorkerConfig(
@@ -129,6 +152,8 @@ class Runner:
             owner=f"{self.config.name}-w{i}-{os.getpid()}",
             call_timeout_s=self.config.call_timeout_s,
             grace_s=self.config.grace_s,
+            redis_url=self.config.redis_url if self.config.worker_publish else None,
+            prefix=self.config.prefix,
         )
 
     def _pool(self) -> WorkerPool:
@@ -138,6 +163,7 @@ class Runner:
             self.config.handler,
             self._worker_config,
             policy=self.policy,
+            wake=True,
         )
 
     def _thread(self, name: str, body: Callable[[], None]) -> threading.Thread:
@@ -152,7 +178,7 @@ class Runner:
         thread.start()
         return thread
 
-    def _ingest(self, stop: threading.Event) -> None:
+    def _ingest(self, stop: threading.Event, notify: Callable[[int], None] | None) -> None:
         cfg = self.config
         db = open_database(cfg.db_path)
         try:
@@ -164,7 +190,11 @@ class Runner:
                 claim_min_idle_ms=cfg.claim_min_idle_ms,
             )
             client = connect(cfg.redis_url)
-            tasks = TaskStore(db, SystemClock(), self.policy)
+            tasks = (
+                TaskStore(db, SystemClock(), self.policy)
+                if notify is None
+                else NotifyingTaskStore(db, SystemClock(), self.policy, notify=notify)
+            )
             Ingestor(ingest_cfg, client, tasks, self.keyring, logger=self.log).run(stop)
         finally:
             db.close()
@@ -176,8 +206,18 @@ class Runner:
             client = connect(cfg.redis_url)
             outbox = OutboxStore(db, SystemClock())
             dispatch_cfg = DispatcherConfig(prefix=cfg.prefix, owner=f"{cfg.name}-dispatcher")
-            Dispatcher(dispatch_cfg, client, outbox, logger=self.log).run(stop)
+            dispatcher = Dispatcher(dispatch_cfg, client, outbox, logger=self.log)
+            # Its first look (the data-loss watch) comes before any worker publishes: a
+            # worker's reply marked sent before it would read as a wipe at start-up.
+            try:
+                dispatcher.watch()
+            except TransientError as exc:
+                self.log.warning("first look at Redis failed, will retry: %s", exc)
+            finally:
+                self._first_look.set()
+            dispatcher.run(stop)
         finally:
+            self._first_look.set()
             db.close()
 
     def run(self, stop: threading.Event) -> int:
@@ -188,11 +228,13 @@ class Runner:
             cfg.handler,
         )  # fmt: skip
         pool = self._pool()
-        pool.start()
+        notify = None if pool.wake is None else pool.wake.notify
         threads = [
-            self._thread("ingest", lambda: self._ingest(stop)),
             self._thread("dispatcher", lambda: self._dispatch(stop)),
+            self._thread("ingest", lambda: self._ingest(stop, notify)),
         ]
+        self._first_look.wait(FIRST_LOOK_TIMEOUT_S)
+        pool.start()
         try:
             while not stop.wait(SUPERVISE_EVERY_S):
                 if self.errors:

@@ -21,6 +21,15 @@ waiting its turn, or an outcome waiting for its batch, never loses its lease and
 When idle, ``run`` looks for work with a read (``TaskStore.has_work``) every ``wake_poll_s``
 for a second after its last work, then less and less often, up to ``idle_poll_s``.
 
+Replies (with ``WorkerConfig.redis_url``): the batch's commit writes each terminal reply
+already claimed by the worker's publisher identity (INVARIANTS 13, 14: state and reply in one
+transaction; the publisher has its own claim, lease and fence), and the worker publishes
+them right after the commit with the dispatcher's ``ReplyPublisher``. The confirmed ones are
+marked sent (fenced) by the next batch's commit when it follows soon, else by a small
+transaction of their own. A kill between the commit and the mark leaves rows ``sending``
+that the dispatcher takes back after the publisher lease (its script finds what was already
+published); a Redis failure puts them back in line with backoff.
+
 Crash: the worker keeps nothing durable of its own. Killed after the claim
 (``worker.after_claim``) or after the handler's effect (``worker.after_effect``), its task
 stays ``running`` until the lease expires; the next claim takes it back with attempts+1 and
@@ -35,13 +44,16 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from functools import partial
+from typing import TYPE_CHECKING
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from broker_adapter import crashpoints
 from broker_adapter.clock import Clock
+from broker_adapter.dispatcher import DispatcherStats, Publication, ReplyPublisher
 from broker_adapter.envelope import canonical_json
 from broker_adapter.errors import (
     BrokerAdapterError,
@@ -59,7 +71,19 @@ from broker_adapter.handlers import (
     is_retryable,
     load_handler,
 )
-from broker_adapter.store.tasks import ClaimedTask, FailOutcome, Settlement, TaskStore
+from broker_adapter.keys import DEFAULT_PREFIX, Keys
+from broker_adapter.store.outbox import OutboxPolicy, OutboxRow, OutboxStore, SentMark
+from broker_adapter.store.tasks import (
+    ClaimedTask,
+    FailOutcome,
+    SettledBatch,
+    Settlement,
+    TaskStore,
+)
+from broker_adapter.streams import connect
+
+if TYPE_CHECKING:
+    import redis
 
 DEFAULT_BATCH = 32
 DEFAULT_BATCH_WINDOW_S = 0.05
@@ -76,6 +100,8 @@ INITIAL_CLAIM = 4
 ALERT_AFTER_WORK_S = 1.0
 #: Weight of the newest handler time in the running average that sizes claims.
 HANDLER_TIME_WEIGHT = 0.2
+#: After Redis failed a worker's publication, its replies go to the dispatcher this long.
+PUBLISH_PAUSE_S = 1.0
 
 
 class WorkerConfig(BaseModel):
@@ -101,6 +127,10 @@ class WorkerConfig(BaseModel):
             work, seconds; after that it doubles with every empty look, up to
             ``idle_poll_s``.
         grace_s: on stop, how long the running handler may still take.
+        redis_url: the Redis of the reply streams. With it the worker publishes the replies
+            of its own batches right after their commit (see ``Worker``); without it (or
+            ``None``) they wait in the outbox for the dispatcher.
+        prefix: the key prefix (see ``keys``), as the dispatcher's.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
@@ -113,6 +143,14 @@ class WorkerConfig(BaseModel):
     idle_poll_s: float = Field(default=DEFAULT_IDLE_POLL_S, gt=0)
     wake_poll_s: float = Field(default=DEFAULT_WAKE_POLL_S, gt=0)
     grace_s: float = Field(default=DEFAULT_GRACE_S, ge=0)
+    redis_url: str | None = None
+    prefix: str = DEFAULT_PREFIX
+
+    @field_validator("prefix")
+    @classmethod
+    def _prefix(cls, v: str) -> str:
+        Keys(v)  # raises ValueError for a bad prefix
+        return v
 
 
 @dataclass
@@ -325,6 +363,25 @@ class Worker:
         handler: a callable, or a ``"module:callable"`` spec to load.
         clock: the time source for deadlines; the store's clock by default.
         logger: where to report; ``broker_adapter.worker`` by default.
+        redis_client: the client to publish replies with (a ``streams.connect`` client);
+            by default one for ``config.redis_url``, or none: the dispatcher publishes.
+        outbox_policy: the publisher's lease and retry budget (as the dispatcher's).
+        wake: waits up to the given seconds for a signal that new tasks were committed
+            (``pool.WakeUp.wait``); True when signalled. With it an idle worker blocks on
+            it, looking for work on a signal or every ``idle_poll_s``, instead of polling
+            every ``wake_poll_s``.
+
+    Publishing its own replies (with a Redis client): the batch's commit writes the replies
+    already claimed by this worker's publisher (owner ``<owner>-pub``, its lease, fence 1),
+    so the dispatcher leaves them alone until that lease runs out. Right after the commit
+    they are published by ``ReplyPublisher.publish`` (the dispatcher's path and crash
+    points); the confirmed ones are marked sent, fenced, in the next batch's commit when
+    one follows soon, else in a small transaction of their own. Rows Redis did not confirm
+    go back in line with backoff (``ReplyPublisher.settle_failures``) and, for
+    ``PUBLISH_PAUSE_S`` after an unreachable Redis, new replies are left to the
+    dispatcher. A worker killed between its commit and its mark leaves rows ``sending``
+    that the dispatcher takes back at lease expiry (the records make a second publication
+    a no-op).
 
     Raises:
         ConfigError: the handler spec cannot be loaded, or renewals would come no sooner than
@@ -339,6 +396,9 @@ class Worker:
         *,
         clock: Clock | None = None,
         logger: logging.Logger | None = None,
+        redis_client: redis.Redis | None = None,
+        outbox_policy: OutboxPolicy | None = None,
+        wake: Callable[[float], bool] | None = None,
     ) -> None:
         self.config = config
         self.tasks = tasks
@@ -363,6 +423,24 @@ class Worker:
         self._handler_s: float | None = None
         #: Tasks claimed in the last batch's commit transaction, to run next (``run`` only).
         self._ahead: list[Task] = []
+        #: What this worker's own publications did (``ReplyPublisher``'s counters).
+        self.publish_stats = DispatcherStats()
+        self.publisher: ReplyPublisher | None = None
+        if redis_client is None and config.redis_url is not None:
+            redis_client = connect(config.redis_url)
+        if redis_client is not None:
+            outbox = OutboxStore(tasks.db, self.clock, outbox_policy)
+            self.publisher = ReplyPublisher(
+                redis_client, outbox, Keys(config.prefix), f"{config.owner}-pub",
+                stats=self.publish_stats, logger=self.log,
+            )  # fmt: skip
+        #: Publications Redis confirmed, not yet marked sent: (row, publication, when).
+        self._confirmed: list[tuple[OutboxRow, Publication, float]] = []
+        self._confirmed_at = 0.0  # time.monotonic() of the oldest of them
+        self._publish_paused_until = 0.0
+        self._wake = wake
+        #: The last commit also claimed, and found nothing ready.
+        self._found_none = False
 
     @property
     def owner(self) -> str:
@@ -399,6 +477,7 @@ class Worker:
         """``run_once``; with ``claim_ahead`` the batch's commit transaction also claims the
         next batch (one transaction, one fsync, instead of two), run by the next call."""
         tasks, self._ahead = self._ahead, []
+        self._found_none = False
         if not tasks:
             n = self.claim_size() if max_tasks is None else min(self.claim_size(), max_tasks)
             if n < 1 or self._stopping():
@@ -426,8 +505,12 @@ class Worker:
                     )
                     break
                 if ran and time.monotonic() - ran[0].ended_at >= self.config.batch_window_s:
-                    self._commit(ran)
+                    self._commit(ran, more_soon=True)
                     ran = []
+                elif self._confirmed and (
+                    time.monotonic() - self._confirmed_at >= self.config.batch_window_s
+                ):
+                    self._mark_sent()
                 done = self._process(task)
                 processed += 1
                 if done is not None:
@@ -439,6 +522,8 @@ class Worker:
             finally:
                 for task in tasks:  # those not started or not committed: leases expire
                     self._release_keeper(task.task_id)
+        if not self._ahead and self._stop is None:  # no commit follows to carry the marks
+            self._mark_sent()
         return processed
 
     def run(self, stop: threading.Event) -> None:
@@ -448,10 +533,11 @@ class Worker:
         ``ALERT_AFTER_WORK_S`` after its last work, then at doubling intervals up to
         ``config.idle_poll_s``; a look is a read
         (``TaskStore.has_work``), a claim follows only when the look finds work. The pauses
-        are waits on ``stop``. Once ``stop`` is set it claims nothing more; the running
-        handler (and any task of the batch already claimed) gets ``config.grace_s`` from
-        that moment to finish. A handler still running then is abandoned and its task
-        handed back as a retryable failure.
+        are waits on ``stop`` (with a ``wake`` signal: waits on it, ``idle_poll_s`` at
+        most, and ``stop`` is seen after them). Once ``stop`` is set it claims nothing
+        more; the running handler (and any task of the batch already claimed) gets
+        ``config.grace_s`` from that moment to finish. A handler still running then is
+        abandoned and its task handed back as a retryable failure.
 
         Args:
             stop: set it (e.g. from a SIGTERM handler) to drain and return.
@@ -461,7 +547,9 @@ class Worker:
         """
         self._stop = stop
         self._drain_until = None
-        pause = self.config.wake_poll_s
+        # With a wake-up signal, new work is announced: the poll is only the fallback.
+        first_pause = self.config.wake_poll_s if self._wake is None else self.config.idle_poll_s
+        pause = first_pause
         busy_at = time.monotonic()
         try:
             while not stop.is_set() or self._ahead:  # tasks claimed ahead run in the drain
@@ -472,9 +560,13 @@ class Worker:
                     processed = 0
                 if processed:
                     busy_at = time.monotonic()
-                    pause = self.config.wake_poll_s
-                    continue
-                while not stop.wait(pause):
+                    pause = first_pause
+                    if self._ahead or not self._found_none:
+                        continue
+                    # The commit's claim found nothing: look (a read) before claiming again.
+                while not self._idle_wait(stop, self._until_marks_due(pause)):
+                    if self._confirmed and self._until_marks_due(pause) <= 0:
+                        self._mark_sent()  # no commit came in time to carry them
                     if time.monotonic() - busy_at >= ALERT_AFTER_WORK_S:
                         pause = min(pause * 2, self.config.idle_poll_s)
                     try:
@@ -482,8 +574,24 @@ class Worker:
                             break
                     except TransientError as exc:
                         self.log.warning("looking for work failed, will retry: %s", exc)
+            self._mark_sent()
         finally:
             self._stop = None
+
+    def _until_marks_due(self, pause: float) -> float:
+        """How long an idle wait may last: ``pause``, or less when confirmed publications
+        wait to be marked (they wait ``batch_window_s`` at most for a commit to carry them)."""
+        if not self._confirmed:
+            return pause
+        due = self._confirmed_at + self.config.batch_window_s - time.monotonic()
+        return max(0.0, min(pause, due))
+
+    def _idle_wait(self, stop: threading.Event, pause: float) -> bool:
+        """Wait ``pause`` (or until woken); returns whether ``stop`` is set."""
+        if self._wake is None:
+            return stop.wait(pause)
+        self._wake(pause)
+        return stop.is_set()
 
     def renew_leases(self) -> int:
         """Renew the lease of every claimed task now, out of the keeper's schedule.
@@ -569,9 +677,13 @@ class Worker:
         crashpoints.hit("worker.after_effect")
         return _Ran(task, outcome, timeout_s, time.monotonic())
 
-    def _commit(self, ran: list[_Ran], *, claim_next: bool = False) -> None:
+    def _commit(
+        self, ran: list[_Ran], *, claim_next: bool = False, more_soon: bool = False
+    ) -> None:
         """Write the outcomes of a batch (each fenced) in one transaction; with
-        ``claim_next`` (and not stopping) the same transaction claims the next batch."""
+        ``claim_next`` (and not stopping) the same transaction claims the next batch.
+        ``more_soon``: another commit follows (tasks of this batch are left), which can
+        carry the marks of the replies published after this one."""
         if not ran:
             return
         # Stop renewing before the commit: a renewal racing the commit would be refused
@@ -589,16 +701,14 @@ class Worker:
             items.append((claimed, self._settlement(claimed, r.outcome, r.timeout_s)))
         n = self.claim_size() if claim_next and not self._stopping() else 0
         try:
-            results, ahead = self.tasks.settle_and_claim(
-                [item for _, item in items], self.config.owner, n
-            )
+            batch = self._settle([item for _, item in items], n)
         except TransientError as exc:
             self.stats.store_errors += len(items)
             self.log.warning(
                 "commit of %d task(s) failed; they return at lease expiry: %s", len(items), exc
             )
             return
-        for (claimed, _item), result in zip(items, results, strict=True):
+        for (claimed, _item), result in zip(items, batch.results, strict=True):
             if isinstance(result, TaskCancelled):
                 self._note_cancelled(claimed)
             elif isinstance(result, StaleError):
@@ -619,8 +729,90 @@ class Worker:
                 else:
                     self.stats.done += 1
                 crashpoints.hit("worker.after_finish")
-        self.stats.claimed += len(ahead)
-        self._ahead = [self._keep(c) for c in ahead]
+        self.stats.claimed += len(batch.claimed)
+        self._ahead = [self._keep(c) for c in batch.claimed]
+        self._found_none = n >= 1 and not batch.claimed
+        if batch.replies:
+            self._publish(batch.replies, more_soon=more_soon or bool(self._ahead))
+
+    # -- replies ----------------------------------------------------------------------------
+
+    def _publishing(self) -> ReplyPublisher | None:
+        """The publisher, unless there is none or it pauses after a Redis failure."""
+        if self.publisher is None or time.monotonic() < self._publish_paused_until:
+            return None
+        return self.publisher
+
+    def _settle(self, items: list[Settlement], n: int) -> SettledBatch:
+        """The batch's one transaction: outcomes, replies (claimed by the publisher when it
+        publishes), the marks of confirmed publications waiting for it, the next claim."""
+        publisher = self._publishing()
+        if publisher is None:
+            self._mark_sent()  # a paused publisher's marks do not wait for the next commit
+            return self.tasks.settle_batch(items, self.config.owner, n)
+        confirmed, self._confirmed = self._confirmed, []
+        try:
+            batch = self.tasks.settle_batch(
+                items, self.config.owner, n, publish_as=publisher.owner,
+                publish_lease_s=publisher.outbox.policy.lease_s, sent=_marks(confirmed),
+            )  # fmt: skip
+        except BaseException:
+            self._confirmed = confirmed + self._confirmed  # not written: still to mark
+            raise
+        if confirmed:
+            crashpoints.hit("dispatcher.after_mark_sent")
+            publisher.count_marked([(row, pub) for row, pub, _ in confirmed], batch.marks)
+        return batch
+
+    def _publish(self, rows: list[OutboxRow], *, more_soon: bool) -> None:
+        """Publish the replies the batch's commit wrote claimed for this worker's publisher;
+        the confirmed ones wait for the next commit to be marked sent (``_mark_sent`` when
+        none follows soon), the others go back in line with backoff, or ``dead``."""
+        publisher = self.publisher
+        assert publisher is not None
+        pubs = publisher.publish(rows)
+        confirmed_at = self.clock.now()
+        done = publisher.confirmed(rows, pubs)
+        if not self._confirmed:
+            self._confirmed_at = time.monotonic()
+        self._confirmed += [(row, pub, confirmed_at) for row, pub in done]
+        if len(done) < len(rows):
+            unreachable = [p for p in pubs if p.transient]
+            if unreachable:
+                self._publish_paused_until = time.monotonic() + PUBLISH_PAUSE_S
+                self.log.warning(
+                    "publishing %d replies failed (left to the dispatcher for %.1f s): %s",
+                    len(unreachable),
+                    PUBLISH_PAUSE_S,
+                    unreachable[0].detail,
+                )
+            try:
+                publisher.settle_failures(rows, pubs)
+            except TransientError as exc:
+                self.log.warning(
+                    "replies not put back in line; they return at lease expiry: %s", exc
+                )
+        # In ``run`` the marks wait for the next commit (work follows, or arrives within
+        # ``batch_window_s``: the idle loop marks them then at the latest).
+        slow = self._handler_s is None or self._handler_s > self.config.batch_window_s
+        if slow or self._stopping() or not (more_soon or self._stop is not None):
+            self._mark_sent()
+
+    def _mark_sent(self) -> None:
+        """Mark the confirmed publications sent now, in one transaction of their own."""
+        if not self._confirmed or self.publisher is None:
+            return
+        confirmed, self._confirmed = self._confirmed, []
+        publisher = self.publisher
+        try:
+            refused = publisher.outbox.mark_sent_marks(publisher.owner, _marks(confirmed))
+        except TransientError as exc:
+            # Published and recorded in Redis: when the lease runs out the dispatcher takes
+            # them back, its publication finds the records and marks them sent.
+            self.log.warning("%d replies not marked sent: %s", len(confirmed), exc)
+            return
+        crashpoints.hit("dispatcher.after_mark_sent")
+        publisher.count_marked([(row, pub) for row, pub, _ in confirmed], refused)
 
     def _settlement(
         self, claimed: ClaimedTask, outcome: CallOutcome, timeout_s: float
@@ -657,3 +849,8 @@ class Worker:
             "(an effect the handler already caused stays)",
             claimed.task_id,
         )
+
+
+def _marks(confirmed: list[tuple[OutboxRow, Publication, float]]) -> list[SentMark]:
+    """Confirmed publications as ``(reply_id, fence, entry_id, sent_at)`` marks."""
+    return [(row.reply_id, row.fence, pub.entry_id or "", at) for row, pub, at in confirmed]

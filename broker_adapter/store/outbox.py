@@ -117,16 +117,105 @@ def enqueue_encoded(
     data: bytes,
     content_hash: str,
     now: float,
+    claim: PublisherClaim | None = None,
 ) -> bool:
     """``enqueue`` for a body already encoded by ``encode_body`` (outside the transaction,
-    so the write lock is not held while JSON is encoded and hashed)."""
-    cur = conn.execute(
+    so the write lock is not held while JSON is encoded and hashed).
+
+    With ``claim`` the row is written already claimed by that publisher (``sending``, its
+    owner and lease, attempts 1, fence 1: what ``OutboxStore.claim`` would set) and is
+    appended to ``claim.rows``; nobody else takes it before the lease runs out.
+    """
+    if claim is None:
+        cur = conn.execute(
+            "INSERT OR IGNORE INTO outbox (reply_id, task_id, principal, message_id, status,"
+            " body, content_hash, state, not_before, created_at)"
+            " VALUES (?, ?, ?, ?, ?, ?, ?, 'pending', ?, ?)",
+            (reply_id, task_id, principal, message_id, status, data, content_hash, now, now),
+        )
+        return cur.rowcount == 1
+    row = conn.execute(
         "INSERT OR IGNORE INTO outbox (reply_id, task_id, principal, message_id, status, body,"
-        " content_hash, state, not_before, created_at)"
-        " VALUES (?, ?, ?, ?, ?, ?, ?, 'pending', ?, ?)",
-        (reply_id, task_id, principal, message_id, status, data, content_hash, now, now),
-    )
-    return cur.rowcount == 1
+        " content_hash, state, owner, lease_until, attempts, fence, not_before, created_at)"
+        " VALUES (?, ?, ?, ?, ?, ?, ?, 'sending', ?, ?, 1, 1, ?, ?)"
+        f" RETURNING {_COLUMNS}",
+        (reply_id, task_id, principal, message_id, status, data, content_hash, claim.owner,
+         claim.lease_until, now, now),
+    ).fetchone()  # fmt: skip
+    if row is None:
+        return False
+    claim.rows.append(OutboxRow.from_row(row))
+    return True
+
+
+@dataclass
+class PublisherClaim:
+    """Replies to write already claimed by one publisher, inside a terminal transaction.
+
+    Attributes:
+        owner: the publisher's name on the rows.
+        lease_until: its lease on them (after it, the dispatcher takes them back).
+        rows: filled by ``enqueue_encoded``: the rows written, to publish after the commit.
+    """
+
+    owner: str
+    lease_until: float
+    rows: builtins.list[OutboxRow] = field(default_factory=list)
+
+
+#: One confirmed publication to record: ``(reply_id, fence, entry_id, sent_at)``.
+SentMark = tuple[str, int, str, float]
+
+
+def holder_check(
+    c: sqlite3.Connection, reply_id: str, owner: str, fence: int, now: float
+) -> sqlite3.Row:
+    """Raise ``StaleError`` unless ``owner`` holds ``reply_id`` under ``fence`` at ``now``
+    (state ``sending``, lease unexpired); the row's state, owner, fence, lease, attempts."""
+    row: sqlite3.Row | None = c.execute(
+        "SELECT state, owner, fence, lease_until, attempts FROM outbox WHERE reply_id = ?",
+        (reply_id,),
+    ).fetchone()
+    if row is None:
+        raise UnknownReply(reply_id)
+    if row["fence"] != fence:
+        raise FencedError(reply_id, fence, row["fence"])
+    if row["state"] != "sending":
+        raise StaleError(reply_id, "not_sending", f"state is {row['state']}")
+    if row["owner"] != owner:
+        raise StaleError(reply_id, "owner", f"held by {row['owner']}")
+    if row["lease_until"] <= now:
+        raise StaleError(reply_id, "lease_expired")
+    return row
+
+
+def mark_sent_in(
+    c: sqlite3.Connection, owner: str, items: Sequence[SentMark], now: float
+) -> builtins.list[StaleError | None]:
+    """Record confirmed publications inside the caller's transaction, each fenced on its
+    own: the holder check is the WHERE clause of the update (one statement per row); a row
+    it refuses wrote nothing and gets ``holder_check``'s precise refusal.
+
+    Returns:
+        one entry per item, in order: ``None`` when marked sent, else the ``StaleError``.
+    """
+    out: builtins.list[StaleError | None] = []
+    for reply_id, fence, entry_id, sent_at in items:
+        cur = c.execute(
+            "UPDATE outbox SET state = 'sent', owner = NULL, lease_until = NULL,"
+            " entry_id = ?, sent_at = ?, last_error = NULL WHERE reply_id = ? AND fence = ?"
+            " AND state = 'sending' AND owner = ? AND lease_until > ?",
+            (entry_id, sent_at, reply_id, fence, owner, now),
+        )
+        if cur.rowcount == 1:
+            out.append(None)
+            continue
+        try:
+            holder_check(c, reply_id, owner, fence, now)
+            out.append(StaleError(reply_id, "lease_expired"))  # unreachable: same checks
+        except StaleError as exc:
+            out.append(exc)
+    return out
 
 
 def _require_dead(c: sqlite3.Connection, reply_id: str) -> None:
@@ -223,21 +312,7 @@ class OutboxStore:
         return bool(row[0])
 
     def _holder(self, c: sqlite3.Connection, reply_id: str, owner: str, fence: int) -> sqlite3.Row:
-        row: sqlite3.Row | None = c.execute(
-            "SELECT state, owner, fence, lease_until, attempts FROM outbox WHERE reply_id = ?",
-            (reply_id,),
-        ).fetchone()
-        if row is None:
-            raise UnknownReply(reply_id)
-        if row["fence"] != fence:
-            raise FencedError(reply_id, fence, row["fence"])
-        if row["state"] != "sending":
-            raise StaleError(reply_id, "not_sending", f"state is {row['state']}")
-        if row["owner"] != owner:
-            raise StaleError(reply_id, "owner", f"held by {row['owner']}")
-        if row["lease_until"] <= self.clock.now():
-            raise StaleError(reply_id, "lease_expired")
-        return row
+        return holder_check(c, reply_id, owner, fence, self.clock.now())
 
     def mark_sent(self, reply_id: str, owner: str, fence: int, entry_id: str) -> None:
         """Record a confirmed publication (fenced).
@@ -314,21 +389,24 @@ class OutboxStore:
             ).fetchone()
         return OutboxRow.from_row(new)
 
-    def requeue_sent(self, since: float | None = None) -> int:
+    def requeue_sent(self, since: float | None = None, until: float | None = None) -> int:
         """Put ``sent`` replies back in line (Redis lost them: a wipe or a lost AOF tail).
 
         Args:
             since: only rows sent at or after this time; ``None`` for every sent row.
+            until: only rows sent at or before this time; ``None`` for no upper bound.
 
         Returns:
             how many rows were put back. The receiver dedupes the resends.
         """
         now = self.clock.now()
+        low = since if since is not None else float("-inf")
+        high = until if until is not None else float("inf")
         with self.db.write("reply_retry") as c:
             cur = c.execute(
                 "UPDATE outbox SET state = 'pending', not_before = ?, attempts = 0"
-                " WHERE state = 'sent' AND sent_at >= ?",
-                (now, since if since is not None else float("-inf")),
+                " WHERE state = 'sent' AND sent_at >= ? AND sent_at <= ?",
+                (now, low, high),
             )
             return cur.rowcount
 
@@ -388,26 +466,24 @@ class OutboxStore:
             one entry per item, in order: ``None`` when marked sent, else the ``StaleError``
             (a ``FencedError`` for a newer fence) that refused it; and the claimed rows.
         """
-        out: builtins.list[StaleError | None] = []
         if not items and n < 1:
-            return out, []
+            return [], []
         now = self.clock.now()
+        marks = [(reply_id, fence, entry_id, now) for reply_id, fence, entry_id in items]
         with self.db.write("mark_sent") as c:
-            for reply_id, fence, entry_id in items:
-                try:
-                    self._holder(c, reply_id, owner, fence)
-                except StaleError as exc:  # refused before anything of this row was written
-                    out.append(exc)
-                    continue
-                c.execute(
-                    "UPDATE outbox SET state = 'sent', owner = NULL, lease_until = NULL,"
-                    " entry_id = ?, sent_at = ?, last_error = NULL"
-                    " WHERE reply_id = ? AND fence = ?",
-                    (entry_id, now, reply_id, fence),
-                )
-                out.append(None)
+            out = mark_sent_in(c, owner, marks, now)
             claimed = self._claim_in(c, owner, n, now) if n >= 1 else []
         return out, claimed
+
+    def mark_sent_marks(
+        self, owner: str, marks: Sequence[SentMark]
+    ) -> builtins.list[StaleError | None]:
+        """``mark_sent_many`` with the time of each confirmation (``SentMark``) as its
+        ``sent_at``: one transaction, each row fenced on its own."""
+        if not marks:
+            return []
+        with self.db.write("mark_sent") as c:
+            return mark_sent_in(c, owner, marks, self.clock.now())
 
     def mark_published(self, reply_id: str, entry_id: str, by: str) -> OutboxRow:
         """Reconcile a ``dead`` reply that Redis shows as published: ``sent`` with that entry id.

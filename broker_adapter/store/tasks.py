@@ -37,7 +37,15 @@ from broker_adapter.clock import Clock, SystemClock
 from broker_adapter.envelope import Envelope, canonical_json, sha256_hex
 from broker_adapter.errors import BrokerAdapterError, FencedError, StaleError, TaskCancelled
 from broker_adapter.store.db import Database
-from broker_adapter.store.outbox import encode_body, enqueue, enqueue_encoded
+from broker_adapter.store.outbox import (
+    OutboxRow,
+    PublisherClaim,
+    SentMark,
+    encode_body,
+    enqueue,
+    enqueue_encoded,
+    mark_sent_in,
+)
 
 _PREFETCH_CHUNK = 500  # ids per lookup query (bound parameters)
 
@@ -153,6 +161,24 @@ class Settlement:
 
 #: What ``settle_many`` did with one item: reply id, failure outcome, or the refusal.
 SettleResult = str | FailOutcome | StaleError
+
+
+@dataclass(frozen=True)
+class SettledBatch:
+    """What ``settle_batch`` did, in its one transaction.
+
+    Attributes:
+        results: one per item, as ``settle_and_claim`` returns them.
+        claimed: the tasks claimed for the next batch.
+        replies: the terminal replies written already claimed by ``publish_as`` (state
+            ``sending``, its lease, fence 1), to be published by it now.
+        marks: one per ``sent`` mark: ``None`` when marked sent, else the refusal.
+    """
+
+    results: list[SettleResult]
+    claimed: list[ClaimedTask]
+    replies: list[OutboxRow] = field(default_factory=list)
+    marks: list[StaleError | None] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -452,6 +478,7 @@ class TaskStore:
         now: float,
         t: sqlite3.Row | Mapping[str, Any] | None = None,
         encoded: tuple[bytes, str] | None = None,
+        claim: PublisherClaim | None = None,
     ) -> str:
         if t is None:
             t = c.execute(
@@ -469,7 +496,7 @@ class TaskStore:
         inserted = enqueue_encoded(
             c, reply_id=reply_id, task_id=task_id, principal=t["principal"],
             message_id=t["message_id"], status=state.value, data=data,
-            content_hash=content_hash, now=now,
+            content_hash=content_hash, now=now, claim=claim,
         )  # fmt: skip
         if not inserted:  # the unique index makes this unreachable unless a bug re-terminates
             raise StaleError(task_id, "already_terminal", "a terminal reply already exists")
@@ -486,17 +513,20 @@ class TaskStore:
         error: str | None = None,
         row: sqlite3.Row | Mapping[str, Any] | None = None,
         encoded: tuple[bytes, str] | None = None,
+        claim: PublisherClaim | None = None,
     ) -> str:
         """Make a task terminal and write its reply. ``row``: the task's ``principal``,
         ``message_id``, ``correlation_id``, ``attempts`` and ``fence`` if already read in
         this transaction (``_holder`` reads them), to spare a lookup; ``encoded``: the
-        reply body from ``encode_body``, if built before the transaction from them."""
+        reply body from ``encode_body``, if built before the transaction from them;
+        ``claim``: write the reply already claimed by that publisher (see
+        ``enqueue_encoded``)."""
         c.execute(
             "UPDATE tasks SET state = ?, owner = NULL, lease_until = NULL, updated_at = ?,"
             " finished_at = ?, result = ?, error = ? WHERE task_id = ?",
             (state.value, now, now, result, error, task_id),
         )
-        return self._terminal_reply(c, task_id, state, result, error, now, row, encoded)
+        return self._terminal_reply(c, task_id, state, result, error, now, row, encoded, claim)
 
     # -- workers --------------------------------------------------------------------------
 
@@ -668,33 +698,71 @@ class TaskStore:
         Raises:
             StoreBusy, StoreError: the transaction as a whole failed; nothing was written.
         """
+        batch = self.settle_batch(items, owner, n)
+        return batch.results, batch.claimed
+
+    def settle_batch(
+        self,
+        items: Sequence[Settlement],
+        owner: str,
+        n: int,
+        *,
+        publish_as: str | None = None,
+        publish_lease_s: float = 30.0,
+        sent: Sequence[SentMark] = (),
+    ) -> SettledBatch:
+        """``settle_and_claim``, and for a worker that publishes its own replies: the
+        terminal replies are written already claimed by publisher ``publish_as`` (what
+        ``OutboxStore.claim`` would set: ``sending``, owner, lease of ``publish_lease_s``,
+        attempts+1, fence+1), and ``sent``, confirmed publications of that publisher's
+        earlier replies, are marked sent (each fenced) in the same transaction.
+
+        Args:
+            items, owner, n: as for ``settle_and_claim``.
+            publish_as: the publisher identity; ``None`` leaves replies ``pending`` for the
+                dispatcher.
+            publish_lease_s: the publisher's lease on the replies written now.
+            sent: ``(reply_id, fence, entry_id, sent_at)`` of replies ``publish_as``
+                published; needs ``publish_as``.
+
+        Raises:
+            ValueError: ``sent`` without ``publish_as``.
+            StoreBusy, StoreError: the transaction as a whole failed; nothing was written.
+        """
+        if sent and publish_as is None:
+            raise ValueError("sent marks need the publisher (publish_as) that holds them")
         out: list[SettleResult] = []
-        if not items and n < 1:
-            return out, []
+        if not items and n < 1 and not sent:
+            return SettledBatch(out, [])
         now = self.clock.now()
         # Replies of successes are encoded and hashed before the transaction (from what the
         # claim returned), so the write lock is held for the SQL only. Inside, each one is
         # used only if the row still says the same (it does whenever the fence matches).
         bodies = [_done_reply(item, now) for item in items]
+        claim = None if publish_as is None else PublisherClaim(publish_as, now + publish_lease_s)
+        marks: list[StaleError | None] = []
         with self.db.write("finish") as c:
+            if sent:
+                assert publish_as is not None
+                marks = mark_sent_in(c, publish_as, sent, self.clock.now())
             for item, body in zip(items, bodies, strict=True):
                 # A refusal (StaleError) comes from the holder check, before this item wrote
                 # anything; an error after its first write aborts the whole transaction.
                 if item.result is not None:
                     row = self._finish_check(c, item, now, out)
                     if row is not None:
-                        out.append(self._finish_reply(c, item, row, body, now))
+                        out.append(self._finish_reply(c, item, row, body, now, claim))
                     continue
                 try:
                     row = self._holder(c, item.task_id, item.owner, item.fence)
                 except StaleError as exc:
                     out.append(exc)
                     continue
-                out.append(
-                    self._fail_row(c, row, item.task_id, item.error or "", item.retryable, now)
-                )
+                error = item.error or ""
+                out.append(self._fail_row(c, row, item.task_id, error, item.retryable, now, claim))
             rows = self._claim_in(c, owner, n, now) if n >= 1 else []
-        return out, self._claimed(rows, owner, now)
+        replies = [] if claim is None else claim.rows
+        return SettledBatch(out, self._claimed(rows, owner, now), replies, marks)
 
     def _finish_check(
         self, c: sqlite3.Connection, item: Settlement, now: float, out: list[SettleResult]
@@ -726,12 +794,13 @@ class TaskStore:
         row: sqlite3.Row,
         body: tuple[_ReplyKey, tuple[bytes, str]] | None,
         now: float,
+        claim: PublisherClaim | None = None,
     ) -> str:
         """The reply of an item ``_finish_check`` marked done (same transaction)."""
         encoded = body[1] if body is not None and body[0] == _reply_key(row) else None
         try:
             return self._terminal_reply(
-                c, item.task_id, TaskState.DONE, item.result, None, now, row, encoded
+                c, item.task_id, TaskState.DONE, item.result, None, now, row, encoded, claim
             )
         except StaleError as exc:  # a second terminal reply: a bug, never a refusal
             raise BrokerAdapterError(f"task {item.task_id} was finished twice: {exc}") from exc
@@ -752,7 +821,7 @@ class TaskStore:
 
     def _fail_row(
         self, c: sqlite3.Connection, row: sqlite3.Row, task_id: str, error: str,
-        retryable: bool, now: float,
+        retryable: bool, now: float, claim: PublisherClaim | None = None,
     ) -> FailOutcome:  # fmt: skip
         if retryable and row["attempts"] < row["max_attempts"]:
             not_before = now + self.policy.backoff.delay(row["attempts"], self.rng)
@@ -766,7 +835,7 @@ class TaskStore:
             error = f"{error} (no retry: the deadline comes first)"
         elif retryable:
             error = f"{error} (attempts exhausted: {row['attempts']}/{row['max_attempts']})"
-        self._to_terminal(c, task_id, TaskState.FAILED, now, error=error, row=row)
+        self._to_terminal(c, task_id, TaskState.FAILED, now, error=error, row=row, claim=claim)
         return FailOutcome.FAILED
 
     def has_work(self) -> bool:

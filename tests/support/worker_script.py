@@ -45,6 +45,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--idle-poll-s", type=float, default=0.05)
     parser.add_argument("--grace-s", type=float, default=10.0)
     parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--redis-url", default=None, help="the worker publishes its replies")
+    parser.add_argument("--prefix", default="ba")
     return parser
 
 
@@ -62,6 +64,8 @@ def drain(args: argparse.Namespace) -> int:
             batch=args.batch,
             call_timeout_s=args.call_timeout_s,
             renew_every_s=args.renew_every_s,
+            redis_url=args.redis_url,
+            prefix=args.prefix,
         )
         worker = Worker(config, tasks, args.handler)
         _say("READY")

@@ -1,0 +1,72 @@
+"""The wake-up path between the ingest and idle worker processes."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+from broker_adapter.clock import FakeClock
+from broker_adapter.envelope import Envelope
+from broker_adapter.handlers import Task
+from broker_adapter.pool import WakeUp
+from broker_adapter.runner import NotifyingTaskStore
+from broker_adapter.store import AcceptItem, TaskStore, open_database
+from broker_adapter.worker import Worker, WorkerConfig
+
+
+def _item(i: int, clock: FakeClock) -> AcceptItem:
+    return AcceptItem(
+        "alice",
+        Envelope.build(
+            message_id=f"m{i}", sender="alice", payload={"i": i}, deadline=clock.now() + 60
+        ),
+    )
+
+
+def test_wakeup_keeps_at_most_one_permit_per_worker() -> None:
+    wake = WakeUp(2)
+    assert wake.wait(0) is False
+    wake.notify(1)
+    assert wake.wait(0) is True
+    assert wake.wait(0) is False
+    wake.notify(5)  # five tasks, two workers: two wake-ups
+    wake.notify(1)  # nobody took them yet: no third
+    assert [wake.wait(0) for _ in range(3)] == [True, True, False]
+
+
+def test_ingest_store_notifies_the_new_tasks_only(tmp_path: Path, clock: FakeClock) -> None:
+    notified: list[int] = []
+    with open_database(tmp_path / "t.db") as db:
+        store = NotifyingTaskStore(db, clock, notify=notified.append)
+        store.accept([_item(0, clock), _item(1, clock)])
+        store.accept([_item(1, clock)])  # a duplicate: nothing new to wake anyone for
+        store.accept([_item(2, clock)])
+    assert notified == [2, 1]
+
+
+def test_idle_worker_waits_on_the_wakeup_instead_of_polling(
+    tmp_path: Path, clock: FakeClock
+) -> None:
+    stop = threading.Event()
+    waits: list[float] = []
+    handled: list[int] = []
+    with open_database(tmp_path / "t.db") as db:
+        tasks = TaskStore(db, clock)
+
+        def wake(timeout_s: float) -> bool:
+            waits.append(timeout_s)
+            if len(waits) == 1:  # the first idle wait: new work arrives and is announced
+                tasks.accept([_item(0, clock)])
+                return True
+            stop.set()
+            return False
+
+        def handler(task: Task) -> dict[str, Any]:
+            handled.append(task.payload["i"])
+            return {}
+
+        config = WorkerConfig(owner="w1", idle_poll_s=0.25, wake_poll_s=0.001)
+        Worker(config, tasks, handler, wake=wake).run(stop)
+    assert handled == [0]
+    assert waits == [0.25, 0.25]  # the poll interval is only the fallback timeout
