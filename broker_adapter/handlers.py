@@ -1,12 +1,13 @@
-"""Handlers: loading ``module:callable`` specs, the ``Task`` a handler sees, and one bounded call.
+"""Handlers: loading ``module:callable`` specs, the ``Task`` a handler sees, and bounded calls.
 
-Invariant kept: no handler runs inside a SQLite transaction (INVARIANTS rule 9). A call runs
-on a daemon thread while the worker holds no transaction (one call thread per calling
-thread, reused from call to call while its calls end; an abandoned call keeps its thread and
-the next call gets a new one: starting a thread per call cost more than the trivial
-handlers themselves); this module only
-*reports* the outcome (a value, an exception, a timeout) and never writes anything, so the
-worker commits it afterwards in the store's own short transaction.
+Invariant kept: no handler runs inside a SQLite transaction (INVARIANTS rule 9). Calls run
+on a daemon call thread while the worker holds no transaction; a ``CallRun`` makes the
+calls of a whole batch back to back on one call thread while the worker's thread
+supervises them (a hand-over between threads per call cost more than trivial handlers
+themselves; call threads are reused from run to run, and an abandoned call keeps its
+thread while the run goes on with a new one). This module only *reports* outcomes (a
+value, an exception, a timeout) and never writes anything, so the worker commits them
+afterwards in the store's own short transaction.
 
 Crash: nothing here is durable. A process killed during a call leaves its task ``running``
 until the lease expires; the next claim counts another attempt and raises the fence, and a
@@ -445,79 +446,259 @@ def _call_thread() -> _CallThread:
     return fresh
 
 
-class HandlerCall:
-    """One handler call on a daemon thread (the calling thread's reusable call thread).
+class StopRun(Exception):
+    """Raised by a ``CallRun``'s ``prepare`` to end the run: the tasks not started are left."""
 
-    An ``async def`` handler's coroutine runs on a fresh event loop on that thread
-    (``asyncio.run``), bounded by ``timeout_s``: at the timeout it is cancelled.
+
+@dataclass
+class _Call:
+    """The call in progress on a run's thread."""
+
+    task: Task
+    timeout_s: float
+    started: float  # time.monotonic()
+    is_async: bool = False
+
+
+@dataclass(frozen=True)
+class RunOutcome:
+    """One call of a ``CallRun`` that ended (or was abandoned).
+
+    Attributes:
+        task: the task it was for.
+        outcome: how it ended.
+        timeout_s: the timeout it had.
+        ended_at: ``time.monotonic()`` when it ended or was abandoned.
+    """
+
+    task: Task
+    outcome: CallOutcome
+    timeout_s: float
+    ended_at: float
+
+
+#: How long a supervising thread waits at most between two looks at its run.
+SUPERVISE_S = 0.01
+
+
+class CallRun:
+    """Handler calls for a sequence of tasks, made back to back on a call thread, while
+    the thread that owns the run supervises them (``supervise`` + ``wait``).
+
+    Nothing passes between the two threads per call: the call thread records each outcome
+    and goes on with the next task; the owner collects the outcomes (``take``) when it
+    looks. On this kind of machine a hand-over between two threads (wake one, wait for it,
+    get woken back) costs more than a trivial handler; once per run it is cheap.
+
+    For each task the call thread first asks ``prepare(task)`` for the call's timeout
+    (``None``: skip the task; raising ``StopRun``: end the run, leaving the rest not
+    started), calls the handler (an ``async def`` one on a fresh event loop, cancelled at
+    its timeout), calls ``after()``, and records the outcome.
+
+    A call that outlives its timeout (an async one: its timeout plus
+    ``ASYNC_CANCEL_WAIT_S`` to unwind), or the stop grace once ``stop`` is set, is
+    abandoned by ``supervise``: its ``Task.cancelled()`` turns True, its outcome is recorded
+    as ``timed_out`` / ``stopped``, and the run goes on with the next task on a fresh call
+    thread; the stuck thread's eventual result is ignored.
 
     Args:
         handler: the handler.
-        task: its one argument.
-        timeout_s: the async timeout; the caller bounds its own wait for sync handlers.
+        tasks: the tasks, in order.
+        prepare: runs on the call thread before each call (see above).
+        after: runs on the call thread right after each call returns.
     """
 
-    def __init__(self, handler: Handler, task: Task, timeout_s: float) -> None:
+    def __init__(
+        self,
+        handler: Handler,
+        tasks: list[Task],
+        prepare: Callable[[Task], float | None],
+        after: Callable[[], None] | None = None,
+    ) -> None:
         self._handler = handler
-        self._task = task
-        self._timeout_s = timeout_s
-        self._done = threading.Event()
-        self._is_async = False
-        self._outcome: CallOutcome | None = None
-        self._started = 0.0
-        self._release: Callable[[], None] | None = None
+        self._tasks = tasks
+        self._prepare = prepare
+        self._after = after
+        self._lock = threading.Lock()
+        self._ended = threading.Condition(self._lock)
+        self._gen = 0  # bumped when the thread of a call is abandoned: it must stop
+        self._next = 0
+        self._current: _Call | None = None
+        self._outcomes: list[RunOutcome] = []
+        self._finished = False
+        self._error: BaseException | None = None
+        self._grace_until: float | None = None
+        #: Tasks handed to ``prepare`` (run, skipped or abandoned).
+        self.started = 0
+        #: Tasks left not started because ``prepare`` raised ``StopRun`` or ``halt``.
+        self.not_started = 0
+        self._spawn(0)
 
-    def start(self) -> HandlerCall:
-        """Start the call on a call thread. Returns ``self``."""
-        self._started = time.monotonic()
+    # -- the call thread ------------------------------------------------------------------
+
+    def _spawn(self, gen: int) -> None:
         runner = _call_thread()
-        self._release = runner.release
-        runner.submit(self._run)
-        return self
 
-    @property
-    def is_async(self) -> bool:
-        """Whether the handler returned an awaitable (known once it has started)."""
-        return self._is_async
+        def body() -> None:
+            try:
+                self._loop(gen, runner.release)
+            finally:
+                runner.release()
 
-    @property
-    def done(self) -> bool:
-        return self._done.is_set()
+        runner.submit(body)
 
-    def wait(self, timeout_s: float | None) -> bool:
-        """Wait for the call to end. Returns whether it has."""
-        return self._done.wait(timeout_s)
+    def _loop(self, gen: int, release: Callable[[], None]) -> None:
+        while True:
+            with self._lock:
+                if gen != self._gen:
+                    return
+                if self._next >= len(self._tasks):
+                    # Free for the owner's next run before the owner hears that this one
+                    # ended, so that the next run reuses this thread.
+                    release()
+                    self._finish()
+                    return
+                task = self._tasks[self._next]
+                self._next += 1
+                self.started += 1
+            try:
+                timeout_s = self._prepare(task)
+            except StopRun:
+                with self._lock:
+                    if gen == self._gen:
+                        release()
+                        self.started -= 1
+                        self._stop_here(len(self._tasks) - self._next + 1)
+                return
+            except BaseException as exc:  # noqa: BLE001 - handed to the owner by take()
+                with self._lock:
+                    if gen == self._gen:
+                        release()
+                        self._error = exc
+                        self._stop_here(len(self._tasks) - self._next)
+                return
+            if timeout_s is None:
+                continue
+            call = _Call(task, timeout_s, time.monotonic())
+            with self._lock:
+                if gen != self._gen:
+                    return
+                self._current = call
+            outcome = self._call(call)
+            if self._after is not None:
+                self._after()
+            with self._lock:
+                if gen != self._gen:
+                    return  # abandoned meanwhile: supervise recorded its outcome
+                self._current = None
+                self._outcomes.append(RunOutcome(task, outcome, timeout_s, time.monotonic()))
 
-    def outcome(self) -> CallOutcome:
-        """The call's outcome.
+    def _call(self, call: _Call) -> CallOutcome:
+        try:
+            value = self._handler(call.task)
+            if inspect.isawaitable(value):
+                call.is_async = True
+                value = asyncio.run(_bounded(value, call.timeout_s))
+        except _AsyncTimeout:
+            call.task.mark_stopped("timeout")
+            return CallOutcome(timed_out=True, elapsed_s=time.monotonic() - call.started)
+        except BaseException as exc:  # noqa: BLE001 - whatever a handler raises is its outcome
+            return CallOutcome(error=exc, elapsed_s=time.monotonic() - call.started)
+        return CallOutcome(value=value, elapsed_s=time.monotonic() - call.started)
+
+    def _stop_here(self, left: int) -> None:
+        """End the run now (lock held): ``left`` tasks are not started."""
+        self.not_started += max(0, left)
+        self._next = len(self._tasks)
+        self._finish()
+
+    def _finish(self) -> None:
+        self._finished = True
+        self._ended.notify_all()
+
+    # -- the owner's side -----------------------------------------------------------------
+
+    def wait(self, timeout_s: float) -> bool:
+        """Wait until the run has ended, ``timeout_s`` at most. Returns whether it has."""
+        with self._lock:
+            if not self._finished and timeout_s > 0:
+                self._ended.wait(timeout_s)
+            return self._finished
+
+    def take(self) -> list[RunOutcome]:
+        """The outcomes recorded since the last ``take``, in the order the calls ended.
 
         Raises:
-            RuntimeError: the call has not ended yet.
+            BaseException: what ``prepare`` raised (other than ``StopRun``), once the
+                outcomes recorded before it were taken.
         """
-        if self._outcome is None:
-            raise RuntimeError("the handler call has not ended")
-        return self._outcome
+        with self._lock:
+            out, self._outcomes = self._outcomes, []
+            error = self._error if not out else None
+            if error is not None:
+                self._error = None
+        if error is not None:
+            raise error
+        return out
 
-    def _run(self) -> None:
-        try:
-            value = self._handler(self._task)
-            if inspect.isawaitable(value):
-                self._is_async = True
-                value = asyncio.run(_bounded(value, self._timeout_s))
-        except _AsyncTimeout:
-            self._task.mark_stopped("timeout")
-            outcome = CallOutcome(timed_out=True, elapsed_s=self._elapsed())
-        except BaseException as exc:  # noqa: BLE001 - whatever a handler raises is its outcome
-            outcome = CallOutcome(error=exc, elapsed_s=self._elapsed())
-        else:
-            outcome = CallOutcome(value=value, elapsed_s=self._elapsed())
-        self._outcome = outcome
-        if self._release is not None:
-            self._release()  # before the caller hears of it: its next call may reuse us
-        self._done.set()
+    def halt(self) -> None:
+        """Start no further task; the call in progress, if any, runs on but its outcome is
+        dropped (the owner gives up on the run, e.g. after an error of its own)."""
+        with self._lock:
+            if self._finished:
+                return
+            self._gen += 1
+            self._current = None
+            self._stop_here(len(self._tasks) - self._next)
 
-    def _elapsed(self) -> float:
-        return time.monotonic() - self._started
+    def supervise(
+        self,
+        stop: threading.Event | None = None,
+        *,
+        grace_s: float = 0.0,
+        drain_deadline: Callable[[], float] | None = None,
+    ) -> float:
+        """Abandon the call in progress if it outlived its timeout or the stop grace.
+
+        Args:
+            stop: the owner's stop event; once set, the call in progress may run until the
+                drain deadline (never past its timeout).
+            grace_s: without ``drain_deadline``, the grace counted from the moment the
+                stop is first seen here.
+            drain_deadline: returns the ``time.monotonic()`` instant a stopping owner must
+                be done by.
+
+        Returns:
+            how long the owner may wait (``wait``) before it looks again, seconds.
+        """
+        now = time.monotonic()
+        with self._lock:
+            if self._finished:
+                return 0.0
+            if stop is not None and self._grace_until is None and stop.is_set():
+                self._grace_until = now + grace_s if drain_deadline is None else drain_deadline()
+            call = self._current
+            if call is None:
+                return SUPERVISE_S
+            limit = call.started + call.timeout_s
+            if call.is_async:  # cancelled at its timeout on its own loop: time to unwind
+                limit += ASYNC_CANCEL_WAIT_S
+            ends = limit if self._grace_until is None else min(limit, self._grace_until)
+            if now < ends:
+                return min(ends - now, SUPERVISE_S)
+            reason: Literal["timeout", "stopping"] = "timeout" if now >= limit else "stopping"
+            elapsed = now - call.started
+            if reason == "timeout":
+                outcome = CallOutcome(timed_out=True, elapsed_s=elapsed)
+            else:
+                outcome = CallOutcome(stopped=True, elapsed_s=elapsed)
+            self._gen += 1
+            self._current = None
+            self._outcomes.append(RunOutcome(call.task, outcome, call.timeout_s, now))
+            gen = self._gen
+        call.task.mark_stopped(reason)
+        self._spawn(gen)  # the rest of the run goes on without the stuck thread
+        return 0.0
 
 
 def call_handler(
@@ -534,7 +715,7 @@ def call_handler(
     A call that does not end in time is abandoned: ``task.cancelled()`` turns True (so a
     cooperative handler stops) and the outcome says ``timed_out``. If ``stop`` is set while
     waiting, the call may run until the drain deadline (never past its timeout) and is then
-    abandoned with ``stopped``.
+    abandoned with ``stopped``. (A ``CallRun`` of one task.)
 
     Args:
         handler: the handler to call.
@@ -549,31 +730,8 @@ def call_handler(
     Returns:
         the outcome. Never raises what the handler raised.
     """
-    call = HandlerCall(handler, task, timeout_s).start()
-    started = time.monotonic()
-    limit = started + timeout_s
-    grace_until: float | None = None
-    extended = False
-    while True:
-        ends = limit if grace_until is None else min(limit, grace_until)
-        step = ends - time.monotonic()
-        if stop is not None and grace_until is None:
-            step = min(step, STOP_CHECK_S)
-        if call.wait(max(step, 0.0)):
-            return call.outcome()
-        now = time.monotonic()
-        if stop is not None and grace_until is None and stop.is_set():
-            grace_until = now + grace_s if drain_deadline is None else drain_deadline()
-            continue
-        if grace_until is not None and now >= grace_until:
-            task.mark_stopped("stopping")
-            return CallOutcome(stopped=True, elapsed_s=now - started)
-        if now >= limit:
-            if call.is_async and not extended:
-                # The coroutine is cancelled on its own thread at the same timeout; give it
-                # a moment to unwind and report, rather than abandoning the thread at once.
-                extended = True
-                limit = now + ASYNC_CANCEL_WAIT_S
-                continue
-            task.mark_stopped("timeout")
-            return CallOutcome(timed_out=True, elapsed_s=now - started)
+    run = CallRun(handler, [task], lambda _task: timeout_s)
+    while not run.wait(run.supervise(stop, grace_s=grace_s, drain_deadline=drain_deadline)):
+        pass
+    (ended,) = run.take()
+    return ended.outcome

@@ -64,9 +64,11 @@ from broker_adapter.errors import (
 )
 from broker_adapter.handlers import (
     CallOutcome,
+    CallRun,
     Handler,
+    RunOutcome,
+    StopRun,
     Task,
-    call_handler,
     describe_error,
     is_retryable,
     load_handler,
@@ -85,7 +87,7 @@ from broker_adapter.streams import connect
 if TYPE_CHECKING:
     import redis
 
-DEFAULT_BATCH = 32
+DEFAULT_BATCH = 128
 DEFAULT_BATCH_WINDOW_S = 0.05
 DEFAULT_CALL_TIMEOUT_S = 60.0
 DEFAULT_IDLE_POLL_S = 0.05
@@ -489,20 +491,16 @@ class Worker:
             # commit, must not lose its lease to another worker and run twice.
             tasks = [self._keep(c) for c in claimed]
         ran: list[_Ran] = []
-        processed = 0
         finished = False
+        # The handlers run back to back on a call thread (``CallRun``); this thread
+        # supervises them (timeouts, the stop grace) and commits what ended: at the end of
+        # the batch, or once the oldest uncommitted outcome is ``batch_window_s`` old.
+        run = CallRun(self.handler, tasks, self._prepare, after=self._after_call)
         try:
-            for index, task in enumerate(tasks):
-                # A stop that lands after the claim (a signal during it) still lets the
-                # claimed tasks run: they are ours, and leaving them costs an attempt and a
-                # lease period. They share one drain deadline, ``grace_s`` after the stop
-                # was first seen.
-                if self._stopping() and self._drain_deadline() <= time.monotonic():
-                    # No release in the store yet: these leases expire and the tasks come back.
-                    self.log.warning(
-                        "stopping: %d claimed task(s) not started; they return at lease expiry",
-                        len(tasks) - index,
-                    )
+            while True:
+                ended = run.wait(run.supervise(self._stop, drain_deadline=self._drain_deadline))
+                ran.extend(self._ran(run.take()))
+                if ended:
                     break
                 if ran and time.monotonic() - ran[0].ended_at >= self.config.batch_window_s:
                     self._commit(ran, more_soon=True)
@@ -511,17 +509,22 @@ class Worker:
                     time.monotonic() - self._confirmed_at >= self.config.batch_window_s
                 ):
                     self._mark_sent()
-                done = self._process(task)
-                processed += 1
-                if done is not None:
-                    ran.append(done)
-            finished = True
+            ran.extend(self._ran(run.take()))
+            finished = run.not_started == 0
         finally:
+            run.halt()  # after an error here: no further handler starts
             try:
                 self._commit(ran, claim_next=claim_ahead and finished)
             finally:
                 for task in tasks:  # those not started or not committed: leases expire
                     self._release_keeper(task.task_id)
+        if run.not_started:
+            # No release in the store yet: these leases expire and the tasks come back.
+            self.log.warning(
+                "stopping: %d claimed task(s) not started; they return at lease expiry",
+                run.not_started,
+            )
+        processed = run.started
         if not self._ahead and self._stop is None:  # no commit follows to carry the marks
             self._mark_sent()
         return processed
@@ -637,13 +640,19 @@ class Worker:
         if keeper is not None:
             keeper.stop()
 
-    def _process(self, task: Task) -> _Ran | None:
-        """Run one claimed task's handler (outside any transaction).
+    def _prepare(self, task: Task) -> float | None:
+        """Before one claimed task's handler (on the call thread): its timeout, or ``None``
+        when it is not to run (cancelled, lease lost while it waited its turn, or its
+        deadline passed first).
 
-        Returns:
-            its outcome, to be committed with the batch; ``None`` when it did not run
-            (cancelled, lease lost while it waited its turn, or its deadline passed first).
+        Raises:
+            StopRun: stopping, and the drain deadline has passed: the rest is not started.
         """
+        # A stop that lands after the claim (a signal during it) still lets the claimed
+        # tasks run: they are ours, and leaving them costs an attempt and a lease period.
+        # They share one drain deadline, ``grace_s`` after the stop was first seen.
+        if self._stopping() and self._drain_deadline() <= time.monotonic():
+            raise StopRun
         claimed = task.claimed
         crashpoints.hit("worker.after_claim")
         if task.cancelled():
@@ -667,15 +676,24 @@ class Worker:
             self.stats.expired += 1
             self.log.info("task %s reached its deadline before it started", claimed.task_id)
             return None
-        timeout_s = min(self.config.call_timeout_s, time_left_s)
-        outcome = call_handler(
-            self.handler, task, timeout_s, stop=self._stop, drain_deadline=self._drain_deadline
-        )
-        elapsed = outcome.elapsed_s
-        avg = self._handler_s
-        self._handler_s = elapsed if avg is None else avg + HANDLER_TIME_WEIGHT * (elapsed - avg)
+        return min(self.config.call_timeout_s, time_left_s)
+
+    @staticmethod
+    def _after_call() -> None:
         crashpoints.hit("worker.after_effect")
-        return _Ran(task, outcome, timeout_s, time.monotonic())
+
+    def _ran(self, ended: list[RunOutcome]) -> list[_Ran]:
+        """The run's ended calls, as outcomes to commit; each call's time feeds the running
+        average that sizes claims."""
+        out: list[_Ran] = []
+        for end in ended:
+            elapsed = end.outcome.elapsed_s
+            avg = self._handler_s
+            self._handler_s = (
+                elapsed if avg is None else avg + HANDLER_TIME_WEIGHT * (elapsed - avg)
+            )
+            out.append(_Ran(end.task, end.outcome, end.timeout_s, end.ended_at))
+        return out
 
     def _commit(
         self, ran: list[_Ran], *, claim_next: bool = False, more_soon: bool = False

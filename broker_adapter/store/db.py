@@ -22,10 +22,10 @@ import random
 import sqlite3
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from broker_adapter import crashpoints
 from broker_adapter.errors import ConfigError, StoreBusy, StoreError
@@ -295,6 +295,15 @@ class Database:
                 yield self.conn
             finally:
                 self.conn.execute("COMMIT")
+
+    def fetch_one(self, sql: str, params: Sequence[Any] = ()) -> sqlite3.Row | None:
+        """The first row of ONE read statement, run as its own (autocommit) transaction:
+        no ``BEGIN``/``COMMIT`` round around it, for lookups that need no snapshot across
+        statements (a worker asks one per task)."""
+        self._check_owner()
+        with self._lock:
+            row: sqlite3.Row | None = self.conn.execute(sql, params).fetchone()
+        return row
 
     def integrity_check(self) -> str:
         with self._lock:

@@ -874,8 +874,7 @@ class TaskStore:
         return TaskState.CANCELLED
 
     def is_cancelled(self, task_id: str) -> bool:
-        with self.db.read() as c:
-            row = c.execute("SELECT state FROM tasks WHERE task_id = ?", (task_id,)).fetchone()
+        row = self.db.fetch_one("SELECT state FROM tasks WHERE task_id = ?", (task_id,))
         return row is not None and row[0] == TaskState.CANCELLED
 
     # -- housekeeping ---------------------------------------------------------------------

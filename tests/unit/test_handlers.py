@@ -14,7 +14,10 @@ from broker_adapter.clock import FakeClock
 from broker_adapter.errors import ConfigError, StaleError
 from broker_adapter.handlers import (
     ERROR_TEXT_MAX_CHARS,
+    CallRun,
     RetryableError,
+    RunOutcome,
+    StopRun,
     Task,
     call_handler,
     describe_error,
@@ -262,3 +265,101 @@ def test_call_handler_on_stop_lets_a_quick_handler_finish(task: Task) -> None:
     releaser.join(WAIT_S)
     assert outcome.ok
     assert outcome.value == "finished"
+
+
+# -- CallRun ------------------------------------------------------------------------------
+
+
+def _tasks(clock: FakeClock, n: int) -> list[Task]:
+    return [
+        Task(claimed(clock, task_id=f"{i:032x}", message_id=f"m{i}"), clock=clock) for i in range(n)
+    ]
+
+
+def _drive(run: CallRun) -> list[RunOutcome]:
+    """Supervise a run to its end, as a worker does."""
+    out: list[RunOutcome] = []
+    while not run.wait(run.supervise()):
+        out.extend(run.take())
+    out.extend(run.take())
+    return out
+
+
+def test_call_run_makes_the_calls_back_to_back_on_one_thread(clock: FakeClock) -> None:
+    threads: list[int] = []
+
+    def handler(t: Task) -> str:
+        threads.append(threading.get_ident())
+        return t.message_id
+
+    tasks = _tasks(clock, 20)
+    ended = _drive(CallRun(handler, tasks, lambda _t: WAIT_S))
+    assert [e.outcome.value for e in ended] == [f"m{i}" for i in range(20)]
+    assert [e.task for e in ended] == tasks
+    assert len(set(threads)) == 1
+    assert threads[0] != threading.get_ident()
+
+
+def test_call_run_abandons_a_stuck_call_and_goes_on_with_the_rest(clock: FakeClock) -> None:
+    release = threading.Event()
+
+    def handler(t: Task) -> str:
+        if t.message_id == "m1":
+            release.wait(WAIT_S)  # ignores cancelled(): stuck past its timeout
+            return "late"
+        return t.message_id
+
+    tasks = _tasks(clock, 4)
+    ended = _drive(CallRun(handler, tasks, lambda t: 0.05 if t.message_id == "m1" else WAIT_S))
+    release.set()
+    by_task = {e.task.message_id: e.outcome for e in ended}
+    assert by_task["m1"].timed_out
+    assert tasks[1].stop_reason == "timeout"
+    assert [by_task[m].value for m in ("m0", "m2", "m3")] == ["m0", "m2", "m3"]
+    assert len(ended) == 4  # one outcome each: the stuck call's is its timeout
+
+
+def test_call_run_prepare_skips_stops_and_fails(clock: FakeClock) -> None:
+    def prepare(t: Task) -> float | None:
+        if t.message_id == "m1":
+            return None  # not to run (cancelled, expired ...)
+        if t.message_id == "m3":
+            raise StopRun
+        return WAIT_S
+
+    run = CallRun(lambda t: t.message_id, _tasks(clock, 6), prepare)
+    ended = _drive(run)
+    assert [e.outcome.value for e in ended] == ["m0", "m2"]
+    assert (run.started, run.not_started) == (3, 3)
+
+    def broken(t: Task) -> float:
+        if t.message_id == "m2":
+            raise RuntimeError("store down")
+        return WAIT_S
+
+    run = CallRun(lambda t: t.message_id, _tasks(clock, 4), broken)
+    assert run.wait(WAIT_S)
+    assert [e.outcome.value for e in run.take()] == ["m0", "m1"]  # what ended before it
+    with pytest.raises(RuntimeError, match="store down"):
+        run.take()
+    assert run.take() == []
+
+
+def test_call_run_halt_starts_nothing_more_and_drops_the_call_in_progress(
+    clock: FakeClock,
+) -> None:
+    started = threading.Event()
+    gate = threading.Event()
+
+    def handler(t: Task) -> str:
+        started.set()
+        gate.wait(WAIT_S)
+        return t.message_id
+
+    run = CallRun(handler, _tasks(clock, 3), lambda _t: WAIT_S)
+    assert started.wait(WAIT_S)
+    run.halt()
+    gate.set()
+    assert run.wait(0)
+    assert run.take() == []
+    assert (run.started, run.not_started) == (1, 2)
