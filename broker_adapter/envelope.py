@@ -367,6 +367,11 @@ class Envelope:
         inner = ", ".join(f"{f}={getattr(self, f)!r}" for f in _FIELDS)
         return f"Envelope({inner})"
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # pickle and copy rebuild through the checks (the frozen __setattr__ refuses the
+        # default slot-by-slot restore)
+        return (_rebuild, (self.to_dict(),))
+
     # -- construction -------------------------------------------------------------------
 
     @classmethod
@@ -467,6 +472,10 @@ class Envelope:
 
 
 _FIELD_SET = frozenset(_FIELDS)
+
+
+def _rebuild(fields: dict[str, Any]) -> Envelope:
+    return Envelope.build(**fields)
 
 
 def _json_str_or_null(value: str | None) -> str:

@@ -490,6 +490,10 @@ class Worker:
             # task waiting its turn in the batch, or an outcome waiting for the batch's
             # commit, must not lose its lease to another worker and run twice.
             tasks = [self._keep(c) for c in claimed]
+        if not tasks:  # nothing to run: no call thread to wake
+            if self._stop is None:
+                self._mark_sent()
+            return 0
         ran: list[_Ran] = []
         finished = False
         # The handlers run back to back on a call thread (``CallRun``); this thread

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import math
+import pickle
 from decimal import Decimal
 from pathlib import Path
 from typing import Any
@@ -293,6 +295,14 @@ def test_envelope_is_frozen() -> None:
     with pytest.raises(AttributeError, match="frozen"):
         del env.payload
     assert env.message_id == "m-1"
+
+
+def test_envelope_pickles_and_copies_as_an_equal_envelope() -> None:
+    env = Envelope.build(**fields(payload={"a": [1, {"b": None}]}, correlation_id="c"))
+    for twin in (pickle.loads(pickle.dumps(env)), copy.deepcopy(env), copy.copy(env)):
+        assert twin == env
+        assert twin.fingerprint() == env.fingerprint()
+        assert twin.payload_bytes() == env.payload_bytes()
 
 
 def test_envelope_constructor_checks_like_build() -> None:
