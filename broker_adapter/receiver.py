@@ -276,10 +276,18 @@ class Receiver:
         self._next_take_over = float("-inf")
         self._failed_last_step = False
         self._held: list[tuple[StreamEntry, ReceiptItem]] | None = None
+        # New entries read in the round trip of the last XACK (``GroupReader.ack_and_peek``),
+        # handled by the next step before it reads again.
+        self._ahead: list[StreamEntry] = []
 
-    def step(self) -> int:
+    def step(self, *, peek: bool = True) -> int:
         """Read one batch (own pending first after any error, then new entries, plus a
         takeover page when due), apply it, acknowledge it.
+
+        Args:
+            peek: read the next new entries in the round trip of this batch's XACK; the next
+                step handles them (``run`` ends with a step without it, so that a clean stop
+                leaves nothing read and unhandled).
 
         Returns:
             how many entries were acknowledged (applied or duplicate).
@@ -290,21 +298,22 @@ class Receiver:
         """
         try:
             if self._held is not None:
-                return self._commit(self._held)
-            entries = self.reader.read()
+                return self._commit(self._held, peek=peek)
+            entries, self._ahead = self._ahead or self.reader.read(), []
             now = self.clock.now()
             if now >= self._next_take_over:
                 entries += self.reader.take_over()
                 if self.reader.scan_complete:
                     self._next_take_over = now + self.config.take_over_interval_s
-            return self._handle(entries)
+            return self._handle(entries, peek=peek)
         except StoreBusy:
             raise  # the batch is held (see _commit): retried as it is, not read again
         except BaseException:
+            self._ahead = []
             self.reader.reset()  # after ANY other error: own pending entries first next time
             raise
 
-    def _handle(self, entries: list[StreamEntry]) -> int:
+    def _handle(self, entries: list[StreamEntry], *, peek: bool = False) -> int:
         seen: set[str] = set()
         good: list[tuple[StreamEntry, ReceiptItem]] = []
         for entry in entries:
@@ -318,9 +327,9 @@ class Receiver:
             except BadReply as bad:
                 self.stats.bad += 1
                 self.reader.dead_letter(entry, bad.reason, bad.detail)
-        return self._commit(good)
+        return self._commit(good, peek=peek)
 
-    def _commit(self, good: list[tuple[StreamEntry, ReceiptItem]]) -> int:
+    def _commit(self, good: list[tuple[StreamEntry, ReceiptItem]], *, peek: bool = False) -> int:
         self._failed_last_step = False
         if not good:
             return 0
@@ -338,7 +347,10 @@ class Receiver:
         for (entry, _item), result in zip(good, results, strict=True):
             if self._outcome(entry, result):
                 ack.append(entry.entry_id)
-        self.reader.ack(ack)
+        if peek and not self._failed_last_step:
+            _acked, self._ahead = self.reader.ack_and_peek(ack)
+        else:
+            self.reader.ack(ack)
         crashpoints.hit("receiver.after_xack")
         if self._failed_last_step:
             self.reader.reset()  # the failed entries come back through own-pending replay
@@ -388,3 +400,8 @@ class Receiver:
                 raise
             if self._failed_last_step:
                 stop.wait(self.config.block_ms / 1000)
+        if self._ahead:
+            try:
+                self.step(peek=False)  # entries read ahead: applied now, not replayed later
+            except TransientError as exc:
+                self.log.warning("receiver: entries read ahead stay pending (%s)", exc)

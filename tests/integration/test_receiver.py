@@ -301,3 +301,25 @@ def test_receiver_busy_store_holds_the_batch_and_spends_no_delivery_count(
     assert _client(redis_server).xlen(Keys(prefix).replies_dead(P)) == 0
     assert rc.reader.pending() == {}
     db.close()
+
+
+def test_receiver_reads_ahead_with_its_xack_and_a_stop_leaves_nothing_read_unapplied(
+    redis_server: RedisServer,
+    agent_db: Database,
+    rx_db: Database,
+    rx_path: Path,
+    clock: FakeClock,
+    prefix: str,
+) -> None:
+    ids = _publish(redis_server, agent_db, clock, prefix, 6)
+    rc = receiver_for(redis_server.url, rx_db, clock, prefix, P, "r1", count=2)
+    assert rc.step() == 0  # the replay of its own (empty) pending list
+    assert rc.step() == 2  # two applied and acked; the next two read in the XACK's trip
+    assert rc.reader.pending() == {"r1": 2}
+    assert rc.step() == 2  # those two from memory
+    stop = threading.Event()
+    stop.set()
+    rc.run(stop)  # stopped at once: only what was read ahead is applied
+    assert effect_counts(rx_path) == dict.fromkeys(ids, 1)
+    assert rc.reader.pending() == {}
+    assert rc.stats.applied == 6
