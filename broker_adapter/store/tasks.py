@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any
+from typing import Any, Literal
 
 from broker_adapter.backoff import Backoff
 from broker_adapter.clock import Clock, SystemClock
@@ -872,6 +872,28 @@ class TaskStore:
                 return state
             self._to_terminal(c, task_id, TaskState.CANCELLED, now, error=reason)
         return TaskState.CANCELLED
+
+    def holds(self, task_id: str, owner: str, fence: int) -> Literal["held", "cancelled", "lost"]:
+        """Whether ``owner`` still holds ``task_id`` under ``fence`` (rule 10's check, read
+        only, one statement): ``cancelled``; ``lost`` when the task is no longer running
+        under that owner and fence or the lease has run out (another worker may hold it
+        now); else ``held``. Asked before a handler starts and whenever it asks
+        ``Task.cancelled()``."""
+        row = self.db.fetch_one(
+            "SELECT state, owner, fence, lease_until FROM tasks WHERE task_id = ?", (task_id,)
+        )
+        if row is None:
+            return "lost"
+        if row["state"] == TaskState.CANCELLED:
+            return "cancelled"
+        if (
+            row["state"] != TaskState.RUNNING
+            or row["owner"] != owner
+            or row["fence"] != fence
+            or row["lease_until"] <= self.clock.now()
+        ):
+            return "lost"
+        return "held"
 
     def is_cancelled(self, task_id: str) -> bool:
         row = self.db.fetch_one("SELECT state FROM tasks WHERE task_id = ?", (task_id,))

@@ -649,3 +649,30 @@ def test_worker_error_text_is_the_type_when_the_message_is_empty(
     row = tasks.get(task_id)
     assert row is not None
     assert (row.state, row.error) == ("pending", "RetryableError")
+
+
+def test_worker_does_not_start_a_task_whose_claim_moved_on_while_it_waited(
+    tasks: TaskStore, outbox: OutboxStore, clock: FakeClock, db: Database
+) -> None:
+    first = submit(tasks, clock, message_id="m1")
+    clock.advance(0.001)
+    second = submit(tasks, clock, message_id="m2")
+    other_db = open_database(db.path)
+    other = TaskStore(other_db, clock, TaskPolicy(lease_s=LEASE_S))
+    ran: list[str] = []
+
+    def frozen_past_its_lease(task: Task) -> str:
+        ran.append(task.task_id)
+        clock.advance(LEASE_S + 1)  # both leases run out; no renewal ran meanwhile
+        other.claim("w2", 2)  # another worker takes both over (fence 2)
+        return "stale result"
+
+    worker = make_worker(tasks, frozen_past_its_lease, batch=2)
+    try:
+        assert worker.run_once() == 2
+    finally:
+        other_db.close()
+    assert ran == [first]  # the second is seen lost before its handler starts
+    assert worker.stats.stale_commits == 2  # its refused commit and the task not started
+    assert worker.stats.done == 0
+    assert replies(outbox, first) == replies(outbox, second) == []
