@@ -94,7 +94,9 @@ class Task:
     Args:
         claimed: the claim as the store returned it.
         clock: the time source used for ``time_left_s``.
-        cancel_check: asks the store whether the task was cancelled (``None``: never asks).
+        cancel_check: asks the store whether the task is still to run: ``False`` (yes),
+            ``True`` (it was cancelled) or the ``StaleError`` that says the claim is lost
+            (``None``: never asks).
     """
 
     def __init__(
@@ -102,7 +104,7 @@ class Task:
         claimed: ClaimedTask,
         *,
         clock: Clock | None = None,
-        cancel_check: Callable[[], bool] | None = None,
+        cancel_check: Callable[[], bool | StaleError] | None = None,
     ) -> None:
         self.claimed = claimed
         self._clock = clock or SystemClock()
@@ -206,7 +208,13 @@ class Task:
         """
         if self._stopped.is_set():
             return True
-        if self._cancel_check is not None and self._cancel_check():
+        if self._cancel_check is None:
+            return False
+        seen = self._cancel_check()
+        if isinstance(seen, StaleError):
+            self.mark_lease_lost(seen)
+            return True
+        if seen:
             self.mark_cancelled()
             return True
         return False

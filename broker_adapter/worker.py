@@ -624,7 +624,7 @@ class Worker:
 
     def _keep(self, claimed: ClaimedTask) -> Task:
         """The handler's view of a claimed task, with its lease kept from now on."""
-        task = Task(claimed, clock=self.clock, cancel_check=lambda: self._lost(task))
+        task = Task(claimed, clock=self.clock, cancel_check=partial(self._still_held, claimed))
         keeper = LeaseKeeper(
             self.tasks, task, self.renew_every_s, self.stats, self.log, self._renewer
         )
@@ -633,18 +633,16 @@ class Worker:
         keeper.start()
         return task
 
-    def _lost(self, task: Task) -> bool:
-        """``Task.cancelled()``'s look at the store: True when the task was cancelled, or
-        when this worker no longer holds it (fence, owner, lease): a claim that moved on
-        while this worker was frozen is seen before its handler starts, not only at the
-        next renewal."""
-        claimed = task.claimed
+    def _still_held(self, claimed: ClaimedTask) -> bool | StaleError:
+        """``Task.cancelled()``'s look at the store: True when the task was cancelled, the
+        refusal when this worker no longer holds it (fence, owner, lease), False while it
+        does. A claim that moved on while this worker was frozen is seen before its handler
+        starts, not only at the next renewal. (Takes the claim, not the ``Task``: no
+        reference cycle per task for the garbage collector to find.)"""
         held = self.tasks.holds(claimed.task_id, claimed.owner, claimed.fence)
         if held == "lost":
-            task.mark_lease_lost(
-                StaleError(claimed.task_id, "lease_lost", "no longer held under this fence")
-            )
-        return held != "held"
+            return StaleError(claimed.task_id, "lease_lost", "no longer held under this fence")
+        return held == "cancelled"
 
     def _release_keeper(self, task_id: str) -> None:
         """Stop renewing ``task_id``; returns after a renewal in flight has ended."""
