@@ -9,17 +9,23 @@ Invariants kept (INVARIANTS.md):
   counted (``stale_commits``), logged and dropped; it is never retried or forced.
 * 11: cancellation is checked before the handler starts, at every renewal and again just
   before the commit. A cancelled task's outcome is dropped: the store already wrote
-  ``cancelled`` and its one reply. An effect the handler already caused stays.
+  ``cancelled`` and its one reply. An effect the handler already caused stays. The check
+  before the start (``TaskStore.holds``) also finds a claim that moved on (fence, owner,
+  lease): a worker frozen past its lease does not start the rest of its batch.
 
 Batches: a claim takes up to ``WorkerConfig.batch`` tasks in one transaction, sized by the
 running average of handler times so that a batch takes about ``batch_window_s`` (slow
-handlers: one at a time). The handlers run one after another, outside any transaction; their
-outcomes commit together in one transaction (``TaskStore.settle_and_claim``: each outcome
-fenced on its own), which in ``run`` also claims the next batch. Every claimed task's lease is
-renewed (one ``LeaseRenewer`` thread per worker) from its claim until its commit, so a task
-waiting its turn, or an outcome waiting for its batch, never loses its lease and runs twice.
-When idle, ``run`` looks for work with a read (``TaskStore.has_work``) every ``wake_poll_s``
-for a second after its last work, then less and less often, up to ``idle_poll_s``.
+handlers: one at a time). The handlers run one after another, outside any transaction, back
+to back on one call thread (``handlers.CallRun``) while the worker's thread supervises their
+timeouts; their outcomes commit together in one transaction (``TaskStore.settle_batch``:
+each outcome fenced on its own), at the end of the batch or once the oldest is
+``batch_window_s`` old, and in ``run`` that transaction also claims the next batch. Every
+claimed task's lease is renewed (one ``LeaseRenewer`` thread per worker) from its claim
+until its commit, so a task waiting its turn, or an outcome waiting for its batch, never
+loses its lease and runs twice.
+When idle, ``run`` waits for the ingest's wake-up signal (``pool.WakeUp``) or, without one,
+looks for work with a read (``TaskStore.has_work``) every ``wake_poll_s`` for a second after
+its last work, then less and less often, up to ``idle_poll_s``.
 
 Replies (with ``WorkerConfig.redis_url``): the batch's commit writes each terminal reply
 already claimed by the worker's publisher identity (INVARIANTS 13, 14: state and reply in one
@@ -357,7 +363,7 @@ class _Ran:
 
 
 class Worker:
-    """Claims tasks from a ``TaskStore`` and runs ``handler`` on each, one at a time.
+    """Claims tasks from a ``TaskStore`` and runs ``handler`` on each, one after another.
 
     Args:
         config: the worker's settings.
