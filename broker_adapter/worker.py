@@ -10,7 +10,7 @@ Invariants kept (INVARIANTS.md):
 * 11: cancellation is checked before the handler starts, at every renewal and again just
   before the commit. A cancelled task's outcome is dropped: the store already wrote
   ``cancelled`` and its one reply. An effect the handler already caused stays. The check
-  before the start (``TaskStore.holds``) also finds a claim that moved on (fence, owner,
+  before the start (``TaskStore.refusal``) also finds a claim that moved on (fence, owner,
   lease): a worker frozen past its lease does not start the rest of its batch.
 
 Batches: a claim takes up to ``WorkerConfig.batch`` tasks in one transaction, sized by the
@@ -640,15 +640,15 @@ class Worker:
         return task
 
     def _still_held(self, claimed: ClaimedTask) -> bool | StaleError:
-        """``Task.cancelled()``'s look at the store: True when the task was cancelled, the
-        refusal when this worker no longer holds it (fence, owner, lease), False while it
-        does. A claim that moved on while this worker was frozen is seen before its handler
-        starts, not only at the next renewal. (Takes the claim, not the ``Task``: no
-        reference cycle per task for the garbage collector to find.)"""
-        held = self.tasks.holds(claimed.task_id, claimed.owner, claimed.fence)
-        if held == "lost":
-            return StaleError(claimed.task_id, "lease_lost", "no longer held under this fence")
-        return held == "cancelled"
+        """``Task.cancelled()``'s look at the store (``TaskStore.refusal``): True when the
+        task was cancelled, the refusal when this worker no longer holds it (fence, owner,
+        lease), False while it does. A claim that moved on while this worker was frozen is
+        seen before its handler starts, not only at the next renewal. (Takes the claim, not
+        the ``Task``: no reference cycle per task for the garbage collector to find.)"""
+        refusal = self.tasks.refusal(claimed.task_id, claimed.owner, claimed.fence)
+        if isinstance(refusal, TaskCancelled):
+            return True
+        return refusal if refusal is not None else False
 
     def _release_keeper(self, task_id: str) -> None:
         """Stop renewing ``task_id``; returns after a renewal in flight has ended."""

@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any, Literal
+from typing import Any
 
 from broker_adapter.backoff import Backoff
 from broker_adapter.clock import Clock, SystemClock
@@ -602,20 +602,30 @@ class TaskStore:
         ).fetchone()
         if row is None:
             raise UnknownTask(task_id)
+        refusal = self._refusal(row, task_id, owner, fence)
+        if refusal is not None:
+            raise refusal
+        return row
+
+    def _refusal(
+        self, row: sqlite3.Row, task_id: str, owner: str, fence: int, *, deadline: bool = True
+    ) -> StaleError | None:
+        """Rule 10 on one task row: why ``owner`` under ``fence`` may not act on it (fence,
+        cancelled, not running, owner, lease, and with ``deadline`` the deadline), or None."""
         now = self.clock.now()
         if row["fence"] != fence:
-            raise FencedError(task_id, fence, row["fence"])
+            return FencedError(task_id, fence, row["fence"])
         if row["state"] == TaskState.CANCELLED:
-            raise TaskCancelled(task_id)
+            return TaskCancelled(task_id)
         if row["state"] != TaskState.RUNNING:
-            raise StaleError(task_id, "not_running", f"state is {row['state']}")
+            return StaleError(task_id, "not_running", f"state is {row['state']}")
         if row["owner"] != owner:
-            raise StaleError(task_id, "owner", f"held by {row['owner']}")
+            return StaleError(task_id, "owner", f"held by {row['owner']}")
         if row["lease_until"] <= now:
-            raise StaleError(task_id, "lease_expired")
-        if row["deadline"] <= now:
-            raise StaleError(task_id, "deadline")
-        return row
+            return StaleError(task_id, "lease_expired")
+        if deadline and row["deadline"] <= now:
+            return StaleError(task_id, "deadline")
+        return None
 
     def renew(self, task_id: str, owner: str, fence: int) -> float:
         """Extend the lease by ``policy.lease_s``.
@@ -873,27 +883,19 @@ class TaskStore:
             self._to_terminal(c, task_id, TaskState.CANCELLED, now, error=reason)
         return TaskState.CANCELLED
 
-    def holds(self, task_id: str, owner: str, fence: int) -> Literal["held", "cancelled", "lost"]:
-        """Whether ``owner`` still holds ``task_id`` under ``fence`` (rule 10's check, read
-        only, one statement): ``cancelled``; ``lost`` when the task is no longer running
-        under that owner and fence or the lease has run out (another worker may hold it
-        now); else ``held``. Asked before a handler starts and whenever it asks
-        ``Task.cancelled()``."""
+    def refusal(self, task_id: str, owner: str, fence: int) -> StaleError | None:
+        """Whether ``owner`` still holds ``task_id`` under ``fence``: rule 10's check as one
+        read statement (no transaction), the deadline left to the caller. Returns the
+        refusal (``TaskCancelled``, ``FencedError``, or a ``StaleError`` saying why the
+        claim is gone), or None while it holds. A worker asks it before a handler starts
+        and whenever the handler asks ``Task.cancelled()``."""
         row = self.db.fetch_one(
-            "SELECT state, owner, fence, lease_until FROM tasks WHERE task_id = ?", (task_id,)
+            "SELECT state, owner, fence, lease_until, deadline FROM tasks WHERE task_id = ?",
+            (task_id,),
         )
         if row is None:
-            return "lost"
-        if row["state"] == TaskState.CANCELLED:
-            return "cancelled"
-        if (
-            row["state"] != TaskState.RUNNING
-            or row["owner"] != owner
-            or row["fence"] != fence
-            or row["lease_until"] <= self.clock.now()
-        ):
-            return "lost"
-        return "held"
+            return StaleError(task_id, "not_running", "no such task")
+        return self._refusal(row, task_id, owner, fence, deadline=False)
 
     def is_cancelled(self, task_id: str) -> bool:
         row = self.db.fetch_one("SELECT state FROM tasks WHERE task_id = ?", (task_id,))
