@@ -176,9 +176,6 @@ class _Source:
     # as it is, without reading the entries again, so a store outage does not raise their
     # Redis delivery counts towards the poison limit.
     held: tuple[list[StreamEntry], list[AcceptItem]] | None = None
-    # New entries read in the round trip of the last XACK (``GroupReader.ack_and_peek``),
-    # handled by the next ``step`` before it reads again.
-    ahead: list[StreamEntry] = field(default_factory=list)
 
 
 class Ingestor:
@@ -278,7 +275,7 @@ class Ingestor:
                     good, items = source.held
                     handled += self._commit(source, good, items, peek=peek)
                     continue
-                entries, source.ahead = source.ahead or source.reader.read(), []
+                entries = source.reader.read()
                 if entries:
                     crashpoints.hit("ingest.after_read")
                     handled += self._handle(source, entries, peek=peek)
@@ -287,7 +284,6 @@ class Ingestor:
             except BaseException:
                 # Whatever failed, the batch is not acknowledged (or maybe only partly):
                 # the next read replays this consumer's pending list before new entries.
-                source.ahead = []
                 source.reader.reset()
                 raise
             finally:
@@ -361,7 +357,7 @@ class Ingestor:
                 if not stop.is_set():  # pragma: no cover - the retry policy never gives up
                     raise
                 self.log.info("ingest: stopping during backoff")
-        if any(source.ahead for source in self._sources):
+        if any(source.reader.has_ahead for source in self._sources):
             try:
                 self.step(peek=False)  # entries read ahead: handled now, not replayed later
             except TransientError as exc:
@@ -426,11 +422,7 @@ class Ingestor:
         to_ack = self._after_commit(reader, good, items, results)
         # XACK after COMMIT: a crash between the two leaves the entries pending, and the
         # inbox's unique key turns their redelivery into duplicates.
-        if peek:
-            acked, source.ahead = reader.ack_and_peek(to_ack)
-        else:
-            acked = reader.ack(to_ack)
-        self.stats.acked += acked
+        self.stats.acked += reader.ack(to_ack, peek=peek)
         crashpoints.hit("ingest.after_xack")
         return len(good)
 

@@ -276,9 +276,6 @@ class Receiver:
         self._next_take_over = float("-inf")
         self._failed_last_step = False
         self._held: list[tuple[StreamEntry, ReceiptItem]] | None = None
-        # New entries read in the round trip of the last XACK (``GroupReader.ack_and_peek``),
-        # handled by the next step before it reads again.
-        self._ahead: list[StreamEntry] = []
 
     def step(self, *, peek: bool = True) -> int:
         """Read one batch (own pending first after any error, then new entries, plus a
@@ -299,7 +296,7 @@ class Receiver:
         try:
             if self._held is not None:
                 return self._commit(self._held, peek=peek)
-            entries, self._ahead = self._ahead or self.reader.read(), []
+            entries = self.reader.read()
             now = self.clock.now()
             if now >= self._next_take_over:
                 entries += self.reader.take_over()
@@ -309,7 +306,6 @@ class Receiver:
         except StoreBusy:
             raise  # the batch is held (see _commit): retried as it is, not read again
         except BaseException:
-            self._ahead = []
             self.reader.reset()  # after ANY other error: own pending entries first next time
             raise
 
@@ -347,10 +343,7 @@ class Receiver:
         for (entry, _item), result in zip(good, results, strict=True):
             if self._outcome(entry, result):
                 ack.append(entry.entry_id)
-        if peek and not self._failed_last_step:
-            _acked, self._ahead = self.reader.ack_and_peek(ack)
-        else:
-            self.reader.ack(ack)
+        self.reader.ack(ack, peek=peek and not self._failed_last_step)
         crashpoints.hit("receiver.after_xack")
         if self._failed_last_step:
             self.reader.reset()  # the failed entries come back through own-pending replay
@@ -400,7 +393,7 @@ class Receiver:
                 raise
             if self._failed_last_step:
                 stop.wait(self.config.block_ms / 1000)
-        if self._ahead:
+        if self.reader.has_ahead:
             try:
                 self.step(peek=False)  # entries read ahead: applied now, not replayed later
             except TransientError as exc:

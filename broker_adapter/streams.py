@@ -181,6 +181,8 @@ class GroupReader:
         self._replaying = True
         self._cursor = "0-0"
         self._group_ready = False
+        #: Entries read by the last peeking ``ack``: what the next ``read`` returns.
+        self._ahead: list[StreamEntry] = []
         self._dead_letter = client.register_script(_DEAD_LETTER)
 
     # -- group ----------------------------------------------------------------------------
@@ -207,7 +209,9 @@ class GroupReader:
         self._cursor = "0-0"
 
     def reset(self) -> None:
-        """Call after any error: the next read starts again with this consumer's own pending."""
+        """Call after any error: the next read starts again with this consumer's own pending
+        (entries read ahead are dropped: they are in that list)."""
+        self._ahead = []
         self._replaying = True
         self.stats.reconnects += 1
 
@@ -221,6 +225,9 @@ class GroupReader:
         Raises:
             RedisUnavailable: the read failed; call again (it will replay pending first).
         """
+        if self._ahead:
+            ahead, self._ahead = self._ahead, []
+            return ahead  # screened when they were read
         if not self._group_ready:
             self.ensure_group()
         try:
@@ -324,35 +331,28 @@ class GroupReader:
 
     # -- acknowledging --------------------------------------------------------------------
 
-    def ack(self, entry_ids: Sequence[str]) -> int:
+    def ack(self, entry_ids: Sequence[str], *, peek: bool = False) -> int:
         """XACK a batch (one command). A count below ``len(entry_ids)`` is not an error: an
-        entry acknowledged before (a lost XACK reply, a replay) counts 0."""
-        if not entry_ids:
-            return 0
-        with translated():
-            n = int(self.client.xack(self.stream, self.group, *entry_ids))
-        self.stats.acked += n
-        return n
+        entry acknowledged before (a lost XACK reply, a replay) counts 0.
 
-    def ack_and_peek(self, entry_ids: Sequence[str]) -> tuple[int, list[StreamEntry]]:
-        """XACK a batch and, in the same round trip, read the next new entries without
-        blocking: one round trip (and, on an ``appendfsync always`` server, one fsync)
-        where ``ack`` then ``read`` take two.
-
-        While this reader still replays its own pending list it only acknowledges (the
-        replay goes on through ``read``).
-
-        Returns:
-            how many entries the XACK acknowledged, and the next batch (possibly empty).
+        Args:
+            entry_ids: the entries to acknowledge.
+            peek: in the same round trip, read the next new entries without blocking (one
+                round trip, and on an ``appendfsync always`` server one fsync, where an
+                ``ack`` and a ``read`` take two); the next ``read`` returns them. Ignored
+                while this reader still replays its own pending list.
 
         Raises:
-            RedisUnavailable: the call failed; both commands may or may not have run (the
-                reader is reset: the next ``read`` replays this consumer's pending list).
+            RedisUnavailable: the call failed; with ``peek`` both commands may or may not
+                have run (the reader is reset: the next ``read`` replays its pending list).
         """
         if not entry_ids:
-            return 0, []
-        if self._replaying:
-            return self.ack(entry_ids), []
+            return 0
+        if not peek or self._replaying:
+            with translated():
+                n = int(self.client.xack(self.stream, self.group, *entry_ids))
+            self.stats.acked += n
+            return n
         pipe = self.client.pipeline(transaction=False)
         pipe.xack(self.stream, self.group, *entry_ids)
         pipe.xreadgroup(self.group, self.consumer, {self.stream: ">"}, count=self.config.count)
@@ -361,7 +361,7 @@ class GroupReader:
                 acked, reply = pipe.execute()
         except GroupMissingError:
             self._recreate_group()
-            return 0, []
+            return 0
         except BaseException:
             self.reset()
             raise
@@ -369,7 +369,13 @@ class GroupReader:
         self.stats.acked += n
         entries = _entries(reply)
         self.stats.read += len(entries)
-        return n, self._screen([StreamEntry(eid, f, 1) for eid, f in entries])
+        self._ahead = self._screen([StreamEntry(eid, f, 1) for eid, f in entries])
+        return n
+
+    @property
+    def has_ahead(self) -> bool:
+        """Whether entries read by a peeking ``ack`` wait for the next ``read``."""
+        return bool(self._ahead)
 
     def dead_letter(
         self,

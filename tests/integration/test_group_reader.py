@@ -113,7 +113,7 @@ def test_group_reader_recreates_missing_group_after_wipe(
     assert [e.fields for e in reader.read()] == [{b"n": b"2"}]
 
 
-def test_group_reader_ack_and_peek_acks_then_reads_the_next_batch_in_one_trip(
+def test_group_reader_peeking_ack_reads_the_next_batch_in_the_same_trip(
     redis_server: RedisServer, prefix: str
 ) -> None:
     reader, client = _reader(redis_server, prefix, "c1", count=2)
@@ -122,15 +122,21 @@ def test_group_reader_ack_and_peek_acks_then_reads_the_next_batch_in_one_trip(
         client.xadd(reader.stream, {"n": str(i)})
     assert reader.read() == []  # own pending list empty: from now on new entries
     first = reader.read()
-    # while replaying, ack_and_peek only acknowledges; here it also reads the next two
-    acked, ahead = reader.ack_and_peek([e.entry_id for e in first])
-    assert acked == 2
-    assert [e.fields for e in ahead] == [{b"n": b"2"}, {b"n": b"3"}]
+    assert reader.ack([e.entry_id for e in first], peek=True) == 2
+    assert reader.has_ahead
     rows = client.xpending_range(reader.stream, "g", min="-", max="+", count=10)
+    ahead = reader.read()  # what the ack read, without a round trip of its own
+    assert [e.fields for e in ahead] == [{b"n": b"2"}, {b"n": b"3"}]
     assert {text(r["message_id"]) for r in rows} == {e.entry_id for e in ahead}
-    # after an error the reader replays its own pending list: peeking stops until then
+    assert not reader.has_ahead
+    # an error drops what was read ahead (it is in the pending list, replayed first)
+    assert reader.ack([ahead[0].entry_id], peek=True) == 1
+    assert reader.has_ahead
     reader.reset()
-    acked, more = reader.ack_and_peek([ahead[0].entry_id])
-    assert (acked, more) == (1, [])
-    assert [e.entry_id for e in reader.read()] == [ahead[1].entry_id]
-    assert reader.ack_and_peek([]) == (0, [])
+    assert not reader.has_ahead
+    replay = reader.read()  # own pending: the unhandled one, and the one dropped from memory
+    assert [e.fields for e in replay] == [{b"n": b"3"}, {b"n": b"4"}]
+    # while replaying, a peeking ack only acknowledges
+    assert reader.ack([e.entry_id for e in replay], peek=True) == 2
+    assert not reader.has_ahead
+    assert reader.ack([], peek=True) == 0
