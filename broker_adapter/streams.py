@@ -30,7 +30,7 @@ import logging
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import redis
 import tenacity
@@ -108,9 +108,9 @@ return dead_id
 """
 
 
-@dataclass(frozen=True)
-class StreamEntry:
-    """One delivered entry. ``fields`` is None when its payload was deleted or trimmed."""
+class StreamEntry(NamedTuple):
+    """One delivered entry. ``fields`` is None when its payload was deleted or trimmed.
+    (A tuple: one is made per entry read.)"""
 
     entry_id: str
     fields: Fields | None

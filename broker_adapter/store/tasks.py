@@ -27,10 +27,10 @@ import os
 import random
 import sqlite3
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any
+from typing import Any, NamedTuple
 
 from broker_adapter.backoff import Backoff
 from broker_adapter.clock import Clock, SystemClock
@@ -102,8 +102,7 @@ class TaskPolicy:
     backoff: Backoff = field(default_factory=Backoff)
 
 
-@dataclass(frozen=True)
-class AcceptItem:
+class AcceptItem(NamedTuple):
     """One authenticated envelope. ``principal`` must come from a verified check."""
 
     principal: str
@@ -111,8 +110,9 @@ class AcceptItem:
     entry_id: str | None = None
 
 
-@dataclass(frozen=True)
-class AcceptResult:
+class AcceptResult(NamedTuple):
+    """What ``accept`` did with one item (a tuple: one is made per stream entry)."""
+
     outcome: Outcome
     task_id: str | None = None
     reply_id: str | None = None
@@ -220,14 +220,17 @@ def conflict_reply_id(principal: str, message_id: str, fingerprint: str) -> str:
     return f"c-{digest[:32]}"
 
 
-def new_task_id() -> str:
-    """32 hex digits: the wall-clock millisecond (48 bits), then 80 random bits.
+def new_task_ids(n: int) -> list[str]:
+    """``n`` task ids of 32 hex digits: the wall-clock millisecond (48 bits), then 80
+    random bits, from one read of the OS's random source (one system call per batch).
 
     Time-ordered so that new rows land at the end of the task-id (and reply-id) indexes
     rather than all over them: fewer pages touched per accept transaction, a smaller WAL.
     The clock only orders ids; uniqueness rests on the random part.
     """
-    return f"{time.time_ns() // 1_000_000 & 0xFFFF_FFFF_FFFF:012x}{os.urandom(10).hex()}"
+    stamp = f"{time.time_ns() // 1_000_000 & 0xFFFF_FFFF_FFFF:012x}"
+    bits = os.urandom(10 * n).hex()
+    return [stamp + bits[i : i + 20] for i in range(0, 20 * n, 20)]
 
 
 _INSERT_TASK = (
@@ -254,6 +257,8 @@ class _AcceptBatch:
 
     known: dict[tuple[str, str], Mapping[str, Any]]
     parent_hops: dict[str, int]
+    #: Fresh task ids, one per item of the batch at most (drawn in one go).
+    ids: Iterator[str]
     tasks: list[tuple[Any, ...]] = field(default_factory=list)
     inbox: list[tuple[Any, ...]] = field(default_factory=list)
     duplicates: list[tuple[str, str]] = field(default_factory=list)
@@ -321,9 +326,12 @@ class TaskStore:
         # Hash and encode before taking the write lock: the transaction holds it for SQL only.
         fingerprints = [item.envelope.fingerprint() for item in items]
         payloads = [item.envelope.payload_json() for item in items]
+        ids = new_task_ids(len(items))
         with self.db.write("accept") as c:
             batch = _AcceptBatch(
-                known=self._prefetch(c, items), parent_hops=self._parent_hops(c, items)
+                known=self._prefetch(c, items),
+                parent_hops=self._parent_hops(c, items),
+                ids=iter(ids),
             )
             results = [
                 self._accept_one(batch, item, now, fingerprint, payload)
@@ -391,7 +399,7 @@ class TaskStore:
             retained = now - row["received_at"] < self.policy.retention_s
             if retained or row["state"] not in TERMINAL_STATES:
                 return self._known(batch, item, row, fingerprint, now)
-        task_id = new_task_id()
+        task_id = next(batch.ids)
         hops = _hops(env, batch.parent_hops)
         state = TaskState.PENDING
         outcome = Outcome.STORED
@@ -557,7 +565,7 @@ class TaskStore:
             return []
         # One statement for the whole batch; RETURNING order is unspecified, so the rows are
         # put back in claim order (oldest not_before first). ``+state`` keeps the planner on
-        # the primary key: on ``tasks_state`` it would scan every pending task.
+        # the primary key whatever index on ``state`` a database may carry.
         rows = c.execute(
             "UPDATE tasks SET state = 'running', owner = ?, lease_until = ?,"
             " attempts = attempts + 1, fence = fence + 1, updated_at = ?"

@@ -737,6 +737,35 @@ def test_database_migrates_new_file_to_current_version(tmp_path: Path) -> None:
         assert db.conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
 
 
+def test_database_migrates_version_1_file_and_keeps_its_rows(tmp_path: Path) -> None:
+    """A file of schema version 1 (with ``tasks_state``) is brought up to date in place:
+    its rows stay, the index is gone, and the store goes on working on it."""
+    path = tmp_path / "v1.db"
+    with open_database(path) as db:
+        store = TaskStore(db, clock=FakeClock(T0))
+        [old] = store.accept([AcceptItem("alice", envelope("m-old"))])
+    raw = sqlite3.connect(str(path), isolation_level=None)
+    raw.execute("CREATE INDEX tasks_state ON tasks (state)")  # as version 1 made it
+    raw.execute("PRAGMA user_version = 1")
+    raw.close()
+    with open_database(path) as db:
+        assert db.conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 2
+        indexes = {
+            r[0] for r in db.conn.execute("SELECT name FROM sqlite_master WHERE type = 'index'")
+        }
+        assert "tasks_state" not in indexes
+        assert {"tasks_ready", "tasks_leases", "tasks_live_deadline"} <= indexes
+        store = TaskStore(db, clock=FakeClock(T0))
+        found = store.find("alice", "m-old")
+        assert found is not None
+        assert found.task_id == old.task_id
+        [new] = store.accept([AcceptItem("alice", envelope("m-new"))])
+        assert new.outcome is Outcome.STORED
+        assert store.counts()["pending"] == 2
+        assert [c.task_id for c in store.claim("w1", 5)] == [old.task_id, new.task_id]
+        assert db.integrity_check() == "ok"
+
+
 def test_database_refuses_file_with_newer_schema(tmp_path: Path) -> None:
     path = tmp_path / "future.db"
     open_database(path).close()
