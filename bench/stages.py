@@ -11,9 +11,13 @@ timestamps the run left behind and prints their percentiles:
 * **effect**: receipt -> the effect's own timestamp, inside the same transaction;
 * **total**: publish -> effect.
 
+With several ``--rate`` values (``--rate 250 --rate 500 ...``) each rate is a run of its own,
+on a fresh pipeline, and a last table puts their totals side by side: where the latency
+bends is where the write lock of the main SQLite file starts to queue.
+
 Usage::
 
-    .venv/bin/python bench/stages.py [--rate 1000] [--seconds 5] [--appendfsync always]
+    .venv/bin/python bench/stages.py [--rate 1000 ...] [--seconds 5] [--appendfsync always]
 """
 
 from __future__ import annotations
@@ -67,38 +71,59 @@ def stage_times(db: Path, rx_db: Path, tag: str) -> dict[str, list[float]]:
     return out
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rate", type=float, default=1000.0, help="offered msg/s")
-    parser.add_argument("--seconds", type=float, default=5.0)
-    parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument(
-        "--appendfsync", default=common.DEFAULT_APPENDFSYNC, choices=["always", "everysec", "no"]
-    )
-    args = parser.parse_args()
-    n = int(args.rate * args.seconds)
+def measure(rate: float, seconds: float, workers: int, appendfsync: str) -> dict[str, list[float]]:
+    """One run at ``rate`` msg/s offered for ``seconds``: each stage's times, in ms, sorted."""
+    n = int(rate * seconds)
     with tempfile.TemporaryDirectory(prefix="ba-stages-") as tmp:
         workdir = Path(tmp)
         keyring = common.write_keyring(workdir / "keyring.json")
-        server = common.start_server(workdir, args.appendfsync)
+        server = common.start_server(workdir, appendfsync)
         try:
-            pipe = bench_run.Pipeline(server.url, workdir, keyring, args.workers)
+            pipe = bench_run.Pipeline(server.url, workdir, keyring, workers)
             try:
                 pipe.warm_up()
-                pipe.publish(n, "l", rate=args.rate).communicate(timeout=args.seconds * 3 + 60)
+                pipe.publish(n, "l", rate=rate).communicate(timeout=seconds * 3 + 60)
                 pipe.wait_effects("l", n, timeout_s=120)
             finally:
                 pipe.close()
             times = stage_times(pipe.db, pipe.rx_db, "l")
         finally:
             server.stop()
-    print(f"{n:,} messages at {args.rate:,.0f} msg/s offered, appendfsync={args.appendfsync}")
-    for name in STAGES:
-        values = sorted(v * 1000 for v in times[name])
+    return {name: sorted(v * 1000 for v in values) for name, values in times.items()}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--rate", type=float, action="append", help="offered msg/s (repeatable) [1000]"
+    )
+    parser.add_argument("--seconds", type=float, default=5.0)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument(
+        "--appendfsync", default=common.DEFAULT_APPENDFSYNC, choices=["always", "everysec", "no"]
+    )
+    args = parser.parse_args()
+    totals: list[tuple[float, list[float]]] = []
+    for rate in args.rate or [1000.0]:
+        times = measure(rate, args.seconds, args.workers, args.appendfsync)
         print(
-            f"  {name:8s} p50 {common.percentile(values, 50):7.2f} ms"
-            f"  p99 {common.percentile(values, 99):7.2f} ms  max {values[-1]:7.2f} ms"
+            f"{int(rate * args.seconds):,} messages at {rate:,.0f} msg/s offered,"
+            f" appendfsync={args.appendfsync}"
         )
+        for name in STAGES:
+            values = times[name]
+            print(
+                f"  {name:8s} p50 {common.percentile(values, 50):7.2f} ms"
+                f"  p99 {common.percentile(values, 99):7.2f} ms  max {values[-1]:7.2f} ms"
+            )
+        totals.append((rate, times["total"]))
+    if len(totals) > 1:
+        print("publish -> effect by offered load:")
+        for rate, values in totals:
+            print(
+                f"  {rate:7,.0f} msg/s  p50 {common.percentile(values, 50):7.2f} ms"
+                f"  p99 {common.percentile(values, 99):7.2f} ms  max {values[-1]:7.2f} ms"
+            )
     return 0
 
 
