@@ -26,6 +26,8 @@ here, with ``raise ... from``.
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import logging
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -498,10 +500,10 @@ def connect_async(
 # -- batched scripts (added for the reply dispatcher) ------------------------------------
 
 
+@functools.lru_cache(maxsize=64)
 def script_sha(source: str) -> str:
-    """The SHA-1 Redis files a script under (what EVALSHA takes)."""
-    import hashlib
-
+    """The SHA-1 Redis files a script under (what EVALSHA takes); computed once per script
+    (a worker publishing one reply per batch hashed the whole script every time)."""
     return hashlib.sha1(source.encode("utf-8")).hexdigest()
 
 
