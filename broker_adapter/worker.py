@@ -447,6 +447,8 @@ class Worker:
         self._confirmed_at = 0.0  # time.monotonic() of the oldest of them
         self._publish_paused_until = 0.0
         self._wake = wake
+        #: The last idle wait ended on the wake-up signal (new tasks were committed).
+        self._woken = False
         #: The last commit also claimed, and found nothing ready.
         self._found_none = False
 
@@ -547,7 +549,8 @@ class Worker:
         ``config.idle_poll_s``; a look is a read
         (``TaskStore.has_work``), a claim follows only when the look finds work. The pauses
         are waits on ``stop`` (with a ``wake`` signal: waits on it, ``idle_poll_s`` at
-        most, and ``stop`` is seen after them). Once ``stop`` is set it claims nothing
+        most, and ``stop`` is seen after them; a wait ended by the signal is followed by a
+        claim straight away, without the look). Once ``stop`` is set it claims nothing
         more; the running handler (and any task of the batch already claimed) gets
         ``config.grace_s`` from that moment to finish. A handler still running then is
         abandoned and its task handed back as a retryable failure.
@@ -580,6 +583,8 @@ class Worker:
                 while not self._idle_wait(stop, self._until_marks_due(pause)):
                     if self._confirmed and self._until_marks_due(pause) <= 0:
                         self._mark_sent()  # no commit came in time to carry them
+                    if self._woken:
+                        break  # new tasks were committed: claim, no look first
                     if time.monotonic() - busy_at >= ALERT_AFTER_WORK_S:
                         pause = min(pause * 2, self.config.idle_poll_s)
                     try:
@@ -600,10 +605,12 @@ class Worker:
         return max(0.0, min(pause, due))
 
     def _idle_wait(self, stop: threading.Event, pause: float) -> bool:
-        """Wait ``pause`` (or until woken); returns whether ``stop`` is set."""
+        """Wait ``pause`` (or until woken: ``self._woken``); returns whether ``stop`` is
+        set."""
         if self._wake is None:
+            self._woken = False
             return stop.wait(pause)
-        self._wake(pause)
+        self._woken = self._wake(pause)
         return stop.is_set()
 
     def renew_leases(self) -> int:

@@ -860,15 +860,14 @@ class TaskStore:
         """Whether a claim would find something now: a ready pending task or an expired
         lease. A read (no write lock, no fsync): idle workers ask this before claiming."""
         now = self.clock.now()
-        with self.db.read() as c:
-            row = c.execute(
-                "SELECT EXISTS (SELECT 1 FROM tasks INDEXED BY tasks_ready"
-                " WHERE state = 'pending' AND not_before <= ?)"
-                " OR EXISTS (SELECT 1 FROM tasks INDEXED BY tasks_leases"
-                " WHERE state = 'running' AND lease_until <= ?)",
-                (now, now),
-            ).fetchone()
-        return bool(row[0])
+        row = self.db.fetch_one(
+            "SELECT EXISTS (SELECT 1 FROM tasks INDEXED BY tasks_ready"
+            " WHERE state = 'pending' AND not_before <= ?)"
+            " OR EXISTS (SELECT 1 FROM tasks INDEXED BY tasks_leases"
+            " WHERE state = 'running' AND lease_until <= ?)",
+            (now, now),
+        )
+        return row is not None and bool(row[0])
 
     def cancel(self, task_id: str, reason: str = "cancelled") -> TaskState:
         """Cancel a live task durably (with its reply). A running handler is fenced out:

@@ -70,3 +70,52 @@ def test_idle_worker_waits_on_the_wakeup_instead_of_polling(
         Worker(config, tasks, handler, wake=wake).run(stop)
     assert handled == [0]
     assert waits == [0.25, 0.25]  # the poll interval is only the fallback timeout
+
+
+class _CountingStore(TaskStore):
+    """A TaskStore that counts its looks (``has_work``) and claims."""
+
+    looks = 0
+    claims = 0
+
+    def has_work(self) -> bool:
+        self.looks += 1
+        return super().has_work()
+
+    def claim(self, owner: str, n: int = 1) -> list[Any]:
+        self.claims += 1
+        return super().claim(owner, n)
+
+
+def test_woken_worker_claims_without_looking_first(tmp_path: Path, clock: FakeClock) -> None:
+    """The signal says tasks were committed: the look (a read) before the claim would only
+    repeat it. A wait that times out still looks before it claims."""
+    stop = threading.Event()
+    handled: list[int] = []
+    with open_database(tmp_path / "t.db") as db:
+        tasks = _CountingStore(db, clock)
+        waits = 0
+
+        def wake(timeout_s: float) -> bool:
+            nonlocal waits
+            waits += 1
+            if waits == 1:  # announced work
+                tasks.accept([_item(0, clock)])
+                return True
+            if waits == 2:  # a timeout with nothing new: a look, no claim
+                return False
+            stop.set()
+            return False
+
+        def handler(task: Task) -> dict[str, Any]:
+            handled.append(task.payload["i"])
+            return {}
+
+        config = WorkerConfig(owner="w1", idle_poll_s=0.25, wake_poll_s=0.001)
+        worker = Worker(config, tasks, handler, wake=wake)
+        worker.run(stop)
+        claims_after_wake = tasks.claims
+    assert handled == [0]
+    # the first claim of run() (nothing yet), then the one straight after the signal
+    assert claims_after_wake == 2
+    assert tasks.looks == 1  # only after the wait that timed out
