@@ -45,30 +45,41 @@ def test_ingest_store_notifies_the_new_tasks_only(tmp_path: Path, clock: FakeClo
     assert notified == [2, 1]
 
 
-def test_idle_worker_waits_on_the_wakeup_instead_of_polling(
-    tmp_path: Path, clock: FakeClock
-) -> None:
+def _run_idle_worker(
+    tasks: TaskStore, clock: FakeClock, script: list[str]
+) -> tuple[list[int], list[float]]:
+    """Run a worker whose idle waits follow ``script``: ``"work"`` commits a task and ends
+    the wait on the signal, ``"timeout"`` ends it with nothing announced; after the script
+    the worker is stopped. Returns what the handler saw and the waits' timeouts."""
     stop = threading.Event()
     waits: list[float] = []
     handled: list[int] = []
-    with open_database(tmp_path / "t.db") as db:
-        tasks = TaskStore(db, clock)
 
-        def wake(timeout_s: float) -> bool:
-            waits.append(timeout_s)
-            if len(waits) == 1:  # the first idle wait: new work arrives and is announced
-                tasks.accept([_item(0, clock)])
-                return True
+    def wake(timeout_s: float) -> bool:
+        waits.append(timeout_s)
+        if len(waits) > len(script):
             stop.set()
             return False
+        if script[len(waits) - 1] == "work":
+            tasks.accept([_item(len(waits), clock)])
+            return True
+        return False
 
-        def handler(task: Task) -> dict[str, Any]:
-            handled.append(task.payload["i"])
-            return {}
+    def handler(task: Task) -> dict[str, Any]:
+        handled.append(task.payload["i"])
+        return {}
 
-        config = WorkerConfig(owner="w1", idle_poll_s=0.25, wake_poll_s=0.001)
-        Worker(config, tasks, handler, wake=wake).run(stop)
-    assert handled == [0]
+    config = WorkerConfig(owner="w1", idle_poll_s=0.25, wake_poll_s=0.001)
+    Worker(config, tasks, handler, wake=wake).run(stop)
+    return handled, waits
+
+
+def test_idle_worker_waits_on_the_wakeup_instead_of_polling(
+    tmp_path: Path, clock: FakeClock
+) -> None:
+    with open_database(tmp_path / "t.db") as db:
+        handled, waits = _run_idle_worker(TaskStore(db, clock), clock, ["work"])
+    assert handled == [1]
     assert waits == [0.25, 0.25]  # the poll interval is only the fallback timeout
 
 
@@ -90,32 +101,10 @@ class _CountingStore(TaskStore):
 def test_woken_worker_claims_without_looking_first(tmp_path: Path, clock: FakeClock) -> None:
     """The signal says tasks were committed: the look (a read) before the claim would only
     repeat it. A wait that times out still looks before it claims."""
-    stop = threading.Event()
-    handled: list[int] = []
     with open_database(tmp_path / "t.db") as db:
         tasks = _CountingStore(db, clock)
-        waits = 0
-
-        def wake(timeout_s: float) -> bool:
-            nonlocal waits
-            waits += 1
-            if waits == 1:  # announced work
-                tasks.accept([_item(0, clock)])
-                return True
-            if waits == 2:  # a timeout with nothing new: a look, no claim
-                return False
-            stop.set()
-            return False
-
-        def handler(task: Task) -> dict[str, Any]:
-            handled.append(task.payload["i"])
-            return {}
-
-        config = WorkerConfig(owner="w1", idle_poll_s=0.25, wake_poll_s=0.001)
-        worker = Worker(config, tasks, handler, wake=wake)
-        worker.run(stop)
-        claims_after_wake = tasks.claims
-    assert handled == [0]
+        handled, _ = _run_idle_worker(tasks, clock, ["work", "timeout"])
+    assert handled == [1]
     # the first claim of run() (nothing yet), then the one straight after the signal
-    assert claims_after_wake == 2
+    assert tasks.claims == 2
     assert tasks.looks == 1  # only after the wait that timed out
