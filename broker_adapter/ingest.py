@@ -51,7 +51,7 @@ from broker_adapter.envelope import check_principal
 from broker_adapter.errors import ConfigError, EnvelopeError, StoreBusy, TransientError
 from broker_adapter.keys import DEFAULT_PREFIX, INGEST_GROUP, Keys
 from broker_adapter.store.tasks import AcceptItem, AcceptResult, Outcome, TaskStore
-from broker_adapter.streams import GroupReader, ReaderConfig, StreamEntry, retrying
+from broker_adapter.streams import GroupReader, ReaderConfig, StreamEntry, run_until_stopped
 
 if TYPE_CHECKING:
     import redis
@@ -346,17 +346,8 @@ class Ingestor:
             exc = state.outcome.exception() if state.outcome else None
             self.log.warning("ingest: transient failure, backing off: %s", exc)
 
-        # The shared policy (streams.retrying); a stop request cuts the backoff short.
-        policy = retrying().copy(
-            stop=tenacity.stop_when_event_set(stop), sleep=stop.wait, before_sleep=note
-        )
-        while not stop.is_set():
-            try:
-                policy(self.tick)
-            except TransientError:
-                if not stop.is_set():  # pragma: no cover - the retry policy never gives up
-                    raise
-                self.log.info("ingest: stopping during backoff")
+        # The shared loop and policy (streams.retrying); a stop cuts the backoff short.
+        run_until_stopped(stop, self.tick, before_sleep=note)
         if any(source.reader.has_ahead for source in self._sources):
             try:
                 self.step(peek=False)  # entries read ahead: handled now, not replayed later

@@ -56,7 +56,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import tenacity
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from broker_adapter import crashpoints
@@ -71,7 +70,13 @@ from broker_adapter.store.receipts import (
     ReceiptOutcome,
     ReceiptStore,
 )
-from broker_adapter.streams import GroupReader, ReaderConfig, StreamEntry, retrying, text
+from broker_adapter.streams import (
+    GroupReader,
+    ReaderConfig,
+    StreamEntry,
+    run_until_stopped,
+    text,
+)
 
 if TYPE_CHECKING:
     import sqlite3
@@ -383,16 +388,13 @@ class Receiver:
         A step whose effects failed is followed by a pause of ``block_ms`` so that a
         failing effect is not retried in a tight loop.
         """
-        policy = retrying().copy(stop=tenacity.stop_when_event_set(stop), sleep=stop.wait)
-        while not stop.is_set():
-            try:
-                policy(self.step)
-            except TransientError:
-                if stop.is_set():
-                    return
-                raise
+
+        def tick() -> None:
+            self.step()
             if self._failed_last_step:
                 stop.wait(self.config.block_ms / 1000)
+
+        run_until_stopped(stop, tick)
         if self.reader.has_ahead:
             try:
                 self.step(peek=False)  # entries read ahead: applied now, not replayed later
