@@ -315,25 +315,10 @@ class Envelope:
         hops: int = 0,
         correlation_id: str | None = None,
         parent_id: str | None = None,
+        _payload_check: Callable[[Any], bytes] = check_payload,
     ) -> None:
-        self._setup(
-            check_payload, message_id, sender, payload, deadline, kind, max_attempts, hops,
-            correlation_id, parent_id,
-        )  # fmt: skip
-
-    def _setup(
-        self,
-        payload_check: Callable[[Any], bytes],
-        message_id: str,
-        sender: str,
-        payload: dict[str, Any],
-        deadline: float,
-        kind: Kind = "task",
-        max_attempts: int = 3,
-        hops: int = 0,
-        correlation_id: str | None = None,
-        parent_id: str | None = None,
-    ) -> None:
+        # ``_payload_check`` is internal: ``from_json`` passes the wire fast path. Field
+        # dicts cannot reach it (``_build`` refuses names outside ``_FIELDS``).
         # Checked in the order of ``_FIELDS``: the first offending field is the one named.
         put = object.__setattr__
         put(self, "message_id", _check_id(_check_str(message_id, "message_id"), "message_id"))
@@ -341,7 +326,7 @@ class Envelope:
         put(self, "kind", _check_kind(kind))
         # The canonical bytes computed for the size check are kept for the fingerprint and
         # the stored copy, so an envelope's payload is encoded once.
-        put(self, "_payload_bytes", payload_check(payload))
+        put(self, "_payload_bytes", _payload_check(payload))
         put(self, "payload", payload)
         put(self, "deadline", _check_deadline(deadline))
         put(self, "max_attempts", _check_int(max_attempts, "max_attempts", 1, MAX_ATTEMPTS_LIMIT))
@@ -393,9 +378,7 @@ class Envelope:
         if not keys <= _FIELD_SET:
             extra = next(k for k in fields if k not in _FIELD_SET)
             raise EnvelopeError(str(extra), "unknown_field", "not a field of the envelope")
-        env = object.__new__(cls)
-        env._setup(payload_check, **fields)
-        return env
+        return cls(**fields, _payload_check=payload_check)
 
     def replace(self, **changes: Any) -> Envelope:
         """A copy with ``changes`` applied, checked like ``build``."""

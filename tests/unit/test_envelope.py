@@ -174,6 +174,9 @@ INVALID: list[tuple[str, dict[str, Any], str, str]] = [
     ("unknown_principal", {"principal": "mallory"}, "principal", "unknown_field"),
     ("unknown_extra", {"extra": 1}, "extra", "unknown_field"),
     ("unknown_cls", {"cls": 1}, "cls", "unknown_field"),
+    # the constructor's internal payload-check hook is not a field: no caller of build or
+    # from_json can swap the payload checks out
+    ("unknown_internal_hook", {"_payload_check": "x"}, "_payload_check", "unknown_field"),
 ]
 
 # (id, overrides): the largest (or smallest) value that is still valid, next to each edge.
