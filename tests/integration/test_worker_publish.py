@@ -308,6 +308,28 @@ def test_mark_committed_after_a_restart_alarm_is_put_back_in_line(
     assert entries_per_reply(fresh_redis.client(), stream) == {row.reply_id: 1}
 
 
+def _run_idle(
+    db: Database,
+    clock: FakeClock,
+    redis_server: RedisServer,
+    prefix: str,
+    wake: Callable[[float], bool],
+    stop: threading.Event,
+    *,
+    batch_window_s: float,
+) -> list[str]:
+    """Run a publishing worker ``w1`` whose idle waits are ``wake`` until ``stop``; returns
+    the write transactions it made, in order."""
+    config = WorkerConfig(
+        owner="w1", redis_url=redis_server.url, prefix=prefix, batch_window_s=batch_window_s,
+        idle_poll_s=0.25,
+    )  # fmt: skip
+    worker = Worker(config, TaskStore(db, clock), _echo, wake=wake)
+    with _ops(db) as ops:
+        worker.run(stop)
+    return ops
+
+
 def test_idle_worker_keeps_its_marks_for_the_next_commit_within_the_window(
     db: Database, clock: FakeClock, prefix: str, redis_server: RedisServer
 ) -> None:
@@ -327,13 +349,7 @@ def test_idle_worker_keeps_its_marks_for_the_next_commit_within_the_window(
         stop.set()
         return False
 
-    config = WorkerConfig(
-        owner="w1", redis_url=redis_server.url, prefix=prefix, batch_window_s=60,
-        idle_poll_s=0.25,
-    )  # fmt: skip
-    worker = Worker(config, TaskStore(db, clock), _echo, wake=wake)
-    with _ops(db) as ops:
-        worker.run(stop)
+    ops = _run_idle(db, clock, redis_server, prefix, wake, stop, batch_window_s=60)
     assert ops == ["claim", "finish", "accept", "claim", "finish", "mark_sent"]
     assert waits == [0.25, 0.25]
     rows = outbox.list()
@@ -355,12 +371,6 @@ def test_idle_worker_marks_alone_once_the_window_is_over(
             stop.set()
         return False
 
-    config = WorkerConfig(
-        owner="w1", redis_url=redis_server.url, prefix=prefix, batch_window_s=0.0,
-        idle_poll_s=0.25,
-    )  # fmt: skip
-    worker = Worker(config, TaskStore(db, clock), _echo, wake=wake)
-    with _ops(db) as ops:
-        worker.run(stop)
+    ops = _run_idle(db, clock, redis_server, prefix, wake, stop, batch_window_s=0.0)
     assert ops == ["claim", "finish", "mark_sent"]
     assert {r.state for r in OutboxStore(db, clock).list()} == {"sent"}
