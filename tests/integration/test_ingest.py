@@ -55,6 +55,19 @@ def tasks(tmp_path: Path, clock: FakeClock) -> Iterator[TaskStore]:
     db.close()
 
 
+def _alice_published(
+    redis_server: RedisServer, prefix: str, keyring: Keyring, tag: str, n: int
+) -> tuple[redis.Redis, Keys, Publisher]:
+    """A client, the keys and alice's publisher, after alice published ``{tag}0`` to
+    ``{tag}{n-1}``."""
+    client = connect(redis_server.url)
+    keys = Keys(prefix)
+    pub = Publisher(client, keys, "alice", keyring)
+    for i in range(n):
+        pub.publish(envelope(f"{tag}{i}"))
+    return client, keys, pub
+
+
 def _ingestor(
     client: redis.Redis,
     prefix: str,
@@ -166,11 +179,7 @@ def test_ingest_stores_each_request_once_with_one_xack_per_batch(
 def test_ingest_duplicate_storm_adds_no_tasks(
     redis_server: RedisServer, prefix: str, tasks: TaskStore, keyring: Keyring, clock: FakeClock
 ) -> None:
-    client = connect(redis_server.url)
-    keys = Keys(prefix)
-    pub = Publisher(client, keys, "alice", keyring)
-    for i in range(20):
-        pub.publish(envelope(f"s{i}"))
+    client, keys, _pub = _alice_published(redis_server, prefix, keyring, "s", 20)
     ingestor = _ingestor(client, prefix, tasks, keyring, clock, count=7)
     drain(ingestor, client)
     first = task_counts(tasks)
@@ -364,11 +373,7 @@ def test_ingest_dead_letters_entries_past_the_delivery_limit(
 def test_ingest_takes_over_a_dead_consumers_entries_after_min_idle(
     redis_server: RedisServer, prefix: str, tasks: TaskStore, keyring: Keyring, clock: FakeClock
 ) -> None:
-    client = connect(redis_server.url)
-    keys = Keys(prefix)
-    pub = Publisher(client, keys, "alice", keyring)
-    for i in range(12):
-        pub.publish(envelope(f"t{i}"))
+    client, keys, _pub = _alice_published(redis_server, prefix, keyring, "t", 12)
     client.xgroup_create(keys.inbound(), INGEST_GROUP, id="0")
     # a consumer that read 12 entries and died before storing any of them
     client.xreadgroup(INGEST_GROUP, "ingest-dead-0", {keys.inbound(): ">"}, count=12)
@@ -390,11 +395,7 @@ def test_ingest_takes_over_a_dead_consumers_entries_after_min_idle(
 def test_ingest_run_loop_takes_over_and_ingests_until_stopped(
     redis_server: RedisServer, prefix: str, tasks: TaskStore, keyring: Keyring, clock: FakeClock
 ) -> None:
-    client = connect(redis_server.url)
-    keys = Keys(prefix)
-    pub = Publisher(client, keys, "alice", keyring)
-    for i in range(5):
-        pub.publish(envelope(f"r{i}"))
+    client, keys, pub = _alice_published(redis_server, prefix, keyring, "r", 5)
     client.xgroup_create(keys.inbound(), INGEST_GROUP, id="0")
     client.xreadgroup(INGEST_GROUP, "ingest-dead-0", {keys.inbound(): ">"}, count=2)
     age_pending(client, keys.inbound(), "ingest-dead-0")
@@ -418,11 +419,7 @@ def test_ingest_run_loop_takes_over_and_ingests_until_stopped(
 def test_ingest_reads_ahead_with_its_xack_and_a_stop_leaves_nothing_read_unhandled(
     redis_server: RedisServer, prefix: str, tasks: TaskStore, keyring: Keyring, clock: FakeClock
 ) -> None:
-    client = connect(redis_server.url)
-    keys = Keys(prefix)
-    pub = Publisher(client, keys, "alice", keyring)
-    for i in range(6):
-        pub.publish(envelope(f"p{i}"))
+    client, keys, _pub = _alice_published(redis_server, prefix, keyring, "p", 6)
     ingestor = _ingestor(client, prefix, tasks, keyring, clock, count=2)
     assert ingestor.step() == 0  # the replay of its own (empty) pending list
     assert ingestor.step() == 2  # p0, p1 stored and acked; p2, p3 read in the XACK's trip
