@@ -226,7 +226,7 @@ def _story(tmp: Path, redis: EmbeddedRedis) -> bool:
         effects = dict(world.execute("SELECT message_id, count(*) FROM effects GROUP BY 1"))
     restarted = effects.get("restart-web", 0)
     _say(f"   restart-web: handler ran {attempts} times, the service restarted {restarted} "
-         f"time (idempotency key ba:{web.task_id[:8]}…)\n")  # fmt: skip
+         f"time (idempotency key ba:…{web.task_id[-8:]})\n")  # fmt: skip
 
     _say("4. The dispatcher publishes the replies and is SIGKILLed before marking them sent")
     code = _run_child(_dispatcher_child, db_path, redis.url, "dispatcher.after_xadd")
@@ -285,7 +285,7 @@ def _report(db: Any, rdb_path: str, stale_refused: bool, one_entry_per_reply: bo
         n = applied.get(r["reply_id"], 0)
         ok = ok and n == 1 and r["state"] == "done" and r["ostate"] == "sent"
         _say(f"   {r['message_id']:<15} {r['state']:<6} {r['attempts']:>8} {r['fence']:>5}  "
-             f"{r['reply_id'][:12] + '…':<14} {n:>16}")  # fmt: skip
+             f"{'r-…' + r['reply_id'][-10:]:<14} {n:>16}")  # fmt: skip
     delivered = sum(applied.get(rid, 0) for rid in conflict_ids)
     ok = ok and delivered == len(conflict_ids)
     _say(
