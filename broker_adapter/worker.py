@@ -298,7 +298,7 @@ class LeaseKeeper:
             self._renewer.add(self)
             return
         self._thread = threading.Thread(
-            target=self._loop, name=f"lease-{self._task.task_id[:8]}", daemon=True
+            target=self._loop, name=f"lease-{self._task.task_id[-8:]}", daemon=True
         )
         self._thread.start()
 
