@@ -6,7 +6,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -38,13 +37,6 @@ from tests.support.replies_script import entries_per_reply, make_replies
 pytestmark = pytest.mark.integration
 
 P = "alice"
-
-
-@pytest.fixture
-def db(tmp_path: Path) -> Iterator[Database]:
-    database = open_database(tmp_path / "agent.db")
-    yield database
-    database.close()
 
 
 def _dispatcher(

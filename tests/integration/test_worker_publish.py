@@ -32,7 +32,7 @@ from broker_adapter.keys import Keys
 from broker_adapter.store import AcceptItem, OutboxStore, TaskStore, open_database
 from broker_adapter.store.db import Database
 from broker_adapter.store.outbox import OutboxPolicy
-from broker_adapter.store.tasks import Settlement, TaskPolicy
+from broker_adapter.store.tasks import SettledBatch, Settlement, TaskPolicy
 from broker_adapter.streams import connect
 from broker_adapter.worker import Worker, WorkerConfig
 from tests.support.redis_server import RedisServer, free_port
@@ -41,13 +41,6 @@ from tests.support.replies_script import entries_per_reply
 pytestmark = pytest.mark.integration
 
 P = "alice"
-
-
-@pytest.fixture
-def db(tmp_path: Path) -> Iterator[Database]:
-    database = open_database(tmp_path / "agent.db")
-    yield database
-    database.close()
 
 
 def _submit(db: Database, clock: FakeClock, n: int, first: int = 0) -> list[str]:
@@ -236,16 +229,25 @@ def test_stale_publisher_marks_are_refused_after_the_dispatcher_took_over(
     assert entries_per_reply(redis_server.client(), stream) == {r.reply_id: 1 for r in rows}
 
 
-def test_settle_batch_refuses_a_stale_mark_and_writes_nothing_of_it(
-    db: Database, clock: FakeClock
-) -> None:
+def _settle_one_published(
+    db: Database, clock: FakeClock, *, publish_lease_s: float
+) -> tuple[TaskStore, SettledBatch]:
+    """Submit one task, claim it as ``w1`` and settle it done with its reply written
+    claimed by publisher ``w1-pub``."""
     tasks = TaskStore(db, clock)
     _submit(db, clock, 1)
     (claimed,) = tasks.claim("w1", 1)
     batch = tasks.settle_batch(
         [Settlement(claimed.task_id, "w1", claimed.fence, '{"ok":true}', claimed=claimed)],
-        "w1", 0, publish_as="w1-pub", publish_lease_s=5.0,
+        "w1", 0, publish_as="w1-pub", publish_lease_s=publish_lease_s,
     )  # fmt: skip
+    return tasks, batch
+
+
+def test_settle_batch_refuses_a_stale_mark_and_writes_nothing_of_it(
+    db: Database, clock: FakeClock
+) -> None:
+    tasks, batch = _settle_one_published(db, clock, publish_lease_s=5.0)
     (row,) = batch.replies
     assert (row.state, row.owner, row.fence, row.attempts) == ("sending", "w1-pub", 1, 1)
     assert row.lease_until == clock.now() + 5.0
@@ -273,13 +275,7 @@ def test_mark_committed_after_a_restart_alarm_is_put_back_in_line(
     record survived)."""
     d = _dispatcher(fresh_redis.url, db, clock, prefix)
     d.watch()
-    tasks = TaskStore(db, clock)
-    _submit(db, clock, 1)
-    (claimed,) = tasks.claim("w1", 1)
-    batch = tasks.settle_batch(
-        [Settlement(claimed.task_id, "w1", claimed.fence, '{"ok":true}', claimed=claimed)],
-        "w1", 0, publish_as="w1-pub", publish_lease_s=30.0,
-    )  # fmt: skip
+    _, batch = _settle_one_published(db, clock, publish_lease_s=30.0)
     outbox = OutboxStore(db, clock)
     pub = ReplyPublisher(connect(fresh_redis.url), outbox, Keys(prefix), "w1-pub")
     pubs = pub.publish(batch.replies)
