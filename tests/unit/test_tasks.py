@@ -30,7 +30,7 @@ from broker_adapter.store import (
     TaskState,
     open_database,
 )
-from broker_adapter.store.db import SCHEMA_VERSION
+from broker_adapter.store.db import MIGRATIONS, SCHEMA_VERSION
 from broker_adapter.store.tasks import (
     TaskPolicy,
     TaskStore,
@@ -749,7 +749,7 @@ def test_database_migrates_version_1_file_and_keeps_its_rows(tmp_path: Path) -> 
     raw.execute("PRAGMA user_version = 1")
     raw.close()
     with open_database(path) as db:
-        assert db.conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 2
+        assert db.conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
         indexes = {
             r[0] for r in db.conn.execute("SELECT name FROM sqlite_master WHERE type = 'index'")
         }
@@ -764,6 +764,65 @@ def test_database_migrates_version_1_file_and_keeps_its_rows(tmp_path: Path) -> 
         assert store.counts()["pending"] == 2
         assert [c.task_id for c in store.claim("w1", 5)] == [old.task_id, new.task_id]
         assert db.integrity_check() == "ok"
+
+
+def _state_checks(conn: sqlite3.Connection) -> dict[str, str]:
+    return {
+        name: sql
+        for name, sql in conn.execute(
+            "SELECT name, sql FROM sqlite_master WHERE name IN ('tasks', 'outbox')"
+        )
+    }
+
+
+def test_database_migrates_version_2_state_checks_to_equality_chains(tmp_path: Path) -> None:
+    """Version 3 rewrites the ``state IN (...)`` CHECKs of a version-2 file as ``=`` chains:
+    rows stay, a connection opened before the migration sees the new text, and a state
+    outside the list is still refused on both tables."""
+    path = tmp_path / "v2.db"
+    raw = sqlite3.connect(str(path), isolation_level=None)
+    raw.execute("PRAGMA journal_mode = WAL")
+    for script in MIGRATIONS[:2]:
+        assert isinstance(script, str)
+        raw.executescript(script)
+    raw.execute("PRAGMA user_version = 2")
+    before = _state_checks(raw)
+    assert "state IN ('pending', 'running', 'done'" in before["tasks"]
+    assert "state IN ('pending', 'sending', 'sent', 'dead')" in before["outbox"]
+    with open_database(path) as db:
+        assert db.conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
+        store = TaskStore(db, clock=FakeClock(T0))
+        [stored] = store.accept([AcceptItem("alice", envelope("m-1"))])
+        assert stored.outcome is Outcome.STORED
+        assert db.integrity_check() == "ok"
+    after = _state_checks(raw)  # the old connection re-reads the schema
+    assert "state = 'pending' OR state = 'running' OR state = 'done'" in after["tasks"]
+    assert "state = 'waiting_approval')" in after["tasks"]
+    outbox_check = "state = 'pending' OR state = 'sending' OR state = 'sent' OR state = 'dead')"
+    assert outbox_check in after["outbox"]
+    assert "CHECK (max_attempts BETWEEN 1 AND 10)" in after["tasks"]  # other CHECKs as they were
+    with pytest.raises(sqlite3.IntegrityError, match="CHECK constraint failed"):
+        raw.execute("UPDATE tasks SET state = 'lost'")
+    with pytest.raises(sqlite3.IntegrityError, match="CHECK constraint failed"):
+        raw.execute(
+            "INSERT INTO outbox (reply_id, principal, message_id, status, body, content_hash,"
+            " state, not_before, created_at) VALUES ('r', 'alice', 'm', 'done', x'', 'h',"
+            " 'gone', 0, 0)"
+        )
+    assert raw.execute("SELECT count(*) FROM tasks").fetchone()[0] == 1
+    raw.close()
+
+
+def test_new_database_has_no_in_list_checks(tmp_path: Path) -> None:
+    with open_database(tmp_path / "new.db") as db:
+        checks = _state_checks(db.conn)
+        assert all(" IN (" not in sql for sql in checks.values()), checks
+        with pytest.raises(sqlite3.IntegrityError, match="CHECK constraint failed"):
+            db.conn.execute(
+                "INSERT INTO tasks (task_id, principal, message_id, kind, payload, fingerprint,"
+                " state, max_attempts, not_before, deadline, hops, created_at, updated_at)"
+                " VALUES ('t', 'alice', 'm', 'task', '{}', 'f', 'Pending', 3, 0, 0, 0, 0, 0)"
+            )
 
 
 def test_database_refuses_file_with_newer_schema(tmp_path: Path) -> None:
