@@ -278,6 +278,8 @@ class Ingestor:
                 entries = source.reader.read()
                 if entries:
                     crashpoints.hit("ingest.after_read")
+                    if peek:
+                        source.reader.prefetch()  # the next batch, prepared meanwhile
                     handled += self._handle(source, entries, peek=peek)
             except StoreBusy:
                 raise  # the batch is held (see _commit); no re-read, no redelivery

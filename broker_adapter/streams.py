@@ -11,6 +11,11 @@ Delivery discipline (``GroupReader``):
   list; this is what recovers them.
 * A missing group (Redis lost its data) is recreated from ``0``, logged as an alarm, and
   reading carries on.
+* Reading ahead is allowed only into this consumer's own pending list: a peeking ``ack``
+  reads the next batch in its round trip, and after a whole batch ``prefetch`` sends the
+  next read at once, so that Redis prepares it while the batch is checked and committed.
+  What was read ahead and not yet handled is dropped on any error and comes back with the
+  replay.
 * ``take_over`` runs XAUTOCLAIM with a carried cursor until it comes back to ``0-0``, so
   every idle entry of a dead consumer is eventually examined, not just the first page.
 * Entries whose payload was deleted or trimmed (nil fields, or XAUTOCLAIM's deleted list)
@@ -186,6 +191,11 @@ class GroupReader:
         self._group_ready = False
         #: Entries read by the last peeking ``ack``: what the next ``read`` returns.
         self._ahead: list[StreamEntry] = []
+        #: A connection taken from the pool with a ``prefetch`` read sent on it and its
+        #: reply not yet read (the next ``ack`` or ``read`` reads it).
+        self._inflight: Any = None
+        #: The last read of new entries filled a whole batch (more are likely waiting).
+        self._full = False
         self._dead_letter = client.register_script(_DEAD_LETTER)
 
     # -- group ----------------------------------------------------------------------------
@@ -207,6 +217,7 @@ class GroupReader:
             self.stream,
         )
         self.stats.group_recreated += 1
+        self._drop_inflight()  # a read of the group that is gone
         self.ensure_group()
         self._replaying = True
         self._cursor = "0-0"
@@ -215,6 +226,7 @@ class GroupReader:
         """Call after any error: the next read starts again with this consumer's own pending
         (entries read ahead are dropped: they are in that list)."""
         self._ahead = []
+        self._drop_inflight()
         self._replaying = True
         self.stats.reconnects += 1
 
@@ -231,6 +243,8 @@ class GroupReader:
         if self._ahead:
             ahead, self._ahead = self._ahead, []
             return ahead  # screened when they were read
+        if self._inflight is not None:
+            return self._finish_prefetch(None)[0]
         if not self._group_ready:
             self.ensure_group()
         try:
@@ -262,7 +276,82 @@ class GroupReader:
             )
         entries = _entries(reply)
         self.stats.read += len(entries)
+        self._full = len(entries) >= cfg.count
         return [StreamEntry(eid, f, 1) for eid, f in entries]
+
+    # -- reading ahead ----------------------------------------------------------------------
+
+    def prefetch(self) -> bool:
+        """When the last read of new entries filled a whole batch, send the read of the next
+        batch now (without blocking) and return at once: Redis prepares it while the caller
+        checks and commits this one. The next ``ack`` (or ``read``) takes its reply, in the
+        round trip of its XACK. The entries it delivers are in this consumer's pending list
+        from then on, so any error before they are handled is recovered like any other:
+        ``reset``, then the replay of the pending list.
+
+        Returns:
+            whether a read was sent.
+
+        Raises:
+            RedisUnavailable: the send failed (the reader is reset).
+        """
+        if not self._full or self._replaying or self._ahead or self._inflight is not None:
+            return False
+        self._full = False
+        pool = self.client.connection_pool
+        conn = _pool_connection(pool)
+        try:
+            with translated():
+                conn.send_command(
+                    "XREADGROUP", "GROUP", self.group, self.consumer,
+                    "COUNT", self.config.count, "STREAMS", self.stream, ">",
+                )  # fmt: skip
+        except BaseException:
+            conn.disconnect()
+            pool.release(conn)
+            self.reset()
+            raise
+        self._inflight = conn
+        return True
+
+    def _finish_prefetch(self, entry_ids: Sequence[str] | None) -> tuple[list[StreamEntry], int]:
+        """Take the prefetched read's reply, after sending the XACK of ``entry_ids`` on the same
+        connection (one round trip for both). Returns the screened entries and the XACK count
+        (a missing group is recreated, and nothing is returned).
+
+        Raises:
+            RedisUnavailable: the reader is reset (both commands may or may not have run).
+        """
+        conn, self._inflight = self._inflight, None
+        pool = self.client.connection_pool
+        try:
+            with translated():
+                if entry_ids:
+                    conn.send_command("XACK", self.stream, self.group, *entry_ids)
+                reply = self.client.parse_response(conn, "XREADGROUP")  # type: ignore[no-untyped-call]
+                acked = int(conn.read_response()) if entry_ids else 0
+        except GroupMissingError:
+            conn.disconnect()  # the XACK's reply, if any, is still unread on it
+            pool.release(conn)
+            self._recreate_group()
+            return [], 0
+        except BaseException:
+            conn.disconnect()
+            pool.release(conn)
+            self.reset()
+            raise
+        pool.release(conn)
+        entries = _entries(reply)
+        self.stats.read += len(entries)
+        self.stats.acked += acked
+        self._full = len(entries) >= self.config.count
+        return self._screen([StreamEntry(eid, f, 1) for eid, f in entries]), acked
+
+    def _drop_inflight(self) -> None:
+        conn, self._inflight = self._inflight, None
+        if conn is not None:
+            conn.disconnect()  # its reply is unread: the connection cannot be reused as is
+            self.client.connection_pool.release(conn)
 
     def _with_deliveries(self, entries: list[tuple[str, Fields | None]]) -> list[StreamEntry]:
         """Attach delivery counts (from XPENDING) to entries that came from a pending list."""
@@ -343,14 +432,20 @@ class GroupReader:
             peek: in the same round trip, read the next new entries without blocking (one
                 round trip, and on an ``appendfsync always`` server one fsync, where an
                 ``ack`` and a ``read`` take two); the next ``read`` returns them. Ignored
-                while this reader still replays its own pending list.
+                while this reader still replays its own pending list. After a
+                ``prefetch`` the read was sent already: the XACK goes on its connection and
+                its reply is taken, peek or not.
 
         Raises:
-            RedisUnavailable: the call failed; with ``peek`` both commands may or may not
-                have run (the reader is reset: the next ``read`` replays its pending list).
+            RedisUnavailable: the call failed; with ``peek`` (or a prefetch) both commands
+                may or may not have run (the reader is reset: the next ``read`` replays its
+                pending list).
         """
         if not entry_ids:
             return 0
+        if self._inflight is not None:
+            self._ahead, n = self._finish_prefetch(entry_ids)
+            return n
         if not peek or self._replaying:
             with translated():
                 n = int(self.client.xack(self.stream, self.group, *entry_ids))
@@ -372,13 +467,15 @@ class GroupReader:
         self.stats.acked += n
         entries = _entries(reply)
         self.stats.read += len(entries)
+        self._full = len(entries) >= self.config.count
         self._ahead = self._screen([StreamEntry(eid, f, 1) for eid, f in entries])
         return n
 
     @property
     def has_ahead(self) -> bool:
-        """Whether entries read by a peeking ``ack`` wait for the next ``read``."""
-        return bool(self._ahead)
+        """Whether entries read ahead (by a peeking ``ack`` or a ``prefetch``) wait for the
+        next ``read``."""
+        return bool(self._ahead) or self._inflight is not None
 
     def dead_letter(
         self,
@@ -451,6 +548,14 @@ class GroupReader:
 def _id_key(entry_id: str) -> tuple[int, int]:
     ms, _, seq = entry_id.partition("-")
     return int(ms), int(seq or 0)
+
+
+def _pool_connection(pool: Any) -> Any:
+    """A connection of its own from ``pool`` (redis-py before 5.3 wants a command name)."""
+    try:
+        return pool.get_connection()
+    except TypeError:
+        return pool.get_connection("XREADGROUP")
 
 
 def _entries(reply: Any) -> list[tuple[str, Fields | None]]:

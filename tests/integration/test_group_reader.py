@@ -6,6 +6,7 @@ from typing import Any
 
 import pytest
 
+from broker_adapter.errors import RedisUnavailable
 from broker_adapter.keys import Keys
 from broker_adapter.streams import GroupReader, ReaderConfig, connect, text
 from tests.support.redis_server import RedisServer
@@ -140,3 +141,130 @@ def test_group_reader_peeking_ack_reads_the_next_batch_in_the_same_trip(
     assert reader.ack([e.entry_id for e in replay], peek=True) == 2
     assert not reader.has_ahead
     assert reader.ack([], peek=True) == 0
+
+
+def _fill(reader: GroupReader, client: Any, n: int) -> None:
+    reader.ensure_group()
+    for i in range(n):
+        client.xadd(reader.stream, {"n": str(i)})
+    assert reader.read() == []  # own pending list empty: from now on new entries
+
+
+def _numbers(entries: list[Any]) -> list[int]:
+    return [int(e.fields[b"n"]) for e in entries]
+
+
+def test_group_reader_prefetch_sends_the_next_read_and_the_ack_takes_its_reply(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    reader, client = _reader(redis_server, prefix, "c1", count=3)
+    _fill(reader, client, 7)
+    first = reader.read()
+    assert _numbers(first) == [0, 1, 2]
+    assert reader.prefetch()  # a whole batch came: ask for the next one now
+    assert reader.has_ahead
+    assert not reader.prefetch()  # one read in flight at most
+    # the read was sent before this batch was acknowledged: Redis delivered it already
+    assert len(client.xpending_range(reader.stream, "g", min="-", max="+", count=10)) == 6
+    assert reader.ack([e.entry_id for e in first], peek=True) == 3  # takes the reply too
+    second = reader.read()
+    assert _numbers(second) == [3, 4, 5]
+    assert reader.prefetch()
+    assert reader.ack([e.entry_id for e in second]) == 3  # peek or not: the reply is taken
+    third = reader.read()
+    assert _numbers(third) == [6]
+    assert not reader.prefetch()  # a short batch: nothing is likely waiting
+    assert reader.ack([third[0].entry_id], peek=True) == 1
+    assert not reader.has_ahead
+    assert reader.pending() == {}
+    assert (reader.stats.read, reader.stats.acked) == (7, 7)
+
+
+def test_group_reader_prefetch_is_not_sent_while_replaying_or_after_a_short_batch(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    reader, client = _reader(redis_server, prefix, "c1", count=2)
+    reader.ensure_group()
+    client.xadd(reader.stream, {"n": "0"})
+    client.xadd(reader.stream, {"n": "1"})
+    assert not reader.prefetch()  # nothing read yet
+    assert reader.read() == []
+    assert len(reader.read()) == 2
+    reader.reset()  # an error: the next reads replay the pending list
+    assert not reader.prefetch()
+    assert _numbers(reader.read()) == [0, 1]  # replayed, a full batch, still replaying
+    assert not reader.prefetch()
+
+
+def test_group_reader_prefetched_entries_come_back_after_a_reset(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    reader, client = _reader(redis_server, prefix, "c1", count=2)
+    _fill(reader, client, 4)
+    first = reader.read()
+    assert reader.prefetch()
+    reader.reset()  # e.g. the accept transaction failed: the reply in flight is dropped
+    assert not reader.has_ahead
+    replay = reader.read()
+    assert _numbers(replay) == [0, 1]
+    assert reader.ack([e.entry_id for e in replay]) == 2
+    replay = reader.read()  # the prefetched two are in the pending list too
+    assert _numbers(replay) == [2, 3]
+    assert all(e.deliveries == 2 for e in replay)
+    assert reader.ack([e.entry_id for e in replay]) == 2
+    assert reader.read() == []
+    assert reader.pending() == {}
+    assert _numbers(first) == [0, 1]
+
+
+def test_group_reader_read_takes_a_prefetch_that_no_ack_took(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    """A batch that is all dead letters has nothing to acknowledge: the next read takes
+    the prefetched reply."""
+    reader, client = _reader(redis_server, prefix, "c1", count=2)
+    _fill(reader, client, 3)
+    first = reader.read()
+    assert reader.prefetch()
+    for entry in first:
+        reader.dead_letter(entry, "bad", "for the test")
+    assert reader.has_ahead
+    assert _numbers(reader.read()) == [2]
+    assert not reader.has_ahead
+    assert [f[b"dl.reason"] for _, f in client.xrange(reader.dead_stream)] == [b"bad", b"bad"]
+
+
+def test_group_reader_prefetch_with_the_group_gone_recreates_it(
+    fresh_redis: RedisServer, prefix: str
+) -> None:
+    reader, client = _reader(fresh_redis, prefix, "c1", count=2)
+    _fill(reader, client, 2)
+    first = reader.read()
+    client.xgroup_destroy(reader.stream, "g")
+    assert reader.prefetch()  # the NOGROUP error comes back with the reply
+    assert reader.ack([e.entry_id for e in first], peek=True) == 0
+    assert reader.stats.group_recreated == 1
+    assert reader.read() == []  # recreated from 0: the replay of an empty pending list
+    assert _numbers(reader.read()) == [0, 1]
+
+
+def test_group_reader_connection_killed_with_a_prefetch_in_flight(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    reader, client = _reader(redis_server, prefix, "c1", count=2)
+    _fill(reader, client, 4)
+    first = reader.read()
+    assert reader.prefetch()
+    admin = redis_server.client()
+    mine = [c for c in admin.client_list() if c["cmd"] == "xreadgroup"]
+    for c in mine:
+        admin.client_kill_filter(_id=c["id"])
+    with pytest.raises(RedisUnavailable):
+        reader.ack([e.entry_id for e in first], peek=True)
+    assert not reader.has_ahead
+    seen: list[int] = []
+    while batch := reader.read():  # the replay of the pending list, until it is empty
+        seen += _numbers(batch)
+        reader.ack([e.entry_id for e in batch])
+    assert seen == [0, 1, 2, 3]  # nothing lost: the replay brings the prefetched two too
+    assert reader.pending() == {}

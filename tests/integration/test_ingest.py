@@ -435,6 +435,32 @@ def test_ingest_reads_ahead_with_its_xack_and_a_stop_leaves_nothing_read_unhandl
     assert ingestor.stats.acked == 6
 
 
+def test_ingest_prefetch_left_by_a_batch_of_dead_letters_is_handled_on_stop(
+    redis_server: RedisServer, prefix: str, tasks: TaskStore, keyring: Keyring, clock: FakeClock
+) -> None:
+    """A full batch is followed by a read sent at once (``GroupReader.prefetch``). When the
+    batch is all dead letters no XACK takes that read's reply: the next read does, and a
+    stop still handles it (nothing is left read and unhandled)."""
+    client = connect(redis_server.url)
+    keys = Keys(prefix)
+    for _ in range(2):
+        client.xadd(keys.inbound(), {b"v": b"1", b"env": b"not json"})
+    pub = Publisher(client, keys, "alice", keyring)
+    for i in range(2):
+        pub.publish(envelope(f"d{i}"))
+    ingestor = _ingestor(client, prefix, tasks, keyring, clock, count=2)
+    assert ingestor.step() == 0  # the replay of its own (empty) pending list
+    assert ingestor.step() == 2  # both dead-lettered; the next two read in the meantime
+    assert ingestor.readers[0].has_ahead
+    assert task_counts(tasks) == {}
+    stop = threading.Event()
+    stop.set()
+    ingestor.run(stop)
+    assert task_counts(tasks) == {("alice", "d0"): 1, ("alice", "d1"): 1}
+    assert pending_total(client, keys.inbound()) == 0
+    assert len(client.xrange(keys.inbound_dead()) or []) == 2
+
+
 def test_ingest_run_loop_backs_off_and_recovers_when_redis_restarts(
     fresh_redis: RedisServer, prefix: str, tasks: TaskStore, keyring: Keyring, clock: FakeClock
 ) -> None:
@@ -513,7 +539,9 @@ def test_ingest_connection_killed_mid_batch_loses_and_doubles_nothing(
         worker.join(timeout=10)
     assert len(errors) == 1
     assert isinstance(errors[0], RedisUnavailable)  # "maybe acknowledged"
-    assert pending_total(client, keys.inbound()) == 10  # the kill discarded the XACK
+    # The kill discarded the XACK of batch 2; batch 3 was read ahead (``prefetch``) while
+    # batch 2 was checked and committed: both are pending.
+    assert pending_total(client, keys.inbound()) == 20
     drain(ingestor, client)
     assert task_counts(tasks) == {("alice", f"k{i}"): 1 for i in range(30)}
     assert ingestor.stats.duplicates == 10  # batch 2 replayed from the pending list
