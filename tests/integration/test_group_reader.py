@@ -154,14 +154,24 @@ def _numbers(entries: list[Any]) -> list[int]:
     return [int(e.fields[b"n"]) for e in entries]
 
 
+def _prefetching(
+    server: RedisServer, prefix: str, n: int, count: int = 2
+) -> tuple[GroupReader, Any, list[Any]]:
+    """A reader (batches of ``count``) over ``n`` entries that read its first batch and sent
+    the read of the next (``prefetch``: a whole batch came); returns it, its client and that
+    first batch."""
+    reader, client = _reader(server, prefix, "c1", count=count)
+    _fill(reader, client, n)
+    first = reader.read()
+    assert reader.prefetch()
+    return reader, client, first
+
+
 def test_group_reader_prefetch_sends_the_next_read_and_the_ack_takes_its_reply(
     redis_server: RedisServer, prefix: str
 ) -> None:
-    reader, client = _reader(redis_server, prefix, "c1", count=3)
-    _fill(reader, client, 7)
-    first = reader.read()
+    reader, client, first = _prefetching(redis_server, prefix, 7, count=3)
     assert _numbers(first) == [0, 1, 2]
-    assert reader.prefetch()  # a whole batch came: ask for the next one now
     assert reader.has_ahead
     assert not reader.prefetch()  # one read in flight at most
     # the read was sent before this batch was acknowledged: Redis delivered it already
@@ -199,10 +209,7 @@ def test_group_reader_prefetch_is_not_sent_while_replaying_or_after_a_short_batc
 def test_group_reader_prefetched_entries_come_back_after_a_reset(
     redis_server: RedisServer, prefix: str
 ) -> None:
-    reader, client = _reader(redis_server, prefix, "c1", count=2)
-    _fill(reader, client, 4)
-    first = reader.read()
-    assert reader.prefetch()
+    reader, _client, first = _prefetching(redis_server, prefix, 4)
     reader.reset()  # e.g. the accept transaction failed: the reply in flight is dropped
     assert not reader.has_ahead
     replay = reader.read()
@@ -222,10 +229,7 @@ def test_group_reader_read_takes_a_prefetch_that_no_ack_took(
 ) -> None:
     """A batch that is all dead letters has nothing to acknowledge: the next read takes
     the prefetched reply."""
-    reader, client = _reader(redis_server, prefix, "c1", count=2)
-    _fill(reader, client, 3)
-    first = reader.read()
-    assert reader.prefetch()
+    reader, client, first = _prefetching(redis_server, prefix, 3)
     for entry in first:
         reader.dead_letter(entry, "bad", "for the test")
     assert reader.has_ahead
@@ -251,10 +255,7 @@ def test_group_reader_prefetch_with_the_group_gone_recreates_it(
 def test_group_reader_connection_killed_with_a_prefetch_in_flight(
     redis_server: RedisServer, prefix: str
 ) -> None:
-    reader, client = _reader(redis_server, prefix, "c1", count=2)
-    _fill(reader, client, 4)
-    first = reader.read()
-    assert reader.prefetch()
+    reader, _client, first = _prefetching(redis_server, prefix, 4)
     admin = redis_server.client()
     mine = [c for c in admin.client_list() if c["cmd"] == "xreadgroup"]
     for c in mine:
