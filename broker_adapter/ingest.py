@@ -258,9 +258,11 @@ class Ingestor:
         """Read and ingest one batch per stream (own pending entries first).
 
         Args:
-            peek: read the next new entries in the round trip of this batch's XACK; they are
-                handled by the next call (``run`` ends with a call without it, so that a
-                clean stop leaves nothing read and unhandled).
+            peek: read the next new entries in the round trip of this batch's XACK (after a
+                whole batch that read is sent before the batch is checked:
+                ``GroupReader.prefetch``); they are handled by the next call (``run`` ends
+                with a call without it, so that a clean stop leaves nothing read and
+                unhandled).
 
         Returns:
             how many entries were handled (stored, duplicate, conflict or dead-lettered).

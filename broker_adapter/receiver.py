@@ -287,9 +287,10 @@ class Receiver:
         takeover page when due), apply it, acknowledge it.
 
         Args:
-            peek: read the next new entries in the round trip of this batch's XACK; the next
-                step handles them (``run`` ends with a step without it, so that a clean stop
-                leaves nothing read and unhandled).
+            peek: read the next new entries in the round trip of this batch's XACK (after a
+                whole batch that read is sent before the batch is applied:
+                ``GroupReader.prefetch``); the next step handles them (``run`` ends with a
+                step without it, so that a clean stop leaves nothing read and unhandled).
 
         Returns:
             how many entries were acknowledged (applied or duplicate).
@@ -302,6 +303,8 @@ class Receiver:
             if self._held is not None:
                 return self._commit(self._held, peek=peek)
             entries = self.reader.read()
+            if peek:
+                self.reader.prefetch()  # after a whole batch: the next one, prepared meanwhile
             now = self.clock.now()
             if now >= self._next_take_over:
                 entries += self.reader.take_over()

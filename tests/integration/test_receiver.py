@@ -9,7 +9,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 
@@ -55,6 +55,30 @@ def rx_db(rx_path: Path) -> Iterator[Database]:
     db.close()
 
 
+class _Rx(NamedTuple):
+    """What most receiver tests start from: a server, the agent's and the receiver's files,
+    the clock and a fresh key prefix."""
+
+    redis_server: RedisServer
+    agent_db: Database
+    rx_db: Database
+    rx_path: Path
+    clock: FakeClock
+    prefix: str
+
+
+@pytest.fixture
+def rx(
+    redis_server: RedisServer,
+    agent_db: Database,
+    rx_db: Database,
+    rx_path: Path,
+    clock: FakeClock,
+    prefix: str,
+) -> _Rx:
+    return _Rx(redis_server, agent_db, rx_db, rx_path, clock, prefix)
+
+
 def _publish(
     server: RedisServer, agent_db: Database, clock: FakeClock, prefix: str, n: int
 ) -> list[str]:
@@ -73,14 +97,8 @@ def _raw_reply(reply_id: str, **extra: Any) -> dict[bytes, bytes]:
             b"body": body}  # fmt: skip
 
 
-def test_receiver_applies_each_reply_once_and_acks(
-    redis_server: RedisServer,
-    agent_db: Database,
-    rx_db: Database,
-    rx_path: Path,
-    clock: FakeClock,
-    prefix: str,
-) -> None:
+def test_receiver_applies_each_reply_once_and_acks(rx: _Rx) -> None:
+    redis_server, agent_db, rx_db, rx_path, clock, prefix = rx
     ids = _publish(redis_server, agent_db, clock, prefix, 4)
     rc = receiver_for(redis_server.url, rx_db, clock, prefix, P, "r1")
     assert drain(rc) == 4
@@ -93,14 +111,8 @@ def test_receiver_applies_each_reply_once_and_acks(
     assert json.loads(receipt.effect_result or "null") == {"applied": ids[0]}
 
 
-def test_receiver_second_entry_of_same_reply_is_a_duplicate(
-    redis_server: RedisServer,
-    agent_db: Database,
-    rx_db: Database,
-    rx_path: Path,
-    clock: FakeClock,
-    prefix: str,
-) -> None:
+def test_receiver_second_entry_of_same_reply_is_a_duplicate(rx: _Rx) -> None:
+    redis_server, agent_db, rx_db, rx_path, clock, prefix = rx
     (rid,) = _publish(redis_server, agent_db, clock, prefix, 1)
     client = _client(redis_server)
     stream = Keys(prefix).replies(P)
@@ -112,14 +124,8 @@ def test_receiver_second_entry_of_same_reply_is_a_duplicate(
     assert effect_counts(rx_path) == {rid: 1}
 
 
-def test_receiver_rewind_of_the_group_produces_zero_new_effects(
-    redis_server: RedisServer,
-    agent_db: Database,
-    rx_db: Database,
-    rx_path: Path,
-    clock: FakeClock,
-    prefix: str,
-) -> None:
+def test_receiver_rewind_of_the_group_produces_zero_new_effects(rx: _Rx) -> None:
+    redis_server, agent_db, rx_db, rx_path, clock, prefix = rx
     ids = _publish(redis_server, agent_db, clock, prefix, 3)
     rc = receiver_for(redis_server.url, rx_db, clock, prefix, P, "r1")
     drain(rc)
@@ -187,14 +193,8 @@ def test_receiver_dead_letters_malformed_entries_with_reason(
     assert rc.reader.pending() == {}
 
 
-def test_receiver_failing_effect_leaves_nothing_and_is_retried_then_dead_lettered(
-    redis_server: RedisServer,
-    agent_db: Database,
-    rx_db: Database,
-    rx_path: Path,
-    clock: FakeClock,
-    prefix: str,
-) -> None:
+def test_receiver_failing_effect_leaves_nothing_and_is_retried_then_dead_lettered(rx: _Rx) -> None:
+    redis_server, agent_db, rx_db, rx_path, clock, prefix = rx
     ids = _publish(redis_server, agent_db, clock, prefix, 2)
     poison = ids[0]
 
@@ -217,14 +217,8 @@ def test_receiver_failing_effect_leaves_nothing_and_is_retried_then_dead_lettere
     assert rc.reader.pending() == {}
 
 
-def test_receiver_takes_over_entries_of_a_dead_consumer(
-    redis_server: RedisServer,
-    agent_db: Database,
-    rx_db: Database,
-    rx_path: Path,
-    clock: FakeClock,
-    prefix: str,
-) -> None:
+def test_receiver_takes_over_entries_of_a_dead_consumer(rx: _Rx) -> None:
+    redis_server, agent_db, rx_db, rx_path, clock, prefix = rx
     ids = _publish(redis_server, agent_db, clock, prefix, 3)
     client = _client(redis_server)
     stream = Keys(prefix).replies(P)
@@ -252,14 +246,8 @@ def test_effect_key_is_stable_and_carries_the_fence() -> None:
     assert (key.idempotency_key, key.task_id, key.fence) == ("ba-reply:r-abc", "abc", 3)
 
 
-def test_receiver_run_applies_until_stopped(
-    redis_server: RedisServer,
-    agent_db: Database,
-    rx_db: Database,
-    rx_path: Path,
-    clock: FakeClock,
-    prefix: str,
-) -> None:
+def test_receiver_run_applies_until_stopped(rx: _Rx) -> None:
+    redis_server, agent_db, rx_db, rx_path, clock, prefix = rx
     ids = _publish(redis_server, agent_db, clock, prefix, 3)
     rc = receiver_for(redis_server.url, rx_db, clock, prefix, P, "r1")
     stop = threading.Event()
@@ -304,13 +292,9 @@ def test_receiver_busy_store_holds_the_batch_and_spends_no_delivery_count(
 
 
 def test_receiver_reads_ahead_with_its_xack_and_a_stop_leaves_nothing_read_unapplied(
-    redis_server: RedisServer,
-    agent_db: Database,
-    rx_db: Database,
-    rx_path: Path,
-    clock: FakeClock,
-    prefix: str,
+    rx: _Rx,
 ) -> None:
+    redis_server, agent_db, rx_db, rx_path, clock, prefix = rx
     ids = _publish(redis_server, agent_db, clock, prefix, 6)
     rc = receiver_for(redis_server.url, rx_db, clock, prefix, P, "r1", count=2)
     assert rc.step() == 0  # the replay of its own (empty) pending list
@@ -323,3 +307,25 @@ def test_receiver_reads_ahead_with_its_xack_and_a_stop_leaves_nothing_read_unapp
     assert effect_counts(rx_path) == dict.fromkeys(ids, 1)
     assert rc.reader.pending() == {}
     assert rc.stats.applied == 6
+
+
+def test_receiver_prefetch_left_by_a_batch_of_dead_letters_is_applied_on_stop(rx: _Rx) -> None:
+    """After a whole batch the receiver sends the read of the next one at once
+    (``GroupReader.prefetch``); a batch of dead letters acknowledges nothing, so the next
+    read takes that reply, and a stop still applies it."""
+    redis_server, agent_db, rx_db, rx_path, clock, prefix = rx
+    client = _client(redis_server)
+    for _ in range(2):
+        client.xadd(Keys(prefix).replies(P), {b"v": b"1", b"reply_id": b"r-bad"})
+    ids = _publish(redis_server, agent_db, clock, prefix, 2)
+    rc = receiver_for(redis_server.url, rx_db, clock, prefix, P, "r1", count=2)
+    assert rc.step() == 0  # the replay of its own (empty) pending list
+    assert rc.step() == 0  # both dead-lettered; the next two read in the meantime
+    assert rc.reader.has_ahead
+    assert effect_counts(rx_path) == {}
+    stop = threading.Event()
+    stop.set()
+    rc.run(stop)
+    assert effect_counts(rx_path) == dict.fromkeys(ids, 1)
+    assert rc.reader.pending() == {}
+    assert len(client.xrange(Keys(prefix).replies_dead(P))) == 2
