@@ -298,8 +298,7 @@ class GroupReader:
         if not self._full or self._replaying or self._ahead or self._inflight is not None:
             return False
         self._full = False
-        pool = self.client.connection_pool
-        conn = _pool_connection(pool)
+        conn = _pool_connection(self.client.connection_pool)
         try:
             with translated():
                 conn.send_command(
@@ -307,8 +306,7 @@ class GroupReader:
                     "COUNT", self.config.count, "STREAMS", self.stream, ">",
                 )  # fmt: skip
         except BaseException:
-            conn.disconnect()
-            pool.release(conn)
+            self._discard(conn)
             self.reset()
             raise
         self._inflight = conn
@@ -323,7 +321,6 @@ class GroupReader:
             RedisUnavailable: the reader is reset (both commands may or may not have run).
         """
         conn, self._inflight = self._inflight, None
-        pool = self.client.connection_pool
         try:
             with translated():
                 if entry_ids:
@@ -331,27 +328,35 @@ class GroupReader:
                 reply = self.client.parse_response(conn, "XREADGROUP")  # type: ignore[no-untyped-call]
                 acked = int(conn.read_response()) if entry_ids else 0
         except GroupMissingError:
-            conn.disconnect()  # the XACK's reply, if any, is still unread on it
-            pool.release(conn)
+            self._discard(conn)  # the XACK's reply, if any, is still unread on it
             self._recreate_group()
             return [], 0
         except BaseException:
-            conn.disconnect()
-            pool.release(conn)
+            self._discard(conn)
             self.reset()
             raise
-        pool.release(conn)
-        entries = _entries(reply)
-        self.stats.read += len(entries)
+        self.client.connection_pool.release(conn)
         self.stats.acked += acked
-        self._full = len(entries) >= self.config.count
-        return self._screen([StreamEntry(eid, f, 1) for eid, f in entries]), acked
+        return self._new_entries(reply), acked
 
     def _drop_inflight(self) -> None:
         conn, self._inflight = self._inflight, None
         if conn is not None:
-            conn.disconnect()  # its reply is unread: the connection cannot be reused as is
-            self.client.connection_pool.release(conn)
+            self._discard(conn)
+
+    def _discard(self, conn: Any) -> None:
+        """Close a connection whose reply may be unread (it cannot be reused as it is) and
+        give it back to the pool."""
+        conn.disconnect()
+        self.client.connection_pool.release(conn)
+
+    def _new_entries(self, reply: Any) -> list[StreamEntry]:
+        """The screened entries of a non-blocking read of new ones, read ahead for the next
+        ``read`` (``_full`` notes whether it filled a batch)."""
+        entries = _entries(reply)
+        self.stats.read += len(entries)
+        self._full = len(entries) >= self.config.count
+        return self._screen([StreamEntry(eid, f, 1) for eid, f in entries])
 
     def _with_deliveries(self, entries: list[tuple[str, Fields | None]]) -> list[StreamEntry]:
         """Attach delivery counts (from XPENDING) to entries that came from a pending list."""
@@ -465,10 +470,7 @@ class GroupReader:
             raise
         n = int(acked)
         self.stats.acked += n
-        entries = _entries(reply)
-        self.stats.read += len(entries)
-        self._full = len(entries) >= self.config.count
-        self._ahead = self._screen([StreamEntry(eid, f, 1) for eid, f in entries])
+        self._ahead = self._new_entries(reply)
         return n
 
     @property
