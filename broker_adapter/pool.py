@@ -29,6 +29,7 @@ from types import FrameType
 
 from broker_adapter.errors import ConfigError
 from broker_adapter.handlers import load_handler
+from broker_adapter.handoff import Handoff, HandoffEndpoint
 from broker_adapter.store.db import open_database
 from broker_adapter.store.tasks import TaskPolicy, TaskStore
 from broker_adapter.worker import Worker, WorkerConfig
@@ -37,39 +38,6 @@ from broker_adapter.worker import Worker, WorkerConfig
 STOP_MARGIN_S = 5.0
 #: How long ``stop`` waits for a child still starting up to install its SIGTERM handler.
 READY_TIMEOUT_S = 30.0
-
-
-class WakeUp:
-    """Wakes idle worker processes when new tasks were committed, instead of 1 ms polls.
-
-    A process-shared semaphore: an idle worker waits on it (``wait``, with its poll
-    interval as the timeout: work that comes without a signal, a retry's backoff or an
-    expired lease, is still found by the poll); ``notify(n)`` after a commit that stored
-    ``n`` tasks releases up to ``n`` permits, each waking one waiting worker. Busy workers
-    are not waiting, so idle ones are woken first. Permits that nobody took are kept, at
-    most one per worker: a later wait returns at once and finds nothing (a read).
-
-    Args:
-        workers: how many workers wait on it (the most permits kept).
-    """
-
-    def __init__(self, workers: int) -> None:
-        self._sem = multiprocessing.get_context("spawn").Semaphore(0)
-        self._limit = max(1, workers)
-
-    def notify(self, n: int = 1) -> None:
-        """Wake up to ``n`` idle workers (never blocks)."""
-        for _ in range(min(n, self._limit)):
-            try:
-                if self._sem.get_value() >= self._limit:
-                    return
-            except NotImplementedError:  # macOS has no sem_getvalue: keep no bound
-                pass
-            self._sem.release()
-
-    def wait(self, timeout_s: float) -> bool:
-        """Wait until woken or ``timeout_s`` passed; True when woken."""
-        return bool(self._sem.acquire(timeout=timeout_s))
 
 
 class WorkerPool:
@@ -82,9 +50,9 @@ class WorkerPool:
         config_factory: the config of child ``i`` (called in this process, ``i`` from 0);
             the owners must differ.
         policy: the store's policy in every child (lease, backoff); the default if ``None``.
-        wake: give the children a ``WakeUp`` (``self.wake``): idle workers wait on it with
-            ``idle_poll_s`` as the timeout instead of polling every ``wake_poll_s``. Call
-            ``self.wake.notify(n)`` after committing ``n`` new tasks.
+        handoff: give the children a ``Handoff`` (``self.handoff``): idle workers wait on
+            it, ``idle_poll_s`` at most, instead of polling every ``wake_poll_s``; whoever
+            accepts tasks in this process hands them over with ``accept_and_claim``.
 
     Raises:
         ConfigError: ``n < 1``, the handler cannot be loaded, or two owners are the same.
@@ -98,7 +66,7 @@ class WorkerPool:
         config_factory: Callable[[int], WorkerConfig],
         *,
         policy: TaskPolicy | None = None,
-        wake: bool = False,
+        handoff: bool = False,
     ) -> None:
         if n < 1:
             raise ConfigError(f"a worker pool needs at least one process, got {n}")
@@ -114,10 +82,12 @@ class WorkerPool:
         self._ready: list[ProcessEvent] = []
         self._procs: list[SpawnProcess] = []
         self.restarts = 0
-        self.wake = WakeUp(n) if wake else None
+        self.handoff = Handoff(owners) if handoff else None
 
-    def _spawn(self, config: WorkerConfig) -> tuple[SpawnProcess, ProcessEvent]:
+    def _spawn(self, slot: int) -> tuple[SpawnProcess, ProcessEvent]:
+        config = self.configs[slot]
         ready = self._ctx.Event()
+        endpoint = None if self.handoff is None else self.handoff.endpoint(slot)
         proc = self._ctx.Process(
             target=_child_main,
             args=(
@@ -127,19 +97,23 @@ class WorkerPool:
                 self.policy,
                 ready,
                 os.getpid(),
-                self.wake,
+                endpoint,
             ),
             name=f"ba-worker-{config.owner}",
         )
-        proc.start()
+        try:
+            proc.start()
+        finally:
+            if endpoint is not None:
+                endpoint.close()  # the child has its own copy of the reading end
         return proc, ready
 
     def start(self) -> None:
         """Start the children (once)."""
         if self._procs:
             raise RuntimeError("the pool was already started")
-        for config in self.configs:
-            proc, ready = self._spawn(config)
+        for slot in range(len(self.configs)):
+            proc, ready = self._spawn(slot)
             self._ready.append(ready)
             self._procs.append(proc)
 
@@ -155,7 +129,7 @@ class WorkerPool:
             if proc.exitcode is None:
                 continue
             proc.join()
-            self._procs[i], self._ready[i] = self._spawn(self.configs[i])
+            self._procs[i], self._ready[i] = self._spawn(i)
             self.restarts += 1
             replaced += 1
         return replaced
@@ -212,6 +186,8 @@ class WorkerPool:
             if proc.is_alive():
                 proc.kill()
                 proc.join()
+        if self.handoff is not None:
+            self.handoff.close()
         return self.exitcodes
 
     def __enter__(self) -> WorkerPool:
@@ -265,7 +241,7 @@ def _child_main(
     policy: TaskPolicy | None,
     ready: ProcessEvent,
     parent_pid: int,
-    wake: WakeUp | None = None,
+    handoff: HandoffEndpoint | None = None,
 ) -> None:
     """A child's whole life: its own database, one worker, SIGTERM/SIGINT to drain.
 
@@ -285,7 +261,7 @@ def _child_main(
             config,
             TaskStore(db, policy=policy),
             handler_spec,
-            wake=None if wake is None else wake.wait,
+            handoff=handoff,
         )
         ready.set()
         worker.run(stop)

@@ -1,8 +1,10 @@
 """Wires the stages into one running adapter: ingest, N worker processes, the dispatcher.
 
-The stages never call each other; they meet only in the SQLite file and in Redis. Each
-thread and each process opens its own ``Database`` (no connection crosses a thread or a
-``fork``); worker processes are started with ``spawn``.
+The stages never call each other; they meet only in the SQLite file and in Redis, plus
+one shortcut: the ingest's accept transaction claims new tasks for the workers that wait
+idle and tells each which (``handoff``; a worker that hears nothing still finds its work
+by claiming). Each thread and each process opens its own ``Database`` (no connection
+crosses a thread or a ``fork``); worker processes are started with ``spawn``.
 
 Lifecycle: ``Runner.run(stop)`` returns after ``stop`` is set (SIGTERM / SIGINT in the CLI):
 ingest and the dispatcher finish their current batch, the workers stop claiming and let the
@@ -30,6 +32,7 @@ from broker_adapter.clock import SystemClock
 from broker_adapter.dispatcher import Dispatcher, DispatcherConfig
 from broker_adapter.envelope import check_principal
 from broker_adapter.errors import BrokerAdapterError, ConfigError, TransientError
+from broker_adapter.handoff import CLAIM, LOOK, Handoff
 from broker_adapter.ingest import IngestConfig, Ingestor
 from broker_adapter.pool import WorkerPool
 from broker_adapter.store import OutboxStore, TaskStore, open_database
@@ -113,20 +116,33 @@ class RunConfig(BaseModel):
         return self
 
 
-class NotifyingTaskStore(TaskStore):
-    """The ingest's store: after a commit that stored new tasks, ``notify(n)`` wakes idle
-    worker processes (``pool.WakeUp``) instead of leaving them to their next poll."""
+class HandingTaskStore(TaskStore):
+    """The ingest's store: each accept also claims the new tasks for idle worker processes
+    and hands them over (``handoff.Handoff``); tasks stored that no idle worker took wait
+    for the next claim, and an idle worker that turns up meanwhile is told to claim."""
 
-    def __init__(self, *args: Any, notify: Callable[[int], None], **kwargs: Any) -> None:
+    def __init__(self, *args: Any, handoff: Handoff, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._notify = notify
+        self._handoff = handoff
 
     def accept(self, items: Sequence[AcceptItem]) -> list[AcceptResult]:
-        results = super().accept(items)
-        stored = sum(r.outcome is Outcome.STORED for r in results)
+        handoff = self._handoff
+        taken = handoff.take(len(items))
+        intake = None
+        try:
+            intake = self.accept_and_claim(items, [(owner, n) for _, owner, n in taken])
+        finally:
+            # Every worker taken gets its one message, whatever happened.
+            for i, (slot, _, _) in enumerate(taken):
+                handles = intake.claimed[i] if intake is not None else []
+                handoff.give(slot, handles or LOOK)
+        stored = sum(r.outcome is Outcome.STORED for r in intake.results)
         if stored:
-            self._notify(stored)
-        return results
+            handoff.stored()
+            handed = sum(len(h) for h in intake.claimed)
+            for slot, _, _ in handoff.take(stored - handed):
+                handoff.give(slot, CLAIM)
+        return intake.results
 
 
 class Runner:
@@ -163,7 +179,7 @@ class Runner:
             self.config.handler,
             self._worker_config,
             policy=self.policy,
-            wake=True,
+            handoff=True,
         )
 
     def _thread(self, name: str, body: Callable[[], None]) -> threading.Thread:
@@ -178,7 +194,7 @@ class Runner:
         thread.start()
         return thread
 
-    def _ingest(self, stop: threading.Event, notify: Callable[[int], None] | None) -> None:
+    def _ingest(self, stop: threading.Event, handoff: Handoff | None) -> None:
         cfg = self.config
         db = open_database(cfg.db_path)
         try:
@@ -192,8 +208,8 @@ class Runner:
             client = connect(cfg.redis_url)
             tasks = (
                 TaskStore(db, SystemClock(), self.policy)
-                if notify is None
-                else NotifyingTaskStore(db, SystemClock(), self.policy, notify=notify)
+                if handoff is None
+                else HandingTaskStore(db, SystemClock(), self.policy, handoff=handoff)
             )
             Ingestor(ingest_cfg, client, tasks, self.keyring, logger=self.log).run(stop)
         finally:
@@ -228,10 +244,9 @@ class Runner:
             cfg.handler,
         )  # fmt: skip
         pool = self._pool()
-        notify = None if pool.wake is None else pool.wake.notify
         threads = [
             self._thread("dispatcher", lambda: self._dispatch(stop)),
-            self._thread("ingest", lambda: self._ingest(stop, notify)),
+            self._thread("ingest", lambda: self._ingest(stop, pool.handoff)),
         ]
         self._first_look.wait(FIRST_LOOK_TIMEOUT_S)
         pool.start()

@@ -23,9 +23,10 @@ each outcome fenced on its own), at the end of the batch or once the oldest is
 claimed task's lease is renewed (one ``LeaseRenewer`` thread per worker) from its claim
 until its commit, so a task waiting its turn, or an outcome waiting for its batch, never
 loses its lease and runs twice.
-When idle, ``run`` waits for the ingest's wake-up signal (``pool.WakeUp``) or, without one,
-looks for work with a read (``TaskStore.has_work``) every ``wake_poll_s`` for a second after
-its last work, then less and less often, up to ``idle_poll_s``.
+When idle, ``run`` waits on its hand-off from the ingest (``handoff.HandoffEndpoint``: tasks
+the ingest's accept transaction claimed for it, or a signal to look or claim) or, without
+one, looks for work with a read (``TaskStore.has_work``) every ``wake_poll_s`` for a second
+after its last work, then less and less often, up to ``idle_poll_s``.
 
 Replies (with ``WorkerConfig.redis_url``): the batch's commit writes each terminal reply
 already claimed by the worker's publisher identity (INVARIANTS 13, 14: state and reply in one
@@ -50,7 +51,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from functools import partial
 from typing import TYPE_CHECKING
@@ -79,6 +79,7 @@ from broker_adapter.handlers import (
     is_retryable,
     load_handler,
 )
+from broker_adapter.handoff import CLAIM, IdleWait
 from broker_adapter.keys import DEFAULT_PREFIX, Keys
 from broker_adapter.store.outbox import OutboxPolicy, OutboxRow, OutboxStore, SentMark
 from broker_adapter.store.tasks import (
@@ -166,7 +167,8 @@ class WorkerStats:
     """Counters of one worker, since it was built.
 
     Attributes:
-        claimed: tasks handed to this worker by ``claim``.
+        claimed: tasks this worker claimed, or the ingest claimed for it (``handed``).
+        handed: of ``claimed``, those the ingest's accept transaction claimed for it.
         done: committed ``done``.
         retried: committed a retryable failure (back to ``pending``).
         failed: committed ``failed``.
@@ -180,6 +182,7 @@ class WorkerStats:
     """
 
     claimed: int = 0
+    handed: int = 0
     done: int = 0
     retried: int = 0
     failed: int = 0
@@ -374,9 +377,9 @@ class Worker:
         redis_client: the client to publish replies with (a ``streams.connect`` client);
             by default one for ``config.redis_url``, or none: the dispatcher publishes.
         outbox_policy: the publisher's lease and retry budget (as the dispatcher's).
-        wake: waits up to the given seconds for a signal that new tasks were committed
-            (``pool.WakeUp.wait``); True when signalled. With it an idle worker blocks on
-            it, looking for work on a signal or every ``idle_poll_s``, instead of polling
+        handoff: this worker's end of the ingest's hand-off (``handoff.HandoffEndpoint``).
+            With it an idle worker waits on it (``idle_poll_s`` at most) and runs the tasks
+            the ingest claimed for it, or looks or claims when told to, instead of polling
             every ``wake_poll_s``.
 
     Publishing its own replies (with a Redis client): the batch's commit writes the replies
@@ -406,7 +409,7 @@ class Worker:
         logger: logging.Logger | None = None,
         redis_client: redis.Redis | None = None,
         outbox_policy: OutboxPolicy | None = None,
-        wake: Callable[[float], bool] | None = None,
+        handoff: IdleWait | None = None,
     ) -> None:
         self.config = config
         self.tasks = tasks
@@ -446,8 +449,8 @@ class Worker:
         self._confirmed: list[tuple[OutboxRow, Publication, float]] = []
         self._confirmed_at = 0.0  # time.monotonic() of the oldest of them
         self._publish_paused_until = 0.0
-        self._wake = wake
-        #: The last idle wait ended on the wake-up signal (new tasks were committed).
+        self._handoff = handoff
+        #: The last idle wait ended on the hand-off: tasks to claim, or handed (``_ahead``).
         self._woken = False
         #: The last commit also claimed, and found nothing ready.
         self._found_none = False
@@ -548,12 +551,13 @@ class Worker:
         ``ALERT_AFTER_WORK_S`` after its last work, then at doubling intervals up to
         ``config.idle_poll_s``; a look is a read
         (``TaskStore.has_work``), a claim follows only when the look finds work. The pauses
-        are waits on ``stop`` (with a ``wake`` signal: waits on it, ``idle_poll_s`` at
-        most, and ``stop`` is seen after them; a wait ended by the signal is followed by a
-        claim straight away, without the look). Once ``stop`` is set it claims nothing
-        more; the running handler (and any task of the batch already claimed) gets
-        ``config.grace_s`` from that moment to finish. A handler still running then is
-        abandoned and its task handed back as a retryable failure.
+        are waits on ``stop`` (with a hand-off: waits on it, ``idle_poll_s`` at most, and
+        ``stop`` is seen after them; tasks it hands over run at once, and a wait it ends
+        with ``CLAIM`` is followed by a claim straight away, without the look). Once
+        ``stop`` is set it claims nothing more; the running handler (and any task of the
+        batch already claimed or handed) gets ``config.grace_s`` from that moment to
+        finish. A handler still running then is abandoned and its task handed back as a
+        retryable failure.
 
         Args:
             stop: set it (e.g. from a SIGTERM handler) to drain and return.
@@ -563,8 +567,8 @@ class Worker:
         """
         self._stop = stop
         self._drain_until = None
-        # With a wake-up signal, new work is announced: the poll is only the fallback.
-        first_pause = self.config.wake_poll_s if self._wake is None else self.config.idle_poll_s
+        # With a hand-off, new work is announced: the poll is only the fallback.
+        first_pause = self.config.wake_poll_s if self._handoff is None else self.config.idle_poll_s
         pause = first_pause
         busy_at = time.monotonic()
         try:
@@ -605,12 +609,24 @@ class Worker:
         return max(0.0, min(pause, due))
 
     def _idle_wait(self, stop: threading.Event, pause: float) -> bool:
-        """Wait ``pause`` (or until woken: ``self._woken``); returns whether ``stop`` is
-        set."""
-        if self._wake is None:
+        """Wait ``pause`` (or until the hand-off brings tasks, or says to claim:
+        ``self._woken``; handed tasks are kept as ``_ahead``); returns whether ``stop`` is
+        set. Tasks handed while stopping run in the drain, as tasks claimed ahead do."""
+        if self._handoff is None:
             self._woken = False
             return stop.wait(pause)
-        self._woken = self._wake(pause)
+        got = self._handoff.wait(pause, self.claim_size())
+        self._woken = got == CLAIM
+        if isinstance(got, list) and got:
+            try:
+                claimed = self.tasks.handed(self.config.owner, got)
+            except TransientError as exc:  # they come back at lease expiry
+                self.log.warning("reading %d handed task(s) failed: %s", len(got), exc)
+                claimed = []
+            self.stats.claimed += len(claimed)
+            self.stats.handed += len(claimed)
+            self._ahead = [self._keep(c) for c in claimed]
+            self._woken = True
         return stop.is_set()
 
     def renew_leases(self) -> int:

@@ -144,6 +144,14 @@ class ClaimedTask:
         return f"ba:{self.task_id}"
 
 
+class Intake(NamedTuple):
+    """What ``TaskStore.accept_and_claim`` did: the accept results, in item order, and per
+    owner asked for the ``(task_id, fence)`` handles claimed for it."""
+
+    results: list[AcceptResult]
+    claimed: list[list[tuple[str, int]]]
+
+
 @dataclass(frozen=True)
 class Settlement:
     """One handler outcome for ``settle_many``: ``done`` when ``result`` (canonical JSON
@@ -320,9 +328,24 @@ class TaskStore:
             one does not affect the others. Nothing is written for ``CONFLICT``'s stored
             request; its answer goes to the outbox under a stable conflict reply id.
         """
+        return self.accept_and_claim(items, ()).results
+
+    def accept_and_claim(
+        self, items: Sequence[AcceptItem], claim_for: Sequence[tuple[str, int]]
+    ) -> Intake:
+        """``accept``, and in the same transaction a ``claim`` of up to ``n`` ready tasks
+        for each ``(owner, n)`` of ``claim_for``, in that order: the ingest hands new tasks
+        to idle workers without a claim transaction of theirs (``pool.Handoff``). The
+        claims are the very claims ``claim`` makes (reconcile first, oldest ready first,
+        lease, attempts+1, fence+1); each owner takes them up with ``handed``.
+
+        Returns:
+            the ``accept`` results, and per owner of ``claim_for`` the ``(task_id, fence)``
+            handles it claimed (possibly none).
+        """
         now = self.clock.now()
         if not items:
-            return []
+            return Intake([], [[] for _ in claim_for])
         # Hash and encode before taking the write lock: the transaction holds it for SQL only.
         fingerprints = [item.envelope.fingerprint() for item in items]
         payloads = [item.envelope.payload_json() for item in items]
@@ -338,7 +361,13 @@ class TaskStore:
                 for item, fingerprint, payload in zip(items, fingerprints, payloads, strict=True)
             ]
             batch.write(c)
-        return results
+            claimed = [
+                [(r["task_id"], r["fence"]) for r in self._claim_in(c, owner, n, now)]
+                if n >= 1 and any(r.outcome is Outcome.STORED for r in results)
+                else []
+                for owner, n in claim_for
+            ]
+        return Intake(results, claimed)
 
     @staticmethod
     def _prefetch(
@@ -577,29 +606,59 @@ class TaskStore:
         by_id = {r["task_id"]: r for r in rows}
         return [by_id[i] for i in ids if i in by_id]
 
+    def handed(self, owner: str, handles: Sequence[tuple[str, int]]) -> list[ClaimedTask]:
+        """The tasks ``accept_and_claim`` claimed for ``owner``, as its own ``claim`` would
+        have returned them; a read (no write lock). A handle whose task moved on since
+        (its lease expired and another worker claimed it: another fence) is left out.
+        """
+        if not handles:
+            return []
+        fences = dict(handles)
+        ids = list(fences)
+        by_id: dict[str, sqlite3.Row] = {}
+        with self.db.read() as c:
+            for start in range(0, len(ids), _PREFETCH_CHUNK):
+                chunk = ids[start : start + _PREFETCH_CHUNK]
+                for r in c.execute(
+                    "SELECT task_id, principal, message_id, kind, payload, attempts,"
+                    " max_attempts, fence, deadline, hops, correlation_id, parent_id,"
+                    " lease_until FROM tasks"
+                    f" WHERE task_id IN ({', '.join('?' * len(chunk))}) AND state = 'running'"
+                    " AND owner = ?",
+                    (*chunk, owner),
+                ):
+                    if fences[r["task_id"]] == r["fence"]:
+                        by_id[r["task_id"]] = r
+        return [
+            self._claimed_task(by_id[task_id], owner, float(by_id[task_id]["lease_until"]))
+            for task_id, _ in handles
+            if task_id in by_id
+        ]
+
     def _claimed(self, rows: list[sqlite3.Row], owner: str, now: float) -> list[ClaimedTask]:
         """The claims of ``_claim_in``'s rows (built after COMMIT: decoding payloads need not
         hold the write lock)."""
         lease_until = now + self.policy.lease_s
-        return [
-            ClaimedTask(
-                task_id=r["task_id"],
-                principal=r["principal"],
-                message_id=r["message_id"],
-                kind=r["kind"],
-                payload=json.loads(r["payload"]),
-                attempt=r["attempts"],
-                max_attempts=r["max_attempts"],
-                fence=r["fence"],
-                owner=owner,
-                lease_until=lease_until,
-                deadline=float(r["deadline"]),
-                hops=r["hops"],
-                correlation_id=r["correlation_id"],
-                parent_id=r["parent_id"],
-            )
-            for r in rows
-        ]
+        return [self._claimed_task(r, owner, lease_until) for r in rows]
+
+    @staticmethod
+    def _claimed_task(r: sqlite3.Row, owner: str, lease_until: float) -> ClaimedTask:
+        return ClaimedTask(
+            task_id=r["task_id"],
+            principal=r["principal"],
+            message_id=r["message_id"],
+            kind=r["kind"],
+            payload=json.loads(r["payload"]),
+            attempt=r["attempts"],
+            max_attempts=r["max_attempts"],
+            fence=r["fence"],
+            owner=owner,
+            lease_until=lease_until,
+            deadline=float(r["deadline"]),
+            hops=r["hops"],
+            correlation_id=r["correlation_id"],
+            parent_id=r["parent_id"],
+        )
 
     def _holder(self, c: sqlite3.Connection, task_id: str, owner: str, fence: int) -> sqlite3.Row:
         """Check INVARIANTS rule 10; raise ``StaleError`` (and so roll back) if any fails."""

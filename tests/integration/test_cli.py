@@ -170,6 +170,51 @@ def test_cli_run_killed_mid_stream_and_restarted_loses_and_doubles_nothing(
     assert _count(db, "SELECT count(*) FROM tasks") == n
 
 
+def test_cli_run_killed_after_handing_tasks_to_idle_workers_loses_nothing(
+    redis_server: RedisServer, tmp_path: Path, keyring: Path, prefix: str
+) -> None:
+    """The accept transaction claims new tasks for the idle workers (the hand-off). The
+    runner is SIGKILLed right after that commit, before any worker heard of them: the tasks
+    wait ``running`` under a dead worker's name, come back at lease expiry after the
+    restart, and run once."""
+    db, rdb = tmp_path / "adapter.db", tmp_path / "receiver.db"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "broker_adapter", "run", "--redis", redis_server.url, "--db",
+         str(db), "--handler", "broker_adapter.examples:echo", "--workers", "2", "--keyring",
+         str(keyring), "--prefix", prefix, "--lease", "2"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env=_env(BA_CRASHPOINT="store.accept.after_commit@2"),
+    )  # fmt: skip
+    try:
+        _wait_for(lambda: _count(db, "SELECT count(*) FROM sqlite_master") > 0, "database")
+        _publish(redis_server.url, keyring, prefix, "alice", 1)
+        # Its reply is out: both workers sit idle, waiting for the hand-off.
+        _wait_for(lambda: _count(db, "SELECT count(*) FROM outbox WHERE state = 'sent'") == 1,
+                  "the first reply")  # fmt: skip
+        _publish(redis_server.url, keyring, prefix, "alice", 1, start=1)
+        assert proc.wait(timeout=WAIT_S) == -signal.SIGKILL
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        if proc.stdout:
+            proc.stdout.close()
+    handed = "SELECT count(*) FROM tasks WHERE state = 'running' AND owner IS NOT NULL"
+    assert _count(db, handed) == 1  # claimed in the accept transaction, never run
+    proc = _start_run(redis_server.url, db, keyring, prefix)
+    try:
+        _wait_for(
+            lambda: _count(db, "SELECT count(*) FROM outbox WHERE state = 'sent'") == 2,
+            "both replies sent after the restart",
+        )
+    finally:
+        assert _stop(proc) == 0
+    assert _count(db, "SELECT attempts FROM tasks WHERE message_id = 'm1'") == 2
+    _receive(redis_server.url, rdb, prefix, "alice")
+    receipts = _receipts(rdb)
+    assert sorted(r["message_id"] for r in receipts) == ["m0", "m1"]
+    assert all(r["effects"] == 1 for r in receipts)
+
+
 def test_cli_sigterm_drains_cleanly(
     redis_server: RedisServer, tmp_path: Path, keyring: Path, prefix: str
 ) -> None:

@@ -28,6 +28,7 @@ from broker_adapter.dispatcher import (
 from broker_adapter.envelope import Envelope
 from broker_adapter.errors import FencedError
 from broker_adapter.handlers import Task
+from broker_adapter.handoff import CLAIM, Handed
 from broker_adapter.keys import Keys
 from broker_adapter.store import AcceptItem, OutboxStore, TaskStore, open_database
 from broker_adapter.store.db import Database
@@ -35,6 +36,7 @@ from broker_adapter.store.outbox import OutboxPolicy
 from broker_adapter.store.tasks import SettledBatch, Settlement, TaskPolicy
 from broker_adapter.streams import connect
 from broker_adapter.worker import Worker, WorkerConfig
+from tests.support.handoff_script import ScriptedWait
 from tests.support.redis_server import RedisServer, free_port
 from tests.support.replies_script import entries_per_reply
 
@@ -309,7 +311,7 @@ def _run_idle(
     clock: FakeClock,
     redis_server: RedisServer,
     prefix: str,
-    wake: Callable[[float], bool],
+    wake: Callable[[float], Handed],
     stop: threading.Event,
     *,
     batch_window_s: float,
@@ -320,7 +322,7 @@ def _run_idle(
         owner="w1", redis_url=redis_server.url, prefix=prefix, batch_window_s=batch_window_s,
         idle_poll_s=0.25,
     )  # fmt: skip
-    worker = Worker(config, TaskStore(db, clock), _echo, wake=wake)
+    worker = Worker(config, TaskStore(db, clock), _echo, handoff=ScriptedWait(wake))
     with _ops(db) as ops:
         worker.run(stop)
     return ops
@@ -336,14 +338,14 @@ def test_idle_worker_keeps_its_marks_for_the_next_commit_within_the_window(
     waits: list[float] = []
     outbox = OutboxStore(db, clock)
 
-    def wake(timeout_s: float) -> bool:
+    def wake(timeout_s: float) -> Handed:
         waits.append(timeout_s)
         if len(waits) == 1:  # idle after the first task: its reply is published, unmarked
             assert {(r.state, r.owner) for r in outbox.list()} == {("sending", "w1-pub")}
             _submit(db, clock, 1, first=1)
-            return True
+            return CLAIM
         stop.set()
-        return False
+        return None
 
     ops = _run_idle(db, clock, redis_server, prefix, wake, stop, batch_window_s=60)
     assert ops == ["claim", "finish", "accept", "claim", "finish", "mark_sent"]
@@ -361,11 +363,11 @@ def test_idle_worker_marks_alone_once_the_window_is_over(
     stop = threading.Event()
     waits: list[float] = []
 
-    def wake(timeout_s: float) -> bool:
+    def wake(timeout_s: float) -> Handed:
         waits.append(timeout_s)
         if len(waits) == 2:
             stop.set()
-        return False
+        return None
 
     ops = _run_idle(db, clock, redis_server, prefix, wake, stop, batch_window_s=0.0)
     assert ops == ["claim", "finish", "mark_sent"]
