@@ -119,12 +119,9 @@ class HandoffEndpoint:
 
     def _receive(self) -> Handed:
         try:
-            message = self._reader.recv()
-        except (OSError, EOFError):
+            return _decode(self._reader.recv_bytes())
+        except (OSError, EOFError, ValueError):
             return None
-        if message in (LOOK, CLAIM):
-            return message  # type: ignore[no-any-return]
-        return [(str(task_id), int(fence)) for task_id, fence in message]
 
     def close(self) -> None:
         self._reader.close()
@@ -188,7 +185,7 @@ class Handoff:
         if writer is None:
             return
         try:
-            writer.send(message)
+            writer.send_bytes(_encode(message))
         except (OSError, ValueError) as exc:
             log.warning("handoff to worker slot %d failed (its tasks return at lease expiry): "
                         "%s", slot, exc)  # fmt: skip
@@ -209,3 +206,23 @@ class Handoff:
         for writer in writers:
             if writer is not None:
                 writer.close()
+
+
+def _encode(message: list[Handle] | Literal["look", "claim"]) -> bytes:
+    """``look``, ``claim``, or ``task_id fence`` lines (no pickle: a few bytes per task)."""
+    if isinstance(message, str):
+        return message.encode()
+    return "\n".join(f"{task_id} {fence}" for task_id, fence in message).encode()
+
+
+def _decode(data: bytes) -> Handed:
+    text = data.decode()
+    if text == LOOK:
+        return LOOK
+    if text == CLAIM:
+        return CLAIM
+    handles: list[Handle] = []
+    for line in text.split("\n") if text else ():
+        task_id, _, fence = line.rpartition(" ")
+        handles.append((task_id, int(fence)))
+    return handles

@@ -261,9 +261,7 @@ class GroupReader:
         cfg = self.config
         if self._replaying:
             with translated():
-                reply = self.client.xreadgroup(
-                    self.group, self.consumer, {self.stream: "0"}, count=cfg.count
-                )
+                (reply,) = exchange(self.client, [self._xreadgroup("0")])
             entries = _entries(reply)
             if not entries:
                 self._replaying = False
@@ -271,13 +269,20 @@ class GroupReader:
             self.stats.replayed += len(entries)
             return self._with_deliveries(entries)
         with translated():
-            reply = self.client.xreadgroup(
-                self.group, self.consumer, {self.stream: ">"}, count=cfg.count, block=cfg.block_ms
-            )
+            (reply,) = exchange(self.client, [self._xreadgroup(">", block_ms=cfg.block_ms)])
         entries = _entries(reply)
         self.stats.read += len(entries)
         self._full = len(entries) >= cfg.count
         return [StreamEntry(eid, f, 1) for eid, f in entries]
+
+    def _xreadgroup(self, start: str, *, block_ms: int | None = None) -> tuple[Any, ...]:
+        """The XREADGROUP command of one batch from ``start`` (``0``: own pending, ``>``:
+        new), blocking ``block_ms`` if given."""
+        block = () if block_ms is None else ("BLOCK", block_ms)
+        return (
+            "XREADGROUP", "GROUP", self.group, self.consumer, "COUNT", self.config.count,
+            *block, "STREAMS", self.stream, start,
+        )  # fmt: skip
 
     # -- reading ahead ----------------------------------------------------------------------
 
@@ -301,10 +306,7 @@ class GroupReader:
         conn = _pool_connection(self.client.connection_pool)
         try:
             with translated():
-                conn.send_command(
-                    "XREADGROUP", "GROUP", self.group, self.consumer,
-                    "COUNT", self.config.count, "STREAMS", self.stream, ">",
-                )  # fmt: skip
+                conn.send_command(*self._xreadgroup(">"))
         except BaseException:
             self._discard(conn)
             self.reset()
@@ -451,17 +453,16 @@ class GroupReader:
         if self._inflight is not None:
             self._ahead, n = self._finish_prefetch(entry_ids)
             return n
+        xack = ("XACK", self.stream, self.group, *entry_ids)
         if not peek or self._replaying:
             with translated():
-                n = int(self.client.xack(self.stream, self.group, *entry_ids))
+                (acked,) = exchange(self.client, [xack])
+            n = int(acked)
             self.stats.acked += n
             return n
-        pipe = self.client.pipeline(transaction=False)
-        pipe.xack(self.stream, self.group, *entry_ids)
-        pipe.xreadgroup(self.group, self.consumer, {self.stream: ">"}, count=self.config.count)
         try:
             with translated():
-                acked, reply = pipe.execute()
+                acked, reply = exchange(self.client, [xack, self._xreadgroup(">")])
         except GroupMissingError:
             self._recreate_group()
             return 0
@@ -550,6 +551,46 @@ class GroupReader:
 def _id_key(entry_id: str) -> tuple[int, int]:
     ms, _, seq = entry_id.partition("-")
     return int(ms), int(seq or 0)
+
+
+def exchange(
+    client: redis.Redis, commands: Sequence[Sequence[Any]], *, raise_errors: bool = True
+) -> list[Any]:
+    """Send ``commands`` in one write on one connection of the client's pool and read their
+    replies in order: one round trip, without redis-py's per-command and pipeline layers
+    (on the hot paths those cost more CPU than the round trip's own work). Replies go
+    through the client's response callbacks, as ``client.xreadgroup(...)`` would return
+    them. Nothing is ever re-sent.
+
+    Args:
+        raise_errors: raise the first error reply after all replies were read; otherwise
+            each error reply is left in its slot as its ``redis.ResponseError``.
+
+    Raises:
+        redis.RedisError: a connection failure (the connection is closed; any prefix of the
+            commands may have run), or an error reply with ``raise_errors``. Callers
+            translate (``translated``).
+    """
+    pool = client.connection_pool
+    conn = _pool_connection(pool)
+    replies: list[Any] = []
+    try:
+        conn.send_packed_command(conn.pack_commands(commands))
+        for command in commands:
+            try:
+                replies.append(client.parse_response(conn, command[0]))  # type: ignore[no-untyped-call]
+            except redis.ResponseError as exc:
+                replies.append(exc)
+    except BaseException:
+        conn.disconnect()  # a reply may be unread on it
+        pool.release(conn)
+        raise
+    pool.release(conn)
+    if raise_errors:
+        for reply in replies:
+            if isinstance(reply, redis.ResponseError):
+                raise reply
+    return replies
 
 
 def _pool_connection(pool: Any) -> Any:
@@ -705,11 +746,11 @@ def eval_many(
     todo = list(range(len(calls)))
     for attempt in range(2):
         with translated():
-            pipe = client.pipeline(transaction=False)
-            for i in todo:
-                keys, args = calls[i]
-                pipe.execute_command("EVALSHA", sha, len(keys), *keys, *args)  # type: ignore[no-untyped-call]
-            replies = pipe.execute(raise_on_error=False)
+            replies = exchange(
+                client,
+                [("EVALSHA", sha, len(calls[i][0]), *calls[i][0], *calls[i][1]) for i in todo],
+                raise_errors=False,
+            )
         missing: list[int] = []
         for i, reply in zip(todo, replies, strict=True):
             if isinstance(reply, redis.exceptions.NoScriptError) and attempt == 0:
