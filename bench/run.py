@@ -21,6 +21,9 @@ otherwise: the config README.md and docker-compose.yml recommend), then measures
 5. **memory**: peak RSS of each of our processes over ``--rss-messages`` messages, against
    its RSS after a warm-up.
 
+Before each phase the server's AOF is compacted (BGREWRITEAOF, waited for) and the page
+cache synced (``common.quiesce``; ``--no-quiesce`` skips it): otherwise the AOF the earlier
+phases wrote crosses Redis's rewrite threshold in the middle of a later one.
 Every end-to-end run checks the outcome too: every message done, replied once and applied
 once, nothing dead-lettered. Medians of ``--reps`` repetitions; results in
 ``bench/results/latest.json``. Usage::
@@ -498,6 +501,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--appendfsync", default=common.DEFAULT_APPENDFSYNC, choices=["always", "everysec", "no"]
     )
+    parser.add_argument(
+        "--no-quiesce",
+        action="store_true",
+        help="do not compact the AOF and sync the page cache before each measured phase",
+    )
     parser.add_argument("--json", type=Path, default=RESULTS)  # fmt: skip
     args = parser.parse_args(argv)
     if args.role:
@@ -535,19 +543,23 @@ def main(argv: list[str] | None = None) -> int:
         keyring = common.write_keyring(workdir / "keyring.json")
         server = common.start_server(workdir, args.appendfsync)
         try:
+            quiet = (lambda: None) if args.no_quiesce else (lambda: common.quiesce(server))
             for rep in range(1, args.reps + 1):
                 if "floor" in parts:
+                    quiet()
                     res["floor_redis"].append(common.redis_floor(server, args.n))
                     res["floor_sqlite"].append(common.sqlite_floor(workdir))
                     say(f"rep {rep}: floor redis {fmt(res['floor_redis'][-1]['roundtrip'])} "
                         f"msgs/s, sqlite {fmt(res['floor_sqlite'][-1])} commits/s")  # fmt: skip
                 if "throughput" in parts:
+                    quiet()
                     t = throughput_run(server.url, workdir, keyring, args)
                     res["throughput"].append(t)
                     say(f"rep {rep}: broker_adapter {fmt(t['rate'])} msgs/s "
                         f"({args.n:,} in {t['seconds']:.2f} s; agent published at "
                         f"{fmt(t['publish_rate'])} msgs/s)")  # fmt: skip
                 if "latency" in parts:
+                    quiet()
                     lat = latency_run(server.url, workdir, keyring, args)
                     res["latency"].append(lat)
                     say(f"rep {rep}: latency @ {fmt(args.latency_rate)} msg/s: p50 "
@@ -560,10 +572,12 @@ def main(argv: list[str] | None = None) -> int:
                         res["peers"][peer] = {"error": why}
                         continue
                     server.client().flushall()
+                    quiet()
                     res["peers"][peer] = peer_runs(peer, py, server.url, args)
                     say(f"{peer}: {res['peers'][peer]}")
                     server.client().flushall()
             if "rss" in parts:
+                quiet()
                 res["rss"] = rss_run(server.url, workdir, keyring, args)
                 say(f"RSS over {args.rss_messages:,} msgs: worst growth "
                     f"{res['rss']['max_growth_mb']:.1f} MB")  # fmt: skip
