@@ -335,7 +335,7 @@ class TaskStore:
     ) -> Intake:
         """``accept``, and in the same transaction a ``claim`` of up to ``n`` ready tasks
         for each ``(owner, n)`` of ``claim_for``, in that order: the ingest hands new tasks
-        to idle workers without a claim transaction of theirs (``pool.Handoff``). The
+        to idle workers without a claim transaction of theirs (``handoff.Handoff``). The
         claims are the very claims ``claim`` makes (reconcile first, oldest ready first,
         lease, attempts+1, fence+1); each owner takes them up with ``handed``.
 
@@ -361,9 +361,10 @@ class TaskStore:
                 for item, fingerprint, payload in zip(items, fingerprints, payloads, strict=True)
             ]
             batch.write(c)
+            stored = any(r.outcome is Outcome.STORED for r in results)
             claimed = [
                 [(r["task_id"], r["fence"]) for r in self._claim_in(c, owner, n, now)]
-                if n >= 1 and any(r.outcome is Outcome.STORED for r in results)
+                if stored and n >= 1
                 else []
                 for owner, n in claim_for
             ]
