@@ -17,7 +17,9 @@ The protocol, per worker slot (``WANTS`` below is a process-shared array, one ce
   when the claim found nothing for it, or ``CLAIM`` (tasks were stored that nobody was
   handed: claim them yourself);
 * a worker that stops waiting (timeout, stop) resets its cell under the same lock; when it
-  finds it already taken, the ingest's message is on its way and it receives it first.
+  finds it already taken, the ingest's message is on its way and it receives it first
+  (a message that outlives that wait, ``RECEIVE_TIMEOUT_S``, is taken by the next wait
+  before the worker sits down again).
 
 So a pipe holds at most one message and every message is small (at most ``HANDOFF_MAX``
 handles): a send never blocks on a full pipe. Lost wake-ups: the ingest counts its commits
@@ -90,17 +92,26 @@ class HandoffEndpoint:
         if stored != self._seen:
             self._seen = stored
             return LOOK
+        if self._ready(0.0):  # a message that came after an earlier wait gave up on it
+            return self._receive()
         with self._wants.get_lock():
             self._wants[self.slot] = max(1, min(want, HANDOFF_MAX))
         if self._stored.value != stored:  # a commit between the look and the cell
             self._seen = self._stored.value
             return self._retract() or LOOK
-        try:
-            if self._reader.poll(timeout_s):
-                return self._receive()
-        except (OSError, EOFError):
-            pass
+        if self._ready(timeout_s):
+            # Taken (the cell is 0 already), or a late message: then this cell was not
+            # taken and is still set. Either way the worker leaves its cell now.
+            with self._wants.get_lock():
+                self._wants[self.slot] = 0
+            return self._receive()
         return self._retract()
+
+    def _ready(self, timeout_s: float) -> bool:
+        try:
+            return bool(self._reader.poll(timeout_s))
+        except (OSError, EOFError):
+            return False
 
     def _retract(self) -> Handed:
         """Leave the idle cell; when the ingest took it first, take its message."""
@@ -108,11 +119,8 @@ class HandoffEndpoint:
             if self._wants[self.slot] != 0:
                 self._wants[self.slot] = 0
                 return None
-        try:
-            if self._reader.poll(RECEIVE_TIMEOUT_S):
-                return self._receive()
-        except (OSError, EOFError):
-            return None
+        if self._ready(RECEIVE_TIMEOUT_S):
+            return self._receive()
         log.warning("handoff slot %d: taken, but no message came within %.0f s", self.slot,
                     RECEIVE_TIMEOUT_S)  # fmt: skip
         return None

@@ -118,7 +118,7 @@ def test_a_worker_taken_as_its_wait_ends_takes_the_message_first(handoff: Handof
     real_poll = reader.poll
 
     def poll(timeout: float) -> bool:
-        if poll.calls == 0:  # type: ignore[attr-defined]
+        if poll.calls == 0 and handoff.idle():  # type: ignore[attr-defined]
             # The ingest takes the worker just as its wait times out.
             assert handoff.take(1) == [(0, "w0", 1)]
             handoff.give(0, [("t9", 4)])
@@ -130,6 +130,20 @@ def test_a_worker_taken_as_its_wait_ends_takes_the_message_first(handoff: Handof
     reader.poll = poll
     assert ep.wait(0.0, 3) == [("t9", 4)]
     assert handoff.idle() == {}
+
+
+def test_a_late_message_is_taken_before_the_worker_sits_down_again(handoff: Handoff) -> None:
+    """A message that outlived the wait it answered (the ingest stuck past
+    ``RECEIVE_TIMEOUT_S``) is the next wait's, and leaves no cell set behind."""
+    ep = handoff.endpoint(0)
+    assert ep.wait(0.0, 2) == LOOK
+    handoff.give(0, [("t1", 3)])  # late: nobody took this worker now
+    assert ep.wait(0.0, 2) == [("t1", 3)]
+    assert handoff.idle() == {}
+    waiting = _Waiting(handoff, ep, want=2)
+    handoff.give(0, CLAIM)  # late again, while it sits in its cell
+    assert waiting.result() == CLAIM
+    assert handoff.idle() == {}  # it left its cell: the ingest does not take a busy worker
 
 
 def test_a_dead_workers_pipe_is_reported_not_raised(
