@@ -393,6 +393,19 @@ def _rewrite_in_checks(c: sqlite3.Connection, tables: Sequence[str]) -> None:
         c.execute("PRAGMA writable_schema = OFF")
 
 
+#: Values per ``IN (...)`` list in the lookups that take a batch's ids (bound parameters).
+IN_LIST_CHUNK = 500
+
+
+def in_lists(values: Sequence[Any]) -> Iterator[tuple[Sequence[Any], str]]:
+    """``values`` in chunks of at most ``IN_LIST_CHUNK``, each with its ``?, ?, ...``
+    placeholders, for ``... IN (<placeholders>)`` lookups that stay within SQLite's limit
+    on bound parameters."""
+    for start in range(0, len(values), IN_LIST_CHUNK):
+        chunk = values[start : start + IN_LIST_CHUNK]
+        yield chunk, ", ".join("?" * len(chunk))
+
+
 def _split(script: str) -> list[str]:
     return [s.strip() for s in script.split(";") if s.strip()]
 

@@ -23,7 +23,7 @@ from typing import Any
 
 from broker_adapter.clock import Clock, SystemClock
 from broker_adapter.envelope import canonical_json
-from broker_adapter.store.db import Database
+from broker_adapter.store.db import Database, in_lists
 
 
 class ReceiptOutcome(StrEnum):
@@ -52,7 +52,6 @@ class Receipt:
 
 
 _COLUMNS = ", ".join(Receipt.__dataclass_fields__)
-_PREFETCH_CHUNK = 500  # reply ids per lookup query
 
 #: effect(conn, reply) -> JSON value kept as the receipt's ``effect_result``.
 Effect = Callable[[sqlite3.Connection, dict[str, Any]], Any]
@@ -168,9 +167,7 @@ class ReceiptStore:
         """The receipts already kept for a batch's reply ids (primary-key searches)."""
         ids = list({item.reply_id for item in items})
         known: dict[str, Receipt] = {}
-        for start in range(0, len(ids), _PREFETCH_CHUNK):
-            chunk = ids[start : start + _PREFETCH_CHUNK]
-            marks = ", ".join("?" * len(chunk))
+        for chunk, marks in in_lists(ids):
             rows = c.execute(f"SELECT {_COLUMNS} FROM receipts WHERE reply_id IN ({marks})", chunk)
             for row in rows:
                 known[row["reply_id"]] = Receipt(**dict(row))

@@ -36,7 +36,7 @@ from broker_adapter.backoff import Backoff
 from broker_adapter.clock import Clock, SystemClock
 from broker_adapter.envelope import Envelope, canonical_json, sha256_hex
 from broker_adapter.errors import BrokerAdapterError, FencedError, StaleError, TaskCancelled
-from broker_adapter.store.db import Database
+from broker_adapter.store.db import Database, in_lists
 from broker_adapter.store.outbox import (
     OutboxRow,
     PublisherClaim,
@@ -46,8 +46,6 @@ from broker_adapter.store.outbox import (
     enqueue_encoded,
     mark_sent_in,
 )
-
-_PREFETCH_CHUNK = 500  # ids per lookup query (bound parameters)
 
 
 class TaskState(StrEnum):
@@ -384,13 +382,11 @@ class TaskStore:
             by_principal.setdefault(item.principal, set()).add(item.envelope.message_id)
         known: dict[tuple[str, str], Mapping[str, Any]] = {}
         for principal, ids in by_principal.items():
-            message_ids = list(ids)
-            for start in range(0, len(message_ids), _PREFETCH_CHUNK):
-                chunk = message_ids[start : start + _PREFETCH_CHUNK]
+            for chunk, marks in in_lists(list(ids)):
                 rows = c.execute(
                     "SELECT i.principal, i.message_id, i.fingerprint, i.task_id, i.received_at,"
                     " t.state FROM inbox i JOIN tasks t ON t.task_id = i.task_id"
-                    f" WHERE i.principal = ? AND i.message_id IN ({', '.join('?' * len(chunk))})",
+                    f" WHERE i.principal = ? AND i.message_id IN ({marks})",
                     [principal, *chunk],
                 ).fetchall()
                 for row in rows:
@@ -402,12 +398,8 @@ class TaskStore:
         """The hops of every task named as a parent in the batch, in a few queries."""
         parents = list({i.envelope.parent_id for i in items} - {None})
         hops: dict[str, int] = {}
-        for start in range(0, len(parents), _PREFETCH_CHUNK):
-            chunk = parents[start : start + _PREFETCH_CHUNK]
-            rows = c.execute(
-                f"SELECT task_id, hops FROM tasks WHERE task_id IN ({', '.join('?' * len(chunk))})",
-                chunk,
-            )
+        for chunk, marks in in_lists(parents):
+            rows = c.execute(f"SELECT task_id, hops FROM tasks WHERE task_id IN ({marks})", chunk)
             hops.update((row[0], int(row[1])) for row in rows)
         return hops
 
@@ -615,16 +607,13 @@ class TaskStore:
         if not handles:
             return []
         fences = dict(handles)
-        ids = list(fences)
         by_id: dict[str, sqlite3.Row] = {}
         with self.db.read() as c:
-            for start in range(0, len(ids), _PREFETCH_CHUNK):
-                chunk = ids[start : start + _PREFETCH_CHUNK]
+            for chunk, marks in in_lists(list(fences)):
                 for r in c.execute(
                     "SELECT task_id, principal, message_id, kind, payload, attempts,"
                     " max_attempts, fence, deadline, hops, correlation_id, parent_id,"
-                    " lease_until FROM tasks"
-                    f" WHERE task_id IN ({', '.join('?' * len(chunk))}) AND state = 'running'"
+                    f" lease_until FROM tasks WHERE task_id IN ({marks}) AND state = 'running'"
                     " AND owner = ?",
                     (*chunk, owner),
                 ):
