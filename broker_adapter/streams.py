@@ -347,10 +347,7 @@ class GroupReader:
             self._discard(conn)
 
     def _discard(self, conn: Any) -> None:
-        """Close a connection whose reply may be unread (it cannot be reused as it is) and
-        give it back to the pool."""
-        conn.disconnect()
-        self.client.connection_pool.release(conn)
+        _discard(self.client.connection_pool, conn)
 
     def _new_entries(self, reply: Any) -> list[StreamEntry]:
         """The screened entries of a non-blocking read of new ones, read ahead for the next
@@ -582,8 +579,7 @@ def exchange(
             except redis.ResponseError as exc:
                 replies.append(exc)
     except BaseException:
-        conn.disconnect()  # a reply may be unread on it
-        pool.release(conn)
+        _discard(pool, conn)
         raise
     pool.release(conn)
     if raise_errors:
@@ -599,6 +595,13 @@ def _pool_connection(pool: Any) -> Any:
         return pool.get_connection()
     except TypeError:
         return pool.get_connection("XREADGROUP")
+
+
+def _discard(pool: Any, conn: Any) -> None:
+    """Close a connection whose reply may be unread (it cannot be reused as it is) and give
+    it back to ``pool``."""
+    conn.disconnect()
+    pool.release(conn)
 
 
 def _entries(reply: Any) -> list[tuple[str, Fields | None]]:
