@@ -31,6 +31,7 @@ from broker_adapter.errors import ConfigError
 from broker_adapter.handlers import load_handler
 from broker_adapter.handoff import Handoff, HandoffEndpoint
 from broker_adapter.store.db import open_database
+from broker_adapter.store.gate import WriteGate
 from broker_adapter.store.tasks import TaskPolicy, TaskStore
 from broker_adapter.worker import Worker, WorkerConfig
 
@@ -53,6 +54,9 @@ class WorkerPool:
         handoff: give the children a ``Handoff`` (``self.handoff``): idle workers wait on
             it, ``idle_poll_s`` at most, instead of polling every ``wake_poll_s``; whoever
             accepts tasks in this process hands them over with ``accept_and_claim``.
+
+    The children's writers queue on one ``WriteGate`` (``self.gate``); give it to this
+    process's ``Database`` of the same file too (``open_database(db_path, gate=pool.gate)``).
 
     Raises:
         ConfigError: ``n < 1``, the handler cannot be loaded, or two owners are the same.
@@ -83,6 +87,7 @@ class WorkerPool:
         self._procs: list[SpawnProcess] = []
         self.restarts = 0
         self.handoff = Handoff(owners) if handoff else None
+        self.gate = WriteGate(self._ctx)
 
     def _spawn(self, slot: int) -> tuple[SpawnProcess, ProcessEvent]:
         config = self.configs[slot]
@@ -98,6 +103,7 @@ class WorkerPool:
                 ready,
                 os.getpid(),
                 endpoint,
+                self.gate,
             ),
             name=f"ba-worker-{config.owner}",
         )
@@ -242,6 +248,7 @@ def _child_main(
     ready: ProcessEvent,
     parent_pid: int,
     handoff: HandoffEndpoint | None = None,
+    gate: WriteGate | None = None,
 ) -> None:
     """A child's whole life: its own database, one worker, SIGTERM/SIGINT to drain.
 
@@ -255,7 +262,7 @@ def _child_main(
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    db = open_database(db_path)
+    db = open_database(db_path, gate=gate)
     try:
         worker = Worker(
             config,

@@ -36,6 +36,7 @@ from broker_adapter.handoff import CLAIM, LOOK, Handoff
 from broker_adapter.ingest import IngestConfig, Ingestor
 from broker_adapter.pool import WorkerPool
 from broker_adapter.store import OutboxStore, TaskStore, open_database
+from broker_adapter.store.gate import WriteGate
 from broker_adapter.store.tasks import AcceptItem, AcceptResult, Outcome, TaskPolicy
 from broker_adapter.streams import connect
 from broker_adapter.worker import WorkerConfig
@@ -194,9 +195,11 @@ class Runner:
         thread.start()
         return thread
 
-    def _ingest(self, stop: threading.Event, handoff: Handoff | None) -> None:
+    def _ingest(
+        self, stop: threading.Event, handoff: Handoff | None, gate: WriteGate | None
+    ) -> None:
         cfg = self.config
-        db = open_database(cfg.db_path)
+        db = open_database(cfg.db_path, gate=gate)
         try:
             ingest_cfg = IngestConfig(
                 prefix=cfg.prefix,
@@ -215,9 +218,9 @@ class Runner:
         finally:
             db.close()
 
-    def _dispatch(self, stop: threading.Event) -> None:
+    def _dispatch(self, stop: threading.Event, gate: WriteGate | None) -> None:
         cfg = self.config
-        db = open_database(cfg.db_path)
+        db = open_database(cfg.db_path, gate=gate)
         try:
             client = connect(cfg.redis_url)
             outbox = OutboxStore(db, SystemClock())
@@ -245,8 +248,8 @@ class Runner:
         )  # fmt: skip
         pool = self._pool()
         threads = [
-            self._thread("dispatcher", lambda: self._dispatch(stop)),
-            self._thread("ingest", lambda: self._ingest(stop, pool.handoff)),
+            self._thread("dispatcher", lambda: self._dispatch(stop, pool.gate)),
+            self._thread("ingest", lambda: self._ingest(stop, pool.handoff, pool.gate)),
         ]
         self._first_look.wait(FIRST_LOOK_TIMEOUT_S)
         pool.start()

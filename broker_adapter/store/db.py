@@ -3,9 +3,10 @@
 Every write is one short ``BEGIN IMMEDIATE`` transaction opened by ``Database.write``. An
 immediate transaction takes the write lock up front, so it waits out ``busy_timeout``
 instead of failing at its first write the way a deferred one does. Writers of one file in
-one process take turns on a Python lock; across processes a busy lock is retried every
-0.05 to 0.5 ms (jittered) rather than by SQLite's busy handler, whose 1 to 100 ms sleeps
-turned brief contention between ingest, workers and dispatcher into long idle waits. Crash points
+one process take turns on a Python lock; the processes of one pool (the runner and its
+workers) then queue on a shared ``WriteGate``; a lock still busy after that (a writer from
+outside the pool) is retried every 0.05 to 0.5 ms (jittered) rather than by SQLite's busy
+handler, whose 1 to 100 ms sleeps turned brief contention into long idle waits. Crash points
 ``store.<op>.before_commit`` and ``store.<op>.after_commit`` sit on both sides of every
 COMMIT: a process killed before it leaves no trace (SQLite rolls the journal back on the
 next open), a process killed after it leaves the whole transaction durable
@@ -30,6 +31,7 @@ from typing import Any, Literal
 
 from broker_adapter import crashpoints
 from broker_adapter.errors import ConfigError, StoreBusy, StoreError
+from broker_adapter.store.gate import WriteGate
 
 Synchronous = Literal["FULL", "NORMAL", "EXTRA"]
 DEFAULT_BUSY_TIMEOUT_MS = 10_000
@@ -156,6 +158,9 @@ class Database:
         synchronous: ``FULL`` (default) syncs the WAL at every commit; ``NORMAL`` may lose
             the last commits on power loss (never on a process crash).
         busy_timeout_ms: how long a writer waits for the lock before ``StoreBusy``.
+        gate: the ``WriteGate`` the writers of this file in the processes of one pool
+            share (``WorkerPool`` makes it): writers wait their turn on it instead of
+            polling SQLite's lock. ``None``: poll only.
     """
 
     def __init__(
@@ -164,6 +169,7 @@ class Database:
         *,
         synchronous: Synchronous = "FULL",
         busy_timeout_ms: int = DEFAULT_BUSY_TIMEOUT_MS,
+        gate: WriteGate | None = None,
     ) -> None:
         if synchronous not in ("FULL", "NORMAL", "EXTRA"):
             raise ConfigError(f"synchronous must be FULL, NORMAL or EXTRA, got {synchronous!r}")
@@ -171,6 +177,7 @@ class Database:
         self._busy_timeout_ms = int(busy_timeout_ms)
         self._pid = os.getpid()
         self._writers = _writers_of(self.path)
+        self._gate = gate
         self._lock = threading.RLock()
         try:
             self.conn = sqlite3.connect(
@@ -236,7 +243,7 @@ class Database:
                 "a SQLite connection was used after fork(); open a new Database in the child"
             )
 
-    def _begin_immediate(self) -> None:
+    def _begin_immediate(self, deadline: float) -> None:
         """``BEGIN IMMEDIATE``, waiting for a busy write lock in short jittered steps.
 
         SQLite's own busy handler sleeps 1, 2, 5, 10, 15, 20, 25, ... 100 ms between tries:
@@ -247,7 +254,6 @@ class Database:
         ``busy_timeout_ms``, after which the "database is locked" error propagates.
         """
         c = self.conn
-        deadline = time.monotonic() + self._busy_timeout_ms / 1000
         pause = LOCK_WAIT_FIRST_S
         c.execute("PRAGMA busy_timeout = 0")
         try:
@@ -278,13 +284,17 @@ class Database:
         self._check_owner()
         # Writers of this file in this process queue on a Python lock first: a thread is
         # handed the turn the moment the previous one commits, instead of polling SQLite.
+        deadline = time.monotonic() + self._busy_timeout_ms / 1000
         writers = self._writers
         if not writers.acquire(timeout=self._busy_timeout_ms / 1000):
             raise StoreBusy(f"database is locked: another thread of this process held {op}")
+        # Then, across the processes of a pool, on the gate (see ``WriteGate``).
+        gate = self._gate
+        gated = gate is not None and gate.enter(deadline)
         try:
             with self._lock:
                 try:
-                    self._begin_immediate()
+                    self._begin_immediate(deadline)
                 except sqlite3.OperationalError as exc:
                     raise _translate(exc) from exc
                 try:
@@ -298,6 +308,8 @@ class Database:
                         raise _translate(exc) from exc
                     raise
         finally:
+            if gated:
+                gate.leave()  # type: ignore[union-attr]
             writers.release()
         crashpoints.hit(f"store.{op}.after_commit")
 
