@@ -16,6 +16,10 @@ The protocol, per worker slot (``WANTS`` below is a process-shared array, one ce
   sends each taken worker exactly one message (``Handoff.give``): its handles, ``LOOK``
   when the claim found nothing for it, or ``CLAIM`` (tasks were stored that nobody was
   handed: claim them yourself);
+* a worker about to commit its last batch offers itself the same way (``offer``: a
+  negative cell) and leaves the cell after the commit (``withdraw``), taking the message if
+  an accept took it meanwhile; idle workers are taken first, and ``CLAIM`` goes to idle
+  ones only, since the finishing commit claims the ready tasks itself;
 * a worker that stops waiting (timeout, stop) resets its cell under the same lock; when it
   finds it already taken, the ingest's message is on its way and it receives it first
   (a message that outlives that wait, ``RECEIVE_TIMEOUT_S``, is taken by the next wait
@@ -66,6 +70,10 @@ class IdleWait(Protocol):
 
     def wait(self, timeout_s: float, want: int) -> Handed: ...
 
+    def offer(self, want: int) -> None: ...
+
+    def withdraw(self) -> Handed: ...
+
 
 class HandoffEndpoint:
     """A worker process's end: its cell in the shared array and its pipe's reading end.
@@ -105,6 +113,22 @@ class HandoffEndpoint:
             with self._wants.get_lock():
                 self._wants[self.slot] = 0
             return self._receive()
+        return self._retract()
+
+    def offer(self, want: int) -> None:
+        """Offer to take tasks while finishing: called just before the commit after which
+        this worker wants ``want`` more (the commit's own claim looks for ready tasks
+        then). An accept that commits meanwhile may claim tasks for it; ``withdraw`` after
+        the commit, always. The cell is negative: ``take`` gives it tasks, never ``CLAIM``.
+        The stored count is read as the last look: an accept that comes later either
+        finds the cell or changes the count, and the next ``wait`` looks."""
+        self._seen = self._stored.value
+        with self._wants.get_lock():
+            self._wants[self.slot] = -max(1, min(want, HANDOFF_MAX))
+
+    def withdraw(self) -> Handed:
+        """End an ``offer``: the handles of tasks an accept claimed for this worker
+        meanwhile (or ``LOOK`` when it found none), ``None`` when no accept took it."""
         return self._retract()
 
     def _ready(self, timeout_s: float) -> bool:
@@ -163,8 +187,9 @@ class Handoff:
             old.close()
         return HandoffEndpoint(slot, reader, self._wants, self._stored)
 
-    def take(self, needed: int) -> list[tuple[int, str, int]]:
-        """Take idle workers for up to ``needed`` tasks, in slot order.
+    def take(self, needed: int, *, finishing: bool = True) -> list[tuple[int, str, int]]:
+        """Take idle workers for up to ``needed`` tasks: those that wait first, in slot
+        order, then (with ``finishing``) those committing their last batch (``offer``).
 
         Returns:
             ``(slot, owner, n)`` per worker taken. Each must then get exactly one ``give``,
@@ -174,11 +199,13 @@ class Handoff:
         if needed < 1:
             return taken
         with self._wants.get_lock():
-            for slot, want in enumerate(self._wants[:]):
-                if want <= 0:
-                    continue
+            wants = self._wants[:]
+            order = [s for s, w in enumerate(wants) if w > 0]
+            if finishing:
+                order += [s for s, w in enumerate(wants) if w < 0]
+            for slot in order:
                 self._wants[slot] = 0
-                n = min(want, needed)
+                n = min(abs(wants[slot]), needed)
                 taken.append((slot, self.owners[slot], n))
                 needed -= n
                 if needed <= 0:

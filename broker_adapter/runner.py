@@ -141,7 +141,8 @@ class HandingTaskStore(TaskStore):
         if stored:
             handoff.stored()
             handed = sum(len(h) for h in intake.claimed)
-            for slot, _, _ in handoff.take(stored - handed):
+            # Workers that finish a batch will claim them in that commit: only idle ones.
+            for slot, _, _ in handoff.take(stored - handed, finishing=False):
                 handoff.give(slot, CLAIM)
         return intake.results
 

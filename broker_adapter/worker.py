@@ -79,7 +79,7 @@ from broker_adapter.handlers import (
     is_retryable,
     load_handler,
 )
-from broker_adapter.handoff import CLAIM, IdleWait
+from broker_adapter.handoff import CLAIM, Handed, IdleWait
 from broker_adapter.keys import DEFAULT_PREFIX, Keys
 from broker_adapter.store.outbox import OutboxPolicy, OutboxRow, OutboxStore, SentMark
 from broker_adapter.store.tasks import (
@@ -528,9 +528,17 @@ class Worker:
             finished = run.not_started == 0
         finally:
             run.halt()  # after an error here: no further handler starts
+            claim_next = claim_ahead and finished
+            # Offered while it commits: an accept meanwhile hands this worker its tasks
+            # (claimed in the accept) instead of leaving them for a claim of its own.
+            offered = claim_next and self._handoff is not None and not self._stopping()
+            if offered:
+                self._handoff.offer(self.claim_size())  # type: ignore[union-attr]
             try:
-                self._commit(ran, claim_next=claim_ahead and finished)
+                self._commit(ran, claim_next=claim_next)
             finally:
+                if offered:
+                    self._take_handed(self._handoff.withdraw())  # type: ignore[union-attr]
                 for task in tasks:  # those not started or not committed: leases expire
                     self._release_keeper(task.task_id)
         if run.not_started:
@@ -616,18 +624,23 @@ class Worker:
             self._woken = False
             return stop.wait(pause)
         got = self._handoff.wait(pause, self.claim_size())
-        self._woken = got == CLAIM
-        if isinstance(got, list) and got:
-            try:
-                claimed = self.tasks.handed(self.config.owner, got)
-            except TransientError as exc:  # they come back at lease expiry
-                self.log.warning("reading %d handed task(s) failed: %s", len(got), exc)
-                claimed = []
-            self.stats.claimed += len(claimed)
-            self.stats.handed += len(claimed)
-            self._ahead = [self._keep(c) for c in claimed]
-            self._woken = True
+        self._woken = got == CLAIM or self._take_handed(got)
         return stop.is_set()
+
+    def _take_handed(self, got: Handed) -> bool:
+        """Add the tasks handed over (claimed for this worker by an accept) to those to
+        run next; returns whether there were any."""
+        if not isinstance(got, list) or not got:
+            return False
+        try:
+            claimed = self.tasks.handed(self.config.owner, got)
+        except TransientError as exc:  # they come back at lease expiry
+            self.log.warning("reading %d handed task(s) failed: %s", len(got), exc)
+            claimed = []
+        self.stats.claimed += len(claimed)
+        self.stats.handed += len(claimed)
+        self._ahead.extend(self._keep(c) for c in claimed)
+        return True
 
     def renew_leases(self) -> int:
         """Renew the lease of every claimed task now, out of the keeper's schedule.

@@ -100,6 +100,53 @@ def test_take_takes_only_the_workers_it_needs(handoff: Handoff) -> None:
     assert (first.result(), second.result()) == (LOOK, CLAIM)
 
 
+def test_a_finishing_worker_is_taken_after_idle_ones_and_never_told_to_claim(
+    handoff: Handoff,
+) -> None:
+    """``offer``: a worker about to commit its last batch can be handed the tasks of an
+    accept meanwhile; idle workers come first, and ``CLAIM`` (tasks nobody was handed) is
+    only for idle ones: the finishing commit's own claim finds those."""
+    finishing = handoff.endpoint(0)
+    assert finishing.wait(0.0, 1) == LOOK
+    finishing.offer(3)
+    assert handoff.idle() == {}  # not idle: committing
+    waiting = _Waiting(handoff, handoff.endpoint(1), want=2)
+    assert handoff.take(9, finishing=False) == [(1, "w1", 2)]
+    handoff.give(1, CLAIM)
+    assert waiting.result() == CLAIM
+    assert handoff.take(9, finishing=False) == []
+    assert handoff.take(9) == [(0, "w0", 3)]
+    handoff.give(0, [("t1", 5)])
+    assert finishing.withdraw() == [("t1", 5)]
+
+
+def test_idle_workers_are_taken_before_finishing_ones(handoff: Handoff) -> None:
+    finishing = handoff.endpoint(0)
+    assert finishing.wait(0.0, 1) == LOOK
+    finishing.offer(1)
+    waiting = _Waiting(handoff, handoff.endpoint(1), want=1)
+    assert handoff.take(1) == [(1, "w1", 1)]  # slot 1 before slot 0: it waits
+    handoff.give(1, LOOK)
+    assert waiting.result() == LOOK
+    assert finishing.withdraw() is None  # nobody took it: it leaves its cell
+    assert handoff.take(9) == []
+
+
+def test_an_offer_reads_the_count_of_storing_commits_as_its_last_look(
+    handoff: Handoff,
+) -> None:
+    """The commit after the offer claims what is stored by then; what comes later either
+    finds the cell or moves the count, and the next wait looks."""
+    ep = handoff.endpoint(0)
+    ep.offer(1)
+    assert ep.withdraw() is None
+    assert ep.wait(0.0, 1) is None  # nothing stored since the offer: no look
+    ep.offer(1)
+    handoff.stored()  # an accept that had taken others before the offer
+    assert ep.withdraw() is None
+    assert ep.wait(0.0, 1) == LOOK
+
+
 def test_a_commit_since_the_last_look_makes_the_wait_look_instead(handoff: Handoff) -> None:
     """The lost wake-up: tasks stored after the worker's last claim, before it sat down in
     its cell, are seen through the count of storing commits."""
@@ -218,10 +265,10 @@ def test_tasks_nobody_was_handed_go_to_a_worker_idle_by_then(
     real_take = handoff.take
     takes: list[int] = []
 
-    def take(needed: int) -> list[tuple[int, str, int]]:
+    def take(needed: int, **kwargs: bool) -> list[tuple[int, str, int]]:
         takes.append(needed)
         # Before the transaction the worker was still busy; it is idle after the commit.
-        return [] if len(takes) == 1 else real_take(needed)
+        return [] if len(takes) == 1 else real_take(needed, **kwargs)
 
     monkeypatch.setattr(handoff, "take", take)
     store.accept([_item(0, clock), _item(1, clock)])
@@ -328,6 +375,40 @@ def test_handed_tasks_run_without_a_claim_of_the_workers_own(
     assert handled == [1, 2]
     assert tasks.claims == 1  # only run()'s first, before any wait
     assert (worker.stats.handed, worker.stats.claimed, worker.stats.done) == (2, 2, 2)
+
+
+def test_tasks_handed_while_the_worker_commits_run_without_a_claim_of_its_own(
+    db: Database, clock: FakeClock
+) -> None:
+    """The worker offers before its finishing commit; an accept meanwhile claims a task for
+    it, which it runs next, without a claim, a look or a wait of its own."""
+    tasks = _CountingStore(db, clock)
+    stop = threading.Event()
+    handled: list[int] = []
+    withdrawals = [0]
+
+    def withdraw() -> Handed:
+        withdrawals[0] += 1
+        if withdrawals[0] > 2:
+            return None
+        return tasks.accept_and_claim([_item(10 + withdrawals[0], clock)], [("w1", 4)]).claimed[0]
+
+    def step(timeout_s: float) -> Handed:
+        stop.set()
+        return None
+
+    def handler(task: Task) -> dict[str, Any]:
+        handled.append(task.payload["i"])
+        return {}
+
+    tasks.accept([_item(0, clock)])
+    script = ScriptedWait(step, withdraw)
+    worker = Worker(WorkerConfig(owner="w1", idle_poll_s=0.25), tasks, handler, handoff=script)
+    worker.run(stop)
+    assert handled == [0, 11, 12]
+    assert tasks.claims == 1  # run()'s first; the next two came with the offers
+    assert script.offers == [worker.claim_size()] * 3
+    assert (worker.stats.handed, worker.stats.done) == (2, 3)
 
 
 def test_told_to_claim_the_worker_claims_without_looking_first(
