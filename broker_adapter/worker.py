@@ -531,14 +531,14 @@ class Worker:
             claim_next = claim_ahead and finished
             # Offered while it commits: an accept meanwhile hands this worker its tasks
             # (claimed in the accept) instead of leaving them for a claim of its own.
-            offered = claim_next and self._handoff is not None and not self._stopping()
-            if offered:
-                self._handoff.offer(self.claim_size())  # type: ignore[union-attr]
+            offered = self._handoff if claim_next and not self._stopping() else None
+            if offered is not None:
+                offered.offer(self.claim_size())
             try:
                 self._commit(ran, claim_next=claim_next)
             finally:
-                if offered:
-                    self._take_handed(self._handoff.withdraw())  # type: ignore[union-attr]
+                if offered is not None:
+                    self._take_handed(offered.withdraw())
                 for task in tasks:  # those not started or not committed: leases expire
                     self._release_keeper(task.task_id)
         if run.not_started:

@@ -288,10 +288,12 @@ class Database:
         writers = self._writers
         if not writers.acquire(timeout=self._busy_timeout_ms / 1000):
             raise StoreBusy(f"database is locked: another thread of this process held {op}")
-        # Then, across the processes of a pool, on the gate (see ``WriteGate``).
         gate = self._gate
-        gated = gate is not None and gate.enter(deadline)
         try:
+            # Then, across the processes of a pool, on the gate (see ``WriteGate``); not
+            # taking it by the deadline leaves SQLite's lock to decide, as without one.
+            if gate is not None:
+                gate.enter(deadline)
             with self._lock:
                 try:
                     self._begin_immediate(deadline)
@@ -308,8 +310,8 @@ class Database:
                         raise _translate(exc) from exc
                     raise
         finally:
-            if gated:
-                gate.leave()  # type: ignore[union-attr]
+            if gate is not None:
+                gate.leave()  # only if this process holds it (no other thread can)
             writers.release()
         crashpoints.hit(f"store.{op}.after_commit")
 

@@ -72,8 +72,9 @@ class WriteGate:
                 self._release_for(holder)
 
     def leave(self) -> None:
-        """Release the gate taken by ``enter`` (a no-op if a waiter released it for us
-        because we looked dead, or if it is already free)."""
+        """Release the gate if this process holds it: after an ``enter`` that took it. A
+        no-op when it did not, or when a waiter released it for us because we looked dead
+        (a process must not have two threads between ``enter`` and ``leave``)."""
         if self._holder.value == os.getpid():
             self._holder.value = 0
             self._release()
