@@ -61,15 +61,17 @@ class WriteGate:
             if self._sem.acquire(True, wait):
                 return self._took(me)
             holder = self._holder.value
-            if holder == 0:
-                # Taken, holder not known: between its acquire and its pid, or killed
-                # there. Twice in a row is no longer a window.
-                unknown += 1
-                if unknown >= 2:
-                    self._release_for(0)
-                    unknown = 0
-            elif not _alive(holder):
-                self._release_for(holder)
+            if holder != 0:
+                unknown = 0
+                if not _alive(holder):
+                    self._release_for(holder)
+                continue
+            # Taken, holder not known: between its acquire and its pid, or killed there.
+            # Twice in a row, CHECK_S apart, is no longer that window.
+            unknown += 1
+            if unknown >= 2:
+                self._release_for(0)
+                unknown = 0
 
     def leave(self) -> None:
         """Release the gate if this process holds it: after an ``enter`` that took it. A

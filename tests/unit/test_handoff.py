@@ -411,6 +411,53 @@ def test_tasks_handed_while_the_worker_commits_run_without_a_claim_of_its_own(
     assert (worker.stats.handed, worker.stats.done) == (2, 3)
 
 
+def test_tasks_handed_during_a_finishing_commit_that_failed_still_run_next(
+    db: Database, clock: FakeClock
+) -> None:
+    """The finishing commit fails (busy; its tasks come back at lease expiry) after an
+    accept took the worker's offer: the tasks it was handed run straight away, before any
+    idle wait."""
+
+    class BusyOnce(_CountingStore):
+        failed = False
+
+        def settle_batch(self, *args: Any, **kwargs: Any) -> Any:
+            if not self.failed:
+                self.failed = True
+                raise StoreBusy("database is locked")
+            return super().settle_batch(*args, **kwargs)
+
+    tasks = BusyOnce(db, clock, TaskPolicy(lease_s=30))
+    stop = threading.Event()
+    events: list[Any] = []
+
+    def withdraw() -> Handed:
+        if len(events) > 1:
+            return None
+        return tasks.accept_and_claim([_item(11, clock)], [("w1", 4)]).claimed[0]
+
+    def step(timeout_s: float) -> Handed:
+        events.append("wait")
+        stop.set()
+        return None
+
+    def handler(task: Task) -> dict[str, Any]:
+        events.append(task.payload["i"])
+        return {}
+
+    tasks.accept([_item(0, clock)])
+    worker = Worker(
+        WorkerConfig(owner="w1", idle_poll_s=0.25),
+        tasks,
+        handler,
+        handoff=ScriptedWait(step, withdraw),
+    )
+    worker.run(stop)
+    assert events[:2] == [0, 11]  # the handed task ran before any idle wait
+    states = dict(db.conn.execute("SELECT message_id, state FROM tasks").fetchall())
+    assert states["m11"] == "done"
+
+
 def test_told_to_claim_the_worker_claims_without_looking_first(
     db: Database, clock: FakeClock
 ) -> None:
