@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -377,35 +377,51 @@ def test_handed_tasks_run_without_a_claim_of_the_workers_own(
     assert (worker.stats.handed, worker.stats.claimed, worker.stats.done) == (2, 2, 2)
 
 
+def _run_offering_worker(
+    tasks: _CountingStore, handed: Callable[[int], Handed]
+) -> tuple[list[Any], Worker, ScriptedWait]:
+    """Run worker ``w1`` on the tasks already accepted; the withdraw after its ``n``-th
+    finishing commit returns ``handed(n)`` (an accept took its offer, or not); its first
+    idle wait stops it. Returns what happened in order (each handled task's ``i``, and
+    ``"wait"`` for the idle wait), the worker and its scripted wait."""
+    stop = threading.Event()
+    events: list[Any] = []
+    withdrawals = [0]
+
+    def withdraw() -> Handed:
+        withdrawals[0] += 1
+        return handed(withdrawals[0])
+
+    def step(timeout_s: float) -> Handed:
+        events.append("wait")
+        stop.set()
+        return None
+
+    def handler(task: Task) -> dict[str, Any]:
+        events.append(task.payload["i"])
+        return {}
+
+    script = ScriptedWait(step, withdraw)
+    worker = Worker(WorkerConfig(owner="w1", idle_poll_s=0.25), tasks, handler, handoff=script)
+    worker.run(stop)
+    return events, worker, script
+
+
 def test_tasks_handed_while_the_worker_commits_run_without_a_claim_of_its_own(
     db: Database, clock: FakeClock
 ) -> None:
     """The worker offers before its finishing commit; an accept meanwhile claims a task for
     it, which it runs next, without a claim, a look or a wait of its own."""
     tasks = _CountingStore(db, clock)
-    stop = threading.Event()
-    handled: list[int] = []
-    withdrawals = [0]
 
-    def withdraw() -> Handed:
-        withdrawals[0] += 1
-        if withdrawals[0] > 2:
+    def handed(n: int) -> Handed:
+        if n > 2:
             return None
-        return tasks.accept_and_claim([_item(10 + withdrawals[0], clock)], [("w1", 4)]).claimed[0]
-
-    def step(timeout_s: float) -> Handed:
-        stop.set()
-        return None
-
-    def handler(task: Task) -> dict[str, Any]:
-        handled.append(task.payload["i"])
-        return {}
+        return tasks.accept_and_claim([_item(10 + n, clock)], [("w1", 4)]).claimed[0]
 
     tasks.accept([_item(0, clock)])
-    script = ScriptedWait(step, withdraw)
-    worker = Worker(WorkerConfig(owner="w1", idle_poll_s=0.25), tasks, handler, handoff=script)
-    worker.run(stop)
-    assert handled == [0, 11, 12]
+    events, worker, script = _run_offering_worker(tasks, handed)
+    assert [e for e in events if e != "wait"] == [0, 11, 12]
     assert tasks.claims == 1  # run()'s first; the next two came with the offers
     assert script.offers == [worker.claim_size()] * 3
     assert (worker.stats.handed, worker.stats.done) == (2, 3)
@@ -428,31 +444,14 @@ def test_tasks_handed_during_a_finishing_commit_that_failed_still_run_next(
             return super().settle_batch(*args, **kwargs)
 
     tasks = BusyOnce(db, clock, TaskPolicy(lease_s=30))
-    stop = threading.Event()
-    events: list[Any] = []
 
-    def withdraw() -> Handed:
-        if len(events) > 1:
+    def handed(n: int) -> Handed:
+        if n > 1:
             return None
         return tasks.accept_and_claim([_item(11, clock)], [("w1", 4)]).claimed[0]
 
-    def step(timeout_s: float) -> Handed:
-        events.append("wait")
-        stop.set()
-        return None
-
-    def handler(task: Task) -> dict[str, Any]:
-        events.append(task.payload["i"])
-        return {}
-
     tasks.accept([_item(0, clock)])
-    worker = Worker(
-        WorkerConfig(owner="w1", idle_poll_s=0.25),
-        tasks,
-        handler,
-        handoff=ScriptedWait(step, withdraw),
-    )
-    worker.run(stop)
+    events, _, _ = _run_offering_worker(tasks, handed)
     assert events[:2] == [0, 11]  # the handed task ran before any idle wait
     states = dict(db.conn.execute("SELECT message_id, state FROM tasks").fetchall())
     assert states["m11"] == "done"
