@@ -31,7 +31,7 @@ from broker_adapter.auth import Keyring
 from broker_adapter.clock import SystemClock
 from broker_adapter.dispatcher import Dispatcher, DispatcherConfig
 from broker_adapter.envelope import check_principal
-from broker_adapter.errors import BrokerAdapterError, ConfigError, TransientError
+from broker_adapter.errors import BrokerAdapterError, ConfigError, StoreBusy, TransientError
 from broker_adapter.handoff import CLAIM, LOOK, Handoff
 from broker_adapter.ingest import IngestConfig, Ingestor
 from broker_adapter.pool import WorkerPool
@@ -47,6 +47,9 @@ DEFAULT_WORKERS = 2
 SUPERVISE_EVERY_S = 0.5
 #: Workers start after the dispatcher's first look at Redis, or after this long at most.
 FIRST_LOOK_TIMEOUT_S = 5.0
+#: A database locked at start-up is tried again after this pause, doubling up to the max.
+DB_WAIT_FIRST_S = 0.1
+DB_WAIT_MAX_S = 5.0
 
 
 class RunConfig(BaseModel):
@@ -160,9 +163,29 @@ class Runner:
         self.log = logger or log
         self.keyring = Keyring.load(config.keyring_path) if config.keyring_path else None
         self.policy = TaskPolicy(lease_s=config.lease_s)
-        open_database(config.db_path).close()  # create and migrate once, up front
+        # Create and migrate once, up front (a bad path or a newer schema fails here); a
+        # database that another writer keeps locked is waited for in ``run``.
+        self._db_ready = self._prepare_database()
         self.errors: list[BaseException] = []
         self._first_look = threading.Event()
+
+    def _prepare_database(self) -> bool:
+        try:
+            open_database(self.config.db_path).close()
+        except StoreBusy as exc:
+            self.log.warning("database busy at start-up, waiting for it: %s", exc)
+            return False
+        return True
+
+    def _wait_for_database(self, stop: threading.Event) -> bool:
+        """Retry ``_prepare_database`` with a growing pause until it succeeds or ``stop``."""
+        pause = DB_WAIT_FIRST_S
+        while not self._db_ready:
+            if stop.wait(pause):
+                return False
+            pause = min(pause * 2, DB_WAIT_MAX_S)
+            self._db_ready = self._prepare_database()
+        return True
 
     def _worker_config(self, i: int) -> WorkerConfig:
         return WorkerConfig(
@@ -247,6 +270,8 @@ class Runner:
             "broker-adapter running: %d workers, db %s, handler %s", cfg.workers, cfg.db_path,
             cfg.handler,
         )  # fmt: skip
+        if not self._wait_for_database(stop):
+            return 0  # stopped before the database could be opened: nothing ran
         pool = self._pool()
         threads = [
             self._thread("dispatcher", lambda: self._dispatch(stop, pool.gate)),

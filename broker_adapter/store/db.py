@@ -192,6 +192,11 @@ class Database:
         try:
             self._configure(synchronous, busy_timeout_ms)
             self._migrate()
+        except sqlite3.OperationalError as exc:
+            self.conn.close()
+            if _is_busy(exc):  # another writer held the lock past the busy timeout
+                raise StoreBusy(f"cannot open database {self.path}: {exc}") from exc
+            raise StoreError(f"cannot use database {self.path}: {exc}") from exc
         except sqlite3.DatabaseError as exc:
             self.conn.close()
             raise StoreError(f"cannot use database {self.path}: {exc}") from exc
@@ -215,6 +220,10 @@ class Database:
             raise StoreError(f"{self.path}: synchronous is {got}, expected {expected}")
 
     def _migrate(self) -> None:
+        # A current schema needs no write lock: opening a database must not queue behind
+        # (or fail on) a writer that holds the lock, as every process of a pool opens its own.
+        if self.conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION:
+            return
         with self._lock:
             self.conn.execute("BEGIN IMMEDIATE")
             try:

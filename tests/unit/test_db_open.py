@@ -1,0 +1,74 @@
+"""Opening a database while another connection holds its write lock."""
+
+from __future__ import annotations
+
+import sqlite3
+import threading
+from pathlib import Path
+
+import pytest
+
+from broker_adapter.errors import StoreBusy
+from broker_adapter.runner import RunConfig, Runner
+from broker_adapter.store import open_database
+from broker_adapter.store.db import Database
+
+
+def _hold_write_lock(path: Path) -> sqlite3.Connection:
+    conn = sqlite3.connect(path, isolation_level=None)
+    conn.execute("BEGIN IMMEDIATE")
+    return conn
+
+
+def test_a_current_database_opens_while_a_writer_holds_the_lock(tmp_path: Path) -> None:
+    path = tmp_path / "a.db"
+    open_database(path).close()
+    holder = _hold_write_lock(path)
+    try:
+        db = Database(path, busy_timeout_ms=1)  # would fail at once if it took the lock
+        db.close()
+    finally:
+        holder.close()
+
+
+def test_a_database_to_migrate_behind_a_held_lock_is_busy_not_broken(tmp_path: Path) -> None:
+    path = tmp_path / "new.db"
+    sqlite3.connect(path).execute("PRAGMA journal_mode = WAL").close()  # schema version 0
+    holder = _hold_write_lock(path)
+    try:
+        with pytest.raises(StoreBusy):
+            Database(path, busy_timeout_ms=1)
+    finally:
+        holder.close()
+    open_database(path).close()  # the lock gone, it migrates
+
+
+def test_the_runner_waits_for_a_locked_database_and_a_stop_ends_the_wait(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "adapter.db"
+    calls: list[int] = []
+
+    def locked(*_args: object, **_kwargs: object) -> Database:
+        calls.append(1)
+        raise StoreBusy("database is locked")
+
+    monkeypatch.setattr("broker_adapter.runner.open_database", locked)
+    config = RunConfig(
+        redis_url="redis://127.0.0.1:1/0", db_path=path, handler="broker_adapter.examples:echo",
+        mode="acl", acl_principals=("alice",),
+    )  # fmt: skip
+    runner = Runner(config)  # busy at start-up is not an error
+    assert calls == [1]
+    stop = threading.Event()
+    waits: list[float | None] = []
+
+    def wait(timeout: float | None = None) -> bool:
+        waits.append(timeout)
+        return len(waits) >= 3  # the third pause is cut short by a stop
+
+    monkeypatch.setattr(stop, "wait", wait)
+    assert runner.run(stop) == 0
+    assert len(calls) == 3  # tried again after each of the first two pauses
+    assert waits[0] is not None
+    assert waits[1] == 2 * waits[0]
