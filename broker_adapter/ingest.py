@@ -8,14 +8,21 @@ Invariants kept:
 * Rule 5: XACK comes only after the inbox rows and task rows of the whole batch committed
   together in ONE ``TaskStore.accept`` transaction. The ACK means "durably in the inbox",
   never "done".
-* Bad input of every shape (oversize, not UTF-8, not JSON, not an envelope, unsigned,
-  spoofed, not a task) is moved to the dead-letter stream with its reason and the original
-  fields, and acknowledged in one atomic script: rejected, nothing written, nothing lost.
+* Bad input of every shape (too many fields, a repeated field name, oversize, not UTF-8,
+  not JSON, not an envelope, unsigned, spoofed, not a task) is moved to the dead-letter
+  stream with its reason and the original fields, and acknowledged in one atomic script:
+  rejected, nothing written, nothing lost. The shape of the entry (fields, size) is checked
+  by the ``GroupReader`` before anything is parsed.
+* Each entry is handled on its own: an exception while checking one (a bug, or input no
+  check foresaw) dead-letters that entry as ``internal_error`` with the exception class,
+  and the rest of its batch goes on; only transient failures of Redis or SQLite (not the
+  entry's fault) fail the batch, which is then replayed.
 
 How one batch goes (``step``)::
 
-    read (own pending first)  -> hit ingest.after_read
-    check size, authenticate, validate; dead-letter the bad ones -> ingest.after_dead_letter
+    read (own pending first; the reader dead-letters deleted, over-delivered, too many
+          fields, oversize, repeated names) -> hit ingest.after_read
+    authenticate, validate; dead-letter the bad ones -> ingest.after_dead_letter
     TaskStore.accept(batch)   -> one transaction (store.accept.before/after_commit)
                               -> hit ingest.after_commit
     dead-letter NOT_TASK outcomes
@@ -51,7 +58,15 @@ from broker_adapter.envelope import check_principal
 from broker_adapter.errors import ConfigError, EnvelopeError, StoreBusy, TransientError
 from broker_adapter.keys import DEFAULT_PREFIX, INGEST_GROUP, Keys
 from broker_adapter.store.tasks import AcceptItem, AcceptResult, Outcome, TaskStore
-from broker_adapter.streams import GroupReader, ReaderConfig, StreamEntry, run_until_stopped
+from broker_adapter.streams import (
+    DEFAULT_MAX_ENTRY_FIELDS,
+    MAX_ENTRY_FIELDS,
+    MIN_ENTRY_FIELDS,
+    GroupReader,
+    ReaderConfig,
+    StreamEntry,
+    run_until_stopped,
+)
 
 if TYPE_CHECKING:
     import redis
@@ -86,6 +101,9 @@ class IngestConfig(BaseModel):
         max_deliveries: entries delivered more often go to the dead-letter stream.
         max_entry_bytes: entries larger than this (all field names and values) are
             dead-lettered as ``oversize`` before any parsing.
+        max_entry_fields: entries of more fields than this (repeated names counted) are
+            dead-lettered as ``too_many_fields`` before any parsing; a dead letter copies
+            at most this many fields (and ``max_entry_bytes`` bytes).
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -100,6 +118,9 @@ class IngestConfig(BaseModel):
     claim_every_s: float = Field(default=DEFAULT_CLAIM_EVERY_S, gt=0)
     max_deliveries: int = Field(default=DEFAULT_MAX_DELIVERIES, ge=1)
     max_entry_bytes: int = Field(default=DEFAULT_MAX_ENTRY_BYTES, ge=1024)
+    max_entry_fields: int = Field(
+        default=DEFAULT_MAX_ENTRY_FIELDS, ge=MIN_ENTRY_FIELDS, le=MAX_ENTRY_FIELDS
+    )
 
     @field_validator("prefix")
     @classmethod
@@ -229,6 +250,8 @@ class Ingestor:
             block_ms=block_ms,
             claim_min_idle_ms=config.claim_min_idle_ms,
             max_deliveries=config.max_deliveries,
+            max_entry_fields=config.max_entry_fields,
+            max_entry_bytes=config.max_entry_bytes,
         )
         self._sources = [
             _Source(
@@ -361,12 +384,9 @@ class Ingestor:
     # -- one batch --------------------------------------------------------------------------
 
     def _authenticate(self, source: _Source, entry: StreamEntry) -> Authenticated:
+        """The entry's principal and envelope (its size and fields were screened by the
+        reader)."""
         fields = entry.fields or {}
-        size = sum(map(len, fields)) + sum(map(len, fields.values()))
-        if size > self.config.max_entry_bytes:
-            raise EnvelopeError(
-                "", "oversize", f"entry is {size} bytes, limit {self.config.max_entry_bytes}"
-            )
         if source.principal is not None:
             return check_stream_principal(fields, source.principal)
         assert self.keyring is not None  # checked in __init__
@@ -384,6 +404,11 @@ class Ingestor:
                 if source.principal is not None:
                     extra["dl.principal"] = source.principal
                 reader.dead_letter(entry, exc.reason, exc.detail, extra=extra)
+                continue
+            except TransientError:
+                raise  # not the entry's fault: the batch is replayed
+            except Exception as exc:  # noqa: BLE001 - this entry's problem, not the batch's
+                reader.dead_letter_exception(entry, exc, "authenticating it")
                 continue
             good.append(entry)
             items.append(AcceptItem(auth.principal, auth.envelope, entry.entry_id))

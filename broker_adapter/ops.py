@@ -183,6 +183,13 @@ def _replay(args: argparse.Namespace, outbox: OutboxStore, client: Any) -> dict[
         source = text(fields.get("dl.source", b""))
         if not source or keys.dead_for(source) != stream:
             raise ConfigError(f"dead-letter entry {args.id} does not name its source stream")
+        if "dl.truncated" in fields or text(fields.get("dl.reason", b"")) == "duplicate_field":
+            # Only part of the original was copied, or a repeated name would collapse: a
+            # replay would not give back the same entry (it is still in its stream).
+            raise ConfigError(
+                f"dead-letter entry {args.id} does not hold its original as it was; the "
+                f"original is {text(fields.get('dl.entry_id', b'?'))} in {source}"
+            )
         original = {k.removeprefix("orig."): v for k, v in fields.items() if k.startswith("orig.")}
         if not original:
             raise ConfigError(f"dead-letter entry {args.id} kept no original fields to replay")

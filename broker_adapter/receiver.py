@@ -11,11 +11,16 @@ first, it takes over entries idle in a dead consumer's list (XAUTOCLAIM, every
 ``take_over_interval_s``), it recreates a group Redis lost, and it dead-letters deleted
 entries and entries past ``max_deliveries``.
 
-Per batch: check each entry (fields ``v``, ``reply_id``, ``hash``, ``body``; SHA-256 of the
-body equals ``hash``; the body names this reply id and principal; anything else is
-dead-lettered with its reason), then ``receiver.before_commit``, one transaction with a
-savepoint per reply (``ReceiptStore.apply_many``), ``receiver.after_commit``, one XACK for the
-batch, ``receiver.after_xack``. Surviving a crash:
+Per batch: the reader refuses entries of more than ``max_entry_fields`` fields, of more than
+``max_reply_bytes`` bytes and with a repeated field name before anything is hashed or parsed;
+then check each entry (fields ``v``, ``reply_id``, ``hash``, ``body``; SHA-256 of the body
+equals ``hash``; the body is strict JSON (no NaN, no duplicate keys) nesting at most
+``REPLY_MAX_DEPTH`` levels and names this reply id and principal; anything else is
+dead-lettered with its reason, and an exception while checking one entry dead-letters that
+entry as ``internal_error``, never the batch), then ``receiver.before_commit``, one
+transaction with a savepoint per reply (``ReceiptStore.apply_many``),
+``receiver.after_commit``, one XACK for the batch, ``receiver.after_xack``. Surviving a
+crash:
 
 * killed before the commit: nothing was written; the entries are still pending and come
   back (own-pending replay on restart, or another consumer's takeover); applied once then;
@@ -27,7 +32,9 @@ A rewind (``XGROUP SETID <stream> ba-receiver 0``), a Redis wipe that made the d
 re-send everything, or a second entry under one reply id all end as duplicates: zero new
 effects. An effect that raises leaves no trace of its reply (savepoint), the entry stays
 pending and is retried through the own-pending replay until ``max_deliveries``, after which
-it is dead-lettered with reason ``delivery_limit``.
+it is dead-lettered with reason ``delivery_limit``. The replay waits ``failed_step_pause_s``
+after a step whose effect failed (new entries are read and applied meanwhile), so that the
+retries of a failing effect are spaced by that pause rather than spent at once.
 
 Effects. The callback ``effect(conn, reply)`` runs inside the receipt's transaction on the
 same connection: it must be a quick local write to this database, with no network call.
@@ -49,7 +56,6 @@ outcome it cannot confirm to reconciliation rather than retrying it blindly::
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 from collections.abc import Mapping
@@ -60,7 +66,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from broker_adapter import crashpoints
 from broker_adapter.clock import Clock
-from broker_adapter.envelope import check_principal, sha256_hex
+from broker_adapter.envelope import check_principal, loads_strict, sha256_hex
 from broker_adapter.errors import ConfigError, StoreBusy, TransientError
 from broker_adapter.keys import DEFAULT_PREFIX, RECEIVER_GROUP, Keys
 from broker_adapter.store.receipts import (
@@ -71,6 +77,9 @@ from broker_adapter.store.receipts import (
     ReceiptStore,
 )
 from broker_adapter.streams import (
+    DEFAULT_MAX_ENTRY_FIELDS,
+    MAX_ENTRY_FIELDS,
+    MIN_ENTRY_FIELDS,
     GroupReader,
     ReaderConfig,
     StreamEntry,
@@ -88,6 +97,14 @@ DEFAULT_BLOCK_MS = 1000
 DEFAULT_CLAIM_MIN_IDLE_MS = 60_000
 DEFAULT_MAX_DELIVERIES = 10
 DEFAULT_TAKE_OVER_INTERVAL_S = 30.0
+#: A reply body is at most a result (the payload limits: 64 KiB canonical) and its metadata
+#: (ids, an error text of at most 4,000 characters): about 100 KB with every character
+#: escaped. A megabyte leaves room and still keeps a hostile entry from costing more.
+DEFAULT_MAX_REPLY_BYTES = 1024 * 1024
+DEFAULT_FAILED_STEP_PAUSE_S = 1.0
+#: How deep a reply body may nest: the body object plus a result within the payload
+#: limits nest 17 levels; anything far deeper is not a reply of ours.
+REPLY_MAX_DEPTH = 64
 REPLY_FORMAT_VERSION = b"1"
 _HEX = frozenset("0123456789abcdef")
 
@@ -107,6 +124,12 @@ class ReceiverConfig(BaseModel):
         claim_min_idle_ms: entries idle this long in another consumer's list are taken over.
         max_deliveries: entries delivered more often go to the dead-letter stream.
         take_over_interval_s: how often a takeover scan starts, seconds.
+        max_reply_bytes: entries larger than this (all field names and values) are
+            dead-lettered as ``oversize`` before they are hashed or parsed.
+        max_entry_fields: entries of more fields are dead-lettered as
+            ``too_many_fields``; a dead letter copies at most this many fields.
+        failed_step_pause_s: after a step in which an effect failed, how long the replay
+            of this consumer's pending entries (the retry) waits, seconds.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -120,6 +143,11 @@ class ReceiverConfig(BaseModel):
     claim_min_idle_ms: int = Field(default=DEFAULT_CLAIM_MIN_IDLE_MS, ge=0)
     max_deliveries: int = Field(default=DEFAULT_MAX_DELIVERIES, ge=1)
     take_over_interval_s: float = Field(default=DEFAULT_TAKE_OVER_INTERVAL_S, gt=0)
+    max_reply_bytes: int = Field(default=DEFAULT_MAX_REPLY_BYTES, ge=1024)
+    max_entry_fields: int = Field(
+        default=DEFAULT_MAX_ENTRY_FIELDS, ge=MIN_ENTRY_FIELDS, le=MAX_ENTRY_FIELDS
+    )
+    failed_step_pause_s: float = Field(default=DEFAULT_FAILED_STEP_PAUSE_S, ge=0)
 
     @field_validator("prefix")
     @classmethod
@@ -187,6 +215,8 @@ class BadReply(Exception):
 def parse_entry(fields: Mapping[bytes, bytes], principal: str, entry_id: str) -> ReceiptItem:
     """Check one reply entry and turn it into a ``ReceiptItem``.
 
+    The entry's size and fields were screened by the reader (``GroupReader``).
+
     Raises:
         BadReply: ``bad_reply`` (fields, version, body), ``bad_hash`` or ``wrong_principal``.
     """
@@ -202,12 +232,7 @@ def parse_entry(fields: Mapping[bytes, bytes], principal: str, entry_id: str) ->
     actual = sha256_hex(body)
     if actual != content_hash:
         raise BadReply("bad_hash", f"body hashes to {actual[:16]}, entry says {content_hash[:16]}")
-    try:
-        reply = json.loads(body.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise BadReply("bad_reply", f"body is not UTF-8 JSON: {exc}") from None
-    if not isinstance(reply, dict):
-        raise BadReply("bad_reply", "body is not a JSON object")
+    reply = load_body(body)
     if reply.get("reply_id") != reply_id:
         raise BadReply("bad_reply", f"body names reply {reply.get('reply_id')!r}, not {reply_id!r}")
     if reply.get("principal") != principal:
@@ -215,6 +240,39 @@ def parse_entry(fields: Mapping[bytes, bytes], principal: str, entry_id: str) ->
             "wrong_principal", f"reply for {reply.get('principal')!r} on {principal!r}'s stream"
         )
     return ReceiptItem(reply_id, content_hash, principal, bytes(body), entry_id, reply)
+
+
+def load_body(body: bytes) -> dict[str, Any]:
+    """Parse a reply body as the ingest parses an envelope (``envelope.loads_strict``: UTF-8,
+    no NaN or infinity, no duplicate keys), nesting at most ``REPLY_MAX_DEPTH`` levels.
+
+    Raises:
+        BadReply: ``bad_reply``, saying which rule the body breaks.
+    """
+    try:
+        reply = loads_strict(body)
+    except RecursionError:
+        raise BadReply("bad_reply", f"body nests deeper than {REPLY_MAX_DEPTH} levels") from None
+    except ValueError as exc:  # UnicodeDecodeError included
+        raise BadReply("bad_reply", f"body is not strict UTF-8 JSON: {exc}") from None
+    if not isinstance(reply, dict):
+        raise BadReply("bad_reply", "body is not a JSON object")
+    if body.count(b"{") + body.count(b"[") > REPLY_MAX_DEPTH and _depth(reply) > REPLY_MAX_DEPTH:
+        raise BadReply("bad_reply", f"body nests deeper than {REPLY_MAX_DEPTH} levels")
+    return reply
+
+
+def _depth(value: Any) -> int:
+    """How many arrays and objects ``value`` nests (walked without recursion). Called only
+    when the body has more brackets than the limit: fewer cannot nest deeper."""
+    deepest = 0
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        children = node.values() if isinstance(node, dict) else node
+        deepest = max(deepest, depth)
+        stack.extend((c, depth + 1) for c in children if isinstance(c, dict | list))
+    return deepest
 
 
 @dataclass
@@ -275,11 +333,15 @@ class Receiver:
                 block_ms=config.block_ms,
                 claim_min_idle_ms=config.claim_min_idle_ms,
                 max_deliveries=config.max_deliveries,
+                max_entry_fields=config.max_entry_fields,
+                max_entry_bytes=config.max_reply_bytes,
             ),
             self.log,
         )
         self._next_take_over = float("-inf")
         self._failed_last_step = False
+        #: When the own-pending replay deferred after a failed step is due (clock time).
+        self._replay_at: float | None = None
         self._held: list[tuple[StreamEntry, ReceiptItem]] | None = None
 
     def step(self, *, peek: bool = True) -> int:
@@ -302,6 +364,9 @@ class Receiver:
         try:
             if self._held is not None:
                 return self._commit(self._held, peek=peek)
+            if self._replay_at is not None and self.clock.now() >= self._replay_at:
+                self._replay_at = None
+                self.reader.replay()  # the pause is over: retry the failed entries
             entries = self.reader.read()
             if peek:
                 self.reader.prefetch()  # after a whole batch: the next one, prepared meanwhile
@@ -331,6 +396,11 @@ class Receiver:
             except BadReply as bad:
                 self.stats.bad += 1
                 self.reader.dead_letter(entry, bad.reason, bad.detail)
+            except TransientError:
+                raise  # not the entry's fault: the batch is replayed
+            except Exception as exc:  # noqa: BLE001 - this entry's problem, not the batch's
+                self.stats.bad += 1
+                self.reader.dead_letter_exception(entry, exc, "checking it")
         return self._commit(good, peek=peek)
 
     def _commit(self, good: list[tuple[StreamEntry, ReceiptItem]], *, peek: bool = False) -> int:
@@ -351,10 +421,14 @@ class Receiver:
         for (entry, _item), result in zip(good, results, strict=True):
             if self._outcome(entry, result):
                 ack.append(entry.entry_id)
-        self.reader.ack(ack, peek=peek and not self._failed_last_step)
+        self.reader.ack(ack, peek=peek)
         crashpoints.hit("receiver.after_xack")
         if self._failed_last_step:
-            self.reader.reset()  # the failed entries come back through own-pending replay
+            # The failed entries stay pending and come back with the own-pending replay,
+            # after the pause (one pause for every failure until then).
+            if self._replay_at is None:
+                self._replay_at = self.clock.now() + self.config.failed_step_pause_s
+            self.reader.defer_replay()
         return len(ack)
 
     def _outcome(self, entry: StreamEntry, result: AppliedItem) -> bool:
@@ -388,16 +462,10 @@ class Receiver:
     def run(self, stop: threading.Event) -> None:
         """Call ``step`` until ``stop`` is set; back off (tenacity) on ``TransientError``.
 
-        A step whose effects failed is followed by a pause of ``block_ms`` so that a
-        failing effect is not retried in a tight loop.
+        (A failing effect is retried after ``failed_step_pause_s``; ``step`` itself spaces
+        the retries, and reads of new entries block for ``block_ms``, so nothing spins.)
         """
-
-        def tick() -> None:
-            self.step()
-            if self._failed_last_step:
-                stop.wait(self.config.block_ms / 1000)
-
-        run_until_stopped(stop, tick)
+        run_until_stopped(stop, self.step)
         if self.reader.has_ahead:
             try:
                 self.step(peek=False)  # entries read ahead: applied now, not replayed later

@@ -18,10 +18,24 @@ Delivery discipline (``GroupReader``):
   replay.
 * ``take_over`` runs XAUTOCLAIM with a carried cursor until it comes back to ``0-0``, so
   every idle entry of a dead consumer is eventually examined, not just the first page.
-* Entries whose payload was deleted or trimmed (nil fields, or XAUTOCLAIM's deleted list)
-  and entries delivered more than ``max_deliveries`` times are moved to the dead-letter
-  stream with their reason and acknowledged in ONE Lua script (atomic, even across an AOF
-  tail loss), so they are neither looped on nor silently dropped.
+* Entries are read as Redis keeps them, a list of name/value pairs (redis-py's callbacks
+  would fold them into a dict, where a repeated name silently keeps its last value). The
+  reader refuses, before anyone parses them: entries whose payload was deleted or trimmed
+  (nil fields, or XAUTOCLAIM's deleted list), entries delivered more than
+  ``max_deliveries`` times, entries of more than ``max_entry_fields`` fields
+  (``too_many_fields``) or ``max_entry_bytes`` bytes (``oversize``), and entries that
+  repeat a field name (``duplicate_field``). Each is moved to the dead-letter stream with
+  its reason and acknowledged in ONE Lua script (atomic, even across an AOF tail loss), so
+  it is neither looped on nor silently dropped.
+* A dead letter copies the original pairs, in order and byte for byte, up to those two
+  limits; of a larger entry it copies what fits and says so in ``dl.truncated`` (the entry
+  itself stays in its stream under ``dl.entry_id``). So the script's argument list is
+  bounded whatever a writer put in the entry. Every text taken from input is made
+  encodable first (a lone surrogate is written as ``\\ud800``).
+* Dead-lettering is isolated per entry: a dead letter that fails for any reason but a
+  transient one is replaced by a minimal one (reason ``internal_error``, no copied fields),
+  and if even that fails the entry is acknowledged with an alarm, so that no entry can stop
+  the reader or hold up the rest of its batch.
 
 Redis writes are never re-sent by the client library (``Retry(NoBackoff(), 0)``): a write
 whose reply was lost may or may not have happened, and only the caller, knowing what is
@@ -45,10 +59,27 @@ import tenacity
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from broker_adapter.errors import BrokerAdapterError, GroupMissingError, RedisUnavailable
+from broker_adapter.errors import (
+    BrokerAdapterError,
+    ConfigError,
+    GroupMissingError,
+    RedisUnavailable,
+    TransientError,
+)
 
 Fields = dict[bytes, bytes]
 T = TypeVar("T")
+
+#: Entries with more fields than this are dead-lettered as ``too_many_fields``.
+DEFAULT_MAX_ENTRY_FIELDS = 64
+#: The range ``max_entry_fields`` may take: an entry needs a few fields, and the
+#: dead-letter script's argument list (two per copied field) must stay far below the
+#: 7,998 values Lua can unpack.
+MIN_ENTRY_FIELDS, MAX_ENTRY_FIELDS = 8, 1000
+#: Entries larger than this (all names and values) are dead-lettered as ``oversize``.
+DEFAULT_MAX_ENTRY_BYTES = 1024 * 1024
+#: How many characters of a text a dead letter keeps (``dl.detail`` and the other notes).
+DEAD_LETTER_TEXT_MAX_CHARS = 1000
 
 log = logging.getLogger("broker_adapter.streams")
 
@@ -106,9 +137,32 @@ def text(value: bytes | str) -> str:
     return value.decode("utf-8", "replace") if isinstance(value, bytes) else value
 
 
+def encodable(value: str, limit: int = DEAD_LETTER_TEXT_MAX_CHARS) -> str:
+    """``value`` cut to ``limit`` characters, with whatever UTF-8 cannot encode (lone
+    surrogates, which ``json`` happily decodes from ``"\\ud800"``) written as backslash
+    escapes: every text derived from input goes through this before Redis sees it."""
+    value = value[:limit]
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return value.encode("utf-8", "backslashreplace").decode("utf-8")
+    return value
+
+
+def describe(exc: BaseException) -> str:
+    """``"<class>: <message>"`` of ``exc`` in ASCII (escaped), for a dead letter's detail;
+    never raises, whatever the exception's ``__str__`` does."""
+    try:
+        said = f"{type(exc).__name__}: {exc}"
+    except Exception:  # noqa: BLE001 - a broken __str__: the class name is enough
+        said = type(exc).__name__
+    return said.encode("ascii", "backslashreplace").decode("ascii")
+
+
 # Dead-letter one entry: XADD to the dead stream and XACK the source, atomically.
 # KEYS[1] source stream, KEYS[2] dead stream; ARGV[1] group, ARGV[2] entry id,
-# ARGV[3..] field/value pairs of the dead-letter entry.
+# ARGV[3..] field/value pairs of the dead-letter entry: a few notes and at most
+# ``max_entry_fields`` copied fields (``GroupReader._copy``), so ``unpack`` stays bounded.
 _DEAD_LETTER = """
 local dead_id = redis.call('XADD', KEYS[2], '*', unpack(ARGV, 3))
 redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
@@ -118,11 +172,26 @@ return dead_id
 
 class StreamEntry(NamedTuple):
     """One delivered entry. ``fields`` is None when its payload was deleted or trimmed.
-    (A tuple: one is made per entry read.)"""
+    (A tuple: one is made per entry read.)
+
+    Attributes:
+        entry_id: the stream entry id.
+        fields: the fields by name (of an entry the reader passed, names are unique).
+        deliveries: how often the group delivered it (XPENDING), 1 for a new entry.
+        pairs: the fields as Redis keeps them, ``[name, value, name, value, ...]`` with
+            any repeated name; ``None`` for an entry made from ``fields`` alone.
+    """
 
     entry_id: str
     fields: Fields | None
     deliveries: int = 1
+    pairs: Sequence[bytes] | None = None
+
+    def flat(self) -> Sequence[bytes]:
+        """The name/value pairs, flat (from ``fields`` when the raw list is not known)."""
+        if self.pairs is not None:
+            return self.pairs
+        return [item for pair in (self.fields or {}).items() for item in pair]
 
 
 @dataclass(frozen=True)
@@ -134,12 +203,32 @@ class ReaderConfig:
         block_ms: how long a read of new entries blocks.
         claim_min_idle_ms: entries idle this long in another consumer's list are taken over.
         max_deliveries: entries delivered more often than this go to the dead-letter stream.
+        max_entry_fields: entries of more fields (repeated names counted) are dead-lettered
+            as ``too_many_fields``; also the most fields a dead letter copies.
+        max_entry_bytes: entries larger than this (all field names and values) are
+            dead-lettered as ``oversize`` before anyone parses them; also the most bytes
+            a dead letter copies.
+
+    Raises:
+        ConfigError: ``max_entry_fields`` outside ``MIN_ENTRY_FIELDS..MAX_ENTRY_FIELDS``, or
+            ``max_entry_bytes`` below 1.
     """
 
     count: int = 256
     block_ms: int = 1000
     claim_min_idle_ms: int = 60_000
     max_deliveries: int = 10
+    max_entry_fields: int = DEFAULT_MAX_ENTRY_FIELDS
+    max_entry_bytes: int = DEFAULT_MAX_ENTRY_BYTES
+
+    def __post_init__(self) -> None:
+        if not MIN_ENTRY_FIELDS <= self.max_entry_fields <= MAX_ENTRY_FIELDS:
+            raise ConfigError(
+                f"max_entry_fields must be {MIN_ENTRY_FIELDS}..{MAX_ENTRY_FIELDS}, "
+                f"got {self.max_entry_fields}"
+            )
+        if self.max_entry_bytes < 1:
+            raise ConfigError(f"max_entry_bytes must be positive, got {self.max_entry_bytes}")
 
 
 @dataclass
@@ -152,6 +241,8 @@ class ReaderStats:
     deleted: int = 0
     group_recreated: int = 0
     reconnects: int = 0
+    #: Entries acknowledged without any dead letter because even a minimal one failed.
+    dead_letter_failures: int = 0
     by_reason: dict[str, int] = field(default_factory=dict)
 
 
@@ -230,6 +321,17 @@ class GroupReader:
         self._replaying = True
         self.stats.reconnects += 1
 
+    def replay(self) -> None:
+        """From the next read of Redis on, re-read this consumer's own pending list before
+        new entries (what ``reset`` does after an error; entries read ahead are kept)."""
+        self._replaying = True
+
+    def defer_replay(self) -> None:
+        """Read new entries only and leave this consumer's own pending list alone until
+        ``replay`` (or an error's ``reset``): e.g. entries whose handling just failed wait
+        for a pause instead of coming back at the very next read."""
+        self._replaying = False
+
     # -- reading --------------------------------------------------------------------------
 
     def read(self) -> list[StreamEntry]:
@@ -261,7 +363,7 @@ class GroupReader:
         cfg = self.config
         if self._replaying:
             with translated():
-                (reply,) = exchange(self.client, [self._xreadgroup("0")])
+                (reply,) = exchange(self.client, [self._xreadgroup("0")], raw=True)
             entries = _entries(reply)
             if not entries:
                 self._replaying = False
@@ -269,11 +371,13 @@ class GroupReader:
             self.stats.replayed += len(entries)
             return self._with_deliveries(entries)
         with translated():
-            (reply,) = exchange(self.client, [self._xreadgroup(">", block_ms=cfg.block_ms)])
+            (reply,) = exchange(
+                self.client, [self._xreadgroup(">", block_ms=cfg.block_ms)], raw=True
+            )
         entries = _entries(reply)
         self.stats.read += len(entries)
         self._full = len(entries) >= cfg.count
-        return [StreamEntry(eid, f, 1) for eid, f in entries]
+        return entries
 
     def _xreadgroup(self, start: str, *, block_ms: int | None = None) -> tuple[Any, ...]:
         """The XREADGROUP command of one batch from ``start`` (``0``: own pending, ``>``:
@@ -327,7 +431,7 @@ class GroupReader:
             with translated():
                 if entry_ids:
                     conn.send_command("XACK", self.stream, self.group, *entry_ids)
-                reply = self.client.parse_response(conn, "XREADGROUP")  # type: ignore[no-untyped-call]
+                reply = conn.read_response()  # the raw pairs (see _entries)
                 acked = int(conn.read_response()) if entry_ids else 0
         except GroupMissingError:
             self._discard(conn)  # the XACK's reply, if any, is still unread on it
@@ -355,34 +459,61 @@ class GroupReader:
         entries = _entries(reply)
         self.stats.read += len(entries)
         self._full = len(entries) >= self.config.count
-        return self._screen([StreamEntry(eid, f, 1) for eid, f in entries])
+        return self._screen(entries)
 
-    def _with_deliveries(self, entries: list[tuple[str, Fields | None]]) -> list[StreamEntry]:
+    def _with_deliveries(self, entries: list[StreamEntry]) -> list[StreamEntry]:
         """Attach delivery counts (from XPENDING) to entries that came from a pending list."""
-        ids = [eid for eid, _ in entries]
+        ids = [e.entry_id for e in entries]
         with translated():
             rows = self.client.xpending_range(
                 self.stream, self.group, min=min(ids, key=_id_key), max=max(ids, key=_id_key),
                 count=len(ids) * 2 + 10, consumername=self.consumer,
             )  # fmt: skip
         counts = {text(r["message_id"]): int(r["times_delivered"]) for r in rows}  # type: ignore[arg-type]
-        return [StreamEntry(eid, f, counts.get(eid, 1)) for eid, f in entries]
+        return [e._replace(deliveries=counts.get(e.entry_id, 1)) for e in entries]
 
     def _screen(self, batch: list[StreamEntry]) -> list[StreamEntry]:
+        """The entries of ``batch`` fit to be parsed; the others are dead-lettered here."""
         good: list[StreamEntry] = []
         for entry in batch:
-            if entry.fields is None:
-                self.stats.deleted += 1
-                self.dead_letter(entry, "payload_deleted", "entry was deleted or trimmed")
-            elif entry.deliveries > self.config.max_deliveries:
-                self.dead_letter(
-                    entry,
-                    "delivery_limit",
-                    f"delivered {entry.deliveries} times, limit {self.config.max_deliveries}",
-                )
-            else:
+            try:
+                refusal = self._refusal(entry)
+            except Exception as exc:  # noqa: BLE001 - one entry's problem, not the batch's
+                self.dead_letter_exception(entry, exc, "screening it")
+                continue
+            if refusal is None:
                 good.append(entry)
+            else:
+                self.dead_letter(entry, *refusal)
         return good
+
+    def _refusal(self, entry: StreamEntry) -> tuple[str, str, dict[str, str]] | None:
+        """Why ``entry`` must not be handed on, as ``(reason, detail, extra)``, or None.
+
+        In this order: deleted, past the delivery limit, too many fields, too large, a
+        repeated field name. The checks look at counts and lengths only (the per-entry cost
+        on the hot path is a few list lengths)."""
+        cfg = self.config
+        fields = entry.fields
+        if fields is None:
+            self.stats.deleted += 1
+            return "payload_deleted", "entry was deleted or trimmed", {}
+        if entry.deliveries > cfg.max_deliveries:
+            detail = f"delivered {entry.deliveries} times, limit {cfg.max_deliveries}"
+            return "delivery_limit", detail, {}
+        pairs = entry.flat()
+        if len(pairs) > 2 * cfg.max_entry_fields:
+            detail = f"entry has {len(pairs) // 2} fields, limit {cfg.max_entry_fields}"
+            return "too_many_fields", detail, {"dl.field": ""}
+        size = sum(map(len, pairs))
+        if size > cfg.max_entry_bytes:
+            detail = f"entry is {size} bytes, limit {cfg.max_entry_bytes}"
+            return "oversize", detail, {"dl.field": ""}
+        if 2 * len(fields) != len(pairs):
+            name = text(_repeated_name(pairs))
+            detail = f"field {name!r} appears more than once"
+            return "duplicate_field", detail, {"dl.field": name}
+        return None
 
     def take_over(self) -> list[StreamEntry]:
         """XAUTOCLAIM one page of entries idle past ``claim_min_idle_ms`` (from any consumer).
@@ -394,11 +525,10 @@ class GroupReader:
             self.ensure_group()
         try:
             with translated():
-                reply = self.client.xautoclaim(
-                    self.stream, self.group, self.consumer,
-                    min_idle_time=self.config.claim_min_idle_ms,
-                    start_id=self._cursor, count=self.config.count,
-                )  # fmt: skip
+                (reply,) = exchange(self.client, [(
+                    "XAUTOCLAIM", self.stream, self.group, self.consumer,
+                    self.config.claim_min_idle_ms, self._cursor, "COUNT", self.config.count,
+                )], raw=True)  # fmt: skip
         except GroupMissingError:
             self._recreate_group()
             return []
@@ -414,7 +544,7 @@ class GroupReader:
             self._dead_letter_fields(
                 text(raw_id), "payload_deleted", "entry was deleted or trimmed", 0, ack=False
             )
-        entries = [(text(eid), f or None) for eid, f in claimed]
+        entries = _stream_entries(claimed)
         if not entries:
             return []
         self.stats.taken_over += len(entries)
@@ -453,13 +583,13 @@ class GroupReader:
         xack = ("XACK", self.stream, self.group, *entry_ids)
         if not peek or self._replaying:
             with translated():
-                (acked,) = exchange(self.client, [xack])
+                (acked,) = exchange(self.client, [xack], raw=True)
             n = int(acked)
             self.stats.acked += n
             return n
         try:
             with translated():
-                acked, reply = exchange(self.client, [xack, self._xreadgroup(">")])
+                acked, reply = exchange(self.client, [xack, self._xreadgroup(">")], raw=True)
         except GroupMissingError:
             self._recreate_group()
             return 0
@@ -482,23 +612,50 @@ class GroupReader:
         entry: StreamEntry,
         reason: str,
         detail: str,
-        *,
         extra: Mapping[str, str] | None = None,
-    ) -> str:
+    ) -> str | None:
         """Move ``entry`` to the dead-letter stream with its reason, and XACK it, atomically.
+
+        Whatever the entry holds, this does not fail because of it: a dead letter Redis
+        refuses (or that cannot be built) is replaced by a minimal one with reason
+        ``internal_error`` and no copied fields; if even that is refused, the entry is
+        acknowledged alone and an alarm logged (``stats.dead_letter_failures``), so that it
+        does not come back and stop the reader again.
 
         Args:
             entry: the entry to move.
             reason: machine-readable reason code (``dl.reason``).
             detail: human-readable explanation (``dl.detail``, cut to 1000 characters).
-            extra: more ``dl.*`` fields to record, e.g. ``{"dl.field": "payload"}``.
+            extra: more ``dl.*`` fields to record, e.g. ``{"dl.field": "payload"}``. Texts
+                are made encodable (``encodable``): they may come from input.
 
         Returns:
-            the dead-letter entry's id.
+            the dead-letter entry's id, or None when none could be written.
+
+        Raises:
+            TransientError: Redis could not be reached (the entry stays pending; maybe
+                moved).
+            BrokerAdapterError: the last resort, the XACK alone, was refused (the group is
+                gone, say): a problem of the stream, not of the entry.
         """
         return self._dead_letter_fields(
-            entry.entry_id, reason, detail, entry.deliveries, original=entry.fields, extra=extra
+            entry.entry_id, reason, detail, entry.deliveries, original=entry.flat(), extra=extra
         )
+
+    def dead_letter_exception(self, entry: StreamEntry, exc: Exception, doing: str) -> None:
+        """Dead-letter ``entry`` as ``internal_error``: handling it raised ``exc`` (a bug, or
+        input no check foresaw). The exception class goes into ``dl.detail``; the traceback
+        goes to the log.
+
+        Args:
+            doing: what was being done to the entry, for the detail (``"checking it"``).
+        """
+        self.log.error(
+            "ALARM: %s raised while %s entry %s of %s; dead-lettering it as internal_error",
+            type(exc).__name__, doing, entry.entry_id, self.stream, exc_info=exc,
+        )  # fmt: skip
+        detail = f"{describe(exc)} while {doing}"
+        self.dead_letter(entry, "internal_error", detail, {"dl.field": ""})
 
     def _dead_letter_fields(
         self,
@@ -507,34 +664,104 @@ class GroupReader:
         detail: str,
         deliveries: int,
         *,
-        original: Fields | None = None,
+        original: Sequence[bytes] = (),
         ack: bool = True,
         extra: Mapping[str, str] | None = None,
-    ) -> str:
-        argv: list[bytes | str] = [self.group, entry_id]
-        meta = {
+    ) -> str | None:
+        notes = {
             "dl.reason": reason,
-            "dl.detail": detail[:1000],
+            "dl.detail": detail,
             "dl.source": self.stream,
             "dl.entry_id": entry_id,
             "dl.deliveries": str(deliveries),
             "dl.group": self.group,
             "dl.consumer": self.consumer,
         }
-        for k, v in (extra or {}).items():
-            meta.setdefault(k, v[:1000])
-        for k, v in meta.items():
-            argv += [k, v]
-        for name, value in (original or {}).items():
-            argv += [b"orig." + name, value]
-        if not ack:
-            argv[1] = "0-0"  # nothing left to acknowledge
-        with translated():
-            dead_id = self._dead_letter(keys=[self.stream, self.dead_stream], args=argv)
+        try:
+            for k, v in (extra or {}).items():
+                notes.setdefault(k, v)
+            copy, truncated = self._copy(original)
+            if truncated:
+                notes["dl.truncated"] = truncated
+            dead_id = self._move(entry_id, notes, copy, ack=ack)
+        except TransientError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - whatever the entry held: a minimal one
+            self.log.error(
+                "ALARM: dead letter %r of %s from %s failed (%s: %s); writing a minimal one",
+                reason, entry_id, self.stream, type(exc).__name__, exc,
+            )  # fmt: skip
+            minimal = {
+                "dl.reason": "internal_error",
+                "dl.detail": f"the {reason} dead letter failed: {describe(exc)}",
+                "dl.field": "",
+                "dl.source": self.stream,
+                "dl.entry_id": entry_id,
+                "dl.failed_reason": reason,
+            }
+            try:
+                dead_id = self._move(entry_id, minimal, [], ack=ack)
+            except TransientError:
+                raise
+            except Exception as last:  # noqa: BLE001 - acknowledged, with an alarm
+                self._give_up(entry_id, reason, last, ack=ack)
+                return None
+            reason, detail = "internal_error", minimal["dl.detail"]
         self.stats.dead_lettered += 1
         self.stats.by_reason[reason] = self.stats.by_reason.get(reason, 0) + 1
-        self.log.warning("dead-lettered %s from %s: %s (%s)", entry_id, self.stream, reason, detail)
-        return text(dead_id)
+        self.log.warning(
+            "dead-lettered %s from %s: %s (%s)", entry_id, self.stream, reason, encodable(detail)
+        )
+        return dead_id
+
+    def _move(
+        self, entry_id: str, notes: Mapping[str, str], copy: Sequence[bytes], *, ack: bool
+    ) -> str:
+        """Run the dead-letter script: ``notes`` (texts, made encodable) and ``copy``."""
+        argv: list[bytes | str] = [self.group, entry_id if ack else "0-0"]
+        for k, v in notes.items():
+            argv += [k, encodable(v)]
+        argv += copy
+        with translated():
+            return text(self._dead_letter(keys=[self.stream, self.dead_stream], args=argv))
+
+    def _copy(self, original: Sequence[bytes]) -> tuple[list[bytes], str]:
+        """The ``orig.<name>`` arguments of a dead letter and, when not all of ``original``
+        fits in ``max_entry_fields`` fields and ``max_entry_bytes`` bytes, a note of what
+        was left out (else ``""``). Names and values are copied in order, byte for byte;
+        the pair that crosses the byte limit is cut, and copying stops there."""
+        cfg = self.config
+        total = sum(map(len, original))
+        if len(original) <= 2 * cfg.max_entry_fields and total <= cfg.max_entry_bytes:
+            return [b"orig." + item if i % 2 == 0 else item for i, item in enumerate(original)], ""
+        copy: list[bytes] = []
+        room = cfg.max_entry_bytes
+        for i in range(0, min(len(original) - 1, 2 * cfg.max_entry_fields), 2):
+            if room <= 0:
+                break
+            name = original[i][:room]
+            value = original[i + 1][: room - len(name)]
+            room -= len(name) + len(value)
+            copy += [b"orig." + name, value]
+        copied = cfg.max_entry_bytes - room
+        return copy, (
+            f"copied {len(copy) // 2} of {len(original) // 2} fields, {copied} of {total} "
+            f"bytes; the entry stays in {self.stream} under dl.entry_id"
+        )
+
+    def _give_up(self, entry_id: str, reason: str, exc: Exception, *, ack: bool) -> None:
+        """The last resort when no dead letter can be written: acknowledge the entry alone,
+        so that it cannot stop the reader on every replay, and say so loudly. (It is not
+        deleted: it stays in the stream under its id.)"""
+        self.stats.dead_letter_failures += 1
+        self.log.error(
+            "ALARM: no dead letter could be written for %s of %s (%s; %s: %s); acknowledging "
+            "it without one (it stays in the stream under its id)",
+            entry_id, self.stream, reason, type(exc).__name__, exc,
+        )  # fmt: skip
+        if ack:
+            with translated():
+                exchange(self.client, [("XACK", self.stream, self.group, entry_id)], raw=True)
 
     # -- inspection -----------------------------------------------------------------------
 
@@ -551,17 +778,23 @@ def _id_key(entry_id: str) -> tuple[int, int]:
 
 
 def exchange(
-    client: redis.Redis, commands: Sequence[Sequence[Any]], *, raise_errors: bool = True
+    client: redis.Redis,
+    commands: Sequence[Sequence[Any]],
+    *,
+    raise_errors: bool = True,
+    raw: bool = False,
 ) -> list[Any]:
     """Send ``commands`` in one write on one connection of the client's pool and read their
     replies in order: one round trip, without redis-py's per-command and pipeline layers
     (on the hot paths those cost more CPU than the round trip's own work). Replies go
     through the client's response callbacks, as ``client.xreadgroup(...)`` would return
-    them. Nothing is ever re-sent.
+    them, unless ``raw``. Nothing is ever re-sent.
 
     Args:
         raise_errors: raise the first error reply after all replies were read; otherwise
             each error reply is left in its slot as its ``redis.ResponseError``.
+        raw: leave the replies as the server sent them (stream entries as flat name/value
+            lists: see ``_entries``).
 
     Raises:
         redis.RedisError: a connection failure (the connection is closed; any prefix of the
@@ -575,7 +808,10 @@ def exchange(
         conn.send_packed_command(conn.pack_commands(commands))
         for command in commands:
             try:
-                replies.append(client.parse_response(conn, command[0]))  # type: ignore[no-untyped-call]
+                if raw:
+                    replies.append(conn.read_response())
+                else:
+                    replies.append(client.parse_response(conn, command[0]))  # type: ignore[no-untyped-call]
             except redis.ResponseError as exc:
                 replies.append(exc)
     except BaseException:
@@ -604,12 +840,40 @@ def _discard(pool: Any, conn: Any) -> None:
     pool.release(conn)
 
 
-def _entries(reply: Any) -> list[tuple[str, Fields | None]]:
-    out: list[tuple[str, Fields | None]] = []
-    for _stream, items in reply or []:
-        for eid, fields in items:
-            out.append((text(eid), fields or None))
+def _entries(reply: Any) -> list[StreamEntry]:
+    """The entries of a raw XREADGROUP reply (RESP2: a list of ``[stream, entries]``;
+    RESP3: a map of them), one delivery each."""
+    if not reply:
+        return []
+    streams = reply.items() if isinstance(reply, dict) else reply
+    out: list[StreamEntry] = []
+    for _stream, items in streams:
+        out += _stream_entries(items)
     return out
+
+
+def _stream_entries(items: Any) -> list[StreamEntry]:
+    """``[[id, [name, value, ...]], ...]`` as entries; nil or empty fields (the payload was
+    deleted) become ``fields=None``. A repeated name shows as fewer dict keys than pairs
+    (``GroupReader._refusal`` refuses the entry)."""
+    out: list[StreamEntry] = []
+    for eid, pairs in items or ():
+        if pairs:
+            it = iter(pairs)
+            out.append(StreamEntry(text(eid), dict(zip(it, it, strict=False)), 1, pairs))
+        else:
+            out.append(StreamEntry(text(eid), None, 1, None))
+    return out
+
+
+def _repeated_name(pairs: Sequence[bytes]) -> bytes:
+    """The first field name that ``pairs`` repeats (``b""`` if none does)."""
+    seen: set[bytes] = set()
+    for name in pairs[::2]:
+        if name in seen:
+            return name
+        seen.add(name)
+    return b""
 
 
 def retrying(*, max_wait_s: float = 5.0, multiplier_s: float = 0.05) -> tenacity.Retrying:

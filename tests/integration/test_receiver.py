@@ -209,6 +209,7 @@ def test_receiver_failing_effect_leaves_nothing_and_is_retried_then_dead_lettere
     rc = Receiver(config, connect(redis_server.url), ReceiptStore(rx_db, clock), effect)
     for _ in range(10):
         rc.step()
+        clock.advance(config.failed_step_pause_s)  # each retry waits for the pause
     assert effect_counts(rx_path) == {ids[1]: 1}
     assert rc.receipts.get(poison) is None
     assert rc.stats.effect_failures == 3
