@@ -15,7 +15,9 @@ Invariants kept:
 How one batch goes (``step``)::
 
     read (own pending first)  -> hit ingest.after_read
-    check size, authenticate, validate; dead-letter the bad ones -> ingest.after_dead_letter
+    check size, authenticate, validate; dead-letter the bad ones
+    ingress limits of the authenticated principal (``limits``); the refused ones
+      dead-lettered together, in one round trip -> ingest.after_dead_letter
     TaskStore.accept(batch)   -> one transaction (store.accept.before/after_commit)
                               -> hit ingest.after_commit
     dead-letter NOT_TASK outcomes
@@ -50,6 +52,7 @@ from broker_adapter.clock import Clock, SystemClock
 from broker_adapter.envelope import check_principal
 from broker_adapter.errors import ConfigError, EnvelopeError, StoreBusy, TransientError
 from broker_adapter.keys import DEFAULT_PREFIX, INGEST_GROUP, Keys
+from broker_adapter.limits import IngressLimits
 from broker_adapter.store.tasks import AcceptItem, AcceptResult, Outcome, TaskStore
 from broker_adapter.streams import GroupReader, ReaderConfig, StreamEntry, run_until_stopped
 
@@ -86,6 +89,11 @@ class IngestConfig(BaseModel):
         max_deliveries: entries delivered more often go to the dead-letter stream.
         max_entry_bytes: entries larger than this (all field names and values) are
             dead-lettered as ``oversize`` before any parsing.
+        rate_limit: authenticated entries per second per principal (token bucket, see
+            ``limits``); over it they are dead-lettered as ``rate_limited``. ``None``: off.
+        rate_burst: the bucket's size (default: one second's worth, at least 1).
+        max_open_tasks: a principal with this many tasks not yet terminal gets no new one
+            (``quota_exceeded``). ``None``: off.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -100,6 +108,9 @@ class IngestConfig(BaseModel):
     claim_every_s: float = Field(default=DEFAULT_CLAIM_EVERY_S, gt=0)
     max_deliveries: int = Field(default=DEFAULT_MAX_DELIVERIES, ge=1)
     max_entry_bytes: int = Field(default=DEFAULT_MAX_ENTRY_BYTES, ge=1024)
+    rate_limit: float | None = Field(default=None, gt=0)
+    rate_burst: int | None = Field(default=None, ge=1)
+    max_open_tasks: int | None = Field(default=None, ge=1)
 
     @field_validator("prefix")
     @classmethod
@@ -214,6 +225,10 @@ class Ingestor:
         self.log = logger or log
         self.keys = Keys(config.prefix)
         self.stats = IngestStats()
+        self.limits = IngressLimits(
+            self.clock, rate_limit=config.rate_limit, rate_burst=config.rate_burst,
+            max_open_tasks=config.max_open_tasks, open_counts=tasks.open_counts,
+        )  # fmt: skip
         principals: Sequence[str | None] = (
             list(config.acl_principals) if config.mode == "acl" else [None]
         )
@@ -376,6 +391,8 @@ class Ingestor:
         reader = source.reader
         good: list[StreamEntry] = []
         items: list[AcceptItem] = []
+        refused: list[tuple[StreamEntry, str, str, dict[str, str]]] = []
+        self.limits.new_batch()
         for entry in entries:
             try:
                 auth = self._authenticate(source, entry)
@@ -385,8 +402,14 @@ class Ingestor:
                     extra["dl.principal"] = source.principal
                 reader.dead_letter(entry, exc.reason, exc.detail, extra=extra)
                 continue
+            refusal = self.limits.admit(auth.principal)
+            if refusal is not None:  # dead-lettered together below: a flood is cheap to refuse
+                refused.append((entry, *refusal, {"dl.field": "", "dl.principal": auth.principal}))
+                continue
             good.append(entry)
             items.append(AcceptItem(auth.principal, auth.envelope, entry.entry_id))
+        if refused:
+            reader.dead_letter_many(refused)
         if len(good) < len(entries):
             crashpoints.hit("ingest.after_dead_letter")
         self.stats.batches += 1

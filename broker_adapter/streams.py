@@ -500,6 +500,47 @@ class GroupReader:
             entry.entry_id, reason, detail, entry.deliveries, original=entry.fields, extra=extra
         )
 
+    def dead_letter_many(
+        self, refused: Sequence[tuple[StreamEntry, str, str, Mapping[str, str]]]
+    ) -> int:
+        """``dead_letter`` for many entries, pipelined in one round trip (the script runs
+        once per entry, each atomic on its own), with one log line per reason: the path
+        for a flood refused by the ingress limits, where a round trip and a log line per
+        entry would cost more than accepting it.
+
+        Args:
+            refused: ``(entry, reason, detail, extra)`` per entry.
+
+        Returns:
+            how many were dead-lettered.
+
+        Raises:
+            BrokerAdapterError: a call the server refused (the others ran).
+            RedisUnavailable: the round trip failed; any prefix of the calls may have run.
+        """
+        calls = [
+            (
+                [self.stream, self.dead_stream],
+                self._dead_letter_args(
+                    e.entry_id, reason, detail, e.deliveries, original=e.fields, extra=extra
+                ),
+            )
+            for e, reason, detail, extra in refused
+        ]
+        results = eval_many(self.client, _DEAD_LETTER, calls)
+        reasons: dict[str, int] = {}
+        for (_, reason, _, _), result in zip(refused, results, strict=True):
+            if not isinstance(result, BrokerAdapterError):
+                reasons[reason] = reasons.get(reason, 0) + 1
+        for reason, n in reasons.items():
+            self.stats.dead_lettered += n
+            self.stats.by_reason[reason] = self.stats.by_reason.get(reason, 0) + n
+            self.log.warning("dead-lettered %d entries from %s: %s", n, self.stream, reason)
+        for result in results:
+            if isinstance(result, BrokerAdapterError):
+                raise result
+        return sum(reasons.values())
+
     def _dead_letter_fields(
         self,
         entry_id: str,
@@ -511,6 +552,28 @@ class GroupReader:
         ack: bool = True,
         extra: Mapping[str, str] | None = None,
     ) -> str:
+        argv = self._dead_letter_args(
+            entry_id, reason, detail, deliveries, original=original, ack=ack, extra=extra
+        )
+        with translated():
+            dead_id = self._dead_letter(keys=[self.stream, self.dead_stream], args=argv)
+        self.stats.dead_lettered += 1
+        self.stats.by_reason[reason] = self.stats.by_reason.get(reason, 0) + 1
+        self.log.warning("dead-lettered %s from %s: %s (%s)", entry_id, self.stream, reason, detail)
+        return text(dead_id)
+
+    def _dead_letter_args(
+        self,
+        entry_id: str,
+        reason: str,
+        detail: str,
+        deliveries: int,
+        *,
+        original: Fields | None = None,
+        ack: bool = True,
+        extra: Mapping[str, str] | None = None,
+    ) -> list[bytes | str]:
+        """The dead-letter script's ARGV for one entry."""
         argv: list[bytes | str] = [self.group, entry_id]
         meta = {
             "dl.reason": reason,
@@ -529,12 +592,7 @@ class GroupReader:
             argv += [b"orig." + name, value]
         if not ack:
             argv[1] = "0-0"  # nothing left to acknowledge
-        with translated():
-            dead_id = self._dead_letter(keys=[self.stream, self.dead_stream], args=argv)
-        self.stats.dead_lettered += 1
-        self.stats.by_reason[reason] = self.stats.by_reason.get(reason, 0) + 1
-        self.log.warning("dead-lettered %s from %s: %s (%s)", entry_id, self.stream, reason, detail)
-        return text(dead_id)
+        return argv
 
     # -- inspection -----------------------------------------------------------------------
 
