@@ -76,6 +76,15 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--lease", type=float, default=_env("BA_LEASE_S", "30"))
     run.add_argument("--grace", type=float, default=_env("BA_GRACE_S", "10"))
     run.add_argument("--claim-min-idle-ms", type=int, default=_env("BA_CLAIM_MIN_IDLE_MS", "60000"))
+    run.add_argument(
+        "--rate-limit", type=float, default=_env("BA_RATE_LIMIT"),
+        help="entries per second per principal, over it dead-lettered (default: off)",
+    )  # fmt: skip
+    run.add_argument("--rate-burst", type=int, default=_env("BA_RATE_BURST"), help="bucket size")
+    run.add_argument(
+        "--max-open-tasks", type=int, default=_env("BA_MAX_OPEN_TASKS"),
+        help="open tasks allowed per principal (default: no quota)",
+    )  # fmt: skip
 
     pub = sub.add_parser("publish", help="sign and publish one task envelope")
     _add_redis(pub)
@@ -162,6 +171,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         "lease_s": args.lease,
         "grace_s": args.grace,
         "claim_min_idle_ms": args.claim_min_idle_ms,
+        "rate_limit": args.rate_limit,
+        "rate_burst": args.rate_burst,
+        "max_open_tasks": args.max_open_tasks,
     }
     if args.name:
         fields["name"] = args.name

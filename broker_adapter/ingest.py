@@ -22,7 +22,9 @@ How one batch goes (``step``)::
 
     read (own pending first; the reader dead-letters deleted, over-delivered, too many
           fields, oversize, repeated names) -> hit ingest.after_read
-    authenticate, validate; dead-letter the bad ones -> ingest.after_dead_letter
+    authenticate, validate; dead-letter the bad ones
+    ingress limits of the authenticated principal (``limits``); the refused ones
+      dead-lettered together, in one round trip -> ingest.after_dead_letter
     TaskStore.accept(batch)   -> one transaction (store.accept.before/after_commit)
                               -> hit ingest.after_commit
     dead-letter NOT_TASK outcomes
@@ -57,6 +59,7 @@ from broker_adapter.clock import Clock, SystemClock
 from broker_adapter.envelope import check_principal
 from broker_adapter.errors import ConfigError, EnvelopeError, StoreBusy, TransientError
 from broker_adapter.keys import DEFAULT_PREFIX, INGEST_GROUP, Keys
+from broker_adapter.limits import IngressLimits
 from broker_adapter.store.tasks import AcceptItem, AcceptResult, Outcome, TaskStore
 from broker_adapter.streams import (
     DEFAULT_MAX_ENTRY_FIELDS,
@@ -104,6 +107,11 @@ class IngestConfig(BaseModel):
         max_entry_fields: entries of more fields than this (repeated names counted) are
             dead-lettered as ``too_many_fields`` before any parsing; a dead letter copies
             at most this many fields (and ``max_entry_bytes`` bytes).
+        rate_limit: authenticated entries per second per principal (token bucket, see
+            ``limits``); over it they are dead-lettered as ``rate_limited``. ``None``: off.
+        rate_burst: the bucket's size (default: one second's worth, at least 1).
+        max_open_tasks: a principal with this many tasks not yet terminal gets no new one
+            (``quota_exceeded``). ``None``: off.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -121,6 +129,9 @@ class IngestConfig(BaseModel):
     max_entry_fields: int = Field(
         default=DEFAULT_MAX_ENTRY_FIELDS, ge=MIN_ENTRY_FIELDS, le=MAX_ENTRY_FIELDS
     )
+    rate_limit: float | None = Field(default=None, gt=0)
+    rate_burst: int | None = Field(default=None, ge=1)
+    max_open_tasks: int | None = Field(default=None, ge=1)
 
     @field_validator("prefix")
     @classmethod
@@ -235,6 +246,10 @@ class Ingestor:
         self.log = logger or log
         self.keys = Keys(config.prefix)
         self.stats = IngestStats()
+        self.limits = IngressLimits(
+            self.clock, rate_limit=config.rate_limit, rate_burst=config.rate_burst,
+            max_open_tasks=config.max_open_tasks, open_counts=tasks.open_counts,
+        )  # fmt: skip
         principals: Sequence[str | None] = (
             list(config.acl_principals) if config.mode == "acl" else [None]
         )
@@ -396,6 +411,8 @@ class Ingestor:
         reader = source.reader
         good: list[StreamEntry] = []
         items: list[AcceptItem] = []
+        refused: list[tuple[StreamEntry, str, str, dict[str, str]]] = []
+        self.limits.new_batch()
         for entry in entries:
             try:
                 auth = self._authenticate(source, entry)
@@ -410,8 +427,14 @@ class Ingestor:
             except Exception as exc:  # noqa: BLE001 - this entry's problem, not the batch's
                 reader.dead_letter_exception(entry, exc, "authenticating it")
                 continue
+            refusal = self.limits.admit(auth.principal)
+            if refusal is not None:  # dead-lettered together below: a flood is cheap to refuse
+                refused.append((entry, *refusal, {"dl.field": "", "dl.principal": auth.principal}))
+                continue
             good.append(entry)
             items.append(AcceptItem(auth.principal, auth.envelope, entry.entry_id))
+        if refused:
+            reader.dead_letter_many(refused)
         if len(good) < len(entries):
             crashpoints.hit("ingest.after_dead_letter")
         self.stats.batches += 1

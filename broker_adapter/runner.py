@@ -72,6 +72,8 @@ class RunConfig(BaseModel):
         worker_publish: workers publish their replies right after their commit (the
             dispatcher then only sweeps what they could not publish); off, the dispatcher
             publishes every reply.
+        rate_limit, rate_burst, max_open_tasks: the ingress limits per principal
+            (``IngestConfig``, ``limits``); off by default.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -90,6 +92,9 @@ class RunConfig(BaseModel):
     grace_s: float = Field(default=10.0, ge=0)
     claim_min_idle_ms: int = Field(default=60_000, ge=0)
     worker_publish: bool = True
+    rate_limit: float | None = Field(default=None, gt=0)
+    rate_burst: int | None = Field(default=None, ge=1)
+    max_open_tasks: int | None = Field(default=None, ge=1)
 
     @field_validator("redis_url")
     @classmethod
@@ -231,6 +236,9 @@ class Runner:
                 mode=cfg.mode,
                 acl_principals=cfg.acl_principals,
                 claim_min_idle_ms=cfg.claim_min_idle_ms,
+                rate_limit=cfg.rate_limit,
+                rate_burst=cfg.rate_burst,
+                max_open_tasks=cfg.max_open_tasks,
             )
             client = connect(cfg.redis_url)
             tasks = (

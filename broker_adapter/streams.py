@@ -657,6 +657,42 @@ class GroupReader:
         detail = f"{describe(exc)} while {doing}"
         self.dead_letter(entry, "internal_error", detail, {"dl.field": ""})
 
+    def dead_letter_many(
+        self, refused: Sequence[tuple[StreamEntry, str, str, Mapping[str, str]]]
+    ) -> int:
+        """``dead_letter`` for many entries, pipelined in one round trip (the script runs
+        once per entry, each atomic on its own), with one log line per reason: the path
+        for a flood refused by the ingress limits, where a round trip and a log line per
+        entry would cost more than accepting it. An entry whose script Redis refused goes
+        through ``dead_letter`` alone (with its fallbacks).
+
+        Args:
+            refused: ``(entry, reason, detail, extra)`` per entry.
+
+        Returns:
+            how many were dead-lettered.
+
+        Raises:
+            RedisUnavailable: the round trip failed; any prefix of the calls may have run.
+        """
+        calls = []
+        for e, reason, detail, extra in refused:
+            notes, copy = self._letter(e.entry_id, reason, detail, e.deliveries, e.flat(), extra)
+            calls.append(([self.stream, self.dead_stream], self._argv(e.entry_id, notes, copy)))
+        results = eval_many(self.client, _DEAD_LETTER, calls)
+        reasons: dict[str, int] = {}
+        written = 0
+        for (entry, reason, detail, extra), result in zip(refused, results, strict=True):
+            if isinstance(result, BrokerAdapterError):
+                written += self.dead_letter(entry, reason, detail, extra) is not None
+                continue
+            reasons[reason] = reasons.get(reason, 0) + 1
+        for reason, n in reasons.items():
+            self.stats.dead_lettered += n
+            self.stats.by_reason[reason] = self.stats.by_reason.get(reason, 0) + n
+            self.log.warning("dead-lettered %d entries from %s: %s", n, self.stream, reason)
+        return written + sum(reasons.values())
+
     def _dead_letter_fields(
         self,
         entry_id: str,
@@ -668,21 +704,8 @@ class GroupReader:
         ack: bool = True,
         extra: Mapping[str, str] | None = None,
     ) -> str | None:
-        notes = {
-            "dl.reason": reason,
-            "dl.detail": detail,
-            "dl.source": self.stream,
-            "dl.entry_id": entry_id,
-            "dl.deliveries": str(deliveries),
-            "dl.group": self.group,
-            "dl.consumer": self.consumer,
-        }
         try:
-            for k, v in (extra or {}).items():
-                notes.setdefault(k, v)
-            copy, truncated = self._copy(original)
-            if truncated:
-                notes["dl.truncated"] = truncated
+            notes, copy = self._letter(entry_id, reason, detail, deliveries, original, extra)
             dead_id = self._move(entry_id, notes, copy, ack=ack)
         except TransientError:
             raise
@@ -714,14 +737,47 @@ class GroupReader:
         )
         return dead_id
 
-    def _move(
-        self, entry_id: str, notes: Mapping[str, str], copy: Sequence[bytes], *, ack: bool
-    ) -> str:
-        """Run the dead-letter script: ``notes`` (texts, made encodable) and ``copy``."""
+    def _letter(
+        self,
+        entry_id: str,
+        reason: str,
+        detail: str,
+        deliveries: int,
+        original: Sequence[bytes],
+        extra: Mapping[str, str] | None,
+    ) -> tuple[dict[str, str], list[bytes]]:
+        """The ``dl.*`` notes and the bounded ``orig.*`` copy of one dead letter."""
+        notes = {
+            "dl.reason": reason,
+            "dl.detail": detail,
+            "dl.source": self.stream,
+            "dl.entry_id": entry_id,
+            "dl.deliveries": str(deliveries),
+            "dl.group": self.group,
+            "dl.consumer": self.consumer,
+        }
+        for k, v in (extra or {}).items():
+            notes.setdefault(k, v)
+        copy, truncated = self._copy(original)
+        if truncated:
+            notes["dl.truncated"] = truncated
+        return notes, copy
+
+    def _argv(
+        self, entry_id: str, notes: Mapping[str, str], copy: Sequence[bytes], *, ack: bool = True
+    ) -> list[bytes | str]:
+        """The dead-letter script's ARGV: ``notes`` (texts, made encodable), then ``copy``."""
         argv: list[bytes | str] = [self.group, entry_id if ack else "0-0"]
         for k, v in notes.items():
             argv += [k, encodable(v)]
         argv += copy
+        return argv
+
+    def _move(
+        self, entry_id: str, notes: Mapping[str, str], copy: Sequence[bytes], *, ack: bool
+    ) -> str:
+        """Run the dead-letter script for one entry."""
+        argv = self._argv(entry_id, notes, copy, ack=ack)
         with translated():
             return text(self._dead_letter(keys=[self.stream, self.dead_stream], args=argv))
 

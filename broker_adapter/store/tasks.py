@@ -1034,6 +1034,16 @@ class TaskStore:
             ).fetchone()
         return TaskRow(**dict(row)) if row else None
 
+    def open_counts(self) -> dict[str, int]:
+        """Tasks not yet terminal (pending or running) per principal, for the ingest's
+        quota (``limits``): one pass over the live tasks' partial index."""
+        with self.db.read() as c:
+            rows = c.execute(
+                "SELECT principal, count(*) FROM tasks INDEXED BY tasks_live_deadline"
+                " WHERE state IN ('pending', 'running') GROUP BY principal"
+            ).fetchall()
+        return {r[0]: r[1] for r in rows}
+
     def counts(self) -> dict[str, int]:
         with self.db.read() as c:
             rows = c.execute("SELECT state, count(*) FROM tasks GROUP BY state").fetchall()

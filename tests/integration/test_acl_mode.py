@@ -3,9 +3,14 @@ what authenticates it, so no signature is needed, and a principal cannot write a
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
 import pytest
 import redis
@@ -14,12 +19,14 @@ from broker_adapter.auth import unsigned_fields
 from broker_adapter.clock import FakeClock
 from broker_adapter.errors import BrokerAdapterError
 from broker_adapter.ingest import IngestConfig, Ingestor
-from broker_adapter.keys import Keys
+from broker_adapter.keys import INGEST_GROUP, Keys
 from broker_adapter.publisher import Publisher
-from broker_adapter.store import TaskStore, open_database
+from broker_adapter.receiver import Receiver, ReceiverConfig, record_effect
+from broker_adapter.store import ReceiptStore, TaskStore, open_database
+from broker_adapter.store.db import Database
 from broker_adapter.streams import connect, text
 from tests.support.ingest_script import drain, envelope, pending_total, task_counts
-from tests.support.redis_server import RedisServer
+from tests.support.redis_server import RedisServer, require_binary
 
 pytestmark = pytest.mark.integration
 
@@ -102,3 +109,194 @@ def test_acl_ingest_charges_entries_to_the_streams_principal(
     assert client.xlen(keys.inbound_dead("bob")) == 0
     for p in ("alice", "bob"):
         assert pending_total(client, keys.inbound(p)) == 0
+
+
+# -- the documented users (docs/PROTOCOL.md section 9), the whole pipeline ---------------
+
+ROOT = Path(__file__).resolve().parents[2]
+ACL_BEGIN, ACL_END = "<!-- acl-users:begin -->", "<!-- acl-users:end -->"
+DOC_PREFIX = "ba"  # the lines are written for the default prefix: a server of its own
+
+
+def documented_acl() -> str:
+    """The users.acl block of PROTOCOL.md section 9, as written there."""
+    doc = (ROOT / "docs" / "PROTOCOL.md").read_text(encoding="utf-8")
+    block = doc.split(ACL_BEGIN, 1)[1].split(ACL_END, 1)[0]
+    return block.strip().removeprefix("```").removesuffix("```").strip() + "\n"
+
+
+def documented_password(user: str) -> str:
+    for line in documented_acl().splitlines():
+        words = line.split()
+        if words[1] == user:
+            return next(w[1:] for w in words if w.startswith(">"))
+    raise KeyError(user)
+
+
+class AclRedisServer(RedisServer):
+    """A redis-server that loads its users from an ACL file; the test talks to it as ``ops``
+    (the ``default`` user is off)."""
+
+    def __init__(self, workdir: Path) -> None:
+        super().__init__(workdir)
+        self.aclfile = workdir / "users.acl"
+        self.aclfile.write_text(documented_acl(), encoding="utf-8")
+
+    def args(self) -> list[str]:
+        return [*super().args(), "--aclfile", str(self.aclfile)]
+
+    def url_for(self, user: str) -> str:
+        return f"redis://{user}:{documented_password(user)}@127.0.0.1:{self.port}/0"
+
+    def client(self, **kwargs: object) -> redis.Redis:
+        return redis.Redis.from_url(self.url_for("ops"), **kwargs)
+
+    def _wait_ready(self, timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc is not None and self.proc.poll() is not None:
+                return False
+            try:
+                with self.client(socket_timeout=0.5) as client:
+                    if client.ping():
+                        return True
+            except redis.RedisError:
+                pass
+            time.sleep(0.02)  # polling a child process for readiness, not waiting for time
+        return False
+
+
+@pytest.fixture
+def acl_server(tmp_path: Path) -> Iterator[AclRedisServer]:
+    require_binary()
+    server = AclRedisServer(tmp_path / "redis-acl")
+    server.start()
+    yield server
+    server.stop()
+
+
+def as_user(server: AclRedisServer, user: str) -> redis.Redis:
+    return connect(server.url_for(user))
+
+
+def make_receiver(server: AclRedisServer, principal: str, db: Database) -> Receiver:
+    """The receiver of ``principal``, connected as its own user (one place to change when
+    receivers need more than a connection, e.g. key material to check replies)."""
+    config = ReceiverConfig(
+        prefix=DOC_PREFIX, principal=principal, consumer=f"{principal}-1", block_ms=50
+    )
+    return Receiver(
+        config, as_user(server, f"{principal}-receiver"), ReceiptStore(db), record_effect
+    )
+
+
+def refused(fn: Callable[[], object]) -> str:
+    """Run one Redis call that the ACL must refuse; returns Redis's error text."""
+    with pytest.raises(redis.exceptions.NoPermissionError) as info:
+        fn()
+    return str(info.value)
+
+
+def cli_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if not k.startswith("BA_")}
+
+
+def test_documented_acl_runs_the_whole_pipeline_and_refuses_everything_else(
+    acl_server: AclRedisServer, tmp_path: Path
+) -> None:
+    keys = Keys(DOC_PREFIX)
+    adapter_url = acl_server.url_for("adapter")
+    db_path = tmp_path / "adapter.db"
+    run = subprocess.Popen(
+        [sys.executable, "-m", "broker_adapter", "run", "--redis", adapter_url,
+         "--db", str(db_path), "--handler", "broker_adapter.examples:echo", "--workers", "1",
+         "--mode", "acl", "--acl-principal", "alice", "--acl-principal", "bob",
+         "--name", "acl-test"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=cli_env(),
+    )  # fmt: skip
+    alice, bob = as_user(acl_server, "alice"), as_user(acl_server, "bob")
+    agent_db = open_database(tmp_path / "alice.db")
+    try:
+        Publisher(alice, keys, "alice", None).publish(envelope("a1"))
+        Publisher(bob, keys, "bob", None).publish(envelope("b1", sender="bob"))
+        # alice on her own stream, claiming to be bob: the adapter dead-letters it there
+        alice.xadd(keys.inbound("alice"), cast(Any, unsigned_fields(envelope("x", sender="bob"))))
+        receiver = make_receiver(acl_server, "alice", agent_db)
+        deadline = time.monotonic() + 60
+        while not ReceiptStore(agent_db).list():
+            assert run.poll() is None, "run stopped under the adapter's ACL"
+            assert time.monotonic() < deadline, "alice's reply never came"
+            receiver.step()  # blocks at most block_ms on the reply stream
+        (receipt,) = ReceiptStore(agent_db).list()
+        assert (receipt.message_id, receipt.status, receipt.effects) == ("a1", "done", 1)
+
+        ops = acl_server.client()
+        assert ops.exists(keys.epoch()) == 1  # the dispatcher's first look set it
+        adapter = as_user(acl_server, "adapter")
+        # the dispatcher falls back to the epoch key alone when INFO is refused: check it here
+        assert adapter.info("server")["run_id"] == ops.info("server")["run_id"]
+        adapter.close()
+        dead = cast(list[tuple[bytes, dict[bytes, bytes]]], ops.xrange(keys.inbound_dead("alice")))
+        assert [f[b"dl.reason"] for _, f in dead] == [b"sender_mismatch"]
+        for args in (["status", "--json"], ["dead-letters", "list", "--json"]):
+            res = subprocess.run(
+                [sys.executable, "-m", "broker_adapter", *args, "--db", str(db_path),
+                 "--redis", adapter_url], cwd=ROOT, capture_output=True, text=True,
+                env=cli_env(), timeout=60,
+            )  # fmt: skip
+            assert res.returncode == 0, res.stderr
+        res = subprocess.run(
+            [sys.executable, "-m", "broker_adapter", "dead-letters", "replay", "--json",
+             text(dead[0][0]), "--db", str(db_path), "--redis", adapter_url], cwd=ROOT,
+            capture_output=True, text=True, env=cli_env(), timeout=60,
+        )  # fmt: skip
+        assert res.returncode == 0, res.stderr
+
+        # -- what the lines forbid ------------------------------------------------------
+        fields = cast(Any, unsigned_fields(envelope("f1")))
+        anonymous = redis.Redis(port=acl_server.port)
+        with pytest.raises(redis.exceptions.AuthenticationError):  # NOAUTH: default is off
+            anonymous.xadd(keys.inbound("alice"), fields)
+        anonymous.close()
+        stream = keys.inbound("alice")
+        agent_forbidden: list[Callable[[], object]] = [
+            lambda: alice.xadd(keys.inbound("bob"), fields),
+            lambda: alice.xadd(keys.inbound(), fields),
+            lambda: alice.xadd(keys.inbound_dead("alice"), {"dl.reason": "forged"}),
+            lambda: alice.xdel(stream, "0-1"),
+            lambda: alice.xtrim(stream, maxlen=0),
+            lambda: alice.delete(stream),
+            lambda: alice.delete(keys.inbound_dead("alice")),
+            lambda: alice.xgroup_setid(stream, INGEST_GROUP, "$"),
+            lambda: alice.xack(stream, INGEST_GROUP, "0-1"),
+            lambda: alice.xreadgroup(INGEST_GROUP, "rogue", {stream: ">"}),
+            lambda: alice.xrange(keys.replies("bob")),
+            lambda: alice.xadd(keys.replies("bob"), fields),
+            lambda: alice.xrange(keys.replies("alice")),  # the agent is not its receiver
+        ]
+        for fn in agent_forbidden:
+            refused(fn)
+        rcv = as_user(acl_server, "alice-receiver")
+        receiver_forbidden: list[Callable[[], object]] = [
+            lambda: rcv.xadd(keys.inbound("alice"), fields),
+            lambda: rcv.xadd(keys.inbound(), fields),
+            lambda: rcv.xadd(keys.replies("alice"), {"v": "1"}),  # no forging its own replies
+            lambda: rcv.xrange(keys.replies("bob")),
+            lambda: rcv.xreadgroup("ba-receiver", "x", {keys.replies("bob"): ">"}),
+            lambda: rcv.xadd(keys.replies_dead("bob"), {"v": "1"}),
+            lambda: rcv.get(keys.reply_record("alice", "r-x")),
+            lambda: rcv.xgroup_setid(keys.replies("alice"), "ba-receiver", "$"),
+        ]
+        for fn in receiver_forbidden:
+            refused(fn)
+        rcv.close()
+        assert run.poll() is None
+    finally:
+        run.send_signal(signal.SIGTERM)
+        out, _ = run.communicate(timeout=60)
+        agent_db.close()
+        alice.close()
+        bob.close()
+    assert run.returncode == 0, out
+    assert "NOPERM" not in out, out
+    assert "no permissions" not in out, out
