@@ -73,8 +73,8 @@ def _wait_for(pred: Any, what: str, timeout_s: float = WAIT_S) -> None:
 def keyring(tmp_path: Path) -> Path:
     path = tmp_path / "keyring.json"
     secrets = {
-        "alice": {"k1": "alice-secret, 32 bytes or more"},
-        "bob": {"k1": "bob-secret, 32 bytes or more"},
+        "alice": {"k1": "alice-secret: a test key of 32 bytes or more"},
+        "bob": {"k1": "bob-secret: a test key of 32 bytes or more"},
     }
     path.write_text(json.dumps(secrets))
     path.chmod(0o600)
