@@ -114,9 +114,13 @@ def ecmascript_number(value: float) -> str:
 
 
 # A float in canonical JSON (Python's repr) always has a digit followed by "." or "e"; an
-# integer never does. Strings are matched as whole tokens so that digits inside them are
-# passed over.
+# integer never does. Python's repr differs from ECMAScript's form only in an integral
+# float (``13.0``, ``-0.0``) and in exponents (``1e-05``, ``1e+16``): a plain ``1.5`` or
+# ``1796134460.125`` is already written as ECMAScript writes it, so bytes without either
+# pattern need no rewrite. Strings are matched as whole tokens so that digits inside them
+# are passed over.
 _MAYBE_FLOAT = re.compile(rb"[0-9][.eE]")
+_MAYBE_REWRITTEN = re.compile(rb"[0-9](?:\.0(?![0-9])|e[-+])")
 _JSON_TOKEN = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"|-?[0-9][0-9.eE+-]*')
 
 
@@ -130,10 +134,13 @@ def _number_token(match: re.Match[bytes]) -> bytes:
 def canonical_numbers(data: bytes) -> bytes:
     """Canonical JSON bytes with every float rewritten by ``ecmascript_number``.
 
-    Bytes without a float come back as they are, after one scan: the common payload (of
-    strings, integers, booleans) costs a regular-expression search, not a re-encoding.
+    Bytes without a float that needs it come back as they are, after one scan: the common
+    payload (strings, integers, booleans, floats like ``0.25``) costs a regular-expression
+    search, not a re-encoding.
     """
-    if _MAYBE_FLOAT.search(data) is None:
+    if b"." not in data and b"e+" not in data and b"e-" not in data:
+        return data  # no float at all: repr writes a "." or an exponent with its sign
+    if _MAYBE_REWRITTEN.search(data) is None:
         return data
     return _JSON_TOKEN.sub(_number_token, data)
 
