@@ -49,6 +49,7 @@ PAYLOAD_BASE = {"action": "summarise", "doc": "doc-0", "words": 400, "lang": "en
 def write_keyring(path: Path) -> Path:
     """Write the benchmark keyring as the JSON file ``broker-adapter run --keyring`` takes."""
     path.write_text(json.dumps(SECRETS))
+    path.chmod(0o600)  # Keyring.load refuses a file its group or others may read
     return path
 
 

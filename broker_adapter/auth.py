@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import hmac
 import json
+import os
+import stat
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -41,6 +43,9 @@ FIELD_SIG = "sig"
 SIGNED_FIELDS = (FIELD_VERSION, FIELD_ENV, FIELD_KID, FIELD_SIG)
 ACL_FIELDS = (FIELD_VERSION, FIELD_ENV)
 KID_MAX_BYTES = 64
+#: A shorter secret is refused: a short one is found offline, from one signed entry, by
+#: trying candidates against its HMAC.
+SECRET_MIN_BYTES = 32
 KID_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._:-")
 
 EntryFields = Mapping[bytes, bytes]
@@ -118,8 +123,8 @@ class Keyring:
             UTF-8 bytes. Within a principal the first key id is its default signing key.
 
     Raises:
-        ConfigError: the mapping has the wrong shape, an empty secret, a bad principal
-            name or a bad key id.
+        ConfigError: the mapping has the wrong shape, a secret shorter than
+            ``SECRET_MIN_BYTES``, a bad principal name or a bad key id.
     """
 
     def __init__(self, keys: Mapping[str, Mapping[str, str | bytes]]) -> None:
@@ -146,8 +151,12 @@ class Keyring:
                     secret = secret.encode("utf-8")
                 if not isinstance(secret, bytes):
                     raise ConfigError(f"keyring: secret {principal}/{kid} is not a string")
-                if not secret:
-                    raise ConfigError(f"keyring: secret {principal}/{kid} is empty")
+                if len(secret) < SECRET_MIN_BYTES:
+                    raise ConfigError(
+                        f"keyring: secret {principal}/{kid} is {len(secret)} bytes, at least"
+                        f" {SECRET_MIN_BYTES} are required (use 32 random bytes, e.g. 43"
+                        " characters of base64url)"
+                    )
                 own[kid] = secret
             table[principal] = own
         self._keys = table
@@ -157,10 +166,18 @@ class Keyring:
         """Read a keyring file: JSON ``{"<principal>": {"<key id>": "<secret>"}}``.
 
         Raises:
-            ConfigError: the file cannot be read, is not UTF-8 JSON, or has the wrong shape.
+            ConfigError: the file cannot be read, is readable or writable by its group or
+                others (``chmod 600`` it), is not UTF-8 JSON, or has the wrong shape.
         """
         try:
-            raw = Path(path).read_bytes()
+            with open(path, "rb") as file:
+                mode = os.fstat(file.fileno()).st_mode
+                if mode & 0o066:
+                    raise ConfigError(
+                        f"keyring {path} has mode {stat.S_IMODE(mode):04o}: its group or"
+                        f" others may read or change the secrets; run chmod 600 {path}"
+                    )
+                raw = file.read()
         except OSError as exc:
             raise ConfigError(f"cannot read keyring {path}: {exc.strerror or exc}") from None
         try:

@@ -38,14 +38,17 @@ from broker_adapter.keys import Keys
 from broker_adapter.publisher import Publisher
 from broker_adapter.receiver import Receiver, ReceiverConfig, effect_key
 from broker_adapter.store import OutboxStore, ReceiptStore, TaskStore, open_database
-from broker_adapter.store.tasks import TaskPolicy
+from broker_adapter.store.tasks import TaskPolicy, idempotency_key_for
 from broker_adapter.streams import connect
 from broker_adapter.worker import Worker, WorkerConfig
 
 PREFIX = "demo"
 LEASE_S = 1.0
 EFFECTS_ENV = "BA_DEMO_EFFECTS"
-KEYRING = {"planner": {"k1": "planner-secret"}, "reviewer": {"k1": "reviewer-secret"}}
+KEYRING = {
+    "planner": {"k1": "planner-secret: demo only, never reuse (32+ bytes)"},
+    "reviewer": {"k1": "reviewer-secret: demo only, never reuse (32+ bytes)"},
+}
 
 
 # -- the "outside world" the handler changes: an effects table keyed by idempotency key ----
@@ -225,8 +228,9 @@ def _story(tmp: Path, redis: EmbeddedRedis) -> bool:
         ).fetchone()[0]
         effects = dict(world.execute("SELECT message_id, count(*) FROM effects GROUP BY 1"))
     restarted = effects.get("restart-web", 0)
+    key = idempotency_key_for(web.principal, web.message_id)
     _say(f"   restart-web: handler ran {attempts} times, the service restarted {restarted} "
-         f"time (idempotency key ba:…{web.task_id[-8:]})\n")  # fmt: skip
+         f"time (idempotency key …{key[-8:]})\n")  # fmt: skip
 
     _say("4. The dispatcher publishes the replies and is SIGKILLed before marking them sent")
     code = _run_child(_dispatcher_child, db_path, redis.url, "dispatcher.after_xadd")

@@ -10,6 +10,13 @@ duplicate.
 Canonical JSON: UTF-8, keys sorted, no insignificant white space, no NaN or infinities,
 non-ASCII characters kept as they are. ``canonical_json`` is the only encoder used for
 fingerprints, signatures and stored payloads.
+
+The fingerprint writes numbers so that every language gets the same bytes from the same
+values: a float is written the way ECMAScript's ``Number.prototype.toString`` writes the
+IEEE double (RFC 8785, the JSON Canonicalization Scheme), so ``13.0``, ``13`` and ``1.3e1``
+are one number and ``-0.0`` is ``0``; an integer is written as its exact decimal digits
+(the same as ECMAScript's up to 2**53; above that a Python int keeps every digit, and a
+float of the same value is written the ECMAScript way, so the two differ).
 """
 
 from __future__ import annotations
@@ -31,6 +38,9 @@ PAYLOAD_MAX_DEPTH = 16
 PAYLOAD_MAX_NODES = 10_000
 MAX_ATTEMPTS_LIMIT = 10
 HOPS_LIMIT = 2**31 - 1
+#: Integers of more digits are refused: Python neither parses nor writes longer ones (its
+#: default int-string limit), so no process of ours could store or answer them.
+INT_MAX_DIGITS = 4300
 PRINCIPAL_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
 
 Kind = Literal["task", "result", "event"]
@@ -61,6 +71,98 @@ def canonical_json(value: Any) -> bytes:
 
 def sha256_hex(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
+
+
+def ecmascript_number(value: float) -> str:
+    """``value`` as ECMAScript's Number-to-String writes it (RFC 8785 section 3.2.2.3).
+
+    Python's ``repr`` already gives the shortest digits that round-trip (the digits
+    ECMAScript picks); only where the decimal point goes and when an exponent is used
+    differ: ``1e+21``, ``1e-7``, ``0.000001``, ``100000000000000000000``, ``-0.0`` as ``0``.
+
+    Raises:
+        ValueError: ``value`` is NaN or infinite.
+    """
+    if not math.isfinite(value):
+        raise ValueError(f"{value!r} is not a JSON number")
+    if value == 0:
+        return "0"
+    sign = "-" if value < 0 else ""
+    mantissa, _, exponent = repr(abs(value)).partition("e")
+    whole, _, fraction = mantissa.partition(".")
+    shift = int(exponent) if exponent else 0
+    if whole == "0":  # 0.00123: the digits start after the zeros of the fraction
+        digits = fraction.lstrip("0")
+        point = shift - (len(fraction) - len(digits))
+    else:
+        digits = whole + fraction
+        point = shift + len(whole)
+    # value == 0.<digits> * 10**point, with k significant digits
+    digits = digits.rstrip("0")
+    k = len(digits)
+    if k <= point <= 21:
+        text = digits + "0" * (point - k)
+    elif 0 < point <= 21:
+        text = digits[:point] + "." + digits[point:]
+    elif -6 < point <= 0:
+        text = "0." + "0" * -point + digits
+    else:
+        power = point - 1
+        head = digits[0] + ("." + digits[1:] if k > 1 else "")
+        text = f"{head}e{'+' if power >= 0 else '-'}{abs(power)}"
+    return sign + text
+
+
+# A float in canonical JSON (Python's repr) always has a digit followed by "." or "e"; an
+# integer never does. Python's repr differs from ECMAScript's form only in an integral
+# float (``13.0``, ``-0.0``) and in exponents (``1e-05``, ``1e+16``): a plain ``1.5`` or
+# ``1796134460.125`` is already written as ECMAScript writes it, so bytes without either
+# pattern need no rewrite. Strings are matched as whole tokens so that digits inside them
+# are passed over.
+_MAYBE_FLOAT = re.compile(rb"[0-9][.eE]")
+_MAYBE_REWRITTEN = re.compile(rb"[0-9](?:\.0(?![0-9])|e[-+])")
+_JSON_TOKEN = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"|-?[0-9][0-9.eE+-]*')
+
+
+def _number_token(match: re.Match[bytes]) -> bytes:
+    token = match.group()
+    if token[0] == 0x22 or not _MAYBE_FLOAT.search(token):  # a string, or an integer
+        return token
+    return ecmascript_number(float(token)).encode("ascii")
+
+
+def canonical_numbers(data: bytes) -> bytes:
+    """Canonical JSON bytes with every float rewritten by ``ecmascript_number``.
+
+    Bytes without a float that needs it come back as they are, after one scan: the common
+    payload (strings, integers, booleans, floats like ``0.25``) costs a regular-expression
+    search, not a re-encoding.
+    """
+    if b"." not in data and b"e+" not in data and b"e-" not in data:
+        return data  # no float at all: repr writes a "." or an exponent with its sign
+    if _MAYBE_REWRITTEN.search(data) is None:
+        return data
+    return _JSON_TOKEN.sub(_number_token, data)
+
+
+def content_fingerprint(
+    kind: str, payload: bytes, correlation_id: str | None, parent_id: str | None
+) -> str:
+    """SHA-256 (hex) of the canonical content of a request: the canonical JSON of
+    ``{"correlation_id", "kind", "parent_id", "payload"}`` (nulls kept) with its numbers
+    written by ``canonical_numbers``.
+
+    Args:
+        payload: the payload's canonical JSON bytes (``Envelope.payload_bytes``, or the
+            ``payload`` column of a stored task), spliced in rather than encoded again.
+    """
+    head = (
+        '{"correlation_id":' + _json_str_or_null(correlation_id)
+        + ',"kind":' + _json_str_or_null(kind)
+        + ',"parent_id":' + _json_str_or_null(parent_id)
+        + ',"payload":'
+    )  # fmt: skip
+    return sha256_hex(head.encode("utf-8") + canonical_numbers(payload) + b"}")
 
 
 def _reject_constant(name: str) -> Any:
@@ -146,6 +248,10 @@ def check_payload(payload: Any) -> bytes:
     except UnicodeEncodeError:
         raise EnvelopeError(
             "payload", "bad_utf8", "payload holds a string that is not valid UTF-8"
+        ) from None
+    except ValueError:  # what is left after the walk: an int Python will not write out
+        raise EnvelopeError(
+            "payload", "too_large", f"payload holds an integer of more than {INT_MAX_DIGITS} digits"
         ) from None
     if size > PAYLOAD_MAX_BYTES:
         raise EnvelopeError(
@@ -439,16 +545,11 @@ class Envelope:
         return self._payload_bytes
 
     def fingerprint(self) -> str:
-        """SHA-256 (hex) of the canonical content, ``canonical_json(self.content())``,
-        assembled from its parts (keys in sorted order) with the payload's bytes spliced
-        in rather than encoded again."""
-        head = (
-            '{"correlation_id":' + _json_str_or_null(self.correlation_id)
-            + ',"kind":' + _json_str_or_null(self.kind)
-            + ',"parent_id":' + _json_str_or_null(self.parent_id)
-            + ',"payload":'
-        )  # fmt: skip
-        return sha256_hex(head.encode("utf-8") + self._payload_bytes + b"}")
+        """SHA-256 (hex) of the canonical content, ``canonical_json(self.content())`` with
+        its floats written the ECMAScript way (``content_fingerprint``)."""
+        return content_fingerprint(
+            self.kind, self._payload_bytes, self.correlation_id, self.parent_id
+        )
 
     def payload_json(self) -> str:
         return self._payload_bytes.decode("utf-8")

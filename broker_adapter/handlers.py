@@ -174,7 +174,9 @@ class Task:
 
     @property
     def idempotency_key(self) -> str:
-        """Stable across attempts and fences: key every external effect by it."""
+        """Stable across attempts, fences and every task of the same request (it is derived
+        from the principal and message id: ``store.tasks.idempotency_key_for``): key every
+        external effect by it."""
         return self.claimed.idempotency_key
 
     @property

@@ -27,7 +27,7 @@ How one batch goes (``step``)::
       dead-lettered together, in one round trip -> ingest.after_dead_letter
     TaskStore.accept(batch)   -> one transaction (store.accept.before/after_commit)
                               -> hit ingest.after_commit
-    dead-letter NOT_TASK outcomes
+    dead-letter NOT_TASK and REFUSED outcomes
     ONE XACK for the batch    -> hit ingest.after_xack
 
 Crash safety: a crash anywhere before the XACK leaves the entries pending in this consumer's
@@ -478,13 +478,15 @@ class Ingestor:
     ) -> list[str]:
         to_ack: list[str] = []
         for entry, item, result in zip(entries, items, results, strict=True):
-            if result.outcome is Outcome.NOT_TASK:
-                # Nothing was written for it; results never become tasks by themselves.
+            refusal = result.refusal
+            if refusal is not None:
+                # Nothing was written for it (NOT_TASK: results never become tasks by
+                # themselves; REFUSED: a deadline beyond the retention window).
                 reader.dead_letter(
                     entry,
-                    "not_task",
-                    result.detail or f"kind {item.envelope.kind!r} is not a task",
-                    extra={"dl.field": "kind", "dl.principal": item.principal},
+                    refusal.reason,
+                    refusal.detail,
+                    extra={"dl.field": refusal.field, "dl.principal": item.principal},
                 )
                 continue
             name = _OUTCOME_COUNTER.get(result.outcome)

@@ -18,10 +18,12 @@ SQLite's locking, so ``Database`` refuses to.
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 import re
 import sqlite3
+import stat
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -30,6 +32,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from broker_adapter import crashpoints
+from broker_adapter.envelope import content_fingerprint
 from broker_adapter.errors import ConfigError, StoreBusy, StoreError
 from broker_adapter.store.gate import WriteGate
 
@@ -39,6 +42,8 @@ DEFAULT_BUSY_TIMEOUT_MS = 10_000
 #: then after 1.5 times as long each time, up to ``LOCK_WAIT_MAX_S``.
 LOCK_WAIT_FIRST_S = 0.00005
 LOCK_WAIT_MAX_S = 0.0005
+
+log = logging.getLogger("broker_adapter.store")
 
 # Schema, one entry per version. Never edit a released entry: append a new one.
 #
@@ -146,6 +151,10 @@ MIGRATIONS: tuple[str | Callable[[sqlite3.Connection], None], ...] = (
     # once per row checked: about 2 us on every insert and every state change, inside the
     # write lock. Same rule, same stored data, so only the schema text changes.
     lambda c: _rewrite_in_checks(c, ("tasks", "outbox")),
+    # 4: fingerprints write floats the ECMAScript way (``envelope.canonical_numbers``), so
+    # that ``13.0`` and a resend's ``13`` are one request. Stored ones are recomputed from
+    # the content each task row keeps.
+    lambda c: _recompute_fingerprints(c),
 )
 SCHEMA_VERSION = len(MIGRATIONS)
 
@@ -154,7 +163,9 @@ class Database:
     """A SQLite connection configured for durability, owned by one process.
 
     Args:
-        path: the database file (created if absent).
+        path: the database file (created if absent, with mode 0600; an existing one with
+            permissions for its group or others is tightened to 0600, see
+            ``_private_file``).
         synchronous: ``FULL`` (default) syncs the WAL at every commit; ``NORMAL`` may lose
             the last commits on power loss (never on a process crash).
         busy_timeout_ms: how long a writer waits for the lock before ``StoreBusy``.
@@ -179,6 +190,7 @@ class Database:
         self._writers = _writers_of(self.path)
         self._gate = gate
         self._lock = threading.RLock()
+        _private_file(self.path)
         try:
             self.conn = sqlite3.connect(
                 str(self.path),
@@ -364,6 +376,47 @@ def open_database(path: str | Path, **kwargs: object) -> Database:
     return Database(path, **kwargs)  # type: ignore[arg-type]
 
 
+#: Permission bits a database file (and its ``-wal``/``-shm``) must not have: the inbox holds
+#: every payload, and a writer of the file could forge tasks and replies.
+_SHARED_BITS = 0o077
+
+
+def _private_file(path: Path) -> None:
+    """Make sure ``path`` exists with no permissions for group or others, before SQLite
+    opens it: SQLite creates ``-wal`` and ``-shm`` with the mode of the main file, so the
+    one file decides for all three.
+
+    A new file is created with mode 0600 (an exclusive create: never a race with another
+    creator's mode). An existing file, ``-wal`` or ``-shm`` with group or other bits is
+    tightened to owner only, keeping its owner bits, with a warning in the log; one that
+    cannot be changed (another user's) is left as it is, with a warning, for SQLite to
+    open or refuse. ``:memory:`` and the empty path (temporary databases) are left alone.
+    """
+    name = str(path)
+    if name in ("", ":memory:"):
+        return
+    try:
+        fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        pass
+    except OSError:
+        return  # e.g. a missing directory: SQLite reports it, with its own message
+    else:
+        os.close(fd)
+        return
+    for file in (name, name + "-wal", name + "-shm"):
+        try:
+            mode = stat.S_IMODE(os.stat(file).st_mode)
+            if mode & _SHARED_BITS:
+                os.chmod(file, mode & ~_SHARED_BITS)
+                log.warning("database file %s had mode %04o; tightened to %04o",
+                            file, mode, mode & ~_SHARED_BITS)  # fmt: skip
+        except FileNotFoundError:
+            continue
+        except OSError as exc:
+            log.warning("database file %s: cannot tighten its mode (%s)", file, exc)
+
+
 _WRITERS: dict[tuple[int, str], threading.Lock] = {}
 _WRITERS_GUARD = threading.Lock()
 
@@ -414,6 +467,32 @@ def _rewrite_in_checks(c: sqlite3.Connection, tables: Sequence[str]) -> None:
         c.execute(f"PRAGMA schema_version = {int(version) + 1}")
     finally:
         c.execute("PRAGMA writable_schema = OFF")
+
+
+def _recompute_fingerprints(c: sqlite3.Connection) -> None:
+    """Recompute the fingerprint of every task whose payload may hold a float, and of the
+    inbox record that points at it, with ``content_fingerprint``.
+
+    A task row keeps everything its fingerprint covers (``kind``, ``payload`` as canonical
+    JSON, ``correlation_id``, ``parent_id``), so every stored fingerprint can be recomputed;
+    a payload without a float (no digit followed by ``.``, ``e`` or ``E``: SQLite's GLOB
+    leaves those rows out) has the same fingerprint either way. What cannot be recomputed
+    is what was sent out: the ``fingerprint`` fields in conflict replies already written
+    keep the old form, and a conflicting resend after the migration gets a new conflict
+    reply id (its id is derived from the fingerprint), hence one more ``conflict`` reply.
+    """
+    rows = c.execute(
+        "SELECT task_id, kind, payload, correlation_id, parent_id, fingerprint FROM tasks"
+        " WHERE payload GLOB '*[0-9][.eE]*'"
+    ).fetchall()
+    for task_id, kind, payload, correlation_id, parent_id, old in rows:
+        new = content_fingerprint(kind, payload.encode("utf-8"), correlation_id, parent_id)
+        if new != old:
+            c.execute("UPDATE tasks SET fingerprint = ? WHERE task_id = ?", (new, task_id))
+            c.execute(
+                "UPDATE inbox SET fingerprint = ? WHERE task_id = ? AND fingerprint = ?",
+                (new, task_id, old),
+            )
 
 
 #: Values per ``IN (...)`` list in the lookups that take a batch's ids (bound parameters).

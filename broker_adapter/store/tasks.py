@@ -35,7 +35,13 @@ from typing import Any, NamedTuple
 from broker_adapter.backoff import Backoff
 from broker_adapter.clock import Clock, SystemClock
 from broker_adapter.envelope import Envelope, canonical_json, sha256_hex
-from broker_adapter.errors import BrokerAdapterError, FencedError, StaleError, TaskCancelled
+from broker_adapter.errors import (
+    BrokerAdapterError,
+    EnvelopeError,
+    FencedError,
+    StaleError,
+    TaskCancelled,
+)
 from broker_adapter.store.db import Database, in_lists
 from broker_adapter.store.outbox import (
     OutboxRow,
@@ -75,6 +81,9 @@ class Outcome(StrEnum):
     EXPIRED = "expired"  # deadline already past: terminal at once, with its reply
     HOP_LIMIT = "hop_limit"  # too many hops: terminal at once, with its reply
     NOT_TASK = "not_task"  # kind is not "task": nothing written, caller dead-letters it
+    # A rule only the accepting store can check (a deadline beyond the retention window):
+    # nothing written, the caller dead-letters it with ``AcceptResult.refusal``.
+    REFUSED = "refused"
 
 
 class FailOutcome(StrEnum):
@@ -90,7 +99,9 @@ class TaskPolicy:
         lease_s: lease granted by ``claim`` and ``renew``.
         max_hops: envelopes with more hops are accepted straight into ``hop_limit``.
         retention_s: how long an inbox record dedupes its (principal, message_id); past it,
-            once the task is terminal, a reused id is a new request.
+            once the task is terminal and its deadline has passed, a reused id is a new
+            request. It also bounds deadlines: one further ahead than this is refused, so
+            that no request outlives the record that makes its replay a duplicate.
         backoff: delay before a retryable failure runs again.
     """
 
@@ -109,12 +120,16 @@ class AcceptItem(NamedTuple):
 
 
 class AcceptResult(NamedTuple):
-    """What ``accept`` did with one item (a tuple: one is made per stream entry)."""
+    """What ``accept`` did with one item (a tuple: one is made per stream entry).
+
+    ``refusal`` is set for ``NOT_TASK`` and ``REFUSED``: the envelope rule it breaks, with
+    the field and reason its dead letter carries."""
 
     outcome: Outcome
     task_id: str | None = None
     reply_id: str | None = None
     detail: str = ""
+    refusal: EnvelopeError | None = None
 
 
 @dataclass(frozen=True)
@@ -138,8 +153,9 @@ class ClaimedTask:
 
     @property
     def idempotency_key(self) -> str:
-        """Stable across attempts and fences: key external effects by this."""
-        return f"ba:{self.task_id}"
+        """Stable across attempts, fences and tasks of one request: key external effects
+        by this. See ``idempotency_key_for``."""
+        return idempotency_key_for(self.principal, self.message_id)
 
 
 class Intake(NamedTuple):
@@ -213,6 +229,20 @@ class UnknownTask(BrokerAdapterError, KeyError):
     def __init__(self, task_id: str) -> None:
         self.task_id = task_id
         super().__init__(f"no task {task_id!r}")
+
+
+def idempotency_key_for(principal: str, message_id: str) -> str:
+    """The idempotency key of a request: ``"ba:"`` and the first 32 hex digits of
+    SHA-256 over the UTF-8 of ``principal``, a NUL byte and ``message_id``.
+
+    Derived from the request's identity, not from its task: a second task for the same
+    request (a replay accepted anew after the retention window, a message id reused once
+    it was forgotten) carries the same key, so an effect keyed by it is applied once.
+    Neither part can hold a NUL (principals are letters, digits, ``._-``; message ids
+    have no control characters), so distinct identities give distinct inputs.
+    """
+    digest = sha256_hex(f"{principal}\0{message_id}".encode())
+    return f"ba:{digest[:32]}"
 
 
 def reply_id_for(task_id: str) -> str:
@@ -385,7 +415,7 @@ class TaskStore:
             for chunk, marks in in_lists(list(ids)):
                 rows = c.execute(
                     "SELECT i.principal, i.message_id, i.fingerprint, i.task_id, i.received_at,"
-                    " t.state FROM inbox i JOIN tasks t ON t.task_id = i.task_id"
+                    " t.state, t.deadline FROM inbox i JOIN tasks t ON t.task_id = i.task_id"
                     f" WHERE i.principal = ? AND i.message_id IN ({marks})",
                     [principal, *chunk],
                 ).fetchall()
@@ -414,13 +444,24 @@ class TaskStore:
         """Decide one item's outcome and queue its writes on ``batch`` (written in order)."""
         env = item.envelope
         if env.kind != "task":
-            return AcceptResult(Outcome.NOT_TASK, detail=f"kind {env.kind!r} does not become work")
+            detail = f"kind {env.kind!r} does not become work"
+            refusal = EnvelopeError("kind", "not_task", detail)
+            return AcceptResult(Outcome.NOT_TASK, detail=detail, refusal=refusal)
         key = (item.principal, env.message_id)
         row = batch.known.get(key)
-        if row is not None:
-            retained = now - row["received_at"] < self.policy.retention_s
-            if retained or row["state"] not in TERMINAL_STATES:
-                return self._known(batch, item, row, fingerprint, now)
+        if row is not None and not self._forgotten(row, now):
+            return self._known(batch, item, row, fingerprint, now)
+        latest = now + self.policy.retention_s
+        if env.deadline > latest:
+            # Refused before anything is written: stored, it would outlive the inbox record
+            # that makes a replay of the same bytes a duplicate; and the sender can correct
+            # the deadline and resend under the same message id.
+            detail = (
+                f"deadline {env.deadline!r} is more than the retention window"
+                f" ({self.policy.retention_s:g} s) ahead of now ({now!r})"
+            )
+            refusal = EnvelopeError("deadline", "too_large", detail)
+            return AcceptResult(Outcome.REFUSED, detail=detail, refusal=refusal)
         task_id = next(batch.ids)
         hops = _hops(env, batch.parent_hops)
         state = TaskState.PENDING
@@ -444,7 +485,7 @@ class TaskStore:
         )
         batch.known[key] = {
             "fingerprint": fingerprint, "task_id": task_id, "received_at": now,
-            "state": state.value,
+            "state": state.value, "deadline": env.deadline,
         }  # fmt: skip
         reply_id = None
         if state is not TaskState.PENDING:
@@ -455,6 +496,17 @@ class TaskStore:
                 lambda c: self._terminal_reply(c, task_id, state, None, error, now, t=t)
             )
         return AcceptResult(outcome, task_id, reply_id, error or "")
+
+    def _forgotten(self, row: Mapping[str, Any], now: float) -> bool:
+        """Whether an inbox record no longer dedupes: past the retention window, its task
+        terminal and its deadline passed (``purge`` may delete exactly these records). The
+        deadline matters for records accepted before deadlines were bounded by the window:
+        until it passes, a replay of that request could still run."""
+        return (
+            now - row["received_at"] >= self.policy.retention_s
+            and row["state"] in TERMINAL_STATES
+            and row["deadline"] <= now
+        )
 
     def _known(
         self,
@@ -1002,16 +1054,19 @@ class TaskStore:
         return counts
 
     def purge(self) -> int:
-        """Forget inbox records past the retention window whose task is terminal and whose
-        reply was sent. Returns how many were removed."""
-        cutoff = self.clock.now() - self.policy.retention_s
+        """Forget inbox records past the retention window whose task is terminal, whose
+        deadline has passed and whose reply was sent (the records ``_forgotten`` would no
+        longer dedupe by, less those with a reply still to send). Returns how many were
+        removed."""
+        now = self.clock.now()
+        cutoff = now - self.policy.retention_s
         with self.db.write("purge") as c:
             cur = c.execute(
-                "DELETE FROM inbox WHERE received_at < ? AND task_id IN ("
+                "DELETE FROM inbox WHERE received_at <= ? AND task_id IN ("
                 " SELECT t.task_id FROM tasks t LEFT JOIN outbox o ON o.task_id = t.task_id"
                 " WHERE t.state IN ('done', 'failed', 'cancelled', 'expired', 'hop_limit')"
-                " AND (o.state IS NULL OR o.state = 'sent'))",
-                (cutoff,),
+                " AND t.deadline <= ? AND (o.state IS NULL OR o.state = 'sent'))",
+                (cutoff, now),
             )
             return cur.rowcount
 

@@ -43,7 +43,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         with RedisServer(root / "redis") as server:
-            keyring = Keyring({"alice": {"k1": "alice-secret"}})
+            keyring = Keyring({"alice": {"k1": "alice-secret: a test key of 32 bytes or more"}})
             keys = Keys("repro")
             client = connect(server.url)
             envelope = Envelope.build(

@@ -438,6 +438,7 @@ class Run:
         )  # fmt: skip
         keyring = make_keyring(list(self.principals), cfg.seed)
         self.keyring_path.write_text(json.dumps(keyring))
+        self.keyring_path.chmod(0o600)  # Keyring.load refuses a file others may read
         init_db(self.effects_db)
         final = None
         try:

@@ -72,7 +72,7 @@ PUBLISH_TIMEOUT_S = 3.0
 def make_keyring(principals: list[str], seed: int) -> dict[str, dict[str, str]]:
     """One key per principal, named ``<principal>-k1``; secrets derived from the seed."""
     rng = random.Random(f"keys-{seed}")
-    return {p: {f"{p}-k1": f"{p}-secret-{rng.getrandbits(64):016x}"} for p in principals}
+    return {p: {f"{p}-k1": f"{p}-secret-{rng.getrandbits(128):032x}"} for p in principals}
 
 
 @dataclass(frozen=True)

@@ -18,16 +18,18 @@ import pytest
 import redis
 
 from broker_adapter.auth import Keyring, signature
+from broker_adapter.envelope import Envelope
 from broker_adapter.keys import INGEST_GROUP, Keys
 from broker_adapter.publisher import Publisher
 from broker_adapter.store import TaskStore, open_database
 from broker_adapter.streams import connect, text
+from tests.support import ingest_script
 from tests.support.ingest_script import (
     KEYRING,
     age_pending,
     drained,
-    envelope,
     pending_total,
+    real_deadline,
     task_counts,
     write_keyring,
 )
@@ -62,6 +64,12 @@ def _run(
         "--consumer", consumer, "--keyring", str(tmp_path / "keys.json"), "--count", "5",
     ]  # fmt: skip
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+
+
+def envelope(message_id: str, sender: str = "alice") -> Envelope:
+    """``ingest_script.envelope`` with a deadline on the real clock (the ingest under test
+    runs on it)."""
+    return ingest_script.envelope(message_id, sender, deadline=real_deadline())
 
 
 def _publish(client: redis.Redis, prefix: str, keyring: Keyring) -> set[tuple[str, str]]:

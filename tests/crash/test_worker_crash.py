@@ -28,7 +28,7 @@ from broker_adapter.envelope import Envelope
 from broker_adapter.errors import ConfigError
 from broker_adapter.pool import WorkerPool
 from broker_adapter.store import AcceptItem, OutboxStore, TaskStore, open_database
-from broker_adapter.store.tasks import TaskRow
+from broker_adapter.store.tasks import TaskRow, idempotency_key_for
 from broker_adapter.worker import WorkerConfig
 from tests.support.handlers import effects, init_effects_db, ledger
 
@@ -69,6 +69,11 @@ class Setup:
         ids = [r.task_id for r in results]
         assert all(isinstance(i, str) for i in ids)
         return [str(i) for i in ids]
+
+    def key(self, task_id: str) -> str:
+        """The idempotency key the handler sees for ``task_id`` (from its request)."""
+        row = self.task(task_id)
+        return idempotency_key_for(row.principal, row.message_id)
 
     def task(self, task_id: str) -> TaskRow:
         with open_database(self.db_path) as db:
@@ -149,7 +154,7 @@ def assert_done_once(setup: Setup, task_id: str, *, fence: int, attempts: int) -
     assert (row.state, row.fence, row.attempts) == ("done", fence, attempts)
     (reply,) = setup.replies()[task_id]
     assert (reply["status"], reply["fence"], reply["attempts"]) == ("done", fence, attempts)
-    assert effects(setup.effects_path) == {f"ba:{task_id}": 1}
+    assert effects(setup.effects_path) == {setup.key(task_id): 1}
 
 
 # -- killed -------------------------------------------------------------------------------
@@ -171,7 +176,7 @@ def test_worker_killed_after_claim_task_is_reclaimed_and_run_once(setup: Setup) 
     late = drain(setup, "w2", AFTER_LEASE)
     assert late.returncode == 0, late.stderr
     assert stats_of(late.stdout)["done"] == 1
-    assert ledger(setup.effects_path) == [(f"ba:{task_id}", 2, 2, "w2")]
+    assert ledger(setup.effects_path) == [(setup.key(task_id), 2, 2, "w2")]
     assert_done_once(setup, task_id, fence=2, attempts=2)
 
 
@@ -181,11 +186,11 @@ def test_worker_killed_after_effect_rerun_applies_the_effect_once(setup: Setup) 
     assert crashed.returncode == -signal.SIGKILL, crashed.stderr
     assert setup.task(task_id).state == "running"
     assert setup.replies() == {}
-    assert effects(setup.effects_path) == {f"ba:{task_id}": 1}
+    assert effects(setup.effects_path) == {setup.key(task_id): 1}
 
     rerun = drain(setup, "w2", AFTER_LEASE)
     assert rerun.returncode == 0, rerun.stderr
-    key = f"ba:{task_id}"
+    key = setup.key(task_id)
     assert ledger(setup.effects_path) == [(key, 1, 1, "w1"), (key, 2, 2, "w2")]
     assert_done_once(setup, task_id, fence=2, attempts=2)
 
@@ -216,7 +221,7 @@ def test_worker_zombie_commit_is_refused_after_another_worker_finished(setup: Se
     try:
         proc = psutil.Process(zombie.pid)
         wait_until(lambda: proc.status() == psutil.STATUS_STOPPED)
-        assert effects(setup.effects_path) == {f"ba:{task_id}": 1}
+        assert effects(setup.effects_path) == {setup.key(task_id): 1}
 
         rescuer = drain(setup, "w2", AFTER_LEASE)
         assert rescuer.returncode == 0, rescuer.stderr
@@ -232,7 +237,7 @@ def test_worker_zombie_commit_is_refused_after_another_worker_finished(setup: Se
     stats = stats_of(out)
     assert (stats["stale_commits"], stats["done"], stats["failed"]) == (1, 0, 0)
     assert "stale commit refused" in err
-    key = f"ba:{task_id}"
+    key = setup.key(task_id)
     assert ledger(setup.effects_path) == [(key, 1, 1, "zombie"), (key, 2, 2, "w2")]
     assert_done_once(setup, task_id, fence=2, attempts=2)
 
@@ -305,7 +310,7 @@ def test_worker_pool_processes_each_task_once_and_drains_on_sigterm(
     assert sorted(replies) == sorted(ids)
     assert all(len(bodies) == 1 and bodies[0]["status"] == "done" for bodies in replies.values())
     assert all(setup.task(i).attempts == 1 for i in ids)  # a clean drain wastes no attempt
-    assert effects(setup.effects_path) == {f"ba:{i}": 1 for i in ids}
+    assert effects(setup.effects_path) == {setup.key(i): 1 for i in ids}
     assert len(ledger(setup.effects_path)) == 50  # and no handler ran twice
     owners = {owner for _, _, _, owner in ledger(setup.effects_path)}
     assert owners <= {"p0-0", "p0-1", "p1-0", "p1-1"}

@@ -25,7 +25,13 @@ from broker_adapter.receiver import Receiver, ReceiverConfig, record_effect
 from broker_adapter.store import ReceiptStore, TaskStore, open_database
 from broker_adapter.store.db import Database
 from broker_adapter.streams import connect, text
-from tests.support.ingest_script import drain, envelope, pending_total, task_counts
+from tests.support.ingest_script import (
+    drain,
+    envelope,
+    pending_total,
+    real_deadline,
+    task_counts,
+)
 from tests.support.redis_server import RedisServer, require_binary
 
 pytestmark = pytest.mark.integration
@@ -217,10 +223,15 @@ def test_documented_acl_runs_the_whole_pipeline_and_refuses_everything_else(
     alice, bob = as_user(acl_server, "alice"), as_user(acl_server, "bob")
     agent_db = open_database(tmp_path / "alice.db")
     try:
-        Publisher(alice, keys, "alice", None).publish(envelope("a1"))
-        Publisher(bob, keys, "bob", None).publish(envelope("b1", sender="bob"))
+        Publisher(alice, keys, "alice", None).publish(envelope("a1", deadline=real_deadline()))
+        Publisher(bob, keys, "bob", None).publish(
+            envelope("b1", sender="bob", deadline=real_deadline())
+        )
         # alice on her own stream, claiming to be bob: the adapter dead-letters it there
-        alice.xadd(keys.inbound("alice"), cast(Any, unsigned_fields(envelope("x", sender="bob"))))
+        alice.xadd(
+            keys.inbound("alice"),
+            cast(Any, unsigned_fields(envelope("x", sender="bob", deadline=real_deadline()))),
+        )
         receiver = make_receiver(acl_server, "alice", agent_db)
         deadline = time.monotonic() + 60
         while not ReceiptStore(agent_db).list():

@@ -72,7 +72,12 @@ def _wait_for(pred: Any, what: str, timeout_s: float = WAIT_S) -> None:
 @pytest.fixture
 def keyring(tmp_path: Path) -> Path:
     path = tmp_path / "keyring.json"
-    path.write_text(json.dumps({"alice": {"k1": "alice-secret"}, "bob": {"k1": "bob-secret"}}))
+    secrets = {
+        "alice": {"k1": "alice-secret: a test key of 32 bytes or more"},
+        "bob": {"k1": "bob-secret: a test key of 32 bytes or more"},
+    }
+    path.write_text(json.dumps(secrets))
+    path.chmod(0o600)
     return path
 
 

@@ -217,6 +217,67 @@ def test_ingest_conflict_expired_and_hop_limit_get_replies_not_dead_letters(
     assert task_counts(tasks) == {("alice", "c1"): 1, ("alice", "late"): 1, ("alice", "loop"): 1}
 
 
+def test_ingest_dead_letters_deadline_beyond_retention_window(
+    redis_server: RedisServer, prefix: str, tasks: TaskStore, keyring: Keyring, clock: FakeClock
+) -> None:
+    """A deadline further ahead than the window is dead-lettered (``too_large`` on
+    ``deadline``) with nothing stored; one at the edge and the rest of the batch go in."""
+    client = connect(redis_server.url)
+    keys = Keys(prefix)
+    pub = Publisher(client, keys, "alice", keyring)
+    window = tasks.policy.retention_s
+    pub.publish(envelope("edge", deadline=clock.now() + window))
+    far = pub.publish(envelope("far", deadline=clock.now() + window + 0.001))
+    huge = pub.publish(envelope("huge", deadline=1e300))
+    ingestor = _ingestor(client, prefix, tasks, keyring, clock)
+    drain(ingestor, client)
+    assert task_counts(tasks) == {("alice", "edge"): 1}
+    assert pending_total(client, keys.inbound()) == 0
+    dead = {
+        text(f[b"dl.entry_id"]): (
+            text(f[b"dl.reason"]),
+            text(f[b"dl.field"]),
+            text(f[b"dl.principal"]),
+        )
+        for _, f in _xrange(client, keys.inbound_dead())
+    }
+    assert dead == {
+        text(far): ("too_large", "deadline", "alice"),
+        text(huge): ("too_large", "deadline", "alice"),
+    }
+    assert ingestor.stats.dead_lettered == {"too_large": 2}
+
+
+def test_ingest_replay_after_retention_window_never_runs_twice(
+    redis_server: RedisServer, prefix: str, tasks: TaskStore, keyring: Keyring, clock: FakeClock
+) -> None:
+    """Anyone who can read the stream re-adds an entry's exact fields after the window: the
+    replay is expired at once (its deadline lies inside the first window), never claimed."""
+    client = connect(redis_server.url)
+    keys = Keys(prefix)
+    pub = Publisher(client, keys, "alice", keyring)
+    pub.publish(envelope("pay-1", deadline=clock.now() + tasks.policy.retention_s))
+    ((_, fields),) = _xrange(client, keys.inbound())
+    ingestor = _ingestor(client, prefix, tasks, keyring, clock)
+    drain(ingestor, client)
+    (first,) = tasks.claim("w1")
+    tasks.finish(first.task_id, "w1", first.fence, {"paid": True})
+    outbox = OutboxStore(tasks.db, clock)
+    (reply,) = outbox.claim("d1", 1)
+    outbox.mark_sent(reply.reply_id, "d1", reply.fence, "1-0")
+
+    clock.advance(tasks.policy.retention_s + 1)
+    assert tasks.purge() == 1
+    client.xadd(keys.inbound(), fields)  # type: ignore[arg-type]  # the same bytes again
+    drain(ingestor, client)
+    assert ingestor.stats.expired == 1
+    assert tasks.claim("w2", 10) == []
+    counts = tasks.counts()
+    assert (counts["done"], counts["expired"], counts["pending"], counts["running"]) == (1, 1, 0, 0)
+    statuses = sorted(r.status for r in OutboxStore(tasks.db, clock).list())
+    assert statuses == ["done", "expired"]
+
+
 # -- bad input -------------------------------------------------------------------------------
 
 _MALLORY = ("mallory-1", b"mallory's own secret")
@@ -678,7 +739,7 @@ def test_publisher_and_ingest_config_are_checked(
 
 
 def test_ingest_busy_store_holds_the_batch_and_spends_no_delivery_count(
-    redis_server: RedisServer, prefix: str, tmp_path: Path, keyring: Keyring
+    redis_server: RedisServer, prefix: str, tmp_path: Path, keyring: Keyring, clock: FakeClock
 ) -> None:
     """A store outage must not turn good requests into poison: the checked batch is kept and
     retried as it is, not read again (each re-read would raise its Redis delivery count)."""
@@ -693,7 +754,7 @@ def test_ingest_busy_store_holds_the_batch_and_spends_no_delivery_count(
     db = Database(db_path, busy_timeout_ms=20)
     ingest = Ingestor(
         IngestConfig(prefix=prefix, consumer="busy-1", block_ms=50, max_deliveries=3),
-        client, TaskStore(db), keyring,
+        client, TaskStore(db, clock), keyring,
     )  # fmt: skip
     ingest.step()  # own pending list: empty
     holder = sqlite3.connect(str(db_path), isolation_level=None)

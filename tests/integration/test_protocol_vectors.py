@@ -26,18 +26,30 @@ from tests.support.redis_server import RedisServer
 PROTOCOL = Path(__file__).resolve().parents[2] / "docs" / "PROTOCOL.md"
 
 
-def load_vectors() -> list[dict[str, str]]:
-    """The JSON block between the test-vector markers of PROTOCOL.md."""
+def _block(marker: str) -> Any:
+    """The JSON block between the ``<marker>:begin`` and ``<marker>:end`` comments."""
     text = PROTOCOL.read_text(encoding="utf-8")
     match = re.search(
-        r"<!-- test-vectors:begin -->\s*```json\n(.*?)```\s*<!-- test-vectors:end -->",
+        rf"<!-- {marker}:begin -->\s*```json\n(.*?)```\s*<!-- {marker}:end -->",
         text,
         re.DOTALL,
     )
-    assert match is not None, "PROTOCOL.md lost its test-vector block"
-    vectors: list[dict[str, str]] = json.loads(match.group(1))
+    assert match is not None, f"PROTOCOL.md lost its {marker} block"
+    return json.loads(match.group(1))
+
+
+def load_vectors() -> list[dict[str, str]]:
+    """The JSON block between the test-vector markers of PROTOCOL.md."""
+    vectors: list[dict[str, str]] = _block("test-vectors")
     assert len(vectors) >= 3
     return vectors
+
+
+def load_fingerprint_vectors() -> list[dict[str, Any]]:
+    """The groups of envelopes that must fingerprint the same (section 4)."""
+    groups: list[dict[str, Any]] = _block("fingerprint-vectors")
+    assert len(groups) >= 3
+    return groups
 
 
 def _keyring(vectors: list[dict[str, str]]) -> Keyring:
@@ -76,6 +88,18 @@ def test_protocol_vector_verifies(vector: dict[str, str]) -> None:
     assert _keyring(load_vectors()).verify(fields) == vector["principal"]
 
 
+@pytest.mark.parametrize("group", load_fingerprint_vectors(), ids=lambda g: g["name"])
+def test_protocol_fingerprint_vectors_are_one_content(group: dict[str, Any]) -> None:
+    content = group["content"].encode("utf-8")
+    assert hashlib.sha256(content).hexdigest() == group["fingerprint"]
+    for env in group["envs"]:
+        assert Envelope.from_json(env).fingerprint() == group["fingerprint"], env
+
+
+def test_protocol_vector_secrets_are_long_enough() -> None:
+    assert all(len(v["secret"].encode()) >= 32 for v in load_vectors())
+
+
 @pytest.mark.integration
 def test_protocol_plain_redis_publisher_is_ingested(
     redis_server: RedisServer, prefix: str, tmp_path: Path, clock: FakeClock
@@ -107,6 +131,7 @@ def test_protocol_plain_redis_publisher_is_ingested(
     )
 
     client = connect(redis_server.url)
+    clock.set(1_900_000_000 - 3600)  # the vectors' deadlines are within the window from here
     tasks = TaskStore(open_database(tmp_path / "inbox.db"), clock)
     config = IngestConfig(prefix=prefix, consumer="ingest-t-0", block_ms=20)
     ingestor = Ingestor(config, client, tasks, _keyring(vectors), clock=clock)

@@ -21,6 +21,7 @@ from typing import Any
 import redis
 
 from broker_adapter.auth import Keyring
+from broker_adapter.clock import FakeClock
 from broker_adapter.envelope import Envelope
 from broker_adapter.ingest import IngestConfig, Ingestor
 from broker_adapter.keys import INGEST_GROUP, Keys
@@ -28,15 +29,27 @@ from broker_adapter.store import TaskStore, open_database
 from broker_adapter.streams import connect, text
 
 KEYRING: dict[str, dict[str, str]] = {
-    "alice": {"alice-2026": "alice secret, first key", "alice-2025": "alice old key"},
-    "bob": {"bob-1": "bob's secret"},
+    "alice": {
+        "alice-2026": "alice secret, first key: 32+ bytes",
+        "alice-2025": "alice old key, rotated out: 32+ bytes",
+    },
+    "bob": {"bob-1": "bob's secret, long enough: 32+ bytes"},
 }
-DEADLINE = 4_000_000_000.0  # far in the future for both real and fake clocks
+#: A day after ``FakeClock``'s start: within the retention window (which bounds deadlines)
+#: of a store on the test clock. A store on the real clock needs ``real_deadline()``.
+DEADLINE = FakeClock().now() + 24 * 3600
+
+
+def real_deadline(ahead_s: float = 3600.0) -> float:
+    """A deadline ``ahead_s`` from the real clock, for stores that read it."""
+    return time.time() + ahead_s
 
 
 def write_keyring(path: Path) -> Keyring:
-    """Write ``KEYRING`` to ``path`` and load it back."""
+    """Write ``KEYRING`` to ``path`` (mode 0600, as ``Keyring.load`` requires) and load it
+    back."""
     path.write_text(json.dumps(KEYRING), encoding="utf-8")
+    path.chmod(0o600)
     return Keyring.load(path)
 
 

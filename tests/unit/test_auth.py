@@ -19,7 +19,13 @@ from broker_adapter.auth import (
 from broker_adapter.envelope import Envelope
 from broker_adapter.errors import AuthError, ConfigError, EnvelopeError
 
-KEYS = {"alice": {"a1": "alice-secret-1", "a2": "alice-secret-2"}, "bob": {"b1": "bob-secret"}}
+KEYS = {
+    "alice": {
+        "a1": "alice-secret-1, a test key of 32+ bytes",
+        "a2": "alice-secret-2, a test key of 32+ bytes",
+    },
+    "bob": {"b1": "bob-secret, a test key of 32+ bytes"},
+}
 
 
 def _env(sender: str = "alice", **over: Any) -> Envelope:
@@ -117,7 +123,7 @@ def test_auth_verify_signature_bound_to_kid(ring: Keyring) -> None:
 
 def test_auth_verify_unknown_principal() -> None:
     ring = Keyring(KEYS)
-    mallory = Keyring({"mallory": {"m1": "x"}})
+    mallory = Keyring({"mallory": {"m1": "mallory's own secret of 32+ bytes"}})
     fields = _b(mallory.sign(_env("mallory")))
     with pytest.raises(AuthError) as info:
         ring.verify(fields)
@@ -143,7 +149,7 @@ def test_auth_verify_non_ascii_kid_is_unknown_key(ring: Keyring) -> None:
 def test_auth_verify_spoofed_sender_is_sender_mismatch(ring: Keyring) -> None:
     # bob signs correctly with his own key but claims to be alice
     env = _env("alice").to_json()
-    sig = signature(b"bob-secret", "b1", env).encode()
+    sig = signature(KEYS["bob"]["b1"].encode(), "b1", env).encode()
     fields = {b"v": b"1", b"env": env, b"kid": b"b1", b"sig": sig}
     with pytest.raises(AuthError) as info:
         ring.verify(fields)
@@ -162,7 +168,7 @@ def test_auth_verify_spoof_with_forged_mac_is_not_mismatch(ring: Keyring) -> Non
 def test_auth_verify_invalid_envelope_raises_envelope_error(ring: Keyring) -> None:
     env = b'{"sender":"alice"}'
     fields = {b"v": b"1", b"env": env, b"kid": b"a1"}
-    fields[b"sig"] = signature(b"alice-secret-1", "a1", env).encode()
+    fields[b"sig"] = signature(KEYS["alice"]["a1"].encode(), "a1", env).encode()
     with pytest.raises(EnvelopeError) as info:
         ring.verify(fields)
     assert not isinstance(info.value, AuthError)
@@ -177,7 +183,7 @@ def test_auth_verify_accepts_non_canonical_bytes_as_signed(ring: Keyring) -> Non
         b' "deadline": 1900000000 }'
     )
     fields = {b"v": b"1", b"env": env, b"kid": b"a1"}
-    fields[b"sig"] = signature(b"alice-secret-1", "a1", env).encode()
+    fields[b"sig"] = signature(KEYS["alice"]["a1"].encode(), "a1", env).encode()
     auth = ring.authenticate(fields)
     assert auth.envelope.fingerprint() == _env().fingerprint()
 
@@ -215,6 +221,7 @@ def _write(tmp_path: Path, content: str | bytes) -> Path:
         path.write_text(content, encoding="utf-8")
     else:
         path.write_bytes(content)
+    path.chmod(0o600)
     return path
 
 
@@ -234,7 +241,7 @@ def test_auth_keyring_load_ok(tmp_path: Path) -> None:
         ("{}", "at least one principal"),
         ('{"alice": "secret"}', "object of key ids"),
         ('{"alice": {}}', "at least one"),
-        ('{"alice": {"a1": ""}}', "empty"),
+        ('{"alice": {"a1": ""}}', "0 bytes, at least 32"),
         ('{"alice": {"a1": 5}}', "must be a string"),
         ('{"bad name": {"a1": "x"}}', "bad principal name"),
         ('{"": {"a1": "x"}}', "bad principal name"),
@@ -247,6 +254,38 @@ def test_auth_keyring_load_rejects_bad_file(
 ) -> None:
     with pytest.raises(ConfigError, match=needle):
         Keyring.load(_write(tmp_path, content))
+
+
+@pytest.mark.parametrize(("size", "accepted"), [(31, False), (32, True)])
+def test_auth_keyring_refuses_secrets_under_32_bytes(size: int, accepted: bool) -> None:
+    keys = {"alice": {"a1": "x" * size}}
+    if accepted:
+        assert Keyring(keys).key_ids("alice") == ("a1",)
+        return
+    with pytest.raises(ConfigError, match=r"secret alice/a1 is 31 bytes, at least 32"):
+        Keyring(keys)
+
+
+def test_auth_keyring_counts_secret_bytes_not_characters() -> None:
+    # 16 two-byte characters: 32 bytes of UTF-8, accepted; 31 bytes given as bytes, refused
+    assert Keyring({"alice": {"a1": "é" * 16}}).principals == ("alice",)
+    with pytest.raises(ConfigError, match="alice/a1"):
+        Keyring({"alice": {"a1": b"\x00" * 31}})
+
+
+@pytest.mark.parametrize("mode", [0o644, 0o640, 0o604, 0o620, 0o602, 0o666])
+def test_auth_keyring_load_refuses_file_others_may_read_or_write(tmp_path: Path, mode: int) -> None:
+    path = _write(tmp_path, json.dumps(KEYS))
+    path.chmod(mode)
+    with pytest.raises(ConfigError, match=f"mode {mode:04o}.*chmod 600 {path}"):
+        Keyring.load(path)
+
+
+@pytest.mark.parametrize("mode", [0o600, 0o400, 0o700])
+def test_auth_keyring_load_accepts_file_only_its_owner_may_use(tmp_path: Path, mode: int) -> None:
+    path = _write(tmp_path, json.dumps(KEYS))
+    path.chmod(mode)
+    assert Keyring.load(path).principals == ("alice", "bob")
 
 
 def test_auth_keyring_load_unreadable(tmp_path: Path) -> None:

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from broker_adapter.envelope import (
     HOPS_LIMIT,
+    INT_MAX_DIGITS,
     MAX_ATTEMPTS_LIMIT,
     MESSAGE_ID_MAX_BYTES,
     PAYLOAD_MAX_BYTES,
@@ -24,8 +25,11 @@ from broker_adapter.envelope import (
     PRINCIPAL_MAX_BYTES,
     Envelope,
     canonical_json,
+    canonical_numbers,
     check_parsed_payload,
     check_payload,
+    content_fingerprint,
+    ecmascript_number,
     loads_strict,
     sha256_hex,
 )
@@ -531,3 +535,166 @@ def test_parsed_payload_check_agrees_with_the_full_walk(payload: dict[str, Any])
 )
 def test_parsed_payload_check_agrees_at_the_edges(payload: dict[str, Any]) -> None:
     assert _checked(check_parsed_payload, payload) == _checked(check_payload, payload)
+
+
+# -- numbers in the fingerprint ----------------------------------------------------------------
+
+
+def _wire(payload_json: str, message_id: str = "m-1") -> Envelope:
+    return Envelope.from_json(
+        f'{{"deadline":1800000060,"message_id":"{message_id}","payload":{payload_json},'
+        '"sender":"alice"}'
+    )
+
+
+@pytest.mark.parametrize(
+    "spellings",
+    [
+        ["13", "13.0", "1.3e1", "130e-1", "13.000"],
+        ["100", "1e2", "1E2", "100.0", "1e+2"],
+        ["0", "0.0", "-0.0", "-0", "0e5"],
+        ["9007199254740992", "9007199254740992.0", "9.007199254740992e15"],
+        ["0.1", "1e-1", "0.10"],
+        ["1e21", "1E21", "1000000000000000000000.0"],
+    ],
+    ids=["13", "100", "zero", "2**53", "0.1", "1e21"],
+)
+def test_envelope_fingerprint_treats_spellings_of_one_number_alike(spellings: list[str]) -> None:
+    """A JavaScript resend writes ``13`` where the first send had ``13.0``: the same
+    request. Python parses these as int or float; the fingerprint writes them alike."""
+    prints = {_wire(f'{{"n":{s},"v":[{s}],"x":"k"}}').fingerprint() for s in spellings}
+    assert len(prints) == 1
+
+
+def test_envelope_fingerprint_keeps_distinct_numbers_and_strings_distinct() -> None:
+    assert _wire('{"n":13}').fingerprint() != _wire('{"n":13.5}').fingerprint()
+    assert _wire('{"n":13}').fingerprint() != _wire('{"n":"13"}').fingerprint()
+    assert _wire('{"n":"13.0"}').fingerprint() != _wire('{"n":"13"}').fingerprint()  # strings
+    # Beyond 2**53 an int keeps its exact digits; a float is the nearest double, written
+    # the ECMAScript way: 2**53 + 1 as an int is not the float 9007199254740993.0.
+    assert (
+        _wire('{"n":9007199254740993}').fingerprint()
+        != _wire('{"n":9007199254740993.0}').fingerprint()
+    )
+    assert (
+        _wire('{"n":9007199254740993.0}').fingerprint()
+        == _wire('{"n":9007199254740992}').fingerprint()
+    )
+
+
+@pytest.mark.parametrize(
+    ("value", "text"),
+    [
+        (13.0, "13"),
+        (-0.0, "0"),
+        (0.1, "0.1"),
+        (4.35, "4.35"),
+        (1e21, "1e+21"),
+        (1e20, "100000000000000000000"),
+        (1.2345678901234568e20, "123456789012345680000"),
+        (2.0**60, "1152921504606847000"),
+        (1e16, "10000000000000000"),
+        (1e-6, "0.000001"),
+        (1e-7, "1e-7"),
+        (2.5e-5, "0.000025"),
+        (-1.5e-7, "-1.5e-7"),
+        (333333333.3333333, "333333333.3333333"),
+        (1.7976931348623157e308, "1.7976931348623157e+308"),
+        (5e-324, "5e-324"),
+        (-5e-324, "-5e-324"),
+        (1e23, "1e+23"),
+        (1.5e300, "1.5e+300"),
+    ],
+)
+def test_ecmascript_number_writes_doubles_as_javascript_does(value: float, text: str) -> None:
+    """Number-to-String of ECMAScript (checked against node for these and 35,000 random
+    doubles when written); RFC 8785's number form."""
+    assert ecmascript_number(value) == text
+
+
+def test_ecmascript_number_refuses_nan_and_infinity() -> None:
+    for value in (math.nan, math.inf, -math.inf):
+        with pytest.raises(ValueError, match="not a JSON number"):
+            ecmascript_number(value)
+
+
+def test_envelope_fingerprint_of_floats_is_hash_of_ecmascript_form() -> None:
+    env = _wire('{"a":[1.5,13.0,1e-07,true,false,null],"b":"1.0e5 \\"2.0\\"","c":-0.0}')
+    content = (
+        '{"correlation_id":null,"kind":"task","parent_id":null,'
+        '"payload":{"a":[1.5,13,1e-7,true,false,null],"b":"1.0e5 \\"2.0\\"","c":0}}'
+    )
+    assert env.fingerprint() == sha256_hex(content.encode())
+    # the stored payload and the signed bytes are left as they were sent
+    sent = '{"a":[1.5,13.0,1e-07,true,false,null],"b":"1.0e5 \\"2.0\\"","c":-0.0}'
+    assert env.payload_json() == sent
+
+
+def test_canonical_numbers_leaves_payloads_without_floats_as_they_are() -> None:
+    plain = canonical_json({"name": "v1", "n": [1, -2, 10**30], "ok": True, "e": "E"})
+    assert canonical_numbers(plain) is plain  # one scan, no rewrite
+    digits_in_strings = canonical_json({"name": "v1.5e3", "n": [1, 2], "s": "3.0"})
+    assert canonical_numbers(digits_in_strings) == digits_in_strings
+    env = Envelope.build(**fields(payload={"q": "hello", "n": 3}))
+    assert env.fingerprint() == sha256_hex(canonical_json(env.content()))
+
+
+json_values = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=8),
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=4), inner, max_size=4)
+    ),
+    max_leaves=12,
+)
+
+
+def _same_values(a: Any, b: Any) -> bool:
+    """Equal, numbers compared as doubles where either is a float (an integral double of
+    2**53 or more is written as digits, which Python reads back as an int)."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same_values(a[k], b[k]) for k in a)
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(map(_same_values, a, b))
+    numbers = (int, float)
+    if isinstance(a, numbers) and isinstance(b, numbers) and float in (type(a), type(b)):
+        return not isinstance(a, bool) and not isinstance(b, bool) and float(a) == float(b)
+    return type(a) is type(b) and a == b
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.dictionaries(st.text(max_size=4), json_values, max_size=4))
+def test_canonical_numbers_keeps_every_value(payload: dict[str, Any]) -> None:
+    """The rewritten bytes parse back to the same values, every float in ECMAScript form,
+    and integral floats within 2**53 fingerprint like the int of the same value."""
+    rewritten = canonical_numbers(canonical_json(payload))
+    assert _same_values(json.loads(rewritten), payload)
+    assert canonical_numbers(rewritten) == rewritten
+
+    def as_ints(value: Any) -> Any:
+        if isinstance(value, float) and value.is_integer() and abs(value) <= 2**53:
+            return int(value)
+        if isinstance(value, list):
+            return [as_ints(v) for v in value]
+        if isinstance(value, dict):
+            return {k: as_ints(v) for k, v in value.items()}
+        return value
+
+    ints = canonical_json(as_ints(payload))
+    assert content_fingerprint("task", rewritten, None, None) == content_fingerprint(
+        "task", ints, None, None
+    )
+
+
+def test_envelope_refuses_integers_over_4300_digits() -> None:
+    big = 10**INT_MAX_DIGITS  # 4301 digits
+    with pytest.raises(EnvelopeError) as built:
+        Envelope.build(**fields(payload={"n": big}))
+    assert (built.value.field, built.value.reason) == ("payload", "too_large")
+    assert Envelope.build(**fields(payload={"n": big - 1})).payload["n"] == big - 1
+    with pytest.raises(EnvelopeError) as wire:
+        _wire('{"n":1' + "0" * INT_MAX_DIGITS + "}")
+    assert wire.value.reason == "unparseable"

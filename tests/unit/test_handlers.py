@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import sys
 import threading
 from collections.abc import Iterator
@@ -25,6 +26,7 @@ from broker_adapter.handlers import (
     load_handler,
 )
 from broker_adapter.store import ClaimedTask
+from broker_adapter.store.tasks import idempotency_key_for
 from tests.support import handlers as sample
 
 WAIT_S = 10.0
@@ -137,7 +139,8 @@ def test_describe_error_is_type_and_message_capped() -> None:
 def test_task_exposes_the_claim(task: Task, clock: FakeClock) -> None:
     assert (task.task_id, task.principal, task.message_id) == ("t" * 32, "agent-a", "m1")
     assert (task.attempt, task.fence, task.owner, task.payload) == (1, 1, "w1", {"x": 1})
-    assert task.idempotency_key == f"ba:{'t' * 32}"
+    assert task.idempotency_key == idempotency_key_for("agent-a", "m1")
+    assert task.idempotency_key == "ba:" + hashlib.sha256(b"agent-a\x00m1").hexdigest()[:32]
     assert task.time_left_s() == pytest.approx(600)
     clock.advance(100)
     assert task.time_left_s() == pytest.approx(500)

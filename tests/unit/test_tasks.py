@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import sqlite3
+import stat
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
@@ -14,7 +16,7 @@ from typing import Any
 import pytest
 
 from broker_adapter.clock import FakeClock
-from broker_adapter.envelope import Envelope
+from broker_adapter.envelope import Envelope, canonical_json, sha256_hex
 from broker_adapter.errors import (
     ConfigError,
     FencedError,
@@ -272,10 +274,21 @@ def test_accept_is_new_task_when_reused_past_retention_after_terminal(
     assert found.task_id == res.task_id
 
 
+def _accept_with_long_window(s: Stores, mid: str, deadline: float) -> str:
+    """Accept ``mid`` through a store with a window 20 times longer on the same file: a
+    record from before the window was shortened (or before it bounded deadlines), whose
+    deadline lies beyond the current window."""
+    longer = TaskStore(s.db, s.tasks.clock, TaskPolicy(retention_s=20 * RETENTION_S))
+    (res,) = longer.accept([item(mid, deadline=deadline)])
+    assert res.outcome is Outcome.STORED, res
+    assert res.task_id is not None
+    return res.task_id
+
+
 def test_accept_is_duplicate_when_live_task_reused_past_retention(
     s: Stores, clock: FakeClock
 ) -> None:
-    task_id = accept_one(s, deadline=T0 + 10 * RETENTION_S)
+    task_id = _accept_with_long_window(s, "m1", T0 + 10 * RETENTION_S)
     clock.set(T0 + 2 * RETENTION_S)
     (dup,) = s.tasks.accept([item("m1", deadline=T0 + 10 * RETENTION_S)])
     assert (dup.outcome, dup.task_id) == (Outcome.DUPLICATE, task_id)
@@ -303,7 +316,7 @@ def test_purge_forgets_terminal_sent_records_past_retention(s: Stores, clock: Fa
 def test_purge_keeps_records_when_live_or_within_retention(s: Stores, clock: FakeClock) -> None:
     done = accept_one(s, "done")
     reply_id = finish_task(s, done)
-    live = accept_one(s, "live", deadline=T0 + 10 * RETENTION_S)
+    live = _accept_with_long_window(s, "live", T0 + 10 * RETENTION_S)
     (row,) = s.outbox.claim("d1", 1)
     s.outbox.mark_sent(reply_id, "d1", row.fence, "1-0")
     clock.set(T0 + RETENTION_S - 1)
@@ -312,6 +325,104 @@ def test_purge_keeps_records_when_live_or_within_retention(s: Stores, clock: Fak
     assert s.tasks.purge() == 1
     assert s.tasks.find("alice", "live") is not None
     assert state(s, live) == "pending"
+
+
+@pytest.mark.parametrize(
+    ("deadline", "outcome"),
+    [
+        (T0 + RETENTION_S, Outcome.STORED),  # the edge itself is inside the window
+        (T0 + RETENTION_S + 0.001, Outcome.REFUSED),
+        (T0 + 1000 * 365 * 24 * 3600.0, Outcome.REFUSED),
+        (1e300, Outcome.REFUSED),
+    ],
+)
+def test_accept_refuses_deadline_beyond_retention_window(
+    s: Stores, deadline: float, outcome: Outcome
+) -> None:
+    before = dump(s.db)
+    (res,) = s.tasks.accept([item("m1", deadline=deadline)])
+    assert res.outcome is outcome
+    if outcome is Outcome.STORED:
+        assert res.refusal is None
+        assert state(s, res.task_id) == "pending"  # type: ignore[arg-type]
+        return
+    assert res.task_id is None
+    assert res.refusal is not None
+    assert (res.refusal.field, res.refusal.reason) == ("deadline", "too_large")
+    assert dump(s.db) == before  # nothing written: a corrected resend is a new request
+    (fixed,) = s.tasks.accept([item("m1", deadline=T0 + 60)])
+    assert fixed.outcome is Outcome.STORED
+
+
+def test_accept_refusal_does_not_harm_the_rest_of_its_batch(s: Stores) -> None:
+    res = s.tasks.accept([item("m1"), item("m2", deadline=1e300), item("m3")])
+    assert [r.outcome for r in res] == [Outcome.STORED, Outcome.REFUSED, Outcome.STORED]
+    assert s.tasks.counts()["pending"] == 2
+
+
+def _send_reply(s: Stores, reply_id: str) -> None:
+    (row,) = [r for r in s.outbox.claim("d1", 10) if r.reply_id == reply_id]
+    s.outbox.mark_sent(reply_id, "d1", row.fence, "1-0")
+
+
+@pytest.mark.parametrize("purged", [False, True])
+def test_accept_replay_after_window_ends_expired_never_runs(
+    s: Stores, clock: FakeClock, purged: bool
+) -> None:
+    """The same envelope, replayed by anyone who can read the stream once its record is
+    forgotten (or purged), is expired at once: its deadline lies inside the first window."""
+    env = envelope("m1", deadline=T0 + RETENTION_S)
+    (first,) = s.tasks.accept([AcceptItem("alice", env)])
+    assert first.task_id is not None
+    _send_reply(s, finish_task(s, first.task_id))
+    clock.set(T0 + RETENTION_S - 0.001)
+    assert s.tasks.purge() == 0
+    (dup,) = s.tasks.accept([AcceptItem("alice", env)])
+    assert (dup.outcome, dup.task_id) == (Outcome.DUPLICATE, first.task_id)
+    clock.set(T0 + RETENTION_S)
+    if purged:
+        assert s.tasks.purge() == 1
+    (replay,) = s.tasks.accept([AcceptItem("alice", env)])
+    assert replay.outcome is Outcome.EXPIRED
+    assert s.tasks.claim("w2", 10) == []
+    counts = s.tasks.counts()
+    assert (counts["done"], counts["pending"], counts["expired"]) == (1, 0, 1)
+
+
+def test_inbox_record_outlives_window_until_its_deadline(s: Stores, clock: FakeClock) -> None:
+    """A record whose deadline lies beyond the window (accepted under a longer one) still
+    dedupes, terminal and past the window, until the deadline passes; purge keeps it too."""
+    task_id = _accept_with_long_window(s, "m1", T0 + 5 * RETENTION_S)
+    _send_reply(s, finish_task(s, task_id))
+    clock.set(T0 + 5 * RETENTION_S - 1)
+    assert s.tasks.purge() == 0
+    (dup,) = s.tasks.accept([item("m1", deadline=clock.now() + 60)])
+    assert (dup.outcome, dup.task_id) == (Outcome.DUPLICATE, task_id)
+    clock.set(T0 + 5 * RETENTION_S)
+    assert s.tasks.purge() == 1
+
+
+def _documented_key(principal: str, message_id: str) -> str:
+    """The idempotency key as docs and README define it, written out independently."""
+    digest = hashlib.sha256(principal.encode() + b"\x00" + message_id.encode()).hexdigest()
+    return "ba:" + digest[:32]
+
+
+def test_idempotency_key_is_the_same_for_every_task_of_one_request(
+    s: Stores, clock: FakeClock
+) -> None:
+    first_id = accept_one(s)
+    (first,) = s.tasks.claim("w1")
+    s.tasks.finish(first_id, "w1", first.fence, {"ok": True})
+    clock.set(T0 + RETENTION_S + 1)  # forgotten: the same identity becomes a second task
+    second_id = accept_one(s, deadline=clock.now() + 60)
+    (second,) = s.tasks.claim("w1")
+    assert (first.task_id, second.task_id) == (first_id, second_id)
+    assert first_id != second_id
+    assert first.idempotency_key == second.idempotency_key == _documented_key("alice", "m1")
+    s.tasks.accept([item("m1", principal="bob", deadline=clock.now() + 60)])
+    (bobs,) = s.tasks.claim("w1")
+    assert bobs.idempotency_key == _documented_key("bob", "m1") != first.idempotency_key
 
 
 # -- claim ----------------------------------------------------------------------------------
@@ -362,7 +473,8 @@ def test_claim_keeps_idempotency_key_stable_across_attempts(s: Stores, clock: Fa
     clock.advance(LEASE_S)
     (second,) = s.tasks.claim("w2")
     assert second.fence == first.fence + 1
-    assert first.idempotency_key == second.idempotency_key == f"ba:{task_id}"
+    assert first.task_id == second.task_id == task_id
+    assert first.idempotency_key == second.idempotency_key == _documented_key("alice", "m1")
 
 
 def test_claim_never_hands_out_cancelled_or_terminal_tasks(s: Stores) -> None:
@@ -547,11 +659,11 @@ def test_fail_requeues_with_backoff_when_retryable(s: Stores, clock: FakeClock) 
 def test_fail_backoff_grows_capped_with_jitter_and_never_moves_deadline(
     s: Stores, clock: FakeClock
 ) -> None:
-    task_id = accept_one(s, max_attempts=10, deadline=T0 + 10_000)
+    task_id = accept_one(s, max_attempts=10, deadline=T0 + RETENTION_S)
     delays = []
     for attempt in range(1, 10):
         (task,) = s.tasks.claim("w1")
-        assert (task.attempt, task.fence, task.deadline) == (attempt, attempt, T0 + 10_000)
+        assert (task.attempt, task.fence, task.deadline) == (attempt, attempt, T0 + RETENTION_S)
         now = clock.now()
         assert s.tasks.fail(task_id, "w1", task.fence, "x", retryable=True) is FailOutcome.RETRY
         row = s.tasks.get(task_id)
@@ -570,7 +682,7 @@ def test_fail_backoff_grows_capped_with_jitter_and_never_moves_deadline(
     assert s.tasks.fail(task_id, "w1", task.fence, "x", retryable=True) is FailOutcome.FAILED
     row = s.tasks.get(task_id)
     assert row is not None
-    assert (row.state, row.attempts, row.deadline) == ("failed", 10, T0 + 10_000)
+    assert (row.state, row.attempts, row.deadline) == ("failed", 10, T0 + RETENTION_S)
     assert row.error == "x (attempts exhausted: 10/10)"
     assert reply_body(s, task_id)["error"] == "x (attempts exhausted: 10/10)"
 
@@ -764,6 +876,78 @@ def test_database_migrates_version_1_file_and_keeps_its_rows(tmp_path: Path) -> 
         assert store.counts()["pending"] == 2
         assert [c.task_id for c in store.claim("w1", 5)] == [old.task_id, new.task_id]
         assert db.integrity_check() == "ok"
+
+
+def test_database_migration_recomputes_fingerprints_of_floats(tmp_path: Path) -> None:
+    """A version-3 file holds fingerprints of the payload bytes as Python wrote them
+    (``13.0``); version 4 recomputes them from the task rows, so a resend that writes
+    ``13`` (a JavaScript publisher) is a duplicate, not a conflict."""
+    path = tmp_path / "v3.db"
+    first = Envelope.from_json(
+        '{"deadline":%r,"message_id":"m-float","payload":{"price":13.0,"t":1e-07},'
+        '"sender":"alice"}' % (T0 + 600)
+    )
+    plain = envelope("m-plain")
+    with open_database(path) as db:
+        store = TaskStore(db, clock=FakeClock(T0))
+        stored = store.accept([AcceptItem("alice", first), AcceptItem("alice", plain)])
+        assert [r.outcome for r in stored] == [Outcome.STORED, Outcome.STORED]
+    # as version 3 wrote them: SHA-256 of canonical_json(content), floats as Python's repr
+    old = {env.message_id: sha256_hex(canonical_json(env.content())) for env in (first, plain)}
+    assert old["m-float"] != first.fingerprint()
+    assert old["m-plain"] == plain.fingerprint()
+    raw = sqlite3.connect(str(path), isolation_level=None)
+    for mid, fingerprint in old.items():
+        raw.execute("UPDATE tasks SET fingerprint = ? WHERE message_id = ?", (fingerprint, mid))
+        raw.execute("UPDATE inbox SET fingerprint = ? WHERE message_id = ?", (fingerprint, mid))
+    raw.execute("PRAGMA user_version = 3")
+    raw.close()
+    with open_database(path) as db:
+        assert db.conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
+        rows = {
+            r["message_id"]: (r["t"], r["i"])
+            for r in db.conn.execute(
+                "SELECT t.message_id, t.fingerprint AS t, i.fingerprint AS i"
+                " FROM tasks t JOIN inbox i ON i.task_id = t.task_id"
+            )
+        }
+        assert rows == {
+            "m-float": (first.fingerprint(), first.fingerprint()),
+            "m-plain": (old["m-plain"], old["m-plain"]),
+        }
+        resend = Envelope.from_json(
+            '{"deadline":%r,"message_id":"m-float","payload":{"price":13,"t":1e-7},'
+            '"sender":"alice"}' % (T0 + 900)
+        )
+        (again,) = TaskStore(db, clock=FakeClock(T0 + 5)).accept([AcceptItem("alice", resend)])
+        assert (again.outcome, again.task_id) == (Outcome.DUPLICATE, stored[0].task_id)
+
+
+def test_database_file_is_created_private(tmp_path: Path) -> None:
+    """0600 for the file, and so for its -wal and -shm (SQLite gives them its mode),
+    whatever the umask would have allowed."""
+    path = tmp_path / "new.db"
+    old_umask = os.umask(0o022)
+    try:
+        with open_database(path) as db:
+            TaskStore(db, clock=FakeClock(T0)).accept([AcceptItem("alice", envelope("m1"))])
+            for name in ("new.db", "new.db-wal", "new.db-shm"):
+                assert stat.S_IMODE((tmp_path / name).stat().st_mode) == 0o600, name
+    finally:
+        os.umask(old_umask)
+
+
+def test_database_tightens_an_existing_file_others_may_read(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = tmp_path / "shared.db"
+    with open_database(path):
+        pass
+    path.chmod(0o664)
+    with caplog.at_level("WARNING", logger="broker_adapter.store"), open_database(path):
+        pass
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert "had mode 0664; tightened to 0600" in caplog.text
 
 
 def _state_checks(conn: sqlite3.Connection) -> dict[str, str]:
