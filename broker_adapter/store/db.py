@@ -160,8 +160,7 @@ CONFLICT_ID_KEY = "conflict_id_key"
 def _create_meta(c: sqlite3.Connection) -> None:
     """Migration 4 (idempotent, like every migration: a key once made is never replaced)."""
     c.execute(
-        "CREATE TABLE IF NOT EXISTS meta (name TEXT PRIMARY KEY, value BLOB NOT NULL)"
-        " WITHOUT ROWID"
+        "CREATE TABLE IF NOT EXISTS meta (name TEXT PRIMARY KEY, value BLOB NOT NULL) WITHOUT ROWID"
     )
     c.execute(
         "INSERT OR IGNORE INTO meta (name, value) VALUES (?, ?)", (CONFLICT_ID_KEY, os.urandom(32))
