@@ -95,9 +95,9 @@ def _receipts(db: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in res.stdout.splitlines() if line.strip()]
 
 
-def _receive(redis_url: str, db: Path, prefix: str, principal: str) -> None:
+def _receive(redis_url: str, db: Path, prefix: str, principal: str, keyring: Path) -> None:
     res = _cli("receive", "--redis", redis_url, "--db", str(db), "--principal", principal,
-               "--prefix", prefix, "--until-idle", "1.5")  # fmt: skip
+               "--prefix", prefix, "--until-idle", "1.5", "--keyring", str(keyring))  # fmt: skip
     assert res.returncode == 0, res.stderr
 
 
@@ -125,7 +125,7 @@ def test_cli_publish_run_receive_gives_one_effect_per_message(
         )
     finally:
         assert _stop(proc) == 0
-    _receive(redis_server.url, rdb, prefix, "alice")
+    _receive(redis_server.url, rdb, prefix, "alice", keyring)
     receipts = _receipts(rdb)
     assert sorted(r["message_id"] for r in receipts) == sorted(f"m{i}" for i in range(n))
     assert all(r["effects"] == 1 and r["status"] == "done" for r in receipts)
@@ -162,7 +162,7 @@ def test_cli_run_killed_mid_stream_and_restarted_loses_and_doubles_nothing(
         )
     finally:
         assert _stop(proc) == 0
-    _receive(redis_server.url, rdb, prefix, "bob")
+    _receive(redis_server.url, rdb, prefix, "bob", keyring)
     receipts = _receipts(rdb)
     assert len(receipts) == n
     assert sorted(r["message_id"] for r in receipts) == sorted(f"m{i}" for i in range(n))
@@ -209,7 +209,7 @@ def test_cli_run_killed_after_handing_tasks_to_idle_workers_loses_nothing(
     finally:
         assert _stop(proc) == 0
     assert _count(db, "SELECT attempts FROM tasks WHERE message_id = 'm1'") == 2
-    _receive(redis_server.url, rdb, prefix, "alice")
+    _receive(redis_server.url, rdb, prefix, "alice", keyring)
     receipts = _receipts(rdb)
     assert sorted(r["message_id"] for r in receipts) == ["m0", "m1"]
     assert all(r["effects"] == 1 for r in receipts)
@@ -244,6 +244,9 @@ def test_cli_sigterm_drains_cleanly(
           "/nonexistent.json", "--id", "m", "--payload", "{}"], "keyring"),
         (["publish", "--redis", "redis://127.0.0.1:1", "--principal", "a", "--keyring", "k",
           "--id", "m", "--payload", "{not json"], "payload"),
+        (["receive", "--redis", "redis://x", "--db", "d.db", "--principal", "a"], "--keyring"),
+        (["receive", "--redis", "redis://x", "--db", "d.db", "--principal", "a", "--keyring",
+          "/nonexistent.json"], "keyring"),
         (["frobnicate"], "invalid choice"),
     ],
 )  # fmt: skip
