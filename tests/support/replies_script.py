@@ -40,6 +40,7 @@ REPLY_KEYS: dict[str, dict[str, str]] = {
     },
     "bob": {"bob-r1": "bob reply-signing secret, thirty-two bytes+"},
     "p1": {"p1-r1": "p1 reply-signing secret, thirty-two bytes++"},
+    "agent-a": {"agent-a-r1": "agent-a reply-signing secret, 32 bytes+"},
 }
 
 
