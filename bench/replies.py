@@ -33,6 +33,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from broker_adapter.auth import Keyring
 from broker_adapter.dispatcher import Dispatcher, DispatcherConfig
 from broker_adapter.envelope import canonical_json
 from broker_adapter.keys import Keys
@@ -44,6 +45,7 @@ from broker_adapter.streams import connect
 from tests.support.redis_server import RedisServer
 
 PRINCIPAL = "bench"
+KEYRING = Keyring({PRINCIPAL: {"k1": "a benchmark secret of reasonable length, 32+ bytes"}})
 
 
 def effect(conn: sqlite3.Connection, reply: dict[str, Any]) -> None:
@@ -116,7 +118,7 @@ def one_round(server: RedisServer, workdir: Path, args: argparse.Namespace) -> d
 
     outbox = OutboxStore(agent)
     dispatcher = Dispatcher(DispatcherConfig(prefix=prefix, owner="bench", batch=batch),
-                            client, outbox)  # fmt: skip
+                            client, outbox, keyring=KEYRING)  # fmt: skip
     dispatcher.watch()  # the first look (version, epoch) is not part of the rate
 
     def dispatch() -> None:
@@ -126,7 +128,7 @@ def one_round(server: RedisServer, workdir: Path, args: argparse.Namespace) -> d
 
     config = ReceiverConfig(prefix=prefix, principal=PRINCIPAL, consumer="c", count=batch,
                             block_ms=100)  # fmt: skip
-    receiver = Receiver(config, client, ReceiptStore(rx_db), effect)
+    receiver = Receiver(config, client, ReceiptStore(rx_db), effect, keyring=KEYRING)
 
     def receive() -> None:
         done = 0

@@ -132,7 +132,9 @@ def child_receive(args: argparse.Namespace) -> int:
     with db.write("bench_ddl") as c:
         c.execute(EFFECTS_DDL)
     config = ReceiverConfig(prefix=args.prefix, principal=PRINCIPAL, consumer="bench-rx")
-    receiver = Receiver(config, connect(args.redis), ReceiptStore(db), bench_effect)
+    receiver = Receiver(
+        config, connect(args.redis), ReceiptStore(db), bench_effect, keyring=KEYRING
+    )
     print("ready", flush=True)
     receiver.run(stop)
     db.close()

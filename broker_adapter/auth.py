@@ -18,6 +18,26 @@ The MAC covers ``env`` exactly as received (nothing is re-encoded before checkin
 key id, so a signature cannot be replayed under another key. Digests are compared in
 constant time.
 
+Replies are signed too, by the adapter, with the keys of the principal they are addressed
+to (``Keyring.sign_reply``; the receiver checks them with ``Keyring.verify_reply``). A reply
+entry on ``replies(P)`` carries, besides ``v`` = ``REPLY_WIRE_VERSION``, ``reply_id``,
+``hash`` and ``body``::
+
+    kid  key id of P's signing key (P's default, its first key id)
+    sig  lowercase hex HMAC-SHA256(secret, b"ba.reply.v1\\n" + kid + b"\\n" + P + b"\\n"
+                                           + reply_id + b"\\n" + body)
+
+Why these keys: the receiver of P already holds P's secret (it signs P's requests with it),
+so no new key distribution is needed, the same rotation works (sign with the first key id,
+verify with any), and no other principal can make a reply P accepts. Why this message: the
+domain ``ba.reply.v1`` differs from the request's ``ba.v1``, so a request signature never
+verifies as a reply signature (nor the other way round); the principal and the reply id are
+inside the MAC, so a signed reply cannot be moved to another stream or another reply id.
+Neither a principal nor a key id nor a reply id holds a newline (``parse_entry`` refuses
+such a reply id), so the fields cannot be shifted against each other. The HMAC is
+deterministic: publishing the same outbox row again gives the same entry, and nothing about
+the signature needs to be stored.
+
 Crash safety: this module is pure computation with no state; a crash loses nothing.
 """
 
@@ -36,6 +56,9 @@ from broker_adapter.errors import AuthError, ConfigError, EnvelopeError
 
 WIRE_VERSION = "1"
 SIGNATURE_DOMAIN = b"ba.v1\n"
+#: Version of a reply entry; ``"1"`` was the unsigned form, which receivers now refuse.
+REPLY_WIRE_VERSION = "2"
+REPLY_SIGNATURE_DOMAIN = b"ba.reply.v1\n"
 FIELD_VERSION = "v"
 FIELD_ENV = "env"
 FIELD_KID = "kid"
@@ -69,6 +92,33 @@ def signature(secret: bytes, kid: str, env: bytes) -> str:
         64 lowercase hex characters.
     """
     return hmac.digest(secret, SIGNATURE_DOMAIN + kid.encode("ascii") + b"\n" + env, "sha256").hex()
+
+
+def reply_signature(secret: bytes, kid: str, principal: str, reply_id: str, body: bytes) -> str:
+    """A reply entry's signature: lowercase hex HMAC-SHA256 over ``b"ba.reply.v1\\n" + kid +
+    b"\\n" + principal + b"\\n" + reply_id + b"\\n" + body``.
+
+    Args:
+        secret: the addressed principal's key.
+        kid: the key id, ASCII.
+        principal: the principal the reply is addressed to (whose stream it goes to).
+        reply_id: the reply's id, UTF-8.
+        body: the body bytes exactly as they go into the ``body`` field.
+
+    Returns:
+        64 lowercase hex characters.
+    """
+    message = b"\n".join(
+        (kid.encode("ascii"), principal.encode("utf-8"), reply_id.encode("utf-8"), body)
+    )
+    return hmac.digest(secret, REPLY_SIGNATURE_DOMAIN + message, "sha256").hex()
+
+
+class ReplySignature(NamedTuple):
+    """The ``kid`` and ``sig`` fields of one reply entry."""
+
+    kid: str
+    sig: str
 
 
 def check_kid(kid: str) -> str:
@@ -263,7 +313,59 @@ class Keyring:
             FIELD_SIG: sig.encode("ascii"),
         }
 
+    def sign_reply(
+        self, principal: str, reply_id: str, body: bytes, kid: str | None = None
+    ) -> ReplySignature:
+        """Sign a reply addressed to ``principal`` with one of ``principal``'s keys.
+
+        Args:
+            principal: whose reply stream the entry goes to.
+            reply_id: the reply's id.
+            body: the body bytes of the entry.
+            kid: the key to sign with; default the principal's first key.
+
+        Raises:
+            AuthError: the principal has no keys (``unknown_principal``) or no key ``kid``
+                (``unknown_key``).
+        """
+        kid = kid if kid is not None else self.default_kid(principal)
+        secret = self._secret(principal, kid)
+        return ReplySignature(kid, reply_signature(secret, kid, principal, reply_id, body))
+
     # -- verifying --------------------------------------------------------------------------
+
+    def verify_reply(
+        self, principal: str, reply_id: str, body: bytes, kid: bytes, sig: bytes
+    ) -> str:
+        """Check a reply entry's signature against the keys of the principal it is for.
+
+        Args:
+            principal: the receiver's principal (never taken from the entry).
+            reply_id: the entry's ``reply_id``.
+            body: the entry's ``body`` bytes.
+            kid: the entry's ``kid`` field.
+            sig: the entry's ``sig`` field.
+
+        Returns:
+            the key id that verified.
+
+        Raises:
+            AuthError: ``unknown_principal`` (no keys for ``principal``), ``unknown_key``
+                (``kid`` is not one of its key ids) or ``bad_signature``.
+        """
+        try:
+            key_id = kid.decode("ascii")
+        except UnicodeDecodeError:
+            raise AuthError(FIELD_KID, "unknown_key", "key id is not ASCII") from None
+        secret = self._secret(principal, key_id)
+        expected = reply_signature(secret, key_id, principal, reply_id, body).encode("ascii")
+        if not hmac.compare_digest(expected, sig):
+            raise AuthError(
+                FIELD_SIG,
+                "bad_signature",
+                f"reply signature does not verify with {principal}/{key_id}",
+            )
+        return key_id
 
     def verify(self, fields: EntryFields) -> str:
         """The authenticated principal of a signed entry.

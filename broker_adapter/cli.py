@@ -103,6 +103,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_db(rcv)
     _add_prefix(rcv)
     rcv.add_argument("--principal", required=True)
+    rcv.add_argument(
+        "--keyring", default=_env("BA_KEYRING"), required=_env("BA_KEYRING") is None,
+        help="JSON keyring file with the principal's keys (replies are signed) [env BA_KEYRING]",
+    )  # fmt: skip
     rcv.add_argument("--consumer", default=None)
     rcv.add_argument("--until-idle", type=float, default=None, help="stop after S idle seconds")
 
@@ -218,16 +222,20 @@ def cmd_publish(args: argparse.Namespace) -> int:
 
 
 def cmd_receive(args: argparse.Namespace) -> int:
+    from broker_adapter.auth import Keyring
     from broker_adapter.receiver import Receiver, ReceiverConfig, record_effect
     from broker_adapter.store import ReceiptStore, open_database
     from broker_adapter.streams import connect
 
-    db = open_database(args.db)
     consumer = args.consumer or f"receive-{args.principal}"
     config = _validated(
         ReceiverConfig, {"prefix": args.prefix, "principal": args.principal, "consumer": consumer}
     )
-    receiver = Receiver(config, connect(args.redis), ReceiptStore(db), record_effect)
+    keyring = Keyring.load(args.keyring)
+    db = open_database(args.db)
+    receiver = Receiver(
+        config, connect(args.redis), ReceiptStore(db), record_effect, keyring=keyring
+    )
     stop = _install_stop()
     idle_since = time.monotonic()
     applied = 0

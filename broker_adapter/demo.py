@@ -100,7 +100,7 @@ def _dispatcher_child(db_path: str, url: str, point: str) -> None:
     _arm(point)
     db = open_database(db_path)
     cfg = DispatcherConfig(prefix=PREFIX, owner="dispatcher-1", batch=64)
-    Dispatcher(cfg, connect(url), OutboxStore(db)).step()
+    Dispatcher(cfg, connect(url), OutboxStore(db), keyring=Keyring(KEYRING)).step()
 
 
 def _receiver_child(db_path: str, url: str, principal: str, point: str) -> None:
@@ -112,7 +112,8 @@ def _receiver(db_path: str, url: str, principal: str) -> Receiver:
     cfg = ReceiverConfig(
         prefix=PREFIX, principal=principal, consumer=f"{principal}-1", block_ms=100
     )
-    return Receiver(cfg, connect(url), ReceiptStore(open_database(db_path)), _receiver_effect)
+    receipts = ReceiptStore(open_database(db_path))
+    return Receiver(cfg, connect(url), receipts, _receiver_effect, keyring=Keyring(KEYRING))
 
 
 def _receiver_effect(conn: sqlite3.Connection, reply: dict[str, Any]) -> dict[str, Any]:
@@ -240,7 +241,7 @@ def _story(tmp: Path, redis: EmbeddedRedis) -> bool:
     _say(f"   dispatcher exit code {code}; reply entries on the stream: {before}, "
          f"outbox sent: {outbox.counts()['sent']}")  # fmt: skip
     dispatcher = Dispatcher(DispatcherConfig(prefix=PREFIX, owner="dispatcher-2"), client,
-                            _expired_lease_outbox(db))  # fmt: skip
+                            _expired_lease_outbox(db), keyring=keyring)  # fmt: skip
     _drain(dispatcher.step)
     after = client.xlen(replies_key)
     _say(f"   restarted: re-sent under the same reply ids, {dispatcher.stats.already_published}"

@@ -18,9 +18,18 @@ Publication is idempotent in Redis itself. ONE Lua script on two keys of one has
 ``reply_record(P, reply_id)`` and ``replies(P)``, looks up the reply's publication record
 (``"<content hash> <entry id>"``, kept ``record_ttl_s``) and XADDs only when there is none:
 
-* no record: XADD the entry (``v``, ``reply_id``, ``hash``, ``body``), record it (SET NX, TTL);
+* no record: XADD the entry (``v``, ``reply_id``, ``hash``, ``body``, ``kid``, ``sig``),
+  record it (SET NX, TTL);
 * record, same hash: already published, the earlier entry id is returned, nothing added;
 * record, other hash: a permanent conflict; the row goes ``dead`` with the reason.
+
+Every entry is signed for the principal it is addressed to (``auth.Keyring.sign_reply``:
+``kid`` and ``sig``), at publish time: the HMAC is deterministic, so publishing a row again
+gives the same entry and the outbox stores nothing about it; the record still dedupes by the
+body's content hash (after a key rotation a re-publish is still "already published"). A row
+whose principal has no key in the keyring cannot be signed: it fails like an unconfirmed
+publication (retried with backoff, ``dead`` past the budget), and is never published
+unsigned. A dispatcher built without a keyring (the operator's replay) publishes nothing.
 
 The script's two writes reach the AOF as one MULTI/EXEC, so they survive or vanish together.
 The scripts of a claimed batch are pipelined (one round trip) and the batch is marked sent
@@ -95,9 +104,12 @@ import tenacity
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from broker_adapter import crashpoints
+from broker_adapter.auth import REPLY_WIRE_VERSION, Keyring
 from broker_adapter.clock import Clock
 from broker_adapter.errors import (
+    AuthError,
     BrokerAdapterError,
+    ConfigError,
     RedisUnavailable,
     ReplyConflict,
     StaleError,
@@ -123,12 +135,12 @@ DEFAULT_LOSS_WINDOW_S = 2.0
 #: the alarm, and once more when every publisher lease then held has run out (see
 #: ``Dispatcher.watch``: a worker's mark-sent can commit after the alarm).
 RECHECK_AFTER_S = 1.0
-REPLY_FORMAT_VERSION = "1"
+REPLY_FORMAT_VERSION = REPLY_WIRE_VERSION
 IDMP_MIN_VERSION = (8, 6)
 
 # KEYS[1] publication record, KEYS[2] reply stream (same hash tag).
 # ARGV[1] content hash, ARGV[2] record TTL ms, ARGV[3] reply id, ARGV[4] body bytes,
-# ARGV[5] entry format version.
+# ARGV[5] entry format version, ARGV[6] key id, ARGV[7] signature.
 # Returns {0, entry id} new, {1, entry id} published before with the same hash,
 # {2, stored hash} conflict.
 PUBLISH_SCRIPT = """
@@ -141,7 +153,7 @@ if rec then
   return {2, stored or rec}
 end
 local eid = redis.call('XADD', KEYS[2], '*', 'v', ARGV[5], 'reply_id', ARGV[3],
-  'hash', ARGV[1], 'body', ARGV[4])
+  'hash', ARGV[1], 'body', ARGV[4], 'kid', ARGV[6], 'sig', ARGV[7])
 redis.call('SET', KEYS[1], ARGV[1] .. ' ' .. eid, 'PX', ARGV[2], 'NX')
 return {0, eid}
 """
@@ -294,6 +306,7 @@ class ReplyPublisher:
         outbox: the outbox of this process's database.
         keys: the key layout.
         owner: the publisher's name on the rows it holds.
+        keyring: signs every entry for the principal it is addressed to.
         record_ttl_s: how long a publication record dedupes its reply id.
         stats: where outcomes are counted.
         logger: where dead replies and refusals are reported.
@@ -306,6 +319,7 @@ class ReplyPublisher:
         keys: Keys,
         owner: str,
         *,
+        keyring: Keyring,
         record_ttl_s: float = DEFAULT_RECORD_TTL_S,
         stats: DispatcherStats | None = None,
         logger: logging.Logger | None = None,
@@ -314,6 +328,7 @@ class ReplyPublisher:
         self.outbox = outbox
         self.keys = keys
         self.owner = owner
+        self.keyring = keyring
         self.record_ttl_s = record_ttl_s
         self.stats = stats if stats is not None else DispatcherStats()
         self.log = logger or logging.getLogger("broker_adapter.dispatcher")
@@ -322,26 +337,39 @@ class ReplyPublisher:
         """Run the publication script for each row, all in one pipelined round trip.
 
         Never raises for Redis trouble: an unreachable server makes every row ``FAILED``
-        (the outcome is ambiguous; the records make the retry safe).
+        (the outcome is ambiguous; the records make the retry safe). A row that cannot be
+        signed (its principal has no key) is ``FAILED`` without reaching Redis.
         """
         if not rows:
             return []
         crashpoints.hit("dispatcher.before_xadd")
         ttl_ms = max(1, int(self.record_ttl_s * 1000))
-        calls: list[tuple[list[str], list[bytes | str | int]]] = [
-            (
+        pubs: list[Publication | None] = []
+        signed: list[OutboxRow] = []
+        calls: list[tuple[list[str], list[bytes | str | int]]] = []
+        for r in rows:
+            body = bytes(r.body)
+            try:
+                kid, sig = self.keyring.sign_reply(r.principal, r.reply_id, body)
+            except AuthError as exc:
+                detail = f"cannot sign reply {r.reply_id} for {r.principal!r}: {exc}"
+                pubs.append(Publication(r.reply_id, PublishOutcome.FAILED, None, detail))
+                continue
+            pubs.append(None)
+            signed.append(r)
+            calls.append((
                 [self.keys.reply_record(r.principal, r.reply_id), self.keys.replies(r.principal)],
-                [r.content_hash, ttl_ms, r.reply_id, bytes(r.body), REPLY_FORMAT_VERSION],
-            )
-            for r in rows
-        ]
+                [r.content_hash, ttl_ms, r.reply_id, body, REPLY_FORMAT_VERSION, kid, sig],
+            ))  # fmt: skip
         try:
-            replies = eval_many(self.client, PUBLISH_SCRIPT, calls)
+            replies = eval_many(self.client, PUBLISH_SCRIPT, calls) if calls else []
         except RedisUnavailable as exc:
             failed = PublishOutcome.FAILED
-            return [Publication(r.reply_id, failed, None, str(exc), True) for r in rows]
+            unreachable = (Publication(r.reply_id, failed, None, str(exc), True) for r in signed)
+            return [pub or next(unreachable) for pub in pubs]
         crashpoints.hit("dispatcher.after_xadd")
-        return [self._outcome(r, reply) for r, reply in zip(rows, replies, strict=True)]
+        outcomes = (self._outcome(r, reply) for r, reply in zip(signed, replies, strict=True))
+        return [pub or next(outcomes) for pub in pubs]
 
     def _outcome(self, row: OutboxRow, reply: Any) -> Publication:
         if isinstance(reply, BrokerAdapterError):
@@ -440,6 +468,9 @@ class Dispatcher:
         config: batch size, retention window, loss window.
         client: a client from ``streams.connect`` (no automatic re-sends).
         outbox: the outbox of this process's database.
+        keyring: signs the replies (``ReplyPublisher``). Without one the dispatcher only
+            watches, lists and replays (the operator's ``dead-letters replay``, which puts
+            a row back in line for a running dispatcher): ``publish`` and ``step`` refuse.
         clock: time source (defaults to the outbox's clock).
         logger: where alarms go.
     """
@@ -450,6 +481,7 @@ class Dispatcher:
         client: redis.Redis,
         outbox: OutboxStore,
         *,
+        keyring: Keyring | None = None,
         clock: Clock | None = None,
         logger: logging.Logger | None = None,
     ) -> None:
@@ -469,10 +501,21 @@ class Dispatcher:
         self._ahead: list[OutboxRow] = []
         self._last_ok_at: float | None = None
         self._rechecks: list[_Recheck] = []
-        self.publisher = ReplyPublisher(
-            client, outbox, self.keys, config.owner, record_ttl_s=config.record_ttl_s,
-            stats=self.stats, logger=self.log,
+        self._publisher = None if keyring is None else ReplyPublisher(
+            client, outbox, self.keys, config.owner, keyring=keyring,
+            record_ttl_s=config.record_ttl_s, stats=self.stats, logger=self.log,
         )  # fmt: skip
+
+    @property
+    def publisher(self) -> ReplyPublisher:
+        """The publication path (signing with the keyring).
+
+        Raises:
+            ConfigError: this dispatcher was built without a keyring.
+        """
+        if self._publisher is None:
+            raise ConfigError("this dispatcher has no keyring: it cannot sign replies to publish")
+        return self._publisher
 
     # -- loss detection ---------------------------------------------------------------------
 
@@ -604,8 +647,13 @@ class Dispatcher:
     # -- publishing ---------------------------------------------------------------------------
 
     def claim(self) -> list[OutboxRow]:
-        """Claim up to ``batch`` ready rows (lease, attempts+1, fence+1)."""
-        return self.outbox.claim(self.config.owner, self.config.batch)
+        """Claim up to ``batch`` ready rows (lease, attempts+1, fence+1).
+
+        Raises:
+            ConfigError: no keyring (nothing is claimed that could not be published).
+        """
+        publisher = self.publisher
+        return self.outbox.claim(publisher.owner, self.config.batch)
 
     def publish(self, rows: list[OutboxRow]) -> list[Publication]:
         """Run the publication script for each row (``ReplyPublisher.publish``)."""

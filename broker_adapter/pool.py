@@ -27,6 +27,7 @@ from multiprocessing.synchronize import Event as ProcessEvent
 from pathlib import Path
 from types import FrameType
 
+from broker_adapter.auth import Keyring
 from broker_adapter.errors import ConfigError
 from broker_adapter.handlers import load_handler
 from broker_adapter.handoff import Handoff, HandoffEndpoint
@@ -54,12 +55,16 @@ class WorkerPool:
         handoff: give the children a ``Handoff`` (``self.handoff``): idle workers wait on
             it, ``idle_poll_s`` at most, instead of polling every ``wake_poll_s``; whoever
             accepts tasks in this process hands them over with ``accept_and_claim``.
+        keyring: signs the replies of children that publish them (``redis_url`` in their
+            config); handed to each child with its arguments (a pipe to the child, never a
+            file or the command line).
 
     The children's writers queue on one ``WriteGate`` (``self.gate``); give it to this
     process's ``Database`` of the same file too (``open_database(db_path, gate=pool.gate)``).
 
     Raises:
-        ConfigError: ``n < 1``, the handler cannot be loaded, or two owners are the same.
+        ConfigError: ``n < 1``, the handler cannot be loaded, two owners are the same, or
+            children publish replies and there is no keyring.
     """
 
     def __init__(
@@ -71,6 +76,7 @@ class WorkerPool:
         *,
         policy: TaskPolicy | None = None,
         handoff: bool = False,
+        keyring: Keyring | None = None,
     ) -> None:
         if n < 1:
             raise ConfigError(f"a worker pool needs at least one process, got {n}")
@@ -79,6 +85,9 @@ class WorkerPool:
         owners = [c.owner for c in self.configs]
         if len(set(owners)) != n:
             raise ConfigError(f"worker owners must be unique, got {owners}")
+        if keyring is None and any(c.redis_url is not None for c in self.configs):
+            raise ConfigError("workers that publish replies need a keyring to sign them")
+        self.keyring = keyring
         self.db_path = Path(db_path)
         self.handler_spec = handler_spec
         self.policy = policy
@@ -104,6 +113,7 @@ class WorkerPool:
                 os.getpid(),
                 endpoint,
                 self.gate,
+                self.keyring,
             ),
             name=f"ba-worker-{config.owner}",
         )
@@ -212,6 +222,7 @@ def run_pool(
     stop: threading.Event,
     *,
     policy: TaskPolicy | None = None,
+    keyring: Keyring | None = None,
 ) -> list[int | None]:
     """Run a ``WorkerPool`` until ``stop`` is set (or every child has exited), then stop it.
 
@@ -222,6 +233,7 @@ def run_pool(
         config_factory: the config of child ``i``.
         stop: set it to drain the pool and return.
         policy: the store's policy in every child.
+        keyring: signs the replies of children that publish them.
 
     Returns:
         the children's exit codes.
@@ -229,7 +241,7 @@ def run_pool(
     Raises:
         ConfigError: see ``WorkerPool``.
     """
-    pool = WorkerPool(n, db_path, handler_spec, config_factory, policy=policy)
+    pool = WorkerPool(n, db_path, handler_spec, config_factory, policy=policy, keyring=keyring)
     pool.start()
     try:
         while not stop.wait(1.0):
@@ -249,6 +261,7 @@ def _child_main(
     parent_pid: int,
     handoff: HandoffEndpoint | None = None,
     gate: WriteGate | None = None,
+    keyring: Keyring | None = None,
 ) -> None:
     """A child's whole life: its own database, one worker, SIGTERM/SIGINT to drain.
 
@@ -269,6 +282,7 @@ def _child_main(
             TaskStore(db, policy=policy),
             handler_spec,
             handoff=handoff,
+            keyring=keyring,
         )
         ready.set()
         worker.run(stop)

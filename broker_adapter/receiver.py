@@ -13,9 +13,10 @@ entries and entries past ``max_deliveries``.
 
 Per batch: the reader refuses entries of more than ``max_entry_fields`` fields, of more than
 ``max_reply_bytes`` bytes and with a repeated field name before anything is hashed or parsed;
-then check each entry (fields ``v``, ``reply_id``, ``hash``, ``body``; SHA-256 of the body
-equals ``hash``; the body is strict JSON (no NaN, no duplicate keys) nesting at most
-``REPLY_MAX_DEPTH`` levels and names this reply id and principal; anything else is
+then check each entry (fields ``v``, ``reply_id``, ``hash``, ``body``, ``kid``, ``sig``; the
+signature verifies with one of this principal's keys, ``auth.Keyring.verify_reply``; SHA-256
+of the body equals ``hash``; the body is strict JSON (no NaN, no duplicate keys) nesting at
+most ``REPLY_MAX_DEPTH`` levels and names this reply id and principal; anything else is
 dead-lettered with its reason, and an exception while checking one entry dead-letters that
 entry as ``internal_error``, never the batch), then ``receiver.before_commit``, one
 transaction with a savepoint per reply (``ReceiptStore.apply_many``),
@@ -27,6 +28,13 @@ crash:
 * killed after the commit, before the XACK: the receipts exist, so the redelivered entries
   are duplicates: effect skipped, entries acknowledged;
 * killed after the XACK: nothing left to do.
+
+Forged replies. Any client that can write the reply stream can append entries to it, so
+only a signature proves an entry came from the adapter: ``sig`` is an HMAC with a key of the
+principal the reply is for (see ``auth``). An unsigned or badly signed entry is
+dead-lettered (``missing_field``, ``unknown_key``, ``bad_signature``) before anything is
+written for it: no receipt, so a forgery published ahead of the real reply under the real
+reply id cannot take its place, and the real reply is still applied when it comes.
 
 A rewind (``XGROUP SETID <stream> ba-receiver 0``), a Redis wipe that made the dispatcher
 re-send everything, or a second entry under one reply id all end as duplicates: zero new
@@ -65,9 +73,10 @@ from typing import TYPE_CHECKING, Any
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from broker_adapter import crashpoints
+from broker_adapter.auth import REPLY_WIRE_VERSION, Keyring
 from broker_adapter.clock import Clock
 from broker_adapter.envelope import check_principal, loads_strict, sha256_hex
-from broker_adapter.errors import ConfigError, StoreBusy, TransientError
+from broker_adapter.errors import AuthError, ConfigError, StoreBusy, TransientError
 from broker_adapter.keys import DEFAULT_PREFIX, RECEIVER_GROUP, Keys
 from broker_adapter.store.receipts import (
     AppliedItem,
@@ -105,7 +114,7 @@ DEFAULT_FAILED_STEP_PAUSE_S = 1.0
 #: How deep a reply body may nest: the body object plus a result within the payload
 #: limits nest 17 levels; anything far deeper is not a reply of ours.
 REPLY_MAX_DEPTH = 64
-REPLY_FORMAT_VERSION = b"1"
+REPLY_FORMAT_VERSION = REPLY_WIRE_VERSION.encode()
 _HEX = frozenset("0123456789abcdef")
 
 
@@ -212,21 +221,57 @@ class BadReply(Exception):
         super().__init__(f"{detail} [{reason}]")
 
 
-def parse_entry(fields: Mapping[bytes, bytes], principal: str, entry_id: str) -> ReceiptItem:
-    """Check one reply entry and turn it into a ``ReceiptItem``.
+def check_signature(
+    fields: Mapping[bytes, bytes], principal: str, reply_id: str, keyring: Keyring
+) -> str:
+    """Check that a reply entry is signed for ``principal`` (``Keyring.verify_reply``).
+
+    Returns:
+        the key id that verified.
 
     The entry's size and fields were screened by the reader (``GroupReader``).
 
     Raises:
-        BadReply: ``bad_reply`` (fields, version, body), ``bad_hash`` or ``wrong_principal``.
+        BadReply: ``missing_field`` (no ``kid`` or ``sig``: an unsigned entry),
+            ``unknown_key`` (``kid`` is not one of the principal's key ids) or
+            ``bad_signature``.
+    """
+    kid, sig = fields.get(b"kid"), fields.get(b"sig")
+    if kid is None or sig is None:
+        raise BadReply("missing_field", "unsigned reply: no 'kid' or no 'sig' field")
+    try:
+        return keyring.verify_reply(principal, reply_id, bytes(fields[b"body"]), kid, sig)
+    except AuthError as exc:
+        raise BadReply(exc.reason, exc.detail) from None
+
+
+def parse_entry(
+    fields: Mapping[bytes, bytes], principal: str, entry_id: str, *, keyring: Keyring
+) -> ReceiptItem:
+    """Check one reply entry and turn it into a ``ReceiptItem``.
+
+    The signature is checked before anything in the body is looked at, and before the
+    entry can be recorded: an entry that fails here leaves no trace but its dead letter.
+
+    Raises:
+        BadReply: ``bad_reply`` (fields, version, body), ``missing_field``,
+            ``unknown_key`` or ``bad_signature`` (see ``check_signature``), ``bad_hash``
+            or ``wrong_principal``.
     """
     missing = [f for f in (b"v", b"reply_id", b"hash", b"body") if f not in fields]
     if missing:
         names = ", ".join(text(m) for m in missing)
         raise BadReply("bad_reply", f"missing field(s): {names}")
     if fields[b"v"] != REPLY_FORMAT_VERSION:
-        raise BadReply("bad_reply", f"unknown reply format version {text(fields[b'v'])!r}")
+        raise BadReply(
+            "bad_reply",
+            f"reply format version {text(fields[b'v'])!r} is not {text(REPLY_FORMAT_VERSION)!r}"
+            " (version 1 replies were unsigned and are refused)",
+        )
     reply_id, content_hash, body = text(fields[b"reply_id"]), text(fields[b"hash"]), fields[b"body"]
+    if "\n" in reply_id:
+        raise BadReply("bad_reply", "reply id holds a newline")
+    check_signature(fields, principal, reply_id, keyring)
     if len(content_hash) != 64 or not set(content_hash) <= _HEX:
         raise BadReply("bad_hash", "hash is not a SHA-256 hex digest")
     actual = sha256_hex(body)
@@ -292,11 +337,14 @@ class Receiver:
         client: a client from ``streams.connect`` whose socket timeout exceeds ``block_ms``.
         receipts: the receiver's receipt store.
         effect: called once per new reply inside its receipt's transaction (see above).
+        keyring: holds the principal's keys (the same keyring file as for requests);
+            every reply must be signed with one of them.
         clock: time source for takeover scheduling (defaults to the receipts' clock).
         logger: where warnings go.
 
     Raises:
-        ConfigError: the client's socket timeout would cut a blocking read short.
+        ConfigError: the client's socket timeout would cut a blocking read short, or the
+            keyring has no keys for the principal.
     """
 
     def __init__(
@@ -306,9 +354,15 @@ class Receiver:
         receipts: ReceiptStore,
         effect: Effect | None = None,
         *,
+        keyring: Keyring,
         clock: Clock | None = None,
         logger: logging.Logger | None = None,
     ) -> None:
+        if not keyring.key_ids(config.principal):
+            raise ConfigError(
+                f"keyring has no keys for principal {config.principal!r}: its replies"
+                " cannot be verified"
+            )
         timeout = client.connection_pool.connection_kwargs.get("socket_timeout")
         if timeout is not None and float(timeout) * 1000 <= config.block_ms:
             raise ConfigError(
@@ -318,6 +372,7 @@ class Receiver:
         self.client = client
         self.receipts = receipts
         self.effect = effect
+        self.keyring = keyring
         self.clock = clock or receipts.clock
         self.log = logger or logging.getLogger("broker_adapter.receiver")
         self.stats = ReceiverStats()
@@ -390,9 +445,10 @@ class Receiver:
                 continue
             seen.add(entry.entry_id)
             try:
-                good.append(
-                    (entry, parse_entry(entry.fields, self.config.principal, entry.entry_id))
+                item = parse_entry(
+                    entry.fields, self.config.principal, entry.entry_id, keyring=self.keyring
                 )
+                good.append((entry, item))
             except BadReply as bad:
                 self.stats.bad += 1
                 self.reader.dead_letter(entry, bad.reason, bad.detail)

@@ -60,7 +60,8 @@ class RunConfig(BaseModel):
         db_path: the SQLite file (created if absent).
         handler: ``module:callable`` run for each task.
         workers: worker processes.
-        keyring_path: JSON keyring (signed mode).
+        keyring_path: JSON keyring: verifies requests (signed mode) and signs every reply
+            (both modes: in ACL mode each ACL principal needs its reply keys in it).
         mode: ``signed`` (HMAC per entry) or ``acl`` (the stream fixes the principal).
         acl_principals: in ACL mode, whose streams to read.
         prefix: Redis key prefix.
@@ -118,8 +119,15 @@ class RunConfig(BaseModel):
 
     @model_validator(mode="after")
     def _modes(self) -> RunConfig:
-        if self.mode == "signed" and self.keyring_path is None:
-            raise ValueError("signed mode needs a keyring (--keyring FILE or BA_KEYRING)")
+        if self.keyring_path is None:
+            need = (
+                "to verify requests and sign replies"
+                if self.mode == "signed"
+                else "with the keys of every ACL principal, to sign their replies"
+            )
+            raise ValueError(
+                f"{self.mode} mode needs a keyring {need} (--keyring FILE or BA_KEYRING)"
+            )
         if self.mode == "acl" and not self.acl_principals:
             raise ValueError("acl mode needs at least one principal (--acl-principal P)")
         return self
@@ -166,7 +174,14 @@ class Runner:
     def __init__(self, config: RunConfig, logger: logging.Logger | None = None) -> None:
         self.config = config
         self.log = logger or log
-        self.keyring = Keyring.load(config.keyring_path) if config.keyring_path else None
+        assert config.keyring_path is not None  # RunConfig requires it
+        self.keyring = Keyring.load(config.keyring_path)
+        keyless = [p for p in config.acl_principals if not self.keyring.key_ids(p)]
+        if config.mode == "acl" and keyless:
+            raise ConfigError(
+                f"keyring {config.keyring_path} has no keys for ACL principal(s) "
+                f"{', '.join(keyless)}: their replies could not be signed"
+            )
         self.policy = TaskPolicy(lease_s=config.lease_s)
         # Create and migrate once, up front (a bad path or a newer schema fails here); a
         # database that another writer keeps locked is waited for in ``run``.
@@ -210,6 +225,7 @@ class Runner:
             self._worker_config,
             policy=self.policy,
             handoff=True,
+            keyring=self.keyring,
         )
 
     def _thread(self, name: str, body: Callable[[], None]) -> threading.Thread:
@@ -257,7 +273,9 @@ class Runner:
             client = connect(cfg.redis_url)
             outbox = OutboxStore(db, SystemClock())
             dispatch_cfg = DispatcherConfig(prefix=cfg.prefix, owner=f"{cfg.name}-dispatcher")
-            dispatcher = Dispatcher(dispatch_cfg, client, outbox, logger=self.log)
+            dispatcher = Dispatcher(
+                dispatch_cfg, client, outbox, keyring=self.keyring, logger=self.log
+            )
             # Its first look (the data-loss watch) comes before any worker publishes: a
             # worker's reply marked sent before it would read as a wipe at start-up.
             try:

@@ -58,6 +58,7 @@ from typing import TYPE_CHECKING
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from broker_adapter import crashpoints
+from broker_adapter.auth import Keyring
 from broker_adapter.clock import Clock
 from broker_adapter.dispatcher import DispatcherStats, Publication, ReplyPublisher
 from broker_adapter.envelope import canonical_json
@@ -377,6 +378,8 @@ class Worker:
         redis_client: the client to publish replies with (a ``streams.connect`` client);
             by default one for ``config.redis_url``, or none: the dispatcher publishes.
         outbox_policy: the publisher's lease and retry budget (as the dispatcher's).
+        keyring: signs the replies this worker publishes (``ReplyPublisher``); required
+            when it publishes (a Redis client or ``config.redis_url``).
         handoff: this worker's end of the ingest's hand-off (``handoff.HandoffEndpoint``).
             With it an idle worker waits on it (``idle_poll_s`` at most) and runs the tasks
             the ingest claimed for it, or looks or claims when told to, instead of polling
@@ -395,8 +398,8 @@ class Worker:
     a no-op).
 
     Raises:
-        ConfigError: the handler spec cannot be loaded, or renewals would come no sooner than
-            the lease expires.
+        ConfigError: the handler spec cannot be loaded, renewals would come no sooner than
+            the lease expires, or the worker is to publish without a keyring.
     """
 
     def __init__(
@@ -409,6 +412,7 @@ class Worker:
         logger: logging.Logger | None = None,
         redis_client: redis.Redis | None = None,
         outbox_policy: OutboxPolicy | None = None,
+        keyring: Keyring | None = None,
         handoff: IdleWait | None = None,
     ) -> None:
         self.config = config
@@ -438,12 +442,16 @@ class Worker:
         self.publish_stats = DispatcherStats()
         self.publisher: ReplyPublisher | None = None
         if redis_client is None and config.redis_url is not None:
-            redis_client = connect(config.redis_url)
+            redis_client = connect(config.redis_url)  # connects at its first command
         if redis_client is not None:
+            if keyring is None:
+                raise ConfigError(
+                    f"worker {config.owner} publishes replies: it needs a keyring to sign them"
+                )
             outbox = OutboxStore(tasks.db, self.clock, outbox_policy)
             self.publisher = ReplyPublisher(
                 redis_client, outbox, Keys(config.prefix), f"{config.owner}-pub",
-                stats=self.publish_stats, logger=self.log,
+                keyring=keyring, stats=self.publish_stats, logger=self.log,
             )  # fmt: skip
         #: Publications Redis confirmed, not yet marked sent: (row, publication, when).
         self._confirmed: list[tuple[OutboxRow, Publication, float]] = []

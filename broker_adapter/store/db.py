@@ -51,6 +51,7 @@ log = logging.getLogger("broker_adapter.store")
 # inbox     dedupe record: (principal, message_id) -> fingerprint, task_id.
 # outbox    replies waiting to be published; exactly one per terminal task.
 # receipts  the receiver side: one row per reply id applied, with its content hash.
+# meta      named values of this database, made once (the conflict-answer id key).
 MIGRATIONS: tuple[str | Callable[[sqlite3.Connection], None], ...] = (
     """
     CREATE TABLE tasks (
@@ -155,8 +156,24 @@ MIGRATIONS: tuple[str | Callable[[sqlite3.Connection], None], ...] = (
     # that ``13.0`` and a resend's ``13`` are one request. Stored ones are recomputed from
     # the content each task row keeps.
     lambda c: _recompute_fingerprints(c),
+    # 5: ``meta`` and its first value, a random key for the ids of conflict answers
+    # (``tasks.conflict_reply_id``): made once here, from the OS's random source, it never
+    # leaves the database, so nobody who sees the requests can work those ids out.
+    lambda c: _create_meta(c),
 )
 SCHEMA_VERSION = len(MIGRATIONS)
+#: The ``meta`` row holding the key of conflict-answer ids.
+CONFLICT_ID_KEY = "conflict_id_key"
+
+
+def _create_meta(c: sqlite3.Connection) -> None:
+    """Migration 5 (idempotent, like every migration: a key once made is never replaced)."""
+    c.execute(
+        "CREATE TABLE IF NOT EXISTS meta (name TEXT PRIMARY KEY, value BLOB NOT NULL) WITHOUT ROWID"
+    )
+    c.execute(
+        "INSERT OR IGNORE INTO meta (name, value) VALUES (?, ?)", (CONFLICT_ID_KEY, os.urandom(32))
+    )
 
 
 class Database:
@@ -355,6 +372,17 @@ class Database:
         with self._lock:
             row: sqlite3.Row | None = self.conn.execute(sql, params).fetchone()
         return row
+
+    def meta(self, name: str) -> bytes:
+        """A value of the ``meta`` table (e.g. ``CONFLICT_ID_KEY``).
+
+        Raises:
+            StoreError: there is no such value.
+        """
+        row = self.fetch_one("SELECT value FROM meta WHERE name = ?", (name,))
+        if row is None:
+            raise StoreError(f"{self.path}: no meta value {name!r}")
+        return bytes(row[0])
 
     def integrity_check(self) -> str:
         with self._lock:

@@ -22,6 +22,7 @@ before any handler runs, so a task whose handler kills its worker still spends i
 
 from __future__ import annotations
 
+import hmac
 import json
 import os
 import random
@@ -42,7 +43,7 @@ from broker_adapter.errors import (
     StaleError,
     TaskCancelled,
 )
-from broker_adapter.store.db import Database, in_lists
+from broker_adapter.store.db import CONFLICT_ID_KEY, Database, in_lists
 from broker_adapter.store.outbox import (
     OutboxRow,
     PublisherClaim,
@@ -250,10 +251,16 @@ def reply_id_for(task_id: str) -> str:
     return f"r-{task_id}"
 
 
-def conflict_reply_id(principal: str, message_id: str, fingerprint: str) -> str:
-    """A stable id for the "conflict" answer to one (identity, other content) pair."""
-    digest = sha256_hex(f"{principal}\0{message_id}\0{fingerprint}".encode())
-    return f"c-{digest[:32]}"
+def conflict_reply_id(key: bytes, principal: str, message_id: str, fingerprint: str) -> str:
+    """A stable id for the "conflict" answer to one (identity, other content) pair.
+
+    An HMAC with the database's own random key (``meta`` row ``CONFLICT_ID_KEY``, see
+    ``TaskStore.conflict_reply_id``): the same pair always gets the same id, so a repeated
+    conflict is the same answer, but nobody without the key can compute it from the
+    request's public fields and publish something under it ahead of the real answer.
+    """
+    message = f"ba.conflict.v1\0{principal}\0{message_id}\0{fingerprint}".encode()
+    return f"c-{hmac.digest(key, message, 'sha256').hex()[:32]}"
 
 
 def new_task_ids(n: int) -> list[str]:
@@ -345,6 +352,12 @@ class TaskStore:
         self.clock = clock or SystemClock()
         self.policy = policy or TaskPolicy()
         self.rng = rng or random.Random()
+        self._conflict_id_key = db.meta(CONFLICT_ID_KEY)
+
+    def conflict_reply_id(self, principal: str, message_id: str, fingerprint: str) -> str:
+        """The id of the conflict answer to ``(principal, message_id)`` reused with content
+        ``fingerprint``, in this database (``conflict_reply_id`` with its key)."""
+        return conflict_reply_id(self._conflict_id_key, principal, message_id, fingerprint)
 
     # -- intake ---------------------------------------------------------------------------
 
@@ -521,7 +534,7 @@ class TaskStore:
         if row["fingerprint"] == fingerprint:
             batch.duplicates.append(key)
             return AcceptResult(Outcome.DUPLICATE, row["task_id"])
-        reply_id = conflict_reply_id(item.principal, env.message_id, fingerprint)
+        reply_id = self.conflict_reply_id(item.principal, env.message_id, fingerprint)
         detail = "message_id reused with different content; the first request stands"
         body = {
             "v": 1,

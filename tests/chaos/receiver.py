@@ -1,6 +1,6 @@
 """A long-running receiver for one principal, with an append-only effect ledger.
 
-``python -m tests.chaos.receiver --redis URL --db PATH --principal P --consumer C``
+``python -m tests.chaos.receiver --redis URL --db PATH --principal P --consumer C --keyring F``
 
 Runs ``broker_adapter.receiver.Receiver`` with an effect that appends one row to
 ``chaos_effects`` inside the receipt's own transaction. The ledger has no unique key, so a
@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from types import FrameType
 from typing import Any
 
+from broker_adapter.auth import Keyring
 from broker_adapter.errors import TransientError
 from broker_adapter.receiver import Receiver, ReceiverConfig
 from broker_adapter.store import ReceiptStore, open_database
@@ -55,6 +56,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--prefix", default="ba")
     parser.add_argument("--principal", required=True)
     parser.add_argument("--consumer", required=True)
+    parser.add_argument("--keyring", required=True, help="keyring file with P's reply keys")
     parser.add_argument("--claim-min-idle-ms", type=int, default=2000)
     parser.add_argument("--take-over-interval-s", type=float, default=2.0)
     args = parser.parse_args(argv)
@@ -79,7 +81,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         claim_min_idle_ms=args.claim_min_idle_ms,
         take_over_interval_s=args.take_over_interval_s,
     )
-    receiver = Receiver(config, connect(args.redis), ReceiptStore(db), effect)
+    keyring = Keyring.load(args.keyring)
+    receiver = Receiver(config, connect(args.redis), ReceiptStore(db), effect, keyring=keyring)
     try:
         while not stop.is_set():
             try:

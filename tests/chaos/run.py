@@ -299,11 +299,13 @@ class Run:
                 args = [
                     sys.executable, "-m", "broker_adapter", "receive", "--redis", proxy_url,
                     "--db", db, "--prefix", self.prefix, "--principal", p, "--consumer", name,
+                    "--keyring", str(self.keyring_path),
                 ]  # fmt: skip
             else:
                 args = [
                     sys.executable, "-m", "tests.chaos.receiver", "--redis", proxy_url,
                     "--db", db, "--prefix", self.prefix, "--principal", p, "--consumer", name,
+                    "--keyring", str(self.keyring_path),
                 ]  # fmt: skip
             comps.append(Component(name, "receiver", args, env, self.out / "logs" / f"{name}.log"))
         return comps

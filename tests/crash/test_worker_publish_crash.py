@@ -25,7 +25,7 @@ from broker_adapter.store import AcceptItem, OutboxStore, TaskStore, open_databa
 from broker_adapter.store.outbox import OutboxPolicy, OutboxRow
 from broker_adapter.streams import connect
 from tests.support.redis_server import RedisServer
-from tests.support.replies_script import entries_per_reply
+from tests.support.replies_script import entries_per_reply, reply_keyring
 
 pytestmark = pytest.mark.crash
 
@@ -79,6 +79,7 @@ def _dispatcher(db_path: Path, server: RedisServer, prefix: str, now: float) -> 
             DispatcherConfig(prefix=prefix, owner="d1"),
             connect(server.url),
             OutboxStore(db, FakeClock(now)),
+            keyring=reply_keyring(),
         )
         return d.step()
 

@@ -15,7 +15,7 @@ from typing import Any, cast
 import pytest
 import redis
 
-from broker_adapter.auth import unsigned_fields
+from broker_adapter.auth import Keyring, unsigned_fields
 from broker_adapter.clock import FakeClock
 from broker_adapter.errors import BrokerAdapterError
 from broker_adapter.ingest import IngestConfig, Ingestor
@@ -26,11 +26,13 @@ from broker_adapter.store import ReceiptStore, TaskStore, open_database
 from broker_adapter.store.db import Database
 from broker_adapter.streams import connect, text
 from tests.support.ingest_script import (
+    KEYRING,
     drain,
     envelope,
     pending_total,
     real_deadline,
     task_counts,
+    write_keyring,
 )
 from tests.support.redis_server import RedisServer, require_binary
 
@@ -192,8 +194,9 @@ def make_receiver(server: AclRedisServer, principal: str, db: Database) -> Recei
         prefix=DOC_PREFIX, principal=principal, consumer=f"{principal}-1", block_ms=50
     )
     return Receiver(
-        config, as_user(server, f"{principal}-receiver"), ReceiptStore(db), record_effect
-    )
+        config, as_user(server, f"{principal}-receiver"), ReceiptStore(db), record_effect,
+        keyring=Keyring(KEYRING),  # the reply keys: replies are signed in ACL mode too
+    )  # fmt: skip
 
 
 def refused(fn: Callable[[], object]) -> str:
@@ -213,11 +216,13 @@ def test_documented_acl_runs_the_whole_pipeline_and_refuses_everything_else(
     keys = Keys(DOC_PREFIX)
     adapter_url = acl_server.url_for("adapter")
     db_path = tmp_path / "adapter.db"
+    keyring = tmp_path / "keyring.json"
+    write_keyring(keyring)  # ACL mode authenticates requests by stream; replies are signed
     run = subprocess.Popen(
         [sys.executable, "-m", "broker_adapter", "run", "--redis", adapter_url,
          "--db", str(db_path), "--handler", "broker_adapter.examples:echo", "--workers", "1",
          "--mode", "acl", "--acl-principal", "alice", "--acl-principal", "bob",
-         "--name", "acl-test"],
+         "--name", "acl-test", "--keyring", str(keyring)],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=cli_env(),
     )  # fmt: skip
     alice, bob = as_user(acl_server, "alice"), as_user(acl_server, "bob")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import os
 import signal
@@ -100,9 +102,9 @@ def _receipts(db: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in res.stdout.splitlines() if line.strip()]
 
 
-def _receive(redis_url: str, db: Path, prefix: str, principal: str) -> None:
+def _receive(redis_url: str, db: Path, prefix: str, principal: str, keyring: Path) -> None:
     res = _cli("receive", "--redis", redis_url, "--db", str(db), "--principal", principal,
-               "--prefix", prefix, "--until-idle", "1.5")  # fmt: skip
+               "--prefix", prefix, "--until-idle", "1.5", "--keyring", str(keyring))  # fmt: skip
     assert res.returncode == 0, res.stderr
 
 
@@ -130,7 +132,7 @@ def test_cli_publish_run_receive_gives_one_effect_per_message(
         )
     finally:
         assert _stop(proc) == 0
-    _receive(redis_server.url, rdb, prefix, "alice")
+    _receive(redis_server.url, rdb, prefix, "alice", keyring)
     receipts = _receipts(rdb)
     assert sorted(r["message_id"] for r in receipts) == sorted(f"m{i}" for i in range(n))
     assert all(r["effects"] == 1 and r["status"] == "done" for r in receipts)
@@ -167,7 +169,7 @@ def test_cli_run_killed_mid_stream_and_restarted_loses_and_doubles_nothing(
         )
     finally:
         assert _stop(proc) == 0
-    _receive(redis_server.url, rdb, prefix, "bob")
+    _receive(redis_server.url, rdb, prefix, "bob", keyring)
     receipts = _receipts(rdb)
     assert len(receipts) == n
     assert sorted(r["message_id"] for r in receipts) == sorted(f"m{i}" for i in range(n))
@@ -214,7 +216,7 @@ def test_cli_run_killed_after_handing_tasks_to_idle_workers_loses_nothing(
     finally:
         assert _stop(proc) == 0
     assert _count(db, "SELECT attempts FROM tasks WHERE message_id = 'm1'") == 2
-    _receive(redis_server.url, rdb, prefix, "alice")
+    _receive(redis_server.url, rdb, prefix, "alice", keyring)
     receipts = _receipts(rdb)
     assert sorted(r["message_id"] for r in receipts) == ["m0", "m1"]
     assert all(r["effects"] == 1 for r in receipts)
@@ -234,6 +236,62 @@ def test_cli_sigterm_drains_cleanly(
     assert _count(db, "SELECT count(*) FROM tasks WHERE state = 'running'") == 0
 
 
+def test_cli_receive_with_keyring_applies_only_signed_replies(
+    redis_server: RedisServer, tmp_path: Path, prefix: str
+) -> None:
+    """``run``, ``publish`` and ``receive --keyring`` as subprocesses; replies an attacker
+    wrote to alice's reply stream first (no signature, an attacker's key, mallory's key)
+    are dead-lettered and only the adapter's signed replies are received."""
+    secrets = {"alice": {"alice-2": "alice: the current key, 32 bytes or more",
+                         "alice-1": "alice: the key before the current one"},
+               "mallory": {"m-1": "mallory has a key of her own, 32+ bytes"}}  # fmt: skip
+    keyring = tmp_path / "signed-keyring.json"
+    keyring.write_text(json.dumps(secrets), encoding="utf-8")
+    keyring.chmod(0o600)
+    client: Any = redis_server.client()
+    replies = f"{prefix}:{{out.alice}}:replies"  # spelled out as PROTOCOL.md names it
+
+    def forged(reply_id: str, secret: str | None, kid: str) -> dict[str, Any]:
+        body = json.dumps({"principal": "alice", "reply_id": reply_id, "status": "done"},
+                          sort_keys=True, separators=(",", ":")).encode()  # fmt: skip
+        fields: dict[str, Any] = {"v": "2", "reply_id": reply_id, "body": body,
+                                  "hash": hashlib.sha256(body).hexdigest(), "kid": kid}  # fmt: skip
+        if secret is not None:
+            msg = b"ba.reply.v1\n" + f"{kid}\nalice\n{reply_id}\n".encode() + body
+            fields["sig"] = hmac.new(secret.encode(), msg, hashlib.sha256).hexdigest()
+        return fields
+
+    client.xadd(replies, forged("r-unsigned", None, "alice-2"))
+    client.xadd(replies, forged("r-guessed", "not alice's secret, but 32 bytes long", "alice-2"))
+    client.xadd(replies, forged("r-mallory", secrets["mallory"]["m-1"], "m-1"))
+    db, rdb = tmp_path / "adapter.db", tmp_path / "receiver.db"
+    _publish(redis_server.url, keyring, prefix, "alice", 3)
+    proc = _start_run(redis_server.url, db, keyring, prefix)
+    try:
+        _wait_for(
+            lambda: _count(db, "SELECT count(*) FROM outbox WHERE state = 'sent'") == 3, "replies"
+        )
+    finally:
+        assert _stop(proc) == 0
+    _receive(redis_server.url, rdb, prefix, "alice", keyring)
+    got = _receipts(rdb)
+    assert sorted(r["message_id"] for r in got) == ["m0", "m1", "m2"]
+    assert {r["status"] for r in got} == {"done"}
+    dead = client.xrange(f"{prefix}:{{out.alice}}:dead")
+    reasons = {f[b"orig.reply_id"].decode(): f[b"dl.reason"].decode() for _, f in dead}
+    assert reasons == {"r-unsigned": "missing_field", "r-guessed": "bad_signature",
+                       "r-mallory": "unknown_key"}  # fmt: skip
+    # a keyring without the principal's keys cannot verify anything: refused up front
+    other = tmp_path / "other-keyring.json"
+    other.write_text(json.dumps({"mallory": secrets["mallory"]}), encoding="utf-8")
+    other.chmod(0o600)
+    res = _cli("receive", "--redis", redis_server.url, "--db", str(rdb), "--principal", "alice",
+               "--prefix", prefix, "--until-idle", "0.5", "--keyring", str(other))  # fmt: skip
+    assert res.returncode == 2
+    assert "no keys for principal 'alice'" in res.stderr
+    client.close()
+
+
 @pytest.mark.parametrize(
     ("args", "needle"),
     [
@@ -249,6 +307,9 @@ def test_cli_sigterm_drains_cleanly(
           "/nonexistent.json", "--id", "m", "--payload", "{}"], "keyring"),
         (["publish", "--redis", "redis://127.0.0.1:1", "--principal", "a", "--keyring", "k",
           "--id", "m", "--payload", "{not json"], "payload"),
+        (["receive", "--redis", "redis://x", "--db", "d.db", "--principal", "a"], "--keyring"),
+        (["receive", "--redis", "redis://x", "--db", "d.db", "--principal", "a", "--keyring",
+          "/nonexistent.json"], "keyring"),
         (["frobnicate"], "invalid choice"),
     ],
 )  # fmt: skip

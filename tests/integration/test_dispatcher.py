@@ -32,7 +32,7 @@ from broker_adapter.store.db import Database
 from broker_adapter.store.outbox import OutboxPolicy
 from broker_adapter.streams import connect
 from tests.support.redis_server import RedisServer
-from tests.support.replies_script import entries_per_reply, make_replies
+from tests.support.replies_script import entries_per_reply, make_replies, reply_keyring
 
 pytestmark = pytest.mark.integration
 
@@ -53,6 +53,7 @@ def _dispatcher(
         DispatcherConfig(prefix=prefix, owner=owner, **cfg),
         client or connect(server.url),
         OutboxStore(db, clock, policy),
+        keyring=reply_keyring(),
     )
 
 
@@ -68,8 +69,13 @@ def test_dispatcher_publishes_each_reply_once_with_its_stored_bytes(
     assert sorted(f[b"reply_id"].decode() for _, f in entries) == sorted(ids)
     for eid, fields in entries:
         row = rows[fields[b"reply_id"].decode()]
-        assert fields[b"v"] == b"1"
+        assert fields[b"v"] == b"2"
         assert fields[b"body"] == row.body
+        # signed for the principal with its first key: the signature the receiver checks
+        assert (fields[b"kid"].decode(), fields[b"sig"].decode()) == reply_keyring().sign_reply(
+            P, row.reply_id, row.body
+        )
+        assert fields[b"kid"] == b"alice-r2"
         assert fields[b"hash"].decode() == row.content_hash == sha256_hex(fields[b"body"])
         assert (row.state, row.entry_id) == ("sent", eid.decode())
         record = client.get(Keys(prefix).reply_record(P, row.reply_id))

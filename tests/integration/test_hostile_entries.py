@@ -41,6 +41,7 @@ from tests.support.replies_script import (
     make_replies,
     receiver_for,
     record_effect,
+    reply_keyring,
 )
 from tests.support.replies_script import drain as drain_receiver
 
@@ -365,8 +366,10 @@ def test_cli_run_survives_hostile_entries_and_answers_the_requests_behind_them(
 
 
 def _reply_pairs(reply_id: str, body: bytes) -> list[bytes]:
-    return [b"v", b"1", b"reply_id", reply_id.encode(), b"hash", sha256_hex(body).encode(),
-            b"body", body]  # fmt: skip
+    """A reply entry signed as the adapter signs it: only its body is hostile."""
+    signed = reply_keyring().sign_reply(P, reply_id, body)
+    return [b"v", b"2", b"reply_id", reply_id.encode(), b"hash", sha256_hex(body).encode(),
+            b"body", body, b"kid", signed.kid.encode(), b"sig", signed.sig.encode()]  # fmt: skip
 
 
 def _body(reply_id: str) -> bytes:
@@ -472,10 +475,10 @@ def test_receiver_exception_while_checking_one_reply_dead_letters_only_that_repl
     ids = _legit(redis_server, agent_db, clock, prefix, 3, 0)
     real = receiver_module.parse_entry
 
-    def parse_entry(fields: Any, principal: str, entry_id: str) -> Any:
+    def parse_entry(fields: Any, principal: str, entry_id: str, *, keyring: Any) -> Any:
         if fields[b"reply_id"].decode() == ids[1]:
             raise ZeroDivisionError("a bug no check foresaw")
-        return real(fields, principal, entry_id)
+        return real(fields, principal, entry_id, keyring=keyring)
 
     monkeypatch.setattr(receiver_module, "parse_entry", parse_entry)
     rc = receiver_for(redis_server.url, rx_db, clock, prefix, P, "r1")
@@ -501,7 +504,10 @@ def test_receiver_retries_of_a_failing_effect_are_spaced_by_the_pause(
 
     config = ReceiverConfig(prefix=prefix, principal=P, consumer="r1", block_ms=20,
                             max_deliveries=3, failed_step_pause_s=5.0)  # fmt: skip
-    rc = Receiver(config, connect(redis_server.url), ReceiptStore(rx_db, clock), effect)
+    rc = Receiver(
+        config, connect(redis_server.url), ReceiptStore(rx_db, clock), effect,
+        keyring=reply_keyring(),
+    )  # fmt: skip
     for _ in range(3):
         rc.step()
     assert rc.stats.effect_failures == 1

@@ -13,12 +13,13 @@ from typing import Any
 import pytest
 import redis
 
-from broker_adapter.auth import Keyring
+from broker_adapter.auth import Keyring, reply_signature
 from broker_adapter.clock import FakeClock
 from broker_adapter.envelope import Envelope
 from broker_adapter.ingest import IngestConfig, Ingestor
 from broker_adapter.keys import Keys
-from broker_adapter.store import TaskStore, open_database
+from broker_adapter.receiver import Receiver, ReceiverConfig, parse_entry
+from broker_adapter.store import ReceiptStore, TaskStore, open_database
 from broker_adapter.streams import connect
 from tests.support.ingest_script import drain, task_counts
 from tests.support.redis_server import RedisServer
@@ -50,6 +51,20 @@ def load_fingerprint_vectors() -> list[dict[str, Any]]:
     groups: list[dict[str, Any]] = _block("fingerprint-vectors")
     assert len(groups) >= 3
     return groups
+
+
+def load_reply_vectors() -> list[dict[str, str]]:
+    """The JSON block between the reply-vector markers of PROTOCOL.md (section 11)."""
+    text = PROTOCOL.read_text(encoding="utf-8")
+    match = re.search(
+        r"<!-- reply-vectors:begin -->\s*```json\n(.*?)```\s*<!-- reply-vectors:end -->",
+        text,
+        re.DOTALL,
+    )
+    assert match is not None, "PROTOCOL.md lost its reply-vector block"
+    vectors: list[dict[str, str]] = json.loads(match.group(1))
+    assert len(vectors) >= 3
+    return vectors
 
 
 def _keyring(vectors: list[dict[str, str]]) -> Keyring:
@@ -98,6 +113,56 @@ def test_protocol_fingerprint_vectors_are_one_content(group: dict[str, Any]) -> 
 
 def test_protocol_vector_secrets_are_long_enough() -> None:
     assert all(len(v["secret"].encode()) >= 32 for v in load_vectors())
+
+
+def _plain_reply_sign(secret: bytes, kid: str, principal: str, reply_id: str, body: bytes) -> str:
+    """The reply signature as PROTOCOL.md section 11 defines it, written out independently."""
+    msg = b"ba.reply.v1\n" + "\n".join((kid, principal, reply_id)).encode() + b"\n" + body
+    return hmac.new(secret, msg, hashlib.sha256).hexdigest()
+
+
+def _reply_fields(vector: dict[str, str]) -> dict[bytes, bytes]:
+    body = vector["body"].encode("utf-8")
+    return {b"v": b"2", b"reply_id": vector["reply_id"].encode(),
+            b"hash": hashlib.sha256(body).hexdigest().encode(), b"body": body,
+            b"kid": vector["kid"].encode(), b"sig": vector["sig"].encode()}  # fmt: skip
+
+
+@pytest.mark.parametrize("vector", load_reply_vectors(), ids=lambda v: v["name"])
+def test_protocol_reply_vector_verifies(vector: dict[str, str]) -> None:
+    body = vector["body"].encode("utf-8")
+    secret, kid, principal = vector["secret"].encode(), vector["kid"], vector["principal"]
+    assert len(secret) >= 32
+    assert _plain_reply_sign(secret, kid, principal, vector["reply_id"], body) == vector["sig"]
+    ring = _keyring(load_reply_vectors())
+    assert reply_signature(secret, kid, principal, vector["reply_id"], body) == vector["sig"]
+    assert ring.verify_reply(principal, vector["reply_id"], body, kid.encode(),
+                             vector["sig"].encode()) == kid  # fmt: skip
+    item = parse_entry(_reply_fields(vector), principal, "1-0", keyring=ring)
+    assert (item.reply_id, item.principal, item.body) == (vector["reply_id"], principal, body)
+    # the same bytes under the request domain are another signature
+    assert _plain_sign(secret, kid, body) != vector["sig"]
+
+
+@pytest.mark.integration
+def test_protocol_reply_vectors_written_by_a_plain_client_are_applied(
+    redis_server: RedisServer, prefix: str, tmp_path: Path, clock: FakeClock
+) -> None:
+    vectors = load_reply_vectors()
+    raw = redis.Redis(port=redis_server.port)
+    stream = f"{prefix}:{{out.alice}}:replies"  # spelled out from the doc
+    assert stream == Keys(prefix).replies("alice")
+    for v in vectors:
+        raw.xadd(stream, _reply_fields(v))  # type: ignore[arg-type]
+    config = ReceiverConfig(prefix=prefix, principal="alice", consumer="vectors", block_ms=20)
+    receipts = ReceiptStore(open_database(tmp_path / "rx.db"), clock)
+    receiver = Receiver(config, connect(redis_server.url), receipts, keyring=_keyring(vectors),
+                        clock=clock)  # fmt: skip
+    for _ in range(5):
+        receiver.step()
+    assert sorted(r.reply_id for r in receipts.list()) == sorted(v["reply_id"] for v in vectors)
+    assert raw.xlen(Keys(prefix).replies_dead("alice")) == 0
+    raw.close()
 
 
 @pytest.mark.integration

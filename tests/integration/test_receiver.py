@@ -29,6 +29,7 @@ from tests.support.replies_script import (
     make_replies,
     receiver_for,
     record_effect,
+    reply_keyring,
 )
 
 pytestmark = pytest.mark.integration
@@ -91,10 +92,16 @@ def _client(server: RedisServer) -> Any:
     return server.client()
 
 
+def _signed(fields: dict[bytes, bytes]) -> dict[bytes, bytes]:
+    """``fields`` with the ``kid`` and ``sig`` the adapter would give them (P's first key)."""
+    kid, sig = reply_keyring().sign_reply(P, fields[b"reply_id"].decode(), fields[b"body"])
+    return {**fields, b"kid": kid.encode(), b"sig": sig.encode()}
+
+
 def _raw_reply(reply_id: str, **extra: Any) -> dict[bytes, bytes]:
     body = canonical_json({"reply_id": reply_id, "principal": P, "status": "done", **extra})
-    return {b"v": b"1", b"reply_id": reply_id.encode(), b"hash": sha256_hex(body).encode(),
-            b"body": body}  # fmt: skip
+    return _signed({b"v": b"2", b"reply_id": reply_id.encode(), b"hash": sha256_hex(body).encode(),
+                    b"body": body})  # fmt: skip
 
 
 def test_receiver_applies_each_reply_once_and_acks(rx: _Rx) -> None:
@@ -157,17 +164,28 @@ def test_receiver_refuses_conflicting_content_without_running_the_effect(
 
 
 def _with_body(fields: dict[bytes, bytes], body: bytes) -> dict[bytes, bytes]:
-    return {**fields, b"body": body, b"hash": sha256_hex(body).encode()}
+    return _signed({**fields, b"body": body, b"hash": sha256_hex(body).encode()})
+
+
+def _unsigned(fields: dict[bytes, bytes], *drop: bytes) -> dict[bytes, bytes]:
+    return {k: v for k, v in fields.items() if k not in drop}
 
 
 @pytest.mark.parametrize(
     ("fields", "reason"),
     [
-        ({b"v": b"1", b"reply_id": b"r-x"}, b"bad_reply"),
+        ({b"v": b"2", b"reply_id": b"r-x"}, b"bad_reply"),
         ({**_raw_reply("r-x"), b"v": b"9"}, b"bad_reply"),
+        (_unsigned({**_raw_reply("r-x"), b"v": b"1"}, b"kid", b"sig"), b"bad_reply"),
+        (_unsigned(_raw_reply("r-x"), b"sig"), b"missing_field"),
+        (_unsigned(_raw_reply("r-x"), b"kid"), b"missing_field"),
+        ({**_raw_reply("r-x"), b"kid": b"alice-1999"}, b"unknown_key"),
+        ({**_raw_reply("r-x"), b"sig": b"0" * 64}, b"bad_signature"),
+        ({**_raw_reply("r-x"), b"reply_id": b"r-other"}, b"bad_signature"),
+        (_signed({**_raw_reply("r-x"), b"reply_id": b"r-x\n"}), b"bad_reply"),
         ({**_raw_reply("r-x"), b"hash": b"0" * 64}, b"bad_hash"),
         ({**_raw_reply("r-x"), b"hash": b"nothex"}, b"bad_hash"),
-        ({**_raw_reply("r-x"), b"reply_id": b"r-other"}, b"bad_reply"),
+        (_signed({**_raw_reply("r-x"), b"reply_id": b"r-other"}), b"bad_reply"),
         (_raw_reply("r-x", principal="mallory"), b"wrong_principal"),
         (_with_body(_raw_reply("r-x"), b"\xff"), b"bad_reply"),
         (_with_body(_raw_reply("r-x"), b"[1]"), b"bad_reply"),
@@ -206,7 +224,10 @@ def test_receiver_failing_effect_leaves_nothing_and_is_retried_then_dead_lettere
 
     config = ReceiverConfig(prefix=prefix, principal=P, consumer="r1", block_ms=20,
                             max_deliveries=3)  # fmt: skip
-    rc = Receiver(config, connect(redis_server.url), ReceiptStore(rx_db, clock), effect)
+    rc = Receiver(
+        config, connect(redis_server.url), ReceiptStore(rx_db, clock), effect,
+        keyring=reply_keyring(),
+    )  # fmt: skip
     for _ in range(10):
         rc.step()
         clock.advance(config.failed_step_pause_s)  # each retry waits for the pause
@@ -237,7 +258,18 @@ def test_receiver_config_refuses_socket_timeout_shorter_than_block(
 ) -> None:
     config = ReceiverConfig(prefix=prefix, principal=P, block_ms=5000)
     with pytest.raises(ConfigError):
-        Receiver(config, connect(redis_server.url, socket_timeout_s=2), ReceiptStore(rx_db))
+        Receiver(
+            config, connect(redis_server.url, socket_timeout_s=2), ReceiptStore(rx_db),
+            keyring=reply_keyring(),
+        )  # fmt: skip
+
+
+def test_receiver_refuses_a_keyring_without_the_principals_keys(
+    redis_server: RedisServer, rx_db: Database, prefix: str
+) -> None:
+    config = ReceiverConfig(prefix=prefix, principal="carol")
+    with pytest.raises(ConfigError, match="no keys for principal 'carol'"):
+        Receiver(config, connect(redis_server.url), ReceiptStore(rx_db), keyring=reply_keyring())
 
 
 def test_effect_key_is_stable_and_carries_the_fence() -> None:

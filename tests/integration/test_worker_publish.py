@@ -38,7 +38,7 @@ from broker_adapter.streams import connect
 from broker_adapter.worker import Worker, WorkerConfig
 from tests.support.handoff_script import ScriptedWait
 from tests.support.redis_server import RedisServer, free_port
-from tests.support.replies_script import entries_per_reply
+from tests.support.replies_script import entries_per_reply, reply_keyring
 
 pytestmark = pytest.mark.integration
 
@@ -77,13 +77,14 @@ def _worker(
 ) -> Worker:
     config = WorkerConfig(owner="w1", redis_url=url, prefix=prefix, **cfg)
     tasks = TaskStore(db, clock, TaskPolicy(lease_s=task_lease_s))
-    return Worker(config, tasks, handler, outbox_policy=outbox_policy)
+    return Worker(config, tasks, handler, outbox_policy=outbox_policy, keyring=reply_keyring())
 
 
 def _dispatcher(url: str, db: Database, clock: FakeClock, prefix: str) -> Dispatcher:
     return Dispatcher(
-        DispatcherConfig(prefix=prefix, owner="d1"), connect(url), OutboxStore(db, clock)
-    )
+        DispatcherConfig(prefix=prefix, owner="d1"), connect(url), OutboxStore(db, clock),
+        keyring=reply_keyring(),
+    )  # fmt: skip
 
 
 @contextmanager
@@ -279,7 +280,9 @@ def test_mark_committed_after_a_restart_alarm_is_put_back_in_line(
     d.watch()
     _, batch = _settle_one_published(db, clock, publish_lease_s=30.0)
     outbox = OutboxStore(db, clock)
-    pub = ReplyPublisher(connect(fresh_redis.url), outbox, Keys(prefix), "w1-pub")
+    pub = ReplyPublisher(
+        connect(fresh_redis.url), outbox, Keys(prefix), "w1-pub", keyring=reply_keyring()
+    )
     pubs = pub.publish(batch.replies)
     (row,) = batch.replies
     confirmed_at = clock.now()
@@ -322,7 +325,9 @@ def _run_idle(
         owner="w1", redis_url=redis_server.url, prefix=prefix, batch_window_s=batch_window_s,
         idle_poll_s=0.25,
     )  # fmt: skip
-    worker = Worker(config, TaskStore(db, clock), _echo, handoff=ScriptedWait(wake))
+    worker = Worker(
+        config, TaskStore(db, clock), _echo, handoff=ScriptedWait(wake), keyring=reply_keyring()
+    )
     with _ops(db) as ops:
         worker.run(stop)
     return ops

@@ -21,6 +21,7 @@ from typing import Any
 
 import redis
 
+from broker_adapter.auth import Keyring
 from broker_adapter.clock import FakeClock
 from broker_adapter.dispatcher import Dispatcher, DispatcherConfig
 from broker_adapter.envelope import Envelope
@@ -30,6 +31,22 @@ from broker_adapter.store.db import Database
 from broker_adapter.streams import connect
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+#: The keys replies are signed with in these tests: each principal's keyring entry (the
+#: adapter signs with the first key id, a receiver verifies with any of them).
+REPLY_KEYS: dict[str, dict[str, str]] = {
+    "alice": {
+        "alice-r2": "alice reply-signing secret, the current one",
+        "alice-r1": "alice reply-signing secret, the older one",
+    },
+    "bob": {"bob-r1": "bob reply-signing secret, thirty-two bytes+"},
+    "p1": {"p1-r1": "p1 reply-signing secret, thirty-two bytes++"},
+    "agent-a": {"agent-a-r1": "agent-a reply-signing secret, 32 bytes+"},
+}
+
+
+def reply_keyring() -> Keyring:
+    """``REPLY_KEYS`` as a ``Keyring``."""
+    return Keyring(REPLY_KEYS)
 
 
 def record_effect(conn: sqlite3.Connection, reply: dict[str, Any]) -> dict[str, Any]:
@@ -91,8 +108,9 @@ def entries_per_reply(client: redis.Redis, stream: str) -> Counter[str]:
 
 def dispatcher_for(url: str, db: Database, clock: FakeClock, prefix: str, owner: str) -> Dispatcher:
     return Dispatcher(
-        DispatcherConfig(prefix=prefix, owner=owner), connect(url), OutboxStore(db, clock)
-    )
+        DispatcherConfig(prefix=prefix, owner=owner), connect(url), OutboxStore(db, clock),
+        keyring=reply_keyring(),
+    )  # fmt: skip
 
 
 def receiver_for(
@@ -101,7 +119,10 @@ def receiver_for(
     config = ReceiverConfig(
         prefix=prefix, principal=principal, consumer=consumer, block_ms=20, **cfg
     )
-    return Receiver(config, connect(url), ReceiptStore(db, clock), record_effect, clock=clock)
+    return Receiver(
+        config, connect(url), ReceiptStore(db, clock), record_effect, keyring=reply_keyring(),
+        clock=clock,
+    )  # fmt: skip
 
 
 def drain(receiver: Receiver, *, max_steps: int = 50) -> int:

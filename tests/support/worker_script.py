@@ -28,6 +28,7 @@ from broker_adapter.pool import WorkerPool
 from broker_adapter.store import TaskStore, open_database
 from broker_adapter.store.tasks import TaskPolicy
 from broker_adapter.worker import Worker, WorkerConfig
+from tests.support.replies_script import reply_keyring
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -67,7 +68,8 @@ def drain(args: argparse.Namespace) -> int:
             redis_url=args.redis_url,
             prefix=args.prefix,
         )
-        worker = Worker(config, tasks, args.handler)
+        keyring = reply_keyring() if args.redis_url is not None else None
+        worker = Worker(config, tasks, args.handler, keyring=keyring)
         _say("READY")
         total = 0
         while args.max_tasks is None or total < args.max_tasks:

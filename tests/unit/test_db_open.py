@@ -12,6 +12,7 @@ from broker_adapter.errors import StoreBusy
 from broker_adapter.runner import RunConfig, Runner
 from broker_adapter.store import open_database
 from broker_adapter.store.db import Database
+from tests.support.ingest_script import write_keyring
 
 
 def _hold_write_lock(path: Path) -> sqlite3.Connection:
@@ -54,10 +55,12 @@ def test_the_runner_waits_for_a_locked_database_and_a_stop_ends_the_wait(
         raise StoreBusy("database is locked")
 
     monkeypatch.setattr("broker_adapter.runner.open_database", locked)
+    keyring = write_keyring(tmp_path / "keyring.json")
     config = RunConfig(
         redis_url="redis://127.0.0.1:1/0", db_path=path, handler="broker_adapter.examples:echo",
-        mode="acl", acl_principals=("alice",),
+        keyring_path=tmp_path / "keyring.json",
     )  # fmt: skip
+    assert keyring.principals
     runner = Runner(config)  # busy at start-up is not an error
     assert calls == [1]
     stop = threading.Event()

@@ -45,7 +45,7 @@ from broker_adapter.store import (
     open_database,
 )
 from broker_adapter.store.outbox import OutboxPolicy
-from broker_adapter.store.tasks import conflict_reply_id, reply_id_for
+from broker_adapter.store.tasks import reply_id_for
 from tests.support.store_script import (
     LEASE_S,
     MAX_HOPS,
@@ -261,7 +261,7 @@ class StoreMachine(RuleBasedStateMachine):
                 assert res.outcome is Outcome.DUPLICATE
             else:
                 assert res.outcome is Outcome.CONFLICT
-                reply_id = conflict_reply_id(principal, message_id, env.fingerprint())
+                reply_id = self.tasks.conflict_reply_id(principal, message_id, env.fingerprint())
                 assert res.reply_id == reply_id
                 if reply_id not in self.replies_model:
                     self._new_reply(reply_id, None, now)

@@ -32,7 +32,7 @@ from broker_adapter.store import (
     TaskState,
     open_database,
 )
-from broker_adapter.store.db import MIGRATIONS, SCHEMA_VERSION
+from broker_adapter.store.db import CONFLICT_ID_KEY, MIGRATIONS, SCHEMA_VERSION
 from broker_adapter.store.tasks import (
     TaskPolicy,
     TaskStore,
@@ -155,7 +155,7 @@ def test_accept_conflict_leaves_stored_row_untouched_and_enqueues_one_reply(
     (res,) = s.tasks.accept([item("m1", payload={"q": "something else"})])
     assert (res.outcome, res.task_id) == (Outcome.CONFLICT, task_id)
     assert res.reply_id is not None
-    expected_id = conflict_reply_id(
+    expected_id = s.tasks.conflict_reply_id(
         "alice", "m1", envelope("m1", payload={"q": "something else"}).fingerprint()
     )
     assert res.reply_id == expected_id
@@ -186,6 +186,23 @@ def test_accept_conflict_reuses_reply_id_when_repeated(s: Stores, clock: FakeClo
     (other,) = s.tasks.accept([item("m1", payload={"q": "y"})])
     assert other.reply_id != first.reply_id
     assert len(dump(s.db)["outbox"]) == 2
+
+
+def test_conflict_reply_id_needs_the_databases_key(s: Stores, tmp_path: Path) -> None:
+    """The conflict answer's id is an HMAC with the database's random key: stable for one
+    database (reopened too), different in another, and not the public hash of the fields."""
+    accept_one(s)
+    (res,) = s.tasks.accept([item("m1", payload={"q": "x"})])
+    fingerprint = envelope("m1", payload={"q": "x"}).fingerprint()
+    key = s.db.meta(CONFLICT_ID_KEY)
+    assert len(key) == 32
+    assert res.reply_id == conflict_reply_id(key, "alice", "m1", fingerprint)
+    public = sha256_hex(f"alice\0m1\0{fingerprint}".encode())  # the former id
+    assert res.reply_id != f"c-{public[:32]}"
+    with open_database(s.db.path) as again:
+        assert TaskStore(again).conflict_reply_id("alice", "m1", fingerprint) == res.reply_id
+    with open_database(tmp_path / "other.db") as other:
+        assert TaskStore(other).conflict_reply_id("alice", "m1", fingerprint) != res.reply_id
 
 
 def test_accept_conflict_does_not_affect_other_items_in_batch(s: Stores) -> None:
