@@ -12,7 +12,8 @@ killed by SIGKILL at a named crash point. The story:
 4. the dispatcher is killed after publishing a reply and before marking it sent: the resend
    carries the same reply id and adds no second entry;
 5. the receiver is killed after committing an effect and before its XACK: the redelivered
-   reply is recognised and the effect is not applied again.
+   reply is recognised and the effect is not applied again; a forged reply, added under a
+   real reply id before the real one, is refused for its signature and never applied.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from broker_adapter import crashpoints
 from broker_adapter.auth import Keyring
 from broker_adapter.dispatcher import Dispatcher, DispatcherConfig
 from broker_adapter.embedded import EmbeddedRedis
-from broker_adapter.envelope import Envelope
+from broker_adapter.envelope import Envelope, canonical_json, sha256_hex
 from broker_adapter.errors import StaleError
 from broker_adapter.handlers import Task
 from broker_adapter.ingest import IngestConfig, Ingestor
@@ -233,17 +234,20 @@ def _story(tmp: Path, redis: EmbeddedRedis) -> bool:
     _say(f"   restart-web: handler ran {attempts} times, the service restarted {restarted} "
          f"time (idempotency key …{key[-8:]})\n")  # fmt: skip
 
+    forged = _forge_reply(client, keys, db)
     _say("4. The dispatcher publishes the replies and is SIGKILLed before marking them sent")
+    _say("   (an outsider has already added a forged 'done' reply under restart-db's real")
+    _say("   reply id, before the real one)")
     code = _run_child(_dispatcher_child, db_path, redis.url, "dispatcher.after_xadd")
     outbox = OutboxStore(db)
     replies_key = keys.replies("planner")
-    before = client.xlen(replies_key)
+    before = client.xlen(replies_key) - 1  # the forgery is not ours
     _say(f"   dispatcher exit code {code}; reply entries on the stream: {before}, "
          f"outbox sent: {outbox.counts()['sent']}")  # fmt: skip
     dispatcher = Dispatcher(DispatcherConfig(prefix=PREFIX, owner="dispatcher-2"), client,
                             _expired_lease_outbox(db), keyring=keyring)  # fmt: skip
     _drain(dispatcher.step)
-    after = client.xlen(replies_key)
+    after = client.xlen(replies_key) - 1
     _say(f"   restarted: re-sent under the same reply ids, {dispatcher.stats.already_published}"
          f" already recorded; entries on the stream still {after}\n")  # fmt: skip
 
@@ -254,8 +258,33 @@ def _story(tmp: Path, redis: EmbeddedRedis) -> bool:
     st = receiver.stats
     _say(f"   receiver exit code {code}; on restart the redelivered replies were recognised: "
          f"{st.duplicates} duplicates skipped, {st.applied} new")  # fmt: skip
+    reply_dead: Any = client.xrange(keys.replies_dead("planner"))
+    refused = {f[b"dl.entry_id"].decode(): f[b"dl.reason"].decode() for _, f in reply_dead}
+    forgery_refused = refused.get(forged) == "bad_signature"
+    _say(
+        f"   the forged reply: dead-lettered as {refused.get(forged, 'nothing (APPLIED!)')}, "
+        "before any receipt; the real one was applied"
+    )
     _say()
-    return _report(db, rdb_path, stale_refused, before == after)
+    return _report(db, rdb_path, stale_refused, before == after, forgery_refused)
+
+
+def _forge_reply(client: Any, keys: Keys, db: Any) -> str:
+    """What any Redis client can do: add a 'done' reply under a real reply id, signed with a
+    key it made up. Returns the forged entry's id."""
+    with db.read() as c:
+        (reply_id,) = c.execute(
+            "SELECT o.reply_id FROM outbox o JOIN tasks t ON t.task_id = o.task_id"
+            " WHERE t.message_id = 'restart-db'"
+        ).fetchone()
+    body = canonical_json({"principal": "planner", "reply_id": reply_id, "status": "done",
+                           "result": {"approved": True, "amount": 1_000_000}})  # fmt: skip
+    made_up = Keyring({"planner": {"k1": "an outsider's guess at planner's key, 32+ bytes"}})
+    signed = made_up.sign_reply("planner", reply_id, body)
+    fields = {"v": "2", "reply_id": reply_id, "hash": sha256_hex(body), "body": body,
+              "kid": signed.kid, "sig": signed.sig}  # fmt: skip
+    entry_id = client.xadd(keys.replies("planner"), fields)
+    return entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
 
 
 def _expired_lease_outbox(db: Any) -> OutboxStore:
@@ -269,7 +298,9 @@ def _expired_lease_outbox(db: Any) -> OutboxStore:
     return OutboxStore(db, _Later())
 
 
-def _report(db: Any, rdb_path: str, stale_refused: bool, one_entry_per_reply: bool) -> bool:
+def _report(
+    db: Any, rdb_path: str, stale_refused: bool, one_entry_per_reply: bool, forgery_refused: bool
+) -> bool:
     with closing(sqlite3.connect(rdb_path)) as rconn:
         applied: dict[str, int] = {}
         for reply_id, n in rconn.execute("SELECT reply_id, count(*) FROM applied GROUP BY 1"):
@@ -301,6 +332,7 @@ def _report(db: Any, rdb_path: str, stale_refused: bool, one_entry_per_reply: bo
         "every request exactly one terminal state and one receiver effect": ok,
         "stale commit refused": stale_refused,
         "one stream entry per reply id": one_entry_per_reply,
+        "forged reply refused, never applied": forgery_refused,
     }
     for name, good in checks.items():
         _say(f"   [{'ok' if good else 'FAILED'}] {name}")
