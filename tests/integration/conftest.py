@@ -18,3 +18,23 @@ def db(tmp_path: Path) -> Iterator[Database]:
     database = open_database(tmp_path / "agent.db")
     yield database
     database.close()
+
+
+@pytest.fixture
+def agent_db(db: Database) -> Database:
+    """The agent side's database under the name the reply tests use."""
+    return db
+
+
+@pytest.fixture
+def rx_path(tmp_path: Path) -> Path:
+    """The receiver's database file (``receiver.db``)."""
+    return tmp_path / "receiver.db"
+
+
+@pytest.fixture
+def rx_db(rx_path: Path) -> Iterator[Database]:
+    """The receiver's database of one test, closed afterwards."""
+    database = open_database(rx_path)
+    yield database
+    database.close()

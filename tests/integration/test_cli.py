@@ -5,17 +5,17 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
-import os
 import signal
-import sqlite3
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests.support.cli import cli_env as _env
+from tests.support.cli import count_rows as _count
+from tests.support.cli import wait_for as _wait_for
 from tests.support.redis_server import RedisServer
 
 pytestmark = pytest.mark.integration
@@ -33,12 +33,6 @@ def _cli(
     )  # fmt: skip
 
 
-def _env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("BA_")}
-    env.update(extra)
-    return env
-
-
 def _start_run(
     redis_url: str, db: Path, keyring: Path, prefix: str, *extra: str
 ) -> subprocess.Popen[str]:
@@ -48,27 +42,6 @@ def _start_run(
          "--prefix", prefix, "--lease", "2", "--claim-min-idle-ms", "1000", *extra],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(),
     )  # fmt: skip
-
-
-def _count(db: Path, sql: str) -> int:
-    if not db.exists():
-        return 0
-    conn = sqlite3.connect(db, timeout=10)
-    try:
-        return int(conn.execute(sql).fetchone()[0])
-    except sqlite3.OperationalError:
-        return 0
-    finally:
-        conn.close()
-
-
-def _wait_for(pred: Any, what: str, timeout_s: float = WAIT_S) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if pred():
-            return
-        time.sleep(0.05)  # polling a condition with an explicit timeout
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 @pytest.fixture

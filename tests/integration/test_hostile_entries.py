@@ -10,7 +10,6 @@ batch."""
 from __future__ import annotations
 
 import json
-import os
 import signal
 import sqlite3
 import subprocess
@@ -33,6 +32,7 @@ from broker_adapter.receiver import Receiver, ReceiverConfig
 from broker_adapter.store import ReceiptStore, TaskStore, open_database
 from broker_adapter.store.db import Database
 from broker_adapter.streams import GroupReader, connect, exchange, text
+from tests.support.cli import cli_env, count_rows
 from tests.support.ingest_script import age_pending, drain, task_counts
 from tests.support.redis_server import RedisServer
 from tests.support.replies_script import (
@@ -62,13 +62,6 @@ def keyring() -> Keyring:
 def tasks(tmp_path: Path, clock: FakeClock) -> Iterator[TaskStore]:
     db = open_database(tmp_path / "inbox.db")
     yield TaskStore(db, clock)
-    db.close()
-
-
-@pytest.fixture
-def rx_db(tmp_path: Path) -> Iterator[Database]:
-    db = open_database(tmp_path / "receiver.db")
-    yield db
     db.close()
 
 
@@ -291,22 +284,6 @@ def test_ingest_with_no_dead_letter_possible_acknowledges_the_entry_and_goes_on(
 # -- the runner, through the CLI ---------------------------------------------------------------
 
 
-def _env() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if not k.startswith("BA_")}
-
-
-def _count(db: Path, sql: str) -> int:
-    if not db.exists():
-        return 0
-    conn = sqlite3.connect(db, timeout=10)
-    try:
-        return int(conn.execute(sql).fetchone()[0])
-    except sqlite3.OperationalError:
-        return 0
-    finally:
-        conn.close()
-
-
 def test_cli_run_survives_hostile_entries_and_answers_the_requests_behind_them(
     redis_server: RedisServer, tmp_path: Path, prefix: str
 ) -> None:
@@ -336,11 +313,11 @@ def test_cli_run_survives_hostile_entries_and_answers_the_requests_behind_them(
         [sys.executable, "-m", "broker_adapter", "run", "--redis", redis_server.url, "--db",
          str(db), "--handler", "broker_adapter.examples:echo", "--workers", "1", "--keyring",
          str(keyring_path), "--prefix", prefix, "--lease", "2"],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(),
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=cli_env(),
     )  # fmt: skip
     try:
         limit = time.monotonic() + 60
-        while _count(db, "SELECT count(*) FROM outbox WHERE state = 'sent'") < 3:
+        while count_rows(db, "SELECT count(*) FROM outbox WHERE state = 'sent'") < 3:
             assert proc.poll() is None, "the runner stopped"
             assert time.monotonic() < limit, "the requests were not answered"
             time.sleep(0.05)  # polling a condition with an explicit timeout
@@ -381,13 +358,6 @@ def _legit(server: RedisServer, agent_db: Database, clock: FakeClock, prefix: st
     ids = make_replies(agent_db, clock, P, n, first=first)
     assert dispatcher_for(server.url, agent_db, clock, prefix, "d1").step() == n
     return ids
-
-
-@pytest.fixture
-def agent_db(tmp_path: Path) -> Iterator[Database]:
-    db = open_database(tmp_path / "agent.db")
-    yield db
-    db.close()
 
 
 def _hostile_reply(kind: str) -> list[bytes]:

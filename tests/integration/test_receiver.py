@@ -7,7 +7,6 @@ import json
 import sqlite3
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -18,7 +17,7 @@ from broker_adapter.envelope import canonical_json, sha256_hex
 from broker_adapter.errors import ConfigError
 from broker_adapter.keys import RECEIVER_GROUP, Keys
 from broker_adapter.receiver import Receiver, ReceiverConfig, effect_key
-from broker_adapter.store import ReceiptStore, open_database
+from broker_adapter.store import ReceiptStore
 from broker_adapter.store.db import Database
 from broker_adapter.streams import connect
 from tests.support.redis_server import RedisServer
@@ -35,25 +34,6 @@ from tests.support.replies_script import (
 pytestmark = pytest.mark.integration
 
 P = "alice"
-
-
-@pytest.fixture
-def agent_db(tmp_path: Path) -> Iterator[Database]:
-    db = open_database(tmp_path / "agent.db")
-    yield db
-    db.close()
-
-
-@pytest.fixture
-def rx_path(tmp_path: Path) -> Path:
-    return tmp_path / "receiver.db"
-
-
-@pytest.fixture
-def rx_db(rx_path: Path) -> Iterator[Database]:
-    db = open_database(rx_path)
-    yield db
-    db.close()
 
 
 class _Rx(NamedTuple):

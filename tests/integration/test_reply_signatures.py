@@ -11,7 +11,6 @@ still applied exactly once.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +23,7 @@ from broker_adapter.envelope import Envelope, canonical_json, sha256_hex
 from broker_adapter.errors import ConfigError
 from broker_adapter.keys import Keys
 from broker_adapter.receiver import Receiver, ReceiverConfig
-from broker_adapter.store import AcceptItem, OutboxStore, ReceiptStore, TaskStore, open_database
+from broker_adapter.store import AcceptItem, OutboxStore, ReceiptStore, TaskStore
 from broker_adapter.store.db import Database
 from broker_adapter.streams import connect
 from tests.support.redis_server import RedisServer
@@ -47,25 +46,6 @@ ALICE_SECRET = REPLY_KEYS[P][ALICE_KID].encode()
 BOB_KID = next(iter(REPLY_KEYS["bob"]))
 BOB_SECRET = REPLY_KEYS["bob"][BOB_KID].encode()
 ATTACKER_SECRET = b"a secret the attacker made up, 32+ bytes"
-
-
-@pytest.fixture
-def agent_db(tmp_path: Path) -> Iterator[Database]:
-    db = open_database(tmp_path / "agent.db")
-    yield db
-    db.close()
-
-
-@pytest.fixture
-def rx_path(tmp_path: Path) -> Path:
-    return tmp_path / "receiver.db"
-
-
-@pytest.fixture
-def rx_db(rx_path: Path) -> Iterator[Database]:
-    db = open_database(rx_path)
-    yield db
-    db.close()
 
 
 def _forged(
