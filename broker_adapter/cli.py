@@ -110,11 +110,13 @@ def build_parser() -> argparse.ArgumentParser:
     rcv.add_argument("--consumer", default=None)
     rcv.add_argument("--until-idle", type=float, default=None, help="stop after S idle seconds")
 
-    rcp = sub.add_parser("receipts", help="list applied replies")
+    rcp = sub.add_parser("receipts", help="list applied replies (the database is only read)")
     _add_db(rcp)
     rcp.add_argument("--json", action="store_true")
 
-    st = sub.add_parser("status", help="received, processing, terminal, delivery")
+    st = sub.add_parser(
+        "status", help="received, processing, terminal, delivery (the database is only read)"
+    )
     _add_db(st)
     _add_redis(st, required=False)
     _add_prefix(st)
@@ -259,7 +261,7 @@ def cmd_receive(args: argparse.Namespace) -> int:
 def cmd_receipts(args: argparse.Namespace) -> int:
     from broker_adapter.store import ReceiptStore, open_database
 
-    db = open_database(args.db)
+    db = open_database(args.db, read_only=True)
     for r in ReceiptStore(db).list():
         reply = r.reply()
         row = {

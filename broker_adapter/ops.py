@@ -27,12 +27,12 @@ def _inbound_streams(client: Any, prefix: str) -> list[str]:
 
 
 def collect_status(db_path: Path, redis_url: str | None, prefix: str) -> dict[str, Any]:
-    """Everything ``broker-adapter status`` shows, as one JSON-ready dict."""
-    if not db_path.exists():
-        from broker_adapter.errors import ConfigError
+    """Everything ``broker-adapter status`` shows, as one JSON-ready dict.
 
-        raise ConfigError(f"no database at {db_path}")
-    db = open_database(db_path)
+    Raises:
+        ConfigError: there is no database at ``db_path`` (none is created).
+    """
+    db = open_database(db_path, read_only=True)
     try:
         report: dict[str, Any] = snapshot(db, time.time())
     finally:
@@ -118,7 +118,7 @@ def dead_letters_command(args: argparse.Namespace) -> int:
     (Redis, when ``--redis`` is given)."""
     from broker_adapter.errors import ConfigError
 
-    db = open_database(args.db)
+    db = open_database(args.db, read_only=args.dl_command != "replay")
     outbox = OutboxStore(db)
     client: Any = connect(args.redis) if args.redis else None
     out: list[dict[str, Any]] = []

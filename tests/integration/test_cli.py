@@ -416,3 +416,19 @@ def test_cli_status_shows_a_dash_when_nothing_is_unsent(tmp_path: Path) -> None:
     waiting = _cli("status", "--db", str(db))
     assert waiting.returncode == 0, waiting.stderr
     assert re.search(r"oldest unsent [0-9.]+s$", waiting.stdout, re.MULTILINE), waiting.stdout
+
+
+@pytest.mark.parametrize(
+    "command",
+    [["receipts"], ["receipts", "--json"], ["status"], ["status", "--json"],
+     ["dead-letters", "list"]],
+)  # fmt: skip
+def test_cli_read_only_commands_refuse_a_missing_database_and_create_none(
+    tmp_path: Path, command: list[str]
+) -> None:
+    typo = tmp_path / "adapter.dbb"
+    res = _cli(*command, "--db", str(typo))
+    assert res.returncode == 2
+    lines = [line for line in res.stderr.splitlines() if line.strip()]
+    assert lines == [f"broker-adapter: error: no database at {typo}"], res.stderr
+    assert list(tmp_path.iterdir()) == []
