@@ -432,3 +432,23 @@ def test_cli_read_only_commands_refuse_a_missing_database_and_create_none(
     lines = [line for line in res.stderr.splitlines() if line.strip()]
     assert lines == [f"broker-adapter: error: no database at {typo}"], res.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+def test_cli_receive_until_idle_gives_up_while_redis_is_down(
+    fresh_redis: RedisServer, tmp_path: Path, keyring: Path
+) -> None:
+    """No progress counts as idle: with Redis unreachable ``--until-idle 2`` ends after
+    about 2 s with one error line and exit 1 (a runtime failure, not "all received")."""
+    url = fresh_redis.url
+    fresh_redis.stop()
+    started = time.monotonic()
+    res = _cli("receive", "--redis", url, "--db", str(tmp_path / "r.db"), "--principal",
+               "alice", "--until-idle", "2", "--keyring", str(keyring), timeout=30)  # fmt: skip
+    took_s = time.monotonic() - started
+    assert res.returncode == 1, res.stderr
+    lines = res.stderr.splitlines()
+    assert lines[-1].startswith(
+        "broker-adapter: error: no reply applied for 2 s (--until-idle) and the last read failed"
+    ), res.stderr
+    assert len([line for line in lines if "retrying" in line]) == 1, res.stderr  # once
+    assert 2.0 <= took_s < 20.0
