@@ -18,11 +18,14 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import FrameType
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from pydantic import ValidationError
 
 from broker_adapter.errors import BrokerAdapterError, ConfigError, TransientError
+
+if TYPE_CHECKING:
+    from broker_adapter.receiver import Receiver
 
 EXIT_USAGE = 2
 EXIT_FAILURE = 1
@@ -108,13 +111,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="JSON keyring file with the principal's keys (replies are signed) [env BA_KEYRING]",
     )  # fmt: skip
     rcv.add_argument("--consumer", default=None)
-    rcv.add_argument("--until-idle", type=float, default=None, help="stop after S idle seconds")
+    rcv.add_argument(
+        "--until-idle", type=float, default=None, metavar="S",
+        help="stop after S seconds in which no reply was applied: exit 0 when Redis answered"
+        " the last read, 1 when it was unreachable (no progress counts as idle)",
+    )  # fmt: skip
 
-    rcp = sub.add_parser("receipts", help="list applied replies")
+    rcp = sub.add_parser("receipts", help="list applied replies (the database is only read)")
     _add_db(rcp)
     rcp.add_argument("--json", action="store_true")
 
-    st = sub.add_parser("status", help="received, processing, terminal, delivery")
+    st = sub.add_parser(
+        "status", help="received, processing, terminal, delivery (the database is only read)"
+    )
     _add_db(st)
     _add_redis(st, required=False)
     _add_prefix(st)
@@ -237,29 +246,53 @@ def cmd_receive(args: argparse.Namespace) -> int:
         config, connect(args.redis), ReceiptStore(db), record_effect, keyring=keyring
     )
     stop = _install_stop()
+    try:
+        _receive_until(receiver, stop, args.until_idle)
+    finally:
+        db.close()
+    return 0
+
+
+def _receive_until(receiver: Receiver, stop: threading.Event, until_idle: float | None) -> None:
+    """Run ``receiver`` until ``stop``, or until ``until_idle`` seconds passed without a
+    reply applied, whether Redis answered empty or not at all (retried every second, said
+    once per outage).
+
+    Raises:
+        TransientError: the idle time ran out while the last read failed.
+    """
     idle_since = time.monotonic()
     applied = 0
+    failure: TransientError | None = None
     while not stop.is_set():
+        idle_s = time.monotonic() - idle_since
+        if until_idle is not None and idle_s >= until_idle:
+            if failure is not None:
+                raise TransientError(
+                    f"no reply applied for {until_idle:g} s (--until-idle) and the last read"
+                    f" failed: {failure}"
+                )
+            return
         try:
             n = receiver.step()
         except TransientError as exc:
-            print(f"broker-adapter: redis unavailable, retrying: {exc}", file=sys.stderr)
-            stop.wait(1.0)
+            if failure is None:
+                print(f"broker-adapter: retrying every 1 s: {exc}", file=sys.stderr)
+            failure = exc
+            left_s = 1.0 if until_idle is None else until_idle - idle_s
+            stop.wait(max(0.0, min(1.0, left_s)))
             continue
+        failure = None
         applied += n
         if n:
             idle_since = time.monotonic()
             print(f"received {applied} replies", file=sys.stderr)
-        elif args.until_idle is not None and time.monotonic() - idle_since >= args.until_idle:
-            break
-    db.close()
-    return 0
 
 
 def cmd_receipts(args: argparse.Namespace) -> int:
     from broker_adapter.store import ReceiptStore, open_database
 
-    db = open_database(args.db)
+    db = open_database(args.db, read_only=True)
     for r in ReceiptStore(db).list():
         reply = r.reply()
         row = {

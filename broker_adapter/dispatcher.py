@@ -71,6 +71,8 @@ the epoch key (``{p}:{meta}:epoch``, set once with NX to a random value) and
   survive make those resends no-ops. With ``appendfsync always`` nothing is lost and the
   resends only cost a script call each. Set ``maxmemory-policy noeviction``: an evicted
   epoch key reads as a wipe.
+* INFO refused (a Redis user without ``+info``, a server without INFO): restarts go
+  unseen, only the epoch key is watched; the dispatcher logs that once, as a warning.
 
 A worker marks its publications sent in a transaction of its own, so a mark can commit after
 the alarm's requeue and leave a lost reply ``sent``. After each alarm the dispatcher puts
@@ -497,6 +499,8 @@ class Dispatcher:
         self.idmp_supported: bool | None = None
         self._epoch: str | None = None
         self._run_id: str | None = None
+        #: Set once INFO failed and that was logged (it is said once, not at every look).
+        self._info_refused = False
         #: Rows claimed in the last batch's mark-sent transaction, published next (``run``).
         self._ahead: list[OutboxRow] = []
         self._last_ok_at: float | None = None
@@ -539,7 +543,9 @@ class Dispatcher:
             with translated():
                 raise raw_epoch
         if isinstance(info, Exception):
-            # A server without INFO (an embedded fake): only the epoch key can be watched.
+            # Refused by an ACL without +info, or a server without INFO (an embedded fake):
+            # only the epoch key can be watched.
+            self._note_info_refused(info)
             info = {}
         epoch = None if raw_epoch is None else text(raw_epoch)
         run_id = str(info.get("run_id", ""))
@@ -583,6 +589,20 @@ class Dispatcher:
         self.stats.requeued += requeued
         self._epoch, self._run_id, self._last_ok_at = epoch, run_id, now
         return Watch(event, epoch, run_id, requeued)
+
+    def _note_info_refused(self, error: Exception) -> None:
+        """Say, once, that INFO failed: without the server's ``run_id`` and uptime a
+        restart is not seen (only a wipe, by the epoch key)."""
+        if self._info_refused:
+            return
+        self._info_refused = True
+        self.log.warning(
+            "Redis refused INFO (%s): Redis restarts go unnoticed, so replies a restart lost"
+            " (appendfsync everysec) are not re-published; only a wipe (the epoch key) is"
+            " detected. Grant the adapter's Redis user +info (its ACL line in"
+            " docs/PROTOCOL.md section 9)",
+            error,
+        )
 
     def _schedule_recheck(self, since: float | None, now: float) -> None:
         """A worker that publishes its own replies marks them sent in a transaction of its

@@ -205,46 +205,9 @@ def check_payload(payload: Any) -> bytes:
     """
     if not isinstance(payload, dict):
         raise EnvelopeError("payload", "not_object", "payload must be a JSON object")
-    nodes = 0
-    # Iterative walk so that a hostile nesting depth cannot exhaust the Python stack.
-    stack: list[tuple[Any, int]] = [(payload, 1)]
-    while stack:
-        value, depth = stack.pop()
-        nodes += 1
-        if nodes > PAYLOAD_MAX_NODES:
-            raise EnvelopeError(
-                "payload", "too_many_nodes", f"payload has more than {PAYLOAD_MAX_NODES} nodes"
-            )
-        kind = type(value)
-        if kind is str or kind is int or kind is bool or value is None:
-            continue  # the common leaves, without the isinstance chain below
-        # Only objects and arrays open a nesting level: 16 nested objects holding a scalar
-        # nest 16 levels deep, not 17.
-        if depth > PAYLOAD_MAX_DEPTH and isinstance(value, dict | list):
-            raise EnvelopeError(
-                "payload", "too_deep", f"payload nests deeper than {PAYLOAD_MAX_DEPTH} levels"
-            )
-        if isinstance(value, dict):
-            for key, item in value.items():
-                if not isinstance(key, str):
-                    raise EnvelopeError(
-                        "payload", "non_string_key", f"object key {key!r} is not a string"
-                    )
-                stack.append((item, depth + 1))
-        elif isinstance(value, list):
-            stack.extend((item, depth + 1) for item in value)
-        elif isinstance(value, bool) or value is None or isinstance(value, str | int):
-            continue
-        elif isinstance(value, float):
-            if not math.isfinite(value):
-                raise EnvelopeError("payload", "not_finite", "payload holds NaN or infinity")
-        else:
-            raise EnvelopeError(
-                "payload", "bad_type", f"payload holds a {type(value).__name__}, not JSON"
-            )
+    _walk(payload, "payload")
     try:
         encoded = canonical_json(payload)
-        size = len(encoded)
     except UnicodeEncodeError:
         raise EnvelopeError(
             "payload", "bad_utf8", "payload holds a string that is not valid UTF-8"
@@ -253,10 +216,94 @@ def check_payload(payload: Any) -> bytes:
         raise EnvelopeError(
             "payload", "too_large", f"payload holds an integer of more than {INT_MAX_DIGITS} digits"
         ) from None
-    if size > PAYLOAD_MAX_BYTES:
+    _check_size(encoded, "payload")
+    return encoded
+
+
+def _walk(value: Any, field: str) -> None:
+    """The walk of ``check_payload``: string keys, JSON types, finite numbers, at most
+    ``PAYLOAD_MAX_DEPTH`` levels and ``PAYLOAD_MAX_NODES`` nodes (``field`` names the
+    value in the errors)."""
+    nodes = 0
+    # Iterative walk so that a hostile nesting depth cannot exhaust the Python stack.
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        value, depth = stack.pop()
+        nodes += 1
+        if nodes > PAYLOAD_MAX_NODES:
+            raise EnvelopeError(
+                field, "too_many_nodes", f"{field} has more than {PAYLOAD_MAX_NODES} nodes"
+            )
+        kind = type(value)
+        if kind is str or kind is int or kind is bool or value is None:
+            continue  # the common leaves, without the isinstance chain below
+        # Only objects and arrays open a nesting level: 16 nested objects holding a scalar
+        # nest 16 levels deep, not 17.
+        if depth > PAYLOAD_MAX_DEPTH and isinstance(value, dict | list):
+            raise EnvelopeError(
+                field, "too_deep", f"{field} nests deeper than {PAYLOAD_MAX_DEPTH} levels"
+            )
+        if isinstance(value, dict):
+            for key, item in value.items():
+                if not isinstance(key, str):
+                    raise EnvelopeError(
+                        field, "non_string_key", f"object key {key!r} is not a string"
+                    )
+                stack.append((item, depth + 1))
+        elif isinstance(value, list):
+            stack.extend((item, depth + 1) for item in value)
+        elif isinstance(value, bool) or value is None or isinstance(value, str | int):
+            continue
+        elif isinstance(value, float):
+            if not math.isfinite(value):
+                raise EnvelopeError(field, "not_finite", f"{field} holds NaN or infinity")
+        else:
+            raise EnvelopeError(
+                field, "bad_type", f"{field} holds a {type(value).__name__}, not JSON"
+            )
+
+
+def _check_size(encoded: bytes, field: str) -> None:
+    if len(encoded) > PAYLOAD_MAX_BYTES:
         raise EnvelopeError(
-            "payload", "too_large", f"payload is {size} bytes canonical, limit {PAYLOAD_MAX_BYTES}"
+            field,
+            "too_large",
+            f"{field} is {len(encoded)} bytes canonical, limit {PAYLOAD_MAX_BYTES}",
         )
+
+
+def _within_bounds_by_size(encoded: bytes) -> bool:
+    """Whether canonical JSON bytes prove the node and depth limits by themselves: every
+    node takes at least one byte of its own, and every nesting level an opening bracket
+    (inside strings or not)."""
+    return (
+        len(encoded) <= PAYLOAD_MAX_NODES
+        and encoded.count(b"{") + encoded.count(b"[") <= PAYLOAD_MAX_DEPTH
+    )
+
+
+def check_result(result: Any) -> bytes:
+    """Encode a handler's result within the payload bounds: any JSON value (not only an
+    object), at most ``PAYLOAD_MAX_BYTES`` canonical, ``PAYLOAD_MAX_DEPTH`` levels and
+    ``PAYLOAD_MAX_NODES`` nodes, counted on the JSON the reply carries.
+
+    What ``canonical_json`` takes is a result (a tuple is an array, an int key a string
+    key, as in the reply); only its size, depth and nodes are checked here. A result of
+    more than 10,000 bytes, or with more than 16 brackets, is parsed back (at most 64 KiB)
+    and walked as a payload is.
+
+    Returns:
+        the result's canonical JSON bytes.
+
+    Raises:
+        ValueError: the result is not JSON (``canonical_json``: NaN, a set, bytes, ...).
+        EnvelopeError: with ``field="result"`` and reason ``too_large``, ``too_deep`` or
+            ``too_many_nodes`` (an ``EnvelopeError`` is a ``ValueError`` too).
+    """
+    encoded = canonical_json(result)
+    _check_size(encoded, "result")
+    if not _within_bounds_by_size(encoded):
+        _walk(loads_strict(encoded), "result")
     return encoded
 
 
@@ -274,12 +321,7 @@ def check_parsed_payload(payload: Any) -> bytes:
             encoded = canonical_json(payload)
         except ValueError:  # infinity (1e400 parses as inf) or a lone surrogate
             return check_payload(payload)
-        size = len(encoded)
-        if (
-            size <= PAYLOAD_MAX_BYTES
-            and size <= PAYLOAD_MAX_NODES
-            and encoded.count(b"{") + encoded.count(b"[") <= PAYLOAD_MAX_DEPTH
-        ):
+        if len(encoded) <= PAYLOAD_MAX_BYTES and _within_bounds_by_size(encoded):
             return encoded
     return check_payload(payload)
 

@@ -27,12 +27,12 @@ def _inbound_streams(client: Any, prefix: str) -> list[str]:
 
 
 def collect_status(db_path: Path, redis_url: str | None, prefix: str) -> dict[str, Any]:
-    """Everything ``broker-adapter status`` shows, as one JSON-ready dict."""
-    if not db_path.exists():
-        from broker_adapter.errors import ConfigError
+    """Everything ``broker-adapter status`` shows, as one JSON-ready dict.
 
-        raise ConfigError(f"no database at {db_path}")
-    db = open_database(db_path)
+    Raises:
+        ConfigError: there is no database at ``db_path`` (none is created).
+    """
+    db = open_database(db_path, read_only=True)
     try:
         report: dict[str, Any] = snapshot(db, time.time())
     finally:
@@ -60,6 +60,7 @@ def collect_status(db_path: Path, redis_url: str | None, prefix: str) -> dict[st
 
 def format_status(report: dict[str, Any]) -> str:
     r, p, t, d = (report[k] for k in ("received", "processing", "terminal", "delivery"))
+    oldest = d["oldest_unsent_age_s"]  # None: nothing unsent
     lines = [
         f"received    inbox {r['inbox']}  (duplicates {r['duplicates']}, "
         f"conflicts {r['conflicts']})",
@@ -68,7 +69,7 @@ def format_status(report: dict[str, Any]) -> str:
         "terminal    " + "  ".join(f"{k} {v}" for k, v in t.items()),
         "delivery    "
         + "  ".join(f"{k} {d[k]}" for k in ("pending", "sending", "sent", "dead"))
-        + f"  oldest unsent {d['oldest_unsent_age_s']}s",
+        + f"  oldest unsent {'-' if oldest is None else f'{oldest}s'}",
     ]
     if "redis" in report:
         for stream, info in report["redis"]["inbound"].items():
@@ -117,7 +118,7 @@ def dead_letters_command(args: argparse.Namespace) -> int:
     (Redis, when ``--redis`` is given)."""
     from broker_adapter.errors import ConfigError
 
-    db = open_database(args.db)
+    db = open_database(args.db, read_only=args.dl_command != "replay")
     outbox = OutboxStore(db)
     client: Any = connect(args.redis) if args.redis else None
     out: list[dict[str, Any]] = []
@@ -143,19 +144,29 @@ def dead_letters_command(args: argparse.Namespace) -> int:
     finally:
         db.close()
     for item in out:
-        if args.json:
-            print(json.dumps(item, sort_keys=True, default=str))
-        elif item["type"] == "reply":
-            print(
-                f"reply {item['reply_id']}  {item['status']}  state={item['state']}  "
-                f"attempts={item['attempts']}  last_error={item['last_error']}"
-            )
-        else:
-            print(
-                f"entry {item['stream']} {item['entry_id']}  reason={item['reason']}  "
-                f"{item.get('detail') or ''}"
-            )
+        print(json.dumps(item, sort_keys=True, default=str) if args.json else _line(item))
     return 0
+
+
+def _line(item: dict[str, Any]) -> str:
+    """One item of ``dead-letters`` as a line for a person: a dead reply or entry
+    (``list``, ``show``), or what a ``replay`` did."""
+    if item.get("replayed_to") is not None:
+        return (
+            f"replayed entry {item['entry_id']} from {item['stream']} to "
+            f"{item['replayed_to']} as {item['new_entry_id']}"
+        )
+    if item.get("outcome") is not None:
+        return f"replayed reply {item['reply_id']}: {item['outcome']}"
+    if item["type"] == "reply":
+        return (
+            f"reply {item['reply_id']}  {item['status']}  state={item['state']}  "
+            f"attempts={item['attempts']}  last_error={item['last_error']}"
+        )
+    return (
+        f"entry {item['stream']} {item['entry_id']}  reason={item['reason']}  "
+        f"{item.get('detail') or ''}"
+    )
 
 
 def _replay(args: argparse.Namespace, outbox: OutboxStore, client: Any) -> dict[str, Any]:
@@ -171,7 +182,8 @@ def _replay(args: argparse.Namespace, outbox: OutboxStore, client: Any) -> dict[
             DispatcherConfig(prefix=args.prefix, owner=f"replay-{args.by}"), client, outbox
         )
         result = dispatcher.replay(args.id, by=args.by)
-        return {"type": "reply", "reply_id": args.id, "replay": str(result)}
+        return {"type": "reply", "reply_id": args.id, "replay": str(result),
+                "outcome": result.outcome.value}  # fmt: skip
     if client is None:
         raise ConfigError(f"no dead reply {args.id!r} in the database (entries need --redis)")
     keys = Keys(args.prefix)
@@ -197,6 +209,6 @@ def _replay(args: argparse.Namespace, outbox: OutboxStore, client: Any) -> dict[
         pipe.xadd(source, original)
         pipe.xdel(stream, args.id)
         new_id, _ = call(pipe.execute)
-        return {"type": "entry", "entry_id": args.id, "replayed_to": source, "new_entry_id":
-                text(new_id)}  # fmt: skip
+        return {"type": "entry", "stream": stream, "entry_id": args.id, "replayed_to": source,
+                "new_entry_id": text(new_id)}  # fmt: skip
     raise ConfigError(f"no dead reply or dead-letter entry {args.id!r}")

@@ -61,10 +61,11 @@ from broker_adapter import crashpoints
 from broker_adapter.auth import Keyring
 from broker_adapter.clock import Clock
 from broker_adapter.dispatcher import DispatcherStats, Publication, ReplyPublisher
-from broker_adapter.envelope import canonical_json
+from broker_adapter.envelope import check_result
 from broker_adapter.errors import (
     BrokerAdapterError,
     ConfigError,
+    EnvelopeError,
     StaleError,
     TaskCancelled,
     TransientError,
@@ -112,6 +113,9 @@ ALERT_AFTER_WORK_S = 1.0
 HANDLER_TIME_WEIGHT = 0.2
 #: After Redis failed a worker's publication, its replies go to the dispatcher this long.
 PUBLISH_PAUSE_S = 1.0
+#: The error a task fails with when its handler's result is over the result bounds
+#: (``envelope.check_result``); not retried: the handler would return as much again.
+RESULT_TOO_LARGE = "result_too_large"
 
 
 class WorkerConfig(BaseModel):
@@ -900,7 +904,9 @@ class Worker:
         fail = partial(Settlement, claimed.task_id, claimed.owner, claimed.fence, None)
         if outcome.ok:
             try:
-                encoded = canonical_json(outcome.value).decode("utf-8")
+                encoded = check_result(outcome.value).decode("utf-8")
+            except EnvelopeError as exc:  # deterministic: the same result is as large again
+                return fail(f"{RESULT_TOO_LARGE}: {exc.detail}", False)
             except (TypeError, ValueError, RecursionError) as exc:
                 error = f"{type(exc).__name__}: the handler returned a non-JSON result: {exc}"
                 return fail(error, False)

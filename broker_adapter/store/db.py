@@ -189,6 +189,15 @@ class Database:
         gate: the ``WriteGate`` the writers of this file in the processes of one pool
             share (``WorkerPool`` makes it): writers wait their turn on it instead of
             polling SQLite's lock. ``None``: poll only.
+        read_only: for commands that only look (``status``, ``receipts``): the file must
+            exist already (``ConfigError`` otherwise, and it is never created) and hold the
+            current schema; it is opened ``mode=ro`` (no migration, no mode change, no
+            journal or sync settings) and ``write`` is refused.
+
+    Raises:
+        ConfigError: ``read_only`` and there is no file at ``path``.
+        StoreError: the file is not a usable database (for ``read_only``: not at the
+            current schema either).
     """
 
     def __init__(
@@ -198,22 +207,31 @@ class Database:
         synchronous: Synchronous = "FULL",
         busy_timeout_ms: int = DEFAULT_BUSY_TIMEOUT_MS,
         gate: WriteGate | None = None,
+        read_only: bool = False,
     ) -> None:
         if synchronous not in ("FULL", "NORMAL", "EXTRA"):
             raise ConfigError(f"synchronous must be FULL, NORMAL or EXTRA, got {synchronous!r}")
         self.path = Path(path)
+        self.read_only = read_only
         self._busy_timeout_ms = int(busy_timeout_ms)
         self._pid = os.getpid()
         self._writers = _writers_of(self.path)
         self._gate = gate
         self._lock = threading.RLock()
-        _private_file(self.path)
+        if read_only:
+            if not self.path.is_file():
+                raise ConfigError(f"no database at {self.path}")
+            target = self.path.resolve().as_uri() + "?mode=ro"  # SQLite never creates it
+        else:
+            _private_file(self.path)
+            target = str(self.path)
         try:
             self.conn = sqlite3.connect(
-                str(self.path),
+                target,
                 isolation_level=None,
                 timeout=busy_timeout_ms / 1000,
                 check_same_thread=False,
+                uri=read_only,
             )
         except sqlite3.Error as exc:
             raise StoreError(f"cannot open database {self.path}: {exc}") from exc
@@ -238,6 +256,9 @@ class Database:
     def _configure(self, synchronous: str, busy_timeout_ms: int) -> None:
         c = self.conn
         c.execute(f"PRAGMA busy_timeout = {int(busy_timeout_ms)}")
+        if self.read_only:  # a reader changes neither the journal nor the file's syncs
+            c.execute("PRAGMA query_only = ON")
+            return
         mode = c.execute("PRAGMA journal_mode = WAL").fetchone()[0]
         if str(mode).lower() != "wal":
             raise StoreError(f"{self.path}: journal_mode is {mode}, WAL is required")
@@ -251,17 +272,17 @@ class Database:
     def _migrate(self) -> None:
         # A current schema needs no write lock: opening a database must not queue behind
         # (or fail on) a writer that holds the lock, as every process of a pool opens its own.
-        if self.conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION:
+        version = self.conn.execute("PRAGMA user_version").fetchone()[0]
+        if version == SCHEMA_VERSION:
             return
+        if self.read_only:
+            raise StoreError(self._schema_refusal(version))
         with self._lock:
             self.conn.execute("BEGIN IMMEDIATE")
             try:
                 version = self.conn.execute("PRAGMA user_version").fetchone()[0]
                 if version > SCHEMA_VERSION:
-                    raise StoreError(
-                        f"{self.path} has schema version {version}, this library knows "
-                        f"{SCHEMA_VERSION}: upgrade broker_adapter"
-                    )
+                    raise StoreError(self._schema_refusal(version))
                 for number in range(version, SCHEMA_VERSION):
                     migration = MIGRATIONS[number]
                     if callable(migration):
@@ -274,6 +295,20 @@ class Database:
             except BaseException:
                 self.conn.execute("ROLLBACK")
                 raise
+
+    def _schema_refusal(self, version: int) -> str:
+        """Why a database at schema ``version`` cannot be used as it is."""
+        if version > SCHEMA_VERSION:
+            return (
+                f"{self.path} has schema version {version}, this library knows "
+                f"{SCHEMA_VERSION}: upgrade broker_adapter"
+            )
+        if version == 0:  # read-only: an empty file, or another program's database
+            return f"{self.path} is not a broker_adapter database"
+        return (
+            f"{self.path} has schema version {version}, this library knows {SCHEMA_VERSION}:"
+            " a command that writes it (run, receive) migrates it"
+        )
 
     def _check_owner(self) -> None:
         if os.getpid() != self._pid:
@@ -320,6 +355,8 @@ class Database:
             StoreError: the database failed (disk full, I/O error, corruption).
         """
         self._check_owner()
+        if self.read_only:
+            raise StoreError(f"{self.path} was opened read-only: no {op}")
         # Writers of this file in this process queue on a Python lock first: a thread is
         # handed the turn the moment the previous one commits, instead of polling SQLite.
         deadline = time.monotonic() + self._busy_timeout_ms / 1000

@@ -35,7 +35,7 @@ from typing import Any, NamedTuple
 
 from broker_adapter.backoff import Backoff
 from broker_adapter.clock import Clock, SystemClock
-from broker_adapter.envelope import Envelope, canonical_json, sha256_hex
+from broker_adapter.envelope import Envelope, check_result, sha256_hex
 from broker_adapter.errors import (
     BrokerAdapterError,
     EnvelopeError,
@@ -773,16 +773,18 @@ class TaskStore:
         """Commit success: state ``done`` and its reply, in one transaction (fenced).
 
         Args:
-            result: any JSON value; stored canonically and carried in the reply.
+            result: any JSON value within the result bounds (``envelope.check_result``);
+                stored canonically and carried in the reply.
 
         Returns:
             the reply id.
 
         Raises:
             StaleError: refused; nothing is written.
-            ValueError: ``result`` is not JSON (NaN, a set, ...); nothing is written.
+            ValueError: ``result`` is not JSON (NaN, a set, ...), or an ``EnvelopeError``
+                for a result over the bounds; nothing is written.
         """
-        encoded = canonical_json(result).decode("utf-8")
+        encoded = check_result(result).decode("utf-8")
         now = self.clock.now()
         with self.db.write("finish") as c:
             return self._finish_in(c, task_id, owner, fence, encoded, now)

@@ -3,6 +3,7 @@ what authenticates it, so no signature is needed, and a principal cannot write a
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
@@ -17,12 +18,13 @@ import redis
 
 from broker_adapter.auth import Keyring, unsigned_fields
 from broker_adapter.clock import FakeClock
+from broker_adapter.dispatcher import Dispatcher, DispatcherConfig
 from broker_adapter.errors import BrokerAdapterError
 from broker_adapter.ingest import IngestConfig, Ingestor
 from broker_adapter.keys import INGEST_GROUP, Keys
 from broker_adapter.publisher import Publisher
 from broker_adapter.receiver import Receiver, ReceiverConfig, record_effect
-from broker_adapter.store import ReceiptStore, TaskStore, open_database
+from broker_adapter.store import OutboxStore, ReceiptStore, TaskStore, open_database
 from broker_adapter.store.db import Database
 from broker_adapter.streams import connect, text
 from tests.support.ingest_script import (
@@ -316,3 +318,37 @@ def test_documented_acl_runs_the_whole_pipeline_and_refuses_everything_else(
     assert run.returncode == 0, out
     assert "NOPERM" not in out, out
     assert "no permissions" not in out, out
+
+
+@pytest.mark.parametrize("info_rule", ["+info", "-info"])
+def test_dispatcher_says_once_when_its_user_may_not_run_info(
+    acl_server: AclRedisServer, tmp_path: Path, caplog: pytest.LogCaptureFixture, info_rule: str
+) -> None:
+    """The documented adapter user has ``+info``; without it restarts go unseen, and the
+    dispatcher says so once (not at every look), with the rule that gives it back."""
+    with acl_server.client() as ops:
+        ops.execute_command("ACL", "SETUSER", "adapter", info_rule)
+    db = open_database(tmp_path / "adapter.db")
+    client = as_user(acl_server, "adapter")
+    dispatcher = Dispatcher(
+        DispatcherConfig(prefix=DOC_PREFIX, owner="d1"), client, OutboxStore(db),
+        keyring=Keyring(KEYRING),
+    )  # fmt: skip
+    caplog.set_level(logging.WARNING, logger="broker_adapter.dispatcher")
+    try:
+        watches = [dispatcher.watch() for _ in range(3)]
+    finally:
+        client.close()
+        db.close()
+    warned = [r.getMessage() for r in caplog.records if "refused INFO" in r.getMessage()]
+    if info_rule == "+info":
+        assert warned == []
+        assert all(w.run_id for w in watches)  # restarts are seen by the server's run_id
+        return
+    (message,) = warned
+    assert "no permissions to run the 'info' command" in message
+    assert "restarts go unnoticed" in message
+    assert "+info" in message
+    assert "docs/PROTOCOL.md section 9" in message
+    assert [w.run_id for w in watches] == ["", "", ""]
+    assert len({w.epoch for w in watches}) == 1  # the epoch key is still watched

@@ -5,17 +5,22 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import re
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from broker_adapter.envelope import Envelope
+from broker_adapter.store import AcceptItem, OutboxStore, TaskStore, open_database
 from tests.support.cli import cli_env as _env
 from tests.support.cli import count_rows as _count
 from tests.support.cli import wait_for as _wait_for
+from tests.support.ingest_script import real_deadline
 from tests.support.redis_server import RedisServer
 
 pytestmark = pytest.mark.integration
@@ -307,24 +312,32 @@ def test_cli_dead_letters_list_show_replay(
     client: Any = redis_server.client()
     stream = f"{prefix}:{{in}}:tasks"
     client.xadd(stream, {"v": "1", "env": "{not json", "kid": "k1", "sig": "00"})
+    client.xadd(stream, {"v": "1", "env": "[also not an envelope", "kid": "k1", "sig": "00"})
     proc = _start_run(redis_server.url, db, keyring, prefix)
     try:
-        _wait_for(lambda: client.xlen(f"{prefix}:{{in}}:dead") == 1, "the dead letter")
+        _wait_for(lambda: client.xlen(f"{prefix}:{{in}}:dead") == 2, "the dead letters")
     finally:
         assert _stop(proc) == 0
     common = ["--db", str(db), "--redis", redis_server.url, "--prefix", prefix, "--json"]
     listed = _cli("dead-letters", "list", *common)
     assert listed.returncode == 0, listed.stderr
-    (item,) = [json.loads(line) for line in listed.stdout.splitlines()]
+    item, other = [json.loads(line) for line in listed.stdout.splitlines()]
     assert item["reason"] == "unparseable"
     assert item["fields"]["orig.env"] == "{not json"
+    # without --json: one line saying what the replay did (it crashed after the replay)
+    human = _cli("dead-letters", "replay", *common[:-1], other["entry_id"])
+    assert human.returncode == 0, human.stderr
+    dead = f"{prefix}:{{in}}:dead"
+    (line,) = human.stdout.splitlines()
+    assert line.startswith(f"replayed entry {other['entry_id']} from {dead} to {stream} as ")
+    assert client.xlen(dead) == 1
     shown = _cli("dead-letters", "show", *common, item["entry_id"])
     assert shown.returncode == 0, shown.stderr
     assert json.loads(shown.stdout)["entry_id"] == item["entry_id"]
     replayed = _cli("dead-letters", "replay", *common, item["entry_id"])
     assert replayed.returncode == 0, replayed.stderr
     result = json.loads(replayed.stdout)
-    assert result["replayed_to"] == stream
+    assert (result["stream"], result["replayed_to"]) == (dead, stream)
     assert client.xlen(f"{prefix}:{{in}}:dead") == 0  # moved back, original fields intact
     (last,) = client.xrevrange(stream, count=1)
     assert last[1][b"env"] == b"{not json"
@@ -332,3 +345,84 @@ def test_cli_dead_letters_list_show_replay(
     assert missing.returncode == 2
     assert "no dead reply or dead-letter entry" in missing.stderr
     client.close()
+
+
+def _cancelled_reply(db_path: Path, *, dead: bool) -> str:
+    """A database holding one reply, a cancelled task's: waiting to be sent, or ``dead``
+    (given up on); its id."""
+    db = open_database(db_path)
+    try:
+        tasks, outbox = TaskStore(db), OutboxStore(db)
+        env = Envelope.build(message_id="m-1", sender="alice", payload={"x": 1},
+                             deadline=real_deadline())  # fmt: skip
+        (accepted,) = tasks.accept([AcceptItem("alice", env)])
+        assert accepted.task_id is not None
+        tasks.cancel(accepted.task_id)
+        (row,) = outbox.list()
+        if dead:
+            (row,) = outbox.claim("publisher", 1)
+            outbox.mark_dead(row.reply_id, "publisher", row.fence, "gave up")
+        return row.reply_id
+    finally:
+        db.close()
+
+
+def test_cli_dead_letters_replay_of_a_reply_prints_a_line_without_json(
+    redis_server: RedisServer, tmp_path: Path, prefix: str
+) -> None:
+    db = tmp_path / "adapter.db"
+    reply_id = _cancelled_reply(db, dead=True)
+    common = ["--db", str(db), "--redis", redis_server.url, "--prefix", prefix]
+    human = _cli("dead-letters", "replay", *common, reply_id)
+    assert human.returncode == 0, human.stderr
+    assert human.stdout.splitlines() == [f"replayed reply {reply_id}: requeued"]
+    assert _count(db, "SELECT count(*) FROM outbox WHERE state = 'pending'") == 1
+
+
+def test_cli_status_shows_a_dash_when_nothing_is_unsent(tmp_path: Path) -> None:
+    db = tmp_path / "adapter.db"
+    open_database(db).close()
+    empty = _cli("status", "--db", str(db))
+    assert empty.returncode == 0, empty.stderr
+    assert "oldest unsent -" in empty.stdout
+    assert "None" not in empty.stdout
+    _cancelled_reply(db, dead=False)  # one reply waiting to be sent
+    waiting = _cli("status", "--db", str(db))
+    assert waiting.returncode == 0, waiting.stderr
+    assert re.search(r"oldest unsent [0-9.]+s$", waiting.stdout, re.MULTILINE), waiting.stdout
+
+
+@pytest.mark.parametrize(
+    "command",
+    [["receipts"], ["receipts", "--json"], ["status"], ["status", "--json"],
+     ["dead-letters", "list"]],
+)  # fmt: skip
+def test_cli_read_only_commands_refuse_a_missing_database_and_create_none(
+    tmp_path: Path, command: list[str]
+) -> None:
+    typo = tmp_path / "adapter.dbb"
+    res = _cli(*command, "--db", str(typo))
+    assert res.returncode == 2
+    lines = [line for line in res.stderr.splitlines() if line.strip()]
+    assert lines == [f"broker-adapter: error: no database at {typo}"], res.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_cli_receive_until_idle_gives_up_while_redis_is_down(
+    fresh_redis: RedisServer, tmp_path: Path, keyring: Path
+) -> None:
+    """No progress counts as idle: with Redis unreachable ``--until-idle 2`` ends after
+    about 2 s with one error line and exit 1 (a runtime failure, not "all received")."""
+    url = fresh_redis.url
+    fresh_redis.stop()
+    started = time.monotonic()
+    res = _cli("receive", "--redis", url, "--db", str(tmp_path / "r.db"), "--principal",
+               "alice", "--until-idle", "2", "--keyring", str(keyring), timeout=30)  # fmt: skip
+    took_s = time.monotonic() - started
+    assert res.returncode == 1, res.stderr
+    lines = res.stderr.splitlines()
+    assert lines[-1].startswith(
+        "broker-adapter: error: no reply applied for 2 s (--until-idle) and the last read failed"
+    ), res.stderr
+    assert len([line for line in lines if "retrying" in line]) == 1, res.stderr  # once
+    assert 2.0 <= took_s < 20.0

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import sqlite3
 import threading
+from contextlib import closing
 from pathlib import Path
 
 import pytest
 
-from broker_adapter.errors import StoreBusy
+from broker_adapter.errors import ConfigError, StoreBusy, StoreError
 from broker_adapter.runner import RunConfig, Runner
 from broker_adapter.store import open_database
 from broker_adapter.store.db import Database
@@ -75,3 +76,46 @@ def test_the_runner_waits_for_a_locked_database_and_a_stop_ends_the_wait(
     assert len(calls) == 3  # tried again after each of the first two pauses
     assert waits[0] is not None
     assert waits[1] == 2 * waits[0]
+
+
+# -- read-only opens (status, receipts) ------------------------------------------------------
+
+
+def test_a_read_only_open_of_a_missing_file_is_refused_and_creates_nothing(
+    tmp_path: Path,
+) -> None:
+    with pytest.raises(ConfigError, match="no database at"):
+        Database(tmp_path / "typo.db", read_only=True)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_read_only_open_reads_and_refuses_to_write(tmp_path: Path) -> None:
+    path = tmp_path / "a.db"
+    open_database(path).close()
+    path.chmod(0o644)  # a read-write open would tighten it
+    db = Database(path, read_only=True)
+    try:
+        assert db.fetch_one("SELECT count(*) FROM tasks")[0] == 0  # type: ignore[index]
+        with pytest.raises(StoreError, match="read-only"), db.write("anything"):
+            pass
+        with pytest.raises(sqlite3.OperationalError, match="readonly"):
+            db.conn.execute("INSERT INTO meta (name, value) VALUES ('x', 'y')")
+    finally:
+        db.close()
+    assert path.stat().st_mode & 0o777 == 0o644
+
+
+@pytest.mark.parametrize(
+    ("version", "needle"),
+    [(0, "is not a broker_adapter database"), (1, "migrates it"), (99, "upgrade")],
+)
+def test_a_read_only_open_needs_the_current_schema(
+    tmp_path: Path, version: int, needle: str
+) -> None:
+    path = tmp_path / "old.db"
+    with closing(sqlite3.connect(path)) as conn:
+        conn.execute(f"PRAGMA user_version = {version}")
+    with pytest.raises(StoreError, match=needle):
+        Database(path, read_only=True)
+    with closing(sqlite3.connect(path)) as conn:
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == version  # not migrated

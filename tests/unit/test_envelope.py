@@ -28,6 +28,7 @@ from broker_adapter.envelope import (
     canonical_numbers,
     check_parsed_payload,
     check_payload,
+    check_result,
     content_fingerprint,
     ecmascript_number,
     loads_strict,
@@ -535,6 +536,70 @@ def test_parsed_payload_check_agrees_with_the_full_walk(payload: dict[str, Any])
 )
 def test_parsed_payload_check_agrees_at_the_edges(payload: dict[str, Any]) -> None:
     assert _checked(check_parsed_payload, payload) == _checked(check_payload, payload)
+
+
+# -- handler results ---------------------------------------------------------------------------
+
+
+def _as_result(payload: dict[str, Any]) -> tuple[str, Any]:
+    """``check_result``'s answer in ``_checked``'s form (its field is ``result``)."""
+    reason, answer = _checked(check_result, payload)
+    return (reason, "payload" if answer == "result" else answer)
+
+
+@pytest.mark.parametrize(
+    ("result", "reason"),
+    [
+        (nested(PAYLOAD_MAX_DEPTH), "ok"),
+        (nested(PAYLOAD_MAX_DEPTH + 1), "too_deep"),
+        ([[[[[[[[[[[[[[[[1]]]]]]]]]]]]]]]], "ok"),  # an array at the top is level 1
+        ([[[[[[[[[[[[[[[[[1]]]]]]]]]]]]]]]]], "too_deep"),
+        ({"a": "[" * 40}, "ok"),  # brackets in a string are no nesting (parsed back)
+        ({"a": [0] * (PAYLOAD_MAX_NODES - 2)}, "ok"),
+        ({"a": [0] * (PAYLOAD_MAX_NODES - 1)}, "too_many_nodes"),
+        ([0] * (PAYLOAD_MAX_NODES - 1), "ok"),
+        ([0] * PAYLOAD_MAX_NODES, "too_many_nodes"),
+        (sized(PAYLOAD_MAX_BYTES), "ok"),
+        (sized(PAYLOAD_MAX_BYTES + 1), "too_large"),
+        (sized(PAYLOAD_MAX_BYTES, "é"), "ok"),
+        (sized(PAYLOAD_MAX_BYTES + 1, "é"), "too_large"),
+        ("x" * (PAYLOAD_MAX_BYTES - 2), "ok"),  # a string result: 2 quotes + the text
+        ("x" * (PAYLOAD_MAX_BYTES - 1), "too_large"),
+    ],
+    ids=lambda v: v if isinstance(v, str) and len(v) < 20 else "",
+)
+def test_check_result_bounds_any_json_value_like_a_payload(result: Any, reason: str) -> None:
+    answer = _checked(check_result, result)
+    if reason == "ok":
+        assert answer == ("ok", canonical_json(result))
+    else:
+        assert answer == (reason, "result")
+
+
+@pytest.mark.parametrize("result", [None, True, 0, -1.5, "", "text", [], [1, "a"], {}])
+def test_check_result_takes_results_that_are_not_objects(result: Any) -> None:
+    assert check_result(result) == canonical_json(result)
+
+
+def test_check_result_takes_what_canonical_json_takes_and_refuses_the_rest() -> None:
+    assert check_result({"pair": (1, 2)}) == b'{"pair":[1,2]}'
+    assert check_result({3: "three", 1: "one"}) == b'{"1":"one","3":"three"}'
+    for not_json in ({1, 2}, b"x", math.nan, {"a": [math.inf]}, {1: "a", "b": 2}):
+        with pytest.raises(ValueError, match=r"not JSON|Out of range|NaN") as info:
+            check_result(not_json)
+        assert not isinstance(info.value, EnvelopeError)
+
+
+@given(payload=st.dictionaries(st.text(max_size=4), _json_values, max_size=6))
+@settings(max_examples=200, deadline=None)
+def test_result_check_agrees_with_the_payload_check(payload: dict[str, Any]) -> None:
+    """Within JSON, an object result has the bounds of a payload, reason for reason."""
+    expected = _checked(check_payload, payload)
+    if expected[0] in ("bad_utf8", "not_finite"):  # not JSON: canonical_json's ValueError
+        with pytest.raises(ValueError, match=r"not JSON|Out of range|surrogate"):
+            check_result(payload)
+        return
+    assert _as_result(payload) == expected
 
 
 # -- numbers in the fingerprint ----------------------------------------------------------------

@@ -16,9 +16,10 @@ from typing import Any
 import pytest
 
 from broker_adapter.clock import FakeClock
-from broker_adapter.envelope import Envelope, canonical_json, sha256_hex
+from broker_adapter.envelope import PAYLOAD_MAX_BYTES, Envelope, canonical_json, sha256_hex
 from broker_adapter.errors import (
     ConfigError,
+    EnvelopeError,
     FencedError,
     StaleError,
     StoreError,
@@ -544,6 +545,18 @@ def test_finish_writes_nothing_when_result_is_not_json(s: Stores, result: Any) -
         s.tasks.finish(task_id, "w1", fence, result)
     assert dump(s.db) == before
     assert state(s, task_id) == "running"
+
+
+def test_finish_writes_nothing_when_result_is_over_the_bounds(s: Stores) -> None:
+    task_id = accept_one(s)
+    _, fence = claim_one(s)
+    before = dump(s.db)
+    with pytest.raises(EnvelopeError) as info:
+        s.tasks.finish(task_id, "w1", fence, "x" * PAYLOAD_MAX_BYTES)  # 2 bytes over
+    assert (info.value.field, info.value.reason) == ("result", "too_large")
+    assert dump(s.db) == before
+    s.tasks.finish(task_id, "w1", fence, "x" * (PAYLOAD_MAX_BYTES - 2))  # at the bound
+    assert state(s, task_id) == "done"
 
 
 def test_finish_raises_unknown_task_when_no_such_task(s: Stores) -> None:

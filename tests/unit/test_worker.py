@@ -19,7 +19,12 @@ from pydantic import ValidationError
 
 from broker_adapter import crashpoints
 from broker_adapter.clock import FakeClock
-from broker_adapter.envelope import Envelope
+from broker_adapter.envelope import (
+    PAYLOAD_MAX_BYTES,
+    PAYLOAD_MAX_DEPTH,
+    PAYLOAD_MAX_NODES,
+    Envelope,
+)
 from broker_adapter.errors import ConfigError
 from broker_adapter.handlers import RetryableError, Task
 from broker_adapter.store import (
@@ -232,6 +237,45 @@ def test_worker_non_json_result_fails_with_clear_error(
     assert body["status"] == "failed"
     assert "Error: the handler returned a non-JSON result: " in body["error"]
     assert worker.stats.failed == 1
+
+
+def _deep(levels: int) -> Any:
+    value: Any = 1
+    for _ in range(levels):
+        value = [value]
+    return value
+
+
+@pytest.mark.parametrize(
+    ("result", "over"),
+    [
+        ("x" * (PAYLOAD_MAX_BYTES - 2), False),  # 65,536 bytes canonical
+        ("x" * (PAYLOAD_MAX_BYTES - 1), True),
+        (_deep(PAYLOAD_MAX_DEPTH), False),
+        (_deep(PAYLOAD_MAX_DEPTH + 1), True),
+        ([0] * (PAYLOAD_MAX_NODES - 1), False),  # the array and its items: 10,000 nodes
+        ([0] * PAYLOAD_MAX_NODES, True),
+    ],
+    ids=["bytes-at", "bytes-over", "depth-at", "depth-over", "nodes-at", "nodes-over"],
+)
+def test_worker_result_over_the_bounds_fails_the_task_without_a_retry(
+    tasks: TaskStore, outbox: OutboxStore, clock: FakeClock, result: Any, over: bool
+) -> None:
+    task_id = submit(tasks, clock, max_attempts=3)
+    worker = make_worker(tasks, lambda task: result)
+    assert worker.run_once() == 1
+    body = only_reply(outbox, task_id)
+    row = tasks.get(task_id)
+    assert row is not None
+    assert row.attempts == 1
+    if over:
+        assert (row.state, body["status"], body["result"]) == ("failed", "failed", None)
+        assert body["error"].startswith("result_too_large: result ")
+        assert (worker.stats.failed, worker.stats.retried) == (1, 0)
+    else:
+        assert (row.state, body["status"], body["error"]) == ("done", "done", None)
+        assert body["result"] == result
+        assert worker.stats.done == 1
 
 
 def test_worker_runs_async_handlers(
