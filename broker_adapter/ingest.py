@@ -88,6 +88,7 @@ from broker_adapter.streams import (
     StreamEntry,
     run_until_stopped,
 )
+from broker_adapter.trimming import now_ms as trim_now_ms
 from broker_adapter.trimming import trim_by_age, trim_stream
 
 if TYPE_CHECKING:
@@ -410,7 +411,7 @@ class Ingestor:
                 atomic and safe to repeat).
         """
         cfg = self.config
-        now_ms = self.clock.now() * 1000
+        now_ms = trim_now_ms(self.client, self.clock)
         keep_from_ms = now_ms - min(cfg.trim_keep_s, cfg.retention_s) * 1000
         removed = 0
         for source in self._sources:

@@ -25,9 +25,10 @@ no group can be created, rewound or read from between the look and the cut):
   too, and are returned, with their ``reply_id`` field, so that the caller counts and logs
   them. Inbound streams never expire entries: an undelivered request stays until read.
 
-Time: the bound by time is taken from the caller's clock (``Clock``; a ``FakeClock`` in
-tests) and compared with entry ids, which the Redis server stamps with its own clock: a
-skew between the two lengthens or shortens the windows by the skew.
+Time: entry ids carry the Redis server's clock, the windows are set on the caller's
+(``Clock``; a ``FakeClock`` in tests). ``now_ms`` takes the earlier of the two, so a process
+clock that runs ahead of the server never trims early; one that runs behind keeps entries
+longer by its lag.
 
 Rewinds: a group rewound (``XGROUP SETID ... 0``) after a trim reaches back only to the
 entries the trim kept.
@@ -42,6 +43,8 @@ from broker_adapter.streams import eval_many, text, translated
 
 if TYPE_CHECKING:
     import redis
+
+    from broker_adapter.clock import Clock
 
 #: Expired entries listed per script call (each with its reply id); more take more calls.
 EXPIRED_PER_CALL = 100
@@ -123,6 +126,18 @@ class TrimResult:
     trimmed: int = 0
     expired: list[tuple[str, str]] = field(default_factory=list)
     complete: bool = True
+
+
+def now_ms(client: redis.Redis, clock: Clock) -> float:
+    """The trims' "now", ms since the epoch: the earlier of ``clock`` and the server's
+    ``TIME``.
+
+    Raises:
+        RedisUnavailable: Redis could not be asked.
+    """
+    with translated():
+        seconds, micros = client.time()
+    return min(clock.now() * 1000, seconds * 1000 + micros / 1000)
 
 
 def time_id(ms: float) -> str:

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -55,7 +56,7 @@ def _key(entry_id: str) -> tuple[int, int]:
 def test_trims_keep_a_killed_ingests_pending_entries(
     redis_server: RedisServer, prefix: str, tmp_path: Path, point: str
 ) -> None:
-    client = connect(redis_server.url)
+    client: Any = connect(redis_server.url)
     stream = Keys(prefix).inbound()
     expected = _publish(client, prefix, write_keyring(tmp_path / "keys.json"))
     crashed = _run(redis_server, prefix, tmp_path, "ingest-h-0", point)
@@ -80,6 +81,6 @@ def test_trims_keep_a_killed_ingests_pending_entries(
     finally:
         db.close()
     dead = client.xrange(Keys(prefix).inbound_dead()) or []
-    assert [text(f[b"dl.reason"]) for _, f in dead] == ["sender_mismatch"]  # type: ignore[index]
+    assert [text(f[b"dl.reason"]) for _, f in dead] == ["sender_mismatch"]
     trim_stream(client, stream, keep_from_ms=10**13)
     assert client.xlen(stream) == 1  # all acknowledged: only the last delivered entry stays

@@ -4,11 +4,12 @@ window, dead letters go by age. Time passes on a ``FakeClock``."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
-import redis
 
 from broker_adapter.auth import Keyring
 from broker_adapter.clock import FakeClock
@@ -17,13 +18,19 @@ from broker_adapter.keys import Keys
 from broker_adapter.publisher import Publisher
 from broker_adapter.store import TaskStore, open_database
 from broker_adapter.streams import connect, text
-from tests.support.ingest_script import drain, envelope, write_keyring
+from tests.support.ingest_script import drain, envelope, real_deadline, write_keyring
 from tests.support.redis_server import RedisServer
 
 pytestmark = pytest.mark.integration
 
-START = 1_800_000_000.0  # the FakeClock's start: later than any real entry id
+# A clock a day behind the server's (the trims take the earlier of the two), exact in ms.
+START = float(int(time.time()) - 86_400)
 MS = int(START * 1000)
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock(START)
 
 
 @pytest.fixture
@@ -41,24 +48,25 @@ def tasks(tmp_path: Path, clock: FakeClock) -> Iterator[TaskStore]:
 def _ingestor(
     server: RedisServer, prefix: str, tasks: TaskStore, keyring: Keyring, clock: FakeClock,
     **cfg: float,
-) -> tuple[Ingestor, redis.Redis]:  # fmt: skip
+) -> tuple[Ingestor, Any]:  # fmt: skip
     client = connect(server.url)
-    config = IngestConfig(prefix=prefix, consumer="ingest-t", block_ms=20, **cfg)  # type: ignore[arg-type]
+    config = IngestConfig(prefix=prefix, consumer="ingest-t", block_ms=20, **cfg)
     return Ingestor(config, client, tasks, keyring, clock=clock), client
 
 
-def _ids(client: redis.Redis, stream: str) -> list[str]:
+def _ids(client: Any, stream: str) -> list[str]:
     return [text(eid) for eid, _ in client.xrange(stream)]
 
 
 def test_a_second_group_that_reads_slowly_bounds_the_ingests_trim(
     redis_server: RedisServer, prefix: str, tasks: TaskStore, keyring: Keyring, clock: FakeClock
 ) -> None:
+    clock.set(time.time() + 3600)  # ahead of the server: the server's clock counts
     ingestor, client = _ingestor(redis_server, prefix, tasks, keyring, clock, trim_keep_s=0)
     keys = Keys(prefix)
     stream = keys.inbound()
     publisher = Publisher(client, keys, "alice", keyring)
-    ids = [publisher.publish(envelope(f"m{i}")) for i in range(10)]
+    ids = [publisher.publish(envelope(f"m{i}", deadline=real_deadline(7200))) for i in range(10)]
     client.xgroup_create(stream, "audit", id="0")
     drain(ingestor, client)
     assert ingestor.trim() == 0  # audit has read nothing: everything stays
@@ -76,12 +84,13 @@ def test_a_second_group_that_reads_slowly_bounds_the_ingests_trim(
 def test_trim_runs_every_trim_every_s(
     redis_server: RedisServer, prefix: str, tasks: TaskStore, keyring: Keyring, clock: FakeClock
 ) -> None:
+    clock.set(time.time() + 3600)  # ahead of the server: the server's clock counts
     ingestor, client = _ingestor(
         redis_server, prefix, tasks, keyring, clock, trim_every_s=30, trim_keep_s=0
     )
     publisher = Publisher(client, Keys(prefix), "alice", keyring)
     for i in range(5):
-        publisher.publish(envelope(f"m{i}"))
+        publisher.publish(envelope(f"m{i}", deadline=real_deadline(7200)))
     stream = Keys(prefix).inbound()
     drain(ingestor, client)
     clock.advance(29.9)
