@@ -55,7 +55,8 @@ MAX_CALLS_PER_TRIM = 100
 # ARGV[2] expiry id ("<ms>-0", or "" never: unacknowledged entries below it go),
 # ARGV[3] how many expired entries to list (and trim) in this call.
 # Returns {trimmed, more, id1, reply_id1, id2, reply_id2, ...}: ``more`` is 1 when expired
-# entries beyond the listed ones remain.
+# entries beyond the listed ones remain. ``read``: the bound is a last-delivered id that
+# every group acknowledged (the entry at it is not listed as expired, only trimmed).
 TRIM_SCRIPT = """
 local function older(a, b)
   local am, as = string.match(a, '^(%d+)-(%d+)$')
@@ -66,30 +67,32 @@ local function older(a, b)
   return as < bs
 end
 if redis.call('EXISTS', KEYS[1]) == 0 then return {0, 0} end
-local bound = nil
+local bound, read = nil, false
 for _, g in ipairs(redis.call('XINFO', 'GROUPS', KEYS[1])) do
   local info = {}
   for i = 1, #g, 2 do info[g[i]] = g[i + 1] end
-  local b = info['last-delivered-id']
+  local b, r = info['last-delivered-id'], true
   if tonumber(info['pending']) > 0 then
     local summary = redis.call('XPENDING', KEYS[1], info['name'])
-    if summary[2] and older(summary[2], b) then b = summary[2] end
+    if summary[2] then b, r = summary[2], false end
   end
-  if bound == nil or older(b, bound) then bound = b end
+  if bound == nil or older(b, bound) or (b == bound and not r) then bound, read = b, r end
 end
 if bound == nil then
   if ARGV[2] == '' then return {0, 0} end
   bound = '0-0'
 end
 local target = bound
-if older(ARGV[1], target) then target = ARGV[1] end
+if older(ARGV[1], target) then target, read = ARGV[1], false end
 local out = {0, 0}
 if ARGV[2] ~= '' then
   local cut = ARGV[2]
   if older(ARGV[1], cut) then cut = ARGV[1] end
   if older(target, cut) then
     local limit = tonumber(ARGV[3])
-    local items = redis.call('XRANGE', KEYS[1], target, '(' .. cut, 'COUNT', limit + 1)
+    local from = target
+    if read then from = '(' .. target end
+    local items = redis.call('XRANGE', KEYS[1], from, '(' .. cut, 'COUNT', limit + 1)
     if #items > limit then
       cut = items[limit + 1][1]
       items[limit + 1] = nil
