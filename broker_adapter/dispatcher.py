@@ -16,7 +16,8 @@ replay checks Redis by reply id first.
 
 Publication is idempotent in Redis itself. ONE Lua script on two keys of one hash tag,
 ``reply_record(P, reply_id)`` and ``replies(P)``, looks up the reply's publication record
-(``"<content hash> <entry id>"``, kept ``record_ttl_s``) and XADDs only when there is none:
+(``"<content hash> <entry id>"``, kept ``record_window_s``) and XADDs only when there is
+none:
 
 * no record: XADD the entry (``v``, ``reply_id``, ``hash``, ``body``, ``kid``, ``sig``),
   record it (SET NX, TTL);
@@ -41,6 +42,41 @@ when a stop arrives in between. When idle, ``run`` looks at the outbox with a re
 then less and less often, up to ``idle_poll_s``.
 Redis >= 8.6 has ``XADD ... IDMP`` (detected and logged); it keeps ids for at most a day and
 does not compare content, so the script stays the path that also catches conflicts.
+
+Publication records: who publishes a reply id a second time, and how long each path needs
+the record (defaults: ``lease_s`` 30 s, 20 attempts, backoff up to 30 s):
+
+* the worker publishes, dies (or loses Redis) before its mark; the dispatcher sweeps the row
+  once the publisher lease runs out: ``lease_s`` plus one idle step (0.5 s);
+* the dispatcher itself killed after the XADD, or its script reply lost: the row is claimed
+  again after its lease, or retried with backoff: at most the retry budget, ``max_attempts``
+  x (``lease_s`` + backoff cap) = 20 min if every attempt ends in a crash, ~8 min of
+  backoff if Redis stays unreachable;
+* the data-loss re-send after a restart seen while running: rows sent ``loss_window_s``
+  before the last look (one ``IDLE_STEP_EVERY_S`` ago at most), and the recheck one
+  ``lease_s`` after the alarm: under a minute. A restart found at start-up re-sends the rows
+  sent around the server's start, which may be as old as the dispatcher's downtime; after a
+  wipe there is no record to find anyway;
+* the operator's replay of a ``dead`` row: whenever the operator acts (days).
+
+So the record is kept ``record_window_s = min(record_ttl_s, retention_s)``, 30 minutes by
+default (above the 20-minute budget); its footprint is rate x 30 min (~150 bytes a reply),
+not a key per reply for a week. The paths that can come later than that use the stream
+itself: the replay, when no record is left, searches the reply stream from shortly before
+the row was written (``_find_in_stream``: bounded, the streams are trimmed to what their
+groups have not acknowledged). A re-send that finds neither record nor entry appends a new
+entry under the same reply id: the earlier one was read by every group and trimmed (the
+receivers' receipts dedupe it), or expired unread after the retention window (the point of
+publishing it again). The guarantee within the window is unchanged: a second publication
+adds no entry, other content under the id is a conflict.
+
+Trimming (``trim``, every ``trim_every_s`` from ``step``; ``trimming``). The dispatcher owns
+the reply streams of every principal of its keyring. Each is cut up to the oldest entry any
+group on it has not been delivered or still has pending; acknowledged replies younger than
+``min(trim_keep_s, retention_s)`` stay; a reply no group acknowledged (a receiver down, or
+no group yet) stays for ``retention_s``, then is trimmed, counted (``unread_trimmed``) and
+logged with its reply id: its outbox row still holds it until the row's own retention.
+Reply dead letters (``{out.P}:dead``, written by receivers) go by age, ``retention_s``.
 
 Crash order is XADD, then mark sent (the reverse could lose a reply):
 
@@ -184,8 +220,10 @@ class DispatcherConfig(BaseModel):
         prefix: the key prefix (see ``keys``).
         owner: this dispatcher's name on the outbox rows it claims.
         batch: rows claimed, published (one pipeline) and marked (one transaction) at once.
-        record_ttl_s: how long a publication record dedupes its reply id, seconds. Past it
-            a resend appends a second entry (the receiver's receipts still dedupe it).
+        record_ttl_s: how long a publication record dedupes its reply id at most, seconds
+            (``record_window_s``: no longer than ``retention_s``). Past it a resend finds
+            the reply in its stream (the replay) or appends a second entry (the receivers'
+            receipts dedupe it).
         idle_poll_s: the longest pause between two looks at the outbox when it had nothing
             ready, seconds. A look is a read (``OutboxStore.has_ready``: no write lock, no
             fsync); a step follows when it finds a row, and every ``IDLE_STEP_EVERY_S``.
