@@ -3,10 +3,8 @@ trimming never removes an entry that is pending, and every request is stored onc
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +15,7 @@ from broker_adapter.store import TaskStore, open_database
 from broker_adapter.streams import connect, text
 from broker_adapter.trimming import trim_stream
 from tests.crash.test_ingest_crash import _pending_ids, _publish
+from tests.crash.test_ingest_crash import _run as run_ingest
 from tests.support.ingest_script import drained, task_counts, write_keyring
 from tests.support.redis_server import RedisServer
 
@@ -25,24 +24,9 @@ pytestmark = pytest.mark.crash
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _run(
-    server: RedisServer,
-    prefix: str,
-    tmp_path: Path,
-    consumer: str,
-    crashpoint: str | None,
-    timeout_s: float = 30.0,
-) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("BA_")}
-    if crashpoint is not None:
-        env["BA_CRASHPOINT"] = crashpoint
-    cmd = [
-        sys.executable, "-m", "tests.support.ingest_script", "--trim",
-        "--url", server.url, "--prefix", prefix, "--db", str(tmp_path / "inbox.db"),
-        "--consumer", consumer, "--keyring", str(tmp_path / "keys.json"), "--count", "5",
-        "--timeout-s", str(timeout_s),
-    ]  # fmt: skip
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+def _run(*args: str | RedisServer | Path | None) -> subprocess.CompletedProcess[str]:
+    """``test_ingest_crash``'s run of ``ingest_script``, trimming before every step."""
+    return run_ingest(*args[:5], "--trim", *args[5:])  # type: ignore[arg-type]
 
 
 def _key(entry_id: str) -> tuple[int, int]:
@@ -65,7 +49,7 @@ def test_trims_keep_a_killed_ingests_pending_entries(
     assert pending
     # Another ingest trims before each of its steps and reads everything else; the dead
     # consumer's entries are not idle long enough to take over, so it cannot drain.
-    other = _run(redis_server, prefix, tmp_path, "ingest-h-1", None, timeout_s=2.0)
+    other = _run(redis_server, prefix, tmp_path, "ingest-h-1", None, "--timeout-s", "2")
     assert other.returncode == 3, other.stderr
     oldest = min(pending, key=_key)
     ids = [text(eid) for eid, fields in client.xrange(stream) if fields]

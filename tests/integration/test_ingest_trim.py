@@ -5,8 +5,6 @@ window, dead letters go by age. Time passes on a ``FakeClock``."""
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -16,9 +14,9 @@ from broker_adapter.clock import FakeClock
 from broker_adapter.ingest import IngestConfig, Ingestor
 from broker_adapter.keys import Keys
 from broker_adapter.publisher import Publisher
-from broker_adapter.store import TaskStore, open_database
+from broker_adapter.store import TaskStore
 from broker_adapter.streams import connect, text
-from tests.support.ingest_script import drain, envelope, real_deadline, write_keyring
+from tests.support.ingest_script import drain, envelope, real_deadline
 from tests.support.redis_server import RedisServer
 
 pytestmark = pytest.mark.integration
@@ -31,18 +29,6 @@ MS = int(START * 1000)
 @pytest.fixture
 def clock() -> FakeClock:
     return FakeClock(START)
-
-
-@pytest.fixture
-def keyring(tmp_path: Path) -> Keyring:
-    return write_keyring(tmp_path / "keys.json")
-
-
-@pytest.fixture
-def tasks(tmp_path: Path, clock: FakeClock) -> Iterator[TaskStore]:
-    db = open_database(tmp_path / "inbox.db")
-    yield TaskStore(db, clock)
-    db.close()
 
 
 def _ingestor(

@@ -44,6 +44,10 @@ def _read(client: Any, stream: str, group: str, consumer: str, n: int) -> list[s
     return [text(eid) for eid, _ in reply[0][1]] if reply else []
 
 
+def _read_and_ack(client: Any, stream: str, group: str, n: int) -> None:
+    client.xack(stream, group, *_read(client, stream, group, "c", n))
+
+
 def test_a_stream_without_groups_is_not_trimmed(client: Any, prefix: str) -> None:
     stream = f"{prefix}:s"
     _fill(client, stream, 5)
@@ -72,28 +76,21 @@ def test_the_bound_is_the_oldest_pending_entry(client: Any, prefix: str) -> None
     assert _ids(client, stream) == ids[3:]  # the pending one and all after it
 
 
-def test_all_acknowledged_trims_up_to_the_last_delivered(client: Any, prefix: str) -> None:
-    stream = f"{prefix}:s"
-    ids = _fill(client, stream, 10)
-    client.xgroup_create(stream, "g", id="0")
-    client.xack(stream, "g", *_read(client, stream, "g", "c", 7))
-    trim_stream(client, stream, keep_from_ms=NONE_KEPT)
-    # the last delivered entry itself stays (MINID at it), the undelivered ones too
-    assert _ids(client, stream) == ids[6:]
-
-
 def test_a_second_group_that_reads_slowly_holds_the_bound(client: Any, prefix: str) -> None:
     stream = f"{prefix}:s"
     ids = _fill(client, stream, 10)
     client.xgroup_create(stream, "fast", id="0")
     client.xgroup_create(stream, "slow", id="0")
-    client.xack(stream, "fast", *_read(client, stream, "fast", "c", 10))
-    client.xack(stream, "slow", *_read(client, stream, "slow", "c", 2))
+    _read_and_ack(client, stream, "fast", 10)
+    _read_and_ack(client, stream, "slow", 2)
     trim_stream(client, stream, keep_from_ms=NONE_KEPT)
     assert _ids(client, stream) == ids[1:]  # slow's last delivered, and what it has not read
-    client.xack(stream, "slow", *_read(client, stream, "slow", "c", 3))
+    _read_and_ack(client, stream, "slow", 3)
     trim_stream(client, stream, keep_from_ms=NONE_KEPT)
     assert _ids(client, stream) == ids[4:]
+    _read_and_ack(client, stream, "slow", 10)
+    trim_stream(client, stream, keep_from_ms=NONE_KEPT)
+    assert _ids(client, stream) == ids[9:]  # all acknowledged: the last delivered one stays
 
 
 def test_a_dead_consumers_pending_list_holds_the_bound(client: Any, prefix: str) -> None:
@@ -115,7 +112,7 @@ def test_the_keep_floor_on_both_sides_of_its_edge(client: Any, prefix: str) -> N
     stream = f"{prefix}:s"
     ids = _fill(client, stream, 10)
     client.xgroup_create(stream, "g", id="0")
-    client.xack(stream, "g", *_read(client, stream, "g", "c", 10))
+    _read_and_ack(client, stream, "g", 10)
     trim_stream(client, stream, keep_from_ms=5000)  # 5000-0 and later stay
     assert _ids(client, stream) == ids[4:]
     trim_stream(client, stream, keep_from_ms=5001)
@@ -126,7 +123,7 @@ def test_unread_entries_stay_without_expiry_and_go_past_it(client: Any, prefix: 
     stream = f"{prefix}:replies"
     ids = _fill(client, stream, 10, reply_ids=True)
     client.xgroup_create(stream, "g", id="0")
-    client.xack(stream, "g", *_read(client, stream, "g", "c", 3))  # 1..3 read and acknowledged
+    _read_and_ack(client, stream, "g", 3)  # 1..3 read and acknowledged
     _read(client, stream, "g", "c", 2)  # 4, 5 pending
     assert trim_stream(client, stream, keep_from_ms=NONE_KEPT).expired == []
     assert _ids(client, stream) == ids[3:]  # from the oldest pending one
