@@ -50,6 +50,8 @@ POINTS: dict[str, str] = {
     "ingest.after_xack": "entries acknowledged",
     "ingest.after_dead_letter": "bad entries moved to the dead-letter stream",
     "ingest.after_autoclaim": "idle entries of another consumer taken over",
+    "ingest.after_trim": "inbound and dead-letter streams trimmed, nothing else done",
+    "dispatcher.after_trim": "reply and reply dead-letter streams trimmed",
     "worker.after_claim": "task claimed (lease, fence+1), handler not started",
     "worker.after_effect": "handler returned (its side effect done), result not committed",
     "worker.after_finish": "terminal state and reply committed",

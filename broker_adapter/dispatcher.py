@@ -16,7 +16,8 @@ replay checks Redis by reply id first.
 
 Publication is idempotent in Redis itself. ONE Lua script on two keys of one hash tag,
 ``reply_record(P, reply_id)`` and ``replies(P)``, looks up the reply's publication record
-(``"<content hash> <entry id>"``, kept ``record_ttl_s``) and XADDs only when there is none:
+(``"<content hash> <entry id>"``, kept ``record_window_s``) and XADDs only when there is
+none:
 
 * no record: XADD the entry (``v``, ``reply_id``, ``hash``, ``body``, ``kid``, ``sig``),
   record it (SET NX, TTL);
@@ -41,6 +42,41 @@ when a stop arrives in between. When idle, ``run`` looks at the outbox with a re
 then less and less often, up to ``idle_poll_s``.
 Redis >= 8.6 has ``XADD ... IDMP`` (detected and logged); it keeps ids for at most a day and
 does not compare content, so the script stays the path that also catches conflicts.
+
+Publication records: who publishes a reply id a second time, and how long each path needs
+the record (defaults: ``lease_s`` 30 s, 20 attempts, backoff up to 30 s):
+
+* the worker publishes, dies (or loses Redis) before its mark; the dispatcher sweeps the row
+  once the publisher lease runs out: ``lease_s`` plus one idle step (0.5 s);
+* the dispatcher itself killed after the XADD, or its script reply lost: the row is claimed
+  again after its lease, or retried with backoff: at most the retry budget, ``max_attempts``
+  x (``lease_s`` + backoff cap) = 20 min if every attempt ends in a crash, ~8 min of
+  backoff if Redis stays unreachable;
+* the data-loss re-send after a restart seen while running: rows sent ``loss_window_s``
+  before the last look (one ``IDLE_STEP_EVERY_S`` ago at most), and the recheck one
+  ``lease_s`` after the alarm: under a minute. A restart found at start-up re-sends the rows
+  sent around the server's start, which may be as old as the dispatcher's downtime; after a
+  wipe there is no record to find anyway;
+* the operator's replay of a ``dead`` row: whenever the operator acts (days).
+
+So the record is kept ``record_window_s = min(record_ttl_s, retention_s)``, 30 minutes by
+default (above the 20-minute budget); its footprint is rate x 30 min (~150 bytes a reply),
+not a key per reply for a week. The paths that can come later than that use the stream
+itself: the replay, when no record is left, searches the reply stream from shortly before
+the row was written (``_find_in_stream``: bounded, the streams are trimmed to what their
+groups have not acknowledged). A re-send that finds neither record nor entry appends a new
+entry under the same reply id: the earlier one was read by every group and trimmed (the
+receivers' receipts dedupe it), or expired unread after the retention window (the point of
+publishing it again). The guarantee within the window is unchanged: a second publication
+adds no entry, other content under the id is a conflict.
+
+Trimming (``trim``, every ``trim_every_s`` from ``step``; ``trimming``). The dispatcher owns
+the reply streams of every principal of its keyring. Each is cut up to the oldest entry any
+group on it has not been delivered or still has pending; acknowledged replies younger than
+``min(trim_keep_s, retention_s)`` stay; a reply no group acknowledged (a receiver down, or
+no group yet) stays for ``retention_s``, then is trimmed, counted (``unread_trimmed``) and
+logged with its reply id: its outbox row still holds it until the row's own retention.
+Reply dead letters (``{out.P}:dead``, written by receivers) go by age, ``retention_s``.
 
 Crash order is XADD, then mark sent (the reverse could lose a reply):
 
@@ -100,6 +136,7 @@ import threading
 import time
 from dataclasses import dataclass
 from enum import StrEnum
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import tenacity
@@ -119,13 +156,25 @@ from broker_adapter.errors import (
 )
 from broker_adapter.keys import DEFAULT_PREFIX, Keys
 from broker_adapter.store.outbox import OutboxRow, OutboxStore, UnknownReply
-from broker_adapter.streams import call, eval_many, retrying, text, translated
+from broker_adapter.streams import call, encodable, eval_many, retrying, text, translated
+from broker_adapter.trimming import now_ms as trim_now_ms
+from broker_adapter.trimming import time_id, trim_by_age, trim_stream
 
 if TYPE_CHECKING:
     import redis
 
 DEFAULT_BATCH = 64
-DEFAULT_RECORD_TTL_S = 7 * 24 * 3600.0
+#: How long a publication record dedupes its reply id (see "Publication records" above).
+DEFAULT_RECORD_TTL_S = 1800.0
+DEFAULT_RETENTION_S = 7 * 24 * 3600.0
+DEFAULT_TRIM_EVERY_S = 10.0
+DEFAULT_TRIM_KEEP_S = 300.0
+#: The operator's replay looks for a reply in its stream from this long before the row was
+#: written (entry ids carry the server's clock, ``created_at`` this process's).
+REPLAY_SCAN_SKEW_S = 60.0
+#: ... through at most this many entries, in pages of ``REPLAY_SCAN_PAGE``.
+REPLAY_SCAN_MAX_ENTRIES = 100_000
+REPLAY_SCAN_PAGE = 1000
 DEFAULT_IDLE_POLL_S = 0.05
 DEFAULT_WAKE_POLL_S = 0.001
 #: An idle dispatcher still runs a whole step (the data-loss watch included) this often.
@@ -173,8 +222,10 @@ class DispatcherConfig(BaseModel):
         prefix: the key prefix (see ``keys``).
         owner: this dispatcher's name on the outbox rows it claims.
         batch: rows claimed, published (one pipeline) and marked (one transaction) at once.
-        record_ttl_s: how long a publication record dedupes its reply id, seconds. Past it
-            a resend appends a second entry (the receiver's receipts still dedupe it).
+        record_ttl_s: how long a publication record dedupes its reply id at most, seconds
+            (``record_window_s``: no longer than ``retention_s``). Past it a resend finds
+            the reply in its stream (the replay) or appends a second entry (the receivers'
+            receipts dedupe it).
         idle_poll_s: the longest pause between two looks at the outbox when it had nothing
             ready, seconds. A look is a read (``OutboxStore.has_ready``: no write lock, no
             fsync); a step follows when it finds a row, and every ``IDLE_STEP_EVERY_S``.
@@ -183,6 +234,12 @@ class DispatcherConfig(BaseModel):
             ``idle_poll_s``.
         loss_window_s: how far back a Redis restart can have lost acknowledged writes,
             seconds (``appendfsync everysec``: 1 s nominal, 2 s worst case).
+        retention_s: the retention window, seconds: a reply no group has acknowledged is
+            trimmed from its stream (counted and logged) once it is this old, a reply dead
+            letter too; publication records live ``min(record_ttl_s, retention_s)``.
+        trim_every_s: how often ``run`` trims the reply and reply dead-letter streams.
+        trim_keep_s: acknowledged replies younger than this (or than ``retention_s``, if
+            shorter) are kept, seconds.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -194,6 +251,14 @@ class DispatcherConfig(BaseModel):
     idle_poll_s: float = Field(default=DEFAULT_IDLE_POLL_S, gt=0)
     wake_poll_s: float = Field(default=DEFAULT_WAKE_POLL_S, gt=0)
     loss_window_s: float = Field(default=DEFAULT_LOSS_WINDOW_S, ge=0)
+    retention_s: float = Field(default=DEFAULT_RETENTION_S, gt=0)
+    trim_every_s: float = Field(default=DEFAULT_TRIM_EVERY_S, gt=0)
+    trim_keep_s: float = Field(default=DEFAULT_TRIM_KEEP_S, ge=0)
+
+    @property
+    def record_window_s(self) -> float:
+        """How long a publication record lives: ``min(record_ttl_s, retention_s)``."""
+        return min(self.record_ttl_s, self.retention_s)
 
     @field_validator("prefix")
     @classmethod
@@ -274,6 +339,10 @@ class DispatcherStats:
     wipes: int = 0
     restarts: int = 0
     requeued: int = 0
+    trimmed: int = 0
+    unread_trimmed: int = 0
+    dead_letters_trimmed: int = 0
+    trim_failures: int = 0
 
 
 def parse_version(version: str) -> tuple[int, ...]:
@@ -507,8 +576,10 @@ class Dispatcher:
         self._rechecks: list[_Recheck] = []
         self._publisher = None if keyring is None else ReplyPublisher(
             client, outbox, self.keys, config.owner, keyring=keyring,
-            record_ttl_s=config.record_ttl_s, stats=self.stats, logger=self.log,
+            record_ttl_s=config.record_window_s, stats=self.stats, logger=self.log,
         )  # fmt: skip
+        self._keyring = keyring
+        self._next_trim = self.clock.now() + config.trim_every_s
 
     @property
     def publisher(self) -> ReplyPublisher:
@@ -709,6 +780,8 @@ class Dispatcher:
             StoreBusy: SQLite stayed locked; claimed rows return when their lease runs out.
         """
         self.watch()
+        if self.clock.now() >= self._next_trim:
+            self.trim()
         rows, self._ahead = self._ahead or self.claim(), []
         if not rows:
             return 0
@@ -756,6 +829,56 @@ class Dispatcher:
                 except TransientError as exc:
                     self.log.warning("looking at the outbox failed, will retry: %s", exc)
 
+    # -- trimming -----------------------------------------------------------------------------
+
+    def trim(self) -> int:
+        """Trim the reply stream of every principal of the keyring (the streams this adapter
+        writes) up to the oldest entry a group on it still needs (``trimming``): replies
+        every group acknowledged go once ``min(trim_keep_s, retention_s)`` old, replies no
+        group acknowledged once ``retention_s`` old (counted, and logged with their reply
+        ids: the outbox row still holds each); reply dead letters go by age.
+
+        Returns:
+            how many entries were removed, dead letters included.
+
+        Raises:
+            TransientError: Redis could not be reached; the next step tries again.
+        """
+        if self._keyring is None:
+            return 0
+        cfg = self.config
+        now_ms = trim_now_ms(self.client, self.clock)
+        keep_from_ms = now_ms - min(cfg.trim_keep_s, cfg.retention_s) * 1000
+        expire_ms = now_ms - cfg.retention_s * 1000
+        removed = 0
+        for principal in self._keyring.principals:
+            stream = self.keys.replies(principal)
+            try:
+                result = trim_stream(
+                    self.client, stream, keep_from_ms=keep_from_ms, expire_before_ms=expire_ms
+                )
+                dead = trim_by_age(self.client, self.keys.replies_dead(principal), expire_ms)
+            except TransientError:
+                raise
+            except BrokerAdapterError as exc:
+                self.stats.trim_failures += 1
+                self.log.error("ALARM: trimming %s failed, will retry: %s", stream, exc)
+                continue
+            if result.expired:
+                self.log.warning(
+                    "%s: %d replies no group acknowledged within the retention window "
+                    "(%.0f s) trimmed (their outbox rows still hold them): %s",
+                    stream, len(result.expired), cfg.retention_s,
+                    ", ".join(encodable(r, 200) or f"<entry {e}>" for e, r in result.expired),
+                )  # fmt: skip
+            self.stats.trimmed += result.trimmed
+            self.stats.unread_trimmed += len(result.expired)
+            self.stats.dead_letters_trimmed += dead
+            removed += result.trimmed + dead
+        self._next_trim = self.clock.now() + cfg.trim_every_s
+        crashpoints.hit("dispatcher.after_trim")
+        return removed
+
     # -- operator path ------------------------------------------------------------------------
 
     def list_dead(self, limit: int = 1000) -> list[OutboxRow]:
@@ -767,9 +890,12 @@ class Dispatcher:
 
         If Redis holds the reply's publication record with the same content hash, the reply
         was published: the row is marked sent with that entry id and nothing is re-sent.
-        Otherwise the row is put back in line under the same reply id. Either way the row
-        records who replayed it and when. (Past ``record_ttl_s`` the record is gone and a
-        replay may append a second entry; the receiver's receipts dedupe it.)
+        Without a record (it lives ``record_window_s``) the reply stream itself is searched,
+        from shortly before the row was written: an entry there under this reply id counts
+        as the record would. Otherwise the row is put back in line under the same reply id.
+        Either way the row records who replayed it and when. (A reply whose entry was
+        trimmed, read by every group or unread past the retention window, is published
+        again under its id; the receiver's receipts dedupe it.)
 
         Raises:
             UnknownReply: no such reply.
@@ -784,8 +910,9 @@ class Dispatcher:
             raise StaleError(reply_id, "not_dead", f"state is {row.state}")
         key = self.keys.reply_record(row.principal, reply_id)
         raw = call(lambda: self.client.get(key))
-        if raw is not None:
-            stored, entry_id = _parse_record(raw)
+        found = _parse_record(raw) if raw is not None else self._find_in_stream(row)
+        if found is not None:
+            stored, entry_id = found
             if stored != row.content_hash or entry_id is None:
                 raise ReplyConflict(reply_id, stored, row.content_hash)
             self.outbox.mark_published(reply_id, entry_id, by)
@@ -799,3 +926,27 @@ class Dispatcher:
         self.outbox.replay(reply_id, by)
         self.log.warning("replay of %s by %s: put back in line", reply_id, by)
         return ReplayResult(reply_id, ReplayOutcome.REQUEUED)
+
+    def _find_in_stream(self, row: OutboxRow) -> tuple[str, str | None] | None:
+        """``(content hash, entry id)`` of the first entry of the row's reply stream under its
+        reply id, from ``REPLAY_SCAN_SKEW_S`` before the row was written; ``None`` if none is
+        found within ``REPLAY_SCAN_MAX_ENTRIES`` entries (the streams are trimmed, so the
+        scan is bounded by what their groups have not acknowledged yet)."""
+        stream = self.keys.replies(row.principal)
+        start = time_id((row.created_at - REPLAY_SCAN_SKEW_S) * 1000)
+        wanted = row.reply_id.encode()
+        seen = 0
+        while seen < REPLAY_SCAN_MAX_ENTRIES:
+            page: Any = call(partial(self.client.xrange, stream, start, "+", REPLAY_SCAN_PAGE))
+            for eid, fields in page:
+                if fields.get(b"reply_id") == wanted:
+                    return text(fields.get(b"hash", b"")), text(eid)
+            if len(page) < REPLAY_SCAN_PAGE:
+                return None
+            seen += len(page)
+            start = "(" + text(page[-1][0])
+        self.log.warning(
+            "replay of %s: no record, and not among the first %d entries of %s",
+            row.reply_id, seen, stream,
+        )  # fmt: skip
+        return None

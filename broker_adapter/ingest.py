@@ -30,6 +30,18 @@ How one batch goes (``step``)::
     dead-letter NOT_TASK and REFUSED outcomes
     ONE XACK for the batch    -> hit ingest.after_xack
 
+Trimming (``trim``, every ``trim_every_s`` from ``tick``; ``trimming``). Each inbound stream
+is cut with ``XTRIM MINID`` up to the oldest entry that ANY consumer group on it, not only
+``ba-ingest``, has not been delivered yet or still has pending (a dead consumer's pending
+entries hold the bound until they are taken over and acknowledged); a stream with no group
+is not trimmed, and an inbound entry is never trimmed for its age. Acknowledged entries
+younger than ``min(trim_keep_s, retention_s)`` stay too: that is how long the original of a
+truncated dead letter can still be read in its stream under ``dl.entry_id``. The
+dead-letter stream goes by age: a dead letter older than ``retention_s`` is removed. A trim
+is one atomic script per stream; a crash around it (``ingest.after_trim``) loses nothing,
+and one the server refuses (an ACL without ``xinfo|groups`` or ``xtrim``) is logged as an
+alarm and tried again at the next interval, without stopping the ingest.
+
 Crash safety: a crash anywhere before the XACK leaves the entries pending in this consumer's
 list. On restart under the same consumer name the ``GroupReader`` replays them first; under
 a new name, ``take_over`` claims them with XAUTOCLAIM once they are idle past
@@ -57,7 +69,13 @@ from broker_adapter import crashpoints
 from broker_adapter.auth import Authenticated, Keyring, check_stream_principal
 from broker_adapter.clock import Clock, SystemClock
 from broker_adapter.envelope import check_principal
-from broker_adapter.errors import ConfigError, EnvelopeError, StoreBusy, TransientError
+from broker_adapter.errors import (
+    BrokerAdapterError,
+    ConfigError,
+    EnvelopeError,
+    StoreBusy,
+    TransientError,
+)
 from broker_adapter.keys import DEFAULT_PREFIX, INGEST_GROUP, Keys
 from broker_adapter.limits import IngressLimits
 from broker_adapter.store.tasks import AcceptItem, AcceptResult, Outcome, TaskStore
@@ -70,6 +88,8 @@ from broker_adapter.streams import (
     StreamEntry,
     run_until_stopped,
 )
+from broker_adapter.trimming import now_ms as trim_now_ms
+from broker_adapter.trimming import trim_by_age, trim_stream
 
 if TYPE_CHECKING:
     import redis
@@ -80,6 +100,9 @@ DEFAULT_CLAIM_MIN_IDLE_MS = 60_000
 DEFAULT_CLAIM_EVERY_S = 5.0
 DEFAULT_MAX_DELIVERIES = 10
 DEFAULT_MAX_ENTRY_BYTES = 256 * 1024
+DEFAULT_RETENTION_S = 7 * 24 * 3600.0
+DEFAULT_TRIM_EVERY_S = 10.0
+DEFAULT_TRIM_KEEP_S = 300.0
 #: ``take_over`` pages through at most this many XAUTOCLAIM replies per stream per call.
 TAKE_OVER_MAX_PAGES = 64
 _CONSUMER_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._:-")
@@ -112,6 +135,11 @@ class IngestConfig(BaseModel):
         rate_burst: the bucket's size (default: one second's worth, at least 1).
         max_open_tasks: a principal with this many tasks not yet terminal gets no new one
             (``quota_exceeded``). ``None``: off.
+        retention_s: the retention window, seconds: dead letters older than this are
+            trimmed from the dead-letter streams.
+        trim_every_s: how often ``run`` trims the inbound and dead-letter streams.
+        trim_keep_s: acknowledged inbound entries younger than this (or than
+            ``retention_s``, if shorter) are kept, seconds.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -132,6 +160,9 @@ class IngestConfig(BaseModel):
     rate_limit: float | None = Field(default=None, gt=0)
     rate_burst: int | None = Field(default=None, ge=1)
     max_open_tasks: int | None = Field(default=None, ge=1)
+    retention_s: float = Field(default=DEFAULT_RETENTION_S, gt=0)
+    trim_every_s: float = Field(default=DEFAULT_TRIM_EVERY_S, gt=0)
+    trim_keep_s: float = Field(default=DEFAULT_TRIM_KEEP_S, ge=0)
 
     @field_validator("prefix")
     @classmethod
@@ -182,6 +213,9 @@ class IngestStats:
     acked: int = 0
     taken_over: int = 0
     transient_errors: int = 0
+    trimmed: int = 0
+    dead_letters_trimmed: int = 0
+    trim_failures: int = 0
     dead_lettered: dict[str, int] = field(default_factory=dict)
 
     @property
@@ -284,6 +318,7 @@ class Ingestor:
             for p in principals
         ]
         self._next_take_over = float("-inf")
+        self._next_trim = self.clock.now() + config.trim_every_s
 
     @property
     def readers(self) -> list[GroupReader]:
@@ -364,15 +399,51 @@ class Ingestor:
         self._next_take_over = self.clock.now() + self.config.claim_every_s
         return handled
 
+    def trim(self) -> int:
+        """Trim each inbound stream up to the oldest entry a group still needs, and each
+        dead-letter stream by age (see the module text).
+
+        Returns:
+            how many entries were removed, dead letters included.
+
+        Raises:
+            TransientError: Redis could not be reached; call again (each stream's trim is
+                atomic and safe to repeat).
+        """
+        cfg = self.config
+        now_ms = trim_now_ms(self.client, self.clock)
+        keep_from_ms = now_ms - min(cfg.trim_keep_s, cfg.retention_s) * 1000
+        removed = 0
+        for source in self._sources:
+            reader = source.reader
+            try:
+                trimmed = trim_stream(self.client, reader.stream, keep_from_ms=keep_from_ms)
+                dead = trim_by_age(self.client, reader.dead_stream, now_ms - cfg.retention_s * 1000)
+            except TransientError:
+                raise
+            except BrokerAdapterError as exc:
+                self.stats.trim_failures += 1
+                self.log.error("ALARM: trimming %s failed, will retry: %s", reader.stream, exc)
+                continue
+            self.stats.trimmed += trimmed.trimmed
+            self.stats.dead_letters_trimmed += dead
+            removed += trimmed.trimmed + dead
+        self._next_trim = self.clock.now() + cfg.trim_every_s
+        crashpoints.hit("ingest.after_trim")
+        return removed
+
     def tick(self) -> int:
-        """One iteration of ``run``: ``take_over`` when due, then ``step``.
+        """One iteration of ``run``: ``take_over`` and ``trim`` when due, then ``step``.
 
         Returns:
             how many entries were handled.
         """
         handled = 0
-        if self.clock.now() >= self._next_take_over:
+        now = self.clock.now()
+        if now >= self._next_take_over:
             handled += self.take_over()
+        if now >= self._next_trim:
+            self.trim()
         return handled + self.step()
 
     def run(self, stop: threading.Event) -> None:

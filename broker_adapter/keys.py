@@ -9,7 +9,7 @@ key                             what it holds
 ``{p}:{in.P}:dead``             dead letters of P's inbound stream
 ``{p}:{out.P}:replies``         replies addressed to principal P
 ``{p}:{out.P}:dead``            replies P's receiver refused (content conflicts, poison)
-``{p}:{out.P}:rid:<reply id>``  publication record: content hash and entry id (TTL)
+``{p}:{out.P}:rid:<reply id>``  publication record: content hash and entry id (TTL 30 min)
 ``{p}:{meta}:epoch``            set once with NX; its absence means Redis lost its data
 ==============================  =====================================================
 
@@ -18,6 +18,10 @@ hash tag: a stream, its dead-letter stream and its publication records share one
 Lua scripts that touch several of them stay within one slot, while different principals'
 streams can live on different shards. In ACL mode each principal gets key patterns of its
 own (``{p}:{in.P}:*``), which is what lets an ACL bind a principal to its stream.
+
+What stays how long (``trimming``): inbound streams up to the oldest entry any group still
+needs, reply streams likewise or until ``retention_s`` for what no group acknowledged, dead
+letters ``retention_s``, records ``min(record_ttl_s, retention_s)``.
 
 Groups: ``ba-ingest`` reads inbound streams; a receiver's group on its reply stream is
 ``ba-receiver`` unless configured otherwise.

@@ -75,6 +75,8 @@ class RunConfig(BaseModel):
             publishes every reply.
         rate_limit, rate_burst, max_open_tasks: the ingress limits per principal
             (``IngestConfig``, ``limits``); off by default.
+        retention_s: the retention window (the published dedupe window), seconds: the
+            streams, dead letters and publication records are trimmed by it.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -96,6 +98,7 @@ class RunConfig(BaseModel):
     rate_limit: float | None = Field(default=None, gt=0)
     rate_burst: int | None = Field(default=None, ge=1)
     max_open_tasks: int | None = Field(default=None, ge=1)
+    retention_s: float = Field(default=7 * 24 * 3600.0, gt=0)
 
     @field_validator("redis_url")
     @classmethod
@@ -215,6 +218,13 @@ class Runner:
             grace_s=self.config.grace_s,
             redis_url=self.config.redis_url if self.config.worker_publish else None,
             prefix=self.config.prefix,
+            record_ttl_s=self._dispatcher_config().record_window_s,
+        )
+
+    def _dispatcher_config(self) -> DispatcherConfig:
+        cfg = self.config
+        return DispatcherConfig(
+            prefix=cfg.prefix, owner=f"{cfg.name}-dispatcher", retention_s=cfg.retention_s
         )
 
     def _pool(self) -> WorkerPool:
@@ -255,6 +265,7 @@ class Runner:
                 rate_limit=cfg.rate_limit,
                 rate_burst=cfg.rate_burst,
                 max_open_tasks=cfg.max_open_tasks,
+                retention_s=cfg.retention_s,
             )
             client = connect(cfg.redis_url)
             tasks = (
@@ -272,7 +283,7 @@ class Runner:
         try:
             client = connect(cfg.redis_url)
             outbox = OutboxStore(db, SystemClock())
-            dispatch_cfg = DispatcherConfig(prefix=cfg.prefix, owner=f"{cfg.name}-dispatcher")
+            dispatch_cfg = self._dispatcher_config()
             dispatcher = Dispatcher(
                 dispatch_cfg, client, outbox, keyring=self.keyring, logger=self.log
             )

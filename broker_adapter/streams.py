@@ -29,7 +29,9 @@ Delivery discipline (``GroupReader``):
   it is neither looped on nor silently dropped.
 * A dead letter copies the original pairs, in order and byte for byte, up to those two
   limits; of a larger entry it copies what fits and says so in ``dl.truncated`` (the entry
-  itself stays in its stream under ``dl.entry_id``). So the script's argument list is
+  itself stays in its stream under ``dl.entry_id`` until the stream's trim passes it:
+  acknowledged entries are kept ``min(trim_keep_s, retention_s)``, five minutes by default,
+  see ``trimming``). So the script's argument list is
   bounded whatever a writer put in the entry. Every text taken from input is made
   encodable first (a lone surrogate is written as ``\\ud800``).
 * Dead-lettering is isolated per entry: a dead letter that fails for any reason but a
@@ -802,7 +804,8 @@ class GroupReader:
         copied = cfg.max_entry_bytes - room
         return copy, (
             f"copied {len(copy) // 2} of {len(original) // 2} fields, {copied} of {total} "
-            f"bytes; the entry stays in {self.stream} under dl.entry_id"
+            f"bytes; the entry stays in {self.stream} under dl.entry_id until the stream "
+            "is trimmed past it"
         )
 
     def _give_up(self, entry_id: str, reason: str, exc: Exception, *, ack: bool) -> None:

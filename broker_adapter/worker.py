@@ -60,7 +60,12 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from broker_adapter import crashpoints
 from broker_adapter.auth import Keyring
 from broker_adapter.clock import Clock
-from broker_adapter.dispatcher import DispatcherStats, Publication, ReplyPublisher
+from broker_adapter.dispatcher import (
+    DEFAULT_RECORD_TTL_S,
+    DispatcherStats,
+    Publication,
+    ReplyPublisher,
+)
 from broker_adapter.envelope import check_result
 from broker_adapter.errors import (
     BrokerAdapterError,
@@ -145,6 +150,8 @@ class WorkerConfig(BaseModel):
             of its own batches right after their commit (see ``Worker``); without it (or
             ``None``) they wait in the outbox for the dispatcher.
         prefix: the key prefix (see ``keys``), as the dispatcher's.
+        record_ttl_s: how long its publication records live (the dispatcher's
+            ``DispatcherConfig.record_window_s``).
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
@@ -159,6 +166,7 @@ class WorkerConfig(BaseModel):
     grace_s: float = Field(default=DEFAULT_GRACE_S, ge=0)
     redis_url: str | None = None
     prefix: str = DEFAULT_PREFIX
+    record_ttl_s: float = Field(default=DEFAULT_RECORD_TTL_S, gt=0)
 
     @field_validator("prefix")
     @classmethod
@@ -455,7 +463,8 @@ class Worker:
             outbox = OutboxStore(tasks.db, self.clock, outbox_policy)
             self.publisher = ReplyPublisher(
                 redis_client, outbox, Keys(config.prefix), f"{config.owner}-pub",
-                keyring=keyring, stats=self.publish_stats, logger=self.log,
+                keyring=keyring, record_ttl_s=config.record_ttl_s, stats=self.publish_stats,
+                logger=self.log,
             )  # fmt: skip
         #: Publications Redis confirmed, not yet marked sent: (row, publication, when).
         self._confirmed: list[tuple[OutboxRow, Publication, float]] = []

@@ -54,7 +54,9 @@ def _run(
     tmp_path: Path,
     consumer: str,
     crashpoint: str | None,
+    *extra: str,
 ) -> subprocess.CompletedProcess[str]:
+    """Run ``ingest_script`` (with ``extra`` arguments) until it drains, or is killed."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("BA_")}
     if crashpoint is not None:
         env["BA_CRASHPOINT"] = crashpoint
@@ -62,6 +64,7 @@ def _run(
         sys.executable, "-m", "tests.support.ingest_script",
         "--url", server.url, "--prefix", prefix, "--db", str(tmp_path / "inbox.db"),
         "--consumer", consumer, "--keyring", str(tmp_path / "keys.json"), "--count", "5",
+        *extra,
     ]  # fmt: skip
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
 

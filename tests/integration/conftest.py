@@ -7,8 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from broker_adapter.store import open_database
+from broker_adapter.auth import Keyring
+from broker_adapter.clock import FakeClock
+from broker_adapter.store import TaskStore, open_database
 from broker_adapter.store.db import Database
+from tests.support.ingest_script import write_keyring
 
 
 @pytest.fixture
@@ -38,3 +41,17 @@ def rx_db(rx_path: Path) -> Iterator[Database]:
     database = open_database(rx_path)
     yield database
     database.close()
+
+
+@pytest.fixture
+def keyring(tmp_path: Path) -> Keyring:
+    """The test keyring (``ingest_script.KEYRING``), written as a 0600 file and loaded."""
+    return write_keyring(tmp_path / "keys.json")
+
+
+@pytest.fixture
+def tasks(tmp_path: Path, clock: FakeClock) -> Iterator[TaskStore]:
+    """The ingest's task store (``inbox.db``) on the test clock."""
+    db = open_database(tmp_path / "inbox.db")
+    yield TaskStore(db, clock)
+    db.close()

@@ -352,3 +352,25 @@ def test_dispatcher_says_once_when_its_user_may_not_run_info(
     assert "docs/PROTOCOL.md section 9" in message
     assert [w.run_id for w in watches] == ["", "", ""]
     assert len({w.epoch for w in watches}) == 1  # the epoch key is still watched
+
+
+def test_documented_adapter_user_can_trim_its_streams(acl_server: AclRedisServer) -> None:
+    """The trims' script and calls (``trimming``) pass the documented adapter ACL."""
+    from broker_adapter.clock import SystemClock
+    from broker_adapter.trimming import now_ms, trim_by_age, trim_stream
+
+    keys = Keys(DOC_PREFIX)
+    ops = acl_server.client()
+    inbound, replies = keys.inbound("alice"), keys.replies("alice")
+    for stream in (inbound, replies, keys.inbound_dead("alice"), keys.replies_dead("alice")):
+        ops.xadd(stream, {"reply_id": "r1"}, id="1000-0")
+        ops.xadd(stream, {"reply_id": "r2"}, id="2000-0")
+    ops.xgroup_create(inbound, "ba-ingest", id="0")
+    ops.xreadgroup("ba-ingest", "c", {inbound: ">"}, count=2)
+    ops.xack(inbound, "ba-ingest", "1000-0")
+    adapter = as_user(acl_server, "adapter")
+    now = now_ms(adapter, SystemClock())
+    assert trim_stream(adapter, inbound, keep_from_ms=now).trimmed == 1
+    assert len(trim_stream(adapter, replies, keep_from_ms=now, expire_before_ms=now).expired) == 2
+    assert trim_by_age(adapter, keys.inbound_dead("alice"), now) == 2
+    assert trim_by_age(adapter, keys.replies_dead("alice"), now) == 2

@@ -8,7 +8,7 @@ import asyncio
 import json
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, cast
 
@@ -22,7 +22,7 @@ from broker_adapter.errors import AuthError, ConfigError, RedisUnavailable
 from broker_adapter.ingest import IngestConfig, Ingestor
 from broker_adapter.keys import INGEST_GROUP, Keys
 from broker_adapter.publisher import AsyncPublisher, Publisher
-from broker_adapter.store import AcceptItem, AcceptResult, OutboxStore, TaskStore, open_database
+from broker_adapter.store import AcceptItem, AcceptResult, OutboxStore, TaskStore
 from broker_adapter.streams import connect, connect_async, text
 from tests.support.ingest_script import (
     DEADLINE,
@@ -33,7 +33,6 @@ from tests.support.ingest_script import (
     envelope,
     pending_total,
     task_counts,
-    write_keyring,
 )
 from tests.support.redis_server import RedisServer
 
@@ -41,18 +40,6 @@ pytestmark = pytest.mark.integration
 
 ALICE = ("alice-2026", KEYRING["alice"]["alice-2026"].encode())
 BOB = ("bob-1", KEYRING["bob"]["bob-1"].encode())
-
-
-@pytest.fixture
-def keyring(tmp_path: Path) -> Keyring:
-    return write_keyring(tmp_path / "keys.json")
-
-
-@pytest.fixture
-def tasks(tmp_path: Path, clock: FakeClock) -> Iterator[TaskStore]:
-    db = open_database(tmp_path / "inbox.db")
-    yield TaskStore(db, clock)
-    db.close()
 
 
 def _alice_published(

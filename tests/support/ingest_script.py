@@ -127,6 +127,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--count", type=int, default=5)
     parser.add_argument("--claim-min-idle-ms", type=int, default=60_000)
     parser.add_argument("--timeout-s", type=float, default=30.0)
+    parser.add_argument("--trim", action="store_true", help="trim before every step (keep 0)")
     args = parser.parse_args(argv)
 
     client = connect(args.url, socket_timeout_s=5.0)
@@ -137,6 +138,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         count=args.count,
         block_ms=20,
         claim_min_idle_ms=args.claim_min_idle_ms,
+        trim_keep_s=0,
     )
     ingestor = Ingestor(config, client, TaskStore(db), Keyring.load(args.keyring))
     stream = Keys(args.prefix).inbound()
@@ -144,6 +146,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print("ready", flush=True)
     while time.monotonic() < deadline:
         ingestor.take_over()
+        if args.trim:
+            ingestor.trim()
         ingestor.step()
         if drained(client, stream):
             print(json.dumps(asdict(ingestor.stats)), flush=True)
