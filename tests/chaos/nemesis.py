@@ -27,14 +27,16 @@ Packages (RELIABILITY.md 5.4; the kind is the ``fault`` field of the history eve
 * ``idle-skew``: ``XCLAIM ... IDLE 3600000 JUSTID`` on every pending entry of every group;
 * ``storm``: ``XGROUP SETID <replies> ba-receiver 0`` and agents re-publish recent keys;
 * ``sqlite-busy``: another connection holds ``BEGIN IMMEDIATE`` on the adapter database;
-* ``forge-reply``: forged replies on the agents' reply streams (``hostile.FORGERY_SHAPES``:
-  unsigned, a wrong secret, another principal's key), under invented reply ids or the real
-  ``r-<task id>`` of a task not answered yet (read from the adapter database), so that
-  the forgery comes BEFORE the real reply; logged as history ``forge`` events;
+* ``forge-reply``: 2-5 forged replies on the reply streams (``hostile.FORGERY_SHAPES``:
+  unsigned, a wrong secret, another principal's key; dealt from a deck of their own),
+  under invented reply ids or the real ``r-<task id>`` of a task not answered yet (read
+  from the adapter database), so that the forgery comes BEFORE the real reply; logged as
+  history ``forge`` events;
 * ``poison-reply``: the same with poisoned entries (``hostile.REPLY_POISON_SHAPES``: ~4,000
   or ~10,000 fields, a repeated field, over a megabyte, a signed body nested too deep);
-* ``replay``: byte-identical copies of real inbound entries appended again, either recent
-  ones or the oldest of the stream (their tasks long terminal); history ``replay``.
+* ``replay``: byte-identical copies of 2-6 real inbound entries appended again, picked from
+  the newest 20 (their tasks may still run) or the oldest 200 of the stream (long
+  terminal); history ``replay``.
 
 The hostile packages open a fault window for the period but excuse nothing: the checker
 judges exits, dead letters and receipts the same inside and outside it.
@@ -109,8 +111,8 @@ COMMON_PACKAGES = (
     "pause-adapter", "pause-receiver", "net", "client-pause", "idle-skew", "storm",
     "sqlite-busy", *HOSTILE_PACKAGES,
 )  # fmt: skip
-#: Entries ``replay`` looks at (the newest or the oldest of the inbound stream).
-REPLAY_SCAN = 200
+#: Entries ``replay`` picks from: the newest few (their tasks may still run) or the oldest.
+REPLAY_SOON, REPLAY_LATE = 20, 200
 SKEW_IDLE_MS = 3_600_000
 BUSY_HOLD_MAX_S = 3.0
 
@@ -223,6 +225,7 @@ class Nemesis:
         self.prng = random.Random(rng.getrandbits(64))  # per started package (see ``run``)
         self.active: list[Fault] = []
         self._deck: list[str] = []
+        self._shape_decks: dict[str, list[str]] = {}
         self._admin: redis.Redis | None = None
         self._ids = itertools.count(1)
         self._stop = threading.Event()
@@ -592,6 +595,7 @@ class Nemesis:
         if not self.keyring:
             return None
         usable = sorted(s for s in shapes if len(self.principals) > 1 or "other" not in s)
+        deck = self._shape_decks.setdefault(" ".join(usable), [])
         f = self.begin(fault, "replies")
         for n in range(self.prng.randint(2, 5)):
             principal = self.prng.choice(self.principals)
@@ -601,7 +605,10 @@ class Nemesis:
                 " AND NOT EXISTS (SELECT 1 FROM outbox o WHERE o.task_id = t.task_id) LIMIT 50",
                 (principal,),
             )
-            shape = self.prng.choice(usable)
+            if not deck:  # every shape comes up before any comes up twice
+                deck += usable
+                self.prng.shuffle(deck)
+            shape = deck.pop()
             if unanswered and self.prng.random() < 0.7:
                 task_id, message_id = map(str, self.prng.choice(unanswered))
                 target = "real"
@@ -649,9 +656,9 @@ class Nemesis:
         stream = self.keys.inbound()
         late = self.prng.random() < 0.5
         page: Any = (
-            admin.xrange(stream, count=REPLAY_SCAN)
+            admin.xrange(stream, count=REPLAY_LATE)
             if late
-            else admin.xrevrange(stream, count=REPLAY_SCAN)
+            else admin.xrevrange(stream, count=REPLAY_SOON)
         )
         real: list[tuple[str, dict[bytes, bytes]]] = []
         for eid, raw in page or []:
