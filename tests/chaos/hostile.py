@@ -88,6 +88,18 @@ def _nested(levels: int) -> bytes:
     return b"[" * levels + b"]" * levels
 
 
+def _misshaped(shape: str, pairs: Pairs, repeated: bytes, oversize: int) -> Pairs:
+    """``pairs`` made wide, given a repeated field ``repeated`` or padded past ``oversize``
+    bytes, as ``shape`` says; other shapes keep their fields."""
+    if shape in WIDE_FIELDS:
+        return pairs + _filler(WIDE_FIELDS[shape] - len(pairs))
+    if shape == "dup_field":
+        return [*pairs, (repeated, b"{}")]
+    if shape == "oversize":
+        return [*pairs, (b"chaos_pad", b"p" * oversize)]
+    return pairs
+
+
 def _signed_env(env: bytes, kid: str, secret: str) -> Pairs:
     return [
         (b"v", WIRE_VERSION.encode()),
@@ -123,16 +135,10 @@ def inbound_poison(
         holder = canonical_json(dict(envelope.to_dict(), payload={"deep": "@@chaos-hole@@"}))
         levels = DEEP_PAYLOAD_LEVELS if shape == "deep_payload" else DEEP_JSON_LEVELS
         env = holder.replace(_HOLE.encode(), _nested(levels))
-    pairs: Pairs = [(CHAOS_KEY_FIELD, key.encode()), *_signed_env(env, kid, secret)]
-    if shape in WIDE_FIELDS:
-        pairs += _filler(WIDE_FIELDS[shape] - len(pairs))
-    elif shape == "dup_field":
-        pairs.append((b"env", b"{}"))
-    elif shape == "oversize":
-        pairs.append((b"chaos_pad", b"p" * INBOUND_OVERSIZE_BYTES))
     elif shape not in INBOUND_SHAPES:
         raise ValueError(f"unknown inbound shape {shape!r}")
-    return pairs
+    pairs: Pairs = [(CHAOS_KEY_FIELD, key.encode()), *_signed_env(env, kid, secret)]
+    return _misshaped(shape, pairs, b"env", INBOUND_OVERSIZE_BYTES)
 
 
 def forged_body(
@@ -169,6 +175,8 @@ def reply_entry(
         keyring: every principal's keys (the harness knows them all).
         other: another principal, for ``other_key`` / ``other_secret``.
     """
+    if shape not in FORGERY_SHAPES and shape not in REPLY_POISON_SHAPES:
+        raise ValueError(f"unknown reply shape {shape!r}")
     kid, secret = next(iter(keyring[principal].items()))
     if shape in ("other_key", "other_secret"):
         if other is None:
@@ -190,15 +198,7 @@ def reply_entry(
     if shape not in ("unsigned_v1", "unsigned_v2"):
         sig = reply_signature(secret.encode(), kid, principal, reply_id, body)
         pairs += [(b"kid", kid.encode()), (b"sig", sig.encode())]
-    if shape in WIDE_FIELDS:
-        pairs += _filler(WIDE_FIELDS[shape] - len(pairs))
-    elif shape == "dup_field":
-        pairs.append((b"body", b"{}"))
-    elif shape == "oversize":
-        pairs.append((b"chaos_pad", b"p" * REPLY_OVERSIZE_BYTES))
-    elif shape not in FORGERY_SHAPES and shape != "deep_body":
-        raise ValueError(f"unknown reply shape {shape!r}")
-    return pairs
+    return _misshaped(shape, pairs, b"body", REPLY_OVERSIZE_BYTES)
 
 
 def flat(pairs: Pairs) -> list[bytes]:

@@ -122,25 +122,29 @@ def _plant_replies(client: Any, prefix: str) -> tuple[dict[str, str], list[Event
     return expected, events
 
 
-def _final(client: Any, prefix: str, path: Path) -> FinalState:
+def _received(
+    client: Any, prefix: str, path: Path
+) -> tuple[dict[str, str], list[Event], FinalState]:
+    """Plant every reply shape, let a receiver drain them; the expected reasons, the
+    history events and the final state of the receiver and its dead-letter stream."""
+    expected, events = _plant_replies(client, prefix)
+    receiver, db = _receiver(client, prefix, path)
+    try:
+        drain_receiver(receiver)
+    finally:
+        db.close()
     final = FinalState()
     read_receiver("p1", path, final)
     dead = Keys(prefix).replies_dead("p1")
     final.reply_dead_letters = [dead_letter(dead, e, f) for e, f in xrange_all(client, dead)]
-    return final
+    return expected, events, final
 
 
 def test_every_forged_and_poisoned_reply_is_dead_lettered_and_never_applied(
     client: Any, prefix: str, tmp_path: Path
 ) -> None:
-    expected, events = _plant_replies(client, prefix)
-    receiver, db = _receiver(client, prefix, tmp_path / "receiver.db")
-    try:
-        drain_receiver(receiver)
-    finally:
-        db.close()
+    expected, events, final = _received(client, prefix, tmp_path / "receiver.db")
     assert _dead_reasons(client, Keys(prefix).replies_dead("p1")) == expected
-    final = _final(client, prefix, tmp_path / "receiver.db")
     assert final.receipts == []
     assert final.forged_effects == {}
     result = check(HistoryModel.from_events(events), final)
@@ -152,13 +156,7 @@ def test_a_receiver_that_skips_the_signature_check_fails_the_checker(
     client: Any, prefix: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(receiver_module, "check_signature", accept_any_signature)
-    _, events = _plant_replies(client, prefix)
-    receiver, db = _receiver(client, prefix, tmp_path / "receiver.db")
-    try:
-        drain_receiver(receiver)
-    finally:
-        db.close()
-    final = _final(client, prefix, tmp_path / "receiver.db")
+    _, events, final = _received(client, prefix, tmp_path / "receiver.db")
     applied = {r.forged for r in final.receipts}
     assert applied  # the well-formed v2 forgeries went through
     assert None not in applied
