@@ -39,9 +39,9 @@ from tests.chaos.model import (
     DeadLetterRec,
     EffectRec,
     FinalState,
+    Forgery,
     HistoryModel,
     OutboxRec,
-    Planted,
     Publish,
     ReceiptRec,
     TaskRec,
@@ -500,7 +500,7 @@ def _check_reply(
         a.add("missing_receiver_effect", dict(ex, effects=receipt.effects))
 
 
-def mark_of(planted: Planted) -> dict[str, str]:
+def _mark_of(planted: Forgery) -> dict[str, str]:
     """A planted reply entry's mark and shape, for examples."""
     return {"mark": planted.mark, "shape": planted.shape}
 
@@ -526,10 +526,10 @@ def _check_hostile(
         dead.add(planted.mark)
         if planted.reasons and dl.reason not in planted.reasons:
             expected = list(planted.reasons)
-            a.add("forgery_wrong_reason", dict(ex, **mark_of(planted), expected=expected))
+            a.add("forgery_wrong_reason", dict(ex, **_mark_of(planted), expected=expected))
     for mark, planted in forged.items():
         if planted.acked and mark not in dead and _in_window(planted.ack_ts, windows) is None:
-            a.add("forgery_not_dead_lettered", dict(mark_of(planted), reply_id=planted.reply_id))
+            a.add("forgery_not_dead_lettered", dict(_mark_of(planted), reply_id=planted.reply_id))
     by_hash = {p.body_hash: p for p in forged.values()}
     invented = {p.reply_id for p in forged.values() if p.target == "invented"}
     targeted = {p.reply_id for p in forged.values() if p.target == "real"}

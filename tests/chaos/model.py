@@ -174,7 +174,7 @@ class Publish:
 
 
 @dataclass
-class Planted:
+class Forgery:
     """One reply stream entry the nemesis forged or poisoned (history ``forge``).
 
     Attributes:
@@ -231,7 +231,7 @@ class FaultWindow:
 class HistoryModel:
     publishes: dict[str, Publish] = field(default_factory=dict)
     #: mark -> the reply stream entry the nemesis planted under it
-    forgeries: dict[str, Planted] = field(default_factory=dict)
+    forgeries: dict[str, Forgery] = field(default_factory=dict)
     #: key -> the copies of its entries the nemesis appended again
     replays: dict[str, list[Replay]] = field(default_factory=dict)
     faults: list[FaultWindow] = field(default_factory=list)
@@ -309,7 +309,7 @@ class HistoryModel:
     def _forge(self, e: Event, typ: str, value: dict[str, Any]) -> None:
         mark = str(value.get("mark"))
         if typ == "invoke":
-            self.forgeries[mark] = Planted(
+            self.forgeries[mark] = Forgery(
                 mark=mark, principal=str(value.get("principal")), shape=str(value.get("shape")),
                 reply_id=str(value.get("reply_id")), target=str(value.get("target")),
                 body_hash=str(value.get("hash")), reasons=tuple(value.get("reasons") or ()),
