@@ -15,6 +15,13 @@ Loss windows (NL~): with ``mode="everysec"`` a publish acknowledged within
 fault and its end, may be lost; with ``mode="ephemeral"`` every
 publish acknowledged before a wipe (or any restart, which wipes) may be. ``durable`` allows
 none. A loss inside a window is reported (``lost_attributed``), one outside is a violation.
+
+Hostile entries (``hostile``): inbound poison is a planted bad input like any other (its
+``chaos_key`` and reasons); forged and poisoned reply entries (``chaos_forged``, history
+``forge``) must each sit in their reply dead-letter stream with an expected reason and
+leave no receipt and no receiver effect; byte-identical replays (history ``replay``) must
+stay duplicates of their key. Exits are judged without any fault window: an entry that
+stops a process is an ``unexpected_exit`` whatever the nemesis was doing then.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ from tests.chaos.model import (
     DeadLetterRec,
     EffectRec,
     FinalState,
+    Forgery,
     HistoryModel,
     OutboxRec,
     Publish,
@@ -71,7 +79,11 @@ VIOLATIONS: dict[str, str] = {
     "undelivered_left": "CL: entries never delivered to a consumer group",
     "legit_dead_lettered": "CL: a well-formed, authentic request dead-lettered",
     "unexplained_dead_letter": "CL: a dead letter that is neither a planted bad input nor a key",
-    "reply_dead_lettered": "CL: a reply dead-lettered by its receiver",
+    "reply_dead_lettered": "CL: a reply dead-lettered by its receiver, not one planted",
+    "forged_reply_applied": "0R: a receipt or receiver effect made from a forged reply entry",
+    "forgery_not_dead_lettered": "0R: a forged or poisoned reply entry missing from the DLQ",
+    "forgery_wrong_reason": "0R: a forged or poisoned reply entry dead-lettered for another reason",
+    "replay_ran_twice": "1E: a byte-identical replay of a request stored or run as a new task",
     "integrity": "CL: PRAGMA integrity_check is not ok",
     "wal_too_big": "CL: a WAL file above the bound",
     "unexpected_exit": "liveness: a component exited without being killed",
@@ -442,8 +454,7 @@ def check(model: HistoryModel, final: FinalState, cfg: CheckConfig | None = None
     for db, size in final.wal_bytes.items():
         if size > cfg.wal_limit_bytes:
             a.add("wal_too_big", {"db": db, "bytes": size})
-    for dl in final.reply_dead_letters:
-        a.add("reply_dead_lettered", {"entry_id": dl.entry_id, "reason": dl.reason})
+    _check_hostile(a, model, final, windows, info, tasks_by_key, effects_by_key)
 
     # 11. Liveness -------------------------------------------------------------------------
     for exit_ in model.unexpected_exits:
@@ -489,6 +500,74 @@ def _check_reply(
         a.add("missing_receiver_effect", dict(ex, effects=receipt.effects))
 
 
+def _mark_of(planted: Forgery) -> dict[str, str]:
+    """A planted reply entry's mark and shape, for examples."""
+    return {"mark": planted.mark, "shape": planted.shape}
+
+
+def _check_hostile(
+    a: _Anomalies,
+    model: HistoryModel,
+    final: FinalState,
+    windows: list[tuple[float, float, str]],
+    info: dict[str, Any],
+    tasks_by_key: dict[str, list[TaskRec]],
+    effects_by_key: dict[str, list[EffectRec]],
+) -> None:
+    """Reply dead letters, forged replies applied, and replays that ran again."""
+    forged = model.forgeries
+    dead: set[str] = set()
+    for dl in final.reply_dead_letters:
+        planted = forged.get(dl.chaos_forged) if dl.chaos_forged else None
+        ex = {"entry_id": dl.entry_id, "reason": dl.reason, "stream": dl.stream}
+        if planted is None:
+            a.add("reply_dead_lettered", ex)
+            continue
+        dead.add(planted.mark)
+        if planted.reasons and dl.reason not in planted.reasons:
+            expected = list(planted.reasons)
+            a.add("forgery_wrong_reason", dict(ex, **_mark_of(planted), expected=expected))
+    for mark, planted in forged.items():
+        if planted.acked and mark not in dead and _in_window(planted.ack_ts, windows) is None:
+            a.add("forgery_not_dead_lettered", dict(_mark_of(planted), reply_id=planted.reply_id))
+    by_hash = {p.body_hash: p for p in forged.values()}
+    invented = {p.reply_id for p in forged.values() if p.target == "invented"}
+    targeted = {p.reply_id for p in forged.values() if p.target == "real"}
+    outbox_hash = {o.reply_id: o.content_hash for o in final.outbox}
+    applied: dict[str, str] = {}
+    for r in final.receipts:
+        if r.forged is not None:
+            applied.setdefault(r.reply_id, f"receipt of forged body {r.forged}")
+        elif r.content_hash in by_hash:
+            applied.setdefault(r.reply_id, f"receipt hash of {by_hash[r.content_hash].mark}")
+        elif r.reply_id in invented:
+            applied.setdefault(r.reply_id, "receipt under an invented reply id")
+        elif r.reply_id in targeted and outbox_hash.get(r.reply_id) != r.content_hash:
+            applied.setdefault(r.reply_id, "receipt of a forged reply id, not the outbox's")
+    for rid in final.forged_effects:
+        applied.setdefault(rid, "receiver effect of a forged body")
+    for rid in final.receiver_effects:
+        if rid in invented:
+            applied.setdefault(rid, "receiver effect under an invented reply id")
+    for rid, why in applied.items():
+        a.add("forged_reply_applied", {"reply_id": rid, "why": why})
+    replays = [r for rs in model.replays.values() for r in rs]
+    for key in model.replays:
+        tasks, effects = tasks_by_key.get(key, []), effects_by_key.get(key, [])
+        if len(tasks) > 1 or len(effects) > 1:
+            ids = [t.task_id for t in tasks]
+            a.add("replay_ran_twice", {"key": key, "tasks": ids, "effects": len(effects)})
+    info["hostile"] = {
+        "forgeries": len(forged),
+        "forgeries_dead_lettered": len(dead),
+        "forgery_shapes": dict(sorted(Counter(p.shape for p in forged.values()).items())),
+        "planted_on_reply_streams": final.forged_on_streams,
+        "replays": len(replays),
+        "replays_acked": sum(1 for r in replays if r.entry_id is not None),
+        "replays_after_terminal": sum(1 for r in replays if r.state in TERMINAL),
+    }
+
+
 def _loss_shape(legit: dict[str, Publish], lost: dict[str, list[Publish]]) -> dict[str, int]:
     """Lost keys per agent split into prefix, middle and postfix of its acknowledged keys."""
     shape = {"prefix": 0, "middle": 0, "postfix": 0}
@@ -529,6 +608,7 @@ def format_summary(result: CheckResult) -> str:
         ("stale commits", str(result.counts.get("stale_commit", 0))),
         ("effects", _kv(i.get("effects", {}))),
         ("rejected", _kv(i.get("rejected", {}))),
+        ("hostile", _kv({k: v for k, v in i.get("hostile", {}).items() if k != "forgery_shapes"})),
         ("reply copies", _kv(i.get("reply_copies", {}))),
         ("cancels", _kv(i.get("cancels", {}))),
         ("latency publish->effect p50 (s)", fmt(lat.get("p50"))),

@@ -33,7 +33,12 @@ from tests.chaos.model import (
 )
 
 PAGE = 1000
+#: The first field of every inbound entry the harness made bad: its ``<principal>:<id>``.
 CHAOS_KEY_FIELD = b"chaos_key"
+#: The first field of every reply stream entry the harness forged or poisoned: its mark.
+CHAOS_FORGED_FIELD = b"chaos_forged"
+#: The ``status`` of a forged reply body (so a receiver effect made from one shows it).
+FORGED_STATUS = "forged"
 
 
 @dataclass(frozen=True)
@@ -73,7 +78,7 @@ def _json(raw: Any) -> Any:
         return None
     try:
         return json.loads(raw)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, RecursionError):  # a planted entry nests 50,000 deep
         return None
 
 
@@ -130,18 +135,23 @@ def read_receiver(principal: str, path: Path, final: FinalState) -> None:
                 " effects FROM receipts"
             ):
                 body = _json(bytes(r["body"]).decode("utf-8", "replace")) or {}
+                forged = body.get("chaos_forged")
                 final.receipts.append(
                     ReceiptRec(
                         reply_id=r["reply_id"], principal=r["principal"],
                         content_hash=r["content_hash"], task_id=r["task_id"], status=r["status"],
                         fence=_int_or_none(body.get("fence")), received_at=r["received_at"],
-                        effects=r["effects"],
+                        effects=r["effects"], forged=forged if isinstance(forged, str) else None,
                     )
                 )  # fmt: skip
         if _has_table(c, "chaos_effects"):
             final.ledger_principals.add(principal)
-            for r in c.execute("SELECT reply_id, count(*) FROM chaos_effects GROUP BY reply_id"):
-                final.receiver_effects[r[0]] = final.receiver_effects.get(r[0], 0) + int(r[1])
+            for rid, status, n in c.execute(
+                "SELECT reply_id, status, count(*) FROM chaos_effects GROUP BY reply_id, status"
+            ):
+                final.receiver_effects[rid] = final.receiver_effects.get(rid, 0) + int(n)
+                if status == FORGED_STATUS:
+                    final.forged_effects[rid] = final.forged_effects.get(rid, 0) + int(n)
 
 
 def read_effects(path: Path, final: FinalState) -> None:
@@ -216,9 +226,10 @@ def group_state(client: redis.Redis, stream: str, group: str) -> tuple[int, int]
 
 
 def dead_letter(stream: str, entry_id: str, fields: dict[bytes, bytes]) -> DeadLetterRec:
-    """Parse one dead-letter entry: reason, the harness's marker, the original identity."""
+    """Parse one dead-letter entry: reason, the harness's markers, the original identity."""
     reason = _text(fields.get(b"dl.reason", b"?"))
     chaos = fields.get(b"orig." + CHAOS_KEY_FIELD)
+    forged = fields.get(b"orig." + CHAOS_FORGED_FIELD)
     sender = message_id = None
     env = _json(_text(fields[b"orig.env"])) if b"orig.env" in fields else None
     if isinstance(env, dict):
@@ -236,13 +247,15 @@ def dead_letter(stream: str, entry_id: str, fields: dict[bytes, bytes]) -> DeadL
         chaos_key=_text(chaos) if chaos is not None else None,
         sender=sender,
         message_id=message_id,
+        chaos_forged=_text(forged) if forged is not None else None,
     )
 
 
 def read_redis(
     client: redis.Redis, prefix: str, principals: tuple[str, ...], final: FinalState
 ) -> None:
-    """Streams, dead letters, pending lists and undelivered entries."""
+    """Streams, dead letters, pending lists and undelivered entries. Entries the harness
+    planted on the reply streams (``chaos_forged``) are counted apart from the copies."""
     keys = Keys(prefix)
     inbound = keys.inbound()
     pending, undelivered = group_state(client, inbound, INGEST_GROUP)
@@ -255,7 +268,10 @@ def read_redis(
     for p in principals:
         stream = keys.replies(p)
         for _eid, fields in xrange_all(client, stream):
-            copies[_text(fields.get(b"reply_id", b"?"))] += 1
+            if CHAOS_FORGED_FIELD in fields:
+                final.forged_on_streams += 1
+            else:
+                copies[_text(fields.get(b"reply_id", b"?"))] += 1
         pending, undelivered = group_state(client, stream, RECEIVER_GROUP)
         final.pending[f"{stream} {RECEIVER_GROUP}"] = pending
         final.undelivered[f"{stream} {RECEIVER_GROUP}"] = undelivered

@@ -72,6 +72,7 @@ class ReceiptRec:
     fence: int | None = None
     received_at: float = 0.0
     effects: int = 1
+    forged: str | None = None  # the ``chaos_forged`` mark of a forged body it was made from
 
 
 @dataclass(frozen=True)
@@ -98,7 +99,8 @@ class AttemptRec:
 @dataclass(frozen=True)
 class DeadLetterRec:
     """One dead-letter entry. ``sender``/``message_id`` come from the original envelope when
-    it parses; ``chaos_key`` from the harness's marker field on entries it made bad."""
+    it parses; ``chaos_key`` from the harness's marker field on inbound entries it made bad,
+    ``chaos_forged`` from its marker on reply entries it forged or poisoned."""
 
     stream: str
     entry_id: str
@@ -106,6 +108,7 @@ class DeadLetterRec:
     chaos_key: str | None = None
     sender: str | None = None
     message_id: str | None = None
+    chaos_forged: str | None = None
 
 
 @dataclass
@@ -123,8 +126,12 @@ class FinalState:
     attempts: list[AttemptRec] = field(default_factory=list)
     dead_letters: list[DeadLetterRec] = field(default_factory=list)
     reply_dead_letters: list[DeadLetterRec] = field(default_factory=list)
-    #: reply id -> entries carrying it on the reply streams
+    #: reply id -> ledger rows made from a forged body (status ``forged``)
+    forged_effects: dict[str, int] = field(default_factory=dict)
+    #: reply id -> entries carrying it on the reply streams (planted entries left out)
     reply_copies: dict[str, int] = field(default_factory=dict)
+    #: entries the harness planted on the reply streams (``chaos_forged``)
+    forged_on_streams: int = 0
     #: "<stream> <group>" -> XPENDING count
     pending: dict[str, int] = field(default_factory=dict)
     #: "<stream> <group>" -> entries after the group's last-delivered-id
@@ -166,6 +173,52 @@ class Publish:
         return self.acks == 0 and self.infos > 0
 
 
+@dataclass
+class Forgery:
+    """One reply stream entry the nemesis forged or poisoned (history ``forge``).
+
+    Attributes:
+        mark: its ``chaos_forged`` mark, unique in the run.
+        principal: whose reply stream it went to.
+        shape: what is wrong with it (``hostile.FORGERY_SHAPES``, ``REPLY_POISON_SHAPES``).
+        reply_id: the reply id it claims.
+        target: ``real`` (the id of a task not yet answered) or ``invented``.
+        body_hash: SHA-256 of the body it carries.
+        reasons: the dead-letter reasons the receiver may give it.
+        ack_ts: monotonic times its XADD was acknowledged (empty: it may never have landed).
+    """
+
+    mark: str
+    principal: str
+    shape: str
+    reply_id: str
+    target: str
+    body_hash: str
+    reasons: tuple[str, ...] = ()
+    ack_ts: list[float] = field(default_factory=list)
+
+    @property
+    def acked(self) -> bool:
+        return bool(self.ack_ts)
+
+
+@dataclass(frozen=True)
+class Replay:
+    """A byte-identical copy of a real inbound entry, appended again (history ``replay``).
+
+    Attributes:
+        key: the request's key.
+        source: the entry id it copies.
+        state: the task's state when it was copied (``None``: not stored yet).
+        entry_id: the copy's entry id (``None``: the XADD is indeterminate).
+    """
+
+    key: str
+    source: str
+    state: str | None
+    entry_id: str | None
+
+
 @dataclass(frozen=True)
 class FaultWindow:
     fault: str
@@ -177,6 +230,10 @@ class FaultWindow:
 @dataclass
 class HistoryModel:
     publishes: dict[str, Publish] = field(default_factory=dict)
+    #: mark -> the reply stream entry the nemesis planted under it
+    forgeries: dict[str, Forgery] = field(default_factory=dict)
+    #: key -> the copies of its entries the nemesis appended again
+    replays: dict[str, list[Replay]] = field(default_factory=dict)
     faults: list[FaultWindow] = field(default_factory=list)
     fault_counts: dict[str, int] = field(default_factory=dict)
     kinds: dict[str, int] = field(default_factory=dict)
@@ -198,6 +255,14 @@ class HistoryModel:
             assert isinstance(value, dict)
             if f == "publish":
                 model._publish(e, str(typ), value)
+            elif f == "forge":
+                model._forge(e, str(typ), value)
+            elif f == "replay" and typ in ("ok", "info"):
+                entry_id = value.get("entry_id") if typ == "ok" else None
+                model.replays.setdefault(str(e.get("key")), []).append(
+                    Replay(str(e.get("key")), str(value.get("source")), value.get("state"),
+                           None if entry_id is None else str(entry_id))
+                )  # fmt: skip
             elif proc == "nemesis" and f == "start":
                 fid = str(value.get("id", len(open_faults)))
                 open_faults[fid] = e
@@ -240,6 +305,17 @@ class HistoryModel:
                 )
             )
         return model
+
+    def _forge(self, e: Event, typ: str, value: dict[str, Any]) -> None:
+        mark = str(value.get("mark"))
+        if typ == "invoke":
+            self.forgeries[mark] = Forgery(
+                mark=mark, principal=str(value.get("principal")), shape=str(value.get("shape")),
+                reply_id=str(value.get("reply_id")), target=str(value.get("target")),
+                body_hash=str(value.get("hash")), reasons=tuple(value.get("reasons") or ()),
+            )  # fmt: skip
+        elif typ == "ok" and mark in self.forgeries:
+            self.forgeries[mark].ack_ts.append(float(e["t"]))
 
     def _publish(self, e: Event, typ: str, value: dict[str, Any]) -> None:
         key = str(e.get("key"))

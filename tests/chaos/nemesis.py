@@ -26,19 +26,34 @@ Packages (RELIABILITY.md 5.4; the kind is the ``fault`` field of the history eve
 * ``client-pause``: ``CLIENT PAUSE <ms> ALL|WRITE``;
 * ``idle-skew``: ``XCLAIM ... IDLE 3600000 JUSTID`` on every pending entry of every group;
 * ``storm``: ``XGROUP SETID <replies> ba-receiver 0`` and agents re-publish recent keys;
-* ``sqlite-busy``: another connection holds ``BEGIN IMMEDIATE`` on the adapter database.
+* ``sqlite-busy``: another connection holds ``BEGIN IMMEDIATE`` on the adapter database;
+* ``forge-reply``: 2-5 forged replies on the reply streams (``hostile.FORGERY_SHAPES``:
+  unsigned, a wrong secret, another principal's key; dealt from a deck of their own),
+  under invented reply ids or the real ``r-<task id>`` of a task not answered yet (read
+  from the adapter database), so that the forgery comes BEFORE the real reply; logged as
+  history ``forge`` events;
+* ``poison-reply``: the same with poisoned entries (``hostile.REPLY_POISON_SHAPES``: ~4,000
+  or ~10,000 fields, a repeated field, over a megabyte, a signed body nested too deep);
+* ``replay``: byte-identical copies of 2-6 real inbound entries appended again, picked from
+  the newest 20 (their tasks may still run) or the oldest 200 of the stream (long
+  terminal); history ``replay``.
+
+The hostile packages open a fault window for the period but excuse nothing: the checker
+judges exits, dead letters and receipts the same inside and outside it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import itertools
+import json
 import os
 import random
 import signal
 import sqlite3
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from contextlib import closing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -46,9 +61,20 @@ from typing import Any
 import redis
 
 from broker_adapter import crashpoints
+from broker_adapter.envelope import sha256_hex
 from broker_adapter.keys import INGEST_GROUP, RECEIVER_GROUP, Keys
+from broker_adapter.store.tasks import reply_id_for
+from broker_adapter.streams import text
 from tests.chaos.cluster import Cluster, Component
-from tests.chaos.history import INFO, History
+from tests.chaos.finalread import CHAOS_KEY_FIELD
+from tests.chaos.history import INFO, INVOKE, OK, History
+from tests.chaos.hostile import (
+    FORGERY_SHAPES,
+    REPLY_POISON_SHAPES,
+    flat,
+    forged_body,
+    reply_entry,
+)
 from tests.chaos.workload import Workload
 
 ADAPTER_POINTS = tuple(
@@ -79,11 +105,14 @@ PAUSE_POINTS = tuple(
 )
 NET_MODES = ("reset", "delay", "drop", "cut", "blackhole")
 DROP_MATCHES = (b"XADD", b"XACK", b"EVALSHA", b"XREADGROUP", b"XAUTOCLAIM", b"EVAL")
+HOSTILE_PACKAGES = ("forge-reply", "poison-reply", "replay")
 COMMON_PACKAGES = (
     "kill-adapter", "kill-worker", "kill-receiver", "crashpoint", "pausepoint",
     "pause-adapter", "pause-receiver", "net", "client-pause", "idle-skew", "storm",
-    "sqlite-busy",
+    "sqlite-busy", *HOSTILE_PACKAGES,
 )  # fmt: skip
+#: Entries ``replay`` picks from: the newest few (their tasks may still run) or the oldest.
+REPLAY_SOON, REPLAY_LATE = 20, 200
 SKEW_IDLE_MS = 3_600_000
 BUSY_HOLD_MAX_S = 3.0
 
@@ -157,6 +186,8 @@ class Nemesis:
         period_s: bounds of one period, seconds.
         quiet_p: probability of a period without faults.
         max_packages: most packages started in one period.
+        keyring: every principal's keys (``forge-reply`` and ``poison-reply`` sign with
+            them, wrongly or not); without it those two packages do nothing.
     """
 
     def __init__(
@@ -175,6 +206,7 @@ class Nemesis:
         period_s: tuple[float, float] = (2.0, 4.0),
         quiet_p: float = 0.25,
         max_packages: int = 3,
+        keyring: Mapping[str, Mapping[str, str]] | None = None,
     ) -> None:
         self.cluster = cluster
         self.workload = workload
@@ -189,9 +221,11 @@ class Nemesis:
         self.period_s = period_s
         self.quiet_p = quiet_p
         self.max_packages = max_packages
+        self.keyring = keyring
         self.prng = random.Random(rng.getrandbits(64))  # per started package (see ``run``)
         self.active: list[Fault] = []
         self._deck: list[str] = []
+        self._shape_decks: dict[str, list[str]] = {}
         self._admin: redis.Redis | None = None
         self._ids = itertools.count(1)
         self._stop = threading.Event()
@@ -314,6 +348,9 @@ class Nemesis:
             "idle-skew": self.idle_skew,
             "storm": self.storm,
             "sqlite-busy": self.sqlite_busy,
+            "forge-reply": lambda: self.hostile_replies("forge-reply", FORGERY_SHAPES),
+            "poison-reply": lambda: self.hostile_replies("poison-reply", REPLY_POISON_SHAPES),
+            "replay": self.replay,
         }
         return starters[name]()
 
@@ -538,4 +575,119 @@ class Nemesis:
             thread.join(timeout=30.0)
 
         f.stop = stop
+        return f
+
+    # -- hostile entries --------------------------------------------------------------------
+
+    def _adapter_rows(self, sql: str, args: tuple[Any, ...]) -> list[Any]:
+        """Rows of a read-only query of the adapter database (none if it cannot be read)."""
+        if not self.adapter_db.exists():
+            return []
+        try:
+            uri = f"file:{self.adapter_db}?mode=ro"
+            with closing(sqlite3.connect(uri, uri=True, timeout=5.0)) as conn:
+                return conn.execute(sql, args).fetchall()
+        except sqlite3.Error:
+            return []
+
+    def hostile_replies(self, fault: str, shapes: Mapping[str, tuple[str, ...]]) -> Fault | None:
+        """Plant 2-5 entries of ``shapes`` on the reply streams; see the module docstring."""
+        if not self.keyring:
+            return None
+        usable = sorted(s for s in shapes if len(self.principals) > 1 or "other" not in s)
+        deck = self._shape_decks.setdefault(" ".join(usable), [])
+        f = self.begin(fault, "replies")
+        for n in range(self.prng.randint(2, 5)):
+            principal = self.prng.choice(self.principals)
+            unanswered = self._adapter_rows(
+                "SELECT task_id, message_id FROM tasks t WHERE principal = ?"
+                " AND state IN ('pending', 'running')"
+                " AND NOT EXISTS (SELECT 1 FROM outbox o WHERE o.task_id = t.task_id) LIMIT 50",
+                (principal,),
+            )
+            if not deck:  # every shape comes up before any comes up twice
+                deck += usable
+                self.prng.shuffle(deck)
+            shape = deck.pop()
+            if unanswered and self.prng.random() < 0.7:
+                task_id, message_id = map(str, self.prng.choice(unanswered))
+                target = "real"
+            else:
+                task_id, message_id = f"{self.prng.getrandbits(128):032x}", "m-forged"
+                target = "invented"
+            self._plant_reply(f"{f.fid}.{n}", shape, shapes[shape], principal, task_id,
+                              message_id, target)  # fmt: skip
+        return f
+
+    def _plant_reply(
+        self, mark: str, shape: str, reasons: tuple[str, ...], principal: str, task_id: str,
+        message_id: str, target: str,
+    ) -> None:  # fmt: skip
+        assert self.keyring is not None
+        reply_id = reply_id_for(task_id)
+        body = forged_body(mark, principal, reply_id, task_id, message_id,
+                           deep=shape == "deep_body")  # fmt: skip
+        others = [p for p in self.principals if p != principal]
+        pairs = reply_entry(
+            shape, mark=mark, principal=principal, reply_id=reply_id, body=body,
+            keyring=self.keyring, other=self.prng.choice(others) if others else None,
+        )  # fmt: skip
+        self.history.log(
+            INVOKE, "forge", proc="nemesis",
+            value={"mark": mark, "principal": principal, "shape": shape, "reply_id": reply_id,
+                   "target": target, "hash": sha256_hex(body), "reasons": list(reasons)},
+        )  # fmt: skip
+        try:
+            entry_id = self.admin().execute_command(  # type: ignore[no-untyped-call]
+                "XADD", self.keys.replies(principal), "*", *flat(pairs)
+            )
+        except redis.RedisError as exc:
+            self.history.log(INFO, "forge", value={"mark": mark}, error=str(exc), proc="nemesis")
+            return
+        self.history.log(
+            OK, "forge", value={"mark": mark, "entry_id": text(entry_id)}, proc="nemesis"
+        )
+
+    def replay(self) -> Fault | None:
+        """Append byte-identical copies of 2-6 real inbound entries again: the newest ones,
+        or the oldest (whose tasks are terminal by now). Entries the harness made bad
+        (``chaos_key``) are left alone: only real requests are replayed."""
+        admin = self.admin()
+        stream = self.keys.inbound()
+        late = self.prng.random() < 0.5
+        page: Any = (
+            admin.xrange(stream, count=REPLAY_LATE)
+            if late
+            else admin.xrevrange(stream, count=REPLAY_SOON)
+        )
+        real: list[tuple[str, dict[bytes, bytes]]] = []
+        for eid, raw in page or []:
+            fields = {bytes(k): bytes(v) for k, v in (raw or {}).items()}
+            if CHAOS_KEY_FIELD not in fields and b"env" in fields:
+                real.append((text(eid), fields))
+        if not real:
+            return None
+        f = self.begin("replay", "inbound", late=late)
+        for source, fields in self.prng.sample(real, min(len(real), self.prng.randint(2, 6))):
+            try:
+                env = json.loads(fields[b"env"])
+                key = f"{env['sender']}:{env['message_id']}"
+            except (ValueError, KeyError, TypeError):
+                continue
+            rows = self._adapter_rows(
+                "SELECT state FROM tasks WHERE principal = ? AND message_id = ?",
+                (env["sender"], env["message_id"]),
+            )
+            value = {"source": source, "state": str(rows[0][0]) if rows else None}
+            self.history.log(INVOKE, "replay", key=key, value=value, proc="nemesis")
+            try:
+                entry_id = admin.execute_command(  # type: ignore[no-untyped-call]
+                    "XADD", stream, "*", *flat(list(fields.items()))
+                )
+            except redis.RedisError as exc:
+                self.history.log(INFO, "replay", key=key, value=value, error=str(exc),
+                                 proc="nemesis")  # fmt: skip
+                continue
+            self.history.log(OK, "replay", key=key, value=dict(value, entry_id=text(entry_id)),
+                             proc="nemesis")  # fmt: skip
         return f

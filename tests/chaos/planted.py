@@ -16,6 +16,10 @@ Bugs:
   methods) skips the fence check: it is made in the name of whoever holds the task now.
   A zombie worker that wakes up after another worker re-claimed its task commits its
   result although its own fence is stale (rule 10).
+* ``skip_reply_signature``: the receiver takes every reply entry's signature on trust
+  (``receiver.check_signature`` verifies nothing): a forged reply, well formed but signed
+  wrongly or not at all, is applied like the adapter's own. The chaos runs start the
+  receivers under the bug too (``tests.chaos.receiver`` imports this module).
 """
 
 from __future__ import annotations
@@ -23,14 +27,16 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from broker_adapter import receiver
+from broker_adapter.auth import Keyring
 from broker_adapter.ingest import Ingestor
 from broker_adapter.store.tasks import AcceptItem, AcceptResult, TaskStore
 
 ENV = "CHAOS_PLANTED"
-BUGS = ("xack_before_commit", "stale_finish")
+BUGS = ("xack_before_commit", "stale_finish", "skip_reply_signature")
 _applied: set[str] = set()
 
 
@@ -107,9 +113,23 @@ def _relabelled(original: Callable[..., Any]) -> Callable[..., Any]:
     return settle
 
 
-_PATCHES = {
+def accept_any_signature(
+    fields: Mapping[bytes, bytes], principal: str, reply_id: str, keyring: Keyring
+) -> str:
+    """``receiver.check_signature`` without the check (the planted bug): the entry's key
+    id, or ``""``, whatever ``sig`` holds."""
+    kid = fields.get(b"kid")
+    return kid.decode("ascii", "replace") if kid else ""  # BUG: nothing is verified
+
+
+def _patch_skip_reply_signature() -> None:
+    receiver.check_signature = accept_any_signature
+
+
+_PATCHES: dict[str, tuple[Any, str, Callable[[], None]]] = {
     "xack_before_commit": (Ingestor, "_handle", _patch_xack_before_commit),
     "stale_finish": (TaskStore, "finish", _patch_stale_finish),
+    "skip_reply_signature": (receiver, "check_signature", _patch_skip_reply_signature),
 }
 
 

@@ -6,6 +6,7 @@ Runs ``broker_adapter.receiver.Receiver`` with an effect that appends one row to
 ``chaos_effects`` inside the receipt's own transaction. The ledger has no unique key, so a
 reply applied twice would show as two rows: that is what the checker counts (1R). SIGTERM
 stops it after the current batch; crash points (``BA_CRASHPOINT=receiver.*``) kill it.
+Under ``CHAOS_PLANTED`` it runs with that planted bug (``tests.chaos.planted``).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from broker_adapter.errors import TransientError
 from broker_adapter.receiver import Receiver, ReceiverConfig
 from broker_adapter.store import ReceiptStore, open_database
 from broker_adapter.streams import connect
+from tests.chaos import planted  # noqa: F401 - applies the bug named in CHAOS_PLANTED, if any
 
 LEDGER_SCHEMA = (
     "CREATE TABLE IF NOT EXISTS chaos_effects (seq INTEGER PRIMARY KEY AUTOINCREMENT,"

@@ -43,6 +43,7 @@ from tests.chaos.cluster import Cluster, Component
 from tests.chaos.finalread import Sources, group_state, read_final
 from tests.chaos.handler import ENV_EFFECTS_DB, init_db
 from tests.chaos.history import History, merge, write_merged
+from tests.chaos.hostile import FORGERY_SHAPES
 from tests.chaos.model import HistoryModel
 from tests.chaos.nemesis import Nemesis, packages_for
 from tests.chaos.planted import BUGS
@@ -187,6 +188,21 @@ def _scenario_zombie(run: Run) -> None:
     run.nemesis.end(f)
 
 
+def _scenario_forged_reply(run: Run) -> None:
+    """Forged replies, signed wrongly or not at all but otherwise well formed, land on the
+    reply streams while slow tasks run: under the tasks' real reply ids (before the real
+    replies) and under invented ones. A receiver that checks signatures dead-letters them
+    all; one that takes them on trust applies them."""
+    run.wait_until(lambda: run.running_tasks() >= 1, 30.0)
+    v2 = {shape: why for shape, why in FORGERY_SHAPES.items() if shape != "unsigned_v1"}
+    for _ in range(2):
+        fault = run.nemesis.hostile_replies("forge-reply", v2)
+        if fault is not None:
+            run.nemesis.active.append(fault)
+        run.wait(1.0)
+    run.nemesis.stop_active()
+
+
 SCENARIOS: dict[str, Scenario] = {
     "ingest-crash": Scenario(
         _scenario_ingest_crash,
@@ -202,6 +218,13 @@ SCENARIOS: dict[str, Scenario] = {
             weights={"slow_long": 1.0},
         ),
         held=("a2",),
+    ),
+    "forged-reply": Scenario(
+        _scenario_forged_reply,
+        Profile(
+            "forged-reply", agents=2, messages=6, duration_s=1.0, adapters=1, t_heal_s=60.0,
+            weights={"slow": 1.0},
+        ),
     ),
 }  # fmt: skip
 
@@ -297,7 +320,7 @@ class Run:
             db = str(self.receiver_dbs[p])
             if i == 0:
                 args = [
-                    sys.executable, "-m", "broker_adapter", "receive", "--redis", proxy_url,
+                    *entry, "receive", "--redis", proxy_url,
                     "--db", db, "--prefix", self.prefix, "--principal", p, "--consumer", name,
                     "--keyring", str(self.keyring_path),
                 ]  # fmt: skip
@@ -467,7 +490,7 @@ class Run:
                 random.Random(f"nemesis-{cfg.seed}"), packages, mode=cfg.mode,
                 lease_s=prof.lease_s, adapter_db=self.adapter_db, prefix=self.prefix,
                 principals=self.principals, period_s=prof.period_s, quiet_p=prof.quiet_p,
-                max_packages=prof.max_packages,
+                max_packages=prof.max_packages, keyring=keyring,
             )  # fmt: skip
             self.workload.start()
             self._run_nemesis()

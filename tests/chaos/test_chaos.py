@@ -69,8 +69,12 @@ def test_chaos_short_profile_loses_nothing_and_doubles_nothing(tmp_path: Path) -
     info = check["info"]
     faults = info["faults_by_kind"]
     assert sum(faults.values()) >= 24, faults
-    for kind in ("kill-adapter", "crashpoint", "pause-adapter", "redis-kill", "storm"):
+    for kind in ("kill-adapter", "crashpoint", "pause-adapter", "redis-kill", "storm",
+                 "forge-reply", "poison-reply", "replay"):  # fmt: skip
         assert faults.get(kind, 0) >= 1, f"no {kind} fault in {faults}"
+    hostile = info["hostile"]  # every planted reply entry dead-lettered, none applied
+    assert hostile["forgeries"] > 0, hostile
+    assert hostile["replays_acked"] > 0, hostile
     assert info["publishes"]["acked"] >= 150, info["publishes"]
     # acknowledged bad input missing from the DLQ is a violation already; here: some arrived
     assert info["rejected"]["in_dlq"] > 0, info["rejected"]
@@ -84,6 +88,7 @@ def test_chaos_short_profile_loses_nothing_and_doubles_nothing(tmp_path: Path) -
     [
         ("xack_before_commit", "ingest-crash", "lost"),
         ("stale_finish", "zombie", "stale_commit"),
+        ("skip_reply_signature", "forged-reply", "forged_reply_applied"),
     ],
 )
 def test_chaos_checker_fails_a_planted_bug(
@@ -98,12 +103,13 @@ def test_chaos_checker_fails_a_planted_bug(
     assert code == 1, output[-4000:]
     assert check["violations"].get(anomaly, 0) >= 1, check["violations"]
     assert check["examples"][anomaly], check["examples"]
-    logs = "".join(p.read_text() for p in (tmp_path / bug / "logs").glob("a*.log"))
-    assert f"planted: {bug} active" in logs
+    for role in ("a", "recv-"):  # adapters and receivers alike run under the bug
+        logs = "".join(p.read_text() for p in (tmp_path / bug / "logs").glob(f"{role}*.log"))
+        assert f"planted: {bug} active" in logs, role
 
 
 @pytest.mark.timeout(200)
-@pytest.mark.parametrize("scenario", ["ingest-crash", "zombie"])
+@pytest.mark.parametrize("scenario", ["ingest-crash", "zombie", "forged-reply"])
 def test_chaos_planted_scenario_passes_without_the_bug(tmp_path: Path, scenario: str) -> None:
     code, result, output = _chaos(
         tmp_path / scenario, "--scenario", scenario, "--seed", str(PLANTED_SEED), timeout_s=180

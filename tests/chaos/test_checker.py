@@ -57,6 +57,21 @@ class H:
         self._e("nemesis", "info", "start", value={"id": fid, "fault": fault, "target": "x"})
         self._e("nemesis", "info", "stop", value={"id": fid, "fault": fault, "target": "x"})
 
+    def forge(
+        self, mark: str = "1.0", *, reply_id: str = "r-ghost", target: str = "invented",
+        body_hash: str = "hf", reasons: tuple[str, ...] = ("bad_signature",),
+        outcome: str = "ok",
+    ) -> None:  # fmt: skip
+        value = {"mark": mark, "principal": "p1", "shape": "wrong_secret", "reply_id": reply_id,
+                 "target": target, "hash": body_hash, "reasons": list(reasons)}  # fmt: skip
+        self._e("nemesis", "invoke", "forge", value=value)
+        self._e("nemesis", outcome, "forge", value={"mark": mark, "entry_id": "9-0"})
+
+    def replay(self, key: str = "p1:m000001", state: str | None = "done") -> None:
+        value = {"source": "1-0", "state": state}
+        self._e("nemesis", "invoke", "replay", key=key, value=value)
+        self._e("nemesis", "ok", "replay", key=key, value=dict(value, entry_id="8-0"))
+
     def model(self) -> HistoryModel:
         return HistoryModel.from_events(self.events)
 
@@ -407,3 +422,75 @@ def test_command_starts_finds_whole_resp_commands_only() -> None:
     assert command_starts(data, 0) == [0, 20]
     assert command_starts(data, 20) == [20]
     assert command_starts(b"", 0) == []
+
+
+def _forged_dl(mark: str = "1.0", reason: str = "bad_signature") -> DeadLetterRec:
+    return DeadLetterRec("p1-dead", "5-0", reason, chaos_forged=mark)
+
+
+def test_checker_accepts_a_forged_reply_in_the_reply_dead_letter_stream() -> None:
+    h = published()
+    h.forge()
+    final = done_task()
+    final.reply_dead_letters.append(_forged_dl())
+    result = check(h.model(), final)
+    assert result.valid, result.violations
+    assert result.info["hostile"]["forgeries_dead_lettered"] == 1
+    final.reply_dead_letters.append(DeadLetterRec("p1-dead", "6-0", "bad_signature"))
+    assert violations(check(h.model(), final)) == {"reply_dead_lettered"}  # not planted
+
+
+def test_checker_flags_a_forgery_dead_lettered_for_another_reason_or_not_at_all() -> None:
+    h = published()
+    h.forge()
+    wrong = done_task()
+    wrong.reply_dead_letters.append(_forged_dl(reason="bad_hash"))
+    assert violations(check(h.model(), wrong)) == {"forgery_wrong_reason"}
+    assert violations(check(h.model(), done_task())) == {"forgery_not_dead_lettered"}
+    never_landed = published()
+    never_landed.forge(outcome="info")  # the XADD may not have run: nothing to find
+    assert check(never_landed.model(), done_task()).valid
+
+
+@pytest.mark.parametrize("how", ["hash", "marker", "invented", "ledger", "real_id"])
+def test_checker_flags_a_forged_reply_applied(how: str) -> None:
+    h = published()
+    final = done_task()
+    if how == "real_id":  # the forgery took the real reply's id and its place
+        h.forge(reply_id="r-t1", target="real", body_hash="h-forged")
+        final.receipts[0] = replace(final.receipts[0], content_hash="h-other")
+    else:
+        h.forge(body_hash="h-forged")
+    if how == "hash":
+        final.receipts.append(ReceiptRec("r-ghost", "p1", "h-forged"))
+    elif how == "marker":
+        final.receipts.append(ReceiptRec("r-ghost", "p1", "h9", forged="1.0"))
+    elif how == "invented":
+        final.receipts.append(ReceiptRec("r-ghost", "p1", "h9"))
+    elif how == "ledger":
+        final.forged_effects["r-t1"] = 1
+    final.reply_dead_letters.append(_forged_dl())
+    result = check(h.model(), final)
+    assert result.counts["forged_reply_applied"] == 1, result.examples
+    assert "forged_reply_applied" in VIOLATIONS
+
+
+def test_checker_flags_a_replay_that_ran_as_a_second_task() -> None:
+    h = published()
+    h.replay(state="done")
+    h.replay(state=None)
+    once = check(h.model(), done_task())
+    assert once.valid, once.violations
+    assert once.info["hostile"]["replays"] == 2
+    assert once.info["hostile"]["replays_after_terminal"] == 1
+    twice = done_task()
+    twice.tasks.append(replace(twice.tasks[0], task_id="t2"))
+    assert {"replay_ran_twice", "duplicate_tasks"} <= violations(check(h.model(), twice))
+
+
+def test_checker_excuses_no_exit_inside_a_hostile_fault_window() -> None:
+    h = published()
+    h._e("nemesis", "info", "start", value={"id": "1", "fault": "poison-reply", "target": "x"})
+    h._e("supervisor", "info", "exit", value={"target": "recv-p1", "rc": 1, "expected": False})
+    h._e("nemesis", "info", "stop", value={"id": "1", "fault": "poison-reply", "target": "x"})
+    assert violations(check(h.model(), done_task())) == {"unexpected_exit"}

@@ -10,7 +10,8 @@ from typing import Any, cast
 import pytest
 
 from broker_adapter.envelope import Envelope
-from tests.chaos.history import History
+from tests.chaos.history import History, read_events
+from tests.chaos.hostile import INBOUND_SHAPES
 from tests.chaos.nemesis import Nemesis, packages_for
 from tests.chaos.workload import DEFAULT_WEIGHTS, Agent, AgentConfig, make_keyring
 
@@ -35,14 +36,13 @@ def _plan(tmp_path: Path, seed: int, *, acked: bool) -> list[tuple[str, ...]]:
             calls.append((key, kind, envelope.fingerprint()))
             return acked
 
-        def xadd(stream: str, fields: dict[bytes, bytes]) -> bytes:
-            calls.append(
-                ("raw", fields[b"chaos_key"].decode(), *sorted(k.decode() for k in fields))
-            )
-            return b"1-0"
+        def xadd_raw(stream: str, fields: list[tuple[bytes, bytes]]) -> str:
+            assert fields[0][0] == b"chaos_key"  # first, so a bounded dead letter keeps it
+            calls.append(("raw", fields[0][1].decode(), *sorted({k.decode() for k, _ in fields})))
+            return "1-0"
 
         agent._publish = publish  # type: ignore[method-assign]
-        agent.client.xadd = xadd  # type: ignore[method-assign,assignment]
+        agent._xadd_raw = xadd_raw  # type: ignore[method-assign]
         for seq in range(300):
             agent._step(seq)
         agent.client.close()
@@ -55,6 +55,17 @@ def test_workload_plan_depends_on_the_seed_only(tmp_path: Path) -> None:
     assert first != _plan(tmp_path, 6, acked=True)
     kinds = {c[1] for c in first if c[0] != "raw"} | {"bad"}
     assert {"ok", "transient", "slow", "crash", "dup_same", "dup_diff"} <= kinds
+
+
+def test_workload_deals_every_inbound_poison_shape_with_its_reasons(tmp_path: Path) -> None:
+    _plan(tmp_path, 5, acked=True)
+    invokes = [
+        e["value"]
+        for e in read_events(tmp_path / "h-5-True.jsonl")
+        if e["f"] == "publish" and e["type"] == "invoke" and e["value"]["class"] == "reject"
+    ]
+    shapes = {v["kind"]: tuple(v["reasons"]) for v in invokes if v["kind"] in INBOUND_SHAPES}
+    assert shapes == INBOUND_SHAPES
 
 
 def test_nemesis_deck_deals_every_package_before_repeating_one() -> None:

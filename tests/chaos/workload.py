@@ -14,7 +14,9 @@ INVARIANTS rule 1 asks. Kinds (see ``handler.py`` for what the task kinds do):
 deadline), ``cancel`` (slow, then cancelled by the canceller), ``dup_same`` / ``dup_diff``
 (re-publish an earlier key, same or other content, soon or late), ``malformed`` (bytes that
 do not parse), ``badsig`` (a wrong signature), ``spoof`` (signed with the agent's own key,
-claiming another principal as sender).
+claiming another principal as sender), ``hostile`` (poison of one of the shapes of
+``hostile.INBOUND_SHAPES``, dealt from a shuffled deck so that every shape comes up before
+any comes up twice; logged under the shape's name).
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from broker_adapter.store import TaskStore, open_database
 from broker_adapter.streams import connect
 from tests.chaos.finalread import CHAOS_KEY_FIELD
 from tests.chaos.history import FAIL, INFO, INVOKE, OK, History
+from tests.chaos.hostile import INBOUND_SHAPES, Pairs, flat, inbound_poison
 from tests.chaos.model import REJECT_CLASS, TASK_CLASS
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -60,11 +63,12 @@ DEFAULT_WEIGHTS: dict[str, float] = {
     "malformed": 4,
     "badsig": 3,
     "spoof": 3,
+    "hostile": 5,
 }
 TASK_KINDS = frozenset(
     {"ok", "transient", "slow", "slow_long", "poison", "crash", "deadline", "cancel"}
 )
-REJECT_KINDS = frozenset({"malformed", "badsig", "spoof"})
+REJECT_KINDS = frozenset({"malformed", "badsig", "spoof", "hostile"})
 DUP_KINDS = frozenset({"dup_same", "dup_diff"})
 PUBLISH_TIMEOUT_S = 3.0
 
@@ -152,6 +156,7 @@ class Agent(threading.Thread):
         self.sent: dict[str, _Sent] = {}
         self.order: list[str] = []
         self.storms: deque[int] = deque()
+        self._shapes: list[str] = []
         self.published = 0
         self.finished = threading.Event()
         kinds = list(config.weights)
@@ -296,15 +301,29 @@ class Agent(threading.Thread):
 
     # -- bad input --------------------------------------------------------------------------
 
+    def _next_shape(self) -> str:
+        if not self._shapes:
+            self._shapes = sorted(INBOUND_SHAPES)
+            self.rng.shuffle(self._shapes)
+        return self._shapes.pop()
+
     def _publish_bad(self, kind: str, seq: int) -> None:
         ident = f"x{seq:06d}"
         key = self._key(ident)
-        fields: dict[bytes, bytes]
+        marker = (CHAOS_KEY_FIELD, key.encode())  # first: a bounded dead letter keeps it
+        fields: Pairs
         claims: str | None = None
         reasons: tuple[str, ...] = ()
         fingerprint = ""
         if kind == "malformed":
-            fields = self._malformed(ident)
+            fields = [marker, *self._malformed(ident).items()]
+        elif kind == "hostile":
+            kind = self._next_shape()
+            reasons = INBOUND_SHAPES[kind]
+            fields = inbound_poison(
+                kind, key=key, principal=self.config.principal, ident=ident, kid=self.kid,
+                secret=self.secret, deadline_s=self.config.deadline_s,
+            )  # fmt: skip
         else:
             if kind == "badsig":
                 sender, message_id = self.config.principal, ident
@@ -325,28 +344,33 @@ class Agent(threading.Thread):
             secret = self.secret.encode()
             if kind == "badsig":
                 secret = secret + b"-wrong"
-            fields = {
-                b"v": b"1",
-                b"env": env,
-                b"kid": self.kid.encode(),
-                b"sig": signature(secret, self.kid, env).encode(),
-            }
-        fields[CHAOS_KEY_FIELD] = key.encode()
+            fields = [
+                marker,
+                (b"v", b"1"),
+                (b"env", env),
+                (b"kid", self.kid.encode()),
+                (b"sig", signature(secret, self.kid, env).encode()),
+            ]
         self.history.log(
             INVOKE, "publish", key=key,
             value={"kind": kind, "class": REJECT_CLASS, "seq": seq, "reasons": list(reasons),
                    "claims": claims, "fingerprint": fingerprint},
         )  # fmt: skip
         try:
-            entry_id = self.client.xadd(self.keys.inbound(), fields)  # type: ignore[arg-type]
+            entry_id = self._xadd_raw(self.keys.inbound(), fields)
         except redis.RedisError as exc:
             self.history.log(INFO, "publish", key=key, error=str(exc))
             return
         self.history.log(
-            OK, "publish", key=key,
-            value={"entry_id": entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id),
-                   "fingerprint": fingerprint},
-        )  # fmt: skip
+            OK, "publish", key=key, value={"entry_id": entry_id, "fingerprint": fingerprint}
+        )
+
+    def _xadd_raw(self, stream: str, fields: Pairs) -> str:
+        """XADD ``fields`` as they are: in order, repeated names kept."""
+        reply = self.client.execute_command(  # type: ignore[no-untyped-call]
+            "XADD", stream, "*", *flat(fields)
+        )
+        return reply.decode() if isinstance(reply, bytes) else str(reply)
 
     def _malformed(self, ident: str) -> dict[bytes, bytes]:
         good = Envelope.build(
