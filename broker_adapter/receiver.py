@@ -85,6 +85,7 @@ from broker_adapter.store.receipts import (
     ReceiptOutcome,
     ReceiptStore,
 )
+from broker_adapter.store.retention import DEFAULT_RETENTION_S, PurgeBatch, PurgeSchedule
 from broker_adapter.streams import (
     DEFAULT_MAX_ENTRY_FIELDS,
     MAX_ENTRY_FIELDS,
@@ -94,6 +95,7 @@ from broker_adapter.streams import (
     StreamEntry,
     run_until_stopped,
     text,
+    translated,
 )
 
 if TYPE_CHECKING:
@@ -111,6 +113,9 @@ DEFAULT_TAKE_OVER_INTERVAL_S = 30.0
 #: escaped. A megabyte leaves room and still keeps a hostile entry from costing more.
 DEFAULT_MAX_REPLY_BYTES = 1024 * 1024
 DEFAULT_FAILED_STEP_PAUSE_S = 1.0
+#: Receipts from this long before the oldest pending entry's id time are kept too: slack
+#: for Redis's clock, which stamps entry ids, running ahead of the receiver's.
+PENDING_SLACK_S = 60.0
 #: How deep a reply body may nest: the body object plus a result within the payload
 #: limits nest 17 levels; anything far deeper is not a reply of ours.
 REPLY_MAX_DEPTH = 64
@@ -139,6 +144,9 @@ class ReceiverConfig(BaseModel):
             ``too_many_fields``; a dead letter copies at most this many fields.
         failed_step_pause_s: after a step in which an effect failed, how long the replay
             of this consumer's pending entries (the retry) waits, seconds.
+        retention_s: how long a receipt is kept after its reply was applied (and while an
+            entry of the group read at or after it is still pending): a reply redelivered
+            within it is a duplicate. Keep it at least the adapter's ``retention_s``.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -157,6 +165,7 @@ class ReceiverConfig(BaseModel):
         default=DEFAULT_MAX_ENTRY_FIELDS, ge=MIN_ENTRY_FIELDS, le=MAX_ENTRY_FIELDS
     )
     failed_step_pause_s: float = Field(default=DEFAULT_FAILED_STEP_PAUSE_S, ge=0)
+    retention_s: float = Field(default=DEFAULT_RETENTION_S, gt=0)
 
     @field_validator("prefix")
     @classmethod
@@ -398,6 +407,7 @@ class Receiver:
         #: When the own-pending replay deferred after a failed step is due (clock time).
         self._replay_at: float | None = None
         self._held: list[tuple[StreamEntry, ReceiptItem]] | None = None
+        self._purges = PurgeSchedule(self.clock, self.log)
 
     def step(self, *, peek: bool = True) -> int:
         """Read one batch (own pending first after any error, then new entries, plus a
@@ -416,6 +426,8 @@ class Receiver:
             RedisUnavailable: Redis could not be reached; the next step replays own pending.
             StoreBusy, StoreError: the transaction failed; nothing was acknowledged.
         """
+        if self._purges.due():  # a small batch of old receipts between reply batches
+            self._purges.run_batch(self._purge_batch)
         try:
             if self._held is not None:
                 return self._commit(self._held, peek=peek)
@@ -436,6 +448,21 @@ class Receiver:
         except BaseException:
             self.reader.reset()  # after ANY other error: own pending entries first next time
             raise
+
+    def _purge_batch(self, after: int) -> PurgeBatch:
+        """One batch of the receipts purge: receipts applied more than ``retention_s`` ago,
+        and none from ``PENDING_SLACK_S`` before the oldest entry the group still has
+        pending (a receipt committed before a crash, its entry never acknowledged, is all
+        that makes the entry's redelivery a duplicate, however long the receiver was
+        down). Looks at Redis before the transaction, never inside it."""
+        cutoff = self.clock.now() - self.config.retention_s
+        with translated():
+            summary = self.client.xpending(self.reader.stream, self.config.group)
+        oldest = summary.get("min") if summary.get("pending") else None
+        if oldest is not None:
+            oldest_ms = int(text(oldest).partition("-")[0])
+            cutoff = min(cutoff, oldest_ms / 1000 - PENDING_SLACK_S)
+        return self.receipts.purge_batch(cutoff, after)
 
     def _handle(self, entries: list[StreamEntry], *, peek: bool = False) -> int:
         seen: set[str] = set()
