@@ -76,7 +76,13 @@ from broker_adapter import crashpoints
 from broker_adapter.auth import REPLY_WIRE_VERSION, Keyring
 from broker_adapter.clock import Clock
 from broker_adapter.envelope import check_principal, loads_strict, sha256_hex
-from broker_adapter.errors import AuthError, ConfigError, StoreBusy, TransientError
+from broker_adapter.errors import (
+    AuthError,
+    ConfigError,
+    GroupMissingError,
+    StoreBusy,
+    TransientError,
+)
 from broker_adapter.keys import DEFAULT_PREFIX, RECEIVER_GROUP, Keys
 from broker_adapter.store.receipts import (
     AppliedItem,
@@ -456,8 +462,11 @@ class Receiver:
         that makes the entry's redelivery a duplicate, however long the receiver was
         down). Looks at Redis before the transaction, never inside it."""
         cutoff = self.clock.now() - self.config.retention_s
-        with translated():
-            summary = self.client.xpending(self.reader.stream, self.config.group)
+        try:
+            with translated():
+                summary = self.client.xpending(self.reader.stream, self.config.group)
+        except GroupMissingError:  # no group (yet, or Redis lost it): nothing pending
+            summary = {}
         oldest = summary.get("min") if summary.get("pending") else None
         if oldest is not None:
             oldest_ms = int(text(oldest).partition("-")[0])
