@@ -120,8 +120,11 @@ DEFAULT_TAKE_OVER_INTERVAL_S = 30.0
 DEFAULT_MAX_REPLY_BYTES = 1024 * 1024
 DEFAULT_FAILED_STEP_PAUSE_S = 1.0
 #: Receipts from this long before the oldest pending entry's id time are kept too: slack
-#: for Redis's clock, which stamps entry ids, running ahead of the receiver's.
-PENDING_SLACK_S = 60.0
+#: for Redis's clock, which stamps entry ids, running ahead of the receiver's (the two are
+#: assumed to agree within it).
+PENDING_SLACK_S = 5.0
+#: How long a step spends on the receipts' purge at most (when a pass is due).
+PURGE_STEP_BUDGET_S = 0.02
 #: How deep a reply body may nest: the body object plus a result within the payload
 #: limits nest 17 levels; anything far deeper is not a reply of ours.
 REPLY_MAX_DEPTH = 64
@@ -413,7 +416,9 @@ class Receiver:
         #: When the own-pending replay deferred after a failed step is due (clock time).
         self._replay_at: float | None = None
         self._held: list[tuple[StreamEntry, ReceiptItem]] | None = None
-        self._purges = PurgeSchedule(self.clock, self.log)
+        # The receiver is its database's only writer: its batches need no pause between
+        # them, only a bound on how long one step spends on them.
+        self._purges = PurgeSchedule(self.clock, self.log, pause_s=0.0, pause_factor=0.0)
 
     def step(self, *, peek: bool = True) -> int:
         """Read one batch (own pending first after any error, then new entries, plus a
@@ -432,8 +437,8 @@ class Receiver:
             RedisUnavailable: Redis could not be reached; the next step replays own pending.
             StoreBusy, StoreError: the transaction failed; nothing was acknowledged.
         """
-        if self._purges.due():  # a small batch of old receipts between reply batches
-            self._purges.run_batch(self._purge_batch)
+        if self._purges.due():  # old receipts, a few batches between reply batches
+            self._purges.run_for(self._purge_batch, PURGE_STEP_BUDGET_S)
         try:
             if self._held is not None:
                 return self._commit(self._held, peek=peek)

@@ -275,6 +275,7 @@ class PurgeSchedule:
     """When the next purge batch is due, on ``clock``: right after a batch that left more
     to do (after ``pause_s``, or ``PURGE_PAUSE_FACTOR`` times the batch's lock time if
     longer), ``every_s`` after the one that finished a pass. The first is due at once.
+    Times are on ``clock``; the pauses are measured in seconds of ``lock_s``.
 
     ``cursor`` is where the pass goes on (``PurgeBatch.after``); 0 starts a new pass.
     """
@@ -285,11 +286,13 @@ class PurgeSchedule:
         log: logging.Logger,
         every_s: float = PURGE_EVERY_S,
         pause_s: float = PURGE_PAUSE_S,
+        pause_factor: float = PURGE_PAUSE_FACTOR,
     ) -> None:
         self.clock = clock
         self.log = log
         self.every_s = every_s
         self.pause_s = pause_s
+        self.pause_factor = pause_factor
         self.cursor = 0
         self.stats = PassStats()
         self._due = float("-inf")
@@ -307,7 +310,7 @@ class PurgeSchedule:
         now = self.clock.now()
         if batch.more:
             self.cursor = batch.after
-            self._due = now + max(self.pause_s, PURGE_PAUSE_FACTOR * batch.lock_s)
+            self._due = now + max(self.pause_s, self.pause_factor * batch.lock_s)
             return None
         finished, self.stats, self.cursor = self.stats, PassStats(), 0
         self._due = now + self.every_s
@@ -331,6 +334,16 @@ class PurgeSchedule:
         finished = self.done(batch)
         if finished is not None and finished.removed:
             self.log.info("purged %s", finished.summary())
+
+    def run_for(self, purge: Callable[[int], PurgeBatch], budget_s: float) -> None:
+        """Run due batches one after the other for about ``budget_s`` at most (the last one
+        may end past it): for a loop that purges between its own steps, where no pause is
+        needed (``pause_s`` 0) but a step must not wait long."""
+        give_up = time.monotonic() + budget_s
+        while self.due():
+            self.run_batch(purge)
+            if time.monotonic() >= give_up:
+                return
 
 
 def run_purges(
