@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 from pydantic import ValidationError
 
 from broker_adapter.errors import BrokerAdapterError, ConfigError, TransientError
+from broker_adapter.store.retention import DEFAULT_RETENTION_S
 
 if TYPE_CHECKING:
     from broker_adapter.receiver import Receiver
@@ -58,6 +59,14 @@ def _add_prefix(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefix", default=_env("BA_PREFIX", "ba"), help="Redis key prefix")
 
 
+def _add_retention(p: argparse.ArgumentParser, what: str) -> None:
+    p.add_argument(
+        "--retention", type=float, metavar="SECONDS",
+        default=_env("BA_RETENTION_S", f"{DEFAULT_RETENTION_S:g}"),
+        help=f"the dedupe window: {what} [env BA_RETENTION_S; default 7 days]",
+    )  # fmt: skip
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="broker-adapter",
@@ -88,6 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-open-tasks", type=int, default=_env("BA_MAX_OPEN_TASKS"),
         help="open tasks allowed per principal (default: no quota)",
     )  # fmt: skip
+    _add_retention(
+        run, "requests older than this are forgotten, and deadlines further ahead refused"
+    )
 
     pub = sub.add_parser("publish", help="sign and publish one task envelope")
     _add_redis(pub)
@@ -116,6 +128,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="stop after S seconds in which no reply was applied: exit 0 when Redis answered"
         " the last read, 1 when it was unreachable (no progress counts as idle)",
     )  # fmt: skip
+    _add_retention(rcv, "receipts older than this are forgotten")
+
+    bak = sub.add_parser("backup", help="an online snapshot of a database (VACUUM INTO)")
+    _add_db(bak)
+    bak.add_argument("--out", required=True, help="the snapshot file to create (mode 0600)")
 
     rcp = sub.add_parser("receipts", help="list applied replies (the database is only read)")
     _add_db(rcp)
@@ -187,6 +204,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         "rate_limit": args.rate_limit,
         "rate_burst": args.rate_burst,
         "max_open_tasks": args.max_open_tasks,
+        "retention_s": args.retention,
     }
     if args.name:
         fields["name"] = args.name
@@ -238,8 +256,10 @@ def cmd_receive(args: argparse.Namespace) -> int:
 
     consumer = args.consumer or f"receive-{args.principal}"
     config = _validated(
-        ReceiverConfig, {"prefix": args.prefix, "principal": args.principal, "consumer": consumer}
-    )
+        ReceiverConfig,
+        {"prefix": args.prefix, "principal": args.principal, "consumer": consumer,
+         "retention_s": args.retention},
+    )  # fmt: skip
     keyring = Keyring.load(args.keyring)
     db = open_database(args.db)
     receiver = Receiver(
@@ -312,6 +332,13 @@ def cmd_receipts(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_backup(args: argparse.Namespace) -> int:
+    from broker_adapter.store.backup import snapshot
+
+    _print_json(snapshot(args.db, args.out))
+    return 0
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     from broker_adapter.ops import collect_status, format_status
 
@@ -352,6 +379,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "publish": cmd_publish,
     "receive": cmd_receive,
     "receipts": cmd_receipts,
+    "backup": cmd_backup,
     "status": cmd_status,
     "cancel": cmd_cancel,
     "dead-letters": cmd_dead_letters,

@@ -76,7 +76,13 @@ from broker_adapter import crashpoints
 from broker_adapter.auth import REPLY_WIRE_VERSION, Keyring
 from broker_adapter.clock import Clock
 from broker_adapter.envelope import check_principal, loads_strict, sha256_hex
-from broker_adapter.errors import AuthError, ConfigError, StoreBusy, TransientError
+from broker_adapter.errors import (
+    AuthError,
+    ConfigError,
+    GroupMissingError,
+    StoreBusy,
+    TransientError,
+)
 from broker_adapter.keys import DEFAULT_PREFIX, RECEIVER_GROUP, Keys
 from broker_adapter.store.receipts import (
     AppliedItem,
@@ -85,6 +91,7 @@ from broker_adapter.store.receipts import (
     ReceiptOutcome,
     ReceiptStore,
 )
+from broker_adapter.store.retention import DEFAULT_RETENTION_S, PurgeBatch, PurgeSchedule
 from broker_adapter.streams import (
     DEFAULT_MAX_ENTRY_FIELDS,
     MAX_ENTRY_FIELDS,
@@ -94,6 +101,7 @@ from broker_adapter.streams import (
     StreamEntry,
     run_until_stopped,
     text,
+    translated,
 )
 
 if TYPE_CHECKING:
@@ -111,6 +119,12 @@ DEFAULT_TAKE_OVER_INTERVAL_S = 30.0
 #: escaped. A megabyte leaves room and still keeps a hostile entry from costing more.
 DEFAULT_MAX_REPLY_BYTES = 1024 * 1024
 DEFAULT_FAILED_STEP_PAUSE_S = 1.0
+#: Receipts from this long before the oldest pending entry's id time are kept too: slack
+#: for Redis's clock, which stamps entry ids, running ahead of the receiver's (the two are
+#: assumed to agree within it).
+PENDING_SLACK_S = 5.0
+#: How long a step spends on the receipts' purge at most (when a pass is due).
+PURGE_STEP_BUDGET_S = 0.02
 #: How deep a reply body may nest: the body object plus a result within the payload
 #: limits nest 17 levels; anything far deeper is not a reply of ours.
 REPLY_MAX_DEPTH = 64
@@ -139,6 +153,9 @@ class ReceiverConfig(BaseModel):
             ``too_many_fields``; a dead letter copies at most this many fields.
         failed_step_pause_s: after a step in which an effect failed, how long the replay
             of this consumer's pending entries (the retry) waits, seconds.
+        retention_s: how long a receipt is kept after its reply was applied (and while an
+            entry of the group read at or after it is still pending): a reply redelivered
+            within it is a duplicate. Keep it at least the adapter's ``retention_s``.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -157,6 +174,7 @@ class ReceiverConfig(BaseModel):
         default=DEFAULT_MAX_ENTRY_FIELDS, ge=MIN_ENTRY_FIELDS, le=MAX_ENTRY_FIELDS
     )
     failed_step_pause_s: float = Field(default=DEFAULT_FAILED_STEP_PAUSE_S, ge=0)
+    retention_s: float = Field(default=DEFAULT_RETENTION_S, gt=0)
 
     @field_validator("prefix")
     @classmethod
@@ -398,6 +416,9 @@ class Receiver:
         #: When the own-pending replay deferred after a failed step is due (clock time).
         self._replay_at: float | None = None
         self._held: list[tuple[StreamEntry, ReceiptItem]] | None = None
+        # The receiver is its database's only writer: its batches need no pause between
+        # them, only a bound on how long one step spends on them.
+        self._purges = PurgeSchedule(self.clock, self.log, pause_s=0.0, pause_factor=0.0)
 
     def step(self, *, peek: bool = True) -> int:
         """Read one batch (own pending first after any error, then new entries, plus a
@@ -416,6 +437,8 @@ class Receiver:
             RedisUnavailable: Redis could not be reached; the next step replays own pending.
             StoreBusy, StoreError: the transaction failed; nothing was acknowledged.
         """
+        if self._purges.due():  # old receipts, a few batches between reply batches
+            self._purges.run_for(self._purge_batch, PURGE_STEP_BUDGET_S)
         try:
             if self._held is not None:
                 return self._commit(self._held, peek=peek)
@@ -436,6 +459,24 @@ class Receiver:
         except BaseException:
             self.reader.reset()  # after ANY other error: own pending entries first next time
             raise
+
+    def _purge_batch(self, after: int) -> PurgeBatch:
+        """One batch of the receipts purge: receipts applied more than ``retention_s`` ago,
+        and none from ``PENDING_SLACK_S`` before the oldest entry the group still has
+        pending (a receipt committed before a crash, its entry never acknowledged, is all
+        that makes the entry's redelivery a duplicate, however long the receiver was
+        down). Looks at Redis before the transaction, never inside it."""
+        cutoff = self.clock.now() - self.config.retention_s
+        try:
+            with translated():
+                summary = self.client.xpending(self.reader.stream, self.config.group)
+        except GroupMissingError:  # no group (yet, or Redis lost it): nothing pending
+            summary = {}
+        oldest = summary.get("min") if summary.get("pending") else None
+        if oldest is not None:
+            oldest_ms = int(text(oldest).partition("-")[0])
+            cutoff = min(cutoff, oldest_ms / 1000 - PENDING_SLACK_S)
+        return self.receipts.purge_batch(cutoff, after)
 
     def _handle(self, entries: list[StreamEntry], *, peek: bool = False) -> int:
         seen: set[str] = set()

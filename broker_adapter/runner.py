@@ -37,6 +37,7 @@ from broker_adapter.ingest import IngestConfig, Ingestor
 from broker_adapter.pool import WorkerPool
 from broker_adapter.store import OutboxStore, TaskStore, open_database
 from broker_adapter.store.gate import WriteGate
+from broker_adapter.store.retention import DEFAULT_RETENTION_S, PurgeSchedule, run_purges
 from broker_adapter.store.tasks import AcceptItem, AcceptResult, Outcome, TaskPolicy
 from broker_adapter.streams import connect
 from broker_adapter.worker import WorkerConfig
@@ -75,8 +76,10 @@ class RunConfig(BaseModel):
             publishes every reply.
         rate_limit, rate_burst, max_open_tasks: the ingress limits per principal
             (``IngestConfig``, ``limits``); off by default.
-        retention_s: the retention window (the published dedupe window), seconds: the
-            streams, dead letters and publication records are trimmed by it.
+        retention_s: the dedupe window (``TaskPolicy.retention_s``): how long a request's
+            identity is remembered and the farthest a deadline may lie ahead; requests past
+            it (terminal, deadline passed, reply sent) are purged (``store.retention``), and
+            the streams, dead letters and publication records are trimmed by it.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -98,7 +101,7 @@ class RunConfig(BaseModel):
     rate_limit: float | None = Field(default=None, gt=0)
     rate_burst: int | None = Field(default=None, ge=1)
     max_open_tasks: int | None = Field(default=None, ge=1)
-    retention_s: float = Field(default=7 * 24 * 3600.0, gt=0)
+    retention_s: float = Field(default=DEFAULT_RETENTION_S, gt=0)
 
     @field_validator("redis_url")
     @classmethod
@@ -185,7 +188,7 @@ class Runner:
                 f"keyring {config.keyring_path} has no keys for ACL principal(s) "
                 f"{', '.join(keyless)}: their replies could not be signed"
             )
-        self.policy = TaskPolicy(lease_s=config.lease_s)
+        self.policy = TaskPolicy(lease_s=config.lease_s, retention_s=config.retention_s)
         # Create and migrate once, up front (a bad path or a newer schema fails here); a
         # database that another writer keeps locked is waited for in ``run``.
         self._db_ready = self._prepare_database()
@@ -300,6 +303,17 @@ class Runner:
             self._first_look.set()
             db.close()
 
+    def _purge(self, stop: threading.Event, gate: WriteGate | None) -> None:
+        """Forget requests past the retention window, in small batches between the live
+        writers' transactions (``store.retention``), on a connection of its own."""
+        db = open_database(self.config.db_path, gate=gate)
+        try:
+            clock = SystemClock()
+            tasks = TaskStore(db, clock, self.policy)
+            run_purges(stop, tasks.purge_batch, PurgeSchedule(clock, self.log))
+        finally:
+            db.close()
+
     def run(self, stop: threading.Event) -> int:
         """Run until ``stop`` is set. Returns the exit code (0 after a clean drain)."""
         cfg = self.config
@@ -313,6 +327,7 @@ class Runner:
         threads = [
             self._thread("dispatcher", lambda: self._dispatch(stop, pool.gate)),
             self._thread("ingest", lambda: self._ingest(stop, pool.handoff, pool.gate)),
+            self._thread("purge", lambda: self._purge(stop, pool.gate)),
         ]
         self._first_look.wait(FIRST_LOOK_TIMEOUT_S)
         pool.start()

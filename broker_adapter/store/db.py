@@ -160,6 +160,12 @@ MIGRATIONS: tuple[str | Callable[[sqlite3.Connection], None], ...] = (
     # (``tasks.conflict_reply_id``): made once here, from the OS's random source, it never
     # leaves the database, so nobody who sees the requests can work those ids out.
     lambda c: _create_meta(c),
+    # 6: an index of the conflict answers (outbox rows without a task) by age, for the
+    # purge (``retention``): the only outbox rows it cannot reach through their task.
+    # Partial: the replies of tasks, nearly every row, are not in it and cost it nothing.
+    """
+    CREATE INDEX IF NOT EXISTS outbox_answers ON outbox (created_at) WHERE task_id IS NULL;
+    """,
 )
 SCHEMA_VERSION = len(MIGRATIONS)
 #: The ``meta`` row holding the key of conflict-answer ids.
@@ -343,12 +349,16 @@ class Database:
             c.execute(f"PRAGMA busy_timeout = {self._busy_timeout_ms}")
 
     @contextmanager
-    def write(self, op: str) -> Iterator[sqlite3.Connection]:
+    def write(self, op: str, *, foreign_keys: bool = True) -> Iterator[sqlite3.Connection]:
         """Run one write transaction (``BEGIN IMMEDIATE`` ... ``COMMIT``).
 
         Args:
             op: the operation's name; crash points ``store.<op>.before_commit`` and
                 ``store.<op>.after_commit`` fire around the COMMIT.
+            foreign_keys: ``False`` turns the foreign-key checks off for this transaction
+                (back on after it): for a writer that deletes children before their parent
+                itself, since the check of a deleted parent scans each child table that
+                has no index on its key (``inbox.task_id`` has none, on purpose).
 
         Raises:
             StoreBusy: the write lock was not free within the busy timeout.
@@ -370,11 +380,10 @@ class Database:
             if gate is not None:
                 gate.enter(deadline)
             with self._lock:
+                if not foreign_keys:
+                    self.conn.execute("PRAGMA foreign_keys = OFF")  # before BEGIN: ignored inside
                 try:
                     self._begin_immediate(deadline)
-                except sqlite3.OperationalError as exc:
-                    raise _translate(exc) from exc
-                try:
                     yield self.conn
                     crashpoints.hit(f"store.{op}.before_commit")
                     self.conn.execute("COMMIT")
@@ -384,6 +393,9 @@ class Database:
                     if isinstance(exc, sqlite3.OperationalError):
                         raise _translate(exc) from exc
                     raise
+                finally:
+                    if not foreign_keys:
+                        self.conn.execute("PRAGMA foreign_keys = ON")
         finally:
             if gate is not None:
                 gate.leave()  # only if this process holds it (no other thread can)

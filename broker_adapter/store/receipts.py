@@ -24,6 +24,7 @@ from typing import Any
 from broker_adapter.clock import Clock, SystemClock
 from broker_adapter.envelope import canonical_json
 from broker_adapter.store.db import Database, in_lists
+from broker_adapter.store.retention import PURGE_BATCH, PurgeBatch, purge_receipts, whole_pass
 
 
 class ReceiptOutcome(StrEnum):
@@ -114,6 +115,19 @@ class ReceiptStore:
         with self.db.read() as c:
             rows = c.execute(f"SELECT {_COLUMNS} FROM receipts ORDER BY received_at").fetchall()
         return [Receipt(**dict(r)) for r in rows]
+
+    def purge_batch(self, cutoff: float, after: int = 0, limit: int = PURGE_BATCH) -> PurgeBatch:
+        """Forget at most ``limit`` receipts applied at or before ``cutoff`` (a time on this
+        store's clock), oldest first, in one short transaction; a reply redelivered after
+        its receipt is gone would be applied again, so the receiver chooses ``cutoff``
+        (its window, and no later than its oldest pending entry)."""
+        return purge_receipts(self.db, cutoff, after, limit)
+
+    def purge(self, retention_s: float, limit: int = PURGE_BATCH) -> int:
+        """A whole pass of ``purge_batch`` for the receipts older than ``retention_s``.
+        Returns how many were forgotten."""
+        cutoff = self.clock.now() - retention_s
+        return whole_pass(lambda after: self.purge_batch(cutoff, after, limit)).receipts
 
     # -- added for the batched receiver (broker_adapter.receiver) --------------------------
 

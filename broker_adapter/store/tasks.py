@@ -53,6 +53,13 @@ from broker_adapter.store.outbox import (
     enqueue_encoded,
     mark_sent_in,
 )
+from broker_adapter.store.retention import (
+    DEFAULT_RETENTION_S,
+    PURGE_BATCH,
+    PurgeBatch,
+    purge_requests,
+    whole_pass,
+)
 
 
 class TaskState(StrEnum):
@@ -108,7 +115,7 @@ class TaskPolicy:
 
     lease_s: float = 30.0
     max_hops: int = 16
-    retention_s: float = 7 * 24 * 3600.0
+    retention_s: float = DEFAULT_RETENTION_S
     backoff: Backoff = field(default_factory=Backoff)
 
 
@@ -1068,22 +1075,16 @@ class TaskStore:
                 counts["requeued"] += 1
         return counts
 
-    def purge(self) -> int:
-        """Forget inbox records past the retention window whose task is terminal, whose
-        deadline has passed and whose reply was sent (the records ``_forgotten`` would no
-        longer dedupe by, less those with a reply still to send). Returns how many were
-        removed."""
-        now = self.clock.now()
-        cutoff = now - self.policy.retention_s
-        with self.db.write("purge") as c:
-            cur = c.execute(
-                "DELETE FROM inbox WHERE received_at <= ? AND task_id IN ("
-                " SELECT t.task_id FROM tasks t LEFT JOIN outbox o ON o.task_id = t.task_id"
-                " WHERE t.state IN ('done', 'failed', 'cancelled', 'expired', 'hop_limit')"
-                " AND t.deadline <= ? AND (o.state IS NULL OR o.state = 'sent'))",
-                (cutoff, now),
-            )
-            return cur.rowcount
+    def purge_batch(self, after: int = 0, limit: int = PURGE_BATCH) -> PurgeBatch:
+        """Forget at most ``limit`` requests past the retention window, with everything
+        kept for them (task, inbox record, reply), in one short transaction; see
+        ``retention`` for the rule and ``PurgeBatch.after`` / ``more`` for the pass."""
+        return purge_requests(self.db, self.clock.now(), self.policy.retention_s, after, limit)
+
+    def purge(self, limit: int = PURGE_BATCH) -> int:
+        """A whole purge pass, batch after batch (no pause: the runner's purger spaces its
+        batches with ``PurgeSchedule``). Returns how many requests were forgotten."""
+        return whole_pass(lambda after: self.purge_batch(after, limit)).requests
 
     # -- reads ----------------------------------------------------------------------------
 

@@ -171,7 +171,8 @@ def setup_reconcile(s: Stores, clock: FakeClock) -> Prepared:
 def setup_purge(s: Stores, clock: FakeClock) -> Prepared:
     reply_id, fence = reply_claimed(s)
     s.outbox.mark_sent(reply_id, "d1", fence, "1-1")
-    return Prepared(T0 + RETENTION_S + 1, {}, {"reply": reply_id})
+    live = accepted(s, "live", deadline=T0 + RETENTION_S)  # stays: not terminal
+    return Prepared(T0 + RETENTION_S + 1, {}, {"reply": reply_id, "live": live})
 
 
 def setup_outbox_claim(s: Stores, clock: FakeClock) -> Prepared:
@@ -284,10 +285,11 @@ def check_reconcile(before: Dump, after: Dump, p: Prepared) -> None:
 
 
 def check_purge(before: Dump, after: Dump, p: Prepared) -> None:
-    assert len(before["inbox"]) == 1
-    assert after["inbox"] == []
-    assert after["tasks"] == before["tasks"]
-    assert after["outbox"] == before["outbox"]
+    # The whole request went (record, task, reply); the live one is untouched.
+    assert len(before["inbox"]) == 2
+    assert [r["task_id"] for r in after["inbox"]] == [p.ids["live"]]
+    assert [r["task_id"] for r in after["tasks"]] == [p.ids["live"]]
+    assert after["outbox"] == []
 
 
 def check_outbox_claim(before: Dump, after: Dump, p: Prepared) -> None:

@@ -93,9 +93,9 @@ def _ops(db: Database) -> Iterator[list[str]]:
     seen: list[str] = []
     write = db.write
 
-    def counting(op: str) -> Any:
+    def counting(op: str, **options: Any) -> Any:
         seen.append(op)
-        return write(op)
+        return write(op, **options)
 
     db.write = counting  # type: ignore[method-assign]
     try:

@@ -187,7 +187,12 @@ def _reconcile(s: Stores, a: dict[str, Any]) -> Json:
 
 
 def _purge(s: Stores, a: dict[str, Any]) -> Json:
-    return s.tasks.purge()
+    return s.tasks.purge(**({"limit": a["limit"]} if "limit" in a else {}))
+
+
+def _purge_receipts(s: Stores, a: dict[str, Any]) -> Json:
+    """The receiver's purge: its transactions are ``store.purge`` ones too."""
+    return s.receipts.purge(RETENTION_S, a.get("limit", 100))
 
 
 def _outbox_claim(s: Stores, a: dict[str, Any]) -> Json:
@@ -233,6 +238,7 @@ OPS: dict[str, Callable[[Stores, dict[str, Any]], Json]] = {
     "renew": _renew,
     "reconcile": _reconcile,
     "purge": _purge,
+    "purge_receipts": _purge_receipts,
     "outbox_claim": _outbox_claim,
     "mark_sent": _mark_sent,
     "reply_retry": _reply_retry,

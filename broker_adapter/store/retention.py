@@ -1,0 +1,372 @@
+"""Retention: what the stores forget once the dedupe window has passed, a small batch at a time.
+
+One window per process, ``retention_s`` (7 days by default). On the adapter's side a
+request goes as a whole, in ONE transaction: its task row, its inbox record (if the record
+still names this task: a message id reused past the window took it over) and its terminal
+reply in the outbox. It goes only when all of these hold, re-checked inside the deleting
+transaction:
+
+* the task is terminal and its deadline has passed (a replay of the envelope can then only
+  be accepted as ``expired``, never run);
+* it was accepted at least ``retention_s`` ago (the inbox record dedupes that long:
+  ``TaskStore._forgotten``);
+* its reply was sent, at least ``retention_s`` ago (the outbox row outlives the reply's
+  stream entry, so an operator can still publish it again under the same id).
+
+A request whose task is live, or whose reply is pending, sending, dead or sent within the
+window, is never touched. Conflict answers (outbox rows without a task) go once sent and
+past the window. On the receiver's side a receipt goes once applied ``retention_s`` ago
+(``ReceiptStore.purge_batch``; the receiver also keeps those of entries still pending in
+its group).
+
+Batches. Candidates are found by a read (no write lock) that walks the tasks table in
+rowid order, i.e. oldest first, from a cursor the caller carries through a pass, and stops
+at the first row accepted inside the window; the write transaction then deletes at most
+``PURGE_BATCH`` requests by primary key and index, a few milliseconds of write lock. Rows
+that must stay (a dead reply) are walked past once per pass, not deleted. A pass is a loop
+of batches; ``PurgeSchedule`` spaces the batches so that live writers take the lock in
+between, and the passes ``PURGE_EVERY_S`` apart.
+
+File size. SQLite puts the pages a DELETE frees on the file's freelist and the next
+inserts take them from there, so a database whose rows come and go at the same rate stops
+growing at the size of one window of rows; ``auto_vacuum`` is left off (turning it on for
+an existing file takes a full ``VACUUM``, and returning pages to the OS only to grow again
+costs writes for nothing). An operator who wants the space of a burst back runs
+``broker-adapter backup`` (``VACUUM INTO``, compact) or ``VACUUM`` while stopped.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from broker_adapter.clock import Clock
+from broker_adapter.errors import BrokerAdapterError
+from broker_adapter.store.db import Database, in_lists
+
+#: The published dedupe window, seconds: 7 days.
+DEFAULT_RETENTION_S = 7 * 24 * 3600.0
+#: Requests (or receipts) deleted per transaction at most.
+PURGE_BATCH = 100
+#: Rows a candidate read looks at per batch at most (it stops earlier at the window).
+SCAN_ROWS = 4 * PURGE_BATCH
+#: Seconds between purge passes.
+PURGE_EVERY_S = 5.0
+#: Pause between the batches of a pass, at least, and as a multiple of the batch's own
+#: transaction time: while it catches up, the purge takes at most about half of the write
+#: lock's time (about 6,000 requests a second with 8 ms commits), the live writers the rest.
+PURGE_PAUSE_S = 0.002
+PURGE_PAUSE_FACTOR = 1.0
+
+TERMINAL_SQL = "('done', 'failed', 'cancelled', 'expired', 'hop_limit')"
+
+#: The rule of a purgeable request, on ``tasks t`` joined with its reply ``outbox o``, with
+#: the parameters of ``_rule_params``. The one place it is written: the candidate read and
+#: the deleting transaction both use it. ``+o.state`` keeps the planner off the index on
+#: the outbox's state, which would walk every sent reply instead of the batch's.
+PURGEABLE_SQL = (
+    f"t.state IN {TERMINAL_SQL} AND t.deadline <= ? AND t.created_at <= ?"
+    " AND +o.state = 'sent' AND o.sent_at <= ?"
+)
+
+
+def _rule_params(now: float, cutoff: float) -> tuple[float, float, float]:
+    return now, cutoff, cutoff
+
+
+def purge_requests(
+    db: Database, now: float, retention_s: float, after: int = 0, limit: int = PURGE_BATCH
+) -> PurgeBatch:
+    """Delete at most ``limit`` purgeable requests (see the module docstring) whose task
+    row comes after rowid ``after``, and up to ``limit`` conflict answers past the window,
+    in one transaction.
+
+    The candidates are read first, outside the write lock; the deleting transaction
+    checks each again (``PURGEABLE_SQL``: a reply put back in line by a data-loss resend
+    since the read is no longer sent, and stays) and deletes the request's inbox record,
+    reply and task together, so that no crash leaves a task without its record, or a
+    record without its task.
+    """
+    cutoff = now - retention_s
+    rule = _rule_params(now, cutoff)
+    with db.read() as c:
+        rows = c.execute(
+            "SELECT t.rowid, t.task_id, t.principal, t.message_id,"
+            f" coalesce({PURGEABLE_SQL}, 0), t.created_at > ?"
+            " FROM tasks t LEFT JOIN outbox o ON o.task_id = t.task_id"
+            " WHERE t.rowid > ? ORDER BY t.rowid LIMIT ?",
+            (*rule, cutoff, after, SCAN_ROWS),
+        ).fetchall()
+        answers = [
+            r[0]
+            for r in c.execute(
+                "SELECT reply_id FROM outbox INDEXED BY outbox_answers WHERE task_id IS NULL"
+                " AND created_at <= ? AND state = 'sent' AND sent_at <= ?"
+                " ORDER BY created_at LIMIT ?",
+                (cutoff, cutoff, limit),
+            )
+        ]
+    found: list[str] = []
+    cursor, more = after, len(rows) == SCAN_ROWS
+    for rowid, task_id, _principal, _message_id, purgeable, inside in rows:
+        if inside:  # accepted inside the window: so is everything after it
+            more = False
+            break
+        cursor = rowid
+        if purgeable:
+            found.append(task_id)
+            if len(found) >= limit:
+                more = True
+                break
+    more = more or len(answers) >= limit
+    if not found and not answers:
+        return PurgeBatch(after=cursor, more=more)
+    # Children first, then the task: the foreign keys hold by construction, and their check
+    # of each deleted task would scan the inbox, which has no index on ``task_id``.
+    with db.write("purge", foreign_keys=False) as c:
+        held = timed_lock()
+        confirmed: list[tuple[str, str, str]] = []
+        for chunk, marks in in_lists(found):
+            confirmed += c.execute(
+                "SELECT t.task_id, t.principal, t.message_id FROM tasks t"
+                f" JOIN outbox o ON o.task_id = t.task_id WHERE t.task_id IN ({marks})"
+                f" AND {PURGEABLE_SQL}",
+                (*chunk, *rule),
+            ).fetchall()
+        records = 0
+        for task_id, principal, message_id in confirmed:
+            records += c.execute(
+                "DELETE FROM inbox WHERE principal = ? AND message_id = ? AND task_id = ?",
+                (principal, message_id, task_id),
+            ).rowcount
+        ids = [r[0] for r in confirmed]
+        replies = 0
+        for chunk, marks in in_lists(ids):
+            replies += c.execute(f"DELETE FROM outbox WHERE task_id IN ({marks})", chunk).rowcount
+            c.execute(f"DELETE FROM tasks WHERE task_id IN ({marks})", chunk)
+        for chunk, marks in in_lists(answers):
+            replies += c.execute(
+                f"DELETE FROM outbox WHERE reply_id IN ({marks}) AND task_id IS NULL"
+                " AND state = 'sent' AND sent_at <= ?",
+                (*chunk, cutoff),
+            ).rowcount
+        work = held()
+    return PurgeBatch(len(ids), records, replies, 0, cursor, more, held(), work)
+
+
+def purge_receipts(
+    db: Database, cutoff: float, after: int = 0, limit: int = PURGE_BATCH
+) -> PurgeBatch:
+    """Delete at most ``limit`` receipts applied at or before ``cutoff`` whose rowid comes
+    after ``after``, oldest first, in one transaction (a receipt never changes once
+    written: the read's choice holds)."""
+    with db.read() as c:
+        rows = c.execute(
+            "SELECT rowid, received_at > ? FROM receipts WHERE rowid > ? ORDER BY rowid LIMIT ?",
+            (cutoff, after, limit),
+        ).fetchall()
+    found: list[int] = []
+    cursor, more = after, len(rows) == limit
+    for rowid, inside in rows:
+        if inside:
+            more = False
+            break
+        cursor = rowid
+        found.append(rowid)
+    if not found:
+        return PurgeBatch(after=cursor, more=more)
+    with db.write("purge") as c:
+        held = timed_lock()
+        removed = 0
+        for chunk, marks in in_lists(found):
+            removed += c.execute(
+                f"DELETE FROM receipts WHERE rowid IN ({marks}) AND received_at <= ?",
+                (*chunk, cutoff),
+            ).rowcount
+        work = held()
+    return PurgeBatch(receipts=removed, after=cursor, more=more, lock_s=held(), work_s=work)
+
+
+@dataclass(frozen=True)
+class PurgeBatch:
+    """What one purge transaction did.
+
+    Attributes:
+        requests: tasks deleted (each with its reply, and its inbox record if it held it).
+        records: inbox records deleted.
+        replies: outbox rows deleted (terminal replies and conflict answers).
+        receipts: receipts deleted (the receiver's batches).
+        after: the cursor for the next batch of the pass.
+        more: whether the pass has more to look at (call again, after the pause).
+        lock_s: how long the transaction held the write lock, its COMMIT (the WAL's
+            fsync) included; 0 when none was needed.
+        work_s: the part of ``lock_s`` before the COMMIT: the purge's own statements.
+    """
+
+    requests: int = 0
+    records: int = 0
+    replies: int = 0
+    receipts: int = 0
+    after: int = 0
+    more: bool = False
+    lock_s: float = 0.0
+    work_s: float = 0.0
+
+    @property
+    def removed(self) -> int:
+        return self.requests + self.replies + self.receipts
+
+
+@dataclass
+class PassStats:
+    """A pass's totals and its transaction times (for the log line)."""
+
+    requests: int = 0
+    records: int = 0
+    replies: int = 0
+    receipts: int = 0
+    lock_ms: list[float] = field(default_factory=list)
+    work_ms: list[float] = field(default_factory=list)
+
+    def add(self, batch: PurgeBatch) -> None:
+        self.requests += batch.requests
+        self.records += batch.records
+        self.replies += batch.replies
+        self.receipts += batch.receipts
+        if batch.lock_s > 0:
+            self.lock_ms.append(batch.lock_s * 1000)
+            self.work_ms.append(batch.work_s * 1000)
+
+    @property
+    def removed(self) -> int:
+        return self.requests + self.replies + self.receipts
+
+    def summary(self) -> str:
+        """One log line: the counts, and the write lock's time per transaction as
+        p50/p99/max in ms, COMMIT included ("held") and before it ("work")."""
+        held, work = sorted(self.lock_ms), sorted(self.work_ms)
+        return (
+            f"{self.requests} requests ({self.records} inbox records, {self.replies} replies),"
+            f" {self.receipts} receipts in {len(held)} transactions;"
+            f" write lock held {_quantiles(held)} ms, work {_quantiles(work)} ms"
+        )
+
+
+def _quantiles(sorted_ms: list[float]) -> str:
+    top = sorted_ms[-1] if sorted_ms else 0.0
+    return (
+        f"p50 {percentile(sorted_ms, 0.50):.2f} p99 {percentile(sorted_ms, 0.99):.2f} max {top:.2f}"
+    )
+
+
+def percentile(sorted_values: list[float], q: float) -> float:
+    """The ``q`` quantile (nearest rank) of already sorted values; 0 for none."""
+    if not sorted_values:
+        return 0.0
+    rank = max(1, math.ceil(q * len(sorted_values)))
+    return sorted_values[rank - 1]
+
+
+class PurgeSchedule:
+    """When the next purge batch is due, on ``clock``: right after a batch that left more
+    to do (after ``pause_s``, or ``PURGE_PAUSE_FACTOR`` times the batch's lock time if
+    longer), ``every_s`` after the one that finished a pass. The first is due at once.
+    Times are on ``clock``; the pauses are measured in seconds of ``lock_s``.
+
+    ``cursor`` is where the pass goes on (``PurgeBatch.after``); 0 starts a new pass.
+    """
+
+    def __init__(
+        self,
+        clock: Clock,
+        log: logging.Logger,
+        every_s: float = PURGE_EVERY_S,
+        pause_s: float = PURGE_PAUSE_S,
+        pause_factor: float = PURGE_PAUSE_FACTOR,
+    ) -> None:
+        self.clock = clock
+        self.log = log
+        self.every_s = every_s
+        self.pause_s = pause_s
+        self.pause_factor = pause_factor
+        self.cursor = 0
+        self.stats = PassStats()
+        self._due = float("-inf")
+
+    def due(self) -> bool:
+        return self.clock.now() >= self._due
+
+    def wait_s(self) -> float:
+        """Seconds until the next batch is due (0 when it is)."""
+        return max(0.0, self._due - self.clock.now())
+
+    def done(self, batch: PurgeBatch) -> PassStats | None:
+        """Record a batch; returns the pass's totals when it ended the pass."""
+        self.stats.add(batch)
+        now = self.clock.now()
+        if batch.more:
+            self.cursor = batch.after
+            self._due = now + max(self.pause_s, self.pause_factor * batch.lock_s)
+            return None
+        finished, self.stats, self.cursor = self.stats, PassStats(), 0
+        self._due = now + self.every_s
+        return finished
+
+    def failed(self) -> None:
+        """A batch failed (busy, Redis away): try again a whole interval later."""
+        self._due = self.clock.now() + self.every_s
+
+    def run_batch(self, purge: Callable[[int], PurgeBatch]) -> None:
+        """Run the due batch, ``purge(cursor)``, and schedule the next. A batch that fails
+        (the lock busy past the timeout, a disk error, Redis away) is logged and tried again
+        an interval later: the purge never stops the process. Each pass that removed
+        something is logged with its transaction times."""
+        try:
+            batch = purge(self.cursor)
+        except BrokerAdapterError as exc:
+            self.log.warning("purge failed, will retry in %g s: %s", self.every_s, exc)
+            self.failed()
+            return
+        finished = self.done(batch)
+        if finished is not None and finished.removed:
+            self.log.info("purged %s", finished.summary())
+
+    def run_for(self, purge: Callable[[int], PurgeBatch], budget_s: float) -> None:
+        """Run due batches one after the other for about ``budget_s`` at most (the last one
+        may end past it): for a loop that purges between its own steps, where no pause is
+        needed (``pause_s`` 0) but a step must not wait long."""
+        give_up = time.monotonic() + budget_s
+        while self.due():
+            self.run_batch(purge)
+            if time.monotonic() >= give_up:
+                return
+
+
+def run_purges(
+    stop: threading.Event, purge: Callable[[int], PurgeBatch], schedule: PurgeSchedule
+) -> None:
+    """The purge loop of a thread of its own (the runner's): a batch whenever ``schedule``
+    says one is due (``PurgeSchedule.run_batch``), until ``stop``."""
+    while not stop.wait(schedule.wait_s()):
+        schedule.run_batch(purge)
+
+
+def whole_pass(batch: Callable[[int], PurgeBatch]) -> PassStats:
+    """Run a purge pass without pauses: ``batch(after)`` until it leaves nothing more."""
+    stats, after = PassStats(), 0
+    while True:
+        done = batch(after)
+        stats.add(done)
+        if not done.more:
+            return stats
+        after = done.after
+
+
+def timed_lock() -> Callable[[], float]:
+    """A stopwatch started now: call it for the seconds since."""
+    start = time.perf_counter()
+    return lambda: time.perf_counter() - start
