@@ -39,8 +39,21 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def _publish(url: str, keyring: Path, prefix: str, message_id: str, payload: object) -> None:
-    res = _cli("publish", "--redis", url, "--principal", "alice", "--keyring", str(keyring),
-               "--prefix", prefix, "--id", message_id, "--payload", json.dumps(payload))  # fmt: skip
+    res = _cli(
+        "publish",
+        "--redis",
+        url,
+        "--principal",
+        "alice",
+        "--keyring",
+        str(keyring),
+        "--prefix",
+        prefix,
+        "--id",
+        message_id,
+        "--payload",
+        json.dumps(payload),
+    )
     assert res.returncode == 0, res.stderr
 
 
@@ -81,10 +94,20 @@ def scrape(port: int) -> dict[str, float]:
     return values
 
 
-def _matches(port: int, want: dict[str, float], got: dict[str, Any]) -> bool:
-    got.clear()
-    got.update(scrape(port))
-    return all(got.get(k) == v for k, v in want.items())
+def _wait_counts(port: int, want: dict[str, int], what: str) -> dict[str, float]:
+    """Scrape until every sample of ``want`` has its value; fail showing got and wanted."""
+    got: dict[str, float] = {}
+
+    def matches() -> bool:
+        got.clear()
+        got.update(scrape(port))
+        return all(got.get(k) == v for k, v in want.items())
+
+    try:
+        wait_for(matches, what)
+    except AssertionError:
+        raise AssertionError({k: (got.get(k), v) for k, v in want.items()}) from None
+    return got
 
 
 def test_metrics_count_what_happened_and_readyz_follows_redis(
@@ -101,8 +124,23 @@ def test_metrics_count_what_happened_and_readyz_follows_redis(
     _publish(url, forger, prefix, "m9", {"i": 9})  # alice's key id, another secret
     db, rdb = tmp_path / "adapter.db", tmp_path / "receiver.db"
     port = free_port()
-    run = _start("run", "--redis", url, "--db", str(db), "--handler", HANDLER, "--workers", "2",
-                 "--keyring", str(keyring), "--prefix", prefix, "--metrics-port", str(port))  # fmt: skip
+    run = _start(
+        "run",
+        "--redis",
+        url,
+        "--db",
+        str(db),
+        "--handler",
+        HANDLER,
+        "--workers",
+        "2",
+        "--keyring",
+        str(keyring),
+        "--prefix",
+        prefix,
+        "--metrics-port",
+        str(port),
+    )
     try:
         inbound = f'stream="{prefix}:{{in}}:tasks"'
         want = {
@@ -129,11 +167,7 @@ def test_metrics_count_what_happened_and_readyz_follows_redis(
             f'ba_stream_group_lag{{group="ba-ingest",{inbound}}}': 0,
             'ba_redis_data_loss_alarms_total{kind="wipe",stage="dispatcher"}': 0,
         }  # fmt: skip
-        got: dict[str, Any] = {}
-        try:
-            wait_for(lambda: _matches(port, want, got), "the counters of what happened")
-        except AssertionError:
-            raise AssertionError({k: (got.get(k), v) for k, v in want.items()}) from None
+        got = _wait_counts(port, want, "the counters of what happened")
         published = sum(v for k, v in got.items() if k.startswith("ba_reply_publish_total")
                         and 'outcome="published"' in k)  # fmt: skip
         assert published == n + 1, [(k, v) for k, v in got.items() if "publish" in k and v]
@@ -162,8 +196,21 @@ def _receive_counts(server: RedisServer, rdb: Path, keyring: Path, prefix: str, 
     client.xadd(replies, first)  # the same reply (id, content, signature) once more
     client.close()
     port = free_port()
-    rcv = _start("receive", "--redis", server.url, "--db", str(rdb), "--principal", "alice",
-                 "--prefix", prefix, "--keyring", str(keyring), "--metrics-port", str(port))  # fmt: skip
+    rcv = _start(
+        "receive",
+        "--redis",
+        server.url,
+        "--db",
+        str(rdb),
+        "--principal",
+        "alice",
+        "--prefix",
+        prefix,
+        "--keyring",
+        str(keyring),
+        "--metrics-port",
+        str(port),
+    )
     try:
         want = {
             'ba_receiver_replies_total{outcome="applied"}': n,
@@ -173,11 +220,7 @@ def _receive_counts(server: RedisServer, rdb: Path, keyring: Path, prefix: str, 
             'ba_stream_entries_read_total{stage="receiver"}': n + 1,
             "ba_receipts": n,
         }
-        got: dict[str, Any] = {}
-        try:
-            wait_for(lambda: _matches(port, want, got), "the receiver's counters")
-        except AssertionError:
-            raise AssertionError({k: (got.get(k), v) for k, v in want.items()}) from None
+        _wait_counts(port, want, "the receiver's counters")
         wait_for(lambda: _get(port, "/readyz") == (200, "ready\n"), "receiver ready")
     finally:
         _stop(rcv)
