@@ -309,8 +309,15 @@ class AdapterCollector:
     that scrape and counts ``ba_scrape_errors_total{source}``; the others are exported.
     """
 
-    def __init__(self, observed: Observed, *, sample_every_s: float = SAMPLE_EVERY_S) -> None:
+    def __init__(
+        self,
+        observed: Observed,
+        *,
+        sample_every_s: float = SAMPLE_EVERY_S,
+        readiness: Readiness | None = None,
+    ) -> None:
         self.observed = observed
+        self.readiness = readiness
         self.sample_every_s = sample_every_s
         self.errors: dict[str, int] = {"database": 0, "redis": 0, "workers": 0}
         self._sample: _Sample | None = None
@@ -327,6 +334,9 @@ class AdapterCollector:
             self._guarded("database", lambda: self._database(out))
             self._guarded("redis", lambda: self._groups(out))
             self._guarded("workers", lambda: self._workers(out))
+            if self.readiness is not None:
+                out.gauge("ba_ready", "1 when /readyz would answer 200, else 0.",
+                          0 if self.readiness.problems() else 1)  # fmt: skip
             for source, n in self.errors.items():
                 out.counter("ba_scrape_errors", "Sources a scrape could not read.", n,
                             source=source)  # fmt: skip
@@ -534,9 +544,9 @@ class MetricsServer:
         from prometheus_client import CollectorRegistry
 
         self.registry = CollectorRegistry(auto_describe=False)
-        self.collector = AdapterCollector(observed)
-        self.registry.register(self.collector)
         self.readiness = Readiness(observed)
+        self.collector = AdapterCollector(observed, readiness=self.readiness)
+        self.registry.register(self.collector)
         self._httpd = http.server.ThreadingHTTPServer((host, port), self._handler())
         self._httpd.daemon_threads = True
         self._thread: threading.Thread | None = None

@@ -166,6 +166,7 @@ def test_metrics_count_what_happened_and_readyz_follows_redis(
             f'ba_stream_group_pending{{group="ba-ingest",{inbound}}}': 0,
             f'ba_stream_group_lag{{group="ba-ingest",{inbound}}}': 0,
             'ba_redis_data_loss_alarms_total{kind="wipe",stage="dispatcher"}': 0,
+            "ba_ready": 1,
         }  # fmt: skip
         got = _wait_counts(port, want, "the counters of what happened")
         published = sum(v for k, v in got.items() if k.startswith("ba_reply_publish_total")

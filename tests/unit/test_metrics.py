@@ -150,7 +150,9 @@ def test_healthz_and_readyz_answers(tmp_path: Path) -> None:
         assert body.startswith(b"database:")
         assert not db_path.exists()
         assert server.respond("/nope")[0] == 404
-        assert server.respond("/metrics")[0] == 200
+        status, _, text = server.respond("/metrics")
+        assert status == 200
+        assert b"\nba_ready 0.0\n" in text  # the database is gone
     finally:
         server.stop()
 
