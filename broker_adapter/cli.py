@@ -67,6 +67,18 @@ def _add_retention(p: argparse.ArgumentParser, what: str) -> None:
     )  # fmt: skip
 
 
+def _add_metrics(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--metrics-port", type=int, default=_env("BA_METRICS_PORT"),
+        help="serve /metrics, /healthz and /readyz on this port (default: off)"
+        " [env BA_METRICS_PORT]",
+    )  # fmt: skip
+    p.add_argument(
+        "--metrics-host", default=_env("BA_METRICS_HOST", "127.0.0.1"),
+        help="address of the metrics port (default 127.0.0.1) [env BA_METRICS_HOST]",
+    )  # fmt: skip
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="broker-adapter",
@@ -100,6 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_retention(
         run, "requests older than this are forgotten, and deadlines further ahead refused"
     )
+    _add_metrics(run)
 
     pub = sub.add_parser("publish", help="sign and publish one task envelope")
     _add_redis(pub)
@@ -123,6 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="JSON keyring file with the principal's keys (replies are signed) [env BA_KEYRING]",
     )  # fmt: skip
     rcv.add_argument("--consumer", default=None)
+    _add_metrics(rcv)
     rcv.add_argument(
         "--until-idle", type=float, default=None, metavar="S",
         help="stop after S seconds in which no reply was applied: exit 0 when Redis answered"
@@ -205,6 +219,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         "rate_burst": args.rate_burst,
         "max_open_tasks": args.max_open_tasks,
         "retention_s": args.retention,
+        "metrics_port": args.metrics_port,
+        "metrics_host": args.metrics_host,
     }
     if args.name:
         fields["name"] = args.name
@@ -250,6 +266,7 @@ def cmd_publish(args: argparse.Namespace) -> int:
 
 def cmd_receive(args: argparse.Namespace) -> int:
     from broker_adapter.auth import Keyring
+    from broker_adapter.metrics import Observed, serve_metrics
     from broker_adapter.receiver import Receiver, ReceiverConfig, record_effect
     from broker_adapter.store import ReceiptStore, open_database
     from broker_adapter.streams import connect
@@ -266,8 +283,11 @@ def cmd_receive(args: argparse.Namespace) -> int:
         config, connect(args.redis), ReceiptStore(db), record_effect, keyring=keyring
     )
     stop = _install_stop()
+    observed = Observed(db_path=Path(args.db), redis_url=args.redis)
+    observed.add_receiver(receiver)
     try:
-        _receive_until(receiver, stop, args.until_idle)
+        with serve_metrics(observed, args.metrics_host, args.metrics_port, worker_files=False):
+            _receive_until(receiver, stop, args.until_idle)
     finally:
         db.close()
     return 0

@@ -22,6 +22,7 @@ import os
 import socket
 import threading
 from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any, Literal
 
@@ -34,6 +35,8 @@ from broker_adapter.envelope import check_principal
 from broker_adapter.errors import BrokerAdapterError, ConfigError, StoreBusy, TransientError
 from broker_adapter.handoff import CLAIM, LOOK, Handoff
 from broker_adapter.ingest import IngestConfig, Ingestor
+from broker_adapter.keys import Keys
+from broker_adapter.metrics import Observed, serve_metrics, stages_down
 from broker_adapter.pool import WorkerPool
 from broker_adapter.store import OutboxStore, TaskStore, open_database
 from broker_adapter.store.gate import WriteGate
@@ -80,6 +83,9 @@ class RunConfig(BaseModel):
             identity is remembered and the farthest a deadline may lie ahead; requests past
             it (terminal, deadline passed, reply sent) are purged (``store.retention``), and
             the streams, dead letters and publication records are trimmed by it.
+        metrics_port: serve ``/metrics``, ``/healthz`` and ``/readyz`` on this port
+            (``metrics``); ``None`` (default): off. 0 picks a free port.
+        metrics_host: the address the metrics port binds.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -102,6 +108,8 @@ class RunConfig(BaseModel):
     rate_burst: int | None = Field(default=None, ge=1)
     max_open_tasks: int | None = Field(default=None, ge=1)
     retention_s: float = Field(default=DEFAULT_RETENTION_S, gt=0)
+    metrics_port: int | None = Field(default=None, ge=0, le=65535)
+    metrics_host: str = "127.0.0.1"
 
     @field_validator("redis_url")
     @classmethod
@@ -194,6 +202,11 @@ class Runner:
         self._db_ready = self._prepare_database()
         self.errors: list[BaseException] = []
         self._first_look = threading.Event()
+        #: The stages a metrics scrape reads; filled as they start.
+        self.observed = Observed(
+            db_path=config.db_path, redis_url=config.redis_url,
+            streams=[Keys(config.prefix).replies(p) for p in self.keyring.principals],
+        )  # fmt: skip
 
     def _prepare_database(self) -> bool:
         try:
@@ -222,6 +235,8 @@ class Runner:
             redis_url=self.config.redis_url if self.config.worker_publish else None,
             prefix=self.config.prefix,
             record_ttl_s=self._dispatcher_config().record_window_s,
+            metrics_dir=None if self.observed.worker_dir is None else str(self.observed.worker_dir),
+            handler_name=self.config.handler,
         )
 
     def _dispatcher_config(self) -> DispatcherConfig:
@@ -276,7 +291,9 @@ class Runner:
                 if handoff is None
                 else HandingTaskStore(db, SystemClock(), self.policy, handoff=handoff)
             )
-            Ingestor(ingest_cfg, client, tasks, self.keyring, logger=self.log).run(stop)
+            ingestor = Ingestor(ingest_cfg, client, tasks, self.keyring, logger=self.log)
+            self.observed.add_ingestor(ingestor)
+            ingestor.run(stop)
         finally:
             db.close()
 
@@ -290,6 +307,7 @@ class Runner:
             dispatcher = Dispatcher(
                 dispatch_cfg, client, outbox, keyring=self.keyring, logger=self.log
             )
+            self.observed.dispatchers.append(dispatcher)
             # Its first look (the data-loss watch) comes before any worker publishes: a
             # worker's reply marked sent before it would read as a wipe at start-up.
             try:
@@ -321,6 +339,11 @@ class Runner:
             "broker-adapter running: %d workers, db %s, handler %s", cfg.workers, cfg.db_path,
             cfg.handler,
         )  # fmt: skip
+        with serve_metrics(self.observed, cfg.metrics_host, cfg.metrics_port):
+            return self._run(stop)
+
+    def _run(self, stop: threading.Event) -> int:
+        cfg = self.config
         if not self._wait_for_database(stop):
             return 0  # stopped before the database could be opened: nothing ran
         pool = self._pool()
@@ -329,6 +352,7 @@ class Runner:
             self._thread("ingest", lambda: self._ingest(stop, pool.handoff, pool.gate)),
             self._thread("purge", lambda: self._purge(stop, pool.gate)),
         ]
+        self.observed.stages = partial(stages_down, threads, pool)
         self._first_look.wait(FIRST_LOOK_TIMEOUT_S)
         pool.start()
         try:

@@ -53,6 +53,7 @@ import threading
 import time
 from dataclasses import asdict, dataclass
 from functools import partial
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -100,6 +101,8 @@ from broker_adapter.streams import connect
 
 if TYPE_CHECKING:
     import redis
+
+    from broker_adapter.metrics import WorkerMetrics
 
 DEFAULT_BATCH = 128
 DEFAULT_BATCH_WINDOW_S = 0.05
@@ -152,6 +155,10 @@ class WorkerConfig(BaseModel):
         prefix: the key prefix (see ``keys``), as the dispatcher's.
         record_ttl_s: how long its publication records live (the dispatcher's
             ``DispatcherConfig.record_window_s``).
+        metrics_dir: with it, the worker's counters and handler times go to
+            prometheus-client's multiprocess files there (``metrics.WorkerMetrics``);
+            ``None`` (default): no metrics, nothing imported.
+        handler_name: the ``handler`` label of its handler duration histogram.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
@@ -167,6 +174,8 @@ class WorkerConfig(BaseModel):
     redis_url: str | None = None
     prefix: str = DEFAULT_PREFIX
     record_ttl_s: float = Field(default=DEFAULT_RECORD_TTL_S, gt=0)
+    metrics_dir: str | None = None
+    handler_name: str = "handler"
 
     @field_validator("prefix")
     @classmethod
@@ -475,6 +484,11 @@ class Worker:
         self._woken = False
         #: The last commit also claimed, and found nothing ready.
         self._found_none = False
+        self.metrics: WorkerMetrics | None = None
+        if config.metrics_dir is not None:
+            from broker_adapter.metrics import WorkerMetrics
+
+            self.metrics = WorkerMetrics(Path(config.metrics_dir), config.handler_name)
 
     @property
     def owner(self) -> str:
@@ -562,6 +576,7 @@ class Worker:
                     self._take_handed(offered.withdraw())
                 for task in tasks:  # those not started or not committed: leases expire
                     self._release_keeper(task.task_id)
+                self._sync_metrics()
         if run.not_started:
             # No release in the store yet: these leases expire and the tasks come back.
             self.log.warning(
@@ -762,6 +777,8 @@ class Worker:
         out: list[_Ran] = []
         for end in ended:
             elapsed = end.outcome.elapsed_s
+            if self.metrics is not None:
+                self.metrics.observe_call(elapsed)
             avg = self._handler_s
             self._handler_s = (
                 elapsed if avg is None else avg + HANDLER_TIME_WEIGHT * (elapsed - avg)
@@ -905,6 +922,13 @@ class Worker:
             return
         crashpoints.hit("dispatcher.after_mark_sent")
         publisher.count_marked([(row, pub) for row, pub, _ in confirmed], refused)
+        self._sync_metrics()
+
+    def _sync_metrics(self) -> None:
+        """Hand the counters to the metrics files: after each batch's commit and each
+        mark-sent transaction of its own (what they committed is then counted)."""
+        if self.metrics is not None:
+            self.metrics.sync(self.stats, self.publish_stats, self.tasks.lease_takeovers)
 
     def _settlement(
         self, claimed: ClaimedTask, outcome: CallOutcome, timeout_s: float

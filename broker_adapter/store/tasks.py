@@ -360,6 +360,10 @@ class TaskStore:
         self.policy = policy or TaskPolicy()
         self.rng = rng or random.Random()
         self._conflict_id_key = db.meta(CONFLICT_ID_KEY)
+        #: Expired leases this store took back (requeued or failed on the last attempt),
+        #: counted in the reconciling transaction (one that then fails counts them again
+        #: when it is retried): the ``ba_lease_takeovers_total`` metric.
+        self.lease_takeovers = 0
 
     def conflict_reply_id(self, principal: str, message_id: str, fingerprint: str) -> str:
         """The id of the conflict answer to ``(principal, message_id)`` reused with content
@@ -1073,6 +1077,7 @@ class TaskStore:
                     (now, f"lease of {r['owner']} expired", now, r["task_id"]),
                 )
                 counts["requeued"] += 1
+        self.lease_takeovers += counts["requeued"] + counts["exhausted"]
         return counts
 
     def purge_batch(self, after: int = 0, limit: int = PURGE_BATCH) -> PurgeBatch:
