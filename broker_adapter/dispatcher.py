@@ -103,11 +103,12 @@ from enum import StrEnum
 from typing import TYPE_CHECKING, Any
 
 import tenacity
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import Field
 
 from broker_adapter import crashpoints
 from broker_adapter.auth import REPLY_WIRE_VERSION, Keyring
 from broker_adapter.clock import Clock
+from broker_adapter.config import ConfigModel, KeyPrefix
 from broker_adapter.errors import (
     AuthError,
     BrokerAdapterError,
@@ -166,7 +167,7 @@ def default_owner() -> str:
     return f"dispatcher-{socket.gethostname()}-{os.getpid()}"
 
 
-class DispatcherConfig(BaseModel):
+class DispatcherConfig(ConfigModel):
     """How a ``Dispatcher`` publishes.
 
     Attributes:
@@ -185,21 +186,13 @@ class DispatcherConfig(BaseModel):
             seconds (``appendfsync everysec``: 1 s nominal, 2 s worst case).
     """
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    prefix: str = DEFAULT_PREFIX
+    prefix: KeyPrefix = DEFAULT_PREFIX
     owner: str = Field(default_factory=default_owner, min_length=1, max_length=200)
     batch: int = Field(default=DEFAULT_BATCH, ge=1, le=10_000)
     record_ttl_s: float = Field(default=DEFAULT_RECORD_TTL_S, gt=0)
     idle_poll_s: float = Field(default=DEFAULT_IDLE_POLL_S, gt=0)
     wake_poll_s: float = Field(default=DEFAULT_WAKE_POLL_S, gt=0)
     loss_window_s: float = Field(default=DEFAULT_LOSS_WINDOW_S, ge=0)
-
-    @field_validator("prefix")
-    @classmethod
-    def _prefix(cls, v: str) -> str:
-        Keys(v)  # raises ValueError for a bad prefix
-        return v
 
 
 class PublishOutcome(StrEnum):

@@ -51,12 +51,12 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
 import tenacity
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from broker_adapter import crashpoints
 from broker_adapter.auth import Authenticated, Keyring, check_stream_principal
 from broker_adapter.clock import Clock, SystemClock
-from broker_adapter.envelope import check_principal
+from broker_adapter.config import ConfigModel, KeyPrefix, Principal
 from broker_adapter.errors import ConfigError, EnvelopeError, StoreBusy, TransientError
 from broker_adapter.keys import DEFAULT_PREFIX, INGEST_GROUP, Keys
 from broker_adapter.limits import IngressLimits
@@ -87,7 +87,7 @@ _CONSUMER_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXY
 log = logging.getLogger("broker_adapter.ingest")
 
 
-class IngestConfig(BaseModel):
+class IngestConfig(ConfigModel):
     """How an ``Ingestor`` reads.
 
     Attributes:
@@ -114,12 +114,10 @@ class IngestConfig(BaseModel):
             (``quota_exceeded``). ``None``: off.
     """
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    prefix: str = DEFAULT_PREFIX
+    prefix: KeyPrefix = DEFAULT_PREFIX
     consumer: str
     mode: Literal["signed", "acl"] = "signed"
-    acl_principals: tuple[str, ...] = ()
+    acl_principals: tuple[Principal, ...] = ()
     count: int = Field(default=DEFAULT_COUNT, ge=1, le=10_000)
     block_ms: int = Field(default=DEFAULT_BLOCK_MS, ge=1)
     claim_min_idle_ms: int = Field(default=DEFAULT_CLAIM_MIN_IDLE_MS, ge=1)
@@ -133,12 +131,6 @@ class IngestConfig(BaseModel):
     rate_burst: int | None = Field(default=None, ge=1)
     max_open_tasks: int | None = Field(default=None, ge=1)
 
-    @field_validator("prefix")
-    @classmethod
-    def _prefix(cls, v: str) -> str:
-        Keys(v)  # raises ValueError for braces or white space
-        return v
-
     @field_validator("consumer")
     @classmethod
     def _consumer(cls, v: str) -> str:
@@ -149,11 +141,6 @@ class IngestConfig(BaseModel):
     @field_validator("acl_principals")
     @classmethod
     def _principals(cls, v: tuple[str, ...]) -> tuple[str, ...]:
-        for p in v:
-            try:
-                check_principal(p, "acl_principals")
-            except EnvelopeError as exc:
-                raise ValueError(str(exc)) from None
         if len(set(v)) != len(v):
             raise ValueError("acl_principals lists a principal twice")
         return v

@@ -70,13 +70,20 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import Field
 
 from broker_adapter import crashpoints
 from broker_adapter.auth import REPLY_WIRE_VERSION, Keyring
 from broker_adapter.clock import Clock
-from broker_adapter.envelope import check_principal, loads_strict, sha256_hex
-from broker_adapter.errors import AuthError, ConfigError, StoreBusy, TransientError
+from broker_adapter.config import ConfigModel, KeyPrefix, Principal
+from broker_adapter.envelope import loads_strict, sha256_hex
+from broker_adapter.errors import (
+    AuthError,
+    BrokerAdapterError,
+    ConfigError,
+    StoreBusy,
+    TransientError,
+)
 from broker_adapter.keys import DEFAULT_PREFIX, RECEIVER_GROUP, Keys
 from broker_adapter.store.receipts import (
     AppliedItem,
@@ -118,7 +125,7 @@ REPLY_FORMAT_VERSION = REPLY_WIRE_VERSION.encode()
 _HEX = frozenset("0123456789abcdef")
 
 
-class ReceiverConfig(BaseModel):
+class ReceiverConfig(ConfigModel):
     """How a ``Receiver`` reads one principal's replies.
 
     Attributes:
@@ -141,10 +148,8 @@ class ReceiverConfig(BaseModel):
             of this consumer's pending entries (the retry) waits, seconds.
     """
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    prefix: str = DEFAULT_PREFIX
-    principal: str
+    prefix: KeyPrefix = DEFAULT_PREFIX
+    principal: Principal
     group: str = Field(default=RECEIVER_GROUP, min_length=1)
     consumer: str = Field(default="receiver-1", min_length=1)
     count: int = Field(default=DEFAULT_COUNT, ge=1, le=10_000)
@@ -157,17 +162,6 @@ class ReceiverConfig(BaseModel):
         default=DEFAULT_MAX_ENTRY_FIELDS, ge=MIN_ENTRY_FIELDS, le=MAX_ENTRY_FIELDS
     )
     failed_step_pause_s: float = Field(default=DEFAULT_FAILED_STEP_PAUSE_S, ge=0)
-
-    @field_validator("prefix")
-    @classmethod
-    def _prefix(cls, v: str) -> str:
-        Keys(v)
-        return v
-
-    @field_validator("principal")
-    @classmethod
-    def _principal(cls, v: str) -> str:
-        return check_principal(v, "principal")
 
 
 @dataclass(frozen=True)
@@ -212,7 +206,7 @@ def record_effect(conn: sqlite3.Connection, reply: dict[str, Any]) -> dict[str, 
     }
 
 
-class BadReply(Exception):
+class BadReply(BrokerAdapterError):
     """An entry that is not a well-formed reply (internal: it is dead-lettered)."""
 
     def __init__(self, reason: str, detail: str) -> None:

@@ -55,17 +55,19 @@ from dataclasses import asdict, dataclass
 from functools import partial
 from typing import TYPE_CHECKING
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import Field
 
 from broker_adapter import crashpoints
 from broker_adapter.auth import Keyring
 from broker_adapter.clock import Clock
+from broker_adapter.config import ConfigModel, KeyPrefix
 from broker_adapter.dispatcher import DispatcherStats, Publication, ReplyPublisher
 from broker_adapter.envelope import check_result
 from broker_adapter.errors import (
     BrokerAdapterError,
     ConfigError,
     EnvelopeError,
+    RetryableError,
     StaleError,
     TaskCancelled,
     TransientError,
@@ -91,7 +93,7 @@ from broker_adapter.store.tasks import (
     Settlement,
     TaskStore,
 )
-from broker_adapter.streams import connect
+from broker_adapter.streams import RedisUrl, connect
 
 if TYPE_CHECKING:
     import redis
@@ -118,7 +120,7 @@ PUBLISH_PAUSE_S = 1.0
 RESULT_TOO_LARGE = "result_too_large"
 
 
-class WorkerConfig(BaseModel):
+class WorkerConfig(ConfigModel):
     """One worker's settings.
 
     Attributes:
@@ -147,8 +149,6 @@ class WorkerConfig(BaseModel):
         prefix: the key prefix (see ``keys``), as the dispatcher's.
     """
 
-    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
-
     owner: str = Field(min_length=1, max_length=128)
     batch: int = Field(default=DEFAULT_BATCH, ge=1, le=1000)
     batch_window_s: float = Field(default=DEFAULT_BATCH_WINDOW_S, ge=0)
@@ -157,14 +157,8 @@ class WorkerConfig(BaseModel):
     idle_poll_s: float = Field(default=DEFAULT_IDLE_POLL_S, gt=0)
     wake_poll_s: float = Field(default=DEFAULT_WAKE_POLL_S, gt=0)
     grace_s: float = Field(default=DEFAULT_GRACE_S, ge=0)
-    redis_url: str | None = None
-    prefix: str = DEFAULT_PREFIX
-
-    @field_validator("prefix")
-    @classmethod
-    def _prefix(cls, v: str) -> str:
-        Keys(v)  # raises ValueError for a bad prefix
-        return v
+    redis_url: RedisUrl | None = None
+    prefix: KeyPrefix = DEFAULT_PREFIX
 
 
 @dataclass
@@ -915,17 +909,41 @@ class Worker:
             )
         if outcome.timed_out:
             self.stats.timeouts += 1
-            return fail(f"TimeoutError: the handler did not return within {timeout_s:.3f} s", True)
+            error = f"TimeoutError: the handler did not return within {timeout_s:.3f} s"
+            self._log_failure(claimed, error, retry=True)
+            return fail(error, True)
         if outcome.stopped:
             self.stats.timeouts += 1
-            return fail(
+            error = (
                 f"WorkerStopping: the handler did not finish within the "
-                f"{self.config.grace_s} s shutdown grace",
-                True,
+                f"{self.config.grace_s} s shutdown grace"
             )
+            self._log_failure(claimed, error, retry=True)
+            return fail(error, True)
         assert outcome.error is not None
         raised = outcome.error
-        return fail(describe_error(raised), is_retryable(raised))
+        error, retry = describe_error(raised), is_retryable(raised)
+        self._log_failure(claimed, error, retry=retry, raised=raised)
+        return fail(error, retry)
+
+    def _log_failure(
+        self, claimed: ClaimedTask, error: str, *, retry: bool, raised: BaseException | None = None
+    ) -> None:
+        """Log a handler's failure with the task's ids (never its payload): a warning when
+        it asks for another attempt, an error otherwise, and the traceback unless the
+        handler asked for a retry on purpose (``RetryableError``)."""
+        self.log.log(
+            logging.WARNING if retry else logging.ERROR,
+            "handler failed on task %s (message %s from %s, attempt %d of %d%s): %s",
+            claimed.task_id,
+            claimed.message_id,
+            claimed.principal,
+            claimed.attempt,
+            claimed.max_attempts,
+            ", asks for a retry" if retry else "",
+            error,
+            exc_info=None if raised is None or isinstance(raised, RetryableError) else raised,
+        )
 
     def _note_cancelled(self, claimed: ClaimedTask) -> None:
         self.stats.cancelled += 1
