@@ -122,11 +122,13 @@ class ChildLogs:
 
     def close(self) -> None:
         """Forward what the children wrote, stop the listener, close the pipes (after the
-        children have exited)."""
+        children have exited). A second call does nothing; a later ``pipe()`` starts a
+        new listener."""
         with self._lock:
-            started = self._started
+            started, self._started = self._started, False
         if started:
             self._listener.stop()
+            self._closing = False
         with self._lock:
             readers, self._readers = self._readers, []
         for conn in readers:

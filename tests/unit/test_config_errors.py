@@ -71,49 +71,38 @@ def test_every_problem_is_named_once_without_repeating_the_field() -> None:
 
 
 @pytest.mark.parametrize(
-    ("fields", "ok"),
+    ("model", "fields", "ok"),
     [
-        ({"lease_s": 0}, False),
-        ({"lease_s": 0.001}, True),
-        ({"lease_s": -5}, False),
-        ({"lease_s": float("inf")}, False),
-        ({"max_hops": -1}, False),
-        ({"max_hops": 0}, True),
-        ({"retention_s": 0}, False),
-        ({"retention_s": 1}, True),
+        (TaskPolicy, {"lease_s": 0}, False),
+        (TaskPolicy, {"lease_s": 0.001}, True),
+        (TaskPolicy, {"lease_s": -5}, False),
+        (TaskPolicy, {"lease_s": float("inf")}, False),
+        (TaskPolicy, {"max_hops": -1}, False),
+        (TaskPolicy, {"max_hops": 0}, True),
+        (TaskPolicy, {"retention_s": 0}, False),
+        (TaskPolicy, {"retention_s": 1}, True),
+        (ReaderConfig, {"count": 0}, False),
+        (ReaderConfig, {"count": 1}, True),
+        (ReaderConfig, {"count": 10_000}, True),
+        (ReaderConfig, {"count": 10_001}, False),
+        (ReaderConfig, {"block_ms": 0}, False),  # BLOCK 0 would block for ever
+        (ReaderConfig, {"block_ms": 1}, True),
+        (ReaderConfig, {"claim_min_idle_ms": -1}, False),
+        (ReaderConfig, {"claim_min_idle_ms": 0}, True),
+        (ReaderConfig, {"max_deliveries": 0}, False),
+        (ReaderConfig, {"max_deliveries": 1}, True),
+        (ReaderConfig, {"max_entry_bytes": 0}, False),
+        (ReaderConfig, {"max_entry_bytes": 1}, True),
     ],
 )
-def test_task_policy_bounds_both_sides(fields: dict[str, Any], ok: bool) -> None:
+def test_task_policy_and_reader_bounds_both_sides(
+    model: type[ConfigModel], fields: dict[str, Any], ok: bool
+) -> None:
     if ok:
-        TaskPolicy(**fields)
+        model(**fields)
     else:
-        with pytest.raises(ConfigError, match=f"TaskPolicy.{next(iter(fields))}"):
-            TaskPolicy(**fields)
-
-
-@pytest.mark.parametrize(
-    ("fields", "ok"),
-    [
-        ({"count": 0}, False),
-        ({"count": 1}, True),
-        ({"count": 10_000}, True),
-        ({"count": 10_001}, False),
-        ({"block_ms": 0}, False),  # BLOCK 0 would block for ever
-        ({"block_ms": 1}, True),
-        ({"claim_min_idle_ms": -1}, False),
-        ({"claim_min_idle_ms": 0}, True),
-        ({"max_deliveries": 0}, False),
-        ({"max_deliveries": 1}, True),
-        ({"max_entry_bytes": 0}, False),
-        ({"max_entry_bytes": 1}, True),
-    ],
-)
-def test_reader_config_bounds_both_sides(fields: dict[str, Any], ok: bool) -> None:
-    if ok:
-        ReaderConfig(**fields)
-    else:
-        with pytest.raises(ConfigError, match=f"ReaderConfig.{next(iter(fields))}"):
-            ReaderConfig(**fields)
+        with pytest.raises(ConfigError, match=rf"{model.__name__}\.{next(iter(fields))}: "):
+            model(**fields)
 
 
 @pytest.mark.parametrize(
