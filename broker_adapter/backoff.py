@@ -3,25 +3,26 @@
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+
+from pydantic import Field
+
+from broker_adapter.config import ConfigModel
 
 
-@dataclass(frozen=True)
-class Backoff:
+class Backoff(ConfigModel):
     """``delay(n)`` for the n-th retry (n >= 1): half of ``min(cap, base * 2**(n-1))`` fixed,
     the other half random ("equal jitter"), so retries spread out but never collapse to 0.
 
     Attributes:
         base_s: the first retry's upper bound, seconds.
         cap_s: no retry waits longer than this, seconds.
+
+    Raises:
+        ConfigError: a negative ``base_s`` or ``cap_s``.
     """
 
-    base_s: float = 1.0
-    cap_s: float = 60.0
-
-    def __post_init__(self) -> None:
-        if self.base_s < 0 or self.cap_s < 0:
-            raise ValueError("backoff base and cap must be >= 0")
+    base_s: float = Field(default=1.0, ge=0)
+    cap_s: float = Field(default=60.0, ge=0)
 
     def ceiling(self, n: int) -> float:
         """The largest delay the n-th retry can get."""

@@ -1,6 +1,7 @@
 """The ``broker-adapter`` command line: parses arguments and calls the library.
 
-Every option can also come from a ``BA_*`` environment variable (the flag wins). Errors are
+Every option of ``run``, ``publish`` and ``receive`` (and ``--redis``, ``--db``, ``--prefix``
+everywhere) can also come from a ``BA_*`` environment variable (the flag wins). Errors are
 one line on stderr and a non-zero exit code: 2 for bad usage or configuration, 1 for a
 runtime failure.
 """
@@ -20,8 +21,7 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from pydantic import ValidationError
-
+from broker_adapter import __version__
 from broker_adapter.errors import BrokerAdapterError, ConfigError, TransientError
 from broker_adapter.store.retention import DEFAULT_RETENTION_S
 
@@ -37,146 +37,236 @@ class _Parser(argparse.ArgumentParser):
         self.exit(EXIT_USAGE, f"broker-adapter: error: {message}\n")
 
 
-def _env(name: str, default: str | None = None) -> str | None:
-    return os.environ.get(name, default)
+class _AppendOrEnv(argparse.Action):
+    """``append``, except that the first flag replaces a list that came from the
+    environment (the flag wins) instead of adding to it."""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: str | Sequence[Any] | None,
+        option_string: str | None = None,
+    ) -> None:
+        current = getattr(namespace, self.dest)
+        items = [] if current is self.default else list(current)
+        items.append(values)
+        setattr(namespace, self.dest, items)
+
+
+def _option(
+    p: argparse.ArgumentParser,
+    flag: str,
+    help: str,
+    *,
+    env: str | None = None,
+    default: Any = None,
+    shown: str | None = None,
+    required: bool = False,
+    **kwargs: Any,
+) -> None:
+    """Add ``flag`` to ``p`` with its help text, default and environment variable.
+
+    ``--help`` shows ``[default: D; env NAME]`` (``shown`` names a default that is not a
+    value, e.g. "off"), or ``[required; env NAME]``. When ``NAME`` is set it is the
+    default, parsed like the flag's own value (a list option takes comma-separated
+    values), and the flag is no longer required. README's list of variables is checked
+    against these (tests/unit/test_cli_help.py).
+    """
+    notes = []
+    if required:
+        notes.append("required")
+    elif shown is not None or default not in (None, []):
+        notes.append(f"default: {default if shown is None else shown}")
+    if env is not None:
+        notes.append(f"env {env}")
+        value = os.environ.get(env)
+        if value is not None:
+            split = kwargs.get("action") is _AppendOrEnv
+            default = [v.strip() for v in value.split(",") if v.strip()] if split else value
+            required = False
+    text = f"{help} [{'; '.join(notes)}]" if notes else help
+    p.add_argument(flag, default=default, required=required, help=text.replace("%", "%%"), **kwargs)
 
 
 def _add_redis(p: argparse.ArgumentParser, required: bool = True) -> None:
-    p.add_argument(
-        "--redis", default=_env("BA_REDIS_URL"), help="Redis URL [env BA_REDIS_URL]",
-        required=required and _env("BA_REDIS_URL") is None,
-    )  # fmt: skip
+    what = "the Redis holding the streams" if required else "also report what Redis holds"
+    _option(p, "--redis", f"Redis URL (redis://, rediss:// or unix://): {what}",
+            env="BA_REDIS_URL", required=required, metavar="URL")  # fmt: skip
 
 
-def _add_db(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--db", default=_env("BA_DB"), required=_env("BA_DB") is None,
-        help="SQLite database file [env BA_DB]",
-    )  # fmt: skip
+def _add_db(p: argparse.ArgumentParser, what: str) -> None:
+    _option(p, "--db", what, env="BA_DB", required=True, metavar="PATH")
 
 
 def _add_prefix(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--prefix", default=_env("BA_PREFIX", "ba"), help="Redis key prefix")
+    _option(p, "--prefix", "Redis key prefix (no braces or white space)", env="BA_PREFIX",
+            default="ba")  # fmt: skip
+
+
+def _add_keyring(p: argparse.ArgumentParser, what: str, *, required: bool = True) -> None:
+    _option(p, "--keyring", f"JSON keyring file, mode 0600: {what}", env="BA_KEYRING",
+            required=required, metavar="FILE")  # fmt: skip
 
 
 def _add_retention(p: argparse.ArgumentParser, what: str) -> None:
-    p.add_argument(
-        "--retention", type=float, metavar="SECONDS",
-        default=_env("BA_RETENTION_S", f"{DEFAULT_RETENTION_S:g}"),
-        help=f"the dedupe window: {what} [env BA_RETENTION_S; default 7 days]",
-    )  # fmt: skip
+    _option(p, "--retention", f"the dedupe window, seconds: {what}", env="BA_RETENTION_S",
+            default=DEFAULT_RETENTION_S, type=float, metavar="SECONDS")  # fmt: skip
 
 
 def _add_metrics(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--metrics-port", type=int, default=_env("BA_METRICS_PORT"),
-        help="serve /metrics, /healthz and /readyz on this port (default: off)"
-        " [env BA_METRICS_PORT]",
-    )  # fmt: skip
-    p.add_argument(
-        "--metrics-host", default=_env("BA_METRICS_HOST", "127.0.0.1"),
-        help="address of the metrics port (default 127.0.0.1) [env BA_METRICS_HOST]",
-    )  # fmt: skip
+    _option(p, "--metrics-port", "serve /metrics, /healthz and /readyz on this port",
+            env="BA_METRICS_PORT", shown="off", type=int, metavar="PORT")  # fmt: skip
+    _option(p, "--metrics-host", "the address the metrics port binds", env="BA_METRICS_HOST",
+            default="127.0.0.1", metavar="HOST")  # fmt: skip
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(
-        prog="broker-adapter",
-        description="Hand work between agents over Redis Streams without losing or doubling it.",
-    )
-    parser.add_argument("-v", "--verbose", action="store_true", help="log debug details")
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+def _add_json(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", action="store_true", help="one JSON object per line")
 
+
+def _add_run(sub: argparse._SubParsersAction[_Parser]) -> None:
     run = sub.add_parser("run", help="run ingest, worker processes and the dispatcher")
     _add_redis(run)
-    _add_db(run)
+    _add_db(run, "the adapter's SQLite database file (created if absent)")
     _add_prefix(run)
-    run.add_argument("--handler", default=_env("BA_HANDLER"), required=_env("BA_HANDLER") is None)
-    run.add_argument("--workers", type=int, default=_env("BA_WORKERS", "2"))
-    run.add_argument("--keyring", default=_env("BA_KEYRING"), help="JSON keyring file")
-    run.add_argument("--mode", choices=("signed", "acl"), default=_env("BA_MODE", "signed"))
-    run.add_argument("--acl-principal", action="append", default=[], dest="acl_principals")
-    run.add_argument("--name", default=_env("BA_NAME"), help="stable adapter name")
-    run.add_argument("--lease", type=float, default=_env("BA_LEASE_S", "30"))
-    run.add_argument("--grace", type=float, default=_env("BA_GRACE_S", "10"))
-    run.add_argument("--claim-min-idle-ms", type=int, default=_env("BA_CLAIM_MIN_IDLE_MS", "60000"))
-    run.add_argument(
-        "--rate-limit", type=float, default=_env("BA_RATE_LIMIT"),
-        help="entries per second per principal, over it dead-lettered (default: off)",
-    )  # fmt: skip
-    run.add_argument("--rate-burst", type=int, default=_env("BA_RATE_BURST"), help="bucket size")
-    run.add_argument(
-        "--max-open-tasks", type=int, default=_env("BA_MAX_OPEN_TASKS"),
-        help="open tasks allowed per principal (default: no quota)",
-    )  # fmt: skip
+    _option(run, "--handler", "the handler run for each task, 'package.module:function'",
+            env="BA_HANDLER", required=True, metavar="MOD:FUNC")  # fmt: skip
+    _option(run, "--app-dir", "directory put first on the import path to find the handler"
+            " (in the worker processes too)", env="BA_APP_DIR", default=".",
+            metavar="DIR")  # fmt: skip
+    _option(run, "--workers", "worker processes (1..64)", env="BA_WORKERS", default=2,
+            type=int, metavar="N")  # fmt: skip
+    # Checked by RunConfig, whose refusal says what each mode needs it for.
+    _add_keyring(run, "needed: verifies requests and signs every reply (in ACL mode too)",
+                 required=False)  # fmt: skip
+    _option(run, "--mode", "signed: one stream, an HMAC per entry; acl: one stream per"
+            " principal, Redis ACLs decide who writes it", env="BA_MODE", default="signed",
+            choices=("signed", "acl"))  # fmt: skip
+    _option(run, "--acl-principal", "in ACL mode, a principal whose stream is read"
+            " (repeat the flag; the variable takes a comma-separated list)",
+            env="BA_ACL_PRINCIPALS", default=[], action=_AppendOrEnv,
+            dest="acl_principals", metavar="P")  # fmt: skip
+    _option(run, "--name", "this adapter's stable name (consumer and owner names derive"
+            " from it)", env="BA_NAME", shown="the host name")  # fmt: skip
+    _option(run, "--lease", "a claimed task's lease, seconds; renewed every third of it",
+            env="BA_LEASE_S", default=30.0, type=float, metavar="S")  # fmt: skip
+    _option(run, "--grace", "on SIGTERM, how long running handlers may finish, seconds",
+            env="BA_GRACE_S", default=10.0, type=float, metavar="S")  # fmt: skip
+    _option(run, "--claim-min-idle-ms", "pending entries of a dead consumer idle this long"
+            " are taken over", env="BA_CLAIM_MIN_IDLE_MS", default=60_000, type=int,
+            metavar="MS")  # fmt: skip
+    _option(run, "--rate-limit", "entries per second per principal; over it they are"
+            " dead-lettered rate_limited", env="BA_RATE_LIMIT", shown="off", type=float,
+            metavar="N")  # fmt: skip
+    _option(run, "--rate-burst", "the rate limit's bucket size", env="BA_RATE_BURST",
+            shown="one second's worth", type=int, metavar="N")  # fmt: skip
+    _option(run, "--max-open-tasks", "a principal with this many pending or running tasks"
+            " gets no new one (quota_exceeded)", env="BA_MAX_OPEN_TASKS", shown="off",
+            type=int, metavar="N")  # fmt: skip
     _add_retention(
         run, "requests older than this are forgotten, and deadlines further ahead refused"
     )
     _add_metrics(run)
 
+
+def _add_publish(sub: argparse._SubParsersAction[_Parser]) -> None:
     pub = sub.add_parser("publish", help="sign and publish one task envelope")
     _add_redis(pub)
     _add_prefix(pub)
-    pub.add_argument("--principal", required=True)
-    pub.add_argument("--keyring", default=_env("BA_KEYRING"), required=_env("BA_KEYRING") is None)
-    pub.add_argument("--key-id", default=None)
-    pub.add_argument("--id", required=True, dest="message_id")
-    pub.add_argument("--payload", required=True, help="a JSON object")
-    pub.add_argument("--deadline-in", type=float, default=300.0, help="seconds from now")
-    pub.add_argument("--max-attempts", type=int, default=3)
-    pub.add_argument("--correlation-id", default=None)
+    _option(pub, "--principal", "who publishes (the sender)", env="BA_PRINCIPAL",
+            required=True, metavar="P")  # fmt: skip
+    _add_keyring(pub, "holds the principal's signing keys")
+    _option(pub, "--key-id", "the key to sign with", env="BA_KEY_ID",
+            shown="the principal's first key", metavar="KID")  # fmt: skip
+    _option(pub, "--id", "the message id; resend the same id until a reply arrives",
+            env="BA_MESSAGE_ID", required=True, dest="message_id", metavar="ID")  # fmt: skip
+    _option(pub, "--payload", "the task's payload, a JSON object", env="BA_PAYLOAD",
+            required=True, metavar="JSON")  # fmt: skip
+    _option(pub, "--deadline-in", "the deadline, seconds from now", env="BA_DEADLINE_IN",
+            default=300.0, type=float, metavar="S")  # fmt: skip
+    _option(pub, "--max-attempts", "attempts the adapter may make (1..10)",
+            env="BA_MAX_ATTEMPTS", default=3, type=int, metavar="N")  # fmt: skip
+    _option(pub, "--correlation-id", "an id of the caller's, carried into the reply",
+            env="BA_CORRELATION_ID", shown="none", metavar="ID")  # fmt: skip
 
+
+def _add_receive(sub: argparse._SubParsersAction[_Parser]) -> None:
     rcv = sub.add_parser("receive", help="apply replies once each (built-in recording effect)")
     _add_redis(rcv)
-    _add_db(rcv)
+    _add_db(rcv, "the receiver's SQLite database file (created if absent)")
     _add_prefix(rcv)
-    rcv.add_argument("--principal", required=True)
-    rcv.add_argument(
-        "--keyring", default=_env("BA_KEYRING"), required=_env("BA_KEYRING") is None,
-        help="JSON keyring file with the principal's keys (replies are signed) [env BA_KEYRING]",
-    )  # fmt: skip
-    rcv.add_argument("--consumer", default=None)
-    _add_metrics(rcv)
-    rcv.add_argument(
-        "--until-idle", type=float, default=None, metavar="S",
-        help="stop after S seconds in which no reply was applied: exit 0 when Redis answered"
-        " the last read, 1 when it was unreachable (no progress counts as idle)",
-    )  # fmt: skip
+    _option(rcv, "--principal", "whose replies to read", env="BA_PRINCIPAL", required=True,
+            metavar="P")  # fmt: skip
+    _add_keyring(rcv, "the principal's keys (replies are signed)")
+    _option(rcv, "--consumer", "this receiver's stable consumer name", env="BA_CONSUMER",
+            shown="receive-<principal>")  # fmt: skip
+    _option(rcv, "--until-idle", "stop after S seconds in which no reply was applied: exit 0"
+            " when Redis answered the last read, 1 when it was unreachable (no progress"
+            " counts as idle)", env="BA_UNTIL_IDLE", shown="run until stopped", type=float,
+            metavar="S")  # fmt: skip
+
     _add_retention(rcv, "receipts older than this are forgotten")
+    _add_metrics(rcv)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The whole command line. Every option of ``run``, ``publish`` and ``receive`` also
+    reads a ``BA_*`` variable (``_option``)."""
+    parser = _Parser(
+        prog="broker-adapter",
+        description="Hand work between agents over Redis Streams without losing or doubling"
+        " it. Errors are one line on stderr; exit 2 for bad usage or configuration, 1 for a"
+        " runtime failure.",
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="log debug details")
+    parser.add_argument("--version", action="version", version=f"broker-adapter {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    _add_run(sub)
+    _add_publish(sub)
+    _add_receive(sub)
 
     bak = sub.add_parser("backup", help="an online snapshot of a database (VACUUM INTO)")
-    _add_db(bak)
-    bak.add_argument("--out", required=True, help="the snapshot file to create (mode 0600)")
+    _add_db(bak, "the SQLite database file to snapshot (must exist)")
+    _option(bak, "--out", "the snapshot file to create (mode 0600; never overwritten)",
+            required=True, metavar="FILE")  # fmt: skip
 
     rcp = sub.add_parser("receipts", help="list applied replies (the database is only read)")
-    _add_db(rcp)
-    rcp.add_argument("--json", action="store_true")
+    _add_db(rcp, "the receiver's SQLite database file (must exist)")
+    _add_json(rcp)
 
     st = sub.add_parser(
         "status", help="received, processing, terminal, delivery (the database is only read)"
     )
-    _add_db(st)
+    _add_db(st, "the adapter's SQLite database file (must exist)")
     _add_redis(st, required=False)
     _add_prefix(st)
-    st.add_argument("--json", action="store_true")
+    _add_json(st)
 
     cancel = sub.add_parser("cancel", help="cancel a task durably")
-    _add_db(cancel)
-    cancel.add_argument("task_id")
-    cancel.add_argument("--reason", default="cancelled by operator")
+    _add_db(cancel, "the adapter's SQLite database file")
+    cancel.add_argument("task_id", help="the task to cancel")
+    _option(cancel, "--reason", "kept with the task and sent in its reply",
+            default="cancelled by operator")  # fmt: skip
 
     dl = sub.add_parser("dead-letters", help="inspect and replay dead letters")
     dls = dl.add_subparsers(dest="dl_command", required=True, parser_class=_Parser)
-    for name in ("list", "show", "replay"):
-        p = dls.add_parser(name)
-        _add_db(p)
+    dl_help = {
+        "list": "dead replies (database) and dead-letter entries (Redis)",
+        "show": "one dead reply or dead-letter entry in full",
+        "replay": "publish a dead reply again, or put a dead-letter entry back on its stream",
+    }
+    for name, what in dl_help.items():
+        p = dls.add_parser(name, help=what)
+        _add_db(p, "the adapter's SQLite database file (must exist)")
         _add_redis(p, required=False)
         _add_prefix(p)
-        p.add_argument("--json", action="store_true")
+        _add_json(p)
         if name != "list":
             p.add_argument("id", help="a reply id (dead reply) or a dead-letter entry id")
         if name == "replay":
-            p.add_argument("--by", default=_env("USER", "operator"))
+            _option(p, "--by", "who replays (kept with the replay)",
+                    default=os.environ.get("USER", "operator"))  # fmt: skip
 
     sub.add_parser("demo", help="run the end-to-end demo on an embedded default")
     return parser
@@ -207,6 +297,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         "redis_url": args.redis,
         "db_path": Path(args.db),
         "handler": args.handler,
+        "app_dir": Path(args.app_dir),
         "workers": args.workers,
         "keyring_path": Path(args.keyring) if args.keyring else None,
         "mode": args.mode,
@@ -224,7 +315,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     }
     if args.name:
         fields["name"] = args.name
-    config = _validated(RunConfig, fields)
+    config = RunConfig(**fields)
     stop = _install_stop()
     return Runner(config).run(stop)
 
@@ -232,6 +323,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 def cmd_publish(args: argparse.Namespace) -> int:
     from broker_adapter.auth import Keyring
     from broker_adapter.envelope import Envelope, loads_strict
+    from broker_adapter.errors import EnvelopeError
     from broker_adapter.keys import Keys
     from broker_adapter.publisher import Publisher
     from broker_adapter.streams import connect
@@ -241,14 +333,17 @@ def cmd_publish(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise ConfigError(f"--payload is not valid JSON: {exc}") from None
     keyring = Keyring.load(args.keyring)
-    envelope = Envelope.build(
-        message_id=args.message_id,
-        sender=args.principal,
-        payload=payload,
-        deadline=time.time() + args.deadline_in,
-        max_attempts=args.max_attempts,
-        **({"correlation_id": args.correlation_id} if args.correlation_id else {}),
-    )
+    try:
+        envelope = Envelope.build(
+            message_id=args.message_id,
+            sender=args.principal,
+            payload=payload,
+            deadline=time.time() + args.deadline_in,
+            max_attempts=args.max_attempts,
+            **({"correlation_id": args.correlation_id} if args.correlation_id else {}),
+        )
+    except EnvelopeError as exc:  # built from the flags: a usage error
+        raise ConfigError(f"the envelope is refused: {exc}") from None
     publisher = Publisher(connect(args.redis), Keys(args.prefix), args.principal, keyring,
                           key_id=args.key_id)  # fmt: skip
     entry_id = publisher.publish(envelope)
@@ -272,10 +367,9 @@ def cmd_receive(args: argparse.Namespace) -> int:
     from broker_adapter.streams import connect
 
     consumer = args.consumer or f"receive-{args.principal}"
-    config = _validated(
-        ReceiverConfig,
-        {"prefix": args.prefix, "principal": args.principal, "consumer": consumer,
-         "retention_s": args.retention},
+    config = ReceiverConfig(
+        prefix=args.prefix, principal=args.principal, consumer=consumer,
+        retention_s=args.retention,
     )  # fmt: skip
     keyring = Keyring.load(args.keyring)
     db = open_database(args.db)
@@ -407,16 +501,6 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
 }
 
 
-def _validated(model: Any, fields: dict[str, Any]) -> Any:
-    try:
-        return model(**fields)
-    except ValidationError as exc:
-        err = exc.errors()[0]
-        where = ".".join(str(p) for p in err.get("loc", ())) or "config"
-        msg = str(err.get("msg", "invalid")).removeprefix("Value error, ")
-        raise ConfigError(f"{where}: {msg}") from None
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(
@@ -434,3 +518,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_FAILURE
     except KeyboardInterrupt:
         return 130
+    except Exception as exc:
+        if args.verbose:
+            raise
+        print(f"broker-adapter: error: unexpected {type(exc).__name__}: {exc}"
+              " (-v shows the traceback)", file=sys.stderr)  # fmt: skip
+        return EXIT_FAILURE

@@ -140,11 +140,12 @@ from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import tenacity
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import Field
 
 from broker_adapter import crashpoints
 from broker_adapter.auth import REPLY_WIRE_VERSION, Keyring
 from broker_adapter.clock import Clock
+from broker_adapter.config import ConfigModel, KeyPrefix
 from broker_adapter.errors import (
     AuthError,
     BrokerAdapterError,
@@ -215,7 +216,7 @@ def default_owner() -> str:
     return f"dispatcher-{socket.gethostname()}-{os.getpid()}"
 
 
-class DispatcherConfig(BaseModel):
+class DispatcherConfig(ConfigModel):
     """How a ``Dispatcher`` publishes.
 
     Attributes:
@@ -242,9 +243,7 @@ class DispatcherConfig(BaseModel):
             shorter) are kept, seconds.
     """
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    prefix: str = DEFAULT_PREFIX
+    prefix: KeyPrefix = DEFAULT_PREFIX
     owner: str = Field(default_factory=default_owner, min_length=1, max_length=200)
     batch: int = Field(default=DEFAULT_BATCH, ge=1, le=10_000)
     record_ttl_s: float = Field(default=DEFAULT_RECORD_TTL_S, gt=0)
@@ -259,12 +258,6 @@ class DispatcherConfig(BaseModel):
     def record_window_s(self) -> float:
         """How long a publication record lives: ``min(record_ttl_s, retention_s)``."""
         return min(self.record_ttl_s, self.retention_s)
-
-    @field_validator("prefix")
-    @classmethod
-    def _prefix(cls, v: str) -> str:
-        Keys(v)  # raises ValueError for a bad prefix
-        return v
 
 
 class PublishOutcome(StrEnum):

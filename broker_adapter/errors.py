@@ -4,6 +4,8 @@
 * ``EnvelopeError``: poison input; dead-letter it with the reason, then acknowledge it.
 * ``TransientError``: retry later (Redis unreachable, SQLite busy).
 * ``StaleError``: a fenced write was refused; stop and write nothing.
+* ``StageError``: a stage of a running adapter stopped on an unexpected error.
+* ``RetryableError``: raised by a handler (not by the library) to ask for another attempt.
 
 A duplicate is an outcome (a returned enum value), never an exception.
 """
@@ -90,6 +92,31 @@ class TaskCancelled(StaleError):
 
     def __init__(self, task_id: str) -> None:
         super().__init__(task_id, "cancelled")
+
+
+class StageError(BrokerAdapterError):
+    """A stage of a running adapter (ingest, dispatcher) stopped on an error that is not
+    one of this tree's: a runtime failure, not a configuration one.
+
+    Attributes:
+        stage: the stage's name.
+        error: what it stopped on.
+    """
+
+    def __init__(self, stage: str, error: BaseException) -> None:
+        self.stage = stage
+        self.error = error
+        super().__init__(f"{stage} stopped: {type(error).__name__}: {error}")
+
+
+class RetryableError(BrokerAdapterError):
+    """Raise from a handler to ask for another attempt.
+
+    The store decides whether there is one (attempt budget, backoff, deadline). Any other
+    exception class with a class or instance attribute ``retryable = True`` counts too.
+    """
+
+    retryable = True
 
 
 class ReplyConflict(BrokerAdapterError):

@@ -21,15 +21,19 @@ from __future__ import annotations
 import asyncio
 import importlib
 import inspect
+import os
 import queue
+import sys
 import threading
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal, cast
 
 from broker_adapter.clock import Clock, SystemClock
 from broker_adapter.errors import ConfigError, StaleError
+from broker_adapter.errors import RetryableError as RetryableError  # its old home, kept
 from broker_adapter.store.tasks import ClaimedTask
 
 #: A handler takes one ``Task`` and returns a JSON value, or an awaitable of one.
@@ -43,16 +47,6 @@ ERROR_TEXT_MAX_CHARS = 4000
 ASYNC_CANCEL_WAIT_S = 1.0
 #: How often a call waiting for its handler looks at the worker's stop event.
 STOP_CHECK_S = 0.05
-
-
-class RetryableError(Exception):
-    """Raise from a handler to ask for another attempt.
-
-    The store decides whether there is one (attempt budget, backoff, deadline). Any other
-    exception class with a class or instance attribute ``retryable = True`` counts too.
-    """
-
-    retryable = True
 
 
 def is_retryable(exc: BaseException) -> bool:
@@ -281,13 +275,30 @@ class Task:
         )
 
 
-def load_handler(spec: str) -> Handler:
+def _searched(app_dir: str | Path | None) -> str:
+    """Where ``load_handler`` looked for a module, for its "not found" message."""
+    where = "on the import path"
+    if app_dir is not None:
+        where = f"in the app directory {os.path.abspath(app_dir)} or on the import path"
+    cwd = os.getcwd()
+    if not any(os.path.abspath(entry or ".") == cwd for entry in sys.path):
+        where += (
+            f" (the current directory {cwd} is not on it; app_dir, --app-dir in the CLI,"
+            " puts a directory first)"
+        )
+    return where
+
+
+def load_handler(spec: str, *, app_dir: str | Path | None = None) -> Handler:
     """Import the handler named by ``"package.module:callable"``.
 
     The part after the colon may be dotted (``"pkg.mod:Class.method"``).
 
     Args:
         spec: the handler's import path.
+        app_dir: a directory put first on ``sys.path`` (once) before the import, so that
+            a module beside the caller's files is found; ``None`` leaves the path as it
+            is (a console script's path does not hold the current directory).
 
     Returns:
         the callable (sync, or ``async def``).
@@ -305,12 +316,18 @@ def load_handler(spec: str) -> Handler:
             f"handler {spec!r} is malformed: expected 'package.module:callable', "
             "e.g. 'myapp.handlers:summarise'"
         )
+    if app_dir is not None:
+        first = os.path.abspath(app_dir)
+        if first not in sys.path:
+            sys.path.insert(0, first)
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
         missing = exc.name or ""
         if module_name == missing or module_name.startswith(missing + "."):
-            raise ConfigError(f"handler {spec!r}: module {module_name!r} not found") from exc
+            raise ConfigError(
+                f"handler {spec!r}: module {missing!r} not found {_searched(app_dir)}"
+            ) from exc
         raise ConfigError(
             f"handler {spec!r}: importing {module_name!r} failed: {describe_error(exc)}"
         ) from exc

@@ -63,12 +63,12 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
 import tenacity
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from broker_adapter import crashpoints
 from broker_adapter.auth import Authenticated, Keyring, check_stream_principal
 from broker_adapter.clock import Clock, SystemClock
-from broker_adapter.envelope import check_principal
+from broker_adapter.config import ConfigModel, KeyPrefix, Principal
 from broker_adapter.errors import (
     BrokerAdapterError,
     ConfigError,
@@ -110,7 +110,7 @@ _CONSUMER_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXY
 log = logging.getLogger("broker_adapter.ingest")
 
 
-class IngestConfig(BaseModel):
+class IngestConfig(ConfigModel):
     """How an ``Ingestor`` reads.
 
     Attributes:
@@ -142,12 +142,10 @@ class IngestConfig(BaseModel):
             ``retention_s``, if shorter) are kept, seconds.
     """
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    prefix: str = DEFAULT_PREFIX
+    prefix: KeyPrefix = DEFAULT_PREFIX
     consumer: str
     mode: Literal["signed", "acl"] = "signed"
-    acl_principals: tuple[str, ...] = ()
+    acl_principals: tuple[Principal, ...] = ()
     count: int = Field(default=DEFAULT_COUNT, ge=1, le=10_000)
     block_ms: int = Field(default=DEFAULT_BLOCK_MS, ge=1)
     claim_min_idle_ms: int = Field(default=DEFAULT_CLAIM_MIN_IDLE_MS, ge=1)
@@ -164,12 +162,6 @@ class IngestConfig(BaseModel):
     trim_every_s: float = Field(default=DEFAULT_TRIM_EVERY_S, gt=0)
     trim_keep_s: float = Field(default=DEFAULT_TRIM_KEEP_S, ge=0)
 
-    @field_validator("prefix")
-    @classmethod
-    def _prefix(cls, v: str) -> str:
-        Keys(v)  # raises ValueError for braces or white space
-        return v
-
     @field_validator("consumer")
     @classmethod
     def _consumer(cls, v: str) -> str:
@@ -180,11 +172,6 @@ class IngestConfig(BaseModel):
     @field_validator("acl_principals")
     @classmethod
     def _principals(cls, v: tuple[str, ...]) -> tuple[str, ...]:
-        for p in v:
-            try:
-                check_principal(p, "acl_principals")
-            except EnvelopeError as exc:
-                raise ValueError(str(exc)) from None
         if len(set(v)) != len(v):
             raise ValueError("acl_principals lists a principal twice")
         return v

@@ -32,6 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from broker_adapter.envelope import check_principal
+from broker_adapter.errors import ConfigError
 
 INGEST_GROUP = "ba-ingest"
 RECEIVER_GROUP = "ba-receiver"
@@ -46,7 +47,7 @@ class Keys:
 
     def __post_init__(self) -> None:
         if not self.prefix or any(c in self.prefix for c in "{} \n\r\t"):
-            raise ValueError(f"bad key prefix {self.prefix!r}: no braces or white space")
+            raise ConfigError(f"bad key prefix {self.prefix!r}: no braces or white space")
 
     def _in_tag(self, principal: str | None) -> str:
         return "in" if principal is None else f"in.{check_principal(principal, 'principal')}"

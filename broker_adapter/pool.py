@@ -5,6 +5,9 @@ multiprocessing's ``spawn`` context (a fresh interpreter, never ``fork``) and ea
 own ``Database``; a connection used after ``fork()`` corrupts SQLite's locks. Each child has
 its own lease owner name, so owner checks (INVARIANTS rule 10) tell the workers apart.
 
+Children set up no logging of their own: each forwards its records to this process
+(``logforward``), where they go through this process's logging configuration.
+
 Crash: the pool restarts nothing. A child that dies leaves its claimed task ``running`` until
 the lease expires; any other worker then takes it back with attempts+1 and fence+1, and the
 dead child's late commit, if it ever came, would be fenced. ``stop`` sends SIGTERM: each child
@@ -16,12 +19,14 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import logging
 import multiprocessing
 import os
 import signal
 import threading
 import time
 from collections.abc import Callable
+from multiprocessing.connection import Connection
 from multiprocessing.context import SpawnProcess
 from multiprocessing.synchronize import Event as ProcessEvent
 from pathlib import Path
@@ -31,6 +36,7 @@ from broker_adapter.auth import Keyring
 from broker_adapter.errors import ConfigError
 from broker_adapter.handlers import load_handler
 from broker_adapter.handoff import Handoff, HandoffEndpoint
+from broker_adapter.logforward import ChildLogs, forward_to_parent
 from broker_adapter.store.db import open_database
 from broker_adapter.store.gate import WriteGate
 from broker_adapter.store.tasks import TaskPolicy, TaskStore
@@ -58,6 +64,8 @@ class WorkerPool:
         keyring: signs the replies of children that publish them (``redis_url`` in their
             config); handed to each child with its arguments (a pipe to the child, never a
             file or the command line).
+        app_dir: a directory put first on the import path, here and in every child,
+            before the handler is imported (``handlers.load_handler``).
 
     The children's writers queue on one ``WriteGate`` (``self.gate``); give it to this
     process's ``Database`` of the same file too (``open_database(db_path, gate=pool.gate)``).
@@ -77,10 +85,12 @@ class WorkerPool:
         policy: TaskPolicy | None = None,
         handoff: bool = False,
         keyring: Keyring | None = None,
+        app_dir: str | Path | None = None,
     ) -> None:
         if n < 1:
             raise ConfigError(f"a worker pool needs at least one process, got {n}")
-        load_handler(handler_spec)  # fail here, not once per child
+        self.app_dir = None if app_dir is None else str(Path(app_dir).resolve())
+        load_handler(handler_spec, app_dir=self.app_dir)  # fail here, not once per child
         self.configs = [config_factory(i) for i in range(n)]
         owners = [c.owner for c in self.configs]
         if len(set(owners)) != n:
@@ -97,11 +107,13 @@ class WorkerPool:
         self.restarts = 0
         self.handoff = Handoff(owners) if handoff else None
         self.gate = WriteGate(self._ctx)
+        self.logs = ChildLogs(self._ctx)
 
     def _spawn(self, slot: int) -> tuple[SpawnProcess, ProcessEvent]:
         config = self.configs[slot]
         ready = self._ctx.Event()
         endpoint = None if self.handoff is None else self.handoff.endpoint(slot)
+        log_pipe = self.logs.pipe()
         proc = self._ctx.Process(
             target=_child_main,
             args=(
@@ -114,12 +126,16 @@ class WorkerPool:
                 endpoint,
                 self.gate,
                 self.keyring,
+                self.app_dir,
+                log_pipe,
+                self.logs.level,
             ),
             name=f"ba-worker-{config.owner}",
         )
         try:
             proc.start()
         finally:
+            log_pipe.close()  # the child has its own copy of the writing end
             if endpoint is not None:
                 endpoint.close()  # the child has its own copy of the reading end
         return proc, ready
@@ -204,6 +220,7 @@ class WorkerPool:
                 proc.join()
         if self.handoff is not None:
             self.handoff.close()
+        self.logs.close()
         return self.exitcodes
 
     def __enter__(self) -> WorkerPool:
@@ -262,11 +279,17 @@ def _child_main(
     handoff: HandoffEndpoint | None = None,
     gate: WriteGate | None = None,
     keyring: Keyring | None = None,
+    app_dir: str | None = None,
+    log_pipe: Connection | None = None,
+    log_level: int = logging.INFO,
 ) -> None:
-    """A child's whole life: its own database, one worker, SIGTERM/SIGINT to drain.
+    """A child's whole life: its log records sent to the parent, its own database, one
+    worker, SIGTERM/SIGINT to drain.
 
     A child dies with its parent: a SIGKILLed runner must not leave orphans claiming tasks.
     """
+    if log_pipe is not None:
+        forward_to_parent(log_pipe, log_level)
     _die_with_parent(parent_pid)
     stop = threading.Event()
 
@@ -280,7 +303,7 @@ def _child_main(
         worker = Worker(
             config,
             TaskStore(db, policy=policy),
-            handler_spec,
+            load_handler(handler_spec, app_dir=app_dir),
             handoff=handoff,
             keyring=keyring,
         )

@@ -70,14 +70,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import Field
 
 from broker_adapter import crashpoints
 from broker_adapter.auth import REPLY_WIRE_VERSION, Keyring
 from broker_adapter.clock import Clock
-from broker_adapter.envelope import check_principal, loads_strict, sha256_hex
+from broker_adapter.config import ConfigModel, KeyPrefix, Principal
+from broker_adapter.envelope import loads_strict, sha256_hex
 from broker_adapter.errors import (
     AuthError,
+    BrokerAdapterError,
     ConfigError,
     GroupMissingError,
     StoreBusy,
@@ -132,7 +134,7 @@ REPLY_FORMAT_VERSION = REPLY_WIRE_VERSION.encode()
 _HEX = frozenset("0123456789abcdef")
 
 
-class ReceiverConfig(BaseModel):
+class ReceiverConfig(ConfigModel):
     """How a ``Receiver`` reads one principal's replies.
 
     Attributes:
@@ -158,10 +160,8 @@ class ReceiverConfig(BaseModel):
             within it is a duplicate. Keep it at least the adapter's ``retention_s``.
     """
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    prefix: str = DEFAULT_PREFIX
-    principal: str
+    prefix: KeyPrefix = DEFAULT_PREFIX
+    principal: Principal
     group: str = Field(default=RECEIVER_GROUP, min_length=1)
     consumer: str = Field(default="receiver-1", min_length=1)
     count: int = Field(default=DEFAULT_COUNT, ge=1, le=10_000)
@@ -175,17 +175,6 @@ class ReceiverConfig(BaseModel):
     )
     failed_step_pause_s: float = Field(default=DEFAULT_FAILED_STEP_PAUSE_S, ge=0)
     retention_s: float = Field(default=DEFAULT_RETENTION_S, gt=0)
-
-    @field_validator("prefix")
-    @classmethod
-    def _prefix(cls, v: str) -> str:
-        Keys(v)
-        return v
-
-    @field_validator("principal")
-    @classmethod
-    def _principal(cls, v: str) -> str:
-        return check_principal(v, "principal")
 
 
 @dataclass(frozen=True)
@@ -230,7 +219,7 @@ def record_effect(conn: sqlite3.Connection, reply: dict[str, Any]) -> dict[str, 
     }
 
 
-class BadReply(Exception):
+class BadReply(BrokerAdapterError):
     """An entry that is not a well-formed reply (internal: it is dead-lettered)."""
 
     def __init__(self, reason: str, detail: str) -> None:

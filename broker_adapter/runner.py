@@ -26,23 +26,30 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from broker_adapter.auth import Keyring
 from broker_adapter.clock import SystemClock
+from broker_adapter.config import ConfigModel, KeyPrefix, Principal
 from broker_adapter.dispatcher import Dispatcher, DispatcherConfig
-from broker_adapter.envelope import check_principal
-from broker_adapter.errors import BrokerAdapterError, ConfigError, StoreBusy, TransientError
+from broker_adapter.errors import (
+    BrokerAdapterError,
+    ConfigError,
+    StageError,
+    StoreBusy,
+    TransientError,
+)
+from broker_adapter.handlers import load_handler
 from broker_adapter.handoff import CLAIM, LOOK, Handoff
 from broker_adapter.ingest import IngestConfig, Ingestor
-from broker_adapter.keys import Keys
+from broker_adapter.keys import DEFAULT_PREFIX, Keys
 from broker_adapter.metrics import Observed, serve_metrics, stages_down
 from broker_adapter.pool import WorkerPool
 from broker_adapter.store import OutboxStore, TaskStore, open_database
 from broker_adapter.store.gate import WriteGate
 from broker_adapter.store.retention import DEFAULT_RETENTION_S, PurgeSchedule, run_purges
 from broker_adapter.store.tasks import AcceptItem, AcceptResult, Outcome, TaskPolicy
-from broker_adapter.streams import connect
+from broker_adapter.streams import RedisUrl, connect
 from broker_adapter.worker import WorkerConfig
 
 log = logging.getLogger("broker_adapter.runner")
@@ -56,13 +63,15 @@ DB_WAIT_FIRST_S = 0.1
 DB_WAIT_MAX_S = 5.0
 
 
-class RunConfig(BaseModel):
+class RunConfig(ConfigModel):
     """Everything ``broker-adapter run`` needs; validated before anything starts.
 
     Attributes:
         redis_url: the Redis holding the streams.
         db_path: the SQLite file (created if absent).
         handler: ``module:callable`` run for each task.
+        app_dir: put first on the import path (here and in the worker processes) before
+            the handler is imported; ``None`` leaves the path as it is.
         workers: worker processes.
         keyring_path: JSON keyring: verifies requests (signed mode) and signs every reply
             (both modes: in ACL mode each ACL principal needs its reply keys in it).
@@ -88,16 +97,15 @@ class RunConfig(BaseModel):
         metrics_host: the address the metrics port binds.
     """
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    redis_url: str
+    redis_url: RedisUrl
     db_path: Path
     handler: str
+    app_dir: Path | None = None
     workers: int = Field(default=DEFAULT_WORKERS, ge=1, le=64)
     keyring_path: Path | None = None
     mode: Literal["signed", "acl"] = "signed"
-    acl_principals: tuple[str, ...] = ()
-    prefix: str = "ba"
+    acl_principals: tuple[Principal, ...] = ()
+    prefix: KeyPrefix = DEFAULT_PREFIX
     name: str = Field(default_factory=lambda: socket.gethostname().split(".")[0] or "adapter")
     lease_s: float = Field(default=30.0, gt=0)
     call_timeout_s: float = Field(default=60.0, gt=0)
@@ -111,13 +119,6 @@ class RunConfig(BaseModel):
     metrics_port: int | None = Field(default=None, ge=0, le=65535)
     metrics_host: str = "127.0.0.1"
 
-    @field_validator("redis_url")
-    @classmethod
-    def _url(cls, v: str) -> str:
-        if not v.startswith(("redis://", "rediss://", "unix://")):
-            raise ValueError("must start with redis://, rediss:// or unix://")
-        return v
-
     @field_validator("handler")
     @classmethod
     def _handler(cls, v: str) -> str:
@@ -125,11 +126,6 @@ class RunConfig(BaseModel):
         if not (module and sep and attr):
             raise ValueError("must look like 'package.module:function'")
         return v
-
-    @field_validator("acl_principals")
-    @classmethod
-    def _principals(cls, v: tuple[str, ...]) -> tuple[str, ...]:
-        return tuple(check_principal(p, "acl_principals") for p in v)
 
     @model_validator(mode="after")
     def _modes(self) -> RunConfig:
@@ -196,11 +192,15 @@ class Runner:
                 f"keyring {config.keyring_path} has no keys for ACL principal(s) "
                 f"{', '.join(keyless)}: their replies could not be signed"
             )
+        # The pool imports it again (a cached module); importing it here first means a
+        # handler that cannot be found is refused before anything starts.
+        load_handler(config.handler, app_dir=config.app_dir)
         self.policy = TaskPolicy(lease_s=config.lease_s, retention_s=config.retention_s)
         # Create and migrate once, up front (a bad path or a newer schema fails here); a
         # database that another writer keeps locked is waited for in ``run``.
         self._db_ready = self._prepare_database()
-        self.errors: list[BaseException] = []
+        #: The first error each stage thread stopped on, with the stage's name.
+        self.errors: list[tuple[str, BaseException]] = []
         self._first_look = threading.Event()
         #: The stages a metrics scrape reads; filled as they start.
         self.observed = Observed(
@@ -254,15 +254,19 @@ class Runner:
             policy=self.policy,
             handoff=True,
             keyring=self.keyring,
+            app_dir=self.config.app_dir,
         )
 
     def _thread(self, name: str, body: Callable[[], None]) -> threading.Thread:
         def guarded() -> None:
             try:
                 body()
-            except BaseException as exc:
-                self.log.exception("%s stopped on an error", name)
-                self.errors.append(exc)
+            except BrokerAdapterError as exc:  # one of ours: its message says it all
+                self.log.error("%s stopped: %s", name, exc)
+                self.errors.append((name, exc))
+            except BaseException as exc:  # a bug: the traceback is what a report needs
+                self.log.exception("%s stopped on an unexpected error", name)
+                self.errors.append((name, exc))
 
         thread = threading.Thread(target=guarded, name=name, daemon=True)
         thread.start()
@@ -333,7 +337,12 @@ class Runner:
             db.close()
 
     def run(self, stop: threading.Event) -> int:
-        """Run until ``stop`` is set. Returns the exit code (0 after a clean drain)."""
+        """Run until ``stop`` is set. Returns the exit code (0 after a clean drain).
+
+        Raises:
+            ConfigError: a stage refused its configuration (the message names the stage).
+            StageError: a stage stopped on any other error (a runtime failure).
+        """
         cfg = self.config
         self.log.info(
             "broker-adapter running: %d workers, db %s, handler %s", cfg.workers, cfg.db_path,
@@ -369,8 +378,8 @@ class Runner:
             for thread in threads:
                 thread.join(timeout=cfg.grace_s + 10)
         if self.errors:
-            exc = self.errors[0]
-            if isinstance(exc, BrokerAdapterError):
-                raise exc
-            raise ConfigError(f"adapter stopped: {exc}") from exc
+            stage, exc = self.errors[0]
+            if isinstance(exc, ConfigError):
+                raise ConfigError(f"{stage}: {exc}") from exc
+            raise StageError(stage, exc) from exc
         return 0 if all(code == 0 for code in codes) else 1

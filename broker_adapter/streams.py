@@ -54,13 +54,16 @@ import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, TypeVar
+from typing import Annotated, Any, NamedTuple, TypeVar
 
 import redis
 import tenacity
+from pydantic import AfterValidator, Field
 from redis.backoff import NoBackoff
+from redis.connection import parse_url
 from redis.retry import Retry
 
+from broker_adapter.config import ConfigModel
 from broker_adapter.errors import (
     BrokerAdapterError,
     ConfigError,
@@ -86,6 +89,27 @@ DEAD_LETTER_TEXT_MAX_CHARS = 1000
 log = logging.getLogger("broker_adapter.streams")
 
 
+def check_redis_url(url: str) -> str:
+    """``url`` if redis-py can connect by it (``redis://``, ``rediss://`` or ``unix://``,
+    a numeric port, a numeric database).
+
+    Raises:
+        ConfigError: why it cannot; the message never repeats the URL (it may hold a
+            password).
+    """
+    if not isinstance(url, str) or not url.startswith(("redis://", "rediss://", "unix://")):
+        raise ConfigError("bad Redis URL: must start with redis://, rediss:// or unix://")
+    try:
+        parse_url(url)  # type: ignore[no-untyped-call]
+    except ValueError as exc:
+        raise ConfigError(f"bad Redis URL: {exc}") from None
+    return url
+
+
+#: A Redis URL field of a settings model (``check_redis_url``).
+RedisUrl = Annotated[str, AfterValidator(check_redis_url)]
+
+
 def connect(
     url: str, *, socket_timeout_s: float = 10.0, connect_timeout_s: float = 5.0
 ) -> redis.Redis:
@@ -95,7 +119,11 @@ def connect(
         url: ``redis://host:port/db`` (or ``rediss://``, ``unix://``).
         socket_timeout_s: per-command socket timeout; must exceed any BLOCK used on it.
         connect_timeout_s: TCP connect timeout.
+
+    Raises:
+        ConfigError: a malformed ``url`` (``check_redis_url``).
     """
+    check_redis_url(url)
     return redis.Redis.from_url(
         url, retry=Retry(NoBackoff(), 0), **_client_options(socket_timeout_s, connect_timeout_s)
     )
@@ -196,41 +224,34 @@ class StreamEntry(NamedTuple):
         return [item for pair in (self.fields or {}).items() for item in pair]
 
 
-@dataclass(frozen=True)
-class ReaderConfig:
+class ReaderConfig(ConfigModel):
     """How a ``GroupReader`` reads.
 
     Attributes:
-        count: entries per read.
-        block_ms: how long a read of new entries blocks.
+        count: entries per read (1..10,000).
+        block_ms: how long a read of new entries blocks (at least 1: Redis reads ``BLOCK
+            0`` as "for ever").
         claim_min_idle_ms: entries idle this long in another consumer's list are taken over.
         max_deliveries: entries delivered more often than this go to the dead-letter stream.
         max_entry_fields: entries of more fields (repeated names counted) are dead-lettered
-            as ``too_many_fields``; also the most fields a dead letter copies.
+            as ``too_many_fields``; also the most fields a dead letter copies
+            (``MIN_ENTRY_FIELDS..MAX_ENTRY_FIELDS``).
         max_entry_bytes: entries larger than this (all field names and values) are
             dead-lettered as ``oversize`` before anyone parses them; also the most bytes
             a dead letter copies.
 
     Raises:
-        ConfigError: ``max_entry_fields`` outside ``MIN_ENTRY_FIELDS..MAX_ENTRY_FIELDS``, or
-            ``max_entry_bytes`` below 1.
+        ConfigError: a value outside its bounds.
     """
 
-    count: int = 256
-    block_ms: int = 1000
-    claim_min_idle_ms: int = 60_000
-    max_deliveries: int = 10
-    max_entry_fields: int = DEFAULT_MAX_ENTRY_FIELDS
-    max_entry_bytes: int = DEFAULT_MAX_ENTRY_BYTES
-
-    def __post_init__(self) -> None:
-        if not MIN_ENTRY_FIELDS <= self.max_entry_fields <= MAX_ENTRY_FIELDS:
-            raise ConfigError(
-                f"max_entry_fields must be {MIN_ENTRY_FIELDS}..{MAX_ENTRY_FIELDS}, "
-                f"got {self.max_entry_fields}"
-            )
-        if self.max_entry_bytes < 1:
-            raise ConfigError(f"max_entry_bytes must be positive, got {self.max_entry_bytes}")
+    count: int = Field(default=256, ge=1, le=10_000)
+    block_ms: int = Field(default=1000, ge=1)
+    claim_min_idle_ms: int = Field(default=60_000, ge=0)
+    max_deliveries: int = Field(default=10, ge=1)
+    max_entry_fields: int = Field(
+        default=DEFAULT_MAX_ENTRY_FIELDS, ge=MIN_ENTRY_FIELDS, le=MAX_ENTRY_FIELDS
+    )
+    max_entry_bytes: int = Field(default=DEFAULT_MAX_ENTRY_BYTES, ge=1)
 
 
 @dataclass
@@ -1020,10 +1041,14 @@ def connect_async(
         url: ``redis://host:port/db`` (or ``rediss://``, ``unix://``).
         socket_timeout_s: per-command socket timeout; must exceed any BLOCK used on it.
         connect_timeout_s: TCP connect timeout.
+
+    Raises:
+        ConfigError: a malformed ``url`` (``check_redis_url``).
     """
     import redis.asyncio
     from redis.asyncio.retry import Retry as AsyncRetry
 
+    check_redis_url(url)
     return redis.asyncio.Redis.from_url(
         url,
         retry=AsyncRetry(NoBackoff(), 0),

@@ -56,11 +56,12 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import Field
 
 from broker_adapter import crashpoints
 from broker_adapter.auth import Keyring
 from broker_adapter.clock import Clock
+from broker_adapter.config import ConfigModel, KeyPrefix
 from broker_adapter.dispatcher import (
     DEFAULT_RECORD_TTL_S,
     DispatcherStats,
@@ -72,6 +73,7 @@ from broker_adapter.errors import (
     BrokerAdapterError,
     ConfigError,
     EnvelopeError,
+    RetryableError,
     StaleError,
     TaskCancelled,
     TransientError,
@@ -97,7 +99,7 @@ from broker_adapter.store.tasks import (
     Settlement,
     TaskStore,
 )
-from broker_adapter.streams import connect
+from broker_adapter.streams import RedisUrl, connect
 
 if TYPE_CHECKING:
     import redis
@@ -126,7 +128,7 @@ PUBLISH_PAUSE_S = 1.0
 RESULT_TOO_LARGE = "result_too_large"
 
 
-class WorkerConfig(BaseModel):
+class WorkerConfig(ConfigModel):
     """One worker's settings.
 
     Attributes:
@@ -161,8 +163,6 @@ class WorkerConfig(BaseModel):
         handler_name: the ``handler`` label of its handler duration histogram.
     """
 
-    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
-
     owner: str = Field(min_length=1, max_length=128)
     batch: int = Field(default=DEFAULT_BATCH, ge=1, le=1000)
     batch_window_s: float = Field(default=DEFAULT_BATCH_WINDOW_S, ge=0)
@@ -171,17 +171,11 @@ class WorkerConfig(BaseModel):
     idle_poll_s: float = Field(default=DEFAULT_IDLE_POLL_S, gt=0)
     wake_poll_s: float = Field(default=DEFAULT_WAKE_POLL_S, gt=0)
     grace_s: float = Field(default=DEFAULT_GRACE_S, ge=0)
-    redis_url: str | None = None
-    prefix: str = DEFAULT_PREFIX
+    redis_url: RedisUrl | None = None
+    prefix: KeyPrefix = DEFAULT_PREFIX
     record_ttl_s: float = Field(default=DEFAULT_RECORD_TTL_S, gt=0)
     metrics_dir: str | None = None
     handler_name: str = "handler"
-
-    @field_validator("prefix")
-    @classmethod
-    def _prefix(cls, v: str) -> str:
-        Keys(v)  # raises ValueError for a bad prefix
-        return v
 
 
 @dataclass
@@ -948,17 +942,41 @@ class Worker:
             )
         if outcome.timed_out:
             self.stats.timeouts += 1
-            return fail(f"TimeoutError: the handler did not return within {timeout_s:.3f} s", True)
+            error = f"TimeoutError: the handler did not return within {timeout_s:.3f} s"
+            self._log_failure(claimed, error, retry=True)
+            return fail(error, True)
         if outcome.stopped:
             self.stats.timeouts += 1
-            return fail(
+            error = (
                 f"WorkerStopping: the handler did not finish within the "
-                f"{self.config.grace_s} s shutdown grace",
-                True,
+                f"{self.config.grace_s} s shutdown grace"
             )
+            self._log_failure(claimed, error, retry=True)
+            return fail(error, True)
         assert outcome.error is not None
         raised = outcome.error
-        return fail(describe_error(raised), is_retryable(raised))
+        error, retry = describe_error(raised), is_retryable(raised)
+        self._log_failure(claimed, error, retry=retry, raised=raised)
+        return fail(error, retry)
+
+    def _log_failure(
+        self, claimed: ClaimedTask, error: str, *, retry: bool, raised: BaseException | None = None
+    ) -> None:
+        """Log a handler's failure with the task's ids (never its payload): a warning when
+        it asks for another attempt, an error otherwise, and the traceback unless the
+        handler asked for a retry on purpose (``RetryableError``)."""
+        self.log.log(
+            logging.WARNING if retry else logging.ERROR,
+            "handler failed on task %s (message %s from %s, attempt %d of %d%s): %s",
+            claimed.task_id,
+            claimed.message_id,
+            claimed.principal,
+            claimed.attempt,
+            claimed.max_attempts,
+            ", asks for a retry" if retry else "",
+            error,
+            exc_info=None if raised is None or isinstance(raised, RetryableError) else raised,
+        )
 
     def _note_cancelled(self, claimed: ClaimedTask) -> None:
         self.stats.cancelled += 1

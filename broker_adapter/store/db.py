@@ -201,7 +201,8 @@ class Database:
             journal or sync settings) and ``write`` is refused.
 
     Raises:
-        ConfigError: ``read_only`` and there is no file at ``path``.
+        ConfigError: ``read_only`` and there is no file at ``path``, or its directory
+            does not exist.
         StoreError: the file is not a usable database (for ``read_only``: not at the
             current schema either).
     """
@@ -229,6 +230,8 @@ class Database:
                 raise ConfigError(f"no database at {self.path}")
             target = self.path.resolve().as_uri() + "?mode=ro"  # SQLite never creates it
         else:
+            if not self.path.parent.is_dir():
+                raise ConfigError(f"no directory {self.path.parent} for the database {self.path}")
             _private_file(self.path)
             target = str(self.path)
         try:

@@ -21,8 +21,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from pydantic import Field
+
 from broker_adapter.backoff import Backoff
 from broker_adapter.clock import Clock, SystemClock
+from broker_adapter.config import ConfigModel
 from broker_adapter.envelope import canonical_json, sha256_hex
 from broker_adapter.errors import BrokerAdapterError, FencedError, StaleError
 from broker_adapter.store.db import Database
@@ -30,19 +33,21 @@ from broker_adapter.store.db import Database
 OUTBOX_STATES = ("pending", "sending", "sent", "dead")
 
 
-@dataclass(frozen=True)
-class OutboxPolicy:
+class OutboxPolicy(ConfigModel):
     """Publication limits.
 
     Attributes:
         lease_s: how long a dispatcher holds a claimed reply before another may take it.
         max_attempts: publication attempts before the row goes ``dead``.
         backoff: delay between attempts.
+
+    Raises:
+        ConfigError: a lease not above 0, or fewer than one attempt.
     """
 
-    lease_s: float = 30.0
-    max_attempts: int = 20
-    backoff: Backoff = field(default_factory=lambda: Backoff(base_s=0.5, cap_s=30.0))
+    lease_s: float = Field(default=30.0, gt=0)
+    max_attempts: int = Field(default=20, ge=1)
+    backoff: Backoff = Field(default_factory=lambda: Backoff(base_s=0.5, cap_s=30.0))
 
 
 @dataclass(frozen=True)

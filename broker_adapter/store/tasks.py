@@ -33,8 +33,11 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, NamedTuple
 
+from pydantic import Field
+
 from broker_adapter.backoff import Backoff
 from broker_adapter.clock import Clock, SystemClock
+from broker_adapter.config import ConfigModel
 from broker_adapter.envelope import Envelope, check_result, sha256_hex
 from broker_adapter.errors import (
     BrokerAdapterError,
@@ -99,8 +102,7 @@ class FailOutcome(StrEnum):
     FAILED = "failed"
 
 
-@dataclass(frozen=True)
-class TaskPolicy:
+class TaskPolicy(ConfigModel):
     """Limits of the task state machine.
 
     Attributes:
@@ -111,12 +113,15 @@ class TaskPolicy:
             request. It also bounds deadlines: one further ahead than this is refused, so
             that no request outlives the record that makes its replay a duplicate.
         backoff: delay before a retryable failure runs again.
+
+    Raises:
+        ConfigError: a lease or retention not above 0, or a negative ``max_hops``.
     """
 
-    lease_s: float = 30.0
-    max_hops: int = 16
-    retention_s: float = DEFAULT_RETENTION_S
-    backoff: Backoff = field(default_factory=Backoff)
+    lease_s: float = Field(default=30.0, gt=0)
+    max_hops: int = Field(default=16, ge=0)
+    retention_s: float = Field(default=DEFAULT_RETENTION_S, gt=0)
+    backoff: Backoff = Field(default_factory=Backoff)
 
 
 class AcceptItem(NamedTuple):

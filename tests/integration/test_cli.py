@@ -15,18 +15,28 @@ from typing import Any
 
 import pytest
 
+from broker_adapter.cli import EXIT_FAILURE, EXIT_USAGE
 from broker_adapter.envelope import Envelope
 from broker_adapter.store import AcceptItem, OutboxStore, TaskStore, open_database
 from tests.support.cli import cli_env as _env
 from tests.support.cli import count_rows as _count
+from tests.support.cli import error_line as _error_line
 from tests.support.cli import wait_for as _wait_for
-from tests.support.ingest_script import real_deadline
+from tests.support.ingest_script import real_deadline, write_keyring
 from tests.support.redis_server import RedisServer
 
 pytestmark = pytest.mark.integration
 
 ROOT = Path(__file__).resolve().parents[2]
 WAIT_S = 60.0
+#: Good flags of each command (a keyring ``k.json`` in the working directory, a Redis
+#: that is never reached): the bad-flag cases add or override one.
+RUN = ["run", "--redis", "redis://127.0.0.1:1", "--db", "a.db", "--handler",
+       "broker_adapter.examples:echo", "--keyring", "k.json"]  # fmt: skip
+PUBLISH = ["publish", "--redis", "redis://127.0.0.1:1", "--principal", "alice", "--keyring",
+           "k.json", "--id", "m", "--payload", "{}"]  # fmt: skip
+RECEIVE = ["receive", "--redis", "redis://127.0.0.1:1", "--db", "r.db", "--principal", "alice",
+           "--keyring", "k.json", "--until-idle", "0"]  # fmt: skip
 
 
 def _cli(
@@ -86,12 +96,14 @@ def _receive(redis_url: str, db: Path, prefix: str, principal: str, keyring: Pat
     assert res.returncode == 0, res.stderr
 
 
-def _stop(proc: subprocess.Popen[str], sig: int = signal.SIGTERM) -> int:
+def _stop(
+    proc: subprocess.Popen[str], sig: int = signal.SIGTERM, *, keep_output: bool = False
+) -> int:
     proc.send_signal(sig)
     try:
         return proc.wait(timeout=60)
     finally:
-        if proc.stdout:
+        if proc.stdout and not keep_output:
             proc.stdout.close()
 
 
@@ -289,20 +301,98 @@ def test_cli_receive_with_keyring_applies_only_signed_replies(
         (["receive", "--redis", "redis://x", "--db", "d.db", "--principal", "a", "--keyring",
           "/nonexistent.json"], "keyring"),
         (["frobnicate"], "invalid choice"),
+        ([*RUN, "--prefix", "a b"], "RunConfig.prefix: bad key prefix 'a b'"),
+        ([*RUN, "--redis", "http://x"], "RunConfig.redis_url: bad Redis URL"),
+        ([*RUN, "--redis", "redis://host:abc"], "RunConfig.redis_url: bad Redis URL: Port"),
+        ([*RUN, "--lease", "-1"], "RunConfig.lease_s"),
+        ([*RUN, "--keyring", "/nonexistent.json"], "cannot read keyring /nonexistent.json"),
+        ([*RUN, "--db", "no/such/dir/a.db"], "no directory no/such/dir"),
+        ([*RUN, "--handler", "nomod:f"], "module 'nomod' not found in the app directory"),
+        ([*RUN, "--handler", "nomod:f", "--app-dir", "/"], "the current directory"),
+        ([*PUBLISH, "--prefix", "a b"], "bad key prefix 'a b'"),
+        ([*PUBLISH, "--redis", "http://x"], "bad Redis URL: must start with redis://"),
+        ([*PUBLISH, "--redis", "redis://host:abc"], "bad Redis URL: Port"),
+        ([*PUBLISH, "--id", ""], "the envelope is refused: message_id"),
+        ([*RECEIVE, "--prefix", "a b"], "ReceiverConfig.prefix: bad key prefix"),
+        ([*RECEIVE, "--redis", "redis://:pw@host:abc"], "bad Redis URL: Port"),
+        ([*RECEIVE, "--principal", "a b"], "ReceiverConfig.principal"),
     ],
 )  # fmt: skip
 def test_cli_bad_flags_give_one_clear_error_line(
     tmp_path: Path, args: list[str], needle: str
 ) -> None:
+    write_keyring(tmp_path / "k.json")
+    # -P: the working directory is not on the path, as for the console script
     res = subprocess.run(
-        [sys.executable, "-m", "broker_adapter", *args], cwd=tmp_path, capture_output=True,
+        [sys.executable, "-P", "-m", "broker_adapter", *args], cwd=tmp_path, capture_output=True,
         text=True, timeout=60, env={**_env(), "PYTHONPATH": str(ROOT)},
     )  # fmt: skip
-    assert res.returncode == 2
-    lines = [line for line in res.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1, res.stderr
-    assert lines[0].startswith("broker-adapter: error:")
-    assert needle in lines[0]
+    assert _error_line(res, EXIT_USAGE).startswith("broker-adapter: error:")
+    assert needle in res.stderr
+
+
+def test_cli_a_stage_that_crashes_is_a_runtime_failure_naming_it(tmp_path: Path) -> None:
+    """Not a configuration error (exit 2): exit 1, and the last line names the stage and
+    the exception."""
+    write_keyring(tmp_path / "k.json")
+    boom = (
+        "import sys\n"
+        "from broker_adapter import cli, runner\n"
+        "def crash(self, *args):\n"
+        "    raise RuntimeError('boom')\n"
+        "runner.Runner._ingest = crash\n"
+        "raise SystemExit(cli.main(sys.argv[1:]))\n"
+    )
+    res = subprocess.run(
+        [sys.executable, "-c", boom, *RUN, "--workers", "1", "--grace", "0"], cwd=tmp_path,
+        capture_output=True, text=True, timeout=120, env={**_env(), "PYTHONPATH": str(ROOT)},
+    )  # fmt: skip
+    assert res.returncode == EXIT_FAILURE, res.stderr
+    last = res.stderr.splitlines()[-1]
+    assert last == "broker-adapter: error: ingest stopped: RuntimeError: boom", res.stderr
+
+
+def test_cli_app_dir_finds_the_handler_and_worker_logs_reach_the_runner(
+    redis_server: RedisServer, tmp_path: Path, keyring: Path, prefix: str
+) -> None:
+    """A handler beside the user's files is found with ``--app-dir`` in the worker
+    processes too; the exception it raises is logged by the runner, traceback once, with
+    the task's ids and without its payload."""
+    app = tmp_path / "app"
+    app.mkdir()
+    (app / "ba_cli_test_app.py").write_text(
+        "def explode(task):\n    raise ValueError('the handler exploded on purpose')\n"
+    )
+    db = tmp_path / "adapter.db"
+    env = {**_env(), "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "broker_adapter", "run", "--redis", redis_server.url,
+         "--db", str(db), "--handler", "ba_cli_test_app:explode", "--app-dir", "app",
+         "--workers", "1", "--keyring", str(keyring), "--prefix", prefix],
+        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+    )  # fmt: skip
+    try:
+        res = _cli("publish", "--redis", redis_server.url, "--principal", "alice", "--keyring",
+                   str(keyring), "--prefix", prefix, "--id", "m-explode", "--max-attempts",
+                   "1", "--payload", json.dumps({"secret": "payload-never-logged"}))  # fmt: skip
+        assert res.returncode == 0, res.stderr
+        _wait_for(
+            lambda: _count(db, "SELECT count(*) FROM outbox WHERE state = 'sent'") == 1,
+            "the failed task's reply sent",
+        )
+    finally:
+        assert _stop(proc, keep_output=True) == 0
+    assert proc.stdout is not None
+    out = proc.stdout.read()
+    proc.stdout.close()
+    assert out.count("Traceback (most recent call last)") == 1, out
+    assert out.count('ba_cli_test_app.py", line 2, in explode') == 1, out
+    assert re.search(
+        r"ERROR broker_adapter\.worker: handler failed on task \S+ \(message m-explode from"
+        r" alice, attempt 1 of 1\): ValueError: the handler exploded on purpose",
+        out,
+    ), out
+    assert "payload-never-logged" not in out
 
 
 def test_cli_dead_letters_list_show_replay(

@@ -719,7 +719,7 @@ def test_publisher_and_ingest_config_are_checked(
         {"consumer": "c", "prefix": "a{b}"},
         {"consumer": "c", "surprise": 1},
     ):
-        with pytest.raises(pydantic.ValidationError):
+        with pytest.raises(ConfigError, match=r"^IngestConfig"):
             IngestConfig(**bad)
     config = IngestConfig(consumer="c")
     with pytest.raises(pydantic.ValidationError):

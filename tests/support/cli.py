@@ -1,10 +1,12 @@
 """What the tests that run the CLI in subprocesses share: a clean environment, a row count
-that tolerates a database not made yet, and polling a condition with a timeout."""
+that tolerates a database not made yet, polling a condition with a timeout, and the one
+error line of a failed command."""
 
 from __future__ import annotations
 
 import os
 import sqlite3
+import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -38,3 +40,12 @@ def wait_for(pred: Callable[[], object], what: str, timeout_s: float = 60.0) -> 
             return
         time.sleep(0.05)  # polling a condition with an explicit timeout
     raise AssertionError(f"timed out waiting for {what}")
+
+
+def error_line(res: subprocess.CompletedProcess[str], code: int) -> str:
+    """The one line a failed command printed on stderr (asserted: exit ``code``, exactly one
+    non-empty line, no traceback)."""
+    lines = [line for line in res.stderr.splitlines() if line.strip()]
+    assert res.returncode == code, res.stderr
+    assert len(lines) == 1, res.stderr
+    return lines[0]

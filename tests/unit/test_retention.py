@@ -449,7 +449,8 @@ def test_retention_flag_and_variable_reach_the_configs_and_stores(
     assert configs() == (90.0, 90.0)
     assert configs("--retention", "30") == (30.0, 30.0)  # the flag wins
     # The runner's policy (its ingest, workers and purge) carries it.
-    config = runner.RunConfig(redis_url="redis://x", db_path=tmp_path / "p.db", handler="m:f",
+    config = runner.RunConfig(redis_url="redis://x", db_path=tmp_path / "p.db",
+                              handler="broker_adapter.examples:echo",
                               keyring_path=keyring, retention_s=30)  # fmt: skip
     monkeypatch.undo()
     assert runner.Runner(config).policy.retention_s == 30

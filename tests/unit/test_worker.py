@@ -489,11 +489,11 @@ def test_worker_config_is_frozen_and_strict_about_fields() -> None:
     assert (config.batch, config.renew_every_s) == (DEFAULT_BATCH, None)
     with pytest.raises(ValidationError):
         config.batch = 2  # type: ignore[misc]
-    with pytest.raises(ValidationError):
+    with pytest.raises(ConfigError, match=r"WorkerConfig\.lease_s"):
         WorkerConfig(owner="w1", lease_s=3)  # type: ignore[call-arg]
-    with pytest.raises(ValidationError):
+    with pytest.raises(ConfigError, match=r"WorkerConfig.owner: .*; WorkerConfig.batch: "):
         WorkerConfig(owner="", batch=0)
-    with pytest.raises(ValidationError):
+    with pytest.raises(ConfigError, match=r"WorkerConfig\.call_timeout_s"):
         WorkerConfig(owner="w1", call_timeout_s=float("inf"))
 
 

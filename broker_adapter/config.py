@@ -1,0 +1,68 @@
+"""The base of every settings model: checked when built, refused as one ``ConfigError``.
+
+Each settings class (``RunConfig``, ``IngestConfig``, ``WorkerConfig``, ``TaskPolicy``,
+``ReaderConfig``, ...) subclasses ``ConfigModel`` and states its bounds as pydantic fields
+and validators. ``Model(...)`` stays the way to build one; what it refuses comes out as a
+``ConfigError`` (a ``ValueError``, like pydantic's own error) naming the model and each
+field at fault, so callers and the CLI handle one error class and never see a pydantic
+traceback.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Self
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, ValidationError
+
+from broker_adapter.envelope import check_principal
+from broker_adapter.errors import ConfigError, EnvelopeError
+from broker_adapter.keys import Keys
+
+
+def refusal(model: str, exc: ValidationError) -> ConfigError:
+    """One ``ConfigError`` for everything ``exc`` found wrong: ``Model.field: why; ...``."""
+    problems = []
+    for err in exc.errors(include_url=False):
+        where = ".".join(str(part) for part in err.get("loc", ()))
+        cause = err.get("ctx", {}).get("error")
+        if isinstance(cause, EnvelopeError):  # its text repeats the field: keep the rest
+            why = f"{cause.detail} [{cause.reason}]"
+        else:
+            why = str(err.get("msg", "invalid")).removeprefix("Value error, ")
+        problems.append(f"{model}.{where}: {why}" if where else f"{model}: {why}")
+    return ConfigError("; ".join(problems) or f"{model}: invalid")
+
+
+def _key_prefix(value: str) -> str:
+    Keys(value)  # refuses braces and white space
+    return value
+
+
+def _principal(value: str) -> str:
+    return check_principal(value, "principal")
+
+
+#: A Redis key prefix (``keys.Keys``): no braces, no white space.
+KeyPrefix = Annotated[str, AfterValidator(_key_prefix)]
+#: A principal name (``envelope.check_principal``).
+Principal = Annotated[str, AfterValidator(_principal)]
+
+
+class ConfigModel(BaseModel):
+    """Frozen, no unknown fields, no infinite or NaN numbers; refusals are ``ConfigError``."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
+
+    def __init__(self, **data: Any) -> None:
+        try:
+            super().__init__(**data)
+        except ValidationError as exc:
+            raise refusal(type(self).__name__, exc) from None
+
+    @classmethod
+    def model_validate(cls, obj: Any, **kwargs: Any) -> Self:
+        """``BaseModel.model_validate``, refusing with a ``ConfigError`` as ``__init__``."""
+        try:
+            return super().model_validate(obj, **kwargs)
+        except ValidationError as exc:
+            raise refusal(cls.__name__, exc) from None

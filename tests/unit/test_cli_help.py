@@ -1,0 +1,142 @@
+"""The command line's help, defaults and environment variables, checked against README's
+list and the settings models (so that neither drifts from the parser)."""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import broker_adapter
+from broker_adapter.cli import build_parser
+from broker_adapter.envelope import Envelope
+from broker_adapter.runner import RunConfig
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+ENV_COMMANDS = ("run", "publish", "receive")
+_ENV = re.compile(r"env (BA_[A-Z0-9_]+)\]")
+
+
+def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return dict(action.choices)
+    return {}
+
+
+def _commands() -> Iterator[tuple[str, argparse.ArgumentParser]]:
+    """Every (sub)command with its parser: ``run``, ..., ``dead-letters replay``."""
+    for name, sub in _subparsers(build_parser()).items():
+        yield name, sub
+        for inner, parser in _subparsers(sub).items():
+            yield f"{name} {inner}", parser
+
+
+def _options(parser: argparse.ArgumentParser) -> list[argparse.Action]:
+    return [
+        a
+        for a in parser._actions
+        if not isinstance(a, argparse._HelpAction | argparse._SubParsersAction)
+    ]
+
+
+def _env_of(action: argparse.Action) -> str | None:
+    match = _ENV.search(action.help or "")
+    return match.group(1) if match else None
+
+
+def _parser_variables() -> dict[tuple[str, str], set[str]]:
+    """(variable, flag) -> the top-level commands whose parser reads it."""
+    found: dict[tuple[str, str], set[str]] = {}
+    for name, parser in _commands():
+        for action in _options(parser):
+            env = _env_of(action)
+            if env is not None:
+                found.setdefault((env, action.option_strings[-1]), set()).add(name.split()[0])
+    return found
+
+
+def _readme_variables() -> dict[tuple[str, str], set[str]]:
+    """The table of README's "Command line" section: (variable, flag) -> commands."""
+    text = README.read_text(encoding="utf-8")
+    section = text.split("\n## Command line\n", 1)[1].split("\n## ", 1)[0]
+    rows = re.findall(r"^\| `(BA_[A-Z0-9_]+)` \| `(--[a-z-]+)` \| ([^|]+) \|$", section, re.M)
+    return {
+        (env, flag): {c.split("(")[0].strip() for c in commands.split(",")}
+        for env, flag, commands in rows
+    }
+
+
+def test_every_option_of_every_command_has_help_text() -> None:
+    missing = [
+        f"{name} {action.option_strings or action.dest}"
+        for name, parser in _commands()
+        for action in _options(parser)
+        if not action.help or action.help == argparse.SUPPRESS
+    ]
+    assert missing == []
+
+
+@pytest.mark.parametrize("command", ENV_COMMANDS)
+def test_every_flag_of_run_publish_and_receive_has_a_variable(command: str) -> None:
+    parser = dict(_commands())[command]
+    without = [a.option_strings for a in _options(parser) if _env_of(a) is None]
+    assert without == []
+
+
+def test_readme_lists_exactly_the_variables_the_parser_reads() -> None:
+    assert _readme_variables() == _parser_variables()
+
+
+def test_help_shows_defaults_and_variables() -> None:
+    text = dict(_commands())["run"].format_help()
+    assert "[default: 30.0; env BA_LEASE_S]" in " ".join(text.split())
+    assert "[required; env BA_REDIS_URL]" in " ".join(text.split())
+
+
+def test_the_flag_defaults_are_the_settings_defaults() -> None:
+    run = {a.dest: a.default for a in _options(dict(_commands())["run"])}
+    fields = RunConfig.model_fields
+    same = {"lease": "lease_s", "grace": "grace_s"}
+    for dest in ("workers", "lease", "grace", "claim_min_idle_ms", "prefix", "mode",
+                 "rate_limit", "rate_burst", "max_open_tasks"):  # fmt: skip
+        assert run[dest] == fields[same.get(dest, dest)].default, dest
+    publish = {a.dest: a.default for a in _options(dict(_commands())["publish"])}
+    envelope = inspect.signature(Envelope.__init__).parameters
+    assert publish["max_attempts"] == envelope["max_attempts"].default
+
+
+def test_variables_are_defaults_and_the_flag_wins(monkeypatch: pytest.MonkeyPatch) -> None:
+    base = ["run", "--redis", "redis://127.0.0.1:1/0", "--db", "a.db", "--handler", "m:f"]
+    monkeypatch.setenv("BA_WORKERS", "5")
+    monkeypatch.setenv("BA_ACL_PRINCIPALS", "alice, bob")
+    monkeypatch.setenv("BA_APP_DIR", "/srv/app")
+    args = build_parser().parse_args(base)
+    assert (args.workers, args.acl_principals, args.app_dir) == (5, ["alice", "bob"], "/srv/app")
+    args = build_parser().parse_args(
+        [*base, "--workers", "3", "--acl-principal", "carol", "--acl-principal", "dave"]
+    )
+    assert (args.workers, args.acl_principals) == (3, ["carol", "dave"])
+    monkeypatch.setenv("BA_REDIS_URL", "redis://127.0.0.1:2/0")
+    monkeypatch.setenv("BA_DB", "b.db")
+    monkeypatch.setenv("BA_HANDLER", "n:g")
+    args = build_parser().parse_args(["run"])  # required flags come from the environment
+    assert (args.redis, args.db, args.handler) == ("redis://127.0.0.1:2/0", "b.db", "n:g")
+
+
+def test_a_bad_variable_is_a_usage_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("BA_WORKERS", "many")
+    with pytest.raises(SystemExit) as caught:
+        build_parser().parse_args(["run", "--redis", "redis://x", "--db", "a", "--handler", "m:f"])
+    assert caught.value.code == 2
+
+
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as caught:
+        build_parser().parse_args(["--version"])
+    assert caught.value.code == 0
+    assert capsys.readouterr().out.strip() == f"broker-adapter {broker_adapter.__version__}"
