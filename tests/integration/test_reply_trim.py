@@ -155,7 +155,8 @@ def test_the_runner_gives_workers_and_dispatcher_the_same_record_window(tmp_path
     keyring = tmp_path / "keys.json"
     write_keyring(keyring)
     config = RunConfig(
-        redis_url="redis://127.0.0.1:1/0", db_path=tmp_path / "a.db", handler="m:f",
+        redis_url="redis://127.0.0.1:1/0", db_path=tmp_path / "a.db",
+        handler="broker_adapter.examples:echo",
         keyring_path=keyring, retention_s=5.0,
     )  # fmt: skip
     runner = Runner(config)
