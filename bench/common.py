@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import sqlite3
 import statistics
 import subprocess
 import sys
@@ -21,7 +22,7 @@ import uuid
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, cast
+from typing import IO, Any, cast
 
 import redis
 
@@ -216,6 +217,77 @@ def terminate(proc: subprocess.Popen[Any], timeout_s: float = 30.0) -> int | Non
             proc.kill()
             proc.wait(10)
     return proc.returncode
+
+
+def start_pipeline(
+    server_url: str,
+    prefix: str,
+    keyring: Path,
+    db: Path,
+    rx_db: Path,
+    retention_s: float,
+    run_log: IO[Any],
+    rx_log: IO[Any],
+    workers: int = 2,
+    name: str = "bench",
+) -> tuple[subprocess.Popen[bytes], subprocess.Popen[bytes]]:
+    """``broker-adapter run`` (handler ``broker_adapter.examples:echo``) and ``broker-adapter
+    receive`` for ``PRINCIPAL``, both with ``--retention retention_s``, as the CLI a user
+    runs. Returns (runner, receiver); stop them with ``terminate``."""
+    env = python_env()
+    retention = str(retention_s)
+    runner = subprocess.Popen(
+        [sys.executable, "-m", "broker_adapter", "run", "--redis", server_url,
+         "--db", str(db), "--handler", "broker_adapter.examples:echo",
+         "--workers", str(workers), "--keyring", str(keyring), "--prefix", prefix,
+         "--name", name, "--retention", retention],
+        cwd=ROOT, stdout=run_log, stderr=subprocess.STDOUT, env=env,
+    )  # fmt: skip
+    receiver = subprocess.Popen(
+        [sys.executable, "-m", "broker_adapter", "receive", "--redis", server_url,
+         "--db", str(rx_db), "--principal", PRINCIPAL, "--keyring", str(keyring),
+         "--prefix", prefix, "--retention", retention],
+        cwd=ROOT, stdout=rx_log, stderr=subprocess.STDOUT, env=env,
+    )  # fmt: skip
+    return runner, receiver
+
+
+def file_size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:
+        return 0
+
+
+def db_facts(path: Path, tables: tuple[str, ...]) -> dict[str, int]:
+    """Free pages and row counts, read with a connection of its own (a reader in WAL mode
+    never blocks the writers)."""
+    out = {"free_pages": 0, **dict.fromkeys(tables, 0)}
+    if not path.exists():
+        return out
+    conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=10)
+    try:
+        out["free_pages"] = int(conn.execute("PRAGMA freelist_count").fetchone()[0])
+        for table in tables:
+            try:
+                out[table] = int(conn.execute(f"SELECT count(*) FROM {table}").fetchone()[0])
+            except sqlite3.OperationalError:
+                pass
+    except sqlite3.OperationalError:
+        pass
+    finally:
+        conn.close()
+    return out
+
+
+def shut_down(procs: Iterable[subprocess.Popen[Any]], *closing: Any, server: RedisServer) -> None:
+    """The end of a run: ``terminate`` the children (60 s each), close the files and
+    clients in ``closing``, stop the private server."""
+    for proc in procs:
+        terminate(proc, 60)
+    for thing in closing:
+        thing.close()
+    server.stop()
 
 
 @dataclass

@@ -144,11 +144,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             "empty": empty, "before_trim": before, "after_trim": after,
         }  # fmt: skip
     finally:
-        for proc in procs:
-            common.terminate(proc, 60)
-        log.close()
-        client.close()
-        server.stop()
+        common.shut_down(procs, log, client, server=server)
 
 
 def main(argv: list[str] | None = None) -> int:

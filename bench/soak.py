@@ -26,7 +26,6 @@ import csv
 import json
 import re
 import signal
-import sqlite3
 import statistics
 import subprocess
 import sys
@@ -119,34 +118,6 @@ def _tree_rss(pid: int) -> int:
     return total
 
 
-def _file_size(path: Path) -> int:
-    try:
-        return path.stat().st_size
-    except FileNotFoundError:
-        return 0
-
-
-def _db_facts(path: Path, tables: tuple[str, ...]) -> dict[str, int]:
-    """Free pages and row counts, read with a connection of its own (a reader in WAL mode
-    never blocks the writers)."""
-    out = {"free_pages": 0, **dict.fromkeys(tables, 0)}
-    if not path.exists():
-        return out
-    conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=10)
-    try:
-        out["free_pages"] = int(conn.execute("PRAGMA freelist_count").fetchone()[0])
-        for table in tables:
-            try:
-                out[table] = int(conn.execute(f"SELECT count(*) FROM {table}").fetchone()[0])
-            except sqlite3.OperationalError:
-                pass
-    except sqlite3.OperationalError:
-        pass
-    finally:
-        conn.close()
-    return out
-
-
 class Soak:
     def __init__(self, args: argparse.Namespace, workdir: Path) -> None:
         self.args = args
@@ -162,18 +133,9 @@ class Soak:
         self.run_log = (workdir / "run.log").open("w")
         self.rx_log = (workdir / "receive.log").open("w")
         env = common.python_env()
-        self.runner = subprocess.Popen(
-            [sys.executable, "-m", "broker_adapter", "run", "--redis", self.server.url,
-             "--db", str(self.db), "--handler", "broker_adapter.examples:echo",
-             "--workers", str(args.workers), "--keyring", str(keyring), "--prefix", self.prefix,
-             "--name", "soak", "--retention", retention],
-            cwd=ROOT, stdout=self.run_log, stderr=subprocess.STDOUT, env=env,
-        )  # fmt: skip
-        self.receiver = subprocess.Popen(
-            [sys.executable, "-m", "broker_adapter", "receive", "--redis", self.server.url,
-             "--db", str(self.rx_db), "--principal", PRINCIPAL, "--keyring", str(keyring),
-             "--prefix", self.prefix, "--retention", retention],
-            cwd=ROOT, stdout=self.rx_log, stderr=subprocess.STDOUT, env=env,
+        self.runner, self.receiver = common.start_pipeline(
+            self.server.url, self.prefix, keyring, self.db, self.rx_db, args.retention,
+            self.run_log, self.rx_log, workers=args.workers, name="soak",
         )  # fmt: skip
         self.publisher = subprocess.Popen(
             [sys.executable, __file__, "_publish", "--redis", self.server.url,
@@ -187,8 +149,8 @@ class Soak:
 
     def sample(self) -> dict[str, float]:
         info = self.client.info("memory")
-        adapter = _db_facts(self.db, ("tasks", "inbox", "outbox"))
-        rx = _db_facts(self.rx_db, ("receipts",))
+        adapter = common.db_facts(self.db, ("tasks", "inbox", "outbox"))
+        rx = common.db_facts(self.rx_db, ("receipts",))
         redis_pid = int(self.client.info("server")["process_id"])
         try:
             published = int(self.count_file.read_text() or 0)
@@ -201,11 +163,11 @@ class Soak:
             "redis_keys": int(self.client.dbsize()),
             "inbound_len": int(self.client.xlen(self.keys.inbound())),
             "replies_len": int(self.client.xlen(self.keys.replies(PRINCIPAL))),
-            "adapter_db_bytes": _file_size(self.db),
-            "adapter_wal_bytes": _file_size(Path(f"{self.db}-wal")),
+            "adapter_db_bytes": common.file_size(self.db),
+            "adapter_wal_bytes": common.file_size(Path(f"{self.db}-wal")),
             "adapter_free_pages": adapter["free_pages"],
-            "receiver_db_bytes": _file_size(self.rx_db),
-            "receiver_wal_bytes": _file_size(Path(f"{self.rx_db}-wal")),
+            "receiver_db_bytes": common.file_size(self.rx_db),
+            "receiver_wal_bytes": common.file_size(Path(f"{self.rx_db}-wal")),
             "receiver_free_pages": rx["free_pages"],
             "tasks": adapter["tasks"],
             "inbox": adapter["inbox"],
