@@ -97,14 +97,17 @@ def new_prefix() -> str:
     return f"b{uuid.uuid4().hex[:8]}"
 
 
-def envelope(index: int, published_at: float, run: str = "r") -> Envelope:
-    """The benchmark's task envelope number ``index``; ``t`` is its publish time (s)."""
+def envelope(
+    index: int, published_at: float, run: str = "r", deadline_in: float = 3600.0
+) -> Envelope:
+    """The benchmark's task envelope number ``index``; ``t`` is its publish time (s). Its
+    deadline lies ``deadline_in`` seconds ahead: at most the adapter's retention window."""
     payload = dict(PAYLOAD_BASE, doc=f"doc-{index}", i=index, t=published_at)
     return Envelope.build(
         message_id=f"{run}-{index}",
         sender=PRINCIPAL,
         payload=payload,
-        deadline=time.time() + 3600.0,
+        deadline=time.time() + deadline_in,
     )
 
 

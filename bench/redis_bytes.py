@@ -114,7 +114,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             raise RuntimeError(f"receiver did not start; see {workdir / 'run.log'}")
         subprocess.run(
             [sys.executable, str(RUN_PY), "_publish", "--redis", server.url, "--prefix",
-             prefix, "--count", str(args.n), "--tag", "m"],
+             prefix, "--count", str(args.n), "--tag", "m",
+             "--deadline-in", str(min(3600.0, args.retention))],
             cwd=ROOT, env=env, check=True, capture_output=True, text=True, timeout=600,
         )  # fmt: skip
         deadline = time.monotonic() + 600

@@ -82,14 +82,15 @@ def child_publish(args: argparse.Namespace) -> int:
             delay = due - time.time()
             if delay > 0:
                 time.sleep(delay)  # pacing an offered load, not waiting for a result
-            fields = KEYRING.sign(common.envelope(i, time.time(), args.tag))
+            fields = KEYRING.sign(common.envelope(i, time.time(), args.tag, args.deadline_in))
             client.xadd(stream, fields)  # type: ignore[arg-type]
             sent += 1
     else:
         for lo in range(0, args.count, PUBLISH_BATCH):
             pipe = client.pipeline(transaction=False)
             for i in range(lo, min(lo + PUBLISH_BATCH, args.count)):
-                pipe.xadd(stream, KEYRING.sign(common.envelope(i, time.time(), args.tag)))  # type: ignore[arg-type]
+                env = common.envelope(i, time.time(), args.tag, args.deadline_in)
+                pipe.xadd(stream, KEYRING.sign(env))  # type: ignore[arg-type]
             pipe.execute()
             sent = min(lo + PUBLISH_BATCH, args.count)
     print(json.dumps({"sent": sent, "start": start, "end": time.time()}), flush=True)
@@ -478,6 +479,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--count", type=int, required=True)
     p.add_argument("--tag", required=True)
     p.add_argument("--rate", type=float, default=0.0)
+    p.add_argument("--deadline-in", type=float, default=3600.0, help="seconds (<= retention)")
     r = sub.add_parser("_receive")
     r.add_argument("--redis", required=True)
     r.add_argument("--db", required=True)
