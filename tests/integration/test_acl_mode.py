@@ -161,20 +161,6 @@ class AclRedisServer(RedisServer):
     def client(self, **kwargs: object) -> redis.Redis:
         return redis.Redis.from_url(self.url_for("ops"), **kwargs)
 
-    def _wait_ready(self, timeout_s: float) -> bool:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc is not None and self.proc.poll() is not None:
-                return False
-            try:
-                with self.client(socket_timeout=0.5) as client:
-                    if client.ping():
-                        return True
-            except redis.RedisError:
-                pass
-            time.sleep(0.02)  # polling a child process for readiness, not waiting for time
-        return False
-
 
 @pytest.fixture
 def acl_server(tmp_path: Path) -> Iterator[AclRedisServer]:

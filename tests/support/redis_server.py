@@ -83,7 +83,7 @@ class RedisServer:
             if self.proc is not None and self.proc.poll() is not None:
                 return False
             try:
-                client = redis.Redis(port=self.port, socket_timeout=0.5)
+                client = self.client(socket_timeout=0.5)
                 try:
                     if client.ping() and client.info("persistence").get("loading", 0) == 0:
                         return True
