@@ -157,9 +157,16 @@ from broker_adapter.errors import (
 )
 from broker_adapter.keys import DEFAULT_PREFIX, Keys
 from broker_adapter.store.outbox import OutboxRow, OutboxStore, UnknownReply
+from broker_adapter.store.retention import DEFAULT_RETENTION_S
 from broker_adapter.streams import call, encodable, eval_many, retrying, text, translated
+from broker_adapter.trimming import (
+    DEFAULT_TRIM_EVERY_S,
+    DEFAULT_TRIM_KEEP_S,
+    time_id,
+    trim_by_age,
+    trim_stream,
+)
 from broker_adapter.trimming import now_ms as trim_now_ms
-from broker_adapter.trimming import time_id, trim_by_age, trim_stream
 
 if TYPE_CHECKING:
     import redis
@@ -167,9 +174,6 @@ if TYPE_CHECKING:
 DEFAULT_BATCH = 64
 #: How long a publication record dedupes its reply id (see "Publication records" above).
 DEFAULT_RECORD_TTL_S = 1800.0
-DEFAULT_RETENTION_S = 7 * 24 * 3600.0
-DEFAULT_TRIM_EVERY_S = 10.0
-DEFAULT_TRIM_KEEP_S = 300.0
 #: The operator's replay looks for a reply in its stream from this long before the row was
 #: written (entry ids carry the server's clock, ``created_at`` this process's).
 REPLAY_SCAN_SKEW_S = 60.0

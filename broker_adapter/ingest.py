@@ -78,6 +78,7 @@ from broker_adapter.errors import (
 )
 from broker_adapter.keys import DEFAULT_PREFIX, INGEST_GROUP, Keys
 from broker_adapter.limits import IngressLimits
+from broker_adapter.store.retention import DEFAULT_RETENTION_S
 from broker_adapter.store.tasks import AcceptItem, AcceptResult, Outcome, TaskStore
 from broker_adapter.streams import (
     DEFAULT_MAX_ENTRY_FIELDS,
@@ -88,8 +89,13 @@ from broker_adapter.streams import (
     StreamEntry,
     run_until_stopped,
 )
+from broker_adapter.trimming import (
+    DEFAULT_TRIM_EVERY_S,
+    DEFAULT_TRIM_KEEP_S,
+    trim_by_age,
+    trim_stream,
+)
 from broker_adapter.trimming import now_ms as trim_now_ms
-from broker_adapter.trimming import trim_by_age, trim_stream
 
 if TYPE_CHECKING:
     import redis
@@ -100,9 +106,6 @@ DEFAULT_CLAIM_MIN_IDLE_MS = 60_000
 DEFAULT_CLAIM_EVERY_S = 5.0
 DEFAULT_MAX_DELIVERIES = 10
 DEFAULT_MAX_ENTRY_BYTES = 256 * 1024
-DEFAULT_RETENTION_S = 7 * 24 * 3600.0
-DEFAULT_TRIM_EVERY_S = 10.0
-DEFAULT_TRIM_KEEP_S = 300.0
 #: ``take_over`` pages through at most this many XAUTOCLAIM replies per stream per call.
 TAKE_OVER_MAX_PAGES = 64
 _CONSUMER_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._:-")

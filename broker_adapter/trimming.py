@@ -41,6 +41,12 @@ from typing import TYPE_CHECKING
 
 from broker_adapter.streams import eval_many, text, translated
 
+#: How often the ingest and the dispatcher trim the streams they own, seconds.
+DEFAULT_TRIM_EVERY_S = 10.0
+#: Acknowledged entries younger than this (or than the retention window, if shorter) stay,
+#: seconds: how long the original of a truncated dead letter can still be read.
+DEFAULT_TRIM_KEEP_S = 300.0
+
 if TYPE_CHECKING:
     import redis
 
