@@ -163,8 +163,7 @@ from broker_adapter.trimming import (
     DEFAULT_TRIM_EVERY_S,
     DEFAULT_TRIM_KEEP_S,
     time_id,
-    trim_by_age,
-    trim_stream,
+    trim_with_dead_letters,
 )
 from broker_adapter.trimming import now_ms as trim_now_ms
 
@@ -850,17 +849,14 @@ class Dispatcher:
         removed = 0
         for principal in self._keyring.principals:
             stream = self.keys.replies(principal)
-            try:
-                result = trim_stream(
-                    self.client, stream, keep_from_ms=keep_from_ms, expire_before_ms=expire_ms
-                )
-                dead = trim_by_age(self.client, self.keys.replies_dead(principal), expire_ms)
-            except TransientError:
-                raise
-            except BrokerAdapterError as exc:
+            done = trim_with_dead_letters(
+                self.client, stream, self.keys.replies_dead(principal), keep_from_ms=keep_from_ms,
+                dead_before_ms=expire_ms, log=self.log, expire_before_ms=expire_ms,
+            )  # fmt: skip
+            if done is None:
                 self.stats.trim_failures += 1
-                self.log.error("ALARM: trimming %s failed, will retry: %s", stream, exc)
                 continue
+            result, dead = done
             if result.expired:
                 self.log.warning(
                     "%s: %d replies no group acknowledged within the retention window "

@@ -70,7 +70,6 @@ from broker_adapter.auth import Authenticated, Keyring, check_stream_principal
 from broker_adapter.clock import Clock, SystemClock
 from broker_adapter.config import ConfigModel, KeyPrefix, Principal
 from broker_adapter.errors import (
-    BrokerAdapterError,
     ConfigError,
     EnvelopeError,
     StoreBusy,
@@ -92,8 +91,7 @@ from broker_adapter.streams import (
 from broker_adapter.trimming import (
     DEFAULT_TRIM_EVERY_S,
     DEFAULT_TRIM_KEEP_S,
-    trim_by_age,
-    trim_stream,
+    trim_with_dead_letters,
 )
 from broker_adapter.trimming import now_ms as trim_now_ms
 
@@ -406,15 +404,14 @@ class Ingestor:
         removed = 0
         for source in self._sources:
             reader = source.reader
-            try:
-                trimmed = trim_stream(self.client, reader.stream, keep_from_ms=keep_from_ms)
-                dead = trim_by_age(self.client, reader.dead_stream, now_ms - cfg.retention_s * 1000)
-            except TransientError:
-                raise
-            except BrokerAdapterError as exc:
+            done = trim_with_dead_letters(
+                self.client, reader.stream, reader.dead_stream, keep_from_ms=keep_from_ms,
+                dead_before_ms=now_ms - cfg.retention_s * 1000, log=self.log,
+            )  # fmt: skip
+            if done is None:
                 self.stats.trim_failures += 1
-                self.log.error("ALARM: trimming %s failed, will retry: %s", reader.stream, exc)
                 continue
+            trimmed, dead = done
             self.stats.trimmed += trimmed.trimmed
             self.stats.dead_letters_trimmed += dead
             removed += trimmed.trimmed + dead

@@ -36,9 +36,11 @@ entries the trim kept.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from broker_adapter.errors import BrokerAdapterError, TransientError
 from broker_adapter.streams import eval_many, text, translated
 
 #: How often the ingest and the dispatcher trim the streams they own, seconds.
@@ -197,3 +199,37 @@ def trim_by_age(client: redis.Redis, stream: str, before_ms: float) -> int:
     (ms since the epoch), whatever their state; returns how many went."""
     with translated():
         return int(client.xtrim(stream, minid=time_id(before_ms), approximate=False))
+
+
+def trim_with_dead_letters(
+    client: redis.Redis,
+    stream: str,
+    dead_stream: str,
+    *,
+    keep_from_ms: float,
+    dead_before_ms: float,
+    log: logging.Logger,
+    expire_before_ms: float | None = None,
+) -> tuple[TrimResult, int] | None:
+    """``trim_stream`` on ``stream``, then ``trim_by_age`` on its dead-letter stream: the
+    periodic trim of the ingest and of the dispatcher.
+
+    Returns:
+        the stream's ``TrimResult`` and how many dead letters went; ``None`` when the server
+        refused (an ACL without ``xtrim``, say): logged as an alarm, tried again at the next
+        interval, never stopping the caller's loop.
+
+    Raises:
+        TransientError: Redis could not be reached (each call is atomic and safe to repeat).
+    """
+    try:
+        result = trim_stream(
+            client, stream, keep_from_ms=keep_from_ms, expire_before_ms=expire_before_ms
+        )
+        dead = trim_by_age(client, dead_stream, dead_before_ms)
+    except TransientError:
+        raise
+    except BrokerAdapterError as exc:
+        log.error("ALARM: trimming %s failed, will retry: %s", stream, exc)
+        return None
+    return result, dead
