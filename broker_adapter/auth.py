@@ -353,10 +353,7 @@ class Keyring:
             AuthError: ``unknown_principal`` (no keys for ``principal``), ``unknown_key``
                 (``kid`` is not one of its key ids) or ``bad_signature``.
         """
-        try:
-            key_id = kid.decode("ascii")
-        except UnicodeDecodeError:
-            raise AuthError(FIELD_KID, "unknown_key", "key id is not ASCII") from None
+        key_id = _kid_text(kid)
         secret = self._secret(principal, key_id)
         expected = reply_signature(secret, key_id, principal, reply_id, body).encode("ascii")
         if not hmac.compare_digest(expected, sig):
@@ -395,10 +392,7 @@ class Keyring:
             _check_version(fields)
             env, raw_kid, sig = (_field(fields, name) for name in (_B_ENV, _B_KID, _B_SIG))
         envelope = Envelope.from_json(env)
-        try:
-            kid = raw_kid.decode("ascii")
-        except UnicodeDecodeError:
-            raise AuthError(FIELD_KID, "unknown_key", "key id is not ASCII") from None
+        kid = _kid_text(raw_kid)
         principal = envelope.sender
         kids = self._keys.get(principal)
         secret = None if kids is None else kids.get(kid)
@@ -432,6 +426,18 @@ class Keyring:
 
     def __repr__(self) -> str:  # never print secrets
         return f"Keyring(principals={list(self._keys)})"
+
+
+def _kid_text(raw: bytes) -> str:
+    """An entry's ``kid`` field as text; one that is not ASCII names no key of ours.
+
+    Raises:
+        AuthError: ``unknown_key``.
+    """
+    try:
+        return raw.decode("ascii")
+    except UnicodeDecodeError:
+        raise AuthError(FIELD_KID, "unknown_key", "key id is not ASCII") from None
 
 
 def _mac_ok(secret: bytes, kid: str, env: bytes, sig: bytes) -> bool:
