@@ -1,7 +1,7 @@
 """Who sent an entry: HMAC signatures over the envelope bytes, and the keyring that checks them.
 
 Invariant kept: a request's principal comes from a trusted check, never from a body field
-alone (INVARIANTS rule 2). In signed mode the principal is the ``sender`` named in the
+alone (``docs/RULES.md`` rule 2). In signed mode the principal is the ``sender`` named in the
 envelope *only if* the entry's HMAC verifies with one of that principal's keys; otherwise the
 entry is refused with an ``AuthError`` and dead-lettered by the caller. In ACL mode
 (``check_stream_principal``) the stream itself names the principal, because Redis ACLs let

@@ -9,7 +9,7 @@ cancellations, replies of workers without Redis) and sweeps: a worker's row whos
 lease ran out (the worker died, or Redis failed it and it went back in line) is claimed and
 published here like any other.
 
-Invariants kept (INVARIANTS.md 13, 14): every reply is published under its stable reply id
+Invariants kept (``docs/RULES.md`` rules 13, 14): every reply is published under its stable reply id
 with the bytes fixed in the outbox; the publisher holds each row under its own claim, lease
 and fence; after the retry budget a row is ``dead`` with its last error, and the operator's
 replay checks Redis by reply id first.
@@ -91,7 +91,7 @@ Crash order is XADD, then mark sent (the reverse could lose a reply):
 A stale dispatcher (lease expired, another one claimed with fence+1) is refused at the
 mark; what it published is the same entry the new holder gets back from the record.
 
-Redis data loss (RELIABILITY.md 1.1, F13-F15, R5). Before each batch the dispatcher reads
+Redis data loss (``docs/RULES.md``, "What Redis may lose"). Before each batch the dispatcher reads
 the epoch key (``{p}:{meta}:epoch``, set once with NX to a random value) and
 ``INFO server``:
 

@@ -1,6 +1,6 @@
 """Handlers: loading ``module:callable`` specs, the ``Task`` a handler sees, and bounded calls.
 
-Invariant kept: no handler runs inside a SQLite transaction (INVARIANTS rule 9). Calls run
+Invariant kept: no handler runs inside a SQLite transaction (``docs/RULES.md`` rule 9). Calls run
 on a daemon call thread while the worker holds no transaction; a ``CallRun`` makes the
 calls of a whole batch back to back on one call thread while the worker's thread
 supervises them (a hand-over between threads per call cost more than trivial handlers

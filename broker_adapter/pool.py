@@ -3,7 +3,7 @@
 Invariant kept: no SQLite connection crosses a process boundary. Children are started with
 multiprocessing's ``spawn`` context (a fresh interpreter, never ``fork``) and each opens its
 own ``Database``; a connection used after ``fork()`` corrupts SQLite's locks. Each child has
-its own lease owner name, so owner checks (INVARIANTS rule 10) tell the workers apart.
+its own lease owner name, so owner checks (``docs/RULES.md`` rule 10) tell the workers apart.
 
 Children set up no logging of their own: each forwards its records to this process
 (``logforward``), where they go through this process's logging configuration.

@@ -1,7 +1,7 @@
 """The agent side of the inbound protocol: sign an envelope and XADD it to the inbound stream.
 
 Invariant kept: a request's identity is (principal, ``message_id``), fixed by the sender
-and unchanged across resends (INVARIANTS rule 1). Publishing the same envelope twice is
+and unchanged across resends (``docs/RULES.md`` rule 1). Publishing the same envelope twice is
 therefore safe: the ingest's inbox answers the second copy as a duplicate of the first.
 
 Crash and fault behaviour: the client must not re-send commands by itself (use

@@ -1,9 +1,10 @@
 """The idempotent receiver: each reply on a principal's reply stream applied exactly once.
 
-Invariants kept (INVARIANTS.md 15, 16): replies are deduplicated by reply id with a content
-hash check; the receipt and the caller's effect commit in ONE SQLite transaction; a duplicate
-skips the effect and returns the earlier result; different content under a known reply id is
-refused (dead-lettered with reason ``reply_conflict``) and its effect never runs.
+Invariants kept (``docs/RULES.md`` rules 15, 16): replies are deduplicated by reply id with
+a content hash check; the receipt and the caller's effect commit in ONE SQLite transaction;
+a duplicate skips the effect and returns the earlier result; different content under a known
+reply id is refused (dead-lettered with reason ``reply_conflict``) and its effect never
+runs.
 
 Reading goes through the shared ``streams.GroupReader`` (consumer group ``ba-receiver`` on
 ``replies(P)``): after start and after every error it re-reads its own pending entries

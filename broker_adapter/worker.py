@@ -1,6 +1,6 @@
 """The worker: claims tasks, runs their handlers under a renewed lease, commits each outcome.
 
-Invariants kept (INVARIANTS.md):
+Invariants kept (``docs/RULES.md``):
 
 * 9: no handler runs inside a SQLite transaction. ``claim``, ``renew``, ``finish`` and
   ``fail`` each run their own short transaction in the store; the handler runs between them
@@ -29,13 +29,13 @@ one, looks for work with a read (``TaskStore.has_work``) every ``wake_poll_s`` f
 after its last work, then less and less often, up to ``idle_poll_s``.
 
 Replies (with ``WorkerConfig.redis_url``): the batch's commit writes each terminal reply
-already claimed by the worker's publisher identity (INVARIANTS 13, 14: state and reply in one
-transaction; the publisher has its own claim, lease and fence), and the worker publishes
-them right after the commit with the dispatcher's ``ReplyPublisher``. The confirmed ones are
-marked sent (fenced) by the next batch's commit when it follows soon, else by a small
-transaction of their own. A kill between the commit and the mark leaves rows ``sending``
-that the dispatcher takes back after the publisher lease (its script finds what was already
-published); a Redis failure puts them back in line with backoff.
+already claimed by the worker's publisher identity (rules 13, 14 of ``docs/RULES.md``: state
+and reply in one transaction; the publisher has its own claim, lease and fence), and the
+worker publishes them right after the commit with the dispatcher's ``ReplyPublisher``. The
+confirmed ones are marked sent (fenced) by the next batch's commit when it follows soon,
+else by a small transaction of their own. A kill between the commit and the mark leaves rows
+``sending`` that the dispatcher takes back after the publisher lease (its script finds what
+was already published); a Redis failure puts them back in line with backoff.
 
 Crash: the worker keeps nothing durable of its own. Killed after the claim
 (``worker.after_claim``) or after the handler's effect (``worker.after_effect``), its task

@@ -334,7 +334,7 @@ class _AcceptBatch:
 
 
 def _hops(env: Envelope, parent_hops: Mapping[str, int]) -> int:
-    """Hops as the system counts them (INVARIANTS rule 12): a request whose ``parent_id``
+    """Hops as the system counts them (``docs/RULES.md`` rule 12): a request whose ``parent_id``
     names a task of ours is one hop further than that task, whatever its body says; the
     body's figure can only add hops, never remove them."""
     if env.parent_id is None:
@@ -732,7 +732,7 @@ class TaskStore:
         )
 
     def _holder(self, c: sqlite3.Connection, task_id: str, owner: str, fence: int) -> sqlite3.Row:
-        """Check INVARIANTS rule 10; raise ``StaleError`` (and so roll back) if any fails."""
+        """Check rule 10 (``docs/RULES.md``); raise ``StaleError`` (and roll back) if any fails."""
         row: sqlite3.Row | None = c.execute(
             "SELECT state, owner, fence, lease_until, deadline, attempts, max_attempts,"
             " principal, message_id, correlation_id FROM tasks WHERE task_id = ?",

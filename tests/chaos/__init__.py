@@ -2,6 +2,6 @@
 
 A run starts its own redis-server, real adapter and receiver subprocesses, a loopback TCP
 proxy, 2-4 publishing agents and a nemesis; it heals everything, drains, and checks the
-invariants of INVARIANTS.md from final reads (SQLite tables, Redis streams and pending
-lists), never from logs. See ``run.py`` for the command line and RELIABILITY.md section 5.
+rules of docs/RULES.md from final reads (SQLite tables, Redis streams and pending
+lists), never from logs. See ``run.py`` for the command line.
 """

@@ -1,11 +1,11 @@
-"""The checker: RELIABILITY.md 5.5 over final reads, with the history only for what agents
+"""The checker: the rules of docs/RULES.md over final reads, with the history only for what agents
 were told (acknowledged or not, when) and when faults ran.
 
 Every rule below adds to one named anomaly class. Classes in ``VIOLATIONS`` fail the run;
 everything else is reported as information. Each class keeps its count and its first
 ``max_examples`` examples.
 
-Notation as in RELIABILITY.md: a *key* is ``(principal, message_id)``; ``OK`` the keys an
+Notation: a *key* is ``(principal, message_id)``; ``OK`` the keys an
 agent saw acknowledged (XADD returned an id); ``ING`` the keys in the inbox; ``DLQ`` the
 inbound dead-letter stream; ``TERM[k]`` the final task state; ``EFF[k]`` the committed
 handler effects; ``RCPT[r]`` the receiver's effects for reply ``r``.

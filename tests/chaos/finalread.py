@@ -1,6 +1,6 @@
 """Final reads: the ground truth the checker judges, taken after every component stopped.
 
-Everything comes from the stores themselves (RELIABILITY.md 5.1), never from logs: the
+Everything comes from the stores themselves, never from logs: the
 adapter's SQLite tables (tasks, inbox, outbox), the receivers' receipts and effect ledgers,
 the handler's effects database, and from Redis the inbound and reply streams, their
 dead-letter streams, pending lists and undelivered entries. SQLite files are opened

@@ -1,6 +1,6 @@
 """The chaos run's task handler, loadable as ``tests.chaos.handler:handle``.
 
-It stands for an external system that checks idempotency keys (INVARIANTS rule 16), kept in
+It stands for an external system that checks idempotency keys (docs/RULES.md rule 16), kept in
 a SQLite file of its own (``CHAOS_EFFECTS_DB``, or ``payload["effects_db"]``):
 
 * ``attempts``: an append-only ledger, one row per call and event (``start``, ``effect``,

@@ -7,7 +7,7 @@ and runs each package's stop step. Every start and stop is logged with a fault i
 checker can tie a loss to a fault window. ``heal()`` ends everything: SIGCONT, proxy back to
 pass, CLIENT UNPAUSE, Redis up, every component restarted unarmed.
 
-Packages (RELIABILITY.md 5.4; the kind is the ``fault`` field of the history event):
+Packages (the kind is the ``fault`` field of the history event):
 
 * ``kill-adapter`` / ``kill-receiver``: SIGKILL the process group / restart it at stop;
 * ``kill-worker``: SIGKILL one worker child (its runner replaces it);

@@ -11,7 +11,7 @@ that applies a patch says so on stderr (``planted: <bug> active in pid N``).
 Bugs:
 
 * ``xack_before_commit``: ingest acknowledges a batch (XACK) BEFORE its inbox transaction
-  commits (INVARIANTS rule 5). A crash between the two loses the batch.
+  commits (docs/RULES.md rule 5). A crash between the two loses the batch.
 * ``stale_finish``: a successful commit (``TaskStore.finish`` and the batched ``settle_*``
   methods) skips the fence check: it is made in the name of whoever holds the task now.
   A zombie worker that wakes up after another worker re-claimed its task commits its

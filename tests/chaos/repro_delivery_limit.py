@@ -2,7 +2,7 @@
 
 ``python -m tests.chaos.repro_delivery_limit`` exits 1 while the finding stands.
 
-RELIABILITY.md F23/F24 expect a reader whose SQLite is busy (or full) to keep the entry
+The fault matrix expects a reader whose SQLite is busy (or full) to keep the entry
 pending and make full progress once the store is back ("no XACK, backpressure, the PEL holds
 the backlog"). But ``GroupReader`` re-reads its own pending entries from ``0`` after EVERY
 error, and each such read raises the entry's Redis delivery count; ``_screen`` then

@@ -8,7 +8,7 @@ timing or outcomes), so a run can be replayed.
 
 A publish that fails with ``RedisUnavailable`` is *indeterminate* (``info``: the XADD may
 have run); the agent retries it with the SAME envelope a bounded number of times, as
-INVARIANTS rule 1 asks. Kinds (see ``handler.py`` for what the task kinds do):
+docs/RULES.md rule 1 asks. Kinds (see ``handler.py`` for what the task kinds do):
 
 ``ok``, ``transient``, ``slow``, ``poison``, ``crash``, ``deadline`` (a short or already past
 deadline), ``cancel`` (slow, then cancelled by the canceller), ``dup_same`` / ``dup_diff``

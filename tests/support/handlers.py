@@ -1,6 +1,6 @@
 """Sample handlers for tests, loadable as ``tests.support.handlers:<name>``.
 
-``record_effect`` stands for an external system that checks idempotency keys (INVARIANTS
+``record_effect`` stands for an external system that checks idempotency keys (docs/RULES.md
 rule 16): a SQLite file of its own (path in the payload's ``effects_db``) with an ``effects``
 table keyed by the idempotency key (an effect is applied once) and an append-only
 ``attempts`` ledger (every call is recorded, so a test can see a handler ran twice while the
