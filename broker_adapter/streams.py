@@ -81,8 +81,9 @@ DEFAULT_MAX_ENTRY_FIELDS = 64
 #: dead-letter script's argument list (two per copied field) must stay far below the
 #: 7,998 values Lua can unpack.
 MIN_ENTRY_FIELDS, MAX_ENTRY_FIELDS = 8, 1000
-#: Entries larger than this (all names and values) are dead-lettered as ``oversize``.
-DEFAULT_MAX_ENTRY_BYTES = 1024 * 1024
+#: A bare ``ReaderConfig``'s entry size limit (the ingest and the receiver set their own:
+#: ``ingest.DEFAULT_MAX_ENTRY_BYTES``, ``receiver.DEFAULT_MAX_REPLY_BYTES``).
+READER_MAX_ENTRY_BYTES = 1024 * 1024
 #: How many characters of a text a dead letter keeps (``dl.detail`` and the other notes).
 DEAD_LETTER_TEXT_MAX_CHARS = 1000
 
@@ -251,7 +252,7 @@ class ReaderConfig(ConfigModel):
     max_entry_fields: int = Field(
         default=DEFAULT_MAX_ENTRY_FIELDS, ge=MIN_ENTRY_FIELDS, le=MAX_ENTRY_FIELDS
     )
-    max_entry_bytes: int = Field(default=DEFAULT_MAX_ENTRY_BYTES, ge=1)
+    max_entry_bytes: int = Field(default=READER_MAX_ENTRY_BYTES, ge=1)
 
 
 @dataclass
