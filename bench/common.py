@@ -30,11 +30,11 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from broker_adapter.auth import Keyring  # noqa: E402
-from broker_adapter.envelope import Envelope  # noqa: E402
-from broker_adapter.keys import INGEST_GROUP  # noqa: E402
+from broker_adapter.protocol.envelope import Envelope  # noqa: E402
+from broker_adapter.protocol.keys import INGEST_GROUP  # noqa: E402
+from broker_adapter.protocol.signing import Keyring  # noqa: E402
+from broker_adapter.redis.streams import connect  # noqa: E402
 from broker_adapter.store import open_database  # noqa: E402
-from broker_adapter.streams import connect  # noqa: E402
 from tests.support.redis_server import RedisServer, binary_available  # noqa: E402
 
 #: The server config the README and docker-compose.yml recommend: every acknowledged write

@@ -35,11 +35,11 @@ import common
 import redis_bytes
 from common import KEYRING, PRINCIPAL
 
-from broker_adapter.envelope import Envelope
-from broker_adapter.keys import RECEIVER_GROUP, Keys
+from broker_adapter.protocol.envelope import Envelope
+from broker_adapter.protocol.keys import RECEIVER_GROUP, Keys
+from broker_adapter.redis.streams import connect, text
+from broker_adapter.redis.trimming import DEFAULT_TRIM_EVERY_S
 from broker_adapter.store.retention import PURGE_EVERY_S
-from broker_adapter.streams import connect, text
-from broker_adapter.trimming import DEFAULT_TRIM_EVERY_S
 
 PUBLISH_BATCH = 200
 #: Messages through both processes before round 1 (purged within round 1's window).

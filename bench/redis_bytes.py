@@ -31,15 +31,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common
 from common import PRINCIPAL, ROOT
 
-from broker_adapter.keys import Keys
-from broker_adapter.streams import connect, text
+from broker_adapter.protocol.keys import Keys
+from broker_adapter.redis.streams import connect, text
 
 RUN_PY = Path(__file__).resolve().parent / "run.py"
 
 
 def child_run(args: argparse.Namespace) -> int:
     """``broker-adapter run`` with a retention window (``Runner``), until SIGTERM."""
-    from broker_adapter.runner import RunConfig, Runner
+    from broker_adapter.app.adapter import RunConfig, Runner
 
     stop = threading.Event()
 

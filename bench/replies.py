@@ -33,15 +33,15 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from broker_adapter.auth import Keyring
-from broker_adapter.dispatcher import Dispatcher, DispatcherConfig
-from broker_adapter.envelope import canonical_json
-from broker_adapter.keys import Keys
-from broker_adapter.receiver import Receiver, ReceiverConfig
+from broker_adapter.protocol.envelope import canonical_json
+from broker_adapter.protocol.keys import Keys
+from broker_adapter.protocol.signing import Keyring
+from broker_adapter.redis.streams import connect
+from broker_adapter.stages.dispatcher import Dispatcher, DispatcherConfig
+from broker_adapter.stages.receiver import Receiver, ReceiverConfig
 from broker_adapter.store import OutboxStore, ReceiptStore, open_database
 from broker_adapter.store.db import Database
 from broker_adapter.store.outbox import enqueue
-from broker_adapter.streams import connect
 from tests.support.redis_server import RedisServer
 
 PRINCIPAL = "bench"

@@ -54,8 +54,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common
 from common import KEYRING, PRINCIPAL, ROOT
 
-from broker_adapter.keys import Keys
-from broker_adapter.streams import connect
+from broker_adapter.protocol.keys import Keys
+from broker_adapter.redis.streams import connect
 
 RESULTS = ROOT / "bench" / "results" / "latest.json"
 PEERS_DIR = ROOT / "bench" / "peers"
@@ -119,7 +119,7 @@ def bench_effect(conn: sqlite3.Connection, reply: dict[str, Any]) -> dict[str, A
 
 def child_receive(args: argparse.Namespace) -> int:
     """The agent's receiver: apply every reply once with ``bench_effect`` until SIGTERM."""
-    from broker_adapter.receiver import Receiver, ReceiverConfig
+    from broker_adapter.stages.receiver import Receiver, ReceiverConfig
     from broker_adapter.store import ReceiptStore, open_database
 
     stop = threading.Event()

@@ -41,9 +41,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common
 from common import KEYRING, PRINCIPAL, ROOT
 
-from broker_adapter.envelope import Envelope
-from broker_adapter.keys import Keys
-from broker_adapter.streams import connect
+from broker_adapter.protocol.envelope import Envelope
+from broker_adapter.protocol.keys import Keys
+from broker_adapter.redis.streams import connect
 
 PUBLISH_BATCH = 50
 COLUMNS = [

@@ -7,7 +7,6 @@ a dispatcher publishes replies that an idempotent receiver applies exactly once.
 """
 
 from broker_adapter.clock import Clock, FakeClock, SystemClock
-from broker_adapter.envelope import Envelope, canonical_json
 from broker_adapter.errors import (
     AuthError,
     BrokerAdapterError,
@@ -23,6 +22,7 @@ from broker_adapter.errors import (
     TaskCancelled,
     TransientError,
 )
+from broker_adapter.protocol.envelope import Envelope, canonical_json
 
 __version__ = "0.1.0"
 

@@ -1,3 +1,3 @@
-from broker_adapter.cli import main
+from broker_adapter.app.cli import main
 
 raise SystemExit(main())

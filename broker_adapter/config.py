@@ -14,9 +14,9 @@ from typing import Annotated, Any, Self
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, ValidationError
 
-from broker_adapter.envelope import check_principal
 from broker_adapter.errors import ConfigError, EnvelopeError
-from broker_adapter.keys import Keys
+from broker_adapter.protocol.envelope import check_principal
+from broker_adapter.protocol.keys import Keys
 
 
 def refusal(model: str, exc: ValidationError) -> ConfigError:

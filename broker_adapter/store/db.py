@@ -32,8 +32,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 from broker_adapter import crashpoints
-from broker_adapter.envelope import content_fingerprint
 from broker_adapter.errors import ConfigError, StoreBusy, StoreError
+from broker_adapter.protocol.envelope import content_fingerprint
 from broker_adapter.store.gate import WriteGate
 
 Synchronous = Literal["FULL", "NORMAL", "EXTRA"]

@@ -26,8 +26,8 @@ from pydantic import Field
 from broker_adapter.backoff import Backoff
 from broker_adapter.clock import Clock, SystemClock
 from broker_adapter.config import ConfigModel
-from broker_adapter.envelope import canonical_json, sha256_hex
 from broker_adapter.errors import BrokerAdapterError, FencedError, StaleError
+from broker_adapter.protocol.envelope import canonical_json, sha256_hex
 from broker_adapter.store.db import Database
 
 OUTBOX_STATES = ("pending", "sending", "sent", "dead")
@@ -445,7 +445,7 @@ class OutboxStore:
             ).fetchone()
         return None if row[0] is None else max(0.0, self.clock.now() - row[0])
 
-    # -- added for the reply dispatcher (broker_adapter.dispatcher) ------------------------
+    # -- added for the reply dispatcher (broker_adapter.stages.dispatcher) ------------------------
 
     def mark_sent_many(
         self, owner: str, items: Sequence[tuple[str, int, str]]

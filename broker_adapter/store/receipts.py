@@ -22,7 +22,7 @@ from enum import StrEnum
 from typing import Any
 
 from broker_adapter.clock import Clock, SystemClock
-from broker_adapter.envelope import canonical_json
+from broker_adapter.protocol.envelope import canonical_json
 from broker_adapter.store.db import Database, in_lists
 from broker_adapter.store.retention import PURGE_BATCH, PurgeBatch, purge_receipts, whole_pass
 
@@ -129,7 +129,7 @@ class ReceiptStore:
         cutoff = self.clock.now() - retention_s
         return whole_pass(lambda after: self.purge_batch(cutoff, after, limit)).receipts
 
-    # -- added for the batched receiver (broker_adapter.receiver) --------------------------
+    # -- added for the batched receiver (broker_adapter.stages.receiver) --------------------------
 
     def apply_many(
         self, items: Sequence[ReceiptItem], effect: Effect | None

@@ -38,7 +38,6 @@ from pydantic import Field
 from broker_adapter.backoff import Backoff
 from broker_adapter.clock import Clock, SystemClock
 from broker_adapter.config import ConfigModel
-from broker_adapter.envelope import Envelope, check_result, sha256_hex
 from broker_adapter.errors import (
     BrokerAdapterError,
     EnvelopeError,
@@ -46,6 +45,7 @@ from broker_adapter.errors import (
     StaleError,
     TaskCancelled,
 )
+from broker_adapter.protocol.envelope import Envelope, check_result, sha256_hex
 from broker_adapter.store.db import CONFLICT_ID_KEY, Database, in_lists
 from broker_adapter.store.outbox import (
     OutboxRow,

@@ -20,7 +20,7 @@ from typing import Any
 
 import redis
 
-from broker_adapter.keys import INGEST_GROUP, RECEIVER_GROUP, Keys
+from broker_adapter.protocol.keys import INGEST_GROUP, RECEIVER_GROUP, Keys
 from tests.chaos.model import (
     AttemptRec,
     DeadLetterRec,

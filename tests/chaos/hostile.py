@@ -37,8 +37,13 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from broker_adapter.auth import REPLY_WIRE_VERSION, WIRE_VERSION, reply_signature, signature
-from broker_adapter.envelope import Envelope, canonical_json, sha256_hex
+from broker_adapter.protocol.envelope import Envelope, canonical_json, sha256_hex
+from broker_adapter.protocol.signing import (
+    REPLY_WIRE_VERSION,
+    WIRE_VERSION,
+    reply_signature,
+    signature,
+)
 from tests.chaos.finalread import CHAOS_FORGED_FIELD, CHAOS_KEY_FIELD, FORGED_STATUS
 
 Pairs = list[tuple[bytes, bytes]]

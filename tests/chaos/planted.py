@@ -30,9 +30,9 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from broker_adapter import receiver
-from broker_adapter.auth import Keyring
-from broker_adapter.ingest import Ingestor
+from broker_adapter.protocol.signing import Keyring
+from broker_adapter.stages import receiver
+from broker_adapter.stages.ingest import Ingestor
 from broker_adapter.store.tasks import AcceptItem, AcceptResult, TaskStore
 
 ENV = "CHAOS_PLANTED"
@@ -164,7 +164,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     bug, rest = args[0], args[1:]
     os.environ[ENV] = bug  # inherited by spawned worker processes
     apply(bug)
-    from broker_adapter.cli import main as cli_main
+    from broker_adapter.app.cli import main as cli_main
 
     return cli_main(rest)
 

@@ -2,7 +2,7 @@
 
 ``python -m tests.chaos.receiver --redis URL --db PATH --principal P --consumer C --keyring F``
 
-Runs ``broker_adapter.receiver.Receiver`` with an effect that appends one row to
+Runs ``broker_adapter.stages.receiver.Receiver`` with an effect that appends one row to
 ``chaos_effects`` inside the receipt's own transaction. The ledger has no unique key, so a
 reply applied twice would show as two rows: that is what the checker counts (1R). SIGTERM
 stops it after the current batch; crash points (``BA_CRASHPOINT=receiver.*``) kill it.
@@ -22,11 +22,11 @@ from collections.abc import Sequence
 from types import FrameType
 from typing import Any
 
-from broker_adapter.auth import Keyring
 from broker_adapter.errors import TransientError
-from broker_adapter.receiver import Receiver, ReceiverConfig
+from broker_adapter.protocol.signing import Keyring
+from broker_adapter.redis.streams import connect
+from broker_adapter.stages.receiver import Receiver, ReceiverConfig
 from broker_adapter.store import ReceiptStore, open_database
-from broker_adapter.streams import connect
 from tests.chaos import planted  # noqa: F401 - applies the bug named in CHAOS_PLANTED, if any
 
 LEDGER_SCHEMA = (

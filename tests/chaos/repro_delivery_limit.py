@@ -27,15 +27,15 @@ import tempfile
 import time
 from pathlib import Path
 
-from broker_adapter.auth import Keyring
-from broker_adapter.envelope import Envelope
+from broker_adapter.client.publisher import Publisher
 from broker_adapter.errors import TransientError
-from broker_adapter.ingest import IngestConfig, Ingestor
-from broker_adapter.keys import Keys
-from broker_adapter.publisher import Publisher
+from broker_adapter.protocol.envelope import Envelope
+from broker_adapter.protocol.keys import Keys
+from broker_adapter.protocol.signing import Keyring
+from broker_adapter.redis.streams import connect
+from broker_adapter.stages.ingest import IngestConfig, Ingestor
 from broker_adapter.store import TaskStore
 from broker_adapter.store.db import Database
-from broker_adapter.streams import connect
 from tests.support.redis_server import RedisServer
 
 

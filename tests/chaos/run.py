@@ -37,7 +37,7 @@ from types import FrameType
 
 import redis
 
-from broker_adapter.keys import INGEST_GROUP, RECEIVER_GROUP, Keys
+from broker_adapter.protocol.keys import INGEST_GROUP, RECEIVER_GROUP, Keys
 from tests.chaos.checker import CheckConfig, CheckResult, check, format_summary
 from tests.chaos.cluster import Cluster, Component
 from tests.chaos.finalread import Sources, group_state, read_final

@@ -11,15 +11,15 @@ from typing import Any
 
 import pytest
 
-from broker_adapter import receiver as receiver_module
-from broker_adapter.auth import Keyring
-from broker_adapter.envelope import sha256_hex
-from broker_adapter.ingest import IngestConfig, Ingestor
-from broker_adapter.keys import Keys
-from broker_adapter.receiver import Receiver, ReceiverConfig
+from broker_adapter.protocol.envelope import sha256_hex
+from broker_adapter.protocol.keys import Keys
+from broker_adapter.protocol.signing import Keyring
+from broker_adapter.redis.streams import connect, text
+from broker_adapter.stages import receiver as receiver_module
+from broker_adapter.stages.ingest import IngestConfig, Ingestor
+from broker_adapter.stages.receiver import Receiver, ReceiverConfig
 from broker_adapter.store import ReceiptStore, TaskStore, open_database
 from broker_adapter.store.tasks import reply_id_for
-from broker_adapter.streams import connect, text
 from tests.chaos.checker import check
 from tests.chaos.finalread import dead_letter, read_receiver, xrange_all
 from tests.chaos.history import Event

@@ -9,7 +9,7 @@ from typing import Any, cast
 
 import pytest
 
-from broker_adapter.envelope import Envelope
+from broker_adapter.protocol.envelope import Envelope
 from tests.chaos.history import History, read_events
 from tests.chaos.hostile import INBOUND_SHAPES
 from tests.chaos.nemesis import Nemesis, packages_for

@@ -35,13 +35,13 @@ from typing import Any
 
 import redis
 
-from broker_adapter.auth import Keyring, signature
-from broker_adapter.envelope import Envelope, canonical_json
+from broker_adapter.client.publisher import Publisher
 from broker_adapter.errors import AuthError, BrokerAdapterError, ConfigError
-from broker_adapter.keys import Keys
-from broker_adapter.publisher import Publisher
+from broker_adapter.protocol.envelope import Envelope, canonical_json
+from broker_adapter.protocol.keys import Keys
+from broker_adapter.protocol.signing import Keyring, signature
+from broker_adapter.redis.streams import connect
 from broker_adapter.store import TaskStore, open_database
-from broker_adapter.streams import connect
 from tests.chaos.finalread import CHAOS_KEY_FIELD
 from tests.chaos.history import FAIL, INFO, INVOKE, OK, History
 from tests.chaos.hostile import INBOUND_SHAPES, Pairs, flat, inbound_poison

@@ -17,12 +17,12 @@ from pathlib import Path
 import pytest
 import redis
 
-from broker_adapter.auth import Keyring, signature
-from broker_adapter.envelope import Envelope
-from broker_adapter.keys import INGEST_GROUP, Keys
-from broker_adapter.publisher import Publisher
+from broker_adapter.client.publisher import Publisher
+from broker_adapter.protocol.envelope import Envelope
+from broker_adapter.protocol.keys import INGEST_GROUP, Keys
+from broker_adapter.protocol.signing import Keyring, signature
+from broker_adapter.redis.streams import connect, text
 from broker_adapter.store import TaskStore, open_database
-from broker_adapter.streams import connect, text
 from tests.support import ingest_script
 from tests.support.ingest_script import (
     KEYRING,

@@ -16,7 +16,7 @@ import pytest
 
 from broker_adapter.clock import FakeClock
 from broker_adapter.errors import RedisUnavailable
-from broker_adapter.keys import Keys
+from broker_adapter.protocol.keys import Keys
 from broker_adapter.store import OutboxStore, open_database
 from tests.support.redis_server import RedisServer
 from tests.support.replies_script import (

@@ -10,10 +10,10 @@ from typing import Any
 
 import pytest
 
-from broker_adapter.keys import Keys
+from broker_adapter.protocol.keys import Keys
+from broker_adapter.redis.streams import connect, text
+from broker_adapter.redis.trimming import trim_stream
 from broker_adapter.store import TaskStore, open_database
-from broker_adapter.streams import connect, text
-from broker_adapter.trimming import trim_stream
 from tests.crash.test_ingest_crash import _pending_ids, _publish
 from tests.crash.test_ingest_crash import _run as run_ingest
 from tests.support.ingest_script import drained, task_counts, write_keyring

@@ -23,13 +23,13 @@ from typing import Any
 import psutil
 import pytest
 
+from broker_adapter.app.pool import WorkerPool
 from broker_adapter.clock import FakeClock
-from broker_adapter.envelope import Envelope
 from broker_adapter.errors import ConfigError
-from broker_adapter.pool import WorkerPool
+from broker_adapter.protocol.envelope import Envelope
+from broker_adapter.stages.worker import WorkerConfig
 from broker_adapter.store import AcceptItem, OutboxStore, TaskStore, open_database
 from broker_adapter.store.tasks import TaskRow, idempotency_key_for
-from broker_adapter.worker import WorkerConfig
 from tests.support.handlers import effects, init_effects_db, ledger
 
 pytestmark = pytest.mark.crash

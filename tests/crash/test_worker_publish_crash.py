@@ -18,12 +18,12 @@ from pathlib import Path
 import pytest
 
 from broker_adapter.clock import FakeClock
-from broker_adapter.dispatcher import Dispatcher, DispatcherConfig
-from broker_adapter.envelope import Envelope
-from broker_adapter.keys import Keys
+from broker_adapter.protocol.envelope import Envelope
+from broker_adapter.protocol.keys import Keys
+from broker_adapter.redis.streams import connect
+from broker_adapter.stages.dispatcher import Dispatcher, DispatcherConfig
 from broker_adapter.store import AcceptItem, OutboxStore, TaskStore, open_database
 from broker_adapter.store.outbox import OutboxPolicy, OutboxRow
-from broker_adapter.streams import connect
 from tests.support.redis_server import RedisServer
 from tests.support.replies_script import entries_per_reply, reply_keyring
 

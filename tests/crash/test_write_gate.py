@@ -17,13 +17,13 @@ from typing import Any
 
 import pytest
 
+from broker_adapter.app.pool import WorkerPool
 from broker_adapter.clock import FakeClock
-from broker_adapter.envelope import Envelope
 from broker_adapter.errors import StoreBusy
-from broker_adapter.pool import WorkerPool
+from broker_adapter.protocol.envelope import Envelope
+from broker_adapter.stages.worker import WorkerConfig
 from broker_adapter.store import AcceptItem, TaskStore, open_database
 from broker_adapter.store.gate import CHECK_S, WriteGate, _alive
-from broker_adapter.worker import WorkerConfig
 from tests.crash.test_worker_crash import wait_until
 
 pytestmark = pytest.mark.crash

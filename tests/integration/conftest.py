@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from broker_adapter.auth import Keyring
 from broker_adapter.clock import FakeClock
+from broker_adapter.protocol.signing import Keyring
 from broker_adapter.store import TaskStore, open_database
 from broker_adapter.store.db import Database
 from tests.support.ingest_script import write_keyring

@@ -16,17 +16,17 @@ from typing import Any, cast
 import pytest
 import redis
 
-from broker_adapter.auth import Keyring, unsigned_fields
+from broker_adapter.client.publisher import Publisher
 from broker_adapter.clock import FakeClock
-from broker_adapter.dispatcher import Dispatcher, DispatcherConfig
 from broker_adapter.errors import BrokerAdapterError
-from broker_adapter.ingest import IngestConfig, Ingestor
-from broker_adapter.keys import INGEST_GROUP, Keys
-from broker_adapter.publisher import Publisher
-from broker_adapter.receiver import Receiver, ReceiverConfig, record_effect
+from broker_adapter.protocol.keys import INGEST_GROUP, Keys
+from broker_adapter.protocol.signing import Keyring, unsigned_fields
+from broker_adapter.redis.streams import connect, text
+from broker_adapter.stages.dispatcher import Dispatcher, DispatcherConfig
+from broker_adapter.stages.ingest import IngestConfig, Ingestor
+from broker_adapter.stages.receiver import Receiver, ReceiverConfig, record_effect
 from broker_adapter.store import OutboxStore, ReceiptStore, TaskStore, open_database
 from broker_adapter.store.db import Database
-from broker_adapter.streams import connect, text
 from tests.support.ingest_script import (
     KEYRING,
     drain,
@@ -320,7 +320,7 @@ def test_dispatcher_says_once_when_its_user_may_not_run_info(
         DispatcherConfig(prefix=DOC_PREFIX, owner="d1"), client, OutboxStore(db),
         keyring=Keyring(KEYRING),
     )  # fmt: skip
-    caplog.set_level(logging.WARNING, logger="broker_adapter.dispatcher")
+    caplog.set_level(logging.WARNING, logger="broker_adapter.stages.dispatcher")
     try:
         watches = [dispatcher.watch() for _ in range(3)]
     finally:
@@ -343,7 +343,7 @@ def test_dispatcher_says_once_when_its_user_may_not_run_info(
 def test_documented_adapter_user_can_trim_its_streams(acl_server: AclRedisServer) -> None:
     """The trims' script and calls (``trimming``) pass the documented adapter ACL."""
     from broker_adapter.clock import SystemClock
-    from broker_adapter.trimming import now_ms, trim_by_age, trim_stream
+    from broker_adapter.redis.trimming import now_ms, trim_by_age, trim_stream
 
     keys = Keys(DOC_PREFIX)
     ops = acl_server.client()

@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
-from broker_adapter.cli import EXIT_FAILURE, EXIT_USAGE
-from broker_adapter.envelope import Envelope
+from broker_adapter.app.cli import EXIT_FAILURE, EXIT_USAGE
+from broker_adapter.protocol.envelope import Envelope
 from broker_adapter.store import AcceptItem, OutboxStore, TaskStore, open_database
 from tests.support.cli import cli_env as _env
 from tests.support.cli import count_rows as _count

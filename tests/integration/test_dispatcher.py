@@ -16,7 +16,11 @@ from redis.retry import Retry
 
 from broker_adapter.backoff import Backoff
 from broker_adapter.clock import FakeClock
-from broker_adapter.dispatcher import (
+from broker_adapter.errors import RedisUnavailable, ReplyConflict, StaleError
+from broker_adapter.protocol.envelope import sha256_hex
+from broker_adapter.protocol.keys import Keys
+from broker_adapter.redis.streams import connect
+from broker_adapter.stages.dispatcher import (
     PUBLISH_SCRIPT,
     Dispatcher,
     DispatcherConfig,
@@ -24,13 +28,9 @@ from broker_adapter.dispatcher import (
     ReplayOutcome,
     parse_version,
 )
-from broker_adapter.envelope import sha256_hex
-from broker_adapter.errors import RedisUnavailable, ReplyConflict, StaleError
-from broker_adapter.keys import Keys
 from broker_adapter.store import OutboxStore, open_database
 from broker_adapter.store.db import Database
 from broker_adapter.store.outbox import OutboxPolicy
-from broker_adapter.streams import connect
 from tests.support.redis_server import RedisServer
 from tests.support.replies_script import entries_per_reply, make_replies, reply_keyring
 
@@ -259,7 +259,7 @@ def test_dispatcher_wipe_alarm_requeues_all_sent_and_sets_new_epoch(
     assert d.step() == 3
     old_epoch = d.watch().epoch
     fresh_redis.restart(wipe=True)
-    with caplog.at_level(logging.ERROR, logger="broker_adapter.dispatcher"):
+    with caplog.at_level(logging.ERROR, logger="broker_adapter.stages.dispatcher"):
         watch = _until_ok(d.watch)
     assert (watch.event, watch.requeued) == (LossEvent.WIPE, 3)
     assert watch.epoch != old_epoch

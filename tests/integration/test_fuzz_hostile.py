@@ -24,11 +24,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from broker_adapter.auth import Keyring, signature
 from broker_adapter.clock import FakeClock
-from broker_adapter.envelope import Envelope, canonical_json, sha256_hex
-from broker_adapter.keys import Keys
-from broker_adapter.receiver import Receiver
+from broker_adapter.protocol.envelope import Envelope, canonical_json, sha256_hex
+from broker_adapter.protocol.keys import Keys
+from broker_adapter.protocol.signing import Keyring, signature
+from broker_adapter.stages.receiver import Receiver
 from broker_adapter.store import open_database
 from tests.support.redis_server import RedisServer, require_binary
 from tests.support.replies_script import drain, receiver_for, reply_keyring

@@ -7,8 +7,8 @@ from typing import Any
 import pytest
 
 from broker_adapter.errors import RedisUnavailable
-from broker_adapter.keys import Keys
-from broker_adapter.streams import GroupReader, ReaderConfig, connect, text
+from broker_adapter.protocol.keys import Keys
+from broker_adapter.redis.streams import GroupReader, ReaderConfig, connect, text
 from tests.support.redis_server import RedisServer
 
 pytestmark = pytest.mark.integration

@@ -21,17 +21,17 @@ from typing import Any
 
 import pytest
 
-from broker_adapter import receiver as receiver_module
-from broker_adapter.auth import Keyring
+from broker_adapter.client.publisher import Publisher
 from broker_adapter.clock import FakeClock
-from broker_adapter.envelope import Envelope, canonical_json, sha256_hex
-from broker_adapter.ingest import IngestConfig, Ingestor
-from broker_adapter.keys import INGEST_GROUP, Keys
-from broker_adapter.publisher import Publisher
-from broker_adapter.receiver import Receiver, ReceiverConfig
+from broker_adapter.protocol.envelope import Envelope, canonical_json, sha256_hex
+from broker_adapter.protocol.keys import INGEST_GROUP, Keys
+from broker_adapter.protocol.signing import Keyring
+from broker_adapter.redis.streams import GroupReader, connect, exchange, text
+from broker_adapter.stages import receiver as receiver_module
+from broker_adapter.stages.ingest import IngestConfig, Ingestor
+from broker_adapter.stages.receiver import Receiver, ReceiverConfig
 from broker_adapter.store import ReceiptStore, TaskStore, open_database
 from broker_adapter.store.db import Database
-from broker_adapter.streams import GroupReader, connect, exchange, text
 from tests.support.cli import cli_env, count_rows
 from tests.support.ingest_script import age_pending, drain, task_counts
 from tests.support.redis_server import RedisServer

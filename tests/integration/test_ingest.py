@@ -16,14 +16,14 @@ import pydantic
 import pytest
 import redis
 
-from broker_adapter.auth import Keyring, signature
+from broker_adapter.client.publisher import AsyncPublisher, Publisher
 from broker_adapter.clock import FakeClock
 from broker_adapter.errors import AuthError, ConfigError, RedisUnavailable
-from broker_adapter.ingest import IngestConfig, Ingestor
-from broker_adapter.keys import INGEST_GROUP, Keys
-from broker_adapter.publisher import AsyncPublisher, Publisher
+from broker_adapter.protocol.keys import INGEST_GROUP, Keys
+from broker_adapter.protocol.signing import Keyring, signature
+from broker_adapter.redis.streams import connect, connect_async, text
+from broker_adapter.stages.ingest import IngestConfig, Ingestor
 from broker_adapter.store import AcceptItem, AcceptResult, OutboxStore, TaskStore
-from broker_adapter.streams import connect, connect_async, text
 from tests.support.ingest_script import (
     DEADLINE,
     KEYRING,

@@ -9,13 +9,13 @@ from typing import Any
 
 import pytest
 
-from broker_adapter.auth import Keyring
+from broker_adapter.client.publisher import Publisher
 from broker_adapter.clock import FakeClock
-from broker_adapter.ingest import IngestConfig, Ingestor
-from broker_adapter.keys import Keys
-from broker_adapter.publisher import Publisher
+from broker_adapter.protocol.keys import Keys
+from broker_adapter.protocol.signing import Keyring
+from broker_adapter.redis.streams import connect, text
+from broker_adapter.stages.ingest import IngestConfig, Ingestor
 from broker_adapter.store import TaskStore
-from broker_adapter.streams import connect, text
 from tests.support.ingest_script import drain, envelope, real_deadline
 from tests.support.redis_server import RedisServer
 

@@ -13,12 +13,12 @@ from typing import Any, cast
 import pytest
 import redis
 
-from broker_adapter.auth import Keyring
 from broker_adapter.clock import FakeClock
-from broker_adapter.ingest import IngestConfig, Ingestor
-from broker_adapter.keys import Keys
+from broker_adapter.protocol.keys import Keys
+from broker_adapter.protocol.signing import Keyring
+from broker_adapter.redis.streams import connect
+from broker_adapter.stages.ingest import IngestConfig, Ingestor
 from broker_adapter.store import TaskStore, open_database
-from broker_adapter.streams import connect
 from tests.support.ingest_script import drain, envelope, pending_total, task_counts
 from tests.support.redis_server import RedisServer
 

@@ -230,7 +230,8 @@ def _receive_counts(server: RedisServer, rdb: Path, keyring: Path, prefix: str, 
 def test_metrics_port_off_by_default_serves_nothing(tmp_path: Path) -> None:
     """Without ``--metrics-port`` the CLI never imports prometheus_client."""
     code = (
-        "import sys, broker_adapter.cli, broker_adapter.runner, broker_adapter.worker;"
+        "import sys, broker_adapter.app.cli, broker_adapter.app.adapter,"
+        " broker_adapter.stages.worker;"
         " print('prometheus_client' in sys.modules)"
     )
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

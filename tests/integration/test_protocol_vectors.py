@@ -13,14 +13,14 @@ from typing import Any
 import pytest
 import redis
 
-from broker_adapter.auth import Keyring, reply_signature
 from broker_adapter.clock import FakeClock
-from broker_adapter.envelope import Envelope
-from broker_adapter.ingest import IngestConfig, Ingestor
-from broker_adapter.keys import Keys
-from broker_adapter.receiver import Receiver, ReceiverConfig, parse_entry
+from broker_adapter.protocol.envelope import Envelope
+from broker_adapter.protocol.keys import Keys
+from broker_adapter.protocol.signing import Keyring, reply_signature
+from broker_adapter.redis.streams import connect
+from broker_adapter.stages.ingest import IngestConfig, Ingestor
+from broker_adapter.stages.receiver import Receiver, ReceiverConfig, parse_entry
 from broker_adapter.store import ReceiptStore, TaskStore, open_database
-from broker_adapter.streams import connect
 from tests.support.ingest_script import drain, task_counts
 from tests.support.redis_server import RedisServer
 

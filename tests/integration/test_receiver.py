@@ -13,13 +13,13 @@ from typing import Any, NamedTuple
 import pytest
 
 from broker_adapter.clock import FakeClock
-from broker_adapter.envelope import canonical_json, sha256_hex
 from broker_adapter.errors import ConfigError
-from broker_adapter.keys import RECEIVER_GROUP, Keys
-from broker_adapter.receiver import Receiver, ReceiverConfig, effect_key
+from broker_adapter.protocol.envelope import canonical_json, sha256_hex
+from broker_adapter.protocol.keys import RECEIVER_GROUP, Keys
+from broker_adapter.redis.streams import connect
+from broker_adapter.stages.receiver import Receiver, ReceiverConfig, effect_key
 from broker_adapter.store import ReceiptStore
 from broker_adapter.store.db import Database
-from broker_adapter.streams import connect
 from tests.support.redis_server import RedisServer
 from tests.support.replies_script import (
     dispatcher_for,

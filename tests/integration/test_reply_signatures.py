@@ -16,16 +16,16 @@ from typing import Any
 
 import pytest
 
-from broker_adapter.auth import Keyring, reply_signature, signature
 from broker_adapter.clock import FakeClock
-from broker_adapter.dispatcher import Dispatcher, DispatcherConfig, LossEvent
-from broker_adapter.envelope import Envelope, canonical_json, sha256_hex
 from broker_adapter.errors import ConfigError
-from broker_adapter.keys import Keys
-from broker_adapter.receiver import Receiver, ReceiverConfig
+from broker_adapter.protocol.envelope import Envelope, canonical_json, sha256_hex
+from broker_adapter.protocol.keys import Keys
+from broker_adapter.protocol.signing import Keyring, reply_signature, signature
+from broker_adapter.redis.streams import connect
+from broker_adapter.stages.dispatcher import Dispatcher, DispatcherConfig, LossEvent
+from broker_adapter.stages.receiver import Receiver, ReceiverConfig
 from broker_adapter.store import AcceptItem, OutboxStore, ReceiptStore, TaskStore
 from broker_adapter.store.db import Database
-from broker_adapter.streams import connect
 from tests.support.redis_server import RedisServer
 from tests.support.replies_script import (
     REPLY_KEYS,

@@ -15,13 +15,13 @@ from typing import Any
 
 import pytest
 
+from broker_adapter.app.adapter import RunConfig, Runner
 from broker_adapter.clock import FakeClock
-from broker_adapter.dispatcher import Dispatcher, DispatcherConfig, ReplayOutcome
-from broker_adapter.keys import RECEIVER_GROUP, Keys
-from broker_adapter.runner import RunConfig, Runner
+from broker_adapter.protocol.keys import RECEIVER_GROUP, Keys
+from broker_adapter.redis.streams import connect, text
+from broker_adapter.stages.dispatcher import Dispatcher, DispatcherConfig, ReplayOutcome
 from broker_adapter.store import OutboxStore
 from broker_adapter.store.db import Database
-from broker_adapter.streams import connect, text
 from tests.support.ingest_script import write_keyring
 from tests.support.redis_server import RedisServer
 from tests.support.replies_script import entries_per_reply, make_replies, reply_keyring
@@ -84,7 +84,7 @@ def test_a_receiver_down_longer_than_the_trim_interval_keeps_its_replies_for_the
     clock.advance(0.0025)  # r1 (read) is past the window: trimmed, not counted as unread
     assert d.trim() == 1
     assert d.stats.unread_trimmed == 0
-    with caplog.at_level(logging.WARNING, logger="broker_adapter.dispatcher"):
+    with caplog.at_level(logging.WARNING, logger="broker_adapter.stages.dispatcher"):
         clock.advance(0.001)  # r2 (unread) is past the window, r3 is on its edge
         assert d.trim() == 1
     assert _ids(client, stream) == ids[3:]

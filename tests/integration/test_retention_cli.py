@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from broker_adapter.clock import FakeClock
-from broker_adapter.keys import Keys
+from broker_adapter.protocol.keys import Keys
 from broker_adapter.store import ReceiptStore, TaskStore, open_database
 from broker_adapter.store.retention import PURGE_EVERY_S
 from tests.integration.test_cli import ROOT, _cli, _stop

@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 
-from broker_adapter import trimming
-from broker_adapter.streams import connect, text
-from broker_adapter.trimming import trim_by_age, trim_stream
+from broker_adapter.redis import trimming
+from broker_adapter.redis.streams import connect, text
+from broker_adapter.redis.trimming import trim_by_age, trim_stream
 from tests.support.redis_server import RedisServer
 
 pytestmark = pytest.mark.integration

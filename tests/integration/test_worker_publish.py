@@ -18,24 +18,24 @@ import pytest
 
 from broker_adapter.backoff import Backoff
 from broker_adapter.clock import FakeClock
-from broker_adapter.dispatcher import (
+from broker_adapter.errors import FencedError
+from broker_adapter.protocol.envelope import Envelope
+from broker_adapter.protocol.keys import Keys
+from broker_adapter.redis.streams import connect
+from broker_adapter.stages.dispatcher import (
     RECHECK_AFTER_S,
     Dispatcher,
     DispatcherConfig,
     LossEvent,
     ReplyPublisher,
 )
-from broker_adapter.envelope import Envelope
-from broker_adapter.errors import FencedError
-from broker_adapter.handlers import Task
-from broker_adapter.handoff import CLAIM, Handed
-from broker_adapter.keys import Keys
+from broker_adapter.stages.handlers import Task
+from broker_adapter.stages.handoff import CLAIM, Handed
+from broker_adapter.stages.worker import Worker, WorkerConfig
 from broker_adapter.store import AcceptItem, OutboxStore, TaskStore, open_database
 from broker_adapter.store.db import Database
 from broker_adapter.store.outbox import OutboxPolicy
 from broker_adapter.store.tasks import SettledBatch, Settlement, TaskPolicy
-from broker_adapter.streams import connect
-from broker_adapter.worker import Worker, WorkerConfig
 from tests.support.handoff_script import ScriptedWait
 from tests.support.redis_server import RedisServer, free_port
 from tests.support.replies_script import entries_per_reply, reply_keyring

@@ -15,7 +15,7 @@ from contextlib import closing
 from pathlib import Path
 from typing import Any
 
-from broker_adapter.handlers import RetryableError, Task
+from broker_adapter.stages.handlers import RetryableError, Task
 
 NOT_CALLABLE = {"a": "dict"}  # for load_handler's "not callable" message
 EFFECTS_SCHEMA = (

@@ -20,13 +20,13 @@ from typing import Any
 
 import redis
 
-from broker_adapter.auth import Keyring
 from broker_adapter.clock import FakeClock
-from broker_adapter.envelope import Envelope
-from broker_adapter.ingest import IngestConfig, Ingestor
-from broker_adapter.keys import INGEST_GROUP, Keys
+from broker_adapter.protocol.envelope import Envelope
+from broker_adapter.protocol.keys import INGEST_GROUP, Keys
+from broker_adapter.protocol.signing import Keyring
+from broker_adapter.redis.streams import connect, text
+from broker_adapter.stages.ingest import IngestConfig, Ingestor
 from broker_adapter.store import TaskStore, open_database
-from broker_adapter.streams import connect, text
 
 KEYRING: dict[str, dict[str, str]] = {
     "alice": {

@@ -21,14 +21,14 @@ from typing import Any
 
 import redis
 
-from broker_adapter.auth import Keyring
 from broker_adapter.clock import FakeClock
-from broker_adapter.dispatcher import Dispatcher, DispatcherConfig
-from broker_adapter.envelope import Envelope
-from broker_adapter.receiver import Receiver, ReceiverConfig
+from broker_adapter.protocol.envelope import Envelope
+from broker_adapter.protocol.signing import Keyring
+from broker_adapter.redis.streams import connect
+from broker_adapter.stages.dispatcher import Dispatcher, DispatcherConfig
+from broker_adapter.stages.receiver import Receiver, ReceiverConfig
 from broker_adapter.store import AcceptItem, OutboxStore, ReceiptStore, TaskStore, open_database
 from broker_adapter.store.db import Database
-from broker_adapter.streams import connect
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 #: The keys replies are signed with in these tests: each principal's keyring entry (the

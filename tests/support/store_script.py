@@ -31,7 +31,7 @@ from typing import Any
 
 from broker_adapter.backoff import Backoff
 from broker_adapter.clock import FakeClock
-from broker_adapter.envelope import Envelope
+from broker_adapter.protocol.envelope import Envelope
 from broker_adapter.store import (
     AcceptItem,
     Database,

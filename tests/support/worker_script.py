@@ -23,11 +23,11 @@ import threading
 from collections.abc import Sequence
 from types import FrameType
 
+from broker_adapter.app.pool import WorkerPool
 from broker_adapter.clock import FakeClock
-from broker_adapter.pool import WorkerPool
+from broker_adapter.stages.worker import Worker, WorkerConfig
 from broker_adapter.store import TaskStore, open_database
 from broker_adapter.store.tasks import TaskPolicy
-from broker_adapter.worker import Worker, WorkerConfig
 from tests.support.replies_script import reply_keyring
 
 

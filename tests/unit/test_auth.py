@@ -10,14 +10,14 @@ from typing import Any
 
 import pytest
 
-from broker_adapter.auth import (
+from broker_adapter.errors import AuthError, ConfigError, EnvelopeError
+from broker_adapter.protocol.envelope import Envelope
+from broker_adapter.protocol.signing import (
     Keyring,
     check_stream_principal,
     signature,
     unsigned_fields,
 )
-from broker_adapter.envelope import Envelope
-from broker_adapter.errors import AuthError, ConfigError, EnvelopeError
 
 KEYS = {
     "alice": {

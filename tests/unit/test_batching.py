@@ -13,11 +13,11 @@ import pytest
 
 from broker_adapter.clock import FakeClock
 from broker_adapter.errors import FencedError, StaleError, TaskCancelled
-from broker_adapter.handlers import Task, call_handler
+from broker_adapter.stages.handlers import Task, call_handler
+from broker_adapter.stages.worker import Worker, WorkerConfig
 from broker_adapter.store import ClaimedTask, FailOutcome, open_database
 from broker_adapter.store.outbox import enqueue
 from broker_adapter.store.tasks import Settlement
-from broker_adapter.worker import Worker, WorkerConfig
 from tests.support.store_script import LEASE_S, T0, Stores, item, stores
 
 WAIT_S = 10.0

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 import broker_adapter
-from broker_adapter.cli import build_parser
-from broker_adapter.envelope import Envelope
-from broker_adapter.runner import RunConfig
+from broker_adapter.app.adapter import RunConfig
+from broker_adapter.app.cli import build_parser
+from broker_adapter.protocol.envelope import Envelope
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 ENV_COMMANDS = ("run", "publish", "receive")

@@ -8,18 +8,18 @@ from typing import Any
 
 import pytest
 
+from broker_adapter.app.adapter import RunConfig
 from broker_adapter.backoff import Backoff
 from broker_adapter.config import ConfigModel
-from broker_adapter.dispatcher import DispatcherConfig
 from broker_adapter.errors import BrokerAdapterError, ConfigError, StageError
-from broker_adapter.handlers import RetryableError as RetryableFromHandlers
-from broker_adapter.ingest import IngestConfig
-from broker_adapter.receiver import BadReply, ReceiverConfig
-from broker_adapter.runner import RunConfig
+from broker_adapter.redis.streams import ReaderConfig, check_redis_url, connect
+from broker_adapter.stages.dispatcher import DispatcherConfig
+from broker_adapter.stages.handlers import RetryableError as RetryableFromHandlers
+from broker_adapter.stages.ingest import IngestConfig
+from broker_adapter.stages.receiver import BadReply, ReceiverConfig
+from broker_adapter.stages.worker import WorkerConfig
 from broker_adapter.store.outbox import OutboxPolicy
 from broker_adapter.store.tasks import TaskPolicy
-from broker_adapter.streams import ReaderConfig, check_redis_url, connect
-from broker_adapter.worker import WorkerConfig
 
 
 def _run(**fields: Any) -> RunConfig:

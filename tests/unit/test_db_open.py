@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from broker_adapter.app.adapter import RunConfig, Runner
 from broker_adapter.errors import ConfigError, StoreBusy, StoreError
-from broker_adapter.runner import RunConfig, Runner
 from broker_adapter.store import open_database
 from broker_adapter.store.db import Database
 from tests.support.ingest_script import write_keyring
@@ -55,7 +55,7 @@ def test_the_runner_waits_for_a_locked_database_and_a_stop_ends_the_wait(
         calls.append(1)
         raise StoreBusy("database is locked")
 
-    monkeypatch.setattr("broker_adapter.runner.open_database", locked)
+    monkeypatch.setattr("broker_adapter.app.adapter.open_database", locked)
     keyring = write_keyring(tmp_path / "keyring.json")
     config = RunConfig(
         redis_url="redis://127.0.0.1:1/0", db_path=path, handler="broker_adapter.examples:echo",

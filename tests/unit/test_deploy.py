@@ -17,8 +17,8 @@ SUFFIXES = ("_total", "_bucket", "_count", "_sum")
 
 
 def _exported_names() -> set[str]:
-    """Every metric family name written in ``broker_adapter/metrics.py``."""
-    source = (ROOT / "broker_adapter" / "metrics.py").read_text(encoding="utf-8")
+    """Every metric family name written in ``broker_adapter/app/metrics.py``."""
+    source = (ROOT / "broker_adapter" / "app" / "metrics.py").read_text(encoding="utf-8")
     return set(re.findall(r'"(ba_[a-z_]+)"', source))
 
 

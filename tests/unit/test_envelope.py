@@ -14,7 +14,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from broker_adapter.envelope import (
+from broker_adapter.errors import EnvelopeError
+from broker_adapter.protocol.envelope import (
     HOPS_LIMIT,
     INT_MAX_DIGITS,
     MAX_ATTEMPTS_LIMIT,
@@ -34,7 +35,6 @@ from broker_adapter.envelope import (
     loads_strict,
     sha256_hex,
 )
-from broker_adapter.errors import EnvelopeError
 from broker_adapter.store import AcceptItem, TaskStore, open_database
 from tests.support.store_script import T0, dump
 

@@ -13,7 +13,7 @@ import pytest
 
 from broker_adapter.clock import FakeClock
 from broker_adapter.errors import ConfigError, StaleError
-from broker_adapter.handlers import (
+from broker_adapter.stages.handlers import (
     ERROR_TEXT_MAX_CHARS,
     CallRun,
     RetryableError,

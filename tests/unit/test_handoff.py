@@ -11,16 +11,16 @@ from typing import Any
 
 import pytest
 
+from broker_adapter.app.adapter import HandingTaskStore
 from broker_adapter.clock import FakeClock
-from broker_adapter.envelope import Envelope
 from broker_adapter.errors import StoreBusy
-from broker_adapter.handlers import Task
-from broker_adapter.handoff import CLAIM, LOOK, Handed, Handoff, HandoffEndpoint
-from broker_adapter.runner import HandingTaskStore
+from broker_adapter.protocol.envelope import Envelope
+from broker_adapter.stages.handlers import Task
+from broker_adapter.stages.handoff import CLAIM, LOOK, Handed, Handoff, HandoffEndpoint
+from broker_adapter.stages.worker import Worker, WorkerConfig
 from broker_adapter.store import AcceptItem, TaskStore, open_database
 from broker_adapter.store.db import Database
 from broker_adapter.store.tasks import TaskPolicy
-from broker_adapter.worker import Worker, WorkerConfig
 from tests.support.handoff_script import ScriptedWait
 
 
@@ -198,7 +198,7 @@ def test_a_dead_workers_pipe_is_reported_not_raised(
 ) -> None:
     ep = handoff.endpoint(0)
     ep.close()  # the process that held the reading end is gone
-    with caplog.at_level(logging.WARNING, logger="broker_adapter.handoff"):
+    with caplog.at_level(logging.WARNING, logger="broker_adapter.stages.handoff"):
         handoff.give(0, [("t1", 1)])
     assert "return at lease expiry" in caplog.text
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from broker_adapter.clock import FakeClock
-from broker_adapter.limits import QUOTA_EXCEEDED, RATE_LIMITED, IngressLimits, default_burst
+from broker_adapter.stages.limits import QUOTA_EXCEEDED, RATE_LIMITED, IngressLimits, default_burst
 from broker_adapter.store import AcceptItem, TaskStore, open_database
 from tests.support.ingest_script import envelope
 
@@ -139,8 +139,8 @@ def test_open_counts_are_pending_and_running_tasks_per_principal(tasks: TaskStor
 def test_run_takes_the_limits_from_flags_or_the_environment(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    from broker_adapter.cli import build_parser
-    from broker_adapter.runner import RunConfig
+    from broker_adapter.app.adapter import RunConfig
+    from broker_adapter.app.cli import build_parser
 
     base = ["run", "--redis", "redis://127.0.0.1:1/0", "--db", str(tmp_path / "a.db"),
             "--handler", "broker_adapter.examples:echo"]  # fmt: skip

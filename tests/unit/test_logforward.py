@@ -8,7 +8,7 @@ from multiprocessing.connection import Connection
 
 import pytest
 
-from broker_adapter.logforward import ChildLogs, forward_to_parent
+from broker_adapter.app.logforward import ChildLogs, forward_to_parent
 
 
 def _child(conn: Connection, level: int) -> None:

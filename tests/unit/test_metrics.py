@@ -13,19 +13,19 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest, values
 from prometheus_client.parser import text_string_to_metric_families
 
-from broker_adapter.dispatcher import DispatcherStats
-from broker_adapter.ingest import IngestStats
-from broker_adapter.metrics import (
+from broker_adapter.app.metrics import (
     AdapterCollector,
     MetricsServer,
     Observed,
     WorkerMetrics,
     stages_down,
 )
-from broker_adapter.receiver import ReceiverStats
+from broker_adapter.redis.streams import ReaderStats
+from broker_adapter.stages.dispatcher import DispatcherStats
+from broker_adapter.stages.ingest import IngestStats
+from broker_adapter.stages.receiver import ReceiverStats
+from broker_adapter.stages.worker import WorkerStats
 from broker_adapter.store import open_database
-from broker_adapter.streams import ReaderStats
-from broker_adapter.worker import WorkerStats
 
 
 def _samples(observed: Observed) -> dict[str, float]:

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from broker_adapter.clock import FakeClock
-from broker_adapter.envelope import canonical_json, sha256_hex
 from broker_adapter.errors import FencedError, StaleError
+from broker_adapter.protocol.envelope import canonical_json, sha256_hex
 from broker_adapter.store import OutboxRow, open_database
 from broker_adapter.store.outbox import UnknownReply, enqueue
 from tests.support.store_script import (
@@ -279,7 +279,7 @@ def test_outbox_reply_body_is_fixed_at_enqueue(s: Stores, clock: FakeClock) -> N
 def test_outbox_claim_marks_dead_a_row_whose_publishers_keep_dying(
     tmp_path: Path, clock: FakeClock
 ) -> None:
-    from broker_adapter.envelope import Envelope
+    from broker_adapter.protocol.envelope import Envelope
     from broker_adapter.store import AcceptItem, OutboxStore, TaskStore, open_database
     from broker_adapter.store.outbox import OutboxPolicy
 

@@ -411,7 +411,9 @@ def test_write_without_foreign_keys_turns_them_back_on(s: Stores) -> None:
 def test_retention_flag_and_variable_reach_the_configs_and_stores(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    from broker_adapter import cli, receiver, runner
+    from broker_adapter.app import adapter as runner
+    from broker_adapter.app import cli
+    from broker_adapter.stages import receiver
 
     seen: dict[str, Any] = {}
 

@@ -8,7 +8,7 @@ import pytest
 import tenacity
 
 from broker_adapter.errors import RedisUnavailable, StoreError
-from broker_adapter.streams import run_until_stopped
+from broker_adapter.redis.streams import run_until_stopped
 
 
 def test_ticks_run_until_stop_and_backoff_restarts_after_a_success() -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from broker_adapter.clock import FakeClock
-from broker_adapter.envelope import Envelope
+from broker_adapter.protocol.envelope import Envelope
 from broker_adapter.store import AcceptItem, OutboxStore, Outcome, TaskStore, open_database
 
 

@@ -16,7 +16,6 @@ from typing import Any
 import pytest
 
 from broker_adapter.clock import FakeClock
-from broker_adapter.envelope import PAYLOAD_MAX_BYTES, Envelope, canonical_json, sha256_hex
 from broker_adapter.errors import (
     ConfigError,
     EnvelopeError,
@@ -25,6 +24,7 @@ from broker_adapter.errors import (
     StoreError,
     TaskCancelled,
 )
+from broker_adapter.protocol.envelope import PAYLOAD_MAX_BYTES, Envelope, canonical_json, sha256_hex
 from broker_adapter.store import (
     AcceptItem,
     Database,

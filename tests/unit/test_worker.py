@@ -19,14 +19,15 @@ from pydantic import ValidationError
 
 from broker_adapter import crashpoints
 from broker_adapter.clock import FakeClock
-from broker_adapter.envelope import (
+from broker_adapter.errors import ConfigError
+from broker_adapter.protocol.envelope import (
     PAYLOAD_MAX_BYTES,
     PAYLOAD_MAX_DEPTH,
     PAYLOAD_MAX_NODES,
     Envelope,
 )
-from broker_adapter.errors import ConfigError
-from broker_adapter.handlers import RetryableError, Task
+from broker_adapter.stages.handlers import RetryableError, Task
+from broker_adapter.stages.worker import DEFAULT_BATCH, Worker, WorkerConfig
 from broker_adapter.store import (
     AcceptItem,
     ClaimedTask,
@@ -36,7 +37,6 @@ from broker_adapter.store import (
     open_database,
 )
 from broker_adapter.store.tasks import TaskPolicy
-from broker_adapter.worker import DEFAULT_BATCH, Worker, WorkerConfig
 from tests.support import handlers as sample
 
 WAIT_S = 10.0

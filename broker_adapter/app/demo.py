@@ -28,20 +28,20 @@ from pathlib import Path
 from typing import Any
 
 from broker_adapter import crashpoints
-from broker_adapter.auth import Keyring
-from broker_adapter.dispatcher import Dispatcher, DispatcherConfig
-from broker_adapter.embedded import EmbeddedRedis
-from broker_adapter.envelope import Envelope, canonical_json, sha256_hex
+from broker_adapter.client.publisher import Publisher
 from broker_adapter.errors import StaleError
-from broker_adapter.handlers import Task
-from broker_adapter.ingest import IngestConfig, Ingestor
-from broker_adapter.keys import Keys
-from broker_adapter.publisher import Publisher
-from broker_adapter.receiver import Receiver, ReceiverConfig, effect_key
+from broker_adapter.protocol.envelope import Envelope, canonical_json, sha256_hex
+from broker_adapter.protocol.keys import Keys
+from broker_adapter.protocol.signing import Keyring
+from broker_adapter.redis.embedded import EmbeddedRedis
+from broker_adapter.redis.streams import connect
+from broker_adapter.stages.dispatcher import Dispatcher, DispatcherConfig
+from broker_adapter.stages.handlers import Task
+from broker_adapter.stages.ingest import IngestConfig, Ingestor
+from broker_adapter.stages.receiver import Receiver, ReceiverConfig, effect_key
+from broker_adapter.stages.worker import Worker, WorkerConfig
 from broker_adapter.store import OutboxStore, ReceiptStore, TaskStore, open_database
 from broker_adapter.store.tasks import TaskPolicy, idempotency_key_for
-from broker_adapter.streams import connect
-from broker_adapter.worker import Worker, WorkerConfig
 
 PREFIX = "demo"
 LEASE_S = 1.0

@@ -59,16 +59,8 @@ from typing import TYPE_CHECKING
 from pydantic import Field
 
 from broker_adapter import crashpoints
-from broker_adapter.auth import Keyring
 from broker_adapter.clock import Clock
 from broker_adapter.config import ConfigModel, KeyPrefix
-from broker_adapter.dispatcher import (
-    DEFAULT_RECORD_TTL_S,
-    DispatcherStats,
-    Publication,
-    ReplyPublisher,
-)
-from broker_adapter.envelope import check_result
 from broker_adapter.errors import (
     BrokerAdapterError,
     ConfigError,
@@ -78,7 +70,17 @@ from broker_adapter.errors import (
     TaskCancelled,
     TransientError,
 )
-from broker_adapter.handlers import (
+from broker_adapter.protocol.envelope import check_result
+from broker_adapter.protocol.keys import DEFAULT_PREFIX, Keys
+from broker_adapter.protocol.signing import Keyring
+from broker_adapter.redis.streams import RedisUrl, connect
+from broker_adapter.stages.dispatcher import (
+    DEFAULT_RECORD_TTL_S,
+    DispatcherStats,
+    Publication,
+    ReplyPublisher,
+)
+from broker_adapter.stages.handlers import (
     CallOutcome,
     CallRun,
     Handler,
@@ -89,8 +91,7 @@ from broker_adapter.handlers import (
     is_retryable,
     load_handler,
 )
-from broker_adapter.handoff import CLAIM, Handed, IdleWait
-from broker_adapter.keys import DEFAULT_PREFIX, Keys
+from broker_adapter.stages.handoff import CLAIM, Handed, IdleWait
 from broker_adapter.store.outbox import OutboxPolicy, OutboxRow, OutboxStore, SentMark
 from broker_adapter.store.tasks import (
     ClaimedTask,
@@ -99,12 +100,11 @@ from broker_adapter.store.tasks import (
     Settlement,
     TaskStore,
 )
-from broker_adapter.streams import RedisUrl, connect
 
 if TYPE_CHECKING:
     import redis
 
-    from broker_adapter.metrics import WorkerMetrics
+    from broker_adapter.app.metrics import WorkerMetrics
 
 DEFAULT_BATCH = 128
 DEFAULT_BATCH_WINDOW_S = 0.05
@@ -389,7 +389,7 @@ class Worker:
         tasks: the store (its ``policy.lease_s`` sets the default renewal interval).
         handler: a callable, or a ``"module:callable"`` spec to load.
         clock: the time source for deadlines; the store's clock by default.
-        logger: where to report; ``broker_adapter.worker`` by default.
+        logger: where to report; ``broker_adapter.stages.worker`` by default.
         redis_client: the client to publish replies with (a ``streams.connect`` client);
             by default one for ``config.redis_url``, or none: the dispatcher publishes.
         outbox_policy: the publisher's lease and retry budget (as the dispatcher's).
@@ -480,7 +480,7 @@ class Worker:
         self._found_none = False
         self.metrics: WorkerMetrics | None = None
         if config.metrics_dir is not None:
-            from broker_adapter.metrics import WorkerMetrics
+            from broker_adapter.app.metrics import WorkerMetrics
 
             self.metrics = WorkerMetrics(Path(config.metrics_dir), config.handler_name)
 

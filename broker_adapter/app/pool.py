@@ -32,15 +32,15 @@ from multiprocessing.synchronize import Event as ProcessEvent
 from pathlib import Path
 from types import FrameType
 
-from broker_adapter.auth import Keyring
+from broker_adapter.app.logforward import ChildLogs, forward_to_parent
 from broker_adapter.errors import ConfigError
-from broker_adapter.handlers import load_handler
-from broker_adapter.handoff import Handoff, HandoffEndpoint
-from broker_adapter.logforward import ChildLogs, forward_to_parent
+from broker_adapter.protocol.signing import Keyring
+from broker_adapter.stages.handlers import load_handler
+from broker_adapter.stages.handoff import Handoff, HandoffEndpoint
+from broker_adapter.stages.worker import Worker, WorkerConfig
 from broker_adapter.store.db import open_database
 from broker_adapter.store.gate import WriteGate
 from broker_adapter.store.tasks import TaskPolicy, TaskStore
-from broker_adapter.worker import Worker, WorkerConfig
 
 #: How long ``stop`` waits beyond the longest grace before it SIGKILLs a child.
 STOP_MARGIN_S = 5.0

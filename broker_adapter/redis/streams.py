@@ -87,7 +87,7 @@ READER_MAX_ENTRY_BYTES = 1024 * 1024
 #: How many characters of a text a dead letter keeps (``dl.detail`` and the other notes).
 DEAD_LETTER_TEXT_MAX_CHARS = 1000
 
-log = logging.getLogger("broker_adapter.streams")
+log = logging.getLogger("broker_adapter.redis.streams")
 
 
 def check_redis_url(url: str) -> str:

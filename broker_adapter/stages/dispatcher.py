@@ -143,7 +143,6 @@ import tenacity
 from pydantic import Field
 
 from broker_adapter import crashpoints
-from broker_adapter.auth import REPLY_WIRE_VERSION, Keyring
 from broker_adapter.clock import Clock
 from broker_adapter.config import ConfigModel, KeyPrefix
 from broker_adapter.errors import (
@@ -155,17 +154,18 @@ from broker_adapter.errors import (
     StaleError,
     TransientError,
 )
-from broker_adapter.keys import DEFAULT_PREFIX, Keys
-from broker_adapter.store.outbox import OutboxRow, OutboxStore, UnknownReply
-from broker_adapter.store.retention import DEFAULT_RETENTION_S
-from broker_adapter.streams import call, encodable, eval_many, retrying, text, translated
-from broker_adapter.trimming import (
+from broker_adapter.protocol.keys import DEFAULT_PREFIX, Keys
+from broker_adapter.protocol.signing import REPLY_WIRE_VERSION, Keyring
+from broker_adapter.redis.streams import call, encodable, eval_many, retrying, text, translated
+from broker_adapter.redis.trimming import (
     DEFAULT_TRIM_EVERY_S,
     DEFAULT_TRIM_KEEP_S,
     time_id,
     trim_with_dead_letters,
 )
-from broker_adapter.trimming import now_ms as trim_now_ms
+from broker_adapter.redis.trimming import now_ms as trim_now_ms
+from broker_adapter.store.outbox import OutboxRow, OutboxStore, UnknownReply
+from broker_adapter.store.retention import DEFAULT_RETENTION_S
 
 if TYPE_CHECKING:
     import redis
@@ -398,7 +398,7 @@ class ReplyPublisher:
         self.keyring = keyring
         self.record_ttl_s = record_ttl_s
         self.stats = stats if stats is not None else DispatcherStats()
-        self.log = logger or logging.getLogger("broker_adapter.dispatcher")
+        self.log = logger or logging.getLogger("broker_adapter.stages.dispatcher")
 
     def publish(self, rows: list[OutboxRow]) -> list[Publication]:
         """Run the publication script for each row, all in one pipelined round trip.
@@ -557,7 +557,7 @@ class Dispatcher:
         self.outbox = outbox
         self.clock = clock or outbox.clock
         self.keys = Keys(config.prefix)
-        self.log = logger or logging.getLogger("broker_adapter.dispatcher")
+        self.log = logger or logging.getLogger("broker_adapter.stages.dispatcher")
         self.stats = DispatcherStats()
         self.redis_version: str | None = None
         #: True when the server takes ``XADD ... IDMP`` (Redis >= 8.6); noted, not used.

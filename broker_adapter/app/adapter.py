@@ -28,10 +28,10 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from broker_adapter.auth import Keyring
+from broker_adapter.app.metrics import Observed, serve_metrics, stages_down
+from broker_adapter.app.pool import WorkerPool
 from broker_adapter.clock import SystemClock
 from broker_adapter.config import ConfigModel, KeyPrefix, Principal
-from broker_adapter.dispatcher import Dispatcher, DispatcherConfig
 from broker_adapter.errors import (
     BrokerAdapterError,
     ConfigError,
@@ -39,20 +39,20 @@ from broker_adapter.errors import (
     StoreBusy,
     TransientError,
 )
-from broker_adapter.handlers import load_handler
-from broker_adapter.handoff import CLAIM, LOOK, Handoff
-from broker_adapter.ingest import IngestConfig, Ingestor
-from broker_adapter.keys import DEFAULT_PREFIX, Keys
-from broker_adapter.metrics import Observed, serve_metrics, stages_down
-from broker_adapter.pool import WorkerPool
+from broker_adapter.protocol.keys import DEFAULT_PREFIX, Keys
+from broker_adapter.protocol.signing import Keyring
+from broker_adapter.redis.streams import RedisUrl, connect
+from broker_adapter.stages.dispatcher import Dispatcher, DispatcherConfig
+from broker_adapter.stages.handlers import load_handler
+from broker_adapter.stages.handoff import CLAIM, LOOK, Handoff
+from broker_adapter.stages.ingest import IngestConfig, Ingestor
+from broker_adapter.stages.worker import WorkerConfig
 from broker_adapter.store import OutboxStore, TaskStore, open_database
 from broker_adapter.store.gate import WriteGate
 from broker_adapter.store.retention import DEFAULT_RETENTION_S, PurgeSchedule, run_purges
 from broker_adapter.store.tasks import AcceptItem, AcceptResult, Outcome, TaskPolicy
-from broker_adapter.streams import RedisUrl, connect
-from broker_adapter.worker import WorkerConfig
 
-log = logging.getLogger("broker_adapter.runner")
+log = logging.getLogger("broker_adapter.app.adapter")
 
 DEFAULT_WORKERS = 2
 SUPERVISE_EVERY_S = 0.5

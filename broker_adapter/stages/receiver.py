@@ -74,10 +74,8 @@ from typing import TYPE_CHECKING, Any
 from pydantic import Field
 
 from broker_adapter import crashpoints
-from broker_adapter.auth import REPLY_WIRE_VERSION, Keyring
 from broker_adapter.clock import Clock
 from broker_adapter.config import ConfigModel, KeyPrefix, Principal
-from broker_adapter.envelope import loads_strict, sha256_hex
 from broker_adapter.errors import (
     AuthError,
     BrokerAdapterError,
@@ -86,16 +84,10 @@ from broker_adapter.errors import (
     StoreBusy,
     TransientError,
 )
-from broker_adapter.keys import DEFAULT_PREFIX, RECEIVER_GROUP, Keys
-from broker_adapter.store.receipts import (
-    AppliedItem,
-    Effect,
-    ReceiptItem,
-    ReceiptOutcome,
-    ReceiptStore,
-)
-from broker_adapter.store.retention import DEFAULT_RETENTION_S, PurgeBatch, PurgeSchedule
-from broker_adapter.streams import (
+from broker_adapter.protocol.envelope import loads_strict, sha256_hex
+from broker_adapter.protocol.keys import DEFAULT_PREFIX, RECEIVER_GROUP, Keys
+from broker_adapter.protocol.signing import REPLY_WIRE_VERSION, Keyring
+from broker_adapter.redis.streams import (
     DEFAULT_MAX_ENTRY_FIELDS,
     MAX_ENTRY_FIELDS,
     MIN_ENTRY_FIELDS,
@@ -106,6 +98,14 @@ from broker_adapter.streams import (
     text,
     translated,
 )
+from broker_adapter.store.receipts import (
+    AppliedItem,
+    Effect,
+    ReceiptItem,
+    ReceiptOutcome,
+    ReceiptStore,
+)
+from broker_adapter.store.retention import DEFAULT_RETENTION_S, PurgeBatch, PurgeSchedule
 
 if TYPE_CHECKING:
     import sqlite3
@@ -382,7 +382,7 @@ class Receiver:
         self.effect = effect
         self.keyring = keyring
         self.clock = clock or receipts.clock
-        self.log = logger or logging.getLogger("broker_adapter.receiver")
+        self.log = logger or logging.getLogger("broker_adapter.stages.receiver")
         self.stats = ReceiverStats()
         keys = Keys(config.prefix)
         self.reader = GroupReader(

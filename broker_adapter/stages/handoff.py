@@ -48,7 +48,7 @@ from collections.abc import Sequence
 from multiprocessing.connection import Connection
 from typing import Any, Final, Literal, Protocol
 
-log = logging.getLogger("broker_adapter.handoff")
+log = logging.getLogger("broker_adapter.stages.handoff")
 
 #: The most tasks one hand-off carries (``(task_id, fence)`` pairs: a few KiB at most).
 HANDOFF_MAX: Final = 128

@@ -51,8 +51,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from broker_adapter.envelope import Envelope, check_principal
 from broker_adapter.errors import AuthError, ConfigError, EnvelopeError
+from broker_adapter.protocol.envelope import Envelope, check_principal
 
 WIRE_VERSION = "1"
 SIGNATURE_DOMAIN = b"ba.v1\n"

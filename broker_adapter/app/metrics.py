@@ -52,14 +52,14 @@ from broker_adapter.errors import BrokerAdapterError, ConfigError
 if TYPE_CHECKING:
     from prometheus_client.metrics_core import Metric
 
-    from broker_adapter.dispatcher import Dispatcher, DispatcherStats
-    from broker_adapter.ingest import Ingestor
-    from broker_adapter.pool import WorkerPool
-    from broker_adapter.receiver import Receiver
-    from broker_adapter.streams import GroupReader
-    from broker_adapter.worker import WorkerStats
+    from broker_adapter.app.pool import WorkerPool
+    from broker_adapter.redis.streams import GroupReader
+    from broker_adapter.stages.dispatcher import Dispatcher, DispatcherStats
+    from broker_adapter.stages.ingest import Ingestor
+    from broker_adapter.stages.receiver import Receiver
+    from broker_adapter.stages.worker import WorkerStats
 
-log = logging.getLogger("broker_adapter.metrics")
+log = logging.getLogger("broker_adapter.app.metrics")
 
 DEFAULT_METRICS_HOST = "127.0.0.1"
 #: ``XINFO GROUPS`` is asked at most this often, seconds; scrapes in between reuse it.
@@ -287,7 +287,7 @@ class _Sample:
 
 def sample_groups(client: Any, streams: Iterable[str]) -> _Sample:
     """``XINFO GROUPS`` and ``XLEN`` of each stream (a stream not made yet has none)."""
-    from broker_adapter.streams import text
+    from broker_adapter.redis.streams import text
 
     groups: list[tuple[str, str, int, int | None]] = []
     lengths: list[tuple[str, int]] = []

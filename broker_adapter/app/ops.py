@@ -10,10 +10,10 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from broker_adapter.keys import INGEST_GROUP, Keys
+from broker_adapter.protocol.keys import INGEST_GROUP, Keys
+from broker_adapter.redis.streams import call, connect, text
 from broker_adapter.store import OutboxStore, open_database
 from broker_adapter.store.report import snapshot
-from broker_adapter.streams import call, connect, text
 
 
 def _dead_streams(client: Any, prefix: str) -> list[str]:
@@ -176,7 +176,7 @@ def _replay(args: argparse.Namespace, outbox: OutboxStore, client: Any) -> dict[
     if row is not None:
         if client is None:
             raise ConfigError("replaying a reply needs --redis (it checks Redis first)")
-        from broker_adapter.dispatcher import Dispatcher, DispatcherConfig
+        from broker_adapter.stages.dispatcher import Dispatcher, DispatcherConfig
 
         dispatcher = Dispatcher(
             DispatcherConfig(prefix=args.prefix, owner=f"replay-{args.by}"), client, outbox

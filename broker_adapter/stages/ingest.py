@@ -66,7 +66,6 @@ import tenacity
 from pydantic import Field, field_validator, model_validator
 
 from broker_adapter import crashpoints
-from broker_adapter.auth import Authenticated, Keyring, check_stream_principal
 from broker_adapter.clock import Clock, SystemClock
 from broker_adapter.config import ConfigModel, KeyPrefix, Principal
 from broker_adapter.errors import (
@@ -75,11 +74,9 @@ from broker_adapter.errors import (
     StoreBusy,
     TransientError,
 )
-from broker_adapter.keys import DEFAULT_PREFIX, INGEST_GROUP, Keys
-from broker_adapter.limits import IngressLimits
-from broker_adapter.store.retention import DEFAULT_RETENTION_S
-from broker_adapter.store.tasks import AcceptItem, AcceptResult, Outcome, TaskStore
-from broker_adapter.streams import (
+from broker_adapter.protocol.keys import DEFAULT_PREFIX, INGEST_GROUP, Keys
+from broker_adapter.protocol.signing import Authenticated, Keyring, check_stream_principal
+from broker_adapter.redis.streams import (
     DEFAULT_MAX_ENTRY_FIELDS,
     MAX_ENTRY_FIELDS,
     MIN_ENTRY_FIELDS,
@@ -88,12 +85,15 @@ from broker_adapter.streams import (
     StreamEntry,
     run_until_stopped,
 )
-from broker_adapter.trimming import (
+from broker_adapter.redis.trimming import (
     DEFAULT_TRIM_EVERY_S,
     DEFAULT_TRIM_KEEP_S,
     trim_with_dead_letters,
 )
-from broker_adapter.trimming import now_ms as trim_now_ms
+from broker_adapter.redis.trimming import now_ms as trim_now_ms
+from broker_adapter.stages.limits import IngressLimits
+from broker_adapter.store.retention import DEFAULT_RETENTION_S
+from broker_adapter.store.tasks import AcceptItem, AcceptResult, Outcome, TaskStore
 
 if TYPE_CHECKING:
     import redis
@@ -108,7 +108,7 @@ DEFAULT_MAX_ENTRY_BYTES = 256 * 1024
 TAKE_OVER_MAX_PAGES = 64
 _CONSUMER_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._:-")
 
-log = logging.getLogger("broker_adapter.ingest")
+log = logging.getLogger("broker_adapter.stages.ingest")
 
 
 class IngestConfig(ConfigModel):

@@ -26,7 +26,7 @@ from broker_adapter.errors import BrokerAdapterError, ConfigError, TransientErro
 from broker_adapter.store.retention import DEFAULT_RETENTION_S
 
 if TYPE_CHECKING:
-    from broker_adapter.receiver import Receiver
+    from broker_adapter.stages.receiver import Receiver
 
 EXIT_USAGE = 2
 EXIT_FAILURE = 1
@@ -291,7 +291,7 @@ def _install_stop() -> threading.Event:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from broker_adapter.runner import RunConfig, Runner
+    from broker_adapter.app.adapter import RunConfig, Runner
 
     fields: dict[str, Any] = {
         "redis_url": args.redis,
@@ -321,12 +321,12 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_publish(args: argparse.Namespace) -> int:
-    from broker_adapter.auth import Keyring
-    from broker_adapter.envelope import Envelope, loads_strict
+    from broker_adapter.client.publisher import Publisher
     from broker_adapter.errors import EnvelopeError
-    from broker_adapter.keys import Keys
-    from broker_adapter.publisher import Publisher
-    from broker_adapter.streams import connect
+    from broker_adapter.protocol.envelope import Envelope, loads_strict
+    from broker_adapter.protocol.keys import Keys
+    from broker_adapter.protocol.signing import Keyring
+    from broker_adapter.redis.streams import connect
 
     try:
         payload = loads_strict(args.payload)
@@ -360,11 +360,11 @@ def cmd_publish(args: argparse.Namespace) -> int:
 
 
 def cmd_receive(args: argparse.Namespace) -> int:
-    from broker_adapter.auth import Keyring
-    from broker_adapter.metrics import Observed, serve_metrics
-    from broker_adapter.receiver import Receiver, ReceiverConfig, record_effect
+    from broker_adapter.app.metrics import Observed, serve_metrics
+    from broker_adapter.protocol.signing import Keyring
+    from broker_adapter.redis.streams import connect
+    from broker_adapter.stages.receiver import Receiver, ReceiverConfig, record_effect
     from broker_adapter.store import ReceiptStore, open_database
-    from broker_adapter.streams import connect
 
     consumer = args.consumer or f"receive-{args.principal}"
     config = ReceiverConfig(
@@ -454,7 +454,7 @@ def cmd_backup(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from broker_adapter.ops import collect_status, format_status
+    from broker_adapter.app.ops import collect_status, format_status
 
     report = collect_status(Path(args.db), args.redis, args.prefix)
     if args.json:
@@ -475,13 +475,13 @@ def cmd_cancel(args: argparse.Namespace) -> int:
 
 
 def cmd_dead_letters(args: argparse.Namespace) -> int:
-    from broker_adapter.ops import dead_letters_command
+    from broker_adapter.app.ops import dead_letters_command
 
     return dead_letters_command(args)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from broker_adapter.demo import run_demo
+    from broker_adapter.app.demo import run_demo
 
     if not args.verbose:  # the report tells the story; the adapter's own log would repeat it
         logging.getLogger("broker_adapter").setLevel(logging.ERROR)

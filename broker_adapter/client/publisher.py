@@ -29,11 +29,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from broker_adapter.auth import Keyring, unsigned_fields
-from broker_adapter.envelope import Envelope, check_principal
 from broker_adapter.errors import AuthError, ConfigError, EnvelopeError
-from broker_adapter.keys import Keys
-from broker_adapter.streams import text, translated
+from broker_adapter.protocol.envelope import Envelope, check_principal
+from broker_adapter.protocol.keys import Keys
+from broker_adapter.protocol.signing import Keyring, unsigned_fields
+from broker_adapter.redis.streams import text, translated
 
 if TYPE_CHECKING:
     import redis

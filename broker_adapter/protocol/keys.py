@@ -31,8 +31,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from broker_adapter.envelope import check_principal
 from broker_adapter.errors import ConfigError
+from broker_adapter.protocol.envelope import check_principal
 
 INGEST_GROUP = "ba-ingest"
 RECEIVER_GROUP = "ba-receiver"

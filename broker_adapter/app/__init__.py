@@ -1,0 +1,1 @@
+"""The adapter assembled: wiring of the stages, the worker pool, operator commands, the CLI."""

@@ -1,0 +1,1 @@
+"""What an agent uses to hand work to the adapter: the signed-envelope publishers."""
