@@ -71,7 +71,7 @@ def quiesce(server: RedisServer, timeout_s: float = 120.0) -> None:
     later phase, and that phase pays for a rewrite it did not cause: a fork, a base file of
     tens of MB written and fsynced beside its own writes (measured: p99 28.4 ms at 1,000
     msg/s with one, 16–18 ms without). A steady load at 1,000 msg/s rewrites too, about
-    once a minute once the streams are small; bench/README.md shows both.
+    once a minute once the streams are small; bench/RESULTS.md shows both.
     """
     client = server.client()
     try:
