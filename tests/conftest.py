@@ -1,4 +1,5 @@
-"""Shared fixtures: private redis-servers, databases in tmp_path, a fake clock."""
+"""Shared fixtures: private redis-servers, databases in tmp_path or on the local PostgreSQL
+server, a fake clock."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import redis
 
 from broker_adapter import crashpoints
 from broker_adapter.clock import FakeClock
+from tests.support.postgres import ThrowawayDatabase, require_server
 from tests.support.redis_server import RedisServer, require_binary
 
 
@@ -59,3 +61,19 @@ def prefix() -> str:
 @pytest.fixture
 def clock() -> FakeClock:
     return FakeClock()
+
+
+@pytest.fixture(scope="session")
+def pg_database() -> Iterator[ThrowawayDatabase]:
+    """A throwaway PostgreSQL database for the session, dropped at its end (skips the
+    test when no server is reachable: ``tests.support.postgres``)."""
+    require_server()
+    database = ThrowawayDatabase()
+    yield database
+    database.drop()
+
+
+@pytest.fixture
+def pg_url(pg_database: ThrowawayDatabase) -> str:
+    """The URL of an empty schema of the test's own in the session's PostgreSQL database."""
+    return pg_database.fresh_schema()

@@ -1,0 +1,257 @@
+"""A pool of PostgreSQL connections, and the short transactions every store operation runs.
+
+``PgDatabase`` is the PostgreSQL counterpart of ``store.db.Database``: ``write(op)`` runs
+one transaction (``BEGIN`` ... ``COMMIT`` on a pooled connection) with the crash points
+``store.<op>.before_commit`` and ``store.<op>.after_commit`` on both sides of the COMMIT,
+the same names as SQLite's; ``read()`` runs a read-only one; ``fetch_one`` one statement
+on its own. A transaction holds only SQL: what it writes is computed before it, and no
+handler, network or Redis call runs inside it (``docs/RULES.md``).
+
+Isolation is PostgreSQL's default, READ COMMITTED: each statement sees what was committed
+before it began, and every write that must not race another takes its rows' locks in the
+statement that checks them (``FOR UPDATE SKIP LOCKED`` for claims, the fence and lease
+checks in the WHERE clause of the fenced UPDATE: see ``tasks`` and ``outbox``). Several
+processes on several hosts share one database this way, with no ``WriteGate``: the server
+arbitrates row by row, not one writer at a time.
+
+Errors: a lost connection, a lock timeout, a deadlock or a serialization failure is
+``StoreBusy`` (transient: the caller tries again, nothing was committed); anything else
+``StoreError``. A pool belongs to the process that made it: after ``fork()`` it is refused.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any, Final
+
+import psycopg
+from psycopg import errors as pg_errors
+from psycopg.rows import dict_row
+from psycopg_pool import ConnectionPool, PoolTimeout
+
+from broker_adapter import crashpoints
+from broker_adapter.errors import ConfigError, StoreBusy, StoreError
+from broker_adapter.store.postgres.schema import (
+    SCHEMA_VERSION,
+    SchemaTooNew,
+    current_version,
+    migrate,
+)
+
+log = logging.getLogger("broker_adapter.store")
+
+#: URL schemes that select this backend (``--db postgresql://...``).
+URL_SCHEMES: Final = ("postgresql://", "postgres://")
+#: Connections per process at most: one per thread that writes (ingest, a worker's loop,
+#: the dispatcher, the purger) and a spare for reads.
+DEFAULT_POOL_MAX: Final = 8
+#: How long a statement waits for a row lock, and a caller for a pooled connection, before
+#: ``StoreBusy``: the SQLite store's busy timeout.
+DEFAULT_BUSY_TIMEOUT_MS: Final = 10_000
+#: Session settings of every pooled connection.
+_SESSION = (
+    "SET lock_timeout = {busy}; SET idle_in_transaction_session_timeout = 60000;"
+    " SET application_name = 'broker_adapter'"
+)
+
+Row = dict[str, Any]
+Conn = psycopg.Connection[Row]
+
+#: Server errors that mean "nothing was committed, try again".
+_TRANSIENT = (
+    pg_errors.LockNotAvailable,
+    pg_errors.DeadlockDetected,
+    pg_errors.SerializationFailure,
+    pg_errors.QueryCanceled,
+    pg_errors.AdminShutdown,
+    pg_errors.CannotConnectNow,
+)
+
+
+def is_postgres_url(target: object) -> bool:
+    """Whether ``--db`` names a PostgreSQL database rather than a SQLite file."""
+    return isinstance(target, str) and target.startswith(URL_SCHEMES)
+
+
+class PgDatabase:
+    """A connection pool on one PostgreSQL database, migrated on open.
+
+    Args:
+        url: a libpq URL (``postgresql://user@host:port/dbname?...``).
+        pool_max: connections this process opens at most.
+        busy_timeout_ms: how long a row lock or a free connection is waited for before
+            ``StoreBusy``.
+        read_only: for commands that only look: no migration (the schema must be current,
+            ``StoreError`` otherwise) and ``write`` is refused.
+
+    Raises:
+        ConfigError: ``url`` is not a PostgreSQL URL.
+        StoreBusy: the server is unreachable (it may come back).
+        StoreError: the database holds a newer schema, or is not usable.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        pool_max: int = DEFAULT_POOL_MAX,
+        busy_timeout_ms: int = DEFAULT_BUSY_TIMEOUT_MS,
+        read_only: bool = False,
+    ) -> None:
+        if not is_postgres_url(url):
+            raise ConfigError(f"not a PostgreSQL URL: {url!r}")
+        self.url = url
+        self.path = _redacted(url)  # what messages and logs show (``Database.path``)
+        self.read_only = read_only
+        self._pid = os.getpid()
+        self._busy_s = busy_timeout_ms / 1000
+        session = _SESSION.format(busy=int(busy_timeout_ms))
+
+        def configure(conn: psycopg.Connection[Any]) -> None:
+            conn.execute(session)
+            conn.commit()
+
+        self.pool: ConnectionPool[Conn] = ConnectionPool(
+            url,
+            min_size=1,
+            max_size=max(1, pool_max),
+            kwargs={"row_factory": dict_row, "connect_timeout": 10},
+            configure=configure,
+            open=False,
+            name="broker_adapter",
+        )
+        try:
+            self.pool.open(wait=True, timeout=self._busy_s)
+        except PoolTimeout as exc:
+            self.pool.close()
+            raise StoreBusy(f"cannot connect to {self.path}: {exc}") from exc
+        try:
+            self._check_schema()
+        except BaseException:
+            self.pool.close()
+            raise
+
+    def _check_schema(self) -> None:
+        try:
+            with self._connection() as conn:
+                if self.read_only:
+                    version = current_version(conn)
+                    conn.rollback()
+                    if version != SCHEMA_VERSION:
+                        raise StoreError(self._schema_refusal(version))
+                    return
+                migrate(conn)
+        except SchemaTooNew as exc:
+            raise StoreError(self._schema_refusal(exc.version)) from exc
+
+    def _schema_refusal(self, version: int) -> str:
+        if version > SCHEMA_VERSION:
+            return (
+                f"{self.path} has schema version {version}, this library knows "
+                f"{SCHEMA_VERSION}: upgrade broker_adapter"
+            )
+        if version == 0:
+            return f"{self.path} is not a broker_adapter database"
+        return (
+            f"{self.path} has schema version {version}, this library knows {SCHEMA_VERSION}:"
+            " a command that writes it (run, receive) migrates it"
+        )
+
+    @contextmanager
+    def _connection(self) -> Iterator[Conn]:
+        """A pooled connection, errors translated (``StoreBusy`` / ``StoreError``)."""
+        if os.getpid() != self._pid:
+            raise StoreError("a PostgreSQL pool was used after fork(); open a new one in the child")
+        try:
+            with self.pool.connection(timeout=self._busy_s) as conn:
+                yield conn
+        except PoolTimeout as exc:
+            raise StoreBusy(f"no free connection to {self.path}: {exc}") from exc
+        except psycopg.Error as exc:
+            raise translate(exc, self.path) from exc
+
+    @contextmanager
+    def write(self, op: str) -> Iterator[Conn]:
+        """Run one write transaction; crash points ``store.<op>.before_commit`` and
+        ``store.<op>.after_commit`` fire around its COMMIT.
+
+        Raises:
+            StoreBusy: a lock, a connection or the server was not to be had in time, or
+                the server aborted the transaction to resolve a conflict; nothing written.
+            StoreError: the database refused the transaction.
+        """
+        if self.read_only:
+            raise StoreError(f"{self.path} was opened read-only: no {op}")
+        with self._connection() as conn:
+            try:
+                yield conn
+                crashpoints.hit(f"store.{op}.before_commit")
+                conn.commit()
+            except BaseException:
+                if not conn.closed:
+                    conn.rollback()
+                raise
+        crashpoints.hit(f"store.{op}.after_commit")
+
+    @contextmanager
+    def read(self) -> Iterator[Conn]:
+        """A read-only transaction (each statement sees what was committed before it)."""
+        with self._connection() as conn:
+            try:
+                conn.execute("SET TRANSACTION READ ONLY")
+                yield conn
+            finally:
+                if not conn.closed:
+                    conn.rollback()
+
+    def fetch_one(self, sql: str, params: Sequence[Any] = ()) -> Row | None:
+        """The first row of ONE read statement, on its own."""
+        with self._connection() as conn:
+            row = conn.execute(sql, params).fetchone()
+            conn.rollback()
+        return row
+
+    def meta(self, name: str) -> bytes:
+        """A value of the ``meta`` table.
+
+        Raises:
+            StoreError: there is no such value.
+        """
+        row = self.fetch_one("SELECT value FROM meta WHERE name = %s", (name,))
+        if row is None:
+            raise StoreError(f"{self.path}: no meta value {name!r}")
+        return bytes(row["value"])
+
+    def close(self) -> None:
+        if os.getpid() == self._pid:
+            self.pool.close()
+
+    def __enter__(self) -> PgDatabase:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def translate(exc: psycopg.Error, where: str) -> Exception:
+    """The library's error for a driver error: ``StoreBusy`` when nothing was committed and
+    trying again may succeed (a lost connection, a lock or deadlock timeout), else
+    ``StoreError``."""
+    if isinstance(exc, (*_TRANSIENT, psycopg.OperationalError)):
+        return StoreBusy(f"{where}: {exc}")
+    return StoreError(f"{where}: {exc}")
+
+
+def _redacted(url: str) -> str:
+    """``url`` without a password (``user:secret@`` becomes ``user@``)."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.rsplit("@", 1)[1]
+    user = parts.username or ""
+    return urlunsplit(parts._replace(netloc=f"{user}@{netloc}"))

@@ -1,0 +1,193 @@
+"""The PostgreSQL schema, one versioned migration at a time, like the SQLite one.
+
+The SQLite store counts its schema in ``PRAGMA user_version`` (``store.db.MIGRATIONS``);
+here the count is the table ``schema_migrations``, one row per applied migration
+(``version``, what it did, when). Version N means migrations 1 to N were applied, each in
+the transaction that recorded it. Never edit a released entry: append a new one.
+
+Version 1 is the SQLite schema as its migrations left it (version 6), in PostgreSQL's
+types: times are ``double precision`` seconds like SQLite's ``REAL`` (the clock's floats,
+exactly), bodies ``bytea``. What differs, and why:
+
+* ``tasks.seq`` and ``receipts.seq`` (identities) stand in for SQLite's ``rowid``: the
+  purge walks both tables oldest first from a cursor (``retention``).
+* ``inbox_task`` indexes ``inbox.task_id``: PostgreSQL checks a foreign key of a deleted
+  task by a query on the referencing table, a scan of the whole inbox without it (SQLite's
+  purge turns the check off instead).
+* The state CHECKs are ``IN`` lists (SQLite's migration 3 rewrote them as ``=`` chains
+  for its evaluator; PostgreSQL has no such cost).
+
+Several processes on several hosts may open one database at once: ``migrate`` holds a
+transaction-scoped advisory lock (``MIGRATION_LOCK``) while it reads and raises the version.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any, Final
+
+import psycopg
+from psycopg.rows import tuple_row
+
+#: ``pg_advisory_xact_lock`` key of the migrating transaction (any fixed 64-bit number).
+MIGRATION_LOCK: Final = 0x62615F736368656D  # "ba_schem"
+#: The ``meta`` row holding the key of conflict-answer ids (as ``store.db.CONFLICT_ID_KEY``).
+CONFLICT_ID_KEY: Final = "conflict_id_key"
+
+_V1_TABLES = """
+CREATE TABLE tasks (
+    task_id        text PRIMARY KEY,
+    seq            bigint GENERATED ALWAYS AS IDENTITY UNIQUE,
+    principal      text NOT NULL,
+    message_id     text NOT NULL,
+    kind           text NOT NULL,
+    payload        text NOT NULL,
+    fingerprint    text NOT NULL,
+    correlation_id text,
+    parent_id      text,
+    state          text NOT NULL CHECK (state IN ('pending', 'running', 'done', 'failed',
+                       'cancelled', 'expired', 'hop_limit', 'unknown', 'waiting_approval')),
+    attempts       integer NOT NULL DEFAULT 0,
+    max_attempts   integer NOT NULL CHECK (max_attempts BETWEEN 1 AND 10),
+    fence          bigint NOT NULL DEFAULT 0,
+    owner          text,
+    lease_until    double precision,
+    not_before     double precision NOT NULL,
+    deadline       double precision NOT NULL,
+    hops           integer NOT NULL,
+    created_at     double precision NOT NULL,
+    updated_at     double precision NOT NULL,
+    finished_at    double precision,
+    result         text,
+    error          text,
+    CHECK (attempts <= max_attempts)
+);
+CREATE INDEX tasks_ready ON tasks (not_before) WHERE state = 'pending';
+CREATE INDEX tasks_leases ON tasks (lease_until) WHERE state = 'running';
+CREATE INDEX tasks_live_deadline ON tasks (deadline) WHERE state IN ('pending', 'running');
+
+CREATE TABLE inbox (
+    principal   text NOT NULL,
+    message_id  text NOT NULL,
+    fingerprint text NOT NULL,
+    task_id     text NOT NULL REFERENCES tasks (task_id),
+    entry_id    text,
+    received_at double precision NOT NULL,
+    duplicates  integer NOT NULL DEFAULT 0,
+    conflicts   integer NOT NULL DEFAULT 0,
+    PRIMARY KEY (principal, message_id)
+);
+CREATE INDEX inbox_received ON inbox (received_at);
+CREATE INDEX inbox_task ON inbox (task_id);
+
+CREATE TABLE outbox (
+    reply_id     text PRIMARY KEY,
+    task_id      text REFERENCES tasks (task_id),
+    principal    text NOT NULL,
+    message_id   text NOT NULL,
+    status       text NOT NULL,
+    body         bytea NOT NULL,
+    content_hash text NOT NULL,
+    state        text NOT NULL CHECK (state IN ('pending', 'sending', 'sent', 'dead')),
+    attempts     integer NOT NULL DEFAULT 0,
+    fence        bigint NOT NULL DEFAULT 0,
+    owner        text,
+    lease_until  double precision,
+    not_before   double precision NOT NULL,
+    last_error   text,
+    entry_id     text,
+    created_at   double precision NOT NULL,
+    sent_at      double precision,
+    replays      integer NOT NULL DEFAULT 0,
+    replayed_by  text,
+    replayed_at  double precision
+);
+CREATE UNIQUE INDEX outbox_one_reply_per_task ON outbox (task_id) WHERE task_id IS NOT NULL;
+CREATE INDEX outbox_ready ON outbox (not_before, created_at) WHERE state = 'pending';
+CREATE INDEX outbox_leases ON outbox (lease_until) WHERE state = 'sending';
+CREATE INDEX outbox_state ON outbox (state);
+CREATE INDEX outbox_answers ON outbox (created_at) WHERE task_id IS NULL;
+
+CREATE TABLE receipts (
+    reply_id      text PRIMARY KEY,
+    seq           bigint GENERATED ALWAYS AS IDENTITY UNIQUE,
+    content_hash  text NOT NULL,
+    principal     text NOT NULL,
+    message_id    text,
+    task_id       text,
+    status        text,
+    body          bytea NOT NULL,
+    entry_id      text,
+    received_at   double precision NOT NULL,
+    effects       integer NOT NULL DEFAULT 0,
+    effect_result text
+);
+
+CREATE TABLE meta (name text PRIMARY KEY, value bytea NOT NULL);
+"""
+
+
+def _v1(conn: psycopg.Connection[Any]) -> None:
+    """Migration 1: the tables, and the conflict-id key made once from the OS's random
+    source (it never leaves the database)."""
+    conn.execute(_V1_TABLES)
+    conn.execute(
+        "INSERT INTO meta (name, value) VALUES (%s, %s) ON CONFLICT (name) DO NOTHING",
+        (CONFLICT_ID_KEY, os.urandom(32)),
+    )
+
+
+#: ``(what it does, how)``, one per version, in order.
+MIGRATIONS: Final[tuple[tuple[str, Callable[[psycopg.Connection[Any]], None]], ...]] = (
+    ("tasks, inbox, outbox, receipts and meta (the SQLite schema at its version 6)", _v1),
+)
+SCHEMA_VERSION: Final = len(MIGRATIONS)
+
+_CREATE_VERSIONS = (
+    "CREATE TABLE IF NOT EXISTS schema_migrations (version integer PRIMARY KEY,"
+    " description text NOT NULL, applied_at timestamptz NOT NULL DEFAULT now())"
+)
+
+
+def current_version(conn: psycopg.Connection[Any]) -> int:
+    """The schema version of the connected database (0: none of ours yet)."""
+    cur = conn.cursor(row_factory=tuple_row)
+    row = cur.execute("SELECT to_regclass('schema_migrations') IS NOT NULL").fetchone()
+    if row is None or not row[0]:
+        return 0
+    got = cur.execute("SELECT coalesce(max(version), 0) FROM schema_migrations").fetchone()
+    return int(got[0]) if got is not None else 0
+
+
+def migrate(conn: psycopg.Connection[Any]) -> int:
+    """Bring the database up to ``SCHEMA_VERSION`` in ONE transaction (all or nothing).
+
+    Returns:
+        the version found before (``SCHEMA_VERSION`` when there was nothing to do).
+
+    Raises:
+        SchemaTooNew: the database was made by a newer library.
+    """
+    with conn.transaction():
+        conn.execute("SELECT pg_advisory_xact_lock(%s)", (MIGRATION_LOCK,))
+        conn.execute(_CREATE_VERSIONS)
+        found = current_version(conn)
+        if found > SCHEMA_VERSION:
+            raise SchemaTooNew(found)
+        for number in range(found, SCHEMA_VERSION):
+            description, apply = MIGRATIONS[number]
+            apply(conn)
+            conn.execute(
+                "INSERT INTO schema_migrations (version, description) VALUES (%s, %s)",
+                (number + 1, description),
+            )
+    return found
+
+
+class SchemaTooNew(Exception):
+    """The database's schema version is above ``SCHEMA_VERSION``."""
+
+    def __init__(self, version: int) -> None:
+        self.version = version
+        super().__init__(f"schema version {version}, this library knows {SCHEMA_VERSION}")

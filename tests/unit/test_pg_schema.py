@@ -1,0 +1,93 @@
+"""The PostgreSQL store's schema migrations and connection layer, on a throwaway database."""
+
+from __future__ import annotations
+
+import psycopg
+import pytest
+
+from broker_adapter import crashpoints
+from broker_adapter.errors import ConfigError, StoreError
+from broker_adapter.store.postgres.db import PgDatabase, is_postgres_url
+from broker_adapter.store.postgres.schema import CONFLICT_ID_KEY, MIGRATIONS, SCHEMA_VERSION
+
+
+def versions(url: str) -> list[int]:
+    with psycopg.connect(url) as conn:
+        return [r[0] for r in conn.execute("SELECT version FROM schema_migrations ORDER BY 1")]
+
+
+def test_pg_open_migrates_an_empty_database_to_the_current_version(pg_url: str) -> None:
+    with PgDatabase(pg_url) as db:
+        assert len(db.meta(CONFLICT_ID_KEY)) == 32
+    assert versions(pg_url) == list(range(1, len(MIGRATIONS) + 1))
+
+
+def test_pg_reopen_keeps_schema_and_conflict_key(pg_url: str) -> None:
+    with PgDatabase(pg_url) as db:
+        key = db.meta(CONFLICT_ID_KEY)
+    with PgDatabase(pg_url) as db:
+        assert db.meta(CONFLICT_ID_KEY) == key
+    assert versions(pg_url) == list(range(1, SCHEMA_VERSION + 1))
+
+
+def test_pg_refuses_a_newer_schema(pg_url: str) -> None:
+    PgDatabase(pg_url).close()
+    with psycopg.connect(pg_url) as conn:
+        conn.execute(
+            "INSERT INTO schema_migrations (version, description) VALUES (%s, 'future')",
+            (SCHEMA_VERSION + 1,),
+        )
+    with pytest.raises(StoreError, match="upgrade broker_adapter"):
+        PgDatabase(pg_url)
+
+
+def test_pg_read_only_needs_the_current_schema_and_refuses_writes(pg_url: str) -> None:
+    with pytest.raises(StoreError, match="not a broker_adapter database"):
+        PgDatabase(pg_url, read_only=True)
+    PgDatabase(pg_url).close()
+    with PgDatabase(pg_url, read_only=True) as db:
+        assert db.fetch_one("SELECT count(*) AS n FROM tasks") == {"n": 0}
+        with pytest.raises(StoreError, match="read-only"), db.write("accept"):
+            pass
+
+
+def test_pg_write_commits_once_and_rolls_back_on_error(pg_url: str) -> None:
+    with PgDatabase(pg_url) as db:
+        with db.write("meta") as c:
+            c.execute("INSERT INTO meta (name, value) VALUES ('a', 'x')")
+
+        def failing_write() -> None:
+            with db.write("meta") as c:
+                c.execute("INSERT INTO meta (name, value) VALUES ('b', 'x')")
+                raise RuntimeError("boom")
+
+        with pytest.raises(RuntimeError):
+            failing_write()
+        with db.read() as c:
+            names = {r["name"] for r in c.execute("SELECT name FROM meta")}
+        assert names == {CONFLICT_ID_KEY, "a"}
+
+
+def test_pg_write_hits_the_crash_points_on_both_sides_of_commit(
+    pg_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with PgDatabase(pg_url) as db:
+        seen: list[tuple[str, int]] = []
+
+        def hit(name: str) -> None:  # what another session sees at each point
+            with psycopg.connect(pg_url) as other:
+                row = other.execute("SELECT count(*) FROM meta WHERE name = 'a'").fetchone()
+            seen.append((name, row[0] if row else -1))
+
+        monkeypatch.setattr(crashpoints, "hit", hit)
+        with db.write("accept") as c:
+            c.execute("INSERT INTO meta (name, value) VALUES ('a', 'x')")
+    assert seen == [("store.accept.before_commit", 0), ("store.accept.after_commit", 1)]
+
+
+def test_pg_url_detection_and_refusal_of_other_targets() -> None:
+    assert is_postgres_url("postgresql://u@h/db")
+    assert is_postgres_url("postgres://u@h/db")
+    assert not is_postgres_url("/var/lib/ba/tasks.db")
+    with pytest.raises(ConfigError):
+        PgDatabase("/var/lib/ba/tasks.db")
