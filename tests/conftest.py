@@ -77,3 +77,18 @@ def pg_database() -> Iterator[ThrowawayDatabase]:
 def pg_url(pg_database: ThrowawayDatabase) -> str:
     """The URL of an empty schema of the test's own in the session's PostgreSQL database."""
     return pg_database.fresh_schema()
+
+
+#: The store backends the store and invariant suites run on (``store_target``).
+STORE_BACKENDS = ("sqlite", "postgresql")
+
+
+@pytest.fixture(params=STORE_BACKENDS)
+def store_target(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """Where a parametrised store test keeps its database: a SQLite file in ``tmp_path``,
+    or an empty schema on the local PostgreSQL server (``pg_url``; skipped without one).
+    Open it with ``tests.support.store_script.open_any``."""
+    if request.param == "sqlite":
+        return str(tmp_path / "store.db")
+    url: str = request.getfixturevalue("pg_url")
+    return url

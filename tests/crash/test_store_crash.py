@@ -198,7 +198,7 @@ def setup_reply_replay(s: Stores, clock: FakeClock) -> Prepared:
 
 
 def setup_receipt(s: Stores, clock: FakeClock) -> Prepared:
-    create_effects_table(s.db.conn)
+    create_effects_table(s.db)
     data = canonical_json({"reply_id": "r-abc", "task_id": "abc", "status": "done", "v": 1})
     args = {"reply_id": "r-abc", "content_hash": sha256_hex(data), "principal": "alice",
             "body": data.decode("utf-8")}  # fmt: skip

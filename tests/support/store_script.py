@@ -3,9 +3,10 @@
 Usage::
 
     python -m tests.support.store_script op <db> <now> <op> '<json args>'
-        Open <db>, run one store operation at the fake time <now>, print its result as one
-        JSON line and exit 0. With ``BA_CRASHPOINT=store.<op>.before_commit`` (or
-        ``after_commit``) set, the process SIGKILLs itself inside the operation instead.
+        Open <db> (a SQLite file, or a ``postgresql://`` URL), run one store operation at
+        the fake time <now>, print its result as one JSON line and exit 0. With
+        ``BA_CRASHPOINT=store.<op>.before_commit`` (or ``after_commit``) set, the process
+        SIGKILLs itself inside the operation instead.
 
     python -m tests.support.store_script serve <db> <owner>
         A long-lived claimer driven over stdin/stdout, one command per line:
@@ -27,10 +28,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, overload
+
+from psycopg.rows import tuple_row
 
 from broker_adapter.backoff import Backoff
-from broker_adapter.clock import FakeClock
+from broker_adapter.clock import Clock, FakeClock
 from broker_adapter.protocol.envelope import Envelope
 from broker_adapter.store import (
     AcceptItem,
@@ -40,7 +43,15 @@ from broker_adapter.store import (
     TaskStore,
     open_database,
 )
-from broker_adapter.store.outbox import OutboxPolicy
+from broker_adapter.store.outbox import OutboxPolicy, enqueue
+from broker_adapter.store.postgres import (
+    PgDatabase,
+    PgOutboxStore,
+    PgReceiptStore,
+    PgTaskStore,
+    is_postgres_url,
+)
+from broker_adapter.store.postgres.outbox import enqueue as pg_enqueue
 from broker_adapter.store.tasks import TaskPolicy
 
 T0 = 1_800_000_000.0
@@ -69,17 +80,95 @@ def outbox_policy() -> OutboxPolicy:
     )
 
 
+AnyDatabase = Database | PgDatabase
+
+
 @dataclass(frozen=True)
 class Stores:
+    db: AnyDatabase
+    tasks: TaskStore | PgTaskStore
+    outbox: OutboxStore | PgOutboxStore
+    receipts: ReceiptStore | PgReceiptStore
+
+    @property
+    def backend(self) -> str:
+        return "postgresql" if isinstance(self.db, PgDatabase) else "sqlite"
+
+    def enqueue(self, c: Any, **reply: Any) -> bool:
+        """The backend's ``outbox.enqueue`` in transaction ``c`` of ``db``."""
+        if isinstance(self.db, PgDatabase):
+            return pg_enqueue(c, **reply)
+        return enqueue(c, **reply)
+
+    def sql(self, statement: str, params: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+        """Run one statement (``?`` placeholders) in a write transaction of its own, as
+        a test that sets a row up by hand does; its rows as tuples."""
+        if isinstance(self.db, PgDatabase):
+            with self.db.write("accept") as c:
+                cur = c.cursor(row_factory=tuple_row)
+                cur.execute(statement.replace("?", "%s"), params)
+                return cur.fetchall() if cur.description else []
+        with self.db.write("accept") as c:
+            return [tuple(r) for r in c.execute(statement, params).fetchall()]
+
+
+def open_any(target: str | Path) -> AnyDatabase:
+    """The database ``target`` names: a ``postgresql://`` URL, else a SQLite file."""
+    if is_postgres_url(str(target)):
+        return PgDatabase(str(target))
+    return open_database(target)
+
+
+def reopen(db: AnyDatabase) -> AnyDatabase:
+    """A second connection (pool) to the database ``db`` is on."""
+    return open_any(db.url if isinstance(db, PgDatabase) else db.path)
+
+
+def task_store(
+    db: AnyDatabase, clock: Clock | None = None, policy: TaskPolicy | None = None
+) -> TaskStore | PgTaskStore:
+    """A ``TaskStore`` (or ``PgTaskStore``) on ``db``, as a test builds one by hand."""
+    if isinstance(db, PgDatabase):
+        return PgTaskStore(db, clock, policy)
+    return TaskStore(db, clock, policy)
+
+
+def outbox_store(
+    db: AnyDatabase, clock: Clock | None = None, policy: OutboxPolicy | None = None
+) -> OutboxStore | PgOutboxStore:
+    """An ``OutboxStore`` (or ``PgOutboxStore``) on ``db``, as a test builds one by hand."""
+    if isinstance(db, PgDatabase):
+        return PgOutboxStore(db, clock, policy)
+    return OutboxStore(db, clock, policy)
+
+
+@dataclass(frozen=True)
+class SqliteStores(Stores):
+    """The stores on a SQLite database (what the SQLite-only tests use)."""
+
     db: Database
     tasks: TaskStore
     outbox: OutboxStore
     receipts: ReceiptStore
 
 
-def stores(db: Database, clock: FakeClock, seed: int = 0) -> Stores:
-    """The three stores on one database, with the shared test policies and a seeded rng."""
-    return Stores(
+@overload
+def stores(db: Database, clock: FakeClock, seed: int = 0) -> SqliteStores: ...
+@overload
+def stores(db: AnyDatabase, clock: FakeClock, seed: int = 0) -> Stores: ...
+
+
+def stores(db: AnyDatabase, clock: FakeClock, seed: int = 0) -> Stores:
+    """The three stores on one database (either backend), with the shared test policies
+    and a seeded rng."""
+    if isinstance(db, PgDatabase):
+        return Stores(
+            db=db,
+            tasks=PgTaskStore(db, clock, task_policy(), random.Random(seed)),
+            outbox=PgOutboxStore(db, clock, outbox_policy(), random.Random(seed + 1)),
+            receipts=PgReceiptStore(db, clock),
+        )
+    return SqliteStores(
         db=db,
         tasks=TaskStore(db, clock, task_policy(), random.Random(seed)),
         outbox=OutboxStore(db, clock, outbox_policy(), random.Random(seed + 1)),
@@ -106,25 +195,32 @@ def item(message_id: str, principal: str = "alice", **overrides: Any) -> AcceptI
     return AcceptItem(principal, envelope(message_id, **overrides))
 
 
-def create_effects_table(conn: sqlite3.Connection) -> None:
+def create_effects_table(db: AnyDatabase) -> None:
     """The receiver's own business table, written by ``record_effect``."""
-    conn.execute(
-        "CREATE TABLE IF NOT EXISTS effects (reply_id TEXT PRIMARY KEY, status TEXT NOT NULL)"
-    )
+    sql = "CREATE TABLE IF NOT EXISTS effects (reply_id TEXT PRIMARY KEY, status TEXT NOT NULL)"
+    if isinstance(db, PgDatabase):
+        with db.write("receipt") as c:
+            c.execute(sql)
+    else:
+        db.conn.execute(sql)
 
 
-def record_effect(conn: sqlite3.Connection, reply: dict[str, Any]) -> Json:
+def record_effect(conn: Any, reply: dict[str, Any]) -> Json:
     """A receiver effect: one row in ``effects`` per applied reply (a PK makes a second one
-    fail loudly)."""
+    fail loudly). ``conn``: the transaction's connection, SQLite's or psycopg's."""
+    mark = "?" if isinstance(conn, sqlite3.Connection) else "%s"
     conn.execute(
-        "INSERT INTO effects (reply_id, status) VALUES (?, ?)",
+        f"INSERT INTO effects (reply_id, status) VALUES ({mark}, {mark})",
         (reply["reply_id"], reply["status"]),
     )
     return {"applied": reply["reply_id"]}
 
 
-def dump(db: Database) -> Dump:
-    """Every row of every table, in a stable order (to compare before/after)."""
+def dump(db: AnyDatabase) -> Dump:
+    """Every row of every table, in a stable order (to compare before/after). On
+    PostgreSQL the ``seq`` columns (SQLite's rowid) are left out, as the rowid is."""
+    if isinstance(db, PgDatabase):
+        return _dump_pg(db)
     out: Dump = {}
     with db.read() as c:
         present = {r[0] for r in c.execute("SELECT name FROM sqlite_master WHERE type='table'")}
@@ -137,8 +233,30 @@ def dump(db: Database) -> Dump:
     return out
 
 
-def dump_path(path: Path) -> Dump:
-    with open_database(path) as db:
+def _dump_pg(db: PgDatabase) -> Dump:
+    out: Dump = {}
+    with db.read() as c:
+        present = {
+            r["name"]
+            for r in c.execute(
+                "SELECT table_name AS name FROM information_schema.tables"
+                " WHERE table_schema = current_schema()"
+            )
+        }
+        for table in TABLES:
+            if table not in present:
+                out[table] = []
+                continue
+            rows = []
+            for r in c.execute(f"SELECT * FROM {table}"):
+                r.pop("seq", None)
+                rows.append({k: bytes(v) if isinstance(v, memoryview) else v for k, v in r.items()})
+            out[table] = sorted(rows, key=lambda r: json.dumps(r, sort_keys=True, default=repr))
+    return out
+
+
+def dump_path(path: str | Path) -> Dump:
+    with open_any(path) as db:
         return dump(db)
 
 
@@ -250,9 +368,9 @@ OPS: dict[str, Callable[[Stores, dict[str, Any]], Json]] = {
 
 def run_op(db_path: str | Path, now: float, op: str, args: dict[str, Any]) -> Json:
     """Open the database, run ``op`` at the fake time ``now`` and return its JSON result."""
-    with open_database(db_path) as db:
+    with open_any(db_path) as db:
         if op == "receipt":
-            create_effects_table(db.conn)
+            create_effects_table(db)
         return OPS[op](stores(db, FakeClock(now), args.get("seed", 0)), args)
 
 
@@ -266,7 +384,7 @@ def _say(line: str) -> None:
 
 def serve(db_path: str, owner: str) -> int:
     clock = FakeClock(T0)
-    with open_database(db_path) as db:
+    with open_any(db_path) as db:
         tasks = stores(db, clock).tasks
         for line in sys.stdin:
             words = line.split()

@@ -16,9 +16,8 @@ from broker_adapter.errors import FencedError, StaleError, TaskCancelled
 from broker_adapter.stages.handlers import Task, call_handler
 from broker_adapter.stages.worker import Worker, WorkerConfig
 from broker_adapter.store import ClaimedTask, FailOutcome, open_database
-from broker_adapter.store.outbox import enqueue
 from broker_adapter.store.tasks import Settlement
-from tests.support.store_script import LEASE_S, T0, Stores, item, stores
+from tests.support.store_script import LEASE_S, T0, Stores, item, open_any, stores
 
 WAIT_S = 10.0
 
@@ -29,8 +28,8 @@ def clock() -> FakeClock:
 
 
 @pytest.fixture
-def s(tmp_path: Path, clock: FakeClock) -> Iterator[Stores]:
-    with open_database(tmp_path / "batch.db") as db:
+def s(store_target: str, clock: FakeClock) -> Iterator[Stores]:
+    with open_any(store_target) as db:
         yield stores(db, clock)
 
 
@@ -137,7 +136,7 @@ def test_outbox_has_ready_and_mark_sent_and_claim(s: Stores, clock: FakeClock) -
     assert not s.outbox.has_ready()
     with s.db.write("test") as c:
         for i in range(4):
-            enqueue(c, reply_id=f"r{i}", task_id=None, principal="alice", message_id=f"m{i}",
+            s.enqueue(c, reply_id=f"r{i}", task_id=None, principal="alice", message_id=f"m{i}",
                     status="done", body={"i": i}, now=clock.now() - 1 + i * 0.001)  # fmt: skip
     assert s.outbox.has_ready()
     rows = s.outbox.claim("d1", 2)
@@ -223,7 +222,7 @@ def test_worker_skips_a_waiting_task_whose_lease_was_lost(s: Stores, clock: Fake
         assert worker.renew_leases() == 0  # a's and b's renewals are refused now
         return "ok"
 
-    worker = Worker(WorkerConfig(owner="w1", batch=2), s.tasks, takeover_of_the_next)
+    worker = Worker(WorkerConfig(owner="w1", batch=2), s.tasks, takeover_of_the_next)  # type: ignore[arg-type]
     assert worker.run_once() == 2
     assert ran == [a]
     assert worker.stats.done == 0

@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterator
-from pathlib import Path
 
 import pytest
 
 from broker_adapter.clock import FakeClock
 from broker_adapter.errors import FencedError, StaleError
 from broker_adapter.protocol.envelope import canonical_json, sha256_hex
-from broker_adapter.store import OutboxRow, open_database
-from broker_adapter.store.outbox import UnknownReply, enqueue
+from broker_adapter.store import OutboxRow
+from broker_adapter.store.outbox import UnknownReply
 from tests.support.store_script import (
     OUTBOX_BACKOFF,
     OUTBOX_LEASE_S,
@@ -21,6 +20,8 @@ from tests.support.store_script import (
     Stores,
     dump,
     item,
+    open_any,
+    outbox_store,
     stores,
 )
 
@@ -31,8 +32,8 @@ def clock() -> FakeClock:
 
 
 @pytest.fixture
-def s(tmp_path: Path, clock: FakeClock) -> Iterator[Stores]:
-    with open_database(tmp_path / "outbox.db") as db:
+def s(store_target: str, clock: FakeClock) -> Iterator[Stores]:
+    with open_any(store_target) as db:
         yield stores(db, clock)
 
 
@@ -50,17 +51,16 @@ def row(s: Stores, reply_id: str) -> OutboxRow:
 
 
 def not_before(s: Stores, reply_id: str) -> float:
-    with s.db.read() as c:
-        value = c.execute("SELECT not_before FROM outbox WHERE reply_id = ?", (reply_id,))
-        return float(value.fetchone()[0])
+    ((value,),) = s.sql("SELECT not_before FROM outbox WHERE reply_id = ?", (reply_id,))
+    return float(value)
 
 
 def test_outbox_enqueue_stores_canonical_body_and_hash_once(s: Stores) -> None:
     body = {"b": 1, "a": "é"}
     with s.db.write("accept") as c:
-        assert enqueue(c, reply_id="x1", task_id=None, principal="alice", message_id="m",
+        assert s.enqueue(c, reply_id="x1", task_id=None, principal="alice", message_id="m",
                        status="conflict", body=body, now=T0)  # fmt: skip
-        assert not enqueue(c, reply_id="x1", task_id=None, principal="alice", message_id="m",
+        assert not s.enqueue(c, reply_id="x1", task_id=None, principal="alice", message_id="m",
                            status="conflict", body={"other": 1}, now=T0)  # fmt: skip
     r = row(s, "x1")
     assert r.body == canonical_json(body)
@@ -72,7 +72,7 @@ def test_outbox_enqueue_refuses_second_reply_for_same_task(s: Stores) -> None:
     reply_id = finished(s)
     task_id = row(s, reply_id).task_id
     with s.db.write("finish") as c:
-        assert not enqueue(c, reply_id="r-other", task_id=task_id, principal="alice",
+        assert not s.enqueue(c, reply_id="r-other", task_id=task_id, principal="alice",
                            message_id="m1", status="done", body={}, now=T0)  # fmt: skip
     assert [r["reply_id"] for r in dump(s.db)["outbox"]] == [reply_id]
 
@@ -277,15 +277,15 @@ def test_outbox_reply_body_is_fixed_at_enqueue(s: Stores, clock: FakeClock) -> N
 
 
 def test_outbox_claim_marks_dead_a_row_whose_publishers_keep_dying(
-    tmp_path: Path, clock: FakeClock
+    store_target: str, clock: FakeClock
 ) -> None:
     from broker_adapter.protocol.envelope import Envelope
-    from broker_adapter.store import AcceptItem, OutboxStore, TaskStore, open_database
+    from broker_adapter.store import AcceptItem
     from broker_adapter.store.outbox import OutboxPolicy
 
-    db = open_database(tmp_path / "dying.db")
-    tasks = TaskStore(db, clock)
-    outbox = OutboxStore(db, clock, OutboxPolicy(lease_s=5, max_attempts=2))
+    db = open_any(store_target)
+    tasks = stores(db, clock).tasks
+    outbox = outbox_store(db, clock, OutboxPolicy(lease_s=5, max_attempts=2))
     env = Envelope.build(message_id="m", sender="a", payload={}, deadline=clock.now() + 1)
     tasks.accept([AcceptItem("a", env)])
     clock.advance(2)

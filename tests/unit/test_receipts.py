@@ -2,17 +2,23 @@
 
 from __future__ import annotations
 
-import sqlite3
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 from broker_adapter.clock import FakeClock
 from broker_adapter.protocol.envelope import canonical_json, sha256_hex
-from broker_adapter.store import ReceiptOutcome, open_database
-from tests.support.store_script import T0, Stores, create_effects_table, dump, record_effect, stores
+from broker_adapter.store import ReceiptOutcome
+from tests.support.store_script import (
+    T0,
+    Stores,
+    create_effects_table,
+    dump,
+    open_any,
+    record_effect,
+    stores,
+)
 
 
 @pytest.fixture
@@ -21,9 +27,9 @@ def clock() -> FakeClock:
 
 
 @pytest.fixture
-def s(tmp_path: Path, clock: FakeClock) -> Iterator[Stores]:
-    with open_database(tmp_path / "receiver.db") as db:
-        create_effects_table(db.conn)
+def s(store_target: str, clock: FakeClock) -> Iterator[Stores]:
+    with open_any(store_target) as db:
+        create_effects_table(db)
         yield stores(db, clock)
 
 
@@ -38,7 +44,7 @@ class CountingEffect:
     def __init__(self) -> None:
         self.calls = 0
 
-    def __call__(self, conn: sqlite3.Connection, value: dict[str, Any]) -> Any:
+    def __call__(self, conn: Any, value: dict[str, Any]) -> Any:
         self.calls += 1
         return record_effect(conn, value)
 
@@ -101,7 +107,7 @@ def test_receipt_apply_refuses_different_content_for_same_reply_id(s: Stores) ->
 def test_receipt_apply_rolls_back_effect_and_receipt_when_effect_raises(s: Stores) -> None:
     body, digest = reply()
 
-    def half_done(conn: sqlite3.Connection, value: dict[str, Any]) -> Any:
+    def half_done(conn: Any, value: dict[str, Any]) -> Any:
         record_effect(conn, value)  # a write that must not survive
         raise RuntimeError("downstream refused")
 
@@ -123,7 +129,7 @@ def test_receipt_apply_rolls_back_effect_and_receipt_when_effect_raises(s: Store
 def test_receipt_apply_rolls_back_when_effect_result_is_not_json(s: Stores) -> None:
     body, digest = reply()
 
-    def returns_set(conn: sqlite3.Connection, value: dict[str, Any]) -> Any:
+    def returns_set(conn: Any, value: dict[str, Any]) -> Any:
         record_effect(conn, value)
         return {1, 2}
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 import os
-import sqlite3
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from pathlib import Path
@@ -22,10 +21,20 @@ from broker_adapter.store.retention import (
     PURGE_PAUSE_S,
     PurgeBatch,
     PurgeSchedule,
-    purge_requests,
 )
-from broker_adapter.store.tasks import Settlement, TaskPolicy, TaskStore
-from tests.support.store_script import RETENTION_S, T0, Stores, dump, item, stores
+from broker_adapter.store.tasks import Settlement, TaskPolicy
+from tests.support.store_script import (
+    RETENTION_S,
+    T0,
+    SqliteStores,
+    Stores,
+    dump,
+    item,
+    open_any,
+    reopen,
+    stores,
+    task_store,
+)
 
 
 @pytest.fixture
@@ -34,7 +43,14 @@ def clock() -> FakeClock:
 
 
 @pytest.fixture
-def s(tmp_path: Path, clock: FakeClock) -> Iterator[Stores]:
+def s(store_target: str, clock: FakeClock) -> Iterator[Stores]:
+    with open_any(store_target) as db:
+        yield stores(db, clock)
+
+
+@pytest.fixture
+def sq(tmp_path: Path, clock: FakeClock) -> Iterator[SqliteStores]:
+    """The stores on SQLite only, for what only a SQLite file has (its size, pragmas)."""
     with open_database(tmp_path / "retention.db") as db:
         yield stores(db, clock)
 
@@ -76,8 +92,16 @@ def rows_of(s: Stores, task_id: str) -> dict[str, list[dict[str, Any]]]:
 
 
 def no_dangling_references(s: Stores) -> None:
-    with s.db.read() as c:
-        assert c.execute("PRAGMA foreign_key_check").fetchall() == []
+    if s.backend == "sqlite":
+        assert s.sql("PRAGMA foreign_key_check") == []
+    for child in ("inbox", "outbox"):  # PostgreSQL's foreign keys are never off: a check
+        assert (
+            s.sql(
+                f"SELECT c.task_id FROM {child} c LEFT JOIN tasks t ON t.task_id = c.task_id"
+                " WHERE c.task_id IS NOT NULL AND t.task_id IS NULL"
+            )
+            == []
+        )
 
 
 # -- what stays -------------------------------------------------------------------------------
@@ -92,15 +116,13 @@ def _running(s: Stores) -> str:
     (task_id,) = accepted(s, "kept", deadline=T0 + RETENTION_S)
     (task,) = [t for t in s.tasks.claim("w9", 10) if t.task_id == task_id]
     # A lease that outlives the window (renewed all along): still running at the purge.
-    with s.db.write("renew") as c:
-        c.execute("UPDATE tasks SET lease_until = ? WHERE task_id = ?", (T0 * 2, task.task_id))
+    s.sql("UPDATE tasks SET lease_until = ? WHERE task_id = ?", (T0 * 2, task.task_id))
     return task_id
 
 
 def _waiting_approval(s: Stores) -> str:
     (task_id,) = accepted(s, "kept", deadline=T0 + RETENTION_S)
-    with s.db.write("claim") as c:
-        c.execute("UPDATE tasks SET state = 'waiting_approval' WHERE task_id = ?", (task_id,))
+    s.sql("UPDATE tasks SET state = 'waiting_approval' WHERE task_id = ?", (task_id,))
     return task_id
 
 
@@ -145,7 +167,7 @@ def _accepted_inside_window(s: Stores) -> str:
 
 def _deadline_ahead(s: Stores) -> str:
     # accepted under a longer window, before deadlines were bounded by this one
-    longer = TaskStore(s.db, s.tasks.clock, TaskPolicy(retention_s=20 * RETENTION_S))
+    longer = task_store(s.db, s.tasks.clock, TaskPolicy(retention_s=20 * RETENTION_S))
     (res,) = longer.accept([item("kept", deadline=T0 + RETENTION_S + 10)])
     assert res.task_id is not None
     sent(s, finished(s, [res.task_id]))
@@ -189,23 +211,21 @@ def test_purge_waits_for_the_window_to_the_edge(s: Stores, clock: FakeClock) -> 
     assert s.tasks.purge() == 1
 
 
-def test_purge_rechecks_each_request_inside_its_transaction(
-    s: Stores, clock: FakeClock, tmp_path: Path
-) -> None:
+def test_purge_rechecks_each_request_inside_its_transaction(s: Stores, clock: FakeClock) -> None:
     """A data-loss resend puts a sent reply back in line between the purge's read and its
     transaction: the request stays."""
     (task_id,) = done_and_sent(s, "m1")
     clock.set(T0 + RETENTION_S + 1)
     write = s.db.write
 
-    def resend_first(op: str, **options: Any) -> AbstractContextManager[sqlite3.Connection]:
-        with open_database(tmp_path / "retention.db") as other:
+    def resend_first(op: str, **options: Any) -> AbstractContextManager[Any]:
+        with reopen(s.db) as other:
             assert stores(other, clock).outbox.requeue_sent() == 1
         return write(op, **options)
 
     s.db.write = resend_first  # type: ignore[method-assign,assignment]
     try:
-        batch = purge_requests(s.db, clock.now(), RETENTION_S)
+        batch = s.tasks.purge_batch()
     finally:
         s.db.write = write  # type: ignore[method-assign]
     assert (batch.requests, batch.records, batch.replies) == (0, 0, 0)
@@ -252,8 +272,9 @@ def test_purge_stops_its_walk_at_the_first_request_inside_the_window(
     batch = s.tasks.purge_batch()
     assert (batch.requests, batch.more) == (1, False)
     assert s.tasks.find("alice", "young") is not None
-    with s.db.read() as c:  # the walk ended before the young request, not past it
-        (young,) = c.execute("SELECT rowid FROM tasks").fetchone()
+    # The walk ended before the young request, not past it (SQLite's rowid, the seq here).
+    cursor = "rowid" if s.backend == "sqlite" else "seq"
+    ((young,),) = s.sql(f"SELECT {cursor} FROM tasks")
     assert batch.after == young - 1
 
 
@@ -337,9 +358,12 @@ def test_receipts_go_after_the_window_to_the_edge_in_batches(s: Stores, clock: F
 # -- the file -------------------------------------------------------------------------------
 
 
-def test_the_file_stops_growing_when_every_window_is_purged(s: Stores, clock: FakeClock) -> None:
+def test_the_file_stops_growing_when_every_window_is_purged(
+    sq: SqliteStores, clock: FakeClock
+) -> None:
     """Freed pages are reused (SQLite's freelist): round after round of the same traffic,
     each purged once past the window, the file keeps the size of one round."""
+    s = sq
     sizes = []
     for round_ in range(4):
         mids = [f"r{round_}-{i}" for i in range(600)]
@@ -393,7 +417,9 @@ def test_a_failing_batch_is_logged_and_tried_again_an_interval_later(
     assert "purged 2 requests" in caplog.text
 
 
-def test_write_without_foreign_keys_turns_them_back_on(s: Stores) -> None:
+def test_write_without_foreign_keys_turns_them_back_on(sq: SqliteStores) -> None:
+    s = sq
+
     def fk() -> int:
         return int(s.db.conn.execute("PRAGMA foreign_keys").fetchone()[0])
 

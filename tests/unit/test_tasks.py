@@ -51,7 +51,10 @@ from tests.support.store_script import (
     dump,
     envelope,
     item,
+    open_any,
+    reopen,
     stores,
+    task_store,
 )
 
 
@@ -61,8 +64,8 @@ def clock() -> FakeClock:
 
 
 @pytest.fixture
-def s(tmp_path: Path, clock: FakeClock) -> Iterator[Stores]:
-    with open_database(tmp_path / "tasks.db") as db:
+def s(store_target: str, clock: FakeClock) -> Iterator[Stores]:
+    with open_any(store_target) as db:
         yield stores(db, clock)
 
 
@@ -200,8 +203,8 @@ def test_conflict_reply_id_needs_the_databases_key(s: Stores, tmp_path: Path) ->
     assert res.reply_id == conflict_reply_id(key, "alice", "m1", fingerprint)
     public = sha256_hex(f"alice\0m1\0{fingerprint}".encode())  # the former id
     assert res.reply_id != f"c-{public[:32]}"
-    with open_database(s.db.path) as again:
-        assert TaskStore(again).conflict_reply_id("alice", "m1", fingerprint) == res.reply_id
+    with reopen(s.db) as again:
+        assert task_store(again).conflict_reply_id("alice", "m1", fingerprint) == res.reply_id
     with open_database(tmp_path / "other.db") as other:
         assert TaskStore(other).conflict_reply_id("alice", "m1", fingerprint) != res.reply_id
 
@@ -296,7 +299,7 @@ def _accept_with_long_window(s: Stores, mid: str, deadline: float) -> str:
     """Accept ``mid`` through a store with a window 20 times longer on the same file: a
     record from before the window was shortened (or before it bounded deadlines), whose
     deadline lies beyond the current window."""
-    longer = TaskStore(s.db, s.tasks.clock, TaskPolicy(retention_s=20 * RETENTION_S))
+    longer = task_store(s.db, s.tasks.clock, TaskPolicy(retention_s=20 * RETENTION_S))
     (res,) = longer.accept([item(mid, deadline=deadline)])
     assert res.outcome is Outcome.STORED, res
     assert res.task_id is not None
@@ -1114,10 +1117,10 @@ def test_database_refuses_use_after_fork(tmp_path: Path) -> None:
 
 
 def test_tasks_accept_counts_hops_from_the_parent_task_not_the_body(
-    tmp_path: Path, clock: FakeClock
+    store_target: str, clock: FakeClock
 ) -> None:
-    db = open_database(tmp_path / "hops.db")
-    tasks = TaskStore(db, clock, TaskPolicy(max_hops=2))
+    db = open_any(store_target)
+    tasks = task_store(db, clock, TaskPolicy(max_hops=2))
     deadline = clock.now() + 60
     parent = Envelope.build(message_id="p", sender="a", payload={}, deadline=deadline)
     (root,) = tasks.accept([AcceptItem("a", parent)])
@@ -1133,7 +1136,6 @@ def test_tasks_accept_counts_hops_from_the_parent_task_not_the_body(
         chain.append(res.task_id)
         outcomes.append(res.outcome)
     assert outcomes == [Outcome.STORED, Outcome.STORED, Outcome.HOP_LIMIT]
-    with db.read() as c:
-        hops = [c.execute("SELECT hops FROM tasks WHERE task_id = ?", (t,)).fetchone()[0]
-                for t in chain]  # fmt: skip
-    assert hops == [0, 1, 2, 3]
+    by_id = {row["task_id"]: row["hops"] for row in dump(db)["tasks"]}
+    assert [by_id[t] for t in chain] == [0, 1, 2, 3]
+    db.close()

@@ -1,0 +1,222 @@
+"""Intake on PostgreSQL: a batch of authenticated envelopes recorded in one transaction,
+deduplicated on the inbox's primary key ``(principal, message_id)``.
+
+The decisions are ``store.tasks``' (stored, duplicate, conflict, expired, hop limit,
+refused, not a task), made on the inbox records the batch names. With several adapter
+processes on one database (a takeover of a dead host's stream entries delivers the same
+envelope to another process), two transactions could both find no record for one
+identity and both store a task. So before it reads those records, the transaction takes a
+transaction-scoped advisory lock per identity of the batch (``identity_lock``), in one
+sorted order (two batches never wait on each other in a cycle): a second accept of the
+same identity waits for the first to commit, then reads its record and answers
+``duplicate`` (or ``conflict``), exactly as the single SQLite writer does. The primary key
+stays the last word: an insert it refuses aborts the transaction, never a second record.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from broker_adapter.errors import EnvelopeError
+from broker_adapter.store.postgres.db import Conn
+from broker_adapter.store.postgres.lifecycle import write_reply
+from broker_adapter.store.postgres.outbox import enqueue
+from broker_adapter.store.tasks import (
+    TERMINAL_STATES,
+    AcceptItem,
+    AcceptResult,
+    Outcome,
+    TaskState,
+    _hops,
+    reply_id_for,
+)
+
+if TYPE_CHECKING:
+    from broker_adapter.store.postgres.tasks import PgTaskStore
+
+_INSERT_TASK = (
+    "INSERT INTO tasks (task_id, principal, message_id, kind, payload, fingerprint,"
+    " correlation_id, parent_id, state, max_attempts, not_before, deadline, hops,"
+    " created_at, updated_at, finished_at, error)"
+    " VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)"
+)
+# A reused id past the retention window (its task terminal) takes the record over.
+_UPSERT_INBOX = (
+    "INSERT INTO inbox (principal, message_id, fingerprint, task_id, entry_id, received_at)"
+    " VALUES (%s, %s, %s, %s, %s, %s)"
+    " ON CONFLICT (principal, message_id) DO UPDATE SET fingerprint = excluded.fingerprint,"
+    " task_id = excluded.task_id, entry_id = excluded.entry_id,"
+    " received_at = excluded.received_at, duplicates = 0, conflicts = 0"
+)
+
+
+def identity_lock(principal: str, message_id: str) -> int:
+    """The advisory-lock key of one request identity: 64 bits of its SHA-256, signed (a
+    collision only makes two identities wait on each other)."""
+    digest = hashlib.sha256(f"{principal}\0{message_id}".encode()).digest()
+    return int.from_bytes(digest[:8], "big", signed=True)
+
+
+@dataclass
+class _AcceptBatch:
+    """What one accept transaction decided, written in bulk and in order."""
+
+    known: dict[tuple[str, str], Mapping[str, Any]]
+    parent_hops: dict[str, int]
+    ids: Iterator[str]
+    tasks: list[tuple[Any, ...]] = field(default_factory=list)
+    inbox: list[tuple[Any, ...]] = field(default_factory=list)
+    duplicates: list[tuple[str, str]] = field(default_factory=list)
+    then: list[Callable[[Conn], object]] = field(default_factory=list)
+
+    def write(self, c: Conn) -> None:
+        cur = c.cursor()
+        if self.tasks:
+            cur.executemany(_INSERT_TASK, self.tasks)
+            cur.executemany(_UPSERT_INBOX, self.inbox)
+        if self.duplicates:
+            cur.executemany(
+                "UPDATE inbox SET duplicates = duplicates + 1"
+                " WHERE principal = %s AND message_id = %s",
+                self.duplicates,
+            )
+        for op in self.then:
+            op(c)
+
+
+def accept_in(
+    store: PgTaskStore, c: Conn, items: Sequence[AcceptItem], now: float,
+    fingerprints: Sequence[str], payloads: Sequence[str], ids: Sequence[str],
+) -> list[AcceptResult]:  # fmt: skip
+    """Lock the batch's identities, read their records, decide and write every item."""
+    keys = sorted({identity_lock(i.principal, i.envelope.message_id) for i in items})
+    c.cursor().executemany("SELECT pg_advisory_xact_lock(%s)", [(k,) for k in keys])
+    batch = _AcceptBatch(known=_prefetch(c, items), parent_hops=_parent_hops(c, items),
+                         ids=iter(ids))  # fmt: skip
+    results = [
+        _accept_one(store, batch, item, now, fingerprint, payload)
+        for item, fingerprint, payload in zip(items, fingerprints, payloads, strict=True)
+    ]
+    batch.write(c)
+    return results
+
+
+def _prefetch(c: Conn, items: Sequence[AcceptItem]) -> dict[tuple[str, str], Mapping[str, Any]]:
+    """The inbox records of a whole batch: one primary-key query per principal."""
+    by_principal: dict[str, set[str]] = {}
+    for item in items:
+        by_principal.setdefault(item.principal, set()).add(item.envelope.message_id)
+    known: dict[tuple[str, str], Mapping[str, Any]] = {}
+    for principal, ids in by_principal.items():
+        rows = c.execute(
+            "SELECT i.principal, i.message_id, i.fingerprint, i.task_id, i.received_at,"
+            " t.state, t.deadline FROM inbox i JOIN tasks t ON t.task_id = i.task_id"
+            " WHERE i.principal = %s AND i.message_id = ANY(%s)",
+            (principal, list(ids)),
+        ).fetchall()
+        for row in rows:
+            known[(row["principal"], row["message_id"])] = row
+    return known
+
+
+def _parent_hops(c: Conn, items: Sequence[AcceptItem]) -> dict[str, int]:
+    parents = list({i.envelope.parent_id for i in items} - {None})
+    if not parents:
+        return {}
+    rows = c.execute("SELECT task_id, hops FROM tasks WHERE task_id = ANY(%s)", (parents,))
+    return {r["task_id"]: int(r["hops"]) for r in rows}
+
+
+def _accept_one(
+    store: PgTaskStore, batch: _AcceptBatch, item: AcceptItem, now: float,
+    fingerprint: str, payload: str,
+) -> AcceptResult:  # fmt: skip
+    env = item.envelope
+    if env.kind != "task":
+        detail = f"kind {env.kind!r} does not become work"
+        return AcceptResult(Outcome.NOT_TASK, detail=detail,
+                            refusal=EnvelopeError("kind", "not_task", detail))  # fmt: skip
+    key = (item.principal, env.message_id)
+    row = batch.known.get(key)
+    if row is not None and not _forgotten(store, row, now):
+        return _known(store, batch, item, row, fingerprint, now)
+    retention_s = store.policy.retention_s
+    if env.deadline > now + retention_s:
+        detail = (
+            f"deadline {env.deadline!r} is more than the retention window"
+            f" ({retention_s:g} s) ahead of now ({now!r})"
+        )
+        return AcceptResult(Outcome.REFUSED, detail=detail,
+                            refusal=EnvelopeError("deadline", "too_large", detail))  # fmt: skip
+    task_id = next(batch.ids)
+    hops = _hops(env, batch.parent_hops)
+    state, outcome, error = TaskState.PENDING, Outcome.STORED, None
+    if env.deadline <= now:
+        state, outcome, error = TaskState.EXPIRED, Outcome.EXPIRED, "deadline already past"
+    elif hops > store.policy.max_hops:
+        state, outcome = TaskState.HOP_LIMIT, Outcome.HOP_LIMIT
+        error = f"hops {hops} exceed the limit {store.policy.max_hops}"
+    batch.tasks.append(
+        (
+            task_id, item.principal, env.message_id, env.kind, payload,
+            fingerprint, env.correlation_id, env.parent_id, state.value, env.max_attempts,
+            now, env.deadline, hops, now, now,
+            None if state is TaskState.PENDING else now, error,
+        )
+    )  # fmt: skip
+    batch.inbox.append((item.principal, env.message_id, fingerprint, task_id, item.entry_id, now))
+    batch.known[key] = {
+        "fingerprint": fingerprint, "task_id": task_id, "received_at": now,
+        "state": state.value, "deadline": env.deadline,
+    }  # fmt: skip
+    reply_id = None
+    if state is not TaskState.PENDING:
+        reply_id = reply_id_for(task_id)
+        t = {"principal": item.principal, "message_id": env.message_id,
+             "correlation_id": env.correlation_id, "attempts": 0, "fence": 0}  # fmt: skip
+        batch.then.append(lambda c: write_reply(c, task_id, state, None, error, now, t=t))
+    return AcceptResult(outcome, task_id, reply_id, error or "")
+
+
+def _forgotten(store: PgTaskStore, row: Mapping[str, Any], now: float) -> bool:
+    """Whether an inbox record no longer dedupes (``TaskStore._forgotten``'s rule)."""
+    return (
+        now - row["received_at"] >= store.policy.retention_s
+        and row["state"] in TERMINAL_STATES
+        and row["deadline"] <= now
+    )
+
+
+def _known(
+    store: PgTaskStore, batch: _AcceptBatch, item: AcceptItem, row: Mapping[str, Any],
+    fingerprint: str, now: float,
+) -> AcceptResult:  # fmt: skip
+    env = item.envelope
+    key = (item.principal, env.message_id)
+    if row["fingerprint"] == fingerprint:
+        batch.duplicates.append(key)
+        return AcceptResult(Outcome.DUPLICATE, row["task_id"])
+    reply_id = store.conflict_reply_id(item.principal, env.message_id, fingerprint)
+    detail = "message_id reused with different content; the first request stands"
+    body = {
+        "v": 1, "reply_id": reply_id, "task_id": row["task_id"], "principal": item.principal,
+        "message_id": env.message_id, "correlation_id": env.correlation_id,
+        "status": "conflict", "result": None, "error": detail, "fingerprint": fingerprint,
+        "stored_fingerprint": row["fingerprint"],
+    }  # fmt: skip
+
+    def write(c: Conn) -> None:
+        c.execute(
+            "UPDATE inbox SET conflicts = conflicts + 1 WHERE principal = %s AND message_id = %s",
+            key,
+        )
+        enqueue(
+            c, reply_id=reply_id, task_id=None, principal=item.principal,
+            message_id=env.message_id, status="conflict", body=body, now=now,
+        )  # fmt: skip
+
+    batch.then.append(write)
+    return AcceptResult(Outcome.CONFLICT, row["task_id"], reply_id, detail)
