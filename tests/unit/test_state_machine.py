@@ -17,6 +17,7 @@ import json
 import random
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,13 +40,14 @@ from broker_adapter.errors import StaleError
 from broker_adapter.store import (
     AcceptItem,
     FailOutcome,
-    OutboxStore,
     Outcome,
-    TaskStore,
     open_database,
 )
+from broker_adapter.store.db import Database
 from broker_adapter.store.outbox import OutboxPolicy
+from broker_adapter.store.postgres import PgDatabase
 from broker_adapter.store.tasks import reply_id_for
+from tests.support.postgres import ThrowawayDatabase
 from tests.support.store_script import (
     LEASE_S,
     MAX_HOPS,
@@ -54,9 +56,10 @@ from tests.support.store_script import (
     RETENTION_S,
     T0,
     TASK_BACKOFF,
+    dump,
     envelope,
-    task_policy,
 )
+from tests.support.store_script import stores as stores_on
 
 TERMINAL = {"done", "failed", "cancelled", "expired", "hop_limit"}
 LIVE = {"pending", "running"}
@@ -119,18 +122,28 @@ class StoreMachine(RuleBasedStateMachine):
     task_handles = Bundle("task_handles")
     reply_handles = Bundle("reply_handles")
 
+    #: Where each run's database lives: ``None`` for a SQLite file in a temporary
+    #: directory, else a callable giving a fresh PostgreSQL schema's URL.
+    fresh_postgres: Callable[[], str] | None = None
+
     def __init__(self) -> None:
         super().__init__()
         self.dir = Path(tempfile.mkdtemp(prefix="ba-sm-"))
-        self.db = open_database(self.dir / "sm.db", synchronous="NORMAL")
+        self.db: Database | PgDatabase
+        if self.fresh_postgres is None:
+            self.db = open_database(self.dir / "sm.db", synchronous="NORMAL")
+        else:
+            self.db = PgDatabase(self.fresh_postgres())
         self.clock = FakeClock(T0)
         self.tasks_model: dict[str, MTask] = {}
         self.replies_model: dict[str, MReply] = {}
         self.inbox: dict[tuple[str, str], InboxRecord] = {}
         self.deadlines: dict[str, float] = {}
         self.stale_commits = 0
-        self.tasks = TaskStore(self.db, self.clock, task_policy(), random.Random(0))
-        self.outbox = OutboxStore(self.db, self.clock, OUTBOX_POLICY, random.Random(1))
+        stores = stores_on(self.db, self.clock)
+        self.tasks, self.outbox = stores.tasks, stores.outbox
+        self.tasks.rng, self.outbox.rng = random.Random(0), random.Random(1)
+        self.outbox.policy = OUTBOX_POLICY
 
     def teardown(self) -> None:
         self.db.close()
@@ -202,11 +215,7 @@ class StoreMachine(RuleBasedStateMachine):
         return None
 
     def _snapshot(self) -> str:
-        with self.db.read() as c:
-            rows = {
-                table: [dict(r) for r in c.execute(f"SELECT * FROM {table} ORDER BY 1, 2")]
-                for table in ("tasks", "inbox", "outbox")
-            }
+        rows = {table: dump(self.db)[table] for table in ("tasks", "inbox", "outbox")}
         return json.dumps(rows, sort_keys=True, default=repr)
 
     def _refused(self, call: Any, reason: str) -> None:
@@ -433,10 +442,8 @@ class StoreMachine(RuleBasedStateMachine):
         new_state = self.outbox.retry(h.key, h.owner, h.fence, "nope")
         assert new_state == ("dead" if r.attempts >= OUTBOX_MAX_ATTEMPTS else "pending")
         r.state, r.owner, r.lease_until = new_state, None, None
-        with self.db.read() as c:
-            r.not_before = c.execute(
-                "SELECT not_before FROM outbox WHERE reply_id = ?", (h.key,)
-            ).fetchone()[0]
+        (row,) = [o for o in dump(self.db)["outbox"] if o["reply_id"] == h.key]
+        r.not_before = row["not_before"]
         if new_state == "pending":
             ceiling = OUTBOX_BACKOFF.ceiling(r.attempts)
             assert now + ceiling / 2 <= r.not_before <= now + ceiling
@@ -469,15 +476,15 @@ class StoreMachine(RuleBasedStateMachine):
 
     @invariant()
     def database_matches_model(self) -> None:
-        with self.db.read() as c:
-            tasks = {r["task_id"]: r for r in c.execute("SELECT * FROM tasks")}
-            outbox = {r["reply_id"]: r for r in c.execute("SELECT * FROM outbox")}
+        rows = dump(self.db)
+        tasks = {t["task_id"]: t for t in rows["tasks"]}
+        outbox = {o["reply_id"]: o for o in rows["outbox"]}
         assert set(tasks) == set(self.tasks_model)
         assert set(outbox) == set(self.replies_model)
         replies_per_task: dict[str, int] = {}
-        for r in outbox.values():
-            if r["task_id"] is not None:
-                replies_per_task[r["task_id"]] = replies_per_task.get(r["task_id"], 0) + 1
+        for o in outbox.values():
+            if o["task_id"] is not None:
+                replies_per_task[o["task_id"]] = replies_per_task.get(o["task_id"], 0) + 1
         for task_id, row in tasks.items():
             m = self.tasks_model[task_id]
             n_replies = replies_per_task.get(task_id, 0)
@@ -501,11 +508,31 @@ class StoreMachine(RuleBasedStateMachine):
                 assert json.loads(row["body"])["status"] == self.tasks_model[r.task_id].state
 
 
+class PostgresStoreMachine(StoreMachine):
+    """The same machine on a PostgreSQL schema of its own per run."""
+
+
 def test_store_state_machine_keeps_invariants() -> None:
     run_state_machine_as_test(
         StoreMachine,
         settings=settings(
             max_examples=150,
+            stateful_step_count=50,
+            deadline=None,
+            suppress_health_check=[HealthCheck.too_slow],
+        ),
+    )
+
+
+def test_store_state_machine_keeps_invariants_on_postgresql(
+    pg_database: ThrowawayDatabase,
+) -> None:
+    """Fewer runs than on SQLite: each makes and migrates a schema of its own."""
+    PostgresStoreMachine.fresh_postgres = pg_database.fresh_schema
+    run_state_machine_as_test(
+        PostgresStoreMachine,
+        settings=settings(
+            max_examples=30,
             stateful_step_count=50,
             deadline=None,
             suppress_health_check=[HealthCheck.too_slow],
