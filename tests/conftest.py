@@ -12,7 +12,7 @@ import redis
 
 from broker_adapter import crashpoints
 from broker_adapter.clock import FakeClock
-from tests.support.postgres import ThrowawayDatabase, require_server
+from tests.support.postgres import STORE_BACKENDS, ThrowawayDatabase, require_server
 from tests.support.redis_server import RedisServer, require_binary
 
 
@@ -77,10 +77,6 @@ def pg_database() -> Iterator[ThrowawayDatabase]:
 def pg_url(pg_database: ThrowawayDatabase) -> str:
     """The URL of an empty schema of the test's own in the session's PostgreSQL database."""
     return pg_database.fresh_schema()
-
-
-#: The store backends the store and invariant suites run on (``store_target``).
-STORE_BACKENDS = ("sqlite", "postgresql")
 
 
 @pytest.fixture(params=STORE_BACKENDS)

@@ -1,4 +1,5 @@
-"""Two processes race ``claim`` for one task on one database file, 100 rounds.
+"""Two processes race ``claim`` for one task on one database, 100 rounds: a SQLite file,
+and a PostgreSQL database (where the claim takes its row ``FOR UPDATE SKIP LOCKED``).
 
 Two long-lived claim servers (``tests.support.store_script serve``) are driven over their
 stdin/stdout. Each round: this process accepts one pending task, tells both servers to
@@ -19,8 +20,7 @@ from pathlib import Path
 import pytest
 
 from broker_adapter.clock import FakeClock
-from broker_adapter.store import open_database
-from tests.support.store_script import T0, dump, item, stores
+from tests.support.store_script import T0, dump, item, open_any, stores
 
 pytestmark = pytest.mark.crash
 
@@ -29,7 +29,7 @@ ROUNDS = 100
 
 
 class Claimer:
-    def __init__(self, db_path: Path, owner: str) -> None:
+    def __init__(self, db_path: str, owner: str) -> None:
         env = {k: v for k, v in os.environ.items() if k not in ("BA_CRASHPOINT", "BA_PAUSEPOINT")}
         self.owner = owner
         self.proc = subprocess.Popen(
@@ -66,9 +66,9 @@ class Claimer:
 
 
 @pytest.fixture
-def claimers(tmp_path: Path) -> Iterator[tuple[Claimer, Claimer]]:
-    db_path = tmp_path / "race.db"
-    open_database(db_path).close()  # migrate once, before the racers open it
+def claimers(store_target: str) -> Iterator[tuple[Claimer, Claimer]]:
+    db_path = store_target
+    open_any(db_path).close()  # migrate once, before the racers open it
     pair = (Claimer(db_path, "racer-a"), Claimer(db_path, "racer-b"))
     yield pair
     for claimer in pair:
@@ -77,12 +77,11 @@ def claimers(tmp_path: Path) -> Iterator[tuple[Claimer, Claimer]]:
 
 
 def test_claim_race_gives_each_task_to_exactly_one_process(
-    claimers: tuple[Claimer, Claimer], tmp_path: Path
+    claimers: tuple[Claimer, Claimer], store_target: str, tmp_path: Path
 ) -> None:
-    db_path = tmp_path / "race.db"
     clock = FakeClock(T0)
     winners: Counter[str] = Counter()
-    with open_database(db_path) as db:
+    with open_any(store_target) as db:
         tasks = stores(db, clock).tasks
         for n in range(ROUNDS):
             (res,) = tasks.accept([item(f"m{n}")])

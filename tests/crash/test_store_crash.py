@@ -18,7 +18,7 @@ import shutil
 import signal
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,8 +27,9 @@ import pytest
 
 from broker_adapter.clock import FakeClock
 from broker_adapter.protocol.envelope import canonical_json, sha256_hex
-from broker_adapter.store import open_database
+from broker_adapter.store import Database, open_database
 from broker_adapter.store.tasks import reply_id_for
+from tests.support.postgres import STORE_BACKENDS, ThrowawayDatabase, require_server
 from tests.support.store_script import (
     LEASE_S,
     RETENTION_S,
@@ -40,6 +41,7 @@ from tests.support.store_script import (
     dump_path,
     envelope_fields,
     item,
+    open_any,
     run_op,
     stores,
 )
@@ -70,7 +72,9 @@ class Case:
     check_after: Check
 
 
-def run_child(db_path: Path, now: float, op: str, args: dict[str, Any], point: str | None) -> Any:
+def run_child(
+    db_path: str | Path, now: float, op: str, args: dict[str, Any], point: str | None
+) -> Any:
     env = {k: v for k, v in os.environ.items() if k not in ("BA_CRASHPOINT", "BA_PAUSEPOINT")}
     if point is not None:
         env["BA_CRASHPOINT"] = point
@@ -368,28 +372,64 @@ def copy_db(src: Path, dst: Path) -> None:
             shutil.copyfile(f"{src}{suffix}", f"{dst}{suffix}")
 
 
+class Copies:
+    """The database a case runs on, and copies of it: SQLite files in ``tmp_path``, or
+    throwaway PostgreSQL databases (a copy is ``CREATE DATABASE ... TEMPLATE``)."""
+
+    def __init__(self, backend: str, tmp_path: Path) -> None:
+        self.backend = backend
+        self.tmp_path = tmp_path
+        self.made: list[ThrowawayDatabase] = []
+        if backend == "postgresql":
+            require_server()
+            self.made.append(ThrowawayDatabase())
+            self.target = self.made[0].url
+        else:
+            self.target = str(tmp_path / "store.db")
+
+    def copy(self) -> str:
+        if self.backend == "postgresql":
+            self.made.append(ThrowawayDatabase(template=self.made[0]))
+            return self.made[-1].url
+        reference = self.tmp_path / "reference.db"
+        copy_db(Path(self.target), reference)
+        return str(reference)
+
+    def drop(self) -> None:
+        for database in self.made:
+            database.drop()
+
+
+@pytest.fixture(params=STORE_BACKENDS)
+def copies(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Copies]:
+    made = Copies(request.param, tmp_path)
+    yield made
+    made.drop()
+
+
 @pytest.mark.parametrize("window", ["before_commit", "after_commit"])
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
-def test_store_op_crash_leaves_all_or_nothing(case: Case, window: str, tmp_path: Path) -> None:
-    path = tmp_path / "store.db"
+def test_store_op_crash_leaves_all_or_nothing(case: Case, window: str, copies: Copies) -> None:
     clock = FakeClock(T0)
-    with open_database(path) as db:
+    with open_any(copies.target) as db:
         prepared = case.setup(stores(db, clock), clock)
         before = dump(db)
 
     # The reference: the same operation, run to completion on a copy.
-    reference_path = tmp_path / "reference.db"
-    copy_db(path, reference_path)
-    run_op(reference_path, prepared.now, case.op, prepared.args)
-    reference = dump_path(reference_path)
+    reference_target = copies.copy()
+    run_op(reference_target, prepared.now, case.op, prepared.args)
+    reference = dump_path(reference_target)
     assert reference != before, "the operation under test must change something"
 
-    proc = run_child(path, prepared.now, case.op, prepared.args, f"store.{case.op}.{window}")
+    proc = run_child(
+        copies.target, prepared.now, case.op, prepared.args, f"store.{case.op}.{window}"
+    )
     assert proc.returncode == -signal.SIGKILL, (proc.returncode, proc.stdout, proc.stderr)
     assert proc.stdout == ""  # it never got to report a result
 
-    with open_database(path) as db:
-        assert db.integrity_check() == "ok"
+    with open_any(copies.target) as db:
+        if isinstance(db, Database):
+            assert db.integrity_check() == "ok"
         after = dump(db)
     if window == "before_commit":
         assert after == before

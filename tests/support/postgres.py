@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import time
 from functools import cache
 from urllib.parse import quote, urlsplit, urlunsplit
 
@@ -21,6 +22,8 @@ import pytest
 
 ENV_SERVER = "BA_TEST_POSTGRES"
 DEFAULT_SERVER = "postgresql://postgres@127.0.0.1:5432/postgres"
+#: The store backends the store and invariant suites run on (``store_target``).
+STORE_BACKENDS = ("sqlite", "postgresql")
 #: Prefix of every database these fixtures create (``ba_test_<16 hex digits>``).
 NAME_PREFIX = "ba_test_"
 
@@ -61,12 +64,25 @@ def require_server() -> None:
 class ThrowawayDatabase:
     """One fresh, empty database on the server; ``drop`` removes it (and its sessions)."""
 
-    def __init__(self) -> None:
+    def __init__(self, template: ThrowawayDatabase | None = None) -> None:
+        """A new empty database, or with ``template`` a copy of that one (which nobody
+        may be connected to; a session just closed may take a moment to end)."""
         import psycopg
 
         self.name = NAME_PREFIX + secrets.token_hex(8)
+        sql = f'CREATE DATABASE "{self.name}"'
+        if template is not None:
+            sql += f' TEMPLATE "{template.name}"'
+        give_up = time.monotonic() + 10.0
         with psycopg.connect(server_url(), autocommit=True) as conn:
-            conn.execute(f'CREATE DATABASE "{self.name}"')
+            while True:
+                try:
+                    conn.execute(sql)
+                    break
+                except psycopg.errors.ObjectInUse:
+                    if time.monotonic() > give_up:
+                        raise
+                    time.sleep(0.05)  # polling the end of the template's last session
         self.url = with_database(server_url(), self.name)
 
     def fresh_schema(self) -> str:

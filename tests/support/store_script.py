@@ -199,7 +199,7 @@ def create_effects_table(db: AnyDatabase) -> None:
     """The receiver's own business table, written by ``record_effect``."""
     sql = "CREATE TABLE IF NOT EXISTS effects (reply_id TEXT PRIMARY KEY, status TEXT NOT NULL)"
     if isinstance(db, PgDatabase):
-        with db.write("receipt") as c:
+        with db.pool.connection() as c:  # not ``write``: no store crash point here
             c.execute(sql)
     else:
         db.conn.execute(sql)
