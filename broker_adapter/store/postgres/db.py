@@ -185,15 +185,11 @@ class PgDatabase:
         """
         if self.read_only:
             raise StoreError(f"{self.path} was opened read-only: no {op}")
-        with self._connection() as conn:
-            try:
-                yield conn
-                crashpoints.hit(f"store.{op}.before_commit")
-                conn.commit()
-            except BaseException:
-                if not conn.closed:
-                    conn.rollback()
-                raise
+        # psycopg's transaction block: BEGIN now, COMMIT at its end, ROLLBACK on an
+        # exception; a ``conn.transaction()`` inside it is a SAVEPOINT.
+        with self._connection() as conn, conn.transaction():
+            yield conn
+            crashpoints.hit(f"store.{op}.before_commit")
         crashpoints.hit(f"store.{op}.after_commit")
 
     @contextmanager

@@ -1,0 +1,173 @@
+"""Two sessions on one PostgreSQL database at once: what the single SQLite writer gave by
+turns, the row locks and identity locks give here.
+
+Session A is held inside its transaction, just before COMMIT (its ``before_commit`` crash
+point, patched to wait), while session B runs the same kind of operation; the test waits
+for B to be blocked on a lock (``pg_locks``) or done, never for time to pass.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import psycopg
+import pytest
+
+from broker_adapter import crashpoints
+from broker_adapter.clock import FakeClock
+from broker_adapter.errors import TaskCancelled
+from broker_adapter.protocol.envelope import canonical_json, sha256_hex
+from broker_adapter.store import Outcome, ReceiptOutcome
+from broker_adapter.store.postgres import PgDatabase
+from broker_adapter.store.receipts import ReceiptItem
+from broker_adapter.store.tasks import Settlement
+from tests.support.cli import wait_for
+from tests.support.store_script import T0, Stores, create_effects_table, dump, item, stores
+
+HOLD_S = 30.0
+
+
+@pytest.fixture
+def two(pg_url: str) -> Iterator[tuple[Stores, Stores]]:
+    """Two processes' worth of stores: two pools on one database, one shared fake time."""
+    clock = FakeClock(T0)
+    a, b = PgDatabase(pg_url), PgDatabase(pg_url)
+    yield stores(a, clock), stores(b, clock, seed=1)
+    a.close()
+    b.close()
+
+
+class Held:
+    """Runs ``op`` in a thread whose transaction ``op_name`` waits before its COMMIT until
+    ``release``; other threads pass the crash points untouched."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, op_name: str) -> None:
+        self.at_commit = threading.Event()
+        self.go = threading.Event()
+        self.result: Any = None
+        self.thread: threading.Thread | None = None
+        point = f"store.{op_name}.before_commit"
+        real = crashpoints.hit
+
+        def hit(name: str) -> None:
+            if name == point and threading.current_thread() is self.thread:
+                self.at_commit.set()
+                assert self.go.wait(HOLD_S), "never released"
+            real(name)
+
+        monkeypatch.setattr(crashpoints, "hit", hit)
+
+    def start(self, op: Callable[[], Any]) -> None:
+        def run() -> None:
+            self.result = op()
+
+        self.thread = threading.Thread(target=run, name="held")
+        self.thread.start()
+        assert self.at_commit.wait(HOLD_S), "the held transaction never reached its COMMIT"
+
+    def release(self) -> Any:
+        self.go.set()
+        assert self.thread is not None
+        self.thread.join(HOLD_S)
+        assert not self.thread.is_alive()
+        return self.result
+
+
+def waiting_on_a_lock(url: str) -> bool:
+    with psycopg.connect(url) as conn:
+        row = conn.execute("SELECT count(*) FROM pg_locks WHERE NOT granted").fetchone()
+    return row is not None and row[0] > 0
+
+
+def in_thread(op: Callable[[], Any]) -> tuple[threading.Thread, list[Any]]:
+    out: list[Any] = []
+    thread = threading.Thread(target=lambda: out.append(op()))
+    thread.start()
+    return thread, out
+
+
+def test_two_sessions_accepting_one_request_store_it_once(
+    two: tuple[Stores, Stores], pg_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A takeover delivers one envelope to two processes: the second waits on the
+    identity's lock, then finds the first's record: duplicate, one task."""
+    a, b = two
+    held = Held(monkeypatch, "accept")
+    held.start(lambda: a.tasks.accept([item("m1")]))
+    thread, out = in_thread(lambda: b.tasks.accept([item("m1")]))
+    wait_for(lambda: waiting_on_a_lock(pg_url), "the second accept to wait on the first")
+    (first,) = held.release()
+    thread.join(HOLD_S)
+    ((second,),) = out
+    assert (first.outcome, second.outcome) == (Outcome.STORED, Outcome.DUPLICATE)
+    assert second.task_id == first.task_id
+    d = dump(a.db)
+    assert len(d["tasks"]) == len(d["inbox"]) == 1
+    assert d["inbox"][0]["duplicates"] == 1
+
+
+def test_a_claim_skips_the_rows_another_session_is_claiming(
+    two: tuple[Stores, Stores], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two workers claim at once: neither waits for the other, neither gets the other's."""
+    a, b = two
+    a.tasks.accept([item("m1"), item("m2")])
+    held = Held(monkeypatch, "claim")
+    held.start(lambda: a.tasks.claim("wa", 1))
+    got_b = b.tasks.claim("wb", 5)  # not blocked: the held row is skipped
+    (got_a,) = held.release()
+    assert len(got_b) == 1
+    assert got_a.task_id != got_b[0].task_id
+    assert b.tasks.claim("wb", 5) == []
+    owners = sorted(r["owner"] for r in dump(a.db)["tasks"])
+    assert owners == ["wa", "wb"]
+
+
+def test_a_fenced_commit_waits_for_a_cancel_and_is_then_refused(
+    two: tuple[Stores, Stores], pg_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An operator cancels a task while its worker commits the result: the worker's fenced
+    UPDATE waits on the row, then re-checks it as the cancel left it and writes nothing.
+    One terminal state, one reply: the cancel's."""
+    a, b = two
+    a.tasks.accept([item("m1")])
+    (task,) = a.tasks.claim("wa", 1)
+    held = Held(monkeypatch, "cancel")
+    held.start(lambda: b.tasks.cancel(task.task_id, "operator"))
+    late = Settlement(task.task_id, "wa", task.fence, result="1")
+    thread, out = in_thread(lambda: a.tasks.settle_batch([late], "", 0))
+    wait_for(lambda: waiting_on_a_lock(pg_url), "the commit to wait on the cancel")
+    assert held.release() == "cancelled"
+    thread.join(HOLD_S)
+    ((refusal,),) = [batch.results for batch in out]
+    assert isinstance(refusal, TaskCancelled)
+    (reply,) = dump(a.db)["outbox"]
+    assert reply["status"] == "cancelled"
+
+
+def test_two_receivers_applying_one_reply_run_its_effect_once(
+    two: tuple[Stores, Stores], pg_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    a, b = two
+    create_effects_table(a.db)
+    body = canonical_json({"v": 1, "reply_id": "r-1", "task_id": "t1", "status": "done"})
+    reply = ReceiptItem("r-1", sha256_hex(body), "alice", body)
+    calls: list[str] = []
+
+    def effect(conn: Any, value: dict[str, Any]) -> Any:
+        calls.append(threading.current_thread().name)
+        conn.execute("INSERT INTO effects (reply_id, status) VALUES (%s, %s)", ("r-1", "done"))
+        return None
+
+    held = Held(monkeypatch, "receipt")
+    held.start(lambda: a.receipts.apply_many([reply], effect))
+    thread, out = in_thread(lambda: b.receipts.apply_many([reply], effect))
+    wait_for(lambda: waiting_on_a_lock(pg_url), "the second receiver to wait on the first")
+    (first,) = held.release()
+    thread.join(HOLD_S)
+    ((second,),) = out
+    assert (first.outcome, second.outcome) == (ReceiptOutcome.APPLIED, ReceiptOutcome.DUPLICATE)
+    assert calls == ["held"]
+    assert len(dump(a.db)["effects"]) == 1
