@@ -33,7 +33,7 @@ from typing import Any, overload
 from psycopg.rows import tuple_row
 
 from broker_adapter.backoff import Backoff
-from broker_adapter.clock import Clock, FakeClock
+from broker_adapter.clock import FakeClock
 from broker_adapter.protocol.envelope import Envelope
 from broker_adapter.store import (
     AcceptItem,
@@ -41,15 +41,14 @@ from broker_adapter.store import (
     OutboxStore,
     ReceiptStore,
     TaskStore,
-    open_database,
 )
+from broker_adapter.store.backends import open_store
 from broker_adapter.store.outbox import OutboxPolicy, enqueue
 from broker_adapter.store.postgres import (
     PgDatabase,
     PgOutboxStore,
     PgReceiptStore,
     PgTaskStore,
-    is_postgres_url,
 )
 from broker_adapter.store.postgres.outbox import enqueue as pg_enqueue
 from broker_adapter.store.tasks import TaskPolicy
@@ -114,32 +113,12 @@ class Stores:
 
 def open_any(target: str | Path) -> AnyDatabase:
     """The database ``target`` names: a ``postgresql://`` URL, else a SQLite file."""
-    if is_postgres_url(str(target)):
-        return PgDatabase(str(target))
-    return open_database(target)
+    return open_store(target)
 
 
 def reopen(db: AnyDatabase) -> AnyDatabase:
     """A second connection (pool) to the database ``db`` is on."""
     return open_any(db.url if isinstance(db, PgDatabase) else db.path)
-
-
-def task_store(
-    db: AnyDatabase, clock: Clock | None = None, policy: TaskPolicy | None = None
-) -> TaskStore | PgTaskStore:
-    """A ``TaskStore`` (or ``PgTaskStore``) on ``db``, as a test builds one by hand."""
-    if isinstance(db, PgDatabase):
-        return PgTaskStore(db, clock, policy)
-    return TaskStore(db, clock, policy)
-
-
-def outbox_store(
-    db: AnyDatabase, clock: Clock | None = None, policy: OutboxPolicy | None = None
-) -> OutboxStore | PgOutboxStore:
-    """An ``OutboxStore`` (or ``PgOutboxStore``) on ``db``, as a test builds one by hand."""
-    if isinstance(db, PgDatabase):
-        return PgOutboxStore(db, clock, policy)
-    return OutboxStore(db, clock, policy)
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ from broker_adapter.clock import FakeClock
 from broker_adapter.errors import FencedError, StaleError
 from broker_adapter.protocol.envelope import canonical_json, sha256_hex
 from broker_adapter.store import OutboxRow
+from broker_adapter.store.backends import outbox_store
 from broker_adapter.store.outbox import UnknownReply
 from tests.support.store_script import (
     OUTBOX_BACKOFF,
@@ -21,7 +22,6 @@ from tests.support.store_script import (
     dump,
     item,
     open_any,
-    outbox_store,
     stores,
 )
 

@@ -7,7 +7,8 @@ import pytest
 
 from broker_adapter import crashpoints
 from broker_adapter.errors import ConfigError, StoreError
-from broker_adapter.store.postgres.db import PgDatabase, is_postgres_url
+from broker_adapter.store.backends import is_postgres_url
+from broker_adapter.store.postgres.db import PgDatabase
 from broker_adapter.store.postgres.schema import CONFLICT_ID_KEY, MIGRATIONS, SCHEMA_VERSION
 
 

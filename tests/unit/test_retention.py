@@ -15,6 +15,7 @@ import pytest
 from broker_adapter.clock import FakeClock
 from broker_adapter.errors import StoreBusy
 from broker_adapter.store import Outcome, open_database
+from broker_adapter.store.backends import task_store
 from broker_adapter.store.retention import (
     PURGE_EVERY_S,
     PURGE_PAUSE_FACTOR,
@@ -33,7 +34,6 @@ from tests.support.store_script import (
     open_any,
     reopen,
     stores,
-    task_store,
 )
 
 

@@ -33,6 +33,7 @@ from broker_adapter.store import (
     TaskState,
     open_database,
 )
+from broker_adapter.store.backends import task_store
 from broker_adapter.store.db import CONFLICT_ID_KEY, MIGRATIONS, SCHEMA_VERSION
 from broker_adapter.store.tasks import (
     TaskPolicy,
@@ -54,7 +55,6 @@ from tests.support.store_script import (
     open_any,
     reopen,
     stores,
-    task_store,
 )
 
 

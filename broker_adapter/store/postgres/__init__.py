@@ -5,7 +5,8 @@ Needs the ``postgres`` extra (psycopg 3 and psycopg-pool). Only ``broker_adapter
 imports database drivers.
 """
 
-from broker_adapter.store.postgres.db import PgDatabase, is_postgres_url
+from broker_adapter.store.backends import is_postgres_url
+from broker_adapter.store.postgres.db import PgDatabase
 from broker_adapter.store.postgres.outbox import PgOutboxStore
 from broker_adapter.store.postgres.receipts import PgReceiptStore
 from broker_adapter.store.postgres.tasks import PgTaskStore

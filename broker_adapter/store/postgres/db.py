@@ -34,6 +34,7 @@ from psycopg_pool import ConnectionPool, PoolTimeout
 
 from broker_adapter import crashpoints
 from broker_adapter.errors import ConfigError, StoreBusy, StoreError
+from broker_adapter.store.backends import is_postgres_url
 from broker_adapter.store.postgres.schema import (
     SCHEMA_VERSION,
     SchemaTooNew,
@@ -43,8 +44,6 @@ from broker_adapter.store.postgres.schema import (
 
 log = logging.getLogger("broker_adapter.store")
 
-#: URL schemes that select this backend (``--db postgresql://...``).
-URL_SCHEMES: Final = ("postgresql://", "postgres://")
 #: Connections per process at most: one per thread that writes (ingest, a worker's loop,
 #: the dispatcher, the purger) and a spare for reads.
 DEFAULT_POOL_MAX: Final = 8
@@ -69,11 +68,6 @@ _TRANSIENT = (
     pg_errors.AdminShutdown,
     pg_errors.CannotConnectNow,
 )
-
-
-def is_postgres_url(target: object) -> bool:
-    """Whether ``--db`` names a PostgreSQL database rather than a SQLite file."""
-    return isinstance(target, str) and target.startswith(URL_SCHEMES)
 
 
 class PgDatabase:

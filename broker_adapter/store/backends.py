@@ -1,0 +1,105 @@
+"""Which store a ``--db`` names: a SQLite file (the embedded default) or, for worker pools
+across hosts, a PostgreSQL database (``postgresql://user@host:port/dbname``).
+
+The PostgreSQL backend (``store.postgres``) needs the ``postgres`` extra (psycopg 3 and
+psycopg-pool); it is imported only when a URL names it, so a SQLite-only installation
+never needs the driver.
+
+What applies to one backend only:
+
+* ``WriteGate`` (``store.gate``) queues the writers of one SQLite file across the
+  processes of a pool; PostgreSQL arbitrates row by row, so ``gate`` is ignored for it.
+* ``Database``'s file checks (its mode 0600, ``read_only`` opening the file ``mode=ro``,
+  ``integrity_check``) and ``broker-adapter backup`` (``VACUUM INTO``) are SQLite's; a
+  PostgreSQL database is backed up with the server's own tools (``pg_dump``, base backups).
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import TYPE_CHECKING, Final
+
+from broker_adapter.clock import Clock
+from broker_adapter.errors import ConfigError
+from broker_adapter.store.db import Database, open_database
+from broker_adapter.store.gate import WriteGate
+from broker_adapter.store.outbox import OutboxPolicy, OutboxStore
+from broker_adapter.store.receipts import ReceiptStore
+from broker_adapter.store.tasks import TaskPolicy, TaskStore
+
+if TYPE_CHECKING:
+    from broker_adapter.store.postgres import (
+        PgDatabase,
+        PgOutboxStore,
+        PgReceiptStore,
+        PgTaskStore,
+    )
+
+#: URL schemes that select the PostgreSQL backend.
+POSTGRES_SCHEMES: Final = ("postgresql://", "postgres://")
+
+
+def is_postgres_url(target: object) -> bool:
+    """Whether ``target`` (a ``--db`` value) names a PostgreSQL database."""
+    return isinstance(target, str) and target.startswith(POSTGRES_SCHEMES)
+
+
+def open_store(
+    target: str | Path, *, gate: WriteGate | None = None, read_only: bool = False
+) -> Database | PgDatabase:
+    """Open (and, unless ``read_only``, migrate) the database ``target`` names.
+
+    Raises:
+        ConfigError: a PostgreSQL URL without the ``postgres`` extra installed, or what
+            ``Database`` / ``PgDatabase`` raise for the target.
+    """
+    if is_postgres_url(target):
+        try:
+            from broker_adapter.store.postgres import PgDatabase
+        except ImportError as exc:
+            raise ConfigError(
+                f"{exc}: a postgresql:// database needs the 'postgres' extra"
+                " (pip install 'broker_adapter[postgres]')"
+            ) from exc
+        return PgDatabase(str(target), read_only=read_only)
+    return open_database(target, gate=gate, read_only=read_only)
+
+
+def task_store(
+    db: Database | PgDatabase,
+    clock: Clock | None = None,
+    policy: TaskPolicy | None = None,
+    rng: random.Random | None = None,
+) -> TaskStore | PgTaskStore:
+    """The inbox and task state machine on ``db``, whichever backend it is."""
+    if isinstance(db, Database):
+        return TaskStore(db, clock, policy, rng)
+    from broker_adapter.store.postgres import PgTaskStore
+
+    return PgTaskStore(db, clock, policy, rng)
+
+
+def outbox_store(
+    db: Database | PgDatabase,
+    clock: Clock | None = None,
+    policy: OutboxPolicy | None = None,
+    rng: random.Random | None = None,
+) -> OutboxStore | PgOutboxStore:
+    """The outbox's publisher side on ``db``, whichever backend it is."""
+    if isinstance(db, Database):
+        return OutboxStore(db, clock, policy, rng)
+    from broker_adapter.store.postgres import PgOutboxStore
+
+    return PgOutboxStore(db, clock, policy, rng)
+
+
+def receipt_store(
+    db: Database | PgDatabase, clock: Clock | None = None
+) -> ReceiptStore | PgReceiptStore:
+    """The receiver's receipts on ``db``, whichever backend it is."""
+    if isinstance(db, Database):
+        return ReceiptStore(db, clock)
+    from broker_adapter.store.postgres import PgReceiptStore
+
+    return PgReceiptStore(db, clock)
