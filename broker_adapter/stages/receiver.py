@@ -6,7 +6,7 @@ a duplicate skips the effect and returns the earlier result; different content u
 reply id is refused (dead-lettered with reason ``reply_conflict``) and its effect never
 runs.
 
-Reading goes through the shared ``streams.GroupReader`` (consumer group ``ba-receiver`` on
+Reading goes through the shared ``redis.reader.GroupReader`` (consumer group ``ba-receiver`` on
 ``replies(P)``): after start and after every error it re-reads its own pending entries
 first, it takes over entries idle in a dead consumer's list (XAUTOCLAIM, every
 ``take_over_interval_s``), it recreates a group Redis lost, and it dead-letters deleted
@@ -74,6 +74,7 @@ from typing import TYPE_CHECKING, Any
 from pydantic import Field
 
 from broker_adapter import crashpoints
+from broker_adapter.backoff import run_until_stopped
 from broker_adapter.clock import Clock
 from broker_adapter.config import ConfigModel, KeyPrefix, Principal
 from broker_adapter.errors import (
@@ -87,16 +88,18 @@ from broker_adapter.errors import (
 from broker_adapter.protocol.envelope import loads_strict, sha256_hex
 from broker_adapter.protocol.keys import DEFAULT_PREFIX, RECEIVER_GROUP, Keys
 from broker_adapter.protocol.signing import REPLY_WIRE_VERSION, Keyring
-from broker_adapter.redis.streams import (
+from broker_adapter.redis.client import text, translated
+from broker_adapter.redis.entry import StreamEntry
+from broker_adapter.redis.reader import (
+    DEFAULT_BLOCK_MS,
+    DEFAULT_CLAIM_MIN_IDLE_MS,
+    DEFAULT_MAX_DELIVERIES,
     DEFAULT_MAX_ENTRY_FIELDS,
+    MAX_COUNT,
     MAX_ENTRY_FIELDS,
     MIN_ENTRY_FIELDS,
     GroupReader,
     ReaderConfig,
-    StreamEntry,
-    run_until_stopped,
-    text,
-    translated,
 )
 from broker_adapter.store.receipts import (
     AppliedItem,
@@ -110,12 +113,9 @@ from broker_adapter.store.retention import DEFAULT_RETENTION_S, PurgeBatch, Purg
 if TYPE_CHECKING:
     import sqlite3
 
-    import redis
+    from broker_adapter.redis.client import Redis
 
 DEFAULT_COUNT = 64
-DEFAULT_BLOCK_MS = 1000
-DEFAULT_CLAIM_MIN_IDLE_MS = 60_000
-DEFAULT_MAX_DELIVERIES = 10
 DEFAULT_TAKE_OVER_INTERVAL_S = 30.0
 #: A reply body is at most a result (the payload limits: 64 KiB canonical) and its metadata
 #: (ids, an error text of at most 4,000 characters): about 100 KB with every character
@@ -165,7 +165,7 @@ class ReceiverConfig(ConfigModel):
     principal: Principal
     group: str = Field(default=RECEIVER_GROUP, min_length=1)
     consumer: str = Field(default="receiver-1", min_length=1)
-    count: int = Field(default=DEFAULT_COUNT, ge=1, le=10_000)
+    count: int = Field(default=DEFAULT_COUNT, ge=1, le=MAX_COUNT)
     block_ms: int = Field(default=DEFAULT_BLOCK_MS, ge=1)
     claim_min_idle_ms: int = Field(default=DEFAULT_CLAIM_MIN_IDLE_MS, ge=0)
     max_deliveries: int = Field(default=DEFAULT_MAX_DELIVERIES, ge=1)
@@ -342,7 +342,7 @@ class Receiver:
 
     Args:
         config: which stream, group and consumer; batch and takeover limits.
-        client: a client from ``streams.connect`` whose socket timeout exceeds ``block_ms``.
+        client: a client from ``redis.client.connect`` whose socket timeout exceeds ``block_ms``.
         receipts: the receiver's receipt store.
         effect: called once per new reply inside its receipt's transaction (see above).
         keyring: holds the principal's keys (the same keyring file as for requests);
@@ -358,7 +358,7 @@ class Receiver:
     def __init__(
         self,
         config: ReceiverConfig,
-        client: redis.Redis,
+        client: Redis,
         receipts: ReceiptStore,
         effect: Effect | None = None,
         *,

@@ -23,10 +23,12 @@ import pytest
 
 from broker_adapter.client.publisher import Publisher
 from broker_adapter.clock import FakeClock
+from broker_adapter.protocol import deadletter
 from broker_adapter.protocol.envelope import Envelope, canonical_json, sha256_hex
 from broker_adapter.protocol.keys import INGEST_GROUP, Keys
 from broker_adapter.protocol.signing import Keyring
-from broker_adapter.redis.streams import GroupReader, connect, exchange, text
+from broker_adapter.redis.client import connect, text
+from broker_adapter.redis.internals import exchange
 from broker_adapter.stages import receiver as receiver_module
 from broker_adapter.stages.ingest import IngestConfig, Ingestor
 from broker_adapter.stages.receiver import Receiver, ReceiverConfig
@@ -247,10 +249,10 @@ def test_ingest_failing_dead_letter_falls_back_to_a_minimal_one(
                                          b"sig", b"00"])  # fmt: skip
     Publisher(client, keys, P, keyring).publish(_envelope("good", clock.now() + 3600))
 
-    def broken_copy(self: GroupReader, original: Any) -> Any:
+    def broken_copy(original: Any, **limits: Any) -> Any:
         raise MemoryError("copying the fields failed")
 
-    monkeypatch.setattr(GroupReader, "_copy", broken_copy)
+    monkeypatch.setattr(deadletter, "copy_original", broken_copy)
     ingestor = _ingestor(client, prefix, tasks, keyring, clock)
     drain(ingestor, client)
     (pairs,) = _dead(client, keys.inbound_dead()).values()

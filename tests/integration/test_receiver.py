@@ -16,7 +16,7 @@ from broker_adapter.clock import FakeClock
 from broker_adapter.errors import ConfigError
 from broker_adapter.protocol.envelope import canonical_json, sha256_hex
 from broker_adapter.protocol.keys import RECEIVER_GROUP, Keys
-from broker_adapter.redis.streams import connect
+from broker_adapter.redis.client import connect
 from broker_adapter.stages.receiver import Receiver, ReceiverConfig, effect_key
 from broker_adapter.store import ReceiptStore
 from broker_adapter.store.db import Database

@@ -24,7 +24,7 @@ import redis
 from broker_adapter.clock import FakeClock
 from broker_adapter.protocol.envelope import Envelope
 from broker_adapter.protocol.signing import Keyring
-from broker_adapter.redis.streams import connect
+from broker_adapter.redis.client import connect
 from broker_adapter.stages.dispatcher import Dispatcher, DispatcherConfig
 from broker_adapter.stages.receiver import Receiver, ReceiverConfig
 from broker_adapter.store import AcceptItem, OutboxStore, ReceiptStore, TaskStore, open_database
