@@ -33,7 +33,7 @@ from broker_adapter.errors import BrokerAdapterError, StaleError
 from broker_adapter.protocol.envelope import check_result
 from broker_adapter.protocol.reply import reply_id_for
 from broker_adapter.store import inbox, settle
-from broker_adapter.store.db import CONFLICT_ID_KEY, Database, in_lists
+from broker_adapter.store.db import Database, in_lists
 from broker_adapter.store.fencing import TASK_HELD_STATE, refusal
 from broker_adapter.store.housekeeping import reconcile_in
 from broker_adapter.store.inbox import (
@@ -47,6 +47,7 @@ from broker_adapter.store.inbox import (
 )
 from broker_adapter.store.leases import DEFAULT_LEASE_S
 from broker_adapter.store.lifecycle import LIVE_STATES, TERMINAL_STATES, TaskState, to_terminal
+from broker_adapter.store.migrations import CONFLICT_ID_KEY
 from broker_adapter.store.outbox import SentMark
 from broker_adapter.store.retention import (
     DEFAULT_RETENTION_S,
