@@ -149,7 +149,7 @@ class Reply:
             if value is None:
                 continue
             if isinstance(value, bool) or not isinstance(value, kind):
-                raise BadReply("bad_reply", f"field {name!r} is not a {_KIND_NAMES[kind]}")
+                raise BadReply("bad_reply", f"field {name!r} is not {_KIND_NAMES[kind]}")
             values[name] = value
         if "reply_id" not in values:
             raise BadReply("bad_reply", "body names no reply id")
@@ -162,9 +162,9 @@ _FIELD_TYPES: dict[str, type | tuple[type, ...]] = {
     "finished_at": (int, float), "fingerprint": str, "stored_fingerprint": str, "v": int,
 }  # fmt: skip
 _KIND_NAMES: dict[type | tuple[type, ...], str] = {
-    str: "string",
-    int: "integer",
-    (int, float): "number",
+    str: "a string",
+    int: "an integer",
+    (int, float): "a number",
 }
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from broker_adapter.errors import ConfigError
+from broker_adapter.protocol.reply import REPLY_MAX_DEPTH, BadReply, load_body
 from broker_adapter.redis.streams import (
     MAX_ENTRY_FIELDS,
     ReaderConfig,
@@ -13,7 +14,6 @@ from broker_adapter.redis.streams import (
     describe,
     encodable,
 )
-from broker_adapter.stages.receiver import REPLY_MAX_DEPTH, BadReply, load_body
 
 
 def test_encodable_escapes_only_what_utf8_cannot_encode() -> None:
