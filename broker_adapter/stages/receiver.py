@@ -99,13 +99,13 @@ from broker_adapter.redis.streams import (
     text,
     translated,
 )
+from broker_adapter.store.interface import ReceiptsAPI
 from broker_adapter.store.leases import DEFAULT_CLAIM_MIN_IDLE_MS
 from broker_adapter.store.receipts import (
     AppliedItem,
     Effect,
     ReceiptItem,
     ReceiptOutcome,
-    ReceiptStore,
 )
 from broker_adapter.store.retention import DEFAULT_RETENTION_S, PurgeBatch, PurgeSchedule
 
@@ -314,7 +314,7 @@ class Receiver:
         self,
         config: ReceiverConfig,
         client: redis.Redis,
-        receipts: ReceiptStore,
+        receipts: ReceiptsAPI,
         effect: Effect | None = None,
         *,
         keyring: Keyring,
