@@ -33,6 +33,7 @@ from broker_adapter.errors import StaleError
 from broker_adapter.protocol.deadletter import DeadLetter
 from broker_adapter.protocol.envelope import Envelope, canonical_json, sha256_hex
 from broker_adapter.protocol.keys import Keys
+from broker_adapter.protocol.reply import Reply
 from broker_adapter.protocol.signing import Keyring
 from broker_adapter.redis.client import connect
 from broker_adapter.redis.embedded import EmbeddedRedis
@@ -118,11 +119,10 @@ def _receiver(db_path: str, url: str, principal: str) -> Receiver:
     return Receiver(cfg, connect(url), receipts, _receiver_effect, keyring=Keyring(KEYRING))
 
 
-def _receiver_effect(conn: sqlite3.Connection, reply: dict[str, Any]) -> dict[str, Any]:
+def _receiver_effect(conn: sqlite3.Connection, reply: Reply) -> dict[str, Any]:
     conn.execute("CREATE TABLE IF NOT EXISTS applied (reply_id TEXT, message_id TEXT, status TEXT)")
     conn.execute(
-        "INSERT INTO applied VALUES (?, ?, ?)",
-        (reply["reply_id"], reply.get("message_id"), reply.get("status")),
+        "INSERT INTO applied VALUES (?, ?, ?)", (reply.reply_id, reply.message_id, reply.status)
     )
     return {"key": effect_key(reply).idempotency_key}
 

@@ -45,8 +45,9 @@ it is dead-lettered with reason ``delivery_limit``. The replay waits ``failed_st
 after a step whose effect failed (new entries are read and applied meanwhile), so that the
 retries of a failing effect are spaced by that pause rather than spent at once.
 
-Effects. The callback ``effect(conn, reply)`` runs inside the receipt's transaction on the
-same connection: it must be a quick local write to this database, with no network call.
+Effects. The callback ``effect(conn, reply)`` (``reply``: the parsed body, a
+``protocol.reply.Reply``) runs inside the receipt's transaction on the same connection: it
+must be a quick local write to this database, with no network call.
 An effect that leaves the transaction (HTTP, e-mail, a payment) must not be done blindly
 from the callback. Record an intent row instead, keyed by ``effect_key(reply)``, in the same
 transaction; a separate sender then performs the call carrying ``EffectKey.idempotency_key``
@@ -59,7 +60,7 @@ outcome it cannot confirm to reconciliation rather than retrying it blindly::
         conn.execute(
             "INSERT INTO http_intents (idempotency_key, task_id, fence, payload)"
             " VALUES (?, ?, ?, ?)",
-            (key.idempotency_key, key.task_id, key.fence, json.dumps(reply["result"])),
+            (key.idempotency_key, key.task_id, key.fence, json.dumps(reply.result)),
         )
 """
 
@@ -79,14 +80,14 @@ from broker_adapter.clock import Clock
 from broker_adapter.config import ConfigModel, KeyPrefix, Principal
 from broker_adapter.errors import (
     AuthError,
-    BrokerAdapterError,
     ConfigError,
     GroupMissingError,
     StoreBusy,
     TransientError,
 )
-from broker_adapter.protocol.envelope import loads_strict, sha256_hex
+from broker_adapter.protocol.envelope import sha256_hex
 from broker_adapter.protocol.keys import DEFAULT_PREFIX, RECEIVER_GROUP, Keys
+from broker_adapter.protocol.reply import BadReply, Reply, load_body
 from broker_adapter.protocol.signing import REPLY_WIRE_VERSION, Keyring
 from broker_adapter.redis.client import text, translated
 from broker_adapter.redis.entry import StreamEntry
@@ -101,12 +102,12 @@ from broker_adapter.redis.reader import (
     GroupReader,
     ReaderConfig,
 )
+from broker_adapter.store.interface import ReceiptsAPI
 from broker_adapter.store.receipts import (
     AppliedItem,
     Effect,
     ReceiptItem,
     ReceiptOutcome,
-    ReceiptStore,
 )
 from broker_adapter.store.retention import DEFAULT_RETENTION_S, PurgeBatch, PurgeSchedule
 
@@ -128,9 +129,6 @@ DEFAULT_FAILED_STEP_PAUSE_S = 1.0
 PENDING_SLACK_S = 5.0
 #: How long a step spends on the receipts' purge at most (when a pass is due).
 PURGE_STEP_BUDGET_S = 0.02
-#: How deep a reply body may nest: the body object plus a result within the payload
-#: limits nest 17 levels; anything far deeper is not a reply of ours.
-REPLY_MAX_DEPTH = 64
 REPLY_FORMAT_VERSION = REPLY_WIRE_VERSION.encode()
 _HEX = frozenset("0123456789abcdef")
 
@@ -196,37 +194,25 @@ class EffectKey:
     fence: int | None
 
 
-def effect_key(reply: Mapping[str, Any]) -> EffectKey:
+def effect_key(reply: Reply) -> EffectKey:
     """The idempotency key and fence of a reply, for effects outside the transaction."""
-    reply_id = str(reply["reply_id"])
-    fence = reply.get("fence")
-    task_id = reply.get("task_id")
     return EffectKey(
-        idempotency_key=f"ba-reply:{reply_id}",
-        reply_id=reply_id,
-        task_id=None if task_id is None else str(task_id),
-        fence=fence if isinstance(fence, int) else None,
+        idempotency_key=reply.idempotency_key,
+        reply_id=reply.reply_id,
+        task_id=reply.task_id,
+        fence=reply.fence,
     )
 
 
-def record_effect(conn: sqlite3.Connection, reply: dict[str, Any]) -> dict[str, Any]:
+def record_effect(conn: sqlite3.Connection, reply: Reply) -> dict[str, Any]:
     """A minimal effect (the CLI's ``receive``): the receipt, which keeps the body, is the
     record. Writes nothing else; returns the reply's task id, status and idempotency key,
     kept as the receipt's ``effect_result``."""
     return {
-        "task_id": reply.get("task_id"),
-        "status": reply.get("status"),
-        "idempotency_key": effect_key(reply).idempotency_key,
+        "task_id": reply.task_id,
+        "status": reply.status,
+        "idempotency_key": reply.idempotency_key,
     }
-
-
-class BadReply(BrokerAdapterError):
-    """An entry that is not a well-formed reply (internal: it is dead-lettered)."""
-
-    def __init__(self, reason: str, detail: str) -> None:
-        self.reason = reason
-        self.detail = detail
-        super().__init__(f"{detail} [{reason}]")
 
 
 def check_signature(
@@ -285,47 +271,16 @@ def parse_entry(
     actual = sha256_hex(body)
     if actual != content_hash:
         raise BadReply("bad_hash", f"body hashes to {actual[:16]}, entry says {content_hash[:16]}")
-    reply = load_body(body)
-    if reply.get("reply_id") != reply_id:
-        raise BadReply("bad_reply", f"body names reply {reply.get('reply_id')!r}, not {reply_id!r}")
-    if reply.get("principal") != principal:
+    decoded = load_body(body)
+    if decoded.get("reply_id") != reply_id:
+        named = decoded.get("reply_id")
+        raise BadReply("bad_reply", f"body names reply {named!r}, not {reply_id!r}")
+    if decoded.get("principal") != principal:
         raise BadReply(
-            "wrong_principal", f"reply for {reply.get('principal')!r} on {principal!r}'s stream"
+            "wrong_principal", f"reply for {decoded.get('principal')!r} on {principal!r}'s stream"
         )
+    reply = Reply.from_mapping(decoded)
     return ReceiptItem(reply_id, content_hash, principal, bytes(body), entry_id, reply)
-
-
-def load_body(body: bytes) -> dict[str, Any]:
-    """Parse a reply body as the ingest parses an envelope (``envelope.loads_strict``: UTF-8,
-    no NaN or infinity, no duplicate keys), nesting at most ``REPLY_MAX_DEPTH`` levels.
-
-    Raises:
-        BadReply: ``bad_reply``, saying which rule the body breaks.
-    """
-    try:
-        reply = loads_strict(body)
-    except RecursionError:
-        raise BadReply("bad_reply", f"body nests deeper than {REPLY_MAX_DEPTH} levels") from None
-    except ValueError as exc:  # UnicodeDecodeError included
-        raise BadReply("bad_reply", f"body is not strict UTF-8 JSON: {exc}") from None
-    if not isinstance(reply, dict):
-        raise BadReply("bad_reply", "body is not a JSON object")
-    if body.count(b"{") + body.count(b"[") > REPLY_MAX_DEPTH and _depth(reply) > REPLY_MAX_DEPTH:
-        raise BadReply("bad_reply", f"body nests deeper than {REPLY_MAX_DEPTH} levels")
-    return reply
-
-
-def _depth(value: Any) -> int:
-    """How many arrays and objects ``value`` nests (walked without recursion). Called only
-    when the body has more brackets than the limit: fewer cannot nest deeper."""
-    deepest = 0
-    stack: list[tuple[Any, int]] = [(value, 1)]
-    while stack:
-        node, depth = stack.pop()
-        children = node.values() if isinstance(node, dict) else node
-        deepest = max(deepest, depth)
-        stack.extend((c, depth + 1) for c in children if isinstance(c, dict | list))
-    return deepest
 
 
 @dataclass
@@ -359,7 +314,7 @@ class Receiver:
         self,
         config: ReceiverConfig,
         client: Redis,
-        receipts: ReceiptStore,
+        receipts: ReceiptsAPI,
         effect: Effect | None = None,
         *,
         keyring: Keyring,

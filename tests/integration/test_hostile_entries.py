@@ -26,6 +26,7 @@ from broker_adapter.clock import FakeClock
 from broker_adapter.protocol import deadletter
 from broker_adapter.protocol.envelope import Envelope, canonical_json, sha256_hex
 from broker_adapter.protocol.keys import INGEST_GROUP, Keys
+from broker_adapter.protocol.reply import Reply
 from broker_adapter.protocol.signing import Keyring
 from broker_adapter.redis.client import connect, text
 from broker_adapter.redis.internals import exchange
@@ -469,8 +470,8 @@ def test_receiver_retries_of_a_failing_effect_are_spaced_by_the_pause(
 ) -> None:  # fmt: skip
     (poison,) = _legit(redis_server, agent_db, clock, prefix, 1, 0)
 
-    def effect(conn: sqlite3.Connection, reply: dict[str, Any]) -> Any:
-        if reply["reply_id"] == poison:
+    def effect(conn: sqlite3.Connection, reply: Reply) -> Any:
+        if reply.reply_id == poison:
             raise RuntimeError("downstream table full")
         return record_effect(conn, reply)
 

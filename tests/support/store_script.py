@@ -32,6 +32,7 @@ from typing import Any
 from broker_adapter.backoff import Backoff
 from broker_adapter.clock import FakeClock
 from broker_adapter.protocol.envelope import Envelope
+from broker_adapter.protocol.reply import Reply
 from broker_adapter.store import (
     AcceptItem,
     Database,
@@ -113,14 +114,13 @@ def create_effects_table(conn: sqlite3.Connection) -> None:
     )
 
 
-def record_effect(conn: sqlite3.Connection, reply: dict[str, Any]) -> Json:
+def record_effect(conn: sqlite3.Connection, reply: Reply) -> Json:
     """A receiver effect: one row in ``effects`` per applied reply (a PK makes a second one
     fail loudly)."""
     conn.execute(
-        "INSERT INTO effects (reply_id, status) VALUES (?, ?)",
-        (reply["reply_id"], reply["status"]),
+        "INSERT INTO effects (reply_id, status) VALUES (?, ?)", (reply.reply_id, reply.status)
     )
-    return {"applied": reply["reply_id"]}
+    return {"applied": reply.reply_id}
 
 
 def dump(db: Database) -> Dump:
