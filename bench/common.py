@@ -33,7 +33,7 @@ if str(ROOT) not in sys.path:
 from broker_adapter.protocol.envelope import Envelope  # noqa: E402
 from broker_adapter.protocol.keys import INGEST_GROUP  # noqa: E402
 from broker_adapter.protocol.signing import Keyring  # noqa: E402
-from broker_adapter.redis.streams import connect  # noqa: E402
+from broker_adapter.redis.client import connect  # noqa: E402
 from broker_adapter.store import open_database  # noqa: E402
 from tests.support.redis_server import RedisServer, binary_available  # noqa: E402
 

@@ -37,7 +37,7 @@ from common import KEYRING, PRINCIPAL
 
 from broker_adapter.protocol.envelope import Envelope
 from broker_adapter.protocol.keys import RECEIVER_GROUP, Keys
-from broker_adapter.redis.streams import connect, text
+from broker_adapter.redis.client import connect, text
 from broker_adapter.redis.trimming import DEFAULT_TRIM_EVERY_S
 from broker_adapter.store.retention import PURGE_EVERY_S
 

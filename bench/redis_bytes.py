@@ -32,7 +32,7 @@ import common
 from common import PRINCIPAL, ROOT
 
 from broker_adapter.protocol.keys import Keys
-from broker_adapter.redis.streams import connect, text
+from broker_adapter.redis.client import connect, text
 
 RUN_PY = Path(__file__).resolve().parent / "run.py"
 

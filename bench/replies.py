@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from broker_adapter.protocol.envelope import canonical_json
 from broker_adapter.protocol.keys import Keys
 from broker_adapter.protocol.signing import Keyring
-from broker_adapter.redis.streams import connect
+from broker_adapter.redis.client import connect
 from broker_adapter.stages.dispatcher import Dispatcher, DispatcherConfig
 from broker_adapter.stages.receiver import Receiver, ReceiverConfig
 from broker_adapter.store import OutboxStore, ReceiptStore, open_database

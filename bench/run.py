@@ -55,7 +55,7 @@ import common
 from common import KEYRING, PRINCIPAL, ROOT
 
 from broker_adapter.protocol.keys import Keys
-from broker_adapter.redis.streams import connect
+from broker_adapter.redis.client import connect
 
 RESULTS = ROOT / "bench" / "results" / "latest.json"
 PEERS_DIR = ROOT / "bench" / "peers"

@@ -43,7 +43,7 @@ from common import KEYRING, PRINCIPAL, ROOT
 
 from broker_adapter.protocol.envelope import Envelope
 from broker_adapter.protocol.keys import Keys
-from broker_adapter.redis.streams import connect
+from broker_adapter.redis.client import connect
 
 PUBLISH_BATCH = 50
 COLUMNS = [

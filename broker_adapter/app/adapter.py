@@ -41,7 +41,8 @@ from broker_adapter.errors import (
 )
 from broker_adapter.protocol.keys import DEFAULT_PREFIX, Keys
 from broker_adapter.protocol.signing import Keyring
-from broker_adapter.redis.streams import RedisUrl, connect
+from broker_adapter.redis.client import RedisUrl, connect
+from broker_adapter.redis.reader import DEFAULT_CLAIM_MIN_IDLE_MS
 from broker_adapter.stages.dispatcher import Dispatcher, DispatcherConfig
 from broker_adapter.stages.handlers import load_handler
 from broker_adapter.stages.handoff import CLAIM, LOOK, Handoff
@@ -110,7 +111,7 @@ class RunConfig(ConfigModel):
     lease_s: float = Field(default=30.0, gt=0)
     call_timeout_s: float = Field(default=60.0, gt=0)
     grace_s: float = Field(default=10.0, ge=0)
-    claim_min_idle_ms: int = Field(default=60_000, ge=0)
+    claim_min_idle_ms: int = Field(default=DEFAULT_CLAIM_MIN_IDLE_MS, ge=0)
     worker_publish: bool = True
     rate_limit: float | None = Field(default=None, gt=0)
     rate_burst: int | None = Field(default=None, ge=1)

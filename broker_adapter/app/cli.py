@@ -126,6 +126,8 @@ def _add_json(p: argparse.ArgumentParser) -> None:
 
 
 def _add_run(sub: argparse._SubParsersAction[_Parser]) -> None:
+    from broker_adapter.redis.reader import DEFAULT_CLAIM_MIN_IDLE_MS
+
     run = sub.add_parser("run", help="run ingest, worker processes and the dispatcher")
     _add_redis(run)
     _add_db(run, "the adapter's SQLite database file (created if absent)")
@@ -154,8 +156,8 @@ def _add_run(sub: argparse._SubParsersAction[_Parser]) -> None:
     _option(run, "--grace", "on SIGTERM, how long running handlers may finish, seconds",
             env="BA_GRACE_S", default=10.0, type=float, metavar="S")  # fmt: skip
     _option(run, "--claim-min-idle-ms", "pending entries of a dead consumer idle this long"
-            " are taken over", env="BA_CLAIM_MIN_IDLE_MS", default=60_000, type=int,
-            metavar="MS")  # fmt: skip
+            " are taken over", env="BA_CLAIM_MIN_IDLE_MS", default=DEFAULT_CLAIM_MIN_IDLE_MS,
+            type=int, metavar="MS")  # fmt: skip
     _option(run, "--rate-limit", "entries per second per principal; over it they are"
             " dead-lettered rate_limited", env="BA_RATE_LIMIT", shown="off", type=float,
             metavar="N")  # fmt: skip
@@ -326,7 +328,7 @@ def cmd_publish(args: argparse.Namespace) -> int:
     from broker_adapter.protocol.envelope import Envelope, loads_strict
     from broker_adapter.protocol.keys import Keys
     from broker_adapter.protocol.signing import Keyring
-    from broker_adapter.redis.streams import connect
+    from broker_adapter.redis.client import connect
 
     try:
         payload = loads_strict(args.payload)
@@ -362,7 +364,7 @@ def cmd_publish(args: argparse.Namespace) -> int:
 def cmd_receive(args: argparse.Namespace) -> int:
     from broker_adapter.app.metrics import Observed, serve_metrics
     from broker_adapter.protocol.signing import Keyring
-    from broker_adapter.redis.streams import connect
+    from broker_adapter.redis.client import connect
     from broker_adapter.stages.receiver import Receiver, ReceiverConfig, record_effect
     from broker_adapter.store import ReceiptStore, open_database
 

@@ -30,11 +30,13 @@ from typing import Any
 from broker_adapter import crashpoints
 from broker_adapter.client.publisher import Publisher
 from broker_adapter.errors import StaleError
+from broker_adapter.protocol.deadletter import DeadLetter
 from broker_adapter.protocol.envelope import Envelope, canonical_json, sha256_hex
 from broker_adapter.protocol.keys import Keys
+from broker_adapter.protocol.reply import Reply
 from broker_adapter.protocol.signing import Keyring
+from broker_adapter.redis.client import connect
 from broker_adapter.redis.embedded import EmbeddedRedis
-from broker_adapter.redis.streams import connect
 from broker_adapter.stages.dispatcher import Dispatcher, DispatcherConfig
 from broker_adapter.stages.handlers import Task
 from broker_adapter.stages.ingest import IngestConfig, Ingestor
@@ -117,11 +119,10 @@ def _receiver(db_path: str, url: str, principal: str) -> Receiver:
     return Receiver(cfg, connect(url), receipts, _receiver_effect, keyring=Keyring(KEYRING))
 
 
-def _receiver_effect(conn: sqlite3.Connection, reply: dict[str, Any]) -> dict[str, Any]:
+def _receiver_effect(conn: sqlite3.Connection, reply: Reply) -> dict[str, Any]:
     conn.execute("CREATE TABLE IF NOT EXISTS applied (reply_id TEXT, message_id TEXT, status TEXT)")
     conn.execute(
-        "INSERT INTO applied VALUES (?, ?, ?)",
-        (reply["reply_id"], reply.get("message_id"), reply.get("status")),
+        "INSERT INTO applied VALUES (?, ?, ?)", (reply.reply_id, reply.message_id, reply.status)
     )
     return {"key": effect_key(reply).idempotency_key}
 
@@ -201,7 +202,8 @@ def _story(tmp: Path, redis: EmbeddedRedis) -> bool:
          f"(answered, first request kept), dead-lettered {dict(s.dead_lettered)}")  # fmt: skip
     dead: Any = client.xrange(keys.inbound_dead())
     for _, f in dead:
-        _say(f"   dead letter: reason={f[b'dl.reason'].decode()} ({f[b'dl.detail'].decode()})")
+        letter = DeadLetter.parse(f)
+        _say(f"   dead letter: reason={letter.reason} ({letter.detail})")
     _say()
 
     _say("3. Worker A runs restart-web's side effect and is SIGKILLed before committing")
@@ -259,7 +261,8 @@ def _story(tmp: Path, redis: EmbeddedRedis) -> bool:
     _say(f"   receiver exit code {code}; on restart the redelivered replies were recognised: "
          f"{st.duplicates} duplicates skipped, {st.applied} new")  # fmt: skip
     reply_dead: Any = client.xrange(keys.replies_dead("planner"))
-    refused = {f[b"dl.entry_id"].decode(): f[b"dl.reason"].decode() for _, f in reply_dead}
+    letters = [DeadLetter.parse(f) for _, f in reply_dead]
+    refused = {dl.source_entry_id: dl.reason for dl in letters}
     forgery_refused = refused.get(forged) == "bad_signature"
     _say(
         f"   the forged reply: dead-lettered as {refused.get(forged, 'nothing (APPLIED!)')}, "

@@ -45,15 +45,14 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import redis
-
 from broker_adapter.errors import BrokerAdapterError, ConfigError
+from broker_adapter.redis.probe import StreamSample, redis_check, redis_client, sample_groups
 
 if TYPE_CHECKING:
     from prometheus_client.metrics_core import Metric
 
     from broker_adapter.app.pool import WorkerPool
-    from broker_adapter.redis.streams import GroupReader
+    from broker_adapter.redis.reader import GroupReader
     from broker_adapter.stages.dispatcher import Dispatcher, DispatcherStats
     from broker_adapter.stages.ingest import Ingestor
     from broker_adapter.stages.receiver import Receiver
@@ -69,7 +68,7 @@ CHECK_TIMEOUT_S = 1.0
 
 Labels = tuple[tuple[str, str], ...]
 #: What a source of a scrape may fail with; it is then left out of that scrape.
-_SOURCE_ERRORS = (BrokerAdapterError, redis.RedisError, sqlite3.Error, OSError, ValueError)
+_SOURCE_ERRORS = (BrokerAdapterError, sqlite3.Error, OSError, ValueError)
 
 
 class Families:
@@ -278,30 +277,6 @@ def _database_families(out: Families, db_path: Path) -> None:
     out.gauge("ba_receipts", "Replies the receiver recorded.", report["receipts"]["replies"])
 
 
-@dataclass
-class _Sample:
-    at: float
-    groups: list[tuple[str, str, int, int | None]]  # stream, group, pending, lag
-    lengths: list[tuple[str, int]]
-
-
-def sample_groups(client: Any, streams: Iterable[str]) -> _Sample:
-    """``XINFO GROUPS`` and ``XLEN`` of each stream (a stream not made yet has none)."""
-    from broker_adapter.redis.streams import text
-
-    groups: list[tuple[str, str, int, int | None]] = []
-    lengths: list[tuple[str, int]] = []
-    for stream in streams:
-        if not client.exists(stream):
-            continue
-        lengths.append((stream, int(client.xlen(stream))))
-        for g in client.xinfo_groups(stream):
-            lag = g.get("lag")
-            groups.append((stream, text(g["name"]), int(g["pending"]),
-                           None if lag is None else int(lag)))  # fmt: skip
-    return _Sample(time.monotonic(), groups, lengths)
-
-
 class AdapterCollector:
     """A prometheus-client collector that reads ``observed`` at each scrape.
 
@@ -320,7 +295,7 @@ class AdapterCollector:
         self.readiness = readiness
         self.sample_every_s = sample_every_s
         self.errors: dict[str, int] = {"database": 0, "redis": 0, "workers": 0}
-        self._sample: _Sample | None = None
+        self._sample: StreamSample | None = None
         self._client: Any = None
         self._lock = threading.Lock()
 
@@ -361,7 +336,7 @@ class AdapterCollector:
         if sample is None or time.monotonic() - sample.at >= self.sample_every_s:
             self._sample = None
             if self._client is None:
-                self._client = redis_client(obs.redis_url)
+                self._client = redis_client(obs.redis_url, CHECK_TIMEOUT_S)
             sample = self._sample = sample_groups(self._client, obs.streams)
         for stream, group, pending, lag in sample.groups:
             out.gauge("ba_stream_group_pending", "Entries delivered to the group and not"
@@ -381,13 +356,6 @@ class AdapterCollector:
 
         files = MultiProcessCollector(None, path=str(self.observed.worker_dir))  # type: ignore[no-untyped-call]
         out.merge(files.collect())  # type: ignore[no-untyped-call]
-
-
-def redis_client(url: str) -> Any:
-    """A client for the exporter's own looks, with short timeouts."""
-    return redis.Redis.from_url(
-        url, socket_timeout=CHECK_TIMEOUT_S, socket_connect_timeout=CHECK_TIMEOUT_S
-    )
 
 
 # -- worker processes -----------------------------------------------------------------------
@@ -478,22 +446,6 @@ class WorkerMetrics:
 # -- health ---------------------------------------------------------------------------------
 
 
-def redis_check(url: str) -> Callable[[], str | None]:
-    """PING within ``CHECK_TIMEOUT_S``; the problem, or ``None``."""
-
-    def check() -> str | None:
-        client = redis_client(url)
-        try:
-            client.ping()
-        except redis.RedisError as exc:
-            return f"redis: {type(exc).__name__}: {exc}"
-        finally:
-            client.close()
-        return None
-
-    return check
-
-
 def database_check(path: Path) -> Callable[[], str | None]:
     """The file exists and its write lock can be had within ``CHECK_TIMEOUT_S``:
     ``BEGIN IMMEDIATE`` then ``ROLLBACK`` (nothing written, no fsync, the lock held for
@@ -526,7 +478,7 @@ class Readiness:
         obs = self.observed
         found: list[str] = []
         if obs.redis_url is not None:
-            found.append(redis_check(obs.redis_url)() or "")
+            found.append(redis_check(obs.redis_url, CHECK_TIMEOUT_S)() or "")
         if obs.db_path is not None:
             found.append(database_check(obs.db_path)() or "")
         found += [f"stage not running: {name}" for name in obs.stages()]

@@ -10,8 +10,9 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from broker_adapter.protocol.deadletter import DeadLetter
 from broker_adapter.protocol.keys import INGEST_GROUP, Keys
-from broker_adapter.redis.streams import call, connect, text
+from broker_adapter.redis.client import call, connect, text
 from broker_adapter.store import OutboxStore, open_database
 from broker_adapter.store.report import snapshot
 
@@ -99,17 +100,17 @@ def _reply_view(row: Any) -> dict[str, Any]:
 
 
 def _entry_view(stream: str, entry_id: str, fields: dict[bytes, bytes]) -> dict[str, Any]:
-    decoded = {text(k): text(v) for k, v in fields.items()}
+    letter = DeadLetter.parse(fields)
     return {
         "type": "entry",
         "stream": stream,
         "entry_id": entry_id,
-        "reason": decoded.get("dl.reason"),
-        "detail": decoded.get("dl.detail"),
-        "source": decoded.get("dl.source"),
-        "source_entry_id": decoded.get("dl.entry_id"),
-        "deliveries": decoded.get("dl.deliveries"),
-        "fields": decoded,
+        "reason": letter.reason,
+        "detail": letter.detail,
+        "source": letter.source,
+        "source_entry_id": letter.source_entry_id,
+        "deliveries": letter.deliveries,
+        "fields": letter.fields,
     }
 
 
@@ -191,18 +192,18 @@ def _replay(args: argparse.Namespace, outbox: OutboxStore, client: Any) -> dict[
         entries = call(partial(client.xrange, stream, args.id, args.id))
         if not entries:
             continue
-        fields = {text(k): v for k, v in entries[0][1].items()}
-        source = text(fields.get("dl.source", b""))
+        letter = DeadLetter.parse(entries[0][1])
+        source = letter.source
         if not source or keys.dead_for(source) != stream:
             raise ConfigError(f"dead-letter entry {args.id} does not name its source stream")
-        if "dl.truncated" in fields or text(fields.get("dl.reason", b"")) == "duplicate_field":
+        if not letter.complete:
             # Only part of the original was copied, or a repeated name would collapse: a
             # replay would not give back the same entry (it is still in its stream).
             raise ConfigError(
                 f"dead-letter entry {args.id} does not hold its original as it was; the "
-                f"original is {text(fields.get('dl.entry_id', b'?'))} in {source}"
+                f"original is {letter.source_entry_id or '?'} in {source}"
             )
-        original = {k.removeprefix("orig."): v for k, v in fields.items() if k.startswith("orig.")}
+        original = letter.original
         if not original:
             raise ConfigError(f"dead-letter entry {args.id} kept no original fields to replay")
         pipe = client.pipeline(transaction=True)

@@ -5,7 +5,7 @@ and unchanged across resends (``docs/RULES.md`` rule 1). Publishing the same env
 therefore safe: the ingest's inbox answers the second copy as a duplicate of the first.
 
 Crash and fault behaviour: the client must not re-send commands by itself (use
-``streams.connect`` / ``streams.connect_async``, which set ``Retry(NoBackoff(), 0)``), because a
+``redis.client.connect`` / ``connect_async``, which set ``Retry(NoBackoff(), 0)``), because a
 library retry after a lost reply appends a second entry without the caller knowing. A failed
 publish raises ``RedisUnavailable``, which means *maybe published*: the entry may or may not
 be in the stream. The agent then retries with the SAME envelope (same ``message_id``, same
@@ -33,11 +33,10 @@ from broker_adapter.errors import AuthError, ConfigError, EnvelopeError
 from broker_adapter.protocol.envelope import Envelope, check_principal
 from broker_adapter.protocol.keys import Keys
 from broker_adapter.protocol.signing import Keyring, unsigned_fields
-from broker_adapter.redis.streams import text, translated
+from broker_adapter.redis.client import text, translated
 
 if TYPE_CHECKING:
-    import redis
-    import redis.asyncio
+    from broker_adapter.redis.client import AsyncRedis, Redis
 
 
 class _Signer:
@@ -88,7 +87,7 @@ class Publisher:
     """Publishes one principal's envelopes to the inbound stream (synchronous redis-py).
 
     Args:
-        client: a client from ``streams.connect`` (no automatic re-sends).
+        client: a client from ``redis.client.connect`` (no automatic re-sends).
         keys: the key schema (its prefix must match the ingest's).
         principal: who publishes; every envelope's ``sender`` must equal it.
         keyring: signs entries (signed mode); ``None`` for ACL mode.
@@ -100,7 +99,7 @@ class Publisher:
 
     def __init__(
         self,
-        client: redis.Redis,
+        client: Redis,
         keys: Keys,
         principal: str,
         keyring: Keyring | None,
@@ -136,7 +135,7 @@ class AsyncPublisher:
     """``Publisher`` on ``redis.asyncio``; same arguments, same guarantees.
 
     Args:
-        client: a client from ``streams.connect_async`` (no automatic re-sends).
+        client: a client from ``redis.client.connect_async`` (no automatic re-sends).
         keys: the key schema.
         principal: who publishes.
         keyring: signs entries (signed mode); ``None`` for ACL mode.
@@ -145,7 +144,7 @@ class AsyncPublisher:
 
     def __init__(
         self,
-        client: redis.asyncio.Redis,
+        client: AsyncRedis,
         keys: Keys,
         principal: str,
         keyring: Keyring | None,

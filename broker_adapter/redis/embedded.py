@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from broker_adapter.errors import ConfigError
-from broker_adapter.redis.streams import connect
+from broker_adapter.redis.client import connect
 
 READY_TIMEOUT_S = 10.0
 

@@ -41,7 +41,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from broker_adapter.errors import BrokerAdapterError, TransientError
-from broker_adapter.redis.streams import eval_many, text, translated
+from broker_adapter.redis.client import text, translated
+from broker_adapter.redis.scripts import eval_many
 
 #: How often the ingest and the dispatcher trim the streams they own, seconds.
 DEFAULT_TRIM_EVERY_S = 10.0

@@ -143,6 +143,7 @@ import tenacity
 from pydantic import Field
 
 from broker_adapter import crashpoints
+from broker_adapter.backoff import retrying
 from broker_adapter.clock import Clock
 from broker_adapter.config import ConfigModel, KeyPrefix
 from broker_adapter.errors import (
@@ -154,9 +155,11 @@ from broker_adapter.errors import (
     StaleError,
     TransientError,
 )
+from broker_adapter.protocol.deadletter import encodable
 from broker_adapter.protocol.keys import DEFAULT_PREFIX, Keys
 from broker_adapter.protocol.signing import REPLY_WIRE_VERSION, Keyring
-from broker_adapter.redis.streams import call, encodable, eval_many, retrying, text, translated
+from broker_adapter.redis.client import call, text, translated
+from broker_adapter.redis.scripts import eval_many
 from broker_adapter.redis.trimming import (
     DEFAULT_TRIM_EVERY_S,
     DEFAULT_TRIM_KEEP_S,

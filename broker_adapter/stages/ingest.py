@@ -66,6 +66,7 @@ import tenacity
 from pydantic import Field, field_validator, model_validator
 
 from broker_adapter import crashpoints
+from broker_adapter.backoff import run_until_stopped
 from broker_adapter.clock import Clock, SystemClock
 from broker_adapter.config import ConfigModel, KeyPrefix, Principal
 from broker_adapter.errors import (
@@ -74,16 +75,20 @@ from broker_adapter.errors import (
     StoreBusy,
     TransientError,
 )
+from broker_adapter.protocol import deadletter
 from broker_adapter.protocol.keys import DEFAULT_PREFIX, INGEST_GROUP, Keys
 from broker_adapter.protocol.signing import Authenticated, Keyring, check_stream_principal
-from broker_adapter.redis.streams import (
+from broker_adapter.redis.entry import StreamEntry
+from broker_adapter.redis.reader import (
+    DEFAULT_BLOCK_MS,
+    DEFAULT_CLAIM_MIN_IDLE_MS,
+    DEFAULT_MAX_DELIVERIES,
     DEFAULT_MAX_ENTRY_FIELDS,
+    MAX_COUNT,
     MAX_ENTRY_FIELDS,
     MIN_ENTRY_FIELDS,
     GroupReader,
     ReaderConfig,
-    StreamEntry,
-    run_until_stopped,
 )
 from broker_adapter.redis.trimming import (
     DEFAULT_TRIM_EVERY_S,
@@ -96,13 +101,10 @@ from broker_adapter.store.retention import DEFAULT_RETENTION_S
 from broker_adapter.store.tasks import AcceptItem, AcceptResult, Outcome, TaskStore
 
 if TYPE_CHECKING:
-    import redis
+    from broker_adapter.redis.client import Redis
 
 DEFAULT_COUNT = 256
-DEFAULT_BLOCK_MS = 1000
-DEFAULT_CLAIM_MIN_IDLE_MS = 60_000
 DEFAULT_CLAIM_EVERY_S = 5.0
-DEFAULT_MAX_DELIVERIES = 10
 DEFAULT_MAX_ENTRY_BYTES = 256 * 1024
 #: ``take_over`` pages through at most this many XAUTOCLAIM replies per stream per call.
 TAKE_OVER_MAX_PAGES = 64
@@ -147,7 +149,7 @@ class IngestConfig(ConfigModel):
     consumer: str
     mode: Literal["signed", "acl"] = "signed"
     acl_principals: tuple[Principal, ...] = ()
-    count: int = Field(default=DEFAULT_COUNT, ge=1, le=10_000)
+    count: int = Field(default=DEFAULT_COUNT, ge=1, le=MAX_COUNT)
     block_ms: int = Field(default=DEFAULT_BLOCK_MS, ge=1)
     claim_min_idle_ms: int = Field(default=DEFAULT_CLAIM_MIN_IDLE_MS, ge=1)
     claim_every_s: float = Field(default=DEFAULT_CLAIM_EVERY_S, gt=0)
@@ -237,7 +239,7 @@ class Ingestor:
 
     Args:
         config: what to read and how.
-        client: a client from ``streams.connect`` (no automatic re-sends); its socket
+        client: a client from ``redis.client.connect`` (no automatic re-sends); its socket
             timeout must exceed ``block_ms``.
         tasks: the inbox / task store.
         keyring: verifies signatures; required in signed mode, ignored in ACL mode.
@@ -251,7 +253,7 @@ class Ingestor:
     def __init__(
         self,
         config: IngestConfig,
-        client: redis.Redis,
+        client: Redis,
         tasks: TaskStore,
         keyring: Keyring | None,
         *,
@@ -446,7 +448,7 @@ class Ingestor:
             exc = state.outcome.exception() if state.outcome else None
             self.log.warning("ingest: transient failure, backing off: %s", exc)
 
-        # The shared loop and policy (streams.retrying); a stop cuts the backoff short.
+        # The shared loop and policy (``backoff.retrying``); a stop cuts the backoff short.
         run_until_stopped(stop, self.tick, before_sleep=note)
         if any(source.reader.has_ahead for source in self._sources):
             try:
@@ -475,9 +477,9 @@ class Ingestor:
             try:
                 auth = self._authenticate(source, entry)
             except EnvelopeError as exc:
-                extra = {"dl.field": exc.field}
+                extra = {deadletter.FIELD: exc.field}
                 if source.principal is not None:
-                    extra["dl.principal"] = source.principal
+                    extra[deadletter.PRINCIPAL] = source.principal
                 reader.dead_letter(entry, exc.reason, exc.detail, extra=extra)
                 continue
             except TransientError:
@@ -487,7 +489,9 @@ class Ingestor:
                 continue
             refusal = self.limits.admit(auth.principal)
             if refusal is not None:  # dead-lettered together below: a flood is cheap to refuse
-                refused.append((entry, *refusal, {"dl.field": "", "dl.principal": auth.principal}))
+                refused.append(
+                    (entry, *refusal, {deadletter.FIELD: "", deadletter.PRINCIPAL: auth.principal})
+                )
                 continue
             good.append(entry)
             items.append(AcceptItem(auth.principal, auth.envelope, entry.entry_id))
@@ -544,7 +548,7 @@ class Ingestor:
                     entry,
                     refusal.reason,
                     refusal.detail,
-                    extra={"dl.field": refusal.field, "dl.principal": item.principal},
+                    extra={deadletter.FIELD: refusal.field, deadletter.PRINCIPAL: item.principal},
                 )
                 continue
             name = _OUTCOME_COUNTER.get(result.outcome)

@@ -6,7 +6,7 @@ a duplicate skips the effect and returns the earlier result; different content u
 reply id is refused (dead-lettered with reason ``reply_conflict``) and its effect never
 runs.
 
-Reading goes through the shared ``streams.GroupReader`` (consumer group ``ba-receiver`` on
+Reading goes through the shared ``redis.reader.GroupReader`` (consumer group ``ba-receiver`` on
 ``replies(P)``): after start and after every error it re-reads its own pending entries
 first, it takes over entries idle in a dead consumer's list (XAUTOCLAIM, every
 ``take_over_interval_s``), it recreates a group Redis lost, and it dead-letters deleted
@@ -45,8 +45,9 @@ it is dead-lettered with reason ``delivery_limit``. The replay waits ``failed_st
 after a step whose effect failed (new entries are read and applied meanwhile), so that the
 retries of a failing effect are spaced by that pause rather than spent at once.
 
-Effects. The callback ``effect(conn, reply)`` runs inside the receipt's transaction on the
-same connection: it must be a quick local write to this database, with no network call.
+Effects. The callback ``effect(conn, reply)`` (``reply``: the parsed body, a
+``protocol.reply.Reply``) runs inside the receipt's transaction on the same connection: it
+must be a quick local write to this database, with no network call.
 An effect that leaves the transaction (HTTP, e-mail, a payment) must not be done blindly
 from the callback. Record an intent row instead, keyed by ``effect_key(reply)``, in the same
 transaction; a separate sender then performs the call carrying ``EffectKey.idempotency_key``
@@ -59,7 +60,7 @@ outcome it cannot confirm to reconciliation rather than retrying it blindly::
         conn.execute(
             "INSERT INTO http_intents (idempotency_key, task_id, fence, payload)"
             " VALUES (?, ?, ?, ?)",
-            (key.idempotency_key, key.task_id, key.fence, json.dumps(reply["result"])),
+            (key.idempotency_key, key.task_id, key.fence, json.dumps(reply.result)),
         )
 """
 
@@ -74,48 +75,48 @@ from typing import TYPE_CHECKING, Any
 from pydantic import Field
 
 from broker_adapter import crashpoints
+from broker_adapter.backoff import run_until_stopped
 from broker_adapter.clock import Clock
 from broker_adapter.config import ConfigModel, KeyPrefix, Principal
 from broker_adapter.errors import (
     AuthError,
-    BrokerAdapterError,
     ConfigError,
     GroupMissingError,
     StoreBusy,
     TransientError,
 )
-from broker_adapter.protocol.envelope import loads_strict, sha256_hex
+from broker_adapter.protocol.envelope import sha256_hex
 from broker_adapter.protocol.keys import DEFAULT_PREFIX, RECEIVER_GROUP, Keys
+from broker_adapter.protocol.reply import BadReply, Reply, load_body
 from broker_adapter.protocol.signing import REPLY_WIRE_VERSION, Keyring
-from broker_adapter.redis.streams import (
+from broker_adapter.redis.client import text, translated
+from broker_adapter.redis.entry import StreamEntry
+from broker_adapter.redis.reader import (
+    DEFAULT_BLOCK_MS,
+    DEFAULT_CLAIM_MIN_IDLE_MS,
+    DEFAULT_MAX_DELIVERIES,
     DEFAULT_MAX_ENTRY_FIELDS,
+    MAX_COUNT,
     MAX_ENTRY_FIELDS,
     MIN_ENTRY_FIELDS,
     GroupReader,
     ReaderConfig,
-    StreamEntry,
-    run_until_stopped,
-    text,
-    translated,
 )
+from broker_adapter.store.interface import ReceiptsAPI
 from broker_adapter.store.receipts import (
     AppliedItem,
     Effect,
     ReceiptItem,
     ReceiptOutcome,
-    ReceiptStore,
 )
 from broker_adapter.store.retention import DEFAULT_RETENTION_S, PurgeBatch, PurgeSchedule
 
 if TYPE_CHECKING:
     import sqlite3
 
-    import redis
+    from broker_adapter.redis.client import Redis
 
 DEFAULT_COUNT = 64
-DEFAULT_BLOCK_MS = 1000
-DEFAULT_CLAIM_MIN_IDLE_MS = 60_000
-DEFAULT_MAX_DELIVERIES = 10
 DEFAULT_TAKE_OVER_INTERVAL_S = 30.0
 #: A reply body is at most a result (the payload limits: 64 KiB canonical) and its metadata
 #: (ids, an error text of at most 4,000 characters): about 100 KB with every character
@@ -128,9 +129,6 @@ DEFAULT_FAILED_STEP_PAUSE_S = 1.0
 PENDING_SLACK_S = 5.0
 #: How long a step spends on the receipts' purge at most (when a pass is due).
 PURGE_STEP_BUDGET_S = 0.02
-#: How deep a reply body may nest: the body object plus a result within the payload
-#: limits nest 17 levels; anything far deeper is not a reply of ours.
-REPLY_MAX_DEPTH = 64
 REPLY_FORMAT_VERSION = REPLY_WIRE_VERSION.encode()
 _HEX = frozenset("0123456789abcdef")
 
@@ -165,7 +163,7 @@ class ReceiverConfig(ConfigModel):
     principal: Principal
     group: str = Field(default=RECEIVER_GROUP, min_length=1)
     consumer: str = Field(default="receiver-1", min_length=1)
-    count: int = Field(default=DEFAULT_COUNT, ge=1, le=10_000)
+    count: int = Field(default=DEFAULT_COUNT, ge=1, le=MAX_COUNT)
     block_ms: int = Field(default=DEFAULT_BLOCK_MS, ge=1)
     claim_min_idle_ms: int = Field(default=DEFAULT_CLAIM_MIN_IDLE_MS, ge=0)
     max_deliveries: int = Field(default=DEFAULT_MAX_DELIVERIES, ge=1)
@@ -196,37 +194,25 @@ class EffectKey:
     fence: int | None
 
 
-def effect_key(reply: Mapping[str, Any]) -> EffectKey:
+def effect_key(reply: Reply) -> EffectKey:
     """The idempotency key and fence of a reply, for effects outside the transaction."""
-    reply_id = str(reply["reply_id"])
-    fence = reply.get("fence")
-    task_id = reply.get("task_id")
     return EffectKey(
-        idempotency_key=f"ba-reply:{reply_id}",
-        reply_id=reply_id,
-        task_id=None if task_id is None else str(task_id),
-        fence=fence if isinstance(fence, int) else None,
+        idempotency_key=reply.idempotency_key,
+        reply_id=reply.reply_id,
+        task_id=reply.task_id,
+        fence=reply.fence,
     )
 
 
-def record_effect(conn: sqlite3.Connection, reply: dict[str, Any]) -> dict[str, Any]:
+def record_effect(conn: sqlite3.Connection, reply: Reply) -> dict[str, Any]:
     """A minimal effect (the CLI's ``receive``): the receipt, which keeps the body, is the
     record. Writes nothing else; returns the reply's task id, status and idempotency key,
     kept as the receipt's ``effect_result``."""
     return {
-        "task_id": reply.get("task_id"),
-        "status": reply.get("status"),
-        "idempotency_key": effect_key(reply).idempotency_key,
+        "task_id": reply.task_id,
+        "status": reply.status,
+        "idempotency_key": reply.idempotency_key,
     }
-
-
-class BadReply(BrokerAdapterError):
-    """An entry that is not a well-formed reply (internal: it is dead-lettered)."""
-
-    def __init__(self, reason: str, detail: str) -> None:
-        self.reason = reason
-        self.detail = detail
-        super().__init__(f"{detail} [{reason}]")
 
 
 def check_signature(
@@ -285,47 +271,16 @@ def parse_entry(
     actual = sha256_hex(body)
     if actual != content_hash:
         raise BadReply("bad_hash", f"body hashes to {actual[:16]}, entry says {content_hash[:16]}")
-    reply = load_body(body)
-    if reply.get("reply_id") != reply_id:
-        raise BadReply("bad_reply", f"body names reply {reply.get('reply_id')!r}, not {reply_id!r}")
-    if reply.get("principal") != principal:
+    decoded = load_body(body)
+    if decoded.get("reply_id") != reply_id:
+        named = decoded.get("reply_id")
+        raise BadReply("bad_reply", f"body names reply {named!r}, not {reply_id!r}")
+    if decoded.get("principal") != principal:
         raise BadReply(
-            "wrong_principal", f"reply for {reply.get('principal')!r} on {principal!r}'s stream"
+            "wrong_principal", f"reply for {decoded.get('principal')!r} on {principal!r}'s stream"
         )
+    reply = Reply.from_mapping(decoded)
     return ReceiptItem(reply_id, content_hash, principal, bytes(body), entry_id, reply)
-
-
-def load_body(body: bytes) -> dict[str, Any]:
-    """Parse a reply body as the ingest parses an envelope (``envelope.loads_strict``: UTF-8,
-    no NaN or infinity, no duplicate keys), nesting at most ``REPLY_MAX_DEPTH`` levels.
-
-    Raises:
-        BadReply: ``bad_reply``, saying which rule the body breaks.
-    """
-    try:
-        reply = loads_strict(body)
-    except RecursionError:
-        raise BadReply("bad_reply", f"body nests deeper than {REPLY_MAX_DEPTH} levels") from None
-    except ValueError as exc:  # UnicodeDecodeError included
-        raise BadReply("bad_reply", f"body is not strict UTF-8 JSON: {exc}") from None
-    if not isinstance(reply, dict):
-        raise BadReply("bad_reply", "body is not a JSON object")
-    if body.count(b"{") + body.count(b"[") > REPLY_MAX_DEPTH and _depth(reply) > REPLY_MAX_DEPTH:
-        raise BadReply("bad_reply", f"body nests deeper than {REPLY_MAX_DEPTH} levels")
-    return reply
-
-
-def _depth(value: Any) -> int:
-    """How many arrays and objects ``value`` nests (walked without recursion). Called only
-    when the body has more brackets than the limit: fewer cannot nest deeper."""
-    deepest = 0
-    stack: list[tuple[Any, int]] = [(value, 1)]
-    while stack:
-        node, depth = stack.pop()
-        children = node.values() if isinstance(node, dict) else node
-        deepest = max(deepest, depth)
-        stack.extend((c, depth + 1) for c in children if isinstance(c, dict | list))
-    return deepest
 
 
 @dataclass
@@ -342,7 +297,7 @@ class Receiver:
 
     Args:
         config: which stream, group and consumer; batch and takeover limits.
-        client: a client from ``streams.connect`` whose socket timeout exceeds ``block_ms``.
+        client: a client from ``redis.client.connect`` whose socket timeout exceeds ``block_ms``.
         receipts: the receiver's receipt store.
         effect: called once per new reply inside its receipt's transaction (see above).
         keyring: holds the principal's keys (the same keyring file as for requests);
@@ -358,8 +313,8 @@ class Receiver:
     def __init__(
         self,
         config: ReceiverConfig,
-        client: redis.Redis,
-        receipts: ReceiptStore,
+        client: Redis,
+        receipts: ReceiptsAPI,
         effect: Effect | None = None,
         *,
         keyring: Keyring,

@@ -73,7 +73,7 @@ from broker_adapter.errors import (
 from broker_adapter.protocol.envelope import check_result
 from broker_adapter.protocol.keys import DEFAULT_PREFIX, Keys
 from broker_adapter.protocol.signing import Keyring
-from broker_adapter.redis.streams import RedisUrl, connect
+from broker_adapter.redis.client import RedisUrl, connect
 from broker_adapter.stages.dispatcher import (
     DEFAULT_RECORD_TTL_S,
     DispatcherStats,

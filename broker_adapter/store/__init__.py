@@ -1,6 +1,7 @@
 """SQLite persistence: the inbox, the task state machine, the outbox and reply receipts.
 
-Only this package imports ``sqlite3``; it never imports redis.
+Only this package imports ``sqlite3``; it never imports redis. ``interface`` names what
+the stages ask of a store (``typing.Protocol``s a second backend implements).
 """
 
 from broker_adapter.store.db import Database, open_database

@@ -6,10 +6,13 @@ reply without its terminal task, cannot be observed. The unique index on ``task_
 "exactly one reply per terminal task" a database constraint.
 
 The publisher side has its own lease and fence: ``claim`` hands a batch of rows to one
-dispatcher (attempts+1, fence+1), and ``mark_sent`` / ``retry`` / ``mark_dead`` succeed only
-for the current holder. The body bytes are fixed at enqueue time, so every resend carries the
-same reply id and the same bytes. ``dead`` means "no trusted confirmation", not "not
-delivered": ``replay`` puts such a row back in line after the operator checked Redis.
+dispatcher (attempts+1, fence+1), and marking a row sent, ``retry`` and ``mark_dead`` succeed
+only for the current holder (``fencing``). A confirmed publication is recorded one way,
+``mark_sent_in``, whoever records it (the dispatcher's ``mark_sent_and_claim``, a worker's
+``mark_sent_marks`` or its settling transaction). The body bytes are fixed at enqueue
+time, so every resend carries the same reply id and the same bytes. ``dead`` means "no
+trusted confirmation", not "not delivered": ``replay`` puts such a row back in line after
+the operator checked Redis.
 """
 
 from __future__ import annotations
@@ -26,9 +29,11 @@ from pydantic import Field
 from broker_adapter.backoff import Backoff
 from broker_adapter.clock import Clock, SystemClock
 from broker_adapter.config import ConfigModel
-from broker_adapter.errors import BrokerAdapterError, FencedError, StaleError
-from broker_adapter.protocol.envelope import canonical_json, sha256_hex
+from broker_adapter.errors import BrokerAdapterError, StaleError
+from broker_adapter.protocol.reply import encode_body
 from broker_adapter.store.db import Database
+from broker_adapter.store.fencing import REPLY_HELD, REPLY_HELD_STATE, held_params, refusal
+from broker_adapter.store.leases import DEFAULT_LEASE_S
 
 OUTBOX_STATES = ("pending", "sending", "sent", "dead")
 
@@ -45,7 +50,7 @@ class OutboxPolicy(ConfigModel):
         ConfigError: a lease not above 0, or fewer than one attempt.
     """
 
-    lease_s: float = Field(default=30.0, gt=0)
+    lease_s: float = Field(default=DEFAULT_LEASE_S, gt=0)
     max_attempts: int = Field(default=20, ge=1)
     backoff: Backoff = Field(default_factory=lambda: Backoff(base_s=0.5, cap_s=30.0))
 
@@ -103,12 +108,6 @@ def enqueue(
         conn, reply_id=reply_id, task_id=task_id, principal=principal, message_id=message_id,
         status=status, data=data, content_hash=content_hash, now=now,
     )  # fmt: skip
-
-
-def encode_body(body: dict[str, Any]) -> tuple[bytes, str]:
-    """A reply body's canonical bytes and their SHA-256 (what ``enqueue`` stores)."""
-    data = canonical_json(body)
-    return data, sha256_hex(data)
 
 
 def enqueue_encoded(
@@ -176,30 +175,33 @@ def holder_check(
     c: sqlite3.Connection, reply_id: str, owner: str, fence: int, now: float
 ) -> sqlite3.Row:
     """Raise ``StaleError`` unless ``owner`` holds ``reply_id`` under ``fence`` at ``now``
-    (state ``sending``, lease unexpired); the row's state, owner, fence, lease, attempts."""
+    (``fencing.refusal``: state ``sending``, lease unexpired); the row's state, owner,
+    fence, lease, attempts."""
     row: sqlite3.Row | None = c.execute(
         "SELECT state, owner, fence, lease_until, attempts FROM outbox WHERE reply_id = ?",
         (reply_id,),
     ).fetchone()
     if row is None:
         raise UnknownReply(reply_id)
-    if row["fence"] != fence:
-        raise FencedError(reply_id, fence, row["fence"])
-    if row["state"] != "sending":
-        raise StaleError(reply_id, "not_sending", f"state is {row['state']}")
-    if row["owner"] != owner:
-        raise StaleError(reply_id, "owner", f"held by {row['owner']}")
-    if row["lease_until"] <= now:
-        raise StaleError(reply_id, "lease_expired")
+    refused = refusal(row, reply_id, owner, fence, now, state=REPLY_HELD_STATE, deadline=False)
+    if refused is not None:
+        raise refused
     return row
+
+
+_MARK_SENT = (
+    "UPDATE outbox SET state = 'sent', owner = NULL, lease_until = NULL,"
+    " entry_id = ?, sent_at = ?, last_error = NULL WHERE reply_id = ? AND " + REPLY_HELD
+)
 
 
 def mark_sent_in(
     c: sqlite3.Connection, owner: str, items: Sequence[SentMark], now: float
 ) -> builtins.list[StaleError | None]:
     """Record confirmed publications inside the caller's transaction, each fenced on its
-    own: the holder check is the WHERE clause of the update (one statement per row); a row
-    it refuses wrote nothing and gets ``holder_check``'s precise refusal.
+    own: the holder check (``fencing.REPLY_HELD``) is the WHERE clause of the update (one
+    statement per row); a row it refuses wrote nothing and gets ``holder_check``'s precise
+    refusal. The one way a reply is marked sent.
 
     Returns:
         one entry per item, in order: ``None`` when marked sent, else the ``StaleError``.
@@ -207,10 +209,8 @@ def mark_sent_in(
     out: builtins.list[StaleError | None] = []
     for reply_id, fence, entry_id, sent_at in items:
         cur = c.execute(
-            "UPDATE outbox SET state = 'sent', owner = NULL, lease_until = NULL,"
-            " entry_id = ?, sent_at = ?, last_error = NULL WHERE reply_id = ? AND fence = ?"
-            " AND state = 'sending' AND owner = ? AND lease_until > ?",
-            (entry_id, sent_at, reply_id, fence, owner, now),
+            _MARK_SENT,
+            (entry_id, sent_at, reply_id, *held_params(fence, owner, now, deadline=False)),
         )
         if cur.rowcount == 1:
             out.append(None)
@@ -320,18 +320,14 @@ class OutboxStore:
         return holder_check(c, reply_id, owner, fence, self.clock.now())
 
     def mark_sent(self, reply_id: str, owner: str, fence: int, entry_id: str) -> None:
-        """Record a confirmed publication (fenced).
+        """Record one confirmed publication (``mark_sent_marks`` of one, sent now).
 
         Raises:
             StaleError: the caller no longer holds the row; nothing is written.
         """
-        with self.db.write("mark_sent") as c:
-            self._holder(c, reply_id, owner, fence)
-            c.execute(
-                "UPDATE outbox SET state = 'sent', owner = NULL, lease_until = NULL,"
-                " entry_id = ?, sent_at = ?, last_error = NULL WHERE reply_id = ? AND fence = ?",
-                (entry_id, self.clock.now(), reply_id, fence),
-            )
+        (refused,) = self.mark_sent_marks(owner, [(reply_id, fence, entry_id, self.clock.now())])
+        if refused is not None:
+            raise refused
 
     def retry(self, reply_id: str, owner: str, fence: int, error: str) -> str:
         """Record a failed attempt: back in line after a backoff, or ``dead`` past the budget.
@@ -447,12 +443,6 @@ class OutboxStore:
 
     # -- added for the reply dispatcher (broker_adapter.stages.dispatcher) ------------------------
 
-    def mark_sent_many(
-        self, owner: str, items: Sequence[tuple[str, int, str]]
-    ) -> builtins.list[StaleError | None]:
-        """``mark_sent_and_claim`` without the claim."""
-        return self.mark_sent_and_claim(owner, items, 0)[0]
-
     def mark_sent_and_claim(
         self, owner: str, items: Sequence[tuple[str, int, str]], n: int
     ) -> tuple[builtins.list[StaleError | None], builtins.list[OutboxRow]]:
@@ -475,20 +465,25 @@ class OutboxStore:
             return [], []
         now = self.clock.now()
         marks = [(reply_id, fence, entry_id, now) for reply_id, fence, entry_id in items]
-        with self.db.write("mark_sent") as c:
-            out = mark_sent_in(c, owner, marks, now)
-            claimed = self._claim_in(c, owner, n, now) if n >= 1 else []
-        return out, claimed
+        return self._mark_sent(owner, marks, n, now)
 
     def mark_sent_marks(
         self, owner: str, marks: Sequence[SentMark]
     ) -> builtins.list[StaleError | None]:
-        """``mark_sent_many`` with the time of each confirmation (``SentMark``) as its
-        ``sent_at``: one transaction, each row fenced on its own."""
+        """``mark_sent_and_claim`` without the claim, with the time of each confirmation
+        (``SentMark``) as its ``sent_at``: one transaction, each row fenced on its own."""
         if not marks:
             return []
+        return self._mark_sent(owner, marks, 0, self.clock.now())[0]
+
+    def _mark_sent(
+        self, owner: str, marks: Sequence[SentMark], n: int, now: float
+    ) -> tuple[builtins.list[StaleError | None], builtins.list[OutboxRow]]:
+        """The ``mark_sent`` transaction: ``mark_sent_in``, then a claim of up to ``n``."""
         with self.db.write("mark_sent") as c:
-            return mark_sent_in(c, owner, marks, self.clock.now())
+            out = mark_sent_in(c, owner, marks, now)
+            claimed = self._claim_in(c, owner, n, now) if n >= 1 else []
+        return out, claimed
 
     def mark_published(self, reply_id: str, entry_id: str, by: str) -> OutboxRow:
         """Reconcile a ``dead`` reply that Redis shows as published: ``sent`` with that entry id.

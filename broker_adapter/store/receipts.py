@@ -23,6 +23,7 @@ from typing import Any
 
 from broker_adapter.clock import Clock, SystemClock
 from broker_adapter.protocol.envelope import canonical_json
+from broker_adapter.protocol.reply import Reply
 from broker_adapter.store.db import Database, in_lists
 from broker_adapter.store.retention import PURGE_BATCH, PurgeBatch, purge_receipts, whole_pass
 
@@ -54,8 +55,11 @@ class Receipt:
 
 _COLUMNS = ", ".join(Receipt.__dataclass_fields__)
 
-#: effect(conn, reply) -> JSON value kept as the receipt's ``effect_result``.
-Effect = Callable[[sqlite3.Connection, dict[str, Any]], Any]
+#: effect(conn, reply) -> JSON value kept as the receipt's ``effect_result``; ``reply`` is
+#: the parsed body (``protocol.reply.Reply``).
+#: The connection is the open transaction's: a ``sqlite3.Connection`` here, a psycopg
+#: ``Connection`` for the PostgreSQL store (``store.postgres.receipts``).
+Effect = Callable[[Any, Reply], Any]
 
 
 class ReceiptStore:
@@ -207,7 +211,7 @@ class ReceiptStore:
         if earlier is not None:
             same = earlier.content_hash == item.content_hash
             return (ReceiptOutcome.DUPLICATE if same else ReceiptOutcome.CONFLICT), earlier
-        reply: dict[str, Any] = item.reply if item.reply is not None else json.loads(item.body)
+        reply = item.reply if item.reply is not None else Reply.from_mapping(json.loads(item.body))
         effect_result = None
         if effect is not None:
             effect_result = canonical_json(effect(c, reply)).decode("utf-8")
@@ -215,9 +219,9 @@ class ReceiptStore:
             reply_id=item.reply_id,
             content_hash=item.content_hash,
             principal=item.principal,
-            message_id=reply.get("message_id"),
-            task_id=reply.get("task_id"),
-            status=reply.get("status"),
+            message_id=reply.message_id,
+            task_id=reply.task_id,
+            status=reply.status,
             body=item.body,
             entry_id=item.entry_id,
             received_at=now,
@@ -243,7 +247,7 @@ class ReceiptItem:
     body: bytes
     entry_id: str | None = None
     #: ``body`` already parsed (by the receiver's checks), so it is not parsed twice.
-    reply: dict[str, Any] | None = field(default=None, compare=False, repr=False)
+    reply: Reply | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True)

@@ -1,20 +1,15 @@
-"""The inbox and the task state machine.
+"""The task state machine: claims, leases and fences, on the inbox's tasks.
 
-::
+States and arrows: ``lifecycle``. A claim sets owner, lease, attempts+1 and fence+1 in one
+short transaction (after ``housekeeping.reconcile_in``); renew and settlement succeed only
+while the task is running, owner and fence match, the lease is unexpired and the deadline
+not reached (``fencing``, ``docs/RULES.md`` rule 10), so an expired lease is fenced even
+before anyone reclaims it. A refused write raises (or reports) ``StaleError`` and writes
+nothing.
 
-    accept ──> pending ──claim──> running ──finish──> done
-                  ^                  │ ──fail(retryable, budget left)──> pending (backoff)
-                  └──lease expired───┤ ──fail / budget spent──> failed
-                                     │ ──deadline reached──> expired
-               cancel (any live) ────┴──> cancelled          hops > limit at accept ──> hop_limit
-    reserved, not reached yet: unknown (outcome of an external effect not known),
-                               waiting_approval (needs a separate authorization record)
-
-Every arrow into a terminal state writes the task's one reply into the outbox in the same
-transaction. A claim sets owner, lease, attempts+1 and fence+1 in one short transaction;
-renew / finish / fail succeed only while the task is running, owner and fence match, the
-lease is unexpired and the deadline not reached, so an expired lease is fenced even before
-anyone reclaims it. A refused write raises ``StaleError`` and rolls back: nothing is written.
+``TaskStore`` is the one object the stages use (``interface.TaskStoreAPI``): intake is
+``inbox``'s, outcomes are ``settle``'s, deadlines and leases ``housekeeping``'s; this
+module holds the claims, the holder check, renew, cancel and the reads.
 
 Retries never extend the absolute deadline. Attempts are counted in the claim transaction,
 before any handler runs, so a task whose handler kills its worker still spends its budget.
@@ -22,40 +17,38 @@ before any handler runs, so a task whose handler kills its worker still spends i
 
 from __future__ import annotations
 
-import hmac
 import json
-import os
 import random
 import sqlite3
-import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
-from enum import StrEnum
-from typing import Any, NamedTuple
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
 
 from pydantic import Field
 
 from broker_adapter.backoff import Backoff
 from broker_adapter.clock import Clock, SystemClock
 from broker_adapter.config import ConfigModel
-from broker_adapter.errors import (
-    BrokerAdapterError,
-    EnvelopeError,
-    FencedError,
-    StaleError,
-    TaskCancelled,
+from broker_adapter.errors import BrokerAdapterError, StaleError
+from broker_adapter.protocol.envelope import check_result
+from broker_adapter.protocol.reply import reply_id_for
+from broker_adapter.store import inbox, settle
+from broker_adapter.store.db import Database, in_lists
+from broker_adapter.store.fencing import TASK_HELD_STATE, refusal
+from broker_adapter.store.housekeeping import reconcile_in
+from broker_adapter.store.inbox import (
+    AcceptItem,
+    AcceptResult,
+    Intake,
+    Outcome,
+    conflict_reply_id,
+    idempotency_key_for,
+    new_task_ids,
 )
-from broker_adapter.protocol.envelope import Envelope, check_result, sha256_hex
-from broker_adapter.store.db import CONFLICT_ID_KEY, Database, in_lists
-from broker_adapter.store.outbox import (
-    OutboxRow,
-    PublisherClaim,
-    SentMark,
-    encode_body,
-    enqueue,
-    enqueue_encoded,
-    mark_sent_in,
-)
+from broker_adapter.store.leases import DEFAULT_LEASE_S
+from broker_adapter.store.lifecycle import LIVE_STATES, TERMINAL_STATES, TaskState, to_terminal
+from broker_adapter.store.migrations import CONFLICT_ID_KEY
+from broker_adapter.store.outbox import SentMark
 from broker_adapter.store.retention import (
     DEFAULT_RETENTION_S,
     PURGE_BATCH,
@@ -63,43 +56,30 @@ from broker_adapter.store.retention import (
     purge_requests,
     whole_pass,
 )
+from broker_adapter.store.settle import FailOutcome, SettledBatch, Settlement, SettleResult
 
-
-class TaskState(StrEnum):
-    PENDING = "pending"
-    RUNNING = "running"
-    DONE = "done"
-    FAILED = "failed"
-    CANCELLED = "cancelled"
-    EXPIRED = "expired"
-    HOP_LIMIT = "hop_limit"
-    UNKNOWN = "unknown"
-    WAITING_APPROVAL = "waiting_approval"
-
-
-TERMINAL_STATES = frozenset(
-    {TaskState.DONE, TaskState.FAILED, TaskState.CANCELLED, TaskState.EXPIRED, TaskState.HOP_LIMIT}
-)
-LIVE_STATES = frozenset({TaskState.PENDING, TaskState.RUNNING, TaskState.WAITING_APPROVAL})
-
-
-class Outcome(StrEnum):
-    """What ``accept`` did with one envelope."""
-
-    STORED = "stored"  # a new pending task
-    DUPLICATE = "duplicate"  # same identity, same content: the earlier task id
-    CONFLICT = "conflict"  # same identity, other content: refused, stored row untouched
-    EXPIRED = "expired"  # deadline already past: terminal at once, with its reply
-    HOP_LIMIT = "hop_limit"  # too many hops: terminal at once, with its reply
-    NOT_TASK = "not_task"  # kind is not "task": nothing written, caller dead-letters it
-    # A rule only the accepting store can check (a deadline beyond the retention window):
-    # nothing written, the caller dead-letters it with ``AcceptResult.refusal``.
-    REFUSED = "refused"
-
-
-class FailOutcome(StrEnum):
-    RETRY = "retry"
-    FAILED = "failed"
+__all__ = [
+    "LIVE_STATES",
+    "TERMINAL_STATES",
+    "AcceptItem",
+    "AcceptResult",
+    "ClaimedTask",
+    "FailOutcome",
+    "Intake",
+    "Outcome",
+    "SettleResult",
+    "SettledBatch",
+    "Settlement",
+    "TaskPolicy",
+    "TaskRow",
+    "TaskState",
+    "TaskStore",
+    "UnknownTask",
+    "conflict_reply_id",
+    "idempotency_key_for",
+    "new_task_ids",
+    "reply_id_for",
+]
 
 
 class TaskPolicy(ConfigModel):
@@ -118,31 +98,10 @@ class TaskPolicy(ConfigModel):
         ConfigError: a lease or retention not above 0, or a negative ``max_hops``.
     """
 
-    lease_s: float = Field(default=30.0, gt=0)
+    lease_s: float = Field(default=DEFAULT_LEASE_S, gt=0)
     max_hops: int = Field(default=16, ge=0)
     retention_s: float = Field(default=DEFAULT_RETENTION_S, gt=0)
     backoff: Backoff = Field(default_factory=Backoff)
-
-
-class AcceptItem(NamedTuple):
-    """One authenticated envelope. ``principal`` must come from a verified check."""
-
-    principal: str
-    envelope: Envelope
-    entry_id: str | None = None
-
-
-class AcceptResult(NamedTuple):
-    """What ``accept`` did with one item (a tuple: one is made per stream entry).
-
-    ``refusal`` is set for ``NOT_TASK`` and ``REFUSED``: the envelope rule it breaks, with
-    the field and reason its dead letter carries."""
-
-    outcome: Outcome
-    task_id: str | None = None
-    reply_id: str | None = None
-    detail: str = ""
-    refusal: EnvelopeError | None = None
 
 
 @dataclass(frozen=True)
@@ -171,51 +130,6 @@ class ClaimedTask:
         return idempotency_key_for(self.principal, self.message_id)
 
 
-class Intake(NamedTuple):
-    """What ``TaskStore.accept_and_claim`` did: the accept results, in item order, and per
-    owner asked for the ``(task_id, fence)`` handles claimed for it."""
-
-    results: list[AcceptResult]
-    claimed: list[list[tuple[str, int]]]
-
-
-@dataclass(frozen=True)
-class Settlement:
-    """One handler outcome for ``settle_many``: ``done`` when ``result`` (canonical JSON
-    text) is set, otherwise a failure with ``error`` (back to ``pending`` if ``retryable``
-    and the budget and deadline allow)."""
-
-    task_id: str
-    owner: str
-    fence: int
-    result: str | None = None
-    error: str | None = None
-    retryable: bool = False
-    claimed: ClaimedTask | None = None  # lets ``settle_many`` encode the reply up front
-
-
-#: What ``settle_many`` did with one item: reply id, failure outcome, or the refusal.
-SettleResult = str | FailOutcome | StaleError
-
-
-@dataclass(frozen=True)
-class SettledBatch:
-    """What ``settle_batch`` did, in its one transaction.
-
-    Attributes:
-        results: one per item, as ``settle_and_claim`` returns them.
-        claimed: the tasks claimed for the next batch.
-        replies: the terminal replies written already claimed by ``publish_as`` (state
-            ``sending``, its lease, fence 1), to be published by it now.
-        marks: one per ``sent`` mark: ``None`` when marked sent, else the refusal.
-    """
-
-    results: list[SettleResult]
-    claimed: list[ClaimedTask]
-    replies: list[OutboxRow] = field(default_factory=list)
-    marks: list[StaleError | None] = field(default_factory=list)
-
-
 @dataclass(frozen=True)
 class TaskRow:
     task_id: str
@@ -242,105 +156,6 @@ class UnknownTask(BrokerAdapterError, KeyError):
     def __init__(self, task_id: str) -> None:
         self.task_id = task_id
         super().__init__(f"no task {task_id!r}")
-
-
-def idempotency_key_for(principal: str, message_id: str) -> str:
-    """The idempotency key of a request: ``"ba:"`` and the first 32 hex digits of
-    SHA-256 over the UTF-8 of ``principal``, a NUL byte and ``message_id``.
-
-    Derived from the request's identity, not from its task: a second task for the same
-    request (a replay accepted anew after the retention window, a message id reused once
-    it was forgotten) carries the same key, so an effect keyed by it is applied once.
-    Neither part can hold a NUL (principals are letters, digits, ``._-``; message ids
-    have no control characters), so distinct identities give distinct inputs.
-    """
-    digest = sha256_hex(f"{principal}\0{message_id}".encode())
-    return f"ba:{digest[:32]}"
-
-
-def reply_id_for(task_id: str) -> str:
-    """The stable reply id of a task's terminal reply."""
-    return f"r-{task_id}"
-
-
-def conflict_reply_id(key: bytes, principal: str, message_id: str, fingerprint: str) -> str:
-    """A stable id for the "conflict" answer to one (identity, other content) pair.
-
-    An HMAC with the database's own random key (``meta`` row ``CONFLICT_ID_KEY``, see
-    ``TaskStore.conflict_reply_id``): the same pair always gets the same id, so a repeated
-    conflict is the same answer, but nobody without the key can compute it from the
-    request's public fields and publish something under it ahead of the real answer.
-    """
-    message = f"ba.conflict.v1\0{principal}\0{message_id}\0{fingerprint}".encode()
-    return f"c-{hmac.digest(key, message, 'sha256').hex()[:32]}"
-
-
-def new_task_ids(n: int) -> list[str]:
-    """``n`` task ids of 32 hex digits: the wall-clock millisecond (48 bits), then 80
-    random bits, from one read of the OS's random source (one system call per batch).
-
-    Time-ordered so that new rows land at the end of the task-id (and reply-id) indexes
-    rather than all over them: fewer pages touched per accept transaction, a smaller WAL.
-    The clock only orders ids; uniqueness rests on the random part.
-    """
-    stamp = f"{time.time_ns() // 1_000_000 & 0xFFFF_FFFF_FFFF:012x}"
-    bits = os.urandom(10 * n).hex()
-    return [stamp + bits[i : i + 20] for i in range(0, 20 * n, 20)]
-
-
-_INSERT_TASK = (
-    "INSERT INTO tasks (task_id, principal, message_id, kind, payload, fingerprint,"
-    " correlation_id, parent_id, state, max_attempts, not_before, deadline, hops,"
-    " created_at, updated_at, finished_at, error)"
-    " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
-)
-# A reused id past the retention window (its task terminal) takes the record over.
-_UPSERT_INBOX = (
-    "INSERT INTO inbox (principal, message_id, fingerprint, task_id, entry_id, received_at)"
-    " VALUES (?, ?, ?, ?, ?, ?)"
-    " ON CONFLICT (principal, message_id) DO UPDATE SET fingerprint = excluded.fingerprint,"
-    " task_id = excluded.task_id, entry_id = excluded.entry_id,"
-    " received_at = excluded.received_at, duplicates = 0, conflicts = 0"
-)
-
-
-@dataclass
-class _AcceptBatch:
-    """What one ``accept`` transaction decided, written by ``write`` in bulk and in order:
-    new tasks, their inbox records, duplicate counters, then the rarer writes (conflict
-    answers, terminal replies) in the order they were decided."""
-
-    known: dict[tuple[str, str], Mapping[str, Any]]
-    parent_hops: dict[str, int]
-    #: Fresh task ids, one per item of the batch at most (drawn in one go).
-    ids: Iterator[str]
-    tasks: list[tuple[Any, ...]] = field(default_factory=list)
-    inbox: list[tuple[Any, ...]] = field(default_factory=list)
-    duplicates: list[tuple[str, str]] = field(default_factory=list)
-    then: list[Callable[[sqlite3.Connection], object]] = field(default_factory=list)
-
-    def write(self, c: sqlite3.Connection) -> None:
-        if self.tasks:
-            c.executemany(_INSERT_TASK, self.tasks)
-            c.executemany(_UPSERT_INBOX, self.inbox)
-        if self.duplicates:
-            c.executemany(
-                "UPDATE inbox SET duplicates = duplicates + 1"
-                " WHERE principal = ? AND message_id = ?",
-                self.duplicates,
-            )
-        for op in self.then:
-            op(c)
-
-
-def _hops(env: Envelope, parent_hops: Mapping[str, int]) -> int:
-    """Hops as the system counts them (``docs/RULES.md`` rule 12): a request whose ``parent_id``
-    names a task of ours is one hop further than that task, whatever its body says; the
-    body's figure can only add hops, never remove them."""
-    if env.parent_id is None:
-        return env.hops
-    parent = parent_hops.get(env.parent_id)
-    return env.hops if parent is None else max(env.hops, parent + 1)
 
 
 class TaskStore:
@@ -375,7 +190,7 @@ class TaskStore:
         ``fingerprint``, in this database (``conflict_reply_id`` with its key)."""
         return conflict_reply_id(self._conflict_id_key, principal, message_id, fingerprint)
 
-    # -- intake ---------------------------------------------------------------------------
+    # -- intake (``inbox``) ---------------------------------------------------------------
 
     def accept(self, items: Sequence[AcceptItem]) -> list[AcceptResult]:
         """Record a batch of authenticated envelopes in one transaction.
@@ -391,253 +206,8 @@ class TaskStore:
         self, items: Sequence[AcceptItem], claim_for: Sequence[tuple[str, int]]
     ) -> Intake:
         """``accept``, and in the same transaction a ``claim`` of up to ``n`` ready tasks
-        for each ``(owner, n)`` of ``claim_for``, in that order: the ingest hands new tasks
-        to idle workers without a claim transaction of theirs (``handoff.Handoff``). The
-        claims are the very claims ``claim`` makes (reconcile first, oldest ready first,
-        lease, attempts+1, fence+1); each owner takes them up with ``handed``.
-
-        Returns:
-            the ``accept`` results, and per owner of ``claim_for`` the ``(task_id, fence)``
-            handles it claimed (possibly none).
-        """
-        now = self.clock.now()
-        if not items:
-            return Intake([], [[] for _ in claim_for])
-        # Hash and encode before taking the write lock: the transaction holds it for SQL only.
-        fingerprints = [item.envelope.fingerprint() for item in items]
-        payloads = [item.envelope.payload_json() for item in items]
-        ids = new_task_ids(len(items))
-        with self.db.write("accept") as c:
-            batch = _AcceptBatch(
-                known=self._prefetch(c, items),
-                parent_hops=self._parent_hops(c, items),
-                ids=iter(ids),
-            )
-            results = [
-                self._accept_one(batch, item, now, fingerprint, payload)
-                for item, fingerprint, payload in zip(items, fingerprints, payloads, strict=True)
-            ]
-            batch.write(c)
-            stored = any(r.outcome is Outcome.STORED for r in results)
-            claimed = [
-                [(r["task_id"], r["fence"]) for r in self._claim_in(c, owner, n, now)]
-                if stored and n >= 1
-                else []
-                for owner, n in claim_for
-            ]
-        return Intake(results, claimed)
-
-    @staticmethod
-    def _prefetch(
-        c: sqlite3.Connection, items: Sequence[AcceptItem]
-    ) -> dict[tuple[str, str], Mapping[str, Any]]:
-        """The inbox records of a whole batch, looked up in a few queries, not one per item.
-
-        One query per principal and chunk, ``principal = ? AND message_id IN (...)``: a
-        search of the primary key (a row-value ``IN (VALUES ...)`` would scan the inbox).
-        """
-        by_principal: dict[str, set[str]] = {}
-        for item in items:
-            by_principal.setdefault(item.principal, set()).add(item.envelope.message_id)
-        known: dict[tuple[str, str], Mapping[str, Any]] = {}
-        for principal, ids in by_principal.items():
-            for chunk, marks in in_lists(list(ids)):
-                rows = c.execute(
-                    "SELECT i.principal, i.message_id, i.fingerprint, i.task_id, i.received_at,"
-                    " t.state, t.deadline FROM inbox i JOIN tasks t ON t.task_id = i.task_id"
-                    f" WHERE i.principal = ? AND i.message_id IN ({marks})",
-                    [principal, *chunk],
-                ).fetchall()
-                for row in rows:
-                    known[(row["principal"], row["message_id"])] = row
-        return known
-
-    @staticmethod
-    def _parent_hops(c: sqlite3.Connection, items: Sequence[AcceptItem]) -> dict[str, int]:
-        """The hops of every task named as a parent in the batch, in a few queries."""
-        parents = list({i.envelope.parent_id for i in items} - {None})
-        hops: dict[str, int] = {}
-        for chunk, marks in in_lists(parents):
-            rows = c.execute(f"SELECT task_id, hops FROM tasks WHERE task_id IN ({marks})", chunk)
-            hops.update((row[0], int(row[1])) for row in rows)
-        return hops
-
-    def _accept_one(
-        self,
-        batch: _AcceptBatch,
-        item: AcceptItem,
-        now: float,
-        fingerprint: str,
-        payload: str,
-    ) -> AcceptResult:
-        """Decide one item's outcome and queue its writes on ``batch`` (written in order)."""
-        env = item.envelope
-        if env.kind != "task":
-            detail = f"kind {env.kind!r} does not become work"
-            refusal = EnvelopeError("kind", "not_task", detail)
-            return AcceptResult(Outcome.NOT_TASK, detail=detail, refusal=refusal)
-        key = (item.principal, env.message_id)
-        row = batch.known.get(key)
-        if row is not None and not self._forgotten(row, now):
-            return self._known(batch, item, row, fingerprint, now)
-        latest = now + self.policy.retention_s
-        if env.deadline > latest:
-            # Refused before anything is written: stored, it would outlive the inbox record
-            # that makes a replay of the same bytes a duplicate; and the sender can correct
-            # the deadline and resend under the same message id.
-            detail = (
-                f"deadline {env.deadline!r} is more than the retention window"
-                f" ({self.policy.retention_s:g} s) ahead of now ({now!r})"
-            )
-            refusal = EnvelopeError("deadline", "too_large", detail)
-            return AcceptResult(Outcome.REFUSED, detail=detail, refusal=refusal)
-        task_id = next(batch.ids)
-        hops = _hops(env, batch.parent_hops)
-        state = TaskState.PENDING
-        outcome = Outcome.STORED
-        error = None
-        if env.deadline <= now:
-            state, outcome, error = TaskState.EXPIRED, Outcome.EXPIRED, "deadline already past"
-        elif hops > self.policy.max_hops:
-            state, outcome = TaskState.HOP_LIMIT, Outcome.HOP_LIMIT
-            error = f"hops {hops} exceed the limit {self.policy.max_hops}"
-        batch.tasks.append(
-            (
-                task_id, item.principal, env.message_id, env.kind, payload,
-                fingerprint, env.correlation_id, env.parent_id, state.value, env.max_attempts,
-                now, env.deadline, hops, now, now,
-                None if state is TaskState.PENDING else now, error,
-            )
-        )  # fmt: skip
-        batch.inbox.append(
-            (item.principal, env.message_id, fingerprint, task_id, item.entry_id, now)
-        )
-        batch.known[key] = {
-            "fingerprint": fingerprint, "task_id": task_id, "received_at": now,
-            "state": state.value, "deadline": env.deadline,
-        }  # fmt: skip
-        reply_id = None
-        if state is not TaskState.PENDING:
-            reply_id = reply_id_for(task_id)
-            t = {"principal": item.principal, "message_id": env.message_id,
-                 "correlation_id": env.correlation_id, "attempts": 0, "fence": 0}  # fmt: skip
-            batch.then.append(
-                lambda c: self._terminal_reply(c, task_id, state, None, error, now, t=t)
-            )
-        return AcceptResult(outcome, task_id, reply_id, error or "")
-
-    def _forgotten(self, row: Mapping[str, Any], now: float) -> bool:
-        """Whether an inbox record no longer dedupes: past the retention window, its task
-        terminal and its deadline passed (``purge`` may delete exactly these records). The
-        deadline matters for records accepted before deadlines were bounded by the window:
-        until it passes, a replay of that request could still run."""
-        return (
-            now - row["received_at"] >= self.policy.retention_s
-            and row["state"] in TERMINAL_STATES
-            and row["deadline"] <= now
-        )
-
-    def _known(
-        self,
-        batch: _AcceptBatch,
-        item: AcceptItem,
-        row: Mapping[str, Any],
-        fingerprint: str,
-        now: float,
-    ) -> AcceptResult:
-        env = item.envelope
-        key = (item.principal, env.message_id)
-        if row["fingerprint"] == fingerprint:
-            batch.duplicates.append(key)
-            return AcceptResult(Outcome.DUPLICATE, row["task_id"])
-        reply_id = self.conflict_reply_id(item.principal, env.message_id, fingerprint)
-        detail = "message_id reused with different content; the first request stands"
-        body = {
-            "v": 1,
-            "reply_id": reply_id,
-            "task_id": row["task_id"],
-            "principal": item.principal,
-            "message_id": env.message_id,
-            "correlation_id": env.correlation_id,
-            "status": "conflict",
-            "result": None,
-            "error": detail,
-            "fingerprint": fingerprint,
-            "stored_fingerprint": row["fingerprint"],
-        }
-
-        def write(c: sqlite3.Connection) -> None:
-            c.execute(
-                "UPDATE inbox SET conflicts = conflicts + 1 WHERE principal = ? AND message_id = ?",
-                key,
-            )
-            enqueue(
-                c, reply_id=reply_id, task_id=None, principal=item.principal,
-                message_id=env.message_id, status="conflict", body=body, now=now,
-            )  # fmt: skip
-
-        batch.then.append(write)
-        return AcceptResult(Outcome.CONFLICT, row["task_id"], reply_id, detail)
-
-    def _terminal_reply(
-        self,
-        c: sqlite3.Connection,
-        task_id: str,
-        state: TaskState,
-        result: str | None,
-        error: str | None,
-        now: float,
-        t: sqlite3.Row | Mapping[str, Any] | None = None,
-        encoded: tuple[bytes, str] | None = None,
-        claim: PublisherClaim | None = None,
-    ) -> str:
-        if t is None:
-            t = c.execute(
-                "SELECT principal, message_id, correlation_id, attempts, fence FROM tasks"
-                " WHERE task_id = ?",
-                (task_id,),
-            ).fetchone()
-        reply_id = reply_id_for(task_id)
-        if encoded is None:
-            encoded = encode_body(
-                _reply_body(task_id, state, t["principal"], t["message_id"],
-                            t["correlation_id"], result, error, t["attempts"], t["fence"], now)
-            )  # fmt: skip
-        data, content_hash = encoded
-        inserted = enqueue_encoded(
-            c, reply_id=reply_id, task_id=task_id, principal=t["principal"],
-            message_id=t["message_id"], status=state.value, data=data,
-            content_hash=content_hash, now=now, claim=claim,
-        )  # fmt: skip
-        if not inserted:  # the unique index makes this unreachable unless a bug re-terminates
-            raise StaleError(task_id, "already_terminal", "a terminal reply already exists")
-        return reply_id
-
-    def _to_terminal(
-        self,
-        c: sqlite3.Connection,
-        task_id: str,
-        state: TaskState,
-        now: float,
-        *,
-        result: str | None = None,
-        error: str | None = None,
-        row: sqlite3.Row | Mapping[str, Any] | None = None,
-        encoded: tuple[bytes, str] | None = None,
-        claim: PublisherClaim | None = None,
-    ) -> str:
-        """Make a task terminal and write its reply. ``row``: the task's ``principal``,
-        ``message_id``, ``correlation_id``, ``attempts`` and ``fence`` if already read in
-        this transaction (``_holder`` reads them), to spare a lookup; ``encoded``: the
-        reply body from ``encode_body``, if built before the transaction from them;
-        ``claim``: write the reply already claimed by that publisher (see
-        ``enqueue_encoded``)."""
-        c.execute(
-            "UPDATE tasks SET state = ?, owner = NULL, lease_until = NULL, updated_at = ?,"
-            " finished_at = ?, result = ?, error = ? WHERE task_id = ?",
-            (state.value, now, now, result, error, task_id),
-        )
-        return self._terminal_reply(c, task_id, state, result, error, now, row, encoded, claim)
+        for each ``(owner, n)`` of ``claim_for`` (``inbox.accept_and_claim``)."""
+        return inbox.accept_and_claim(self, items, claim_for)
 
     # -- workers --------------------------------------------------------------------------
 
@@ -732,7 +302,8 @@ class TaskStore:
         )
 
     def _holder(self, c: sqlite3.Connection, task_id: str, owner: str, fence: int) -> sqlite3.Row:
-        """Check rule 10 (``docs/RULES.md``); raise ``StaleError`` (and roll back) if any fails."""
+        """Check rule 10 (``fencing.refusal``); raise ``StaleError`` (and roll back) if any
+        part fails. Returns the row (what ``lifecycle.write_reply`` and a failure need)."""
         row: sqlite3.Row | None = c.execute(
             "SELECT state, owner, fence, lease_until, deadline, attempts, max_attempts,"
             " principal, message_id, correlation_id FROM tasks WHERE task_id = ?",
@@ -740,30 +311,12 @@ class TaskStore:
         ).fetchone()
         if row is None:
             raise UnknownTask(task_id)
-        refusal = self._refusal(row, task_id, owner, fence)
-        if refusal is not None:
-            raise refusal
+        refused = refusal(
+            row, task_id, owner, fence, self.clock.now(), state=TASK_HELD_STATE, deadline=True
+        )
+        if refused is not None:
+            raise refused
         return row
-
-    def _refusal(
-        self, row: sqlite3.Row, task_id: str, owner: str, fence: int, *, deadline: bool = True
-    ) -> StaleError | None:
-        """Rule 10 on one task row: why ``owner`` under ``fence`` may not act on it (fence,
-        cancelled, not running, owner, lease, and with ``deadline`` the deadline), or None."""
-        now = self.clock.now()
-        if row["fence"] != fence:
-            return FencedError(task_id, fence, row["fence"])
-        if row["state"] == TaskState.CANCELLED:
-            return TaskCancelled(task_id)
-        if row["state"] != TaskState.RUNNING:
-            return StaleError(task_id, "not_running", f"state is {row['state']}")
-        if row["owner"] != owner:
-            return StaleError(task_id, "owner", f"held by {row['owner']}")
-        if row["lease_until"] <= now:
-            return StaleError(task_id, "lease_expired")
-        if deadline and row["deadline"] <= now:
-            return StaleError(task_id, "deadline")
-        return None
 
     def renew(self, task_id: str, owner: str, fence: int) -> float:
         """Extend the lease by ``policy.lease_s``.
@@ -785,8 +338,28 @@ class TaskStore:
             )
         return lease_until
 
+    # -- outcomes (``settle``) ------------------------------------------------------------
+
+    def settle_batch(
+        self,
+        items: Sequence[Settlement],
+        owner: str,
+        n: int,
+        *,
+        publish_as: str | None = None,
+        publish_lease_s: float = DEFAULT_LEASE_S,
+        sent: Sequence[SentMark] = (),
+    ) -> SettledBatch:
+        """Commit a batch of outcomes, each fenced, and claim the next batch (like
+        ``claim(owner, n)``; nothing when ``n`` is 0) in ONE transaction: ``settle.settle``,
+        where the arguments and results are described."""
+        return settle.settle(
+            self, items, owner, n, publish_as=publish_as, publish_lease_s=publish_lease_s,
+            sent=sent,
+        )  # fmt: skip
+
     def finish(self, task_id: str, owner: str, fence: int, result: Any) -> str:
-        """Commit success: state ``done`` and its reply, in one transaction (fenced).
+        """Commit one success: ``settle_batch`` of one ``done`` outcome, its refusal raised.
 
         Args:
             result: any JSON value within the result bounds (``envelope.check_result``);
@@ -801,14 +374,19 @@ class TaskStore:
                 for a result over the bounds; nothing is written.
         """
         encoded = check_result(result).decode("utf-8")
-        now = self.clock.now()
-        with self.db.write("finish") as c:
-            return self._finish_in(c, task_id, owner, fence, encoded, now)
+        (out,) = self.settle_batch(
+            [Settlement(task_id, owner, fence, result=encoded)], "", 0
+        ).results
+        if isinstance(out, StaleError):
+            raise out
+        assert isinstance(out, str)
+        return out
 
     def fail(
         self, task_id: str, owner: str, fence: int, error: str, *, retryable: bool
     ) -> FailOutcome:
-        """Record a failed attempt (fenced).
+        """Record one failed attempt: ``settle_batch`` of one failure, its refusal raised
+        (in a transaction named ``fail``).
 
         A retryable failure with attempts left, and time left before the deadline after the
         backoff, goes back to ``pending``; anything else ends ``failed`` with its reply.
@@ -816,177 +394,12 @@ class TaskStore:
         Raises:
             StaleError: refused; nothing is written.
         """
-        now = self.clock.now()
-        with self.db.write("fail") as c:
-            return self._fail_in(c, task_id, owner, fence, error, retryable, now)
-
-    def settle_many(self, items: Sequence[Settlement]) -> list[SettleResult]:
-        """``settle_and_claim`` without the claim."""
-        return self.settle_and_claim(items, "", 0)[0]
-
-    def settle_and_claim(
-        self, items: Sequence[Settlement], owner: str, n: int
-    ) -> tuple[list[SettleResult], list[ClaimedTask]]:
-        """Commit a batch of outcomes (each fenced like ``finish`` / ``fail``) and claim the
-        next batch (like ``claim(owner, n)``; nothing when ``n`` is 0) in ONE transaction:
-        one fsync for both instead of one per task and one per claim.
-
-        An item the store refuses (stale fence, lost lease, cancelled, deadline) is refused
-        at its holder check, before it writes anything, and reported; the others commit
-        together. Crash points are ``store.finish.before_commit`` and
-        ``store.finish.after_commit``, once per batch.
-
-        Args:
-            items: the outcomes, in the order the handlers ended.
-            owner: who claims the next batch.
-            n: how many tasks to claim at most.
-
-        Returns:
-            one entry per item, in order: the reply id (done), a ``FailOutcome`` (failed or
-            back to pending), or the ``StaleError`` that refused it; and the claimed tasks.
-
-        Raises:
-            StoreBusy, StoreError: the transaction as a whole failed; nothing was written.
-        """
-        batch = self.settle_batch(items, owner, n)
-        return batch.results, batch.claimed
-
-    def settle_batch(
-        self,
-        items: Sequence[Settlement],
-        owner: str,
-        n: int,
-        *,
-        publish_as: str | None = None,
-        publish_lease_s: float = 30.0,
-        sent: Sequence[SentMark] = (),
-    ) -> SettledBatch:
-        """``settle_and_claim``, and for a worker that publishes its own replies: the
-        terminal replies are written already claimed by publisher ``publish_as`` (what
-        ``OutboxStore.claim`` would set: ``sending``, owner, lease of ``publish_lease_s``,
-        attempts+1, fence+1), and ``sent``, confirmed publications of that publisher's
-        earlier replies, are marked sent (each fenced) in the same transaction.
-
-        Args:
-            items, owner, n: as for ``settle_and_claim``.
-            publish_as: the publisher identity; ``None`` leaves replies ``pending`` for the
-                dispatcher.
-            publish_lease_s: the publisher's lease on the replies written now.
-            sent: ``(reply_id, fence, entry_id, sent_at)`` of replies ``publish_as``
-                published; needs ``publish_as``.
-
-        Raises:
-            ValueError: ``sent`` without ``publish_as``.
-            StoreBusy, StoreError: the transaction as a whole failed; nothing was written.
-        """
-        if sent and publish_as is None:
-            raise ValueError("sent marks need the publisher (publish_as) that holds them")
-        out: list[SettleResult] = []
-        if not items and n < 1 and not sent:
-            return SettledBatch(out, [])
-        now = self.clock.now()
-        # Replies of successes are encoded and hashed before the transaction (from what the
-        # claim returned), so the write lock is held for the SQL only. Inside, each one is
-        # used only if the row still says the same (it does whenever the fence matches).
-        bodies = [_done_reply(item, now) for item in items]
-        claim = None if publish_as is None else PublisherClaim(publish_as, now + publish_lease_s)
-        marks: list[StaleError | None] = []
-        with self.db.write("finish") as c:
-            if sent:
-                assert publish_as is not None
-                marks = mark_sent_in(c, publish_as, sent, self.clock.now())
-            for item, body in zip(items, bodies, strict=True):
-                # A refusal (StaleError) comes from the holder check, before this item wrote
-                # anything; an error after its first write aborts the whole transaction.
-                if item.result is not None:
-                    row = self._finish_check(c, item, now, out)
-                    if row is not None:
-                        out.append(self._finish_reply(c, item, row, body, now, claim))
-                    continue
-                try:
-                    row = self._holder(c, item.task_id, item.owner, item.fence)
-                except StaleError as exc:
-                    out.append(exc)
-                    continue
-                error = item.error or ""
-                out.append(self._fail_row(c, row, item.task_id, error, item.retryable, now, claim))
-            rows = self._claim_in(c, owner, n, now) if n >= 1 else []
-        replies = [] if claim is None else claim.rows
-        return SettledBatch(out, self._claimed(rows, owner, now), replies, marks)
-
-    def _finish_check(
-        self, c: sqlite3.Connection, item: Settlement, now: float, out: list[SettleResult]
-    ) -> sqlite3.Row | None:
-        """Mark one item ``done`` inside ``settle_and_claim``: the holder check (rule 10) is
-        the WHERE clause of the state change itself, one statement instead of two. When it
-        matches nothing, nothing was written and ``_holder``'s precise refusal is appended
-        to ``out``; returns the row the reply is built from otherwise."""
-        check_at = self.clock.now()
-        row: sqlite3.Row | None = c.execute(
-            "UPDATE tasks SET state = 'done', owner = NULL, lease_until = NULL, updated_at = ?,"
-            " finished_at = ?, result = ?, error = NULL WHERE task_id = ? AND fence = ?"
-            " AND state = 'running' AND owner = ? AND lease_until > ? AND deadline > ?"
-            " RETURNING principal, message_id, correlation_id, attempts, fence",
-            (now, now, item.result, item.task_id, item.fence, item.owner, check_at, check_at),
-        ).fetchone()
-        if row is None:
-            try:
-                self._holder(c, item.task_id, item.owner, item.fence)
-                out.append(StaleError(item.task_id, "lease_expired"))  # the clock moved on
-            except StaleError as exc:
-                out.append(exc)
-        return row
-
-    def _finish_reply(
-        self,
-        c: sqlite3.Connection,
-        item: Settlement,
-        row: sqlite3.Row,
-        body: tuple[_ReplyKey, tuple[bytes, str]] | None,
-        now: float,
-        claim: PublisherClaim | None = None,
-    ) -> str:
-        """The reply of an item ``_finish_check`` marked done (same transaction)."""
-        encoded = body[1] if body is not None and body[0] == _reply_key(row) else None
-        try:
-            return self._terminal_reply(
-                c, item.task_id, TaskState.DONE, item.result, None, now, row, encoded, claim
-            )
-        except StaleError as exc:  # a second terminal reply: a bug, never a refusal
-            raise BrokerAdapterError(f"task {item.task_id} was finished twice: {exc}") from exc
-
-    def _finish_in(
-        self, c: sqlite3.Connection, task_id: str, owner: str, fence: int, encoded: str,
-        now: float,
-    ) -> str:  # fmt: skip
-        row = self._holder(c, task_id, owner, fence)
-        return self._to_terminal(c, task_id, TaskState.DONE, now, result=encoded, row=row)
-
-    def _fail_in(
-        self, c: sqlite3.Connection, task_id: str, owner: str, fence: int, error: str,
-        retryable: bool, now: float,
-    ) -> FailOutcome:  # fmt: skip
-        row = self._holder(c, task_id, owner, fence)
-        return self._fail_row(c, row, task_id, error, retryable, now)
-
-    def _fail_row(
-        self, c: sqlite3.Connection, row: sqlite3.Row, task_id: str, error: str,
-        retryable: bool, now: float, claim: PublisherClaim | None = None,
-    ) -> FailOutcome:  # fmt: skip
-        if retryable and row["attempts"] < row["max_attempts"]:
-            not_before = now + self.policy.backoff.delay(row["attempts"], self.rng)
-            if not_before < row["deadline"]:
-                c.execute(
-                    "UPDATE tasks SET state = 'pending', owner = NULL, lease_until = NULL,"
-                    " not_before = ?, error = ?, updated_at = ? WHERE task_id = ?",
-                    (not_before, error, now, task_id),
-                )
-                return FailOutcome.RETRY
-            error = f"{error} (no retry: the deadline comes first)"
-        elif retryable:
-            error = f"{error} (attempts exhausted: {row['attempts']}/{row['max_attempts']})"
-        self._to_terminal(c, task_id, TaskState.FAILED, now, error=error, row=row, claim=claim)
-        return FailOutcome.FAILED
+        item = Settlement(task_id, owner, fence, error=error, retryable=retryable)
+        (out,) = settle.settle(self, [item], "", 0, op="fail").results
+        if isinstance(out, StaleError):
+            raise out
+        assert isinstance(out, FailOutcome)
+        return out
 
     def has_work(self) -> bool:
         """Whether a claim would find something now: a ready pending task or an expired
@@ -1019,7 +432,7 @@ class TaskStore:
             state = TaskState(row["state"])
             if state in TERMINAL_STATES:
                 return state
-            self._to_terminal(c, task_id, TaskState.CANCELLED, now, error=reason)
+            to_terminal(c, task_id, TaskState.CANCELLED, now, error=reason)
         return TaskState.CANCELLED
 
     def refusal(self, task_id: str, owner: str, fence: int) -> StaleError | None:
@@ -1034,16 +447,17 @@ class TaskStore:
         )
         if row is None:
             return StaleError(task_id, "not_running", "no such task")
-        return self._refusal(row, task_id, owner, fence, deadline=False)
+        return refusal(
+            row, task_id, owner, fence, self.clock.now(), state=TASK_HELD_STATE, deadline=False
+        )
 
     def is_cancelled(self, task_id: str) -> bool:
         row = self.db.fetch_one("SELECT state FROM tasks WHERE task_id = ?", (task_id,))
         return row is not None and row[0] == TaskState.CANCELLED
 
-    # -- housekeeping ---------------------------------------------------------------------
-
     def reconcile(self) -> dict[str, int]:
-        """Apply the clock: expire deadlines, take back expired leases.
+        """Apply the clock: expire deadlines, take back expired leases
+        (``housekeeping.reconcile_in``).
 
         Returns:
             counts by what happened: ``expired``, ``requeued``, ``exhausted``.
@@ -1052,36 +466,7 @@ class TaskStore:
             return self._reconcile(c, self.clock.now())
 
     def _reconcile(self, c: sqlite3.Connection, now: float) -> dict[str, int]:
-        counts = {"expired": 0, "requeued": 0, "exhausted": 0}
-        for (task_id,) in c.execute(
-            "SELECT task_id FROM tasks INDEXED BY tasks_live_deadline"
-            " WHERE state IN ('pending', 'running') AND deadline <= ?",
-            (now,),
-        ).fetchall():
-            self._to_terminal(c, task_id, TaskState.EXPIRED, now, error="deadline reached")
-            counts["expired"] += 1
-        for r in c.execute(
-            "SELECT task_id, attempts, max_attempts, owner FROM tasks INDEXED BY tasks_leases"
-            " WHERE state = 'running' AND lease_until <= ?",
-            (now,),
-        ).fetchall():
-            if r["attempts"] >= r["max_attempts"]:
-                self._to_terminal(
-                    c,
-                    r["task_id"],
-                    TaskState.FAILED,
-                    now,
-                    error=f"lease of {r['owner']} expired on the last attempt "
-                    f"({r['attempts']}/{r['max_attempts']})",
-                )
-                counts["exhausted"] += 1
-            else:
-                c.execute(
-                    "UPDATE tasks SET state = 'pending', owner = NULL, lease_until = NULL,"
-                    " not_before = ?, error = ?, updated_at = ? WHERE task_id = ?",
-                    (now, f"lease of {r['owner']} expired", now, r["task_id"]),
-                )
-                counts["requeued"] += 1
+        counts = reconcile_in(c, now)
         self.lease_takeovers += counts["requeued"] + counts["exhausted"]
         return counts
 
@@ -1131,45 +516,3 @@ class TaskStore:
         out = {s.value: 0 for s in TaskState}
         out.update({r[0]: r[1] for r in rows})
         return out
-
-
-def _reply_body(
-    task_id: str, state: TaskState, principal: str, message_id: str,
-    correlation_id: str | None, result: str | None, error: str | None, attempts: int,
-    fence: int, now: float,
-) -> dict[str, Any]:  # fmt: skip
-    """A terminal reply's body (``result`` is the stored canonical JSON text)."""
-    return {
-        "v": 1,
-        "reply_id": reply_id_for(task_id),
-        "task_id": task_id,
-        "principal": principal,
-        "message_id": message_id,
-        "correlation_id": correlation_id,
-        "status": state.value,
-        "result": None if result is None else json.loads(result),
-        "error": error,
-        "attempts": attempts,
-        "fence": fence,
-        "finished_at": now,
-    }
-
-
-_ReplyKey = tuple[str, str, str | None, int, int]
-
-
-def _reply_key(row: sqlite3.Row | Mapping[str, Any]) -> _ReplyKey:
-    """What a reply body takes from the task row besides the outcome."""
-    return (row["principal"], row["message_id"], row["correlation_id"], row["attempts"],
-            row["fence"])  # fmt: skip
-
-
-def _done_reply(item: Settlement, now: float) -> tuple[_ReplyKey, tuple[bytes, str]] | None:
-    """The encoded ``done`` reply of ``item``, built from its claim, or ``None``."""
-    claimed = item.claimed
-    if item.result is None or claimed is None:
-        return None
-    key = (claimed.principal, claimed.message_id, claimed.correlation_id, claimed.attempt,
-           claimed.fence)  # fmt: skip
-    body = _reply_body(claimed.task_id, TaskState.DONE, *key[:3], item.result, None, *key[3:], now)
-    return key, encode_body(body)

@@ -80,24 +80,12 @@ def _current_holder(store: TaskStore, task_id: str) -> tuple[str, int] | None:
 
 
 def _patch_stale_finish() -> None:
-    """Every successful commit (``finish`` and the batched ``settle_*`` methods the worker
-    uses) is made in the name of whoever holds the task NOW (its owner, its fence, a live
-    lease), not of the claim that ran the handler: the fence check can no longer refuse a
-    zombie. Wrapping the public commit API keeps this independent of how the store
-    implements its check."""
-    original_finish = TaskStore.finish
-
-    def finish(self: TaskStore, task_id: str, owner: str, fence: int, result: Any) -> str:
-        holder = _current_holder(self, task_id)
-        if holder is not None:
-            owner, fence = holder  # BUG: the caller's fence is not checked
-        return original_finish(self, task_id, owner, fence, result)
-
-    TaskStore.finish = finish  # type: ignore[method-assign]
-    for name in ("settle_many", "settle_and_claim", "settle_batch"):
-        original = getattr(TaskStore, name, None)
-        if callable(original):
-            setattr(TaskStore, name, _relabelled(original))
+    """Every successful commit (``settle_batch``, the one settle path: the worker's, and
+    ``finish`` goes through it) is made in the name of whoever holds the task NOW (its
+    owner, its fence, a live lease), not of the claim that ran the handler: the fence check
+    can no longer refuse a zombie. Wrapping the public commit API keeps this independent of
+    how the store implements its check."""
+    TaskStore.settle_batch = _relabelled(TaskStore.settle_batch)  # type: ignore[method-assign]
 
 
 def _relabelled(original: Callable[..., Any]) -> Callable[..., Any]:

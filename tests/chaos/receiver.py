@@ -23,8 +23,9 @@ from types import FrameType
 from typing import Any
 
 from broker_adapter.errors import TransientError
+from broker_adapter.protocol.reply import Reply
 from broker_adapter.protocol.signing import Keyring
-from broker_adapter.redis.streams import connect
+from broker_adapter.redis.client import connect
 from broker_adapter.stages.receiver import Receiver, ReceiverConfig
 from broker_adapter.store import ReceiptStore, open_database
 from tests.chaos import planted  # noqa: F401 - applies the bug named in CHAOS_PLANTED, if any
@@ -35,20 +36,19 @@ LEDGER_SCHEMA = (
 )
 
 
-def effect(conn: sqlite3.Connection, reply: dict[str, Any]) -> dict[str, Any]:
+def effect(conn: sqlite3.Connection, reply: Reply) -> dict[str, Any]:
     """Append one ledger row in the receipt's transaction."""
-    fence = reply.get("fence")
     conn.execute(
         "INSERT INTO chaos_effects (reply_id, task_id, status, fence, wall) VALUES (?, ?, ?, ?, ?)",
         (
-            reply.get("reply_id"),
-            reply.get("task_id"),
-            reply.get("status"),
-            fence if isinstance(fence, int) else None,
+            reply.reply_id,
+            reply.task_id,
+            reply.status,
+            reply.fence,
             time.time(),
         ),
     )
-    return {"status": reply.get("status")}
+    return {"status": reply.status}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -32,7 +32,7 @@ from broker_adapter.errors import TransientError
 from broker_adapter.protocol.envelope import Envelope
 from broker_adapter.protocol.keys import Keys
 from broker_adapter.protocol.signing import Keyring
-from broker_adapter.redis.streams import connect
+from broker_adapter.redis.client import connect
 from broker_adapter.stages.ingest import IngestConfig, Ingestor
 from broker_adapter.store import TaskStore
 from broker_adapter.store.db import Database

@@ -14,7 +14,7 @@ import pytest
 from broker_adapter.protocol.envelope import sha256_hex
 from broker_adapter.protocol.keys import Keys
 from broker_adapter.protocol.signing import Keyring
-from broker_adapter.redis.streams import connect, text
+from broker_adapter.redis.client import connect, text
 from broker_adapter.stages import receiver as receiver_module
 from broker_adapter.stages.ingest import IngestConfig, Ingestor
 from broker_adapter.stages.receiver import Receiver, ReceiverConfig

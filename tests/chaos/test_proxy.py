@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import pytest
 import redis
 
-from broker_adapter.redis.streams import connect
+from broker_adapter.redis.client import connect
 from tests.chaos.proxy import ChaosProxy
 from tests.support.redis_server import RedisServer
 

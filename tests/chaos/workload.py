@@ -40,7 +40,7 @@ from broker_adapter.errors import AuthError, BrokerAdapterError, ConfigError
 from broker_adapter.protocol.envelope import Envelope, canonical_json
 from broker_adapter.protocol.keys import Keys
 from broker_adapter.protocol.signing import Keyring, signature
-from broker_adapter.redis.streams import connect
+from broker_adapter.redis.client import connect
 from broker_adapter.store import TaskStore, open_database
 from tests.chaos.finalread import CHAOS_KEY_FIELD
 from tests.chaos.history import FAIL, INFO, INVOKE, OK, History

@@ -21,7 +21,7 @@ from broker_adapter.client.publisher import Publisher
 from broker_adapter.protocol.envelope import Envelope
 from broker_adapter.protocol.keys import INGEST_GROUP, Keys
 from broker_adapter.protocol.signing import Keyring, signature
-from broker_adapter.redis.streams import connect, text
+from broker_adapter.redis.client import connect, text
 from broker_adapter.store import TaskStore, open_database
 from tests.support import ingest_script
 from tests.support.ingest_script import (

@@ -33,9 +33,9 @@ def _requests(s: Stores, clock: FakeClock) -> None:
     checks after it): batches of 2, 2 and 1."""
     s.tasks.accept([item(mid) for mid in MIDS])
     claimed = s.tasks.claim("w1", 10)
-    s.tasks.settle_many([Settlement(t.task_id, "w1", t.fence, result="1") for t in claimed])
+    s.tasks.settle_batch([Settlement(t.task_id, "w1", t.fence, result="1") for t in claimed], "", 0)
     rows = s.outbox.claim("d1", 10)
-    s.outbox.mark_sent_many("d1", [(r.reply_id, r.fence, "1-0") for r in rows])
+    s.outbox.mark_sent_and_claim("d1", [(r.reply_id, r.fence, "1-0") for r in rows], 0)
     clock.set(T0 + 100)
     s.tasks.accept([item("live", deadline=T0 + 100 + RETENTION_S)])
     s.tasks.claim("w2", 1)

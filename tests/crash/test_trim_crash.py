@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from broker_adapter.protocol.keys import Keys
-from broker_adapter.redis.streams import connect, text
+from broker_adapter.redis.client import connect, text
 from broker_adapter.redis.trimming import trim_stream
 from broker_adapter.store import TaskStore, open_database
 from tests.crash.test_ingest_crash import _pending_ids, _publish

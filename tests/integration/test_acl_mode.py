@@ -21,7 +21,7 @@ from broker_adapter.clock import FakeClock
 from broker_adapter.errors import BrokerAdapterError
 from broker_adapter.protocol.keys import INGEST_GROUP, Keys
 from broker_adapter.protocol.signing import Keyring, unsigned_fields
-from broker_adapter.redis.streams import connect, text
+from broker_adapter.redis.client import connect, text
 from broker_adapter.stages.dispatcher import Dispatcher, DispatcherConfig
 from broker_adapter.stages.ingest import IngestConfig, Ingestor
 from broker_adapter.stages.receiver import Receiver, ReceiverConfig, record_effect

@@ -19,7 +19,7 @@ from broker_adapter.clock import FakeClock
 from broker_adapter.errors import RedisUnavailable, ReplyConflict, StaleError
 from broker_adapter.protocol.envelope import sha256_hex
 from broker_adapter.protocol.keys import Keys
-from broker_adapter.redis.streams import connect
+from broker_adapter.redis.client import connect
 from broker_adapter.stages.dispatcher import (
     PUBLISH_SCRIPT,
     Dispatcher,

@@ -8,7 +8,8 @@ import pytest
 
 from broker_adapter.errors import RedisUnavailable
 from broker_adapter.protocol.keys import Keys
-from broker_adapter.redis.streams import GroupReader, ReaderConfig, connect, text
+from broker_adapter.redis.client import connect, text
+from broker_adapter.redis.reader import GroupReader, ReaderConfig
 from tests.support.redis_server import RedisServer
 
 pytestmark = pytest.mark.integration

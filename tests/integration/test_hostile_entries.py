@@ -23,10 +23,13 @@ import pytest
 
 from broker_adapter.client.publisher import Publisher
 from broker_adapter.clock import FakeClock
+from broker_adapter.protocol import deadletter
 from broker_adapter.protocol.envelope import Envelope, canonical_json, sha256_hex
 from broker_adapter.protocol.keys import INGEST_GROUP, Keys
+from broker_adapter.protocol.reply import Reply
 from broker_adapter.protocol.signing import Keyring
-from broker_adapter.redis.streams import GroupReader, connect, exchange, text
+from broker_adapter.redis.client import connect, text
+from broker_adapter.redis.internals import exchange
 from broker_adapter.stages import receiver as receiver_module
 from broker_adapter.stages.ingest import IngestConfig, Ingestor
 from broker_adapter.stages.receiver import Receiver, ReceiverConfig
@@ -247,10 +250,10 @@ def test_ingest_failing_dead_letter_falls_back_to_a_minimal_one(
                                          b"sig", b"00"])  # fmt: skip
     Publisher(client, keys, P, keyring).publish(_envelope("good", clock.now() + 3600))
 
-    def broken_copy(self: GroupReader, original: Any) -> Any:
+    def broken_copy(original: Any, **limits: Any) -> Any:
         raise MemoryError("copying the fields failed")
 
-    monkeypatch.setattr(GroupReader, "_copy", broken_copy)
+    monkeypatch.setattr(deadletter, "copy_original", broken_copy)
     ingestor = _ingestor(client, prefix, tasks, keyring, clock)
     drain(ingestor, client)
     (pairs,) = _dead(client, keys.inbound_dead()).values()
@@ -467,8 +470,8 @@ def test_receiver_retries_of_a_failing_effect_are_spaced_by_the_pause(
 ) -> None:  # fmt: skip
     (poison,) = _legit(redis_server, agent_db, clock, prefix, 1, 0)
 
-    def effect(conn: sqlite3.Connection, reply: dict[str, Any]) -> Any:
-        if reply["reply_id"] == poison:
+    def effect(conn: sqlite3.Connection, reply: Reply) -> Any:
+        if reply.reply_id == poison:
             raise RuntimeError("downstream table full")
         return record_effect(conn, reply)
 

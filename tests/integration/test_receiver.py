@@ -16,7 +16,8 @@ from broker_adapter.clock import FakeClock
 from broker_adapter.errors import ConfigError
 from broker_adapter.protocol.envelope import canonical_json, sha256_hex
 from broker_adapter.protocol.keys import RECEIVER_GROUP, Keys
-from broker_adapter.redis.streams import connect
+from broker_adapter.protocol.reply import Reply, parse_body
+from broker_adapter.redis.client import connect
 from broker_adapter.stages.receiver import Receiver, ReceiverConfig, effect_key
 from broker_adapter.store import ReceiptStore
 from broker_adapter.store.db import Database
@@ -196,9 +197,9 @@ def test_receiver_failing_effect_leaves_nothing_and_is_retried_then_dead_lettere
     ids = _publish(redis_server, agent_db, clock, prefix, 2)
     poison = ids[0]
 
-    def effect(conn: sqlite3.Connection, reply: dict[str, Any]) -> Any:
+    def effect(conn: sqlite3.Connection, reply: Reply) -> Any:
         record_effect(conn, reply)  # written, then rolled back with its savepoint
-        if reply["reply_id"] == poison:
+        if reply.reply_id == poison:
             raise RuntimeError("downstream table full")
         return None
 
@@ -253,9 +254,9 @@ def test_receiver_refuses_a_keyring_without_the_principals_keys(
 
 
 def test_effect_key_is_stable_and_carries_the_fence() -> None:
-    reply = {"reply_id": "r-abc", "task_id": "abc", "fence": 3, "status": "done"}
-    key = effect_key(reply)
-    assert key == effect_key(dict(reply))
+    body = {"reply_id": "r-abc", "task_id": "abc", "fence": 3, "status": "done"}
+    key = effect_key(Reply.from_mapping(body))
+    assert key == effect_key(parse_body(canonical_json(body)))
     assert (key.idempotency_key, key.task_id, key.fence) == ("ba-reply:r-abc", "abc", 3)
 
 

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from broker_adapter.redis import trimming
-from broker_adapter.redis.streams import connect, text
+from broker_adapter.redis.client import connect, text
 from broker_adapter.redis.trimming import trim_by_age, trim_stream
 from tests.support.redis_server import RedisServer
 

@@ -21,7 +21,7 @@ from broker_adapter.clock import FakeClock
 from broker_adapter.errors import FencedError
 from broker_adapter.protocol.envelope import Envelope
 from broker_adapter.protocol.keys import Keys
-from broker_adapter.redis.streams import connect
+from broker_adapter.redis.client import connect
 from broker_adapter.stages.dispatcher import (
     RECHECK_AFTER_S,
     Dispatcher,

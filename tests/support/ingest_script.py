@@ -24,7 +24,7 @@ from broker_adapter.clock import FakeClock
 from broker_adapter.protocol.envelope import Envelope
 from broker_adapter.protocol.keys import INGEST_GROUP, Keys
 from broker_adapter.protocol.signing import Keyring
-from broker_adapter.redis.streams import connect, text
+from broker_adapter.redis.client import connect, text
 from broker_adapter.stages.ingest import IngestConfig, Ingestor
 from broker_adapter.store import TaskStore, open_database
 

@@ -23,8 +23,9 @@ import redis
 
 from broker_adapter.clock import FakeClock
 from broker_adapter.protocol.envelope import Envelope
+from broker_adapter.protocol.reply import Reply
 from broker_adapter.protocol.signing import Keyring
-from broker_adapter.redis.streams import connect
+from broker_adapter.redis.client import connect
 from broker_adapter.stages.dispatcher import Dispatcher, DispatcherConfig
 from broker_adapter.stages.receiver import Receiver, ReceiverConfig
 from broker_adapter.store import AcceptItem, OutboxStore, ReceiptStore, TaskStore, open_database
@@ -49,16 +50,16 @@ def reply_keyring() -> Keyring:
     return Keyring(REPLY_KEYS)
 
 
-def record_effect(conn: sqlite3.Connection, reply: dict[str, Any]) -> dict[str, Any]:
+def record_effect(conn: sqlite3.Connection, reply: Reply) -> dict[str, Any]:
     """The test effect: one appended row per application, on the receipt's connection."""
     conn.execute(
         "CREATE TABLE IF NOT EXISTS effects (reply_id TEXT NOT NULL, task_id TEXT, status TEXT)"
     )
     conn.execute(
         "INSERT INTO effects (reply_id, task_id, status) VALUES (?, ?, ?)",
-        (reply["reply_id"], reply.get("task_id"), reply.get("status")),
+        (reply.reply_id, reply.task_id, reply.status),
     )
-    return {"applied": reply["reply_id"]}
+    return {"applied": reply.reply_id}
 
 
 def effect_counts(db_path: Path) -> dict[str, int]:

@@ -35,6 +35,7 @@ from psycopg.rows import tuple_row
 from broker_adapter.backoff import Backoff
 from broker_adapter.clock import FakeClock
 from broker_adapter.protocol.envelope import Envelope
+from broker_adapter.protocol.reply import Reply
 from broker_adapter.store import (
     AcceptItem,
     Database,
@@ -184,15 +185,15 @@ def create_effects_table(db: AnyDatabase) -> None:
         db.conn.execute(sql)
 
 
-def record_effect(conn: Any, reply: dict[str, Any]) -> Json:
+def record_effect(conn: Any, reply: Reply) -> Json:
     """A receiver effect: one row in ``effects`` per applied reply (a PK makes a second one
     fail loudly). ``conn``: the transaction's connection, SQLite's or psycopg's."""
     mark = "?" if isinstance(conn, sqlite3.Connection) else "%s"
     conn.execute(
         f"INSERT INTO effects (reply_id, status) VALUES ({mark}, {mark})",
-        (reply["reply_id"], reply["status"]),
+        (reply.reply_id, reply.status),
     )
-    return {"applied": reply["reply_id"]}
+    return {"applied": reply.reply_id}
 
 
 def dump(db: AnyDatabase) -> Dump:

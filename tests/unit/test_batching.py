@@ -59,7 +59,7 @@ def test_claim_returns_a_batch_in_not_before_order(s: Stores, clock: FakeClock) 
     assert s.tasks.counts()["running"] == 4
 
 
-def test_settle_and_claim_commits_each_outcome_fenced_and_claims_the_next(
+def test_settle_batch_commits_each_outcome_fenced_and_claims_the_next(
     s: Stores, clock: FakeClock
 ) -> None:
     ids = accept(s, clock, 5)
@@ -67,7 +67,8 @@ def test_settle_and_claim_commits_each_outcome_fenced_and_claims_the_next(
     s.tasks.cancel(first[1].task_id)
     items = [done(first[0]), done(first[1]), Settlement(first[2].task_id, "w1",
              first[2].fence, None, "boom", retryable=False)]  # fmt: skip
-    results, ahead = s.tasks.settle_and_claim(items, "w1", 10)
+    batch = s.tasks.settle_batch(items, "w1", 10)
+    results, ahead = batch.results, batch.claimed
     assert results[0] == f"r-{ids[0]}"
     assert isinstance(results[1], TaskCancelled)
     assert results[2] is FailOutcome.FAILED
@@ -86,7 +87,7 @@ def test_settle_refuses_a_stale_item_and_writes_nothing_of_it(s: Stores, clock: 
     (ca, cb) = s.tasks.claim("w1", 2)
     clock.advance(LEASE_S + 1)  # both leases expire; w2 takes them back with fence 2
     assert [c.fence for c in s.tasks.claim("w2", 2)] == [2, 2]
-    results, _ = s.tasks.settle_and_claim([done(ca), done(cb)], "w1", 0)
+    results = s.tasks.settle_batch([done(ca), done(cb)], "w1", 0).results
     assert all(isinstance(r, FencedError) for r in results)
     assert s.tasks.get(a).state == s.tasks.get(b).state == "running"  # type: ignore[union-attr]
     assert replies(s, a) == replies(s, b) == []
@@ -98,7 +99,7 @@ def test_settle_refuses_an_expired_lease_before_anyone_reclaims(
     (a,) = accept(s, clock, 1)
     (ca,) = s.tasks.claim("w1", 1)
     clock.advance(LEASE_S + 1)
-    (result,), _ = s.tasks.settle_and_claim([done(ca)], "w1", 0)
+    (result,) = s.tasks.settle_batch([done(ca)], "w1", 0).results
     assert isinstance(result, StaleError)
     assert result.reason == "lease_expired"
     assert replies(s, a) == []
@@ -110,7 +111,7 @@ def test_done_reply_is_the_same_with_or_without_the_claim(s: Stores, clock: Fake
     (a, b) = accept(s, clock, 2)
     (ca, cb) = s.tasks.claim("w1", 2)
     plain = Settlement(cb.task_id, cb.owner, cb.fence, json.dumps({"x": 1}))
-    s.tasks.settle_many([done(ca, {"x": 1}), plain])
+    s.tasks.settle_batch([done(ca, {"x": 1}), plain], "", 0)
     ra, rb = (s.outbox.get(f"r-{t}") for t in (a, b))
     assert ra is not None
     assert rb is not None

@@ -5,15 +5,11 @@ from __future__ import annotations
 import pytest
 
 from broker_adapter.errors import ConfigError
-from broker_adapter.redis.streams import (
-    MAX_ENTRY_FIELDS,
-    ReaderConfig,
-    StreamEntry,
-    _stream_entries,
-    describe,
-    encodable,
-)
-from broker_adapter.stages.receiver import REPLY_MAX_DEPTH, BadReply, load_body
+from broker_adapter.protocol.deadletter import describe, encodable
+from broker_adapter.protocol.reply import REPLY_MAX_DEPTH, BadReply, load_body
+from broker_adapter.redis.entry import StreamEntry
+from broker_adapter.redis.internals import stream_entries
+from broker_adapter.redis.reader import MAX_ENTRY_FIELDS, ReaderConfig
 
 
 def test_encodable_escapes_only_what_utf8_cannot_encode() -> None:
@@ -33,7 +29,7 @@ def test_describe_survives_a_broken_str() -> None:
 
 
 def test_raw_pairs_keep_repeated_names_that_the_dict_folds() -> None:
-    (dup, ok, gone) = _stream_entries(
+    (dup, ok, gone) = stream_entries(
         [[b"1-0", [b"env", b"a", b"env", b"b"]], [b"2-0", [b"v", b"1"]], [b"3-0", None]]
     )
     assert dup.fields == {b"env": b"b"}

@@ -20,7 +20,7 @@ from broker_adapter.app.metrics import (
     WorkerMetrics,
     stages_down,
 )
-from broker_adapter.redis.streams import ReaderStats
+from broker_adapter.redis.reader import ReaderStats
 from broker_adapter.stages.dispatcher import DispatcherStats
 from broker_adapter.stages.ingest import IngestStats
 from broker_adapter.stages.receiver import ReceiverStats

@@ -19,6 +19,7 @@ from broker_adapter import crashpoints
 from broker_adapter.clock import FakeClock
 from broker_adapter.errors import TaskCancelled
 from broker_adapter.protocol.envelope import canonical_json, sha256_hex
+from broker_adapter.protocol.reply import Reply
 from broker_adapter.store import Outcome, ReceiptOutcome
 from broker_adapter.store.postgres import PgDatabase
 from broker_adapter.store.receipts import ReceiptItem
@@ -156,7 +157,7 @@ def test_two_receivers_applying_one_reply_run_its_effect_once(
     reply = ReceiptItem("r-1", sha256_hex(body), "alice", body)
     calls: list[str] = []
 
-    def effect(conn: Any, value: dict[str, Any]) -> Any:
+    def effect(conn: Any, value: Reply) -> Any:
         calls.append(threading.current_thread().name)
         conn.execute("INSERT INTO effects (reply_id, status) VALUES (%s, %s)", ("r-1", "done"))
         return None

@@ -9,6 +9,7 @@ import pytest
 
 from broker_adapter.clock import FakeClock
 from broker_adapter.protocol.envelope import canonical_json, sha256_hex
+from broker_adapter.protocol.reply import Reply
 from broker_adapter.store import ReceiptOutcome
 from tests.support.store_script import (
     T0,
@@ -44,7 +45,7 @@ class CountingEffect:
     def __init__(self) -> None:
         self.calls = 0
 
-    def __call__(self, conn: Any, value: dict[str, Any]) -> Any:
+    def __call__(self, conn: Any, value: Reply) -> Any:
         self.calls += 1
         return record_effect(conn, value)
 
@@ -107,7 +108,7 @@ def test_receipt_apply_refuses_different_content_for_same_reply_id(s: Stores) ->
 def test_receipt_apply_rolls_back_effect_and_receipt_when_effect_raises(s: Stores) -> None:
     body, digest = reply()
 
-    def half_done(conn: Any, value: dict[str, Any]) -> Any:
+    def half_done(conn: Any, value: Reply) -> Any:
         record_effect(conn, value)  # a write that must not survive
         raise RuntimeError("downstream refused")
 
@@ -129,7 +130,7 @@ def test_receipt_apply_rolls_back_effect_and_receipt_when_effect_raises(s: Store
 def test_receipt_apply_rolls_back_when_effect_result_is_not_json(s: Stores) -> None:
     body, digest = reply()
 
-    def returns_set(conn: Any, value: dict[str, Any]) -> Any:
+    def returns_set(conn: Any, value: Reply) -> Any:
         record_effect(conn, value)
         return {1, 2}
 

@@ -65,14 +65,15 @@ def finished(s: Stores, task_ids: list[str]) -> list[str]:
     """Claim and finish ``task_ids``; their reply ids."""
     claimed = [t for t in s.tasks.claim("w1", 1000) if t.task_id in task_ids]
     assert len(claimed) == len(task_ids)
-    out = s.tasks.settle_many([Settlement(t.task_id, "w1", t.fence, result="1") for t in claimed])
+    items = [Settlement(t.task_id, "w1", t.fence, result="1") for t in claimed]
+    out = s.tasks.settle_batch(items, "", 0).results
     return [str(r) for r in out]
 
 
 def sent(s: Stores, reply_ids: list[str]) -> None:
     rows = [r for r in s.outbox.claim("d1", 1000) if r.reply_id in reply_ids]
     assert len(rows) == len(reply_ids)
-    marks = s.outbox.mark_sent_many("d1", [(r.reply_id, r.fence, "1-0") for r in rows])
+    marks, _ = s.outbox.mark_sent_and_claim("d1", [(r.reply_id, r.fence, "1-0") for r in rows], 0)
     assert marks == [None] * len(rows)
 
 

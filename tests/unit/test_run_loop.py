@@ -1,4 +1,4 @@
-"""``streams.run_until_stopped``: the loop of the ingest and the receiver."""
+"""``backoff.run_until_stopped``: the loop of the ingest and the receiver."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import threading
 import pytest
 import tenacity
 
+from broker_adapter.backoff import run_until_stopped
 from broker_adapter.errors import RedisUnavailable, StoreError
-from broker_adapter.redis.streams import run_until_stopped
 
 
 def test_ticks_run_until_stop_and_backoff_restarts_after_a_success() -> None:

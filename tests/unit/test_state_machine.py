@@ -1,5 +1,10 @@
 """The task and outbox state machines against a simple model (hypothesis, stateful).
 
+Outcomes commit through the production settle path, ``TaskStore.settle_batch``: a batch of
+one to three outcomes (some stale or an intruder's), the next claim in the same
+transaction, and for a worker that publishes its own replies the replies written already
+claimed and its sent marks.
+
 Every rule predicts the store's answer from the model first (outcome, refusal reason, which
 rows may be claimed), then calls the store and compares. After every step the invariants
 are checked against the database itself:
@@ -44,9 +49,9 @@ from broker_adapter.store import (
     open_database,
 )
 from broker_adapter.store.db import Database
-from broker_adapter.store.outbox import OutboxPolicy
+from broker_adapter.store.outbox import OutboxPolicy, PublisherClaim, SentMark
 from broker_adapter.store.postgres import PgDatabase
-from broker_adapter.store.tasks import reply_id_for
+from broker_adapter.store.tasks import Settlement, reply_id_for
 from tests.support.postgres import ThrowawayDatabase
 from tests.support.store_script import (
     LEASE_S,
@@ -156,15 +161,22 @@ class StoreMachine(RuleBasedStateMachine):
 
     # -- model helpers ------------------------------------------------------------------
 
-    def _terminal(self, task: MTask, state: str, now: float) -> None:
+    def _terminal(
+        self, task: MTask, state: str, now: float, claim: PublisherClaim | None = None
+    ) -> None:
         task.state, task.owner, task.lease_until = state, None, None
-        self._new_reply(reply_id_for(task.task_id), task.task_id, now)
+        self._new_reply(reply_id_for(task.task_id), task.task_id, now, claim)
 
-    def _new_reply(self, reply_id: str, task_id: str | None, now: float) -> None:
+    def _new_reply(
+        self, reply_id: str, task_id: str | None, now: float, claim: PublisherClaim | None = None
+    ) -> None:
         assert reply_id not in self.replies_model
-        self.replies_model[reply_id] = MReply(
-            reply_id, task_id, "pending", 0, 0, None, None, now, now
-        )
+        if claim is None:
+            reply = MReply(reply_id, task_id, "pending", 0, 0, None, None, now, now)
+        else:  # written already claimed by that publisher
+            reply = MReply(reply_id, task_id, "sending", 1, 1, claim.owner, claim.lease_until,
+                           now, now)  # fmt: skip
+        self.replies_model[reply_id] = reply
 
     def _reconcile_model(self, now: float) -> dict[str, int]:
         counts = {"expired": 0, "requeued": 0, "exhausted": 0}
@@ -201,13 +213,13 @@ class StoreMachine(RuleBasedStateMachine):
             return "deadline"
         return None
 
-    def _reply_refusal(self, h: Handle) -> str | None:
+    def _reply_refusal(self, h: Handle, owner: str | None = None) -> str | None:
         r = self.replies_model[h.key]
         if r.fence != h.fence:
             return "fence"
         if r.state != "sending":
             return "not_sending"
-        if r.owner != h.owner:
+        if r.owner != (h.owner if owner is None else owner):
             return "owner"
         assert r.lease_until is not None
         if r.lease_until <= self.clock.now():
@@ -294,13 +306,22 @@ class StoreMachine(RuleBasedStateMachine):
     @rule(target=task_handles, worker=st.sampled_from(WORKERS), n=st.integers(1, 2))
     def claim(self, worker: str, n: int) -> Any:
         now = self.clock.now()
+        eligible = self._eligible(now)
+        return multiple(*self._claimed(self.tasks.claim(worker, n), eligible, worker, n, now))
+
+    def _eligible(self, now: float) -> dict[str, float]:
+        """The model's reconcile, then the ready tasks (what a claim at ``now`` may take)."""
         self._reconcile_model(now)
-        eligible = {
+        return {
             t.task_id: t.not_before
             for t in self.tasks_model.values()
             if t.state == "pending" and t.not_before <= now
         }
-        got = self.tasks.claim(worker, n)
+
+    def _claimed(
+        self, got: list[Any], eligible: dict[str, float], worker: str, n: int, now: float
+    ) -> list[Handle]:
+        """Check a claim's tasks against the model and apply it; the new handles."""
         assert len(got) == min(n, len(eligible))
         chosen = {c.task_id for c in got}
         assert chosen <= set(eligible)
@@ -317,47 +338,114 @@ class StoreMachine(RuleBasedStateMachine):
                 t.attempts, t.fence, t.lease_until, t.deadline,
             )  # fmt: skip
             handles.append(Handle(c.task_id, worker, c.fence))
+        return handles
+
+    @rule(
+        target=task_handles,
+        outcomes=st.lists(
+            st.tuples(task_handles, st.sampled_from(["done", "failed", "retryable"]), RARELY),
+            min_size=1,
+            max_size=3,
+        ),
+        worker=st.sampled_from(WORKERS),
+        n=st.sampled_from([0, 0, 1, 2]),
+        publisher=st.sampled_from([None, None, *DISPATCHERS]),
+        marks=st.lists(reply_handles, max_size=2),
+    )
+    def settle(
+        self,
+        outcomes: list[tuple[Handle, str, bool]],
+        worker: str,
+        n: int,
+        publisher: str | None,
+        marks: list[Handle],
+    ) -> Any:
+        """``settle_batch``: each outcome predicted in order (a refusal writes nothing of
+        its item), then the claim of up to ``n`` for ``worker``; with ``publisher``, the
+        replies are written claimed by it and ``marks`` (of rows it may not hold) are
+        recorded first, each fenced."""
+        now = self.clock.now()
+        sent: list[SentMark] = []
+        if publisher is not None:
+            for h in marks:
+                sent.append((h.key, h.fence, "1-0", now))
+        items = [
+            Settlement(h.key, "intruder" if intruder else h.owner, h.fence,
+                       result='{"ok":1}' if kind == "done" else None,
+                       error=None if kind == "done" else "boom",
+                       retryable=kind == "retryable")
+            for h, kind, intruder in outcomes
+        ]  # fmt: skip
+        batch = self.tasks.settle_batch(
+            items, worker, n, publish_as=publisher, publish_lease_s=OUTBOX_LEASE_S, sent=sent
+        )
+        claim = None if publisher is None else PublisherClaim(publisher, now + OUTBOX_LEASE_S)
+        assert len(batch.marks) == len(sent)
+        for h, refused in zip(marks if publisher is not None else [], batch.marks, strict=True):
+            reason = self._reply_refusal(h, publisher)
+            self._check_refusal(refused, reason)
+            if reason is None:
+                r = self.replies_model[h.key]
+                r.state, r.owner, r.lease_until = "sent", None, None
+        assert len(batch.results) == len(items)
+        before = set(self.replies_model)
+        for item, (h, _, _), result in zip(items, outcomes, batch.results, strict=True):
+            self._settled(item, h, result, now, claim)
+        claimed_replies = [] if claim is None else [
+            rid for rid in self.replies_model if rid not in before
+        ]  # fmt: skip
+        eligible = self._eligible(now) if n >= 1 else {}
+        handles = self._claimed(batch.claimed, eligible, worker, n, now) if n >= 1 else []
+        if n < 1:
+            assert batch.claimed == []
+        # The replies written claimed are those of this batch's terminal outcomes, in order.
+        assert [r.reply_id for r in batch.replies] == claimed_replies
+        for row in batch.replies:
+            r = self.replies_model[row.reply_id]
+            assert (row.state, row.owner, row.fence, row.lease_until) == (
+                r.state, r.owner, r.fence, r.lease_until,
+            )  # fmt: skip
         return multiple(*handles)
 
-    @rule(h=task_handles, intruder=RARELY)
-    def finish(self, h: Handle, intruder: bool) -> None:
-        owner = "intruder" if intruder else h.owner
-        reason = self._task_refusal(h, owner)
-        if reason is not None:
-            self._refused(lambda: self.tasks.finish(h.key, owner, h.fence, {"ok": 1}), reason)
+    def _check_refusal(self, refused: StaleError | object | None, reason: str | None) -> None:
+        if reason is None:
+            assert not isinstance(refused, StaleError), refused
             return
-        assert self.tasks.finish(h.key, owner, h.fence, {"ok": 1}) == reply_id_for(h.key)
-        self._terminal(self.tasks_model[h.key], "done", self.clock.now())
+        if not isinstance(refused, StaleError):
+            self.stale_commits += 1
+            raise AssertionError(f"a stale write ({reason}) was committed")
+        assert refused.reason == reason, (refused.reason, reason)
 
-    @rule(h=task_handles, retryable=st.booleans(), intruder=RARELY)
-    def fail(self, h: Handle, retryable: bool, intruder: bool) -> None:
-        owner = "intruder" if intruder else h.owner
-        reason = self._task_refusal(h, owner)
+    def _settled(
+        self, item: Settlement, h: Handle, result: object, now: float,
+        claim: PublisherClaim | None,
+    ) -> None:  # fmt: skip
+        """Check one item's result against the model and apply it."""
+        reason = self._task_refusal(h, item.owner)
+        self._check_refusal(result, reason)
         if reason is not None:
-            self._refused(
-                lambda: self.tasks.fail(h.key, owner, h.fence, "boom", retryable=retryable),
-                reason,
-            )
             return
         t = self.tasks_model[h.key]
-        now = self.clock.now()
+        if item.result is not None:
+            assert result == reply_id_for(h.key)
+            self._terminal(t, "done", now, claim)
+            return
         allowed = {FailOutcome.FAILED}
         ceiling = TASK_BACKOFF.ceiling(t.attempts)
-        if retryable and t.attempts < t.max_attempts:
+        if item.retryable and t.attempts < t.max_attempts:
             if now + ceiling < t.deadline:
                 allowed = {FailOutcome.RETRY}
             elif now + ceiling / 2 < t.deadline:
                 allowed = {FailOutcome.RETRY, FailOutcome.FAILED}  # depends on the jitter
-        outcome = self.tasks.fail(h.key, owner, h.fence, "boom", retryable=retryable)
-        assert outcome in allowed, (outcome, allowed)
-        if outcome is FailOutcome.RETRY:
+        assert result in allowed, (result, allowed)
+        if result is FailOutcome.RETRY:
             row = self.tasks.get(h.key)
             assert row is not None
             assert now + ceiling / 2 <= row.not_before <= now + ceiling
             assert row.not_before < t.deadline
             t.state, t.owner, t.lease_until, t.not_before = "pending", None, None, row.not_before
         else:
-            self._terminal(t, "failed", now)
+            self._terminal(t, "failed", now, claim)
 
     @rule(h=task_handles, intruder=RARELY)
     def renew(self, h: Handle, intruder: bool) -> None:

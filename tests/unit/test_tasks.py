@@ -34,7 +34,7 @@ from broker_adapter.store import (
     open_database,
 )
 from broker_adapter.store.backends import task_store
-from broker_adapter.store.db import CONFLICT_ID_KEY, MIGRATIONS, SCHEMA_VERSION
+from broker_adapter.store.migrations import CONFLICT_ID_KEY, MIGRATIONS, SCHEMA_VERSION
 from broker_adapter.store.tasks import (
     TaskPolicy,
     TaskStore,

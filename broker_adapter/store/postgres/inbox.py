@@ -1,7 +1,7 @@
 """Intake on PostgreSQL: a batch of authenticated envelopes recorded in one transaction,
 deduplicated on the inbox's primary key ``(principal, message_id)``.
 
-The decisions are ``store.tasks``' (stored, duplicate, conflict, expired, hop limit,
+The decisions are ``store.inbox``'s (stored, duplicate, conflict, expired, hop limit,
 refused, not a task), made on the inbox records the batch names. With several adapter
 processes on one database (a takeover of a dead host's stream entries delivers the same
 envelope to another process), two transactions could both find no record for one
@@ -21,18 +21,12 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from broker_adapter.errors import EnvelopeError
+from broker_adapter.protocol.reply import CONFLICT_STATUS, conflict_body, reply_id_for
+from broker_adapter.store.inbox import AcceptItem, AcceptResult, Outcome, _forgotten, _hops
+from broker_adapter.store.lifecycle import TaskState
 from broker_adapter.store.postgres.db import Conn
 from broker_adapter.store.postgres.lifecycle import write_reply
 from broker_adapter.store.postgres.outbox import enqueue
-from broker_adapter.store.tasks import (
-    TERMINAL_STATES,
-    AcceptItem,
-    AcceptResult,
-    Outcome,
-    TaskState,
-    _hops,
-    reply_id_for,
-)
 
 if TYPE_CHECKING:
     from broker_adapter.store.postgres.tasks import PgTaskStore
@@ -140,10 +134,10 @@ def _accept_one(
         return AcceptResult(Outcome.NOT_TASK, detail=detail,
                             refusal=EnvelopeError("kind", "not_task", detail))  # fmt: skip
     key = (item.principal, env.message_id)
-    row = batch.known.get(key)
-    if row is not None and not _forgotten(store, row, now):
-        return _known(store, batch, item, row, fingerprint, now)
     retention_s = store.policy.retention_s
+    row = batch.known.get(key)
+    if row is not None and not _forgotten(retention_s, row, now):
+        return _known(store, batch, item, row, fingerprint, now)
     if env.deadline > now + retention_s:
         detail = (
             f"deadline {env.deadline!r} is more than the retention window"
@@ -181,15 +175,6 @@ def _accept_one(
     return AcceptResult(outcome, task_id, reply_id, error or "")
 
 
-def _forgotten(store: PgTaskStore, row: Mapping[str, Any], now: float) -> bool:
-    """Whether an inbox record no longer dedupes (``TaskStore._forgotten``'s rule)."""
-    return (
-        now - row["received_at"] >= store.policy.retention_s
-        and row["state"] in TERMINAL_STATES
-        and row["deadline"] <= now
-    )
-
-
 def _known(
     store: PgTaskStore, batch: _AcceptBatch, item: AcceptItem, row: Mapping[str, Any],
     fingerprint: str, now: float,
@@ -201,12 +186,10 @@ def _known(
         return AcceptResult(Outcome.DUPLICATE, row["task_id"])
     reply_id = store.conflict_reply_id(item.principal, env.message_id, fingerprint)
     detail = "message_id reused with different content; the first request stands"
-    body = {
-        "v": 1, "reply_id": reply_id, "task_id": row["task_id"], "principal": item.principal,
-        "message_id": env.message_id, "correlation_id": env.correlation_id,
-        "status": "conflict", "result": None, "error": detail, "fingerprint": fingerprint,
-        "stored_fingerprint": row["fingerprint"],
-    }  # fmt: skip
+    body = conflict_body(
+        reply_id, row["task_id"], item.principal, env.message_id, env.correlation_id,
+        detail, fingerprint, row["fingerprint"],
+    )  # fmt: skip
 
     def write(c: Conn) -> None:
         c.execute(
@@ -215,7 +198,7 @@ def _known(
         )
         enqueue(
             c, reply_id=reply_id, task_id=None, principal=item.principal,
-            message_id=env.message_id, status="conflict", body=body, now=now,
+            message_id=env.message_id, status=CONFLICT_STATUS, body=body, now=now,
         )  # fmt: skip
 
     batch.then.append(write)

@@ -1,6 +1,7 @@
 """The one way into a terminal state on PostgreSQL: with the task's one reply, in the
-same transaction (``store.tasks``' rule; the outbox's unique index on ``task_id`` makes a
-second terminal reply impossible here too)."""
+same transaction (``store.lifecycle``'s rule; the outbox's unique index on ``task_id``
+makes a second terminal reply impossible here too), and the housekeeping that applies the
+clock (``store.housekeeping``'s rule) before every claim."""
 
 from __future__ import annotations
 
@@ -8,10 +9,11 @@ from collections.abc import Mapping
 from typing import Any
 
 from broker_adapter.errors import StaleError
-from broker_adapter.store.outbox import PublisherClaim, encode_body
+from broker_adapter.protocol.reply import encode_body, reply_id_for, terminal_body
+from broker_adapter.store.lifecycle import TaskState
+from broker_adapter.store.outbox import PublisherClaim
 from broker_adapter.store.postgres.db import Conn
 from broker_adapter.store.postgres.outbox import enqueue_encoded
-from broker_adapter.store.tasks import TaskState, _reply_body, reply_id_for
 
 
 def write_reply(
@@ -38,8 +40,8 @@ def write_reply(
     reply_id = reply_id_for(task_id)
     if encoded is None:
         encoded = encode_body(
-            _reply_body(task_id, state, t["principal"], t["message_id"],
-                        t["correlation_id"], result, error, t["attempts"], t["fence"], now)
+            terminal_body(task_id, state.value, t["principal"], t["message_id"],
+                          t["correlation_id"], result, error, t["attempts"], t["fence"], now)
         )  # fmt: skip
     data, content_hash = encoded
     inserted = enqueue_encoded(

@@ -22,7 +22,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from broker_adapter.clock import Clock, SystemClock
-from broker_adapter.errors import FencedError, StaleError
+from broker_adapter.errors import StaleError
+from broker_adapter.protocol.reply import encode_body
+from broker_adapter.store.fencing import REPLY_HELD_STATE, held_params, held_sql, refusal
 from broker_adapter.store.outbox import (
     OUTBOX_STATES,
     OutboxPolicy,
@@ -30,14 +32,13 @@ from broker_adapter.store.outbox import (
     PublisherClaim,
     SentMark,
     UnknownReply,
-    encode_body,
 )
 from broker_adapter.store.postgres.db import Conn, PgDatabase, Row
 
 _COLUMNS = ", ".join(OutboxRow.__dataclass_fields__)
 _O_COLUMNS = ", ".join("o." + name for name in OutboxRow.__dataclass_fields__)
-#: Held by (fence, owner) at now: the publisher's side of rule 10 as a WHERE fragment.
-REPLY_HELD = "fence = %s AND state = 'sending' AND owner = %s AND lease_until > %s"
+#: Held by (fence, owner) at now: the publisher's side of rule 10 (``fencing``) in SQL.
+REPLY_HELD = held_sql(REPLY_HELD_STATE, deadline=False, mark="%s")
 
 
 def enqueue(
@@ -90,19 +91,15 @@ def from_row(row: Row) -> OutboxRow:
 def holder_refusal(
     c: Conn, reply_id: str, owner: str, fence: int, now: float
 ) -> StaleError | UnknownReply:
-    """Why a fenced write of ``reply_id`` matched nothing (``UnknownReply`` if no row)."""
+    """Why a fenced write of ``reply_id`` matched nothing (``UnknownReply`` if no row):
+    ``fencing.refusal`` on the row as it is now."""
     row = c.execute(
         "SELECT state, owner, fence, lease_until FROM outbox WHERE reply_id = %s", (reply_id,)
     ).fetchone()
     if row is None:
         return UnknownReply(reply_id)
-    if row["fence"] != fence:
-        return FencedError(reply_id, fence, row["fence"])
-    if row["state"] != "sending":
-        return StaleError(reply_id, "not_sending", f"state is {row['state']}")
-    if row["owner"] != owner:
-        return StaleError(reply_id, "owner", f"held by {row['owner']}")
-    return StaleError(reply_id, "lease_expired")
+    why = refusal(row, reply_id, owner, fence, now, state=REPLY_HELD_STATE, deadline=False)
+    return why or StaleError(reply_id, "lease_expired")  # the clock moved on meanwhile
 
 
 def _held_update(
@@ -114,7 +111,7 @@ def _held_update(
     row = c.execute(
         f"UPDATE outbox SET {assignments} WHERE reply_id = %s AND {REPLY_HELD}"
         f" RETURNING {returning}",
-        (*params, reply_id, fence, owner, now),
+        (*params, reply_id, *held_params(fence, owner, now, deadline=False)),
     ).fetchone()
     if row is None:
         raise holder_refusal(c, reply_id, owner, fence, now)
@@ -324,11 +321,6 @@ class PgOutboxStore:
         if row is None or row["oldest"] is None:
             return None
         return max(0.0, self.clock.now() - float(row["oldest"]))
-
-    def mark_sent_many(
-        self, owner: str, items: Sequence[tuple[str, int, str]]
-    ) -> builtins.list[StaleError | None]:
-        return self.mark_sent_and_claim(owner, items, 0)[0]
 
     def mark_sent_and_claim(
         self, owner: str, items: Sequence[tuple[str, int, str]], n: int

@@ -13,19 +13,23 @@ from __future__ import annotations
 
 import builtins
 import json
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 from broker_adapter.clock import Clock, SystemClock
 from broker_adapter.protocol.envelope import canonical_json
+from broker_adapter.protocol.reply import Reply
 from broker_adapter.store.postgres.db import Conn, PgDatabase, Row
 from broker_adapter.store.postgres.retention import purge_receipts
-from broker_adapter.store.receipts import AppliedItem, Receipt, ReceiptItem, ReceiptOutcome
+from broker_adapter.store.receipts import (
+    AppliedItem,
+    Effect,
+    Receipt,
+    ReceiptItem,
+    ReceiptOutcome,
+)
 from broker_adapter.store.retention import PURGE_BATCH, PurgeBatch, whole_pass
 
 _COLUMNS = ", ".join(Receipt.__dataclass_fields__)
-#: effect(conn, reply) -> JSON value kept as the receipt's ``effect_result``.
-PgEffect = Callable[[Conn, dict[str, Any]], Any]
 
 
 def _receipt(row: Row) -> Receipt:
@@ -43,7 +47,7 @@ class PgReceiptStore:
 
     def apply(
         self, *, reply_id: str, content_hash: str, principal: str, body: bytes,
-        effect: PgEffect | None, entry_id: str | None = None,
+        effect: Effect | None, entry_id: str | None = None,
     ) -> tuple[ReceiptOutcome, Receipt]:  # fmt: skip
         """Apply one reply at most once (see the module docstring)."""
         item = ReceiptItem(reply_id, content_hash, principal, body, entry_id)
@@ -51,7 +55,7 @@ class PgReceiptStore:
             return self._apply_in(c, item, effect, self.clock.now())
 
     def apply_many(
-        self, items: Sequence[ReceiptItem], effect: PgEffect | None
+        self, items: Sequence[ReceiptItem], effect: Effect | None
     ) -> builtins.list[AppliedItem]:
         """Apply a batch, each reply at most once, in ONE transaction; each under its own
         savepoint when there is an effect (one that raises rolls back to it, is reported,
@@ -76,13 +80,13 @@ class PgReceiptStore:
         return out
 
     def _apply_in(
-        self, c: Conn, item: ReceiptItem, effect: PgEffect | None, now: float
+        self, c: Conn, item: ReceiptItem, effect: Effect | None, now: float
     ) -> tuple[ReceiptOutcome, Receipt]:
-        reply: dict[str, Any] = item.reply if item.reply is not None else json.loads(item.body)
+        reply = item.reply if item.reply is not None else Reply.from_mapping(json.loads(item.body))
         receipt = Receipt(
             reply_id=item.reply_id, content_hash=item.content_hash, principal=item.principal,
-            message_id=reply.get("message_id"), task_id=reply.get("task_id"),
-            status=reply.get("status"), body=item.body, entry_id=item.entry_id,
+            message_id=reply.message_id, task_id=reply.task_id,
+            status=reply.status, body=item.body, entry_id=item.entry_id,
             received_at=now, effects=1 if effect is not None else 0, effect_result=None,
         )  # fmt: skip
         names = list(Receipt.__dataclass_fields__)

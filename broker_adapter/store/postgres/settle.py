@@ -15,18 +15,19 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from broker_adapter.errors import BrokerAdapterError, StaleError
+from broker_adapter.store.leases import DEFAULT_LEASE_S
+from broker_adapter.store.lifecycle import TaskState, reply_key
 from broker_adapter.store.outbox import PublisherClaim, SentMark
 from broker_adapter.store.postgres.db import Conn, Row
 from broker_adapter.store.postgres.lifecycle import to_terminal, write_reply
 from broker_adapter.store.postgres.outbox import mark_sent_in
-from broker_adapter.store.tasks import (
+from broker_adapter.store.settle import (
     FailOutcome,
     SettledBatch,
     Settlement,
+    SettleOp,
     SettleResult,
-    TaskState,
     _done_reply,
-    _reply_key,
 )
 
 if TYPE_CHECKING:
@@ -45,15 +46,13 @@ def settle(
     n: int,
     *,
     publish_as: str | None = None,
-    publish_lease_s: float = 30.0,
+    publish_lease_s: float = DEFAULT_LEASE_S,
     sent: Sequence[SentMark] = (),
-    op: str = "finish",
-    strict: bool = False,
+    op: SettleOp = "finish",
 ) -> SettledBatch:
     """Commit ``items`` and claim up to ``n`` tasks for ``owner`` in ONE transaction
-    (crash points ``store.<op>.before_commit`` / ``after_commit``). ``strict``: raise the
-    first refusal (rolling everything back) instead of reporting it, as ``finish`` and
-    ``fail`` do.
+    (crash points ``store.<op>.before_commit`` / ``after_commit``); the arguments and
+    results are ``store.settle.settle``'s.
 
     Raises:
         ValueError: ``sent`` without ``publish_as``.
@@ -83,8 +82,6 @@ def settle(
                     row = store._hold(c, item.task_id, item.owner, item.fence)
                     out.append(_failure(store, c, row, item, now, claim))
             except StaleError as exc:
-                if strict:
-                    raise
                 out.append(exc)
         rows = store._claim_in(c, owner, n, now) if n >= 1 else []
     replies = [] if claim is None else claim.rows
@@ -96,7 +93,7 @@ def _done(
     now: float, claim: PublisherClaim | None,
 ) -> str:  # fmt: skip
     """The reply of an item just marked done (same transaction)."""
-    encoded = body[1] if body is not None and body[0] == _reply_key(row) else None
+    encoded = body[1] if body is not None and body[0] == reply_key(row) else None
     try:
         return write_reply(
             c, item.task_id, TaskState.DONE, item.result, None, now, row, encoded, claim

@@ -24,8 +24,19 @@ from collections.abc import Sequence
 from typing import Any
 
 from broker_adapter.clock import Clock, SystemClock
-from broker_adapter.errors import FencedError, StaleError, TaskCancelled
+from broker_adapter.errors import StaleError
 from broker_adapter.protocol.envelope import check_result
+from broker_adapter.store.fencing import TASK_HELD_STATE, held_params, held_sql, refusal
+from broker_adapter.store.inbox import (
+    AcceptItem,
+    AcceptResult,
+    Intake,
+    Outcome,
+    conflict_reply_id,
+    new_task_ids,
+)
+from broker_adapter.store.leases import DEFAULT_LEASE_S
+from broker_adapter.store.lifecycle import TERMINAL_STATES, TaskState
 from broker_adapter.store.outbox import SentMark
 from broker_adapter.store.postgres import settle
 from broker_adapter.store.postgres.db import Conn, PgDatabase, Row
@@ -34,51 +45,17 @@ from broker_adapter.store.postgres.lifecycle import reconcile_in, to_terminal
 from broker_adapter.store.postgres.retention import purge_requests
 from broker_adapter.store.postgres.schema import CONFLICT_ID_KEY
 from broker_adapter.store.retention import PURGE_BATCH, PurgeBatch, whole_pass
-from broker_adapter.store.tasks import (
-    TERMINAL_STATES,
-    AcceptItem,
-    AcceptResult,
-    ClaimedTask,
-    FailOutcome,
-    Intake,
-    SettledBatch,
-    Settlement,
-    SettleResult,
-    TaskPolicy,
-    TaskRow,
-    TaskState,
-    UnknownTask,
-    conflict_reply_id,
-    new_task_ids,
-)
+from broker_adapter.store.settle import FailOutcome, SettledBatch, Settlement
+from broker_adapter.store.tasks import ClaimedTask, TaskPolicy, TaskRow, UnknownTask
 
 _TASK_COLUMNS = ", ".join(TaskRow.__dataclass_fields__)
-#: Held by (fence, owner) at now, before the deadline: the worker's side of rule 10.
-TASK_HELD = "fence = %s AND state = 'running' AND owner = %s AND lease_until > %s AND deadline > %s"
+#: Held by (fence, owner) at now, before the deadline: the worker's side of rule 10
+#: (``fencing``) in SQL.
+TASK_HELD = held_sql(TASK_HELD_STATE, deadline=True, mark="%s")
 _CLAIMED_COLUMNS = (
     "task_id, principal, message_id, kind, payload, attempts, max_attempts, fence, deadline,"
     " hops, correlation_id, parent_id"
 )
-
-
-def task_refusal(
-    row: Row, task_id: str, owner: str, fence: int, now: float, *, deadline: bool = True
-) -> StaleError | None:
-    """Rule 10 on one task row, in ``TaskStore._refusal``'s order: fence, cancelled, not
-    running, owner, lease and (with ``deadline``) the deadline; None while it holds."""
-    if row["fence"] != fence:
-        return FencedError(task_id, fence, row["fence"])
-    if row["state"] == TaskState.CANCELLED:
-        return TaskCancelled(task_id)
-    if row["state"] != TaskState.RUNNING:
-        return StaleError(task_id, "not_running", f"state is {row['state']}")
-    if row["owner"] != owner:
-        return StaleError(task_id, "owner", f"held by {row['owner']}")
-    if row["lease_until"] <= now:
-        return StaleError(task_id, "lease_expired")
-    if deadline and row["deadline"] <= now:
-        return StaleError(task_id, "deadline")
-    return None
 
 
 class PgTaskStore:
@@ -127,7 +104,7 @@ class PgTaskStore:
         ids = new_task_ids(len(items))
         with self.db.write("accept") as c:
             results = accept_in(self, c, items, now, fingerprints, payloads, ids)
-            stored = any(r.outcome == "stored" for r in results)
+            stored = any(r.outcome is Outcome.STORED for r in results)
             claimed = [
                 [(r["task_id"], r["fence"]) for r in self._claim_in(c, owner, n, now)]
                 if stored and n >= 1
@@ -208,7 +185,7 @@ class PgTaskStore:
             f"UPDATE tasks SET {sets} WHERE task_id = %s AND {TASK_HELD}"
             " RETURNING state, owner, fence, lease_until, deadline, attempts, max_attempts,"
             " principal, message_id, correlation_id",
-            (*params, task_id, fence, owner, now, now),
+            (*params, task_id, *held_params(fence, owner, now, deadline=True)),
         ).fetchone()
         if row is None:
             raise self._why_not(c, task_id, owner, fence, now)
@@ -224,7 +201,8 @@ class PgTaskStore:
         ).fetchone()
         if row is None:
             return UnknownTask(task_id)
-        return task_refusal(row, task_id, owner, fence, now) or StaleError(task_id, "lease_expired")
+        why = refusal(row, task_id, owner, fence, now, state=TASK_HELD_STATE, deadline=True)
+        return why or StaleError(task_id, "lease_expired")  # the clock moved on meanwhile
 
     def renew(self, task_id: str, owner: str, fence: int) -> float:
         """Extend the lease by ``policy.lease_s`` (fenced); returns the new ``lease_until``."""
@@ -239,7 +217,9 @@ class PgTaskStore:
         """Commit success: state ``done`` and its reply, in one transaction (fenced)."""
         encoded = check_result(result).decode("utf-8")
         item = Settlement(task_id, owner, fence, result=encoded)
-        (out,) = settle.settle(self, [item], "", 0, op="finish", strict=True).results
+        (out,) = settle.settle(self, [item], "", 0).results
+        if isinstance(out, StaleError):
+            raise out
         assert isinstance(out, str)
         return out
 
@@ -248,22 +228,15 @@ class PgTaskStore:
     ) -> FailOutcome:
         """Record a failed attempt (fenced); see ``TaskStore.fail``."""
         item = Settlement(task_id, owner, fence, error=error, retryable=retryable)
-        (out,) = settle.settle(self, [item], "", 0, op="fail", strict=True).results
+        (out,) = settle.settle(self, [item], "", 0, op="fail").results
+        if isinstance(out, StaleError):
+            raise out
         assert isinstance(out, FailOutcome)
         return out
 
-    def settle_many(self, items: Sequence[Settlement]) -> list[SettleResult]:
-        return self.settle_batch(items, "", 0).results
-
-    def settle_and_claim(
-        self, items: Sequence[Settlement], owner: str, n: int
-    ) -> tuple[list[SettleResult], list[ClaimedTask]]:
-        batch = self.settle_batch(items, owner, n)
-        return batch.results, batch.claimed
-
     def settle_batch(
         self, items: Sequence[Settlement], owner: str, n: int, *,
-        publish_as: str | None = None, publish_lease_s: float = 30.0,
+        publish_as: str | None = None, publish_lease_s: float = DEFAULT_LEASE_S,
         sent: Sequence[SentMark] = (),
     ) -> SettledBatch:  # fmt: skip
         """Commit a batch of outcomes (each fenced) and claim the next batch, in ONE
@@ -308,7 +281,9 @@ class PgTaskStore:
         )
         if row is None:
             return StaleError(task_id, "not_running", "no such task")
-        return task_refusal(row, task_id, owner, fence, self.clock.now(), deadline=False)
+        return refusal(
+            row, task_id, owner, fence, self.clock.now(), state=TASK_HELD_STATE, deadline=False
+        )
 
     def is_cancelled(self, task_id: str) -> bool:
         row = self.db.fetch_one("SELECT state FROM tasks WHERE task_id = %s", (task_id,))

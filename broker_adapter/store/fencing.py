@@ -1,0 +1,72 @@
+"""The fencing rule (``docs/RULES.md`` rule 10), defined once for tasks and outbox rows.
+
+A worker holds a task, and a publisher holds a reply row, while the row is in its held
+state (``running`` / ``sending``), names the holder as ``owner``, carries the holder's
+``fence`` and its lease has not run out; a task is held only before its deadline, too.
+Every fenced write checks exactly that, in one of two forms:
+
+* in SQL (``TASK_HELD`` / ``REPLY_HELD``), as the WHERE clause of the write itself, one
+  statement instead of a read and a write (``held_params`` gives the parameters);
+* in Python (``refusal``), on a row read in the transaction: which part of the rule fails,
+  as the precise ``StaleError`` the caller raises or reports.
+
+A write whose SQL form matched nothing asks ``refusal`` why, on the row as it is.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import Mapping
+from typing import Any, Final
+
+from broker_adapter.errors import FencedError, StaleError, TaskCancelled
+
+#: The state a worker holds a task in, and a publisher a reply row in.
+TASK_HELD_STATE: Final = "running"
+REPLY_HELD_STATE: Final = "sending"
+
+
+def held_sql(state: str, *, deadline: bool, mark: str = "?") -> str:
+    """The rule as a WHERE clause fragment; parameters from ``held_params``. ``mark``: the
+    driver's placeholder (``?`` for sqlite3, ``%s`` for psycopg)."""
+    sql = f"fence = {mark} AND state = '{state}' AND owner = {mark} AND lease_until > {mark}"
+    return sql + f" AND deadline > {mark}" if deadline else sql
+
+
+#: Held by (fence, owner) at now: a task (deadline included) and a reply row.
+TASK_HELD: Final = held_sql(TASK_HELD_STATE, deadline=True)
+REPLY_HELD: Final = held_sql(REPLY_HELD_STATE, deadline=False)
+
+
+def held_params(fence: int, owner: str, now: float, *, deadline: bool) -> tuple[Any, ...]:
+    """The parameters of ``held_sql`` / ``TASK_HELD`` / ``REPLY_HELD``, in order."""
+    return (fence, owner, now, now) if deadline else (fence, owner, now)
+
+
+def refusal(
+    row: sqlite3.Row | Mapping[str, Any],
+    key: str,
+    owner: str,
+    fence: int,
+    now: float,
+    *,
+    state: str,
+    deadline: bool,
+) -> StaleError | None:
+    """Why ``owner`` under ``fence`` may not act on ``row`` (the row ``key`` names) at
+    ``now``, or None while it holds it. Checked in this order: the fence
+    (``FencedError``), a cancelled task (``TaskCancelled``), the held ``state``
+    (``not_<state>``), the owner, the lease and, with ``deadline``, the deadline."""
+    if row["fence"] != fence:
+        return FencedError(key, fence, row["fence"])
+    if row["state"] == "cancelled":
+        return TaskCancelled(key)
+    if row["state"] != state:
+        return StaleError(key, f"not_{state}", f"state is {row['state']}")
+    if row["owner"] != owner:
+        return StaleError(key, "owner", f"held by {row['owner']}")
+    if row["lease_until"] <= now:
+        return StaleError(key, "lease_expired")
+    if deadline and row["deadline"] <= now:
+        return StaleError(key, "deadline")
+    return None

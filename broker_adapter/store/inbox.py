@@ -1,0 +1,351 @@
+"""The inbox: each authenticated request recorded once, as a task or as its answer.
+
+``accept`` records a batch of envelopes in one transaction. A request is identified by
+``(principal, message_id)``: the same identity with the same content (fingerprint) is a
+duplicate of the stored task; with other content a conflict, answered under a stable
+conflict reply id (``conflict_reply_id``) while the stored request stands. A deadline
+already past or too many hops (``docs/RULES.md`` rule 12, counted by ``hops``) store the
+task terminal at once, with its reply. ``accept_and_claim`` also claims new tasks for idle
+workers in the same transaction (the hand-off).
+"""
+
+from __future__ import annotations
+
+import hmac
+import os
+import sqlite3
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+from broker_adapter.errors import EnvelopeError
+from broker_adapter.protocol.envelope import Envelope, sha256_hex
+from broker_adapter.protocol.reply import CONFLICT_STATUS, conflict_body, reply_id_for
+from broker_adapter.store.db import in_lists
+from broker_adapter.store.lifecycle import TERMINAL_STATES, TaskState, write_reply
+from broker_adapter.store.outbox import enqueue
+
+if TYPE_CHECKING:
+    from broker_adapter.store.tasks import TaskStore
+
+
+class Outcome(StrEnum):
+    """What ``accept`` did with one envelope."""
+
+    STORED = "stored"  # a new pending task
+    DUPLICATE = "duplicate"  # same identity, same content: the earlier task id
+    CONFLICT = "conflict"  # same identity, other content: refused, stored row untouched
+    EXPIRED = "expired"  # deadline already past: terminal at once, with its reply
+    HOP_LIMIT = "hop_limit"  # too many hops: terminal at once, with its reply
+    NOT_TASK = "not_task"  # kind is not "task": nothing written, caller dead-letters it
+    # A rule only the accepting store can check (a deadline beyond the retention window):
+    # nothing written, the caller dead-letters it with ``AcceptResult.refusal``.
+    REFUSED = "refused"
+
+
+class AcceptItem(NamedTuple):
+    """One authenticated envelope. ``principal`` must come from a verified check."""
+
+    principal: str
+    envelope: Envelope
+    entry_id: str | None = None
+
+
+class AcceptResult(NamedTuple):
+    """What ``accept`` did with one item (a tuple: one is made per stream entry).
+
+    ``refusal`` is set for ``NOT_TASK`` and ``REFUSED``: the envelope rule it breaks, with
+    the field and reason its dead letter carries."""
+
+    outcome: Outcome
+    task_id: str | None = None
+    reply_id: str | None = None
+    detail: str = ""
+    refusal: EnvelopeError | None = None
+
+
+class Intake(NamedTuple):
+    """What ``TaskStore.accept_and_claim`` did: the accept results, in item order, and per
+    owner asked for the ``(task_id, fence)`` handles claimed for it."""
+
+    results: list[AcceptResult]
+    claimed: list[list[tuple[str, int]]]
+
+
+def idempotency_key_for(principal: str, message_id: str) -> str:
+    """The idempotency key of a request: ``"ba:"`` and the first 32 hex digits of
+    SHA-256 over the UTF-8 of ``principal``, a NUL byte and ``message_id``.
+
+    Derived from the request's identity, not from its task: a second task for the same
+    request (a replay accepted anew after the retention window, a message id reused once
+    it was forgotten) carries the same key, so an effect keyed by it is applied once.
+    Neither part can hold a NUL (principals are letters, digits, ``._-``; message ids
+    have no control characters), so distinct identities give distinct inputs.
+    """
+    digest = sha256_hex(f"{principal}\0{message_id}".encode())
+    return f"ba:{digest[:32]}"
+
+
+def conflict_reply_id(key: bytes, principal: str, message_id: str, fingerprint: str) -> str:
+    """A stable id for the "conflict" answer to one (identity, other content) pair.
+
+    An HMAC with the database's own random key (``meta`` row ``CONFLICT_ID_KEY``, see
+    ``TaskStore.conflict_reply_id``): the same pair always gets the same id, so a repeated
+    conflict is the same answer, but nobody without the key can compute it from the
+    request's public fields and publish something under it ahead of the real answer.
+    """
+    message = f"ba.conflict.v1\0{principal}\0{message_id}\0{fingerprint}".encode()
+    return f"c-{hmac.digest(key, message, 'sha256').hex()[:32]}"
+
+
+def new_task_ids(n: int) -> list[str]:
+    """``n`` task ids of 32 hex digits: the wall-clock millisecond (48 bits), then 80
+    random bits, from one read of the OS's random source (one system call per batch).
+
+    Time-ordered so that new rows land at the end of the task-id (and reply-id) indexes
+    rather than all over them: fewer pages touched per accept transaction, a smaller WAL.
+    The clock only orders ids; uniqueness rests on the random part.
+    """
+    stamp = f"{time.time_ns() // 1_000_000 & 0xFFFF_FFFF_FFFF:012x}"
+    bits = os.urandom(10 * n).hex()
+    return [stamp + bits[i : i + 20] for i in range(0, 20 * n, 20)]
+
+
+_INSERT_TASK = (
+    "INSERT INTO tasks (task_id, principal, message_id, kind, payload, fingerprint,"
+    " correlation_id, parent_id, state, max_attempts, not_before, deadline, hops,"
+    " created_at, updated_at, finished_at, error)"
+    " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+)
+# A reused id past the retention window (its task terminal) takes the record over.
+_UPSERT_INBOX = (
+    "INSERT INTO inbox (principal, message_id, fingerprint, task_id, entry_id, received_at)"
+    " VALUES (?, ?, ?, ?, ?, ?)"
+    " ON CONFLICT (principal, message_id) DO UPDATE SET fingerprint = excluded.fingerprint,"
+    " task_id = excluded.task_id, entry_id = excluded.entry_id,"
+    " received_at = excluded.received_at, duplicates = 0, conflicts = 0"
+)
+
+
+@dataclass
+class _AcceptBatch:
+    """What one ``accept`` transaction decided, written by ``write`` in bulk and in order:
+    new tasks, their inbox records, duplicate counters, then the rarer writes (conflict
+    answers, terminal replies) in the order they were decided."""
+
+    known: dict[tuple[str, str], Mapping[str, Any]]
+    parent_hops: dict[str, int]
+    #: Fresh task ids, one per item of the batch at most (drawn in one go).
+    ids: Iterator[str]
+    tasks: list[tuple[Any, ...]] = field(default_factory=list)
+    inbox: list[tuple[Any, ...]] = field(default_factory=list)
+    duplicates: list[tuple[str, str]] = field(default_factory=list)
+    then: list[Callable[[sqlite3.Connection], object]] = field(default_factory=list)
+
+    def write(self, c: sqlite3.Connection) -> None:
+        if self.tasks:
+            c.executemany(_INSERT_TASK, self.tasks)
+            c.executemany(_UPSERT_INBOX, self.inbox)
+        if self.duplicates:
+            c.executemany(
+                "UPDATE inbox SET duplicates = duplicates + 1"
+                " WHERE principal = ? AND message_id = ?",
+                self.duplicates,
+            )
+        for op in self.then:
+            op(c)
+
+
+def _hops(env: Envelope, parent_hops: Mapping[str, int]) -> int:
+    """Hops as the system counts them (``docs/RULES.md`` rule 12): a request whose ``parent_id``
+    names a task of ours is one hop further than that task, whatever its body says; the
+    body's figure can only add hops, never remove them."""
+    if env.parent_id is None:
+        return env.hops
+    parent = parent_hops.get(env.parent_id)
+    return env.hops if parent is None else max(env.hops, parent + 1)
+
+
+def accept_and_claim(
+    store: TaskStore, items: Sequence[AcceptItem], claim_for: Sequence[tuple[str, int]]
+) -> Intake:
+    """``TaskStore.accept``, and in the same transaction a ``claim`` of up to ``n`` ready tasks
+    for each ``(owner, n)`` of ``claim_for``, in that order: the ingest hands new tasks
+    to idle workers without a claim transaction of theirs (``handoff.Handoff``). The
+    claims are the very claims ``claim`` makes (reconcile first, oldest ready first,
+    lease, attempts+1, fence+1); each owner takes them up with ``handed``.
+
+    Returns:
+        the ``accept`` results, and per owner of ``claim_for`` the ``(task_id, fence)``
+        handles it claimed (possibly none).
+    """
+    now = store.clock.now()
+    if not items:
+        return Intake([], [[] for _ in claim_for])
+    # Hash and encode before taking the write lock: the transaction holds it for SQL only.
+    fingerprints = [item.envelope.fingerprint() for item in items]
+    payloads = [item.envelope.payload_json() for item in items]
+    ids = new_task_ids(len(items))
+    with store.db.write("accept") as c:
+        batch = _AcceptBatch(
+            known=_prefetch(c, items),
+            parent_hops=_parent_hops(c, items),
+            ids=iter(ids),
+        )
+        results = [
+            _accept_one(store, batch, item, now, fingerprint, payload)
+            for item, fingerprint, payload in zip(items, fingerprints, payloads, strict=True)
+        ]
+        batch.write(c)
+        stored = any(r.outcome is Outcome.STORED for r in results)
+        claimed = [
+            [(r["task_id"], r["fence"]) for r in store._claim_in(c, owner, n, now)]
+            if stored and n >= 1
+            else []
+            for owner, n in claim_for
+        ]
+    return Intake(results, claimed)
+
+
+def _prefetch(
+    c: sqlite3.Connection, items: Sequence[AcceptItem]
+) -> dict[tuple[str, str], Mapping[str, Any]]:
+    """The inbox records of a whole batch, looked up in a few queries, not one per item.
+
+    One query per principal and chunk, ``principal = ? AND message_id IN (...)``: a
+    search of the primary key (a row-value ``IN (VALUES ...)`` would scan the inbox).
+    """
+    by_principal: dict[str, set[str]] = {}
+    for item in items:
+        by_principal.setdefault(item.principal, set()).add(item.envelope.message_id)
+    known: dict[tuple[str, str], Mapping[str, Any]] = {}
+    for principal, ids in by_principal.items():
+        for chunk, marks in in_lists(list(ids)):
+            rows = c.execute(
+                "SELECT i.principal, i.message_id, i.fingerprint, i.task_id, i.received_at,"
+                " t.state, t.deadline FROM inbox i JOIN tasks t ON t.task_id = i.task_id"
+                f" WHERE i.principal = ? AND i.message_id IN ({marks})",
+                [principal, *chunk],
+            ).fetchall()
+            for row in rows:
+                known[(row["principal"], row["message_id"])] = row
+    return known
+
+
+def _parent_hops(c: sqlite3.Connection, items: Sequence[AcceptItem]) -> dict[str, int]:
+    """The hops of every task named as a parent in the batch, in a few queries."""
+    parents = list({i.envelope.parent_id for i in items} - {None})
+    hops: dict[str, int] = {}
+    for chunk, marks in in_lists(parents):
+        rows = c.execute(f"SELECT task_id, hops FROM tasks WHERE task_id IN ({marks})", chunk)
+        hops.update((row[0], int(row[1])) for row in rows)
+    return hops
+
+
+def _accept_one(
+    store: TaskStore,
+    batch: _AcceptBatch,
+    item: AcceptItem,
+    now: float,
+    fingerprint: str,
+    payload: str,
+) -> AcceptResult:
+    """Decide one item's outcome and queue its writes on ``batch`` (written in order)."""
+    env = item.envelope
+    if env.kind != "task":
+        detail = f"kind {env.kind!r} does not become work"
+        refusal = EnvelopeError("kind", "not_task", detail)
+        return AcceptResult(Outcome.NOT_TASK, detail=detail, refusal=refusal)
+    key = (item.principal, env.message_id)
+    row = batch.known.get(key)
+    if row is not None and not _forgotten(store.policy.retention_s, row, now):
+        return _known(store, batch, item, row, fingerprint, now)
+    latest = now + store.policy.retention_s
+    if env.deadline > latest:
+        # Refused before anything is written: stored, it would outlive the inbox record
+        # that makes a replay of the same bytes a duplicate; and the sender can correct
+        # the deadline and resend under the same message id.
+        detail = (
+            f"deadline {env.deadline!r} is more than the retention window"
+            f" ({store.policy.retention_s:g} s) ahead of now ({now!r})"
+        )
+        refusal = EnvelopeError("deadline", "too_large", detail)
+        return AcceptResult(Outcome.REFUSED, detail=detail, refusal=refusal)
+    task_id = next(batch.ids)
+    hops = _hops(env, batch.parent_hops)
+    state = TaskState.PENDING
+    outcome = Outcome.STORED
+    error = None
+    if env.deadline <= now:
+        state, outcome, error = TaskState.EXPIRED, Outcome.EXPIRED, "deadline already past"
+    elif hops > store.policy.max_hops:
+        state, outcome = TaskState.HOP_LIMIT, Outcome.HOP_LIMIT
+        error = f"hops {hops} exceed the limit {store.policy.max_hops}"
+    batch.tasks.append(
+        (
+            task_id, item.principal, env.message_id, env.kind, payload,
+            fingerprint, env.correlation_id, env.parent_id, state.value, env.max_attempts,
+            now, env.deadline, hops, now, now,
+            None if state is TaskState.PENDING else now, error,
+        )
+    )  # fmt: skip
+    batch.inbox.append((item.principal, env.message_id, fingerprint, task_id, item.entry_id, now))
+    batch.known[key] = {
+        "fingerprint": fingerprint, "task_id": task_id, "received_at": now,
+        "state": state.value, "deadline": env.deadline,
+    }  # fmt: skip
+    reply_id = None
+    if state is not TaskState.PENDING:
+        reply_id = reply_id_for(task_id)
+        t = {"principal": item.principal, "message_id": env.message_id,
+             "correlation_id": env.correlation_id, "attempts": 0, "fence": 0}  # fmt: skip
+        batch.then.append(lambda c: write_reply(c, task_id, state, None, error, now, t=t))
+    return AcceptResult(outcome, task_id, reply_id, error or "")
+
+
+def _forgotten(retention_s: float, row: Mapping[str, Any], now: float) -> bool:
+    """Whether an inbox record no longer dedupes: past the retention window, its task
+    terminal and its deadline passed (``purge`` may delete exactly these records). The
+    deadline matters for records accepted before deadlines were bounded by the window:
+    until it passes, a replay of that request could still run."""
+    return (
+        now - row["received_at"] >= retention_s
+        and row["state"] in TERMINAL_STATES
+        and row["deadline"] <= now
+    )
+
+
+def _known(
+    store: TaskStore,
+    batch: _AcceptBatch,
+    item: AcceptItem,
+    row: Mapping[str, Any],
+    fingerprint: str,
+    now: float,
+) -> AcceptResult:
+    env = item.envelope
+    key = (item.principal, env.message_id)
+    if row["fingerprint"] == fingerprint:
+        batch.duplicates.append(key)
+        return AcceptResult(Outcome.DUPLICATE, row["task_id"])
+    reply_id = store.conflict_reply_id(item.principal, env.message_id, fingerprint)
+    detail = "message_id reused with different content; the first request stands"
+    body = conflict_body(
+        reply_id, row["task_id"], item.principal, env.message_id, env.correlation_id,
+        detail, fingerprint, row["fingerprint"],
+    )  # fmt: skip
+
+    def write(c: sqlite3.Connection) -> None:
+        c.execute(
+            "UPDATE inbox SET conflicts = conflicts + 1 WHERE principal = ? AND message_id = ?",
+            key,
+        )
+        enqueue(
+            c, reply_id=reply_id, task_id=None, principal=item.principal,
+            message_id=env.message_id, status=CONFLICT_STATUS, body=body, now=now,
+        )  # fmt: skip
+
+    batch.then.append(write)
+    return AcceptResult(Outcome.CONFLICT, row["task_id"], reply_id, detail)

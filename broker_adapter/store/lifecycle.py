@@ -1,0 +1,123 @@
+"""Task states, and the one way into a terminal state: with the task's one reply.
+
+::
+
+    accept ──> pending ──claim──> running ──done──> done
+                  ^                  │ ──failure(retryable, budget left)──> pending (backoff)
+                  └──lease expired───┤ ──failure / budget spent──> failed
+                                     │ ──deadline reached──> expired
+               cancel (any live) ────┴──> cancelled          hops > limit at accept ──> hop_limit
+    reserved, not reached yet: unknown (outcome of an external effect not known),
+                               waiting_approval (needs a separate authorization record)
+
+Every arrow into a terminal state (``to_terminal``; an accept that stores a task terminal
+at once writes only its reply, ``write_reply``) writes the task's reply into the outbox in
+the same transaction. The unique index on the outbox's ``task_id`` makes a second terminal
+reply impossible.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import Mapping
+from enum import StrEnum
+from typing import Any
+
+from broker_adapter.errors import StaleError
+from broker_adapter.protocol.reply import encode_body, reply_id_for, terminal_body
+from broker_adapter.store.outbox import PublisherClaim, enqueue_encoded
+
+
+class TaskState(StrEnum):
+    PENDING = "pending"
+    RUNNING = "running"
+    DONE = "done"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+    EXPIRED = "expired"
+    HOP_LIMIT = "hop_limit"
+    UNKNOWN = "unknown"
+    WAITING_APPROVAL = "waiting_approval"
+
+
+TERMINAL_STATES = frozenset(
+    {TaskState.DONE, TaskState.FAILED, TaskState.CANCELLED, TaskState.EXPIRED, TaskState.HOP_LIMIT}
+)
+LIVE_STATES = frozenset({TaskState.PENDING, TaskState.RUNNING, TaskState.WAITING_APPROVAL})
+
+#: What a reply body takes from the task row besides the outcome: principal, message id,
+#: correlation id, attempts, fence.
+ReplyKey = tuple[str, str, str | None, int, int]
+
+
+def reply_key(row: sqlite3.Row | Mapping[str, Any]) -> ReplyKey:
+    """The ``ReplyKey`` of a task row."""
+    return (row["principal"], row["message_id"], row["correlation_id"], row["attempts"],
+            row["fence"])  # fmt: skip
+
+
+def write_reply(
+    c: sqlite3.Connection,
+    task_id: str,
+    state: TaskState,
+    result: str | None,
+    error: str | None,
+    now: float,
+    t: sqlite3.Row | Mapping[str, Any] | None = None,
+    encoded: tuple[bytes, str] | None = None,
+    claim: PublisherClaim | None = None,
+) -> str:
+    """Write the terminal reply of ``task_id`` into the outbox (the caller's transaction).
+
+    Args:
+        t: the task's ``principal``, ``message_id``, ``correlation_id``, ``attempts`` and
+            ``fence``, if already read in this transaction (spares a lookup).
+        encoded: the body from ``encode_body``, if built before the transaction from them.
+        claim: write the reply already claimed by that publisher (``enqueue_encoded``).
+
+    Returns:
+        the reply id.
+    """
+    if t is None:
+        t = c.execute(
+            "SELECT principal, message_id, correlation_id, attempts, fence FROM tasks"
+            " WHERE task_id = ?",
+            (task_id,),
+        ).fetchone()
+        assert t is not None
+    reply_id = reply_id_for(task_id)
+    if encoded is None:
+        encoded = encode_body(
+            terminal_body(task_id, state.value, t["principal"], t["message_id"],
+                          t["correlation_id"], result, error, t["attempts"], t["fence"], now)
+        )  # fmt: skip
+    data, content_hash = encoded
+    inserted = enqueue_encoded(
+        c, reply_id=reply_id, task_id=task_id, principal=t["principal"],
+        message_id=t["message_id"], status=state.value, data=data,
+        content_hash=content_hash, now=now, claim=claim,
+    )  # fmt: skip
+    if not inserted:  # the unique index makes this unreachable unless a bug re-terminates
+        raise StaleError(task_id, "already_terminal", "a terminal reply already exists")
+    return reply_id
+
+
+def to_terminal(
+    c: sqlite3.Connection,
+    task_id: str,
+    state: TaskState,
+    now: float,
+    *,
+    result: str | None = None,
+    error: str | None = None,
+    row: sqlite3.Row | Mapping[str, Any] | None = None,
+    encoded: tuple[bytes, str] | None = None,
+    claim: PublisherClaim | None = None,
+) -> str:
+    """Make a task terminal and write its reply (``write_reply``; ``row`` is its ``t``)."""
+    c.execute(
+        "UPDATE tasks SET state = ?, owner = NULL, lease_until = NULL, updated_at = ?,"
+        " finished_at = ?, result = ?, error = ? WHERE task_id = ?",
+        (state.value, now, now, result, error, task_id),
+    )
+    return write_reply(c, task_id, state, result, error, now, row, encoded, claim)

@@ -1,0 +1,233 @@
+"""The schema, one migration per version, and how a database is brought up to date.
+
+``Database`` opens a file and, inside one ``BEGIN IMMEDIATE`` transaction, applies every
+migration past the file's ``PRAGMA user_version`` (``apply_migrations``). A migration is SQL
+text or a function of the connection; each is idempotent, and a released one is never
+edited: a change is a new entry.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sqlite3
+from collections.abc import Callable, Sequence
+
+from broker_adapter.errors import StoreError
+from broker_adapter.protocol.envelope import content_fingerprint
+
+# Schema, one entry per version. Never edit a released entry: append a new one.
+#
+# tasks     one row per accepted request; the state machine (see lifecycle.py, tasks.py).
+# inbox     dedupe record: (principal, message_id) -> fingerprint, task_id.
+# outbox    replies waiting to be published; exactly one per terminal task.
+# receipts  the receiver side: one row per reply id applied, with its content hash.
+# meta      named values of this database, made once (the conflict-answer id key).
+MIGRATIONS: tuple[str | Callable[[sqlite3.Connection], None], ...] = (
+    """
+    CREATE TABLE tasks (
+        task_id        TEXT PRIMARY KEY,
+        principal      TEXT NOT NULL,
+        message_id     TEXT NOT NULL,
+        kind           TEXT NOT NULL,
+        payload        TEXT NOT NULL,
+        fingerprint    TEXT NOT NULL,
+        correlation_id TEXT,
+        parent_id      TEXT,
+        state          TEXT NOT NULL CHECK (state IN ('pending', 'running', 'done', 'failed',
+                           'cancelled', 'expired', 'hop_limit', 'unknown', 'waiting_approval')),
+        attempts       INTEGER NOT NULL DEFAULT 0,
+        max_attempts   INTEGER NOT NULL CHECK (max_attempts BETWEEN 1 AND 10),
+        fence          INTEGER NOT NULL DEFAULT 0,
+        owner          TEXT,
+        lease_until    REAL,
+        not_before     REAL NOT NULL,
+        deadline       REAL NOT NULL,
+        hops           INTEGER NOT NULL,
+        created_at     REAL NOT NULL,
+        updated_at     REAL NOT NULL,
+        finished_at    REAL,
+        result         TEXT,
+        error          TEXT,
+        CHECK (attempts <= max_attempts)
+    );
+    CREATE INDEX tasks_ready ON tasks (not_before) WHERE state = 'pending';
+    CREATE INDEX tasks_leases ON tasks (lease_until) WHERE state = 'running';
+    CREATE INDEX tasks_state ON tasks (state);
+    CREATE INDEX tasks_live_deadline ON tasks (deadline)
+        WHERE state IN ('pending', 'running');
+
+    CREATE TABLE inbox (
+        principal   TEXT NOT NULL,
+        message_id  TEXT NOT NULL,
+        fingerprint TEXT NOT NULL,
+        task_id     TEXT NOT NULL REFERENCES tasks (task_id),
+        entry_id    TEXT,
+        received_at REAL NOT NULL,
+        duplicates  INTEGER NOT NULL DEFAULT 0,
+        conflicts   INTEGER NOT NULL DEFAULT 0,
+        PRIMARY KEY (principal, message_id)
+    ) WITHOUT ROWID;
+    CREATE INDEX inbox_received ON inbox (received_at);
+
+    CREATE TABLE outbox (
+        reply_id     TEXT PRIMARY KEY,
+        task_id      TEXT REFERENCES tasks (task_id),
+        principal    TEXT NOT NULL,
+        message_id   TEXT NOT NULL,
+        status       TEXT NOT NULL,
+        body         BLOB NOT NULL,
+        content_hash TEXT NOT NULL,
+        state        TEXT NOT NULL CHECK (state IN ('pending', 'sending', 'sent', 'dead')),
+        attempts     INTEGER NOT NULL DEFAULT 0,
+        fence        INTEGER NOT NULL DEFAULT 0,
+        owner        TEXT,
+        lease_until  REAL,
+        not_before   REAL NOT NULL,
+        last_error   TEXT,
+        entry_id     TEXT,
+        created_at   REAL NOT NULL,
+        sent_at      REAL,
+        replays      INTEGER NOT NULL DEFAULT 0,
+        replayed_by  TEXT,
+        replayed_at  REAL
+    );
+    CREATE UNIQUE INDEX outbox_one_reply_per_task ON outbox (task_id)
+        WHERE task_id IS NOT NULL;
+    CREATE INDEX outbox_ready ON outbox (not_before) WHERE state = 'pending';
+    CREATE INDEX outbox_leases ON outbox (lease_until) WHERE state = 'sending';
+    CREATE INDEX outbox_state ON outbox (state);
+
+    CREATE TABLE receipts (
+        reply_id     TEXT PRIMARY KEY,
+        content_hash TEXT NOT NULL,
+        principal    TEXT NOT NULL,
+        message_id   TEXT,
+        task_id      TEXT,
+        status       TEXT,
+        body         BLOB NOT NULL,
+        entry_id     TEXT,
+        received_at  REAL NOT NULL,
+        effects      INTEGER NOT NULL DEFAULT 0,
+        effect_result TEXT
+    );
+    """,
+    # 2: ``tasks_state`` goes. Every claim and settle moved each task through it twice, and
+    # no hot query reads it: the queues have their partial indexes (``tasks_ready``,
+    # ``tasks_leases``, ``tasks_live_deadline``) and counting by state scans either way.
+    """
+    DROP INDEX IF EXISTS tasks_state;
+    """,
+    # 3: the ``state`` CHECKs of ``tasks`` and ``outbox`` become chains of ``=``. SQLite
+    # evaluates an ``IN`` list of three or more constants by building a temporary index,
+    # once per row checked: about 2 us on every insert and every state change, inside the
+    # write lock. Same rule, same stored data, so only the schema text changes.
+    lambda c: _rewrite_in_checks(c, ("tasks", "outbox")),
+    # 4: fingerprints write floats the ECMAScript way (``envelope.canonical_numbers``), so
+    # that ``13.0`` and a resend's ``13`` are one request. Stored ones are recomputed from
+    # the content each task row keeps.
+    lambda c: _recompute_fingerprints(c),
+    # 5: ``meta`` and its first value, a random key for the ids of conflict answers
+    # (``inbox.conflict_reply_id``): made once here, from the OS's random source, it never
+    # leaves the database, so nobody who sees the requests can work those ids out.
+    lambda c: _create_meta(c),
+    # 6: an index of the conflict answers (outbox rows without a task) by age, for the
+    # purge (``retention``): the only outbox rows it cannot reach through their task.
+    # Partial: the replies of tasks, nearly every row, are not in it and cost it nothing.
+    """
+    CREATE INDEX IF NOT EXISTS outbox_answers ON outbox (created_at) WHERE task_id IS NULL;
+    """,
+)
+SCHEMA_VERSION = len(MIGRATIONS)
+#: The ``meta`` row holding the key of conflict-answer ids.
+CONFLICT_ID_KEY = "conflict_id_key"
+
+
+def _create_meta(c: sqlite3.Connection) -> None:
+    """Migration 5 (idempotent, like every migration: a key once made is never replaced)."""
+    c.execute(
+        "CREATE TABLE IF NOT EXISTS meta (name TEXT PRIMARY KEY, value BLOB NOT NULL) WITHOUT ROWID"
+    )
+    c.execute(
+        "INSERT OR IGNORE INTO meta (name, value) VALUES (?, ?)", (CONFLICT_ID_KEY, os.urandom(32))
+    )
+
+
+def apply_migrations(c: sqlite3.Connection, version: int) -> None:
+    """Apply the migrations after ``version`` in the caller's transaction, each followed by
+    its ``PRAGMA user_version``."""
+    for number in range(version, SCHEMA_VERSION):
+        migration = MIGRATIONS[number]
+        if callable(migration):
+            migration(c)
+        else:
+            for statement in _split(migration):
+                c.execute(statement)
+        c.execute(f"PRAGMA user_version = {number + 1}")
+
+
+_IN_CHECK = re.compile(r"CHECK \((\w+) IN \(([^()]*)\)\)")
+
+
+def _rewrite_in_checks(c: sqlite3.Connection, tables: Sequence[str]) -> None:
+    """Rewrite each ``CHECK (col IN ('a', 'b', ...))`` of ``tables`` as
+    ``CHECK (col = 'a' OR col = 'b' OR ...)``: the same rule, cheaper to evaluate.
+
+    A CHECK lives only in the schema text, so this is the schema edit SQLite documents for
+    changing constraints that do not affect stored data (``PRAGMA writable_schema`` plus a
+    ``schema_version`` bump that makes every other connection re-read the schema), inside
+    the migration's transaction. A table whose text has no such CHECK is left alone.
+    """
+
+    def as_chain(match: re.Match[str]) -> str:
+        column, values = match.group(1), [v.strip() for v in match.group(2).split(",")]
+        return "CHECK (" + " OR ".join(f"{column} = {v}" for v in values) + ")"
+
+    version = c.execute("PRAGMA schema_version").fetchone()[0]
+    c.execute("PRAGMA writable_schema = ON")
+    try:
+        for table in tables:
+            row = c.execute(
+                "SELECT sql FROM sqlite_master WHERE type = 'table' AND name = ?", (table,)
+            ).fetchone()
+            if row is None:
+                raise StoreError(f"migration: table {table!r} is missing")
+            sql = _IN_CHECK.sub(as_chain, row[0])
+            if sql != row[0]:
+                c.execute(
+                    "UPDATE sqlite_master SET sql = ? WHERE type = 'table' AND name = ?",
+                    (sql, table),
+                )
+        c.execute(f"PRAGMA schema_version = {int(version) + 1}")
+    finally:
+        c.execute("PRAGMA writable_schema = OFF")
+
+
+def _recompute_fingerprints(c: sqlite3.Connection) -> None:
+    """Recompute the fingerprint of every task whose payload may hold a float, and of the
+    inbox record that points at it, with ``content_fingerprint``.
+
+    A task row keeps everything its fingerprint covers (``kind``, ``payload`` as canonical
+    JSON, ``correlation_id``, ``parent_id``), so every stored fingerprint can be recomputed;
+    a payload without a float (no digit followed by ``.``, ``e`` or ``E``: SQLite's GLOB
+    leaves those rows out) has the same fingerprint either way. What cannot be recomputed
+    is what was sent out: the ``fingerprint`` fields in conflict replies already written
+    keep the old form, and a conflicting resend after the migration gets a new conflict
+    reply id (its id is derived from the fingerprint), hence one more ``conflict`` reply.
+    """
+    rows = c.execute(
+        "SELECT task_id, kind, payload, correlation_id, parent_id, fingerprint FROM tasks"
+        " WHERE payload GLOB '*[0-9][.eE]*'"
+    ).fetchall()
+    for task_id, kind, payload, correlation_id, parent_id, old in rows:
+        new = content_fingerprint(kind, payload.encode("utf-8"), correlation_id, parent_id)
+        if new != old:
+            c.execute("UPDATE tasks SET fingerprint = ? WHERE task_id = ?", (new, task_id))
+            c.execute(
+                "UPDATE inbox SET fingerprint = ? WHERE task_id = ? AND fingerprint = ?",
+                (new, task_id, old),
+            )
+
+
+def _split(script: str) -> list[str]:
+    return [s.strip() for s in script.split(";") if s.strip()]

@@ -1,0 +1,235 @@
+"""Settlement: a batch of handler outcomes committed in ONE fenced transaction.
+
+``settle`` is the one way an outcome is committed (``TaskStore.settle_batch``; its
+one-outcome forms ``TaskStore.finish`` and ``TaskStore.fail`` go through it too). Each
+item is fenced on its own (``docs/RULES.md`` rule 10): an item the store refuses (stale
+fence, lost lease, cancelled, deadline) is refused at its holder check, before it writes
+anything, and reported; the others commit together, with the next batch's claim, in one
+transaction: one fsync for all of them.
+
+A success becomes ``done`` with its reply; a failure goes back to ``pending`` after a
+backoff when it is retryable and the budget and the deadline allow, else ``failed`` with
+its reply. Retries never extend the absolute deadline.
+
+For a worker that publishes its own replies, the same transaction writes the new replies
+already claimed by that publisher and marks its earlier confirmed publications sent, both
+through the outbox's own functions (``enqueue_encoded`` with a ``PublisherClaim``,
+``mark_sent_in``).
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import TYPE_CHECKING, Final, Literal
+
+from broker_adapter.errors import BrokerAdapterError, StaleError
+from broker_adapter.protocol.reply import encode_body, terminal_body
+from broker_adapter.store.fencing import TASK_HELD, held_params
+from broker_adapter.store.leases import DEFAULT_LEASE_S
+from broker_adapter.store.lifecycle import ReplyKey, TaskState, reply_key, to_terminal, write_reply
+from broker_adapter.store.outbox import OutboxRow, PublisherClaim, SentMark, mark_sent_in
+
+if TYPE_CHECKING:
+    from broker_adapter.store.tasks import ClaimedTask, TaskStore
+
+
+#: The names of a settling transaction (its crash points are ``store.<name>.*``): ``finish``,
+#: and ``fail`` for ``TaskStore.fail``.
+SettleOp = Literal["finish", "fail"]
+SETTLE_OPS: Final[tuple[SettleOp, ...]] = ("finish", "fail")
+
+
+class FailOutcome(StrEnum):
+    RETRY = "retry"
+    FAILED = "failed"
+
+
+@dataclass(frozen=True)
+class Settlement:
+    """One handler outcome: ``done`` when ``result`` (canonical JSON text) is set,
+    otherwise a failure with ``error`` (back to ``pending`` if ``retryable`` and the budget
+    and deadline allow)."""
+
+    task_id: str
+    owner: str
+    fence: int
+    result: str | None = None
+    error: str | None = None
+    retryable: bool = False
+    claimed: ClaimedTask | None = None  # lets ``settle`` encode the reply up front
+
+
+#: What ``settle`` did with one item: reply id (done), failure outcome, or the refusal.
+SettleResult = str | FailOutcome | StaleError
+
+
+@dataclass(frozen=True)
+class SettledBatch:
+    """What ``settle`` did, in its one transaction.
+
+    Attributes:
+        results: one per item, in order: the reply id (done), a ``FailOutcome`` (failed or
+            back to pending), or the ``StaleError`` that refused it.
+        claimed: the tasks claimed for the next batch.
+        replies: the terminal replies written already claimed by ``publish_as`` (state
+            ``sending``, its lease, fence 1), to be published by it now.
+        marks: one per ``sent`` mark: ``None`` when marked sent, else the refusal.
+    """
+
+    results: list[SettleResult]
+    claimed: list[ClaimedTask]
+    replies: list[OutboxRow] = field(default_factory=list)
+    marks: list[StaleError | None] = field(default_factory=list)
+
+
+#: Mark one task done, fenced: the holder check is the WHERE clause of the state change.
+_MARK_DONE = (
+    "UPDATE tasks SET state = 'done', owner = NULL, lease_until = NULL, updated_at = ?,"
+    " finished_at = ?, result = ?, error = NULL WHERE task_id = ? AND "
+    + TASK_HELD
+    + " RETURNING principal, message_id, correlation_id, attempts, fence"
+)
+
+
+def settle(
+    store: TaskStore,
+    items: Sequence[Settlement],
+    owner: str,
+    n: int,
+    *,
+    publish_as: str | None = None,
+    publish_lease_s: float = DEFAULT_LEASE_S,
+    sent: Sequence[SentMark] = (),
+    op: SettleOp = "finish",
+) -> SettledBatch:
+    """Commit ``items`` and claim up to ``n`` tasks for ``owner`` (like ``claim``; nothing
+    when ``n`` is 0) in ONE transaction (crash points ``store.<op>.before_commit`` and
+    ``store.<op>.after_commit``, once per batch).
+
+    Args:
+        items: the outcomes, in the order the handlers ended.
+        owner: who claims the next batch.
+        n: how many tasks to claim at most.
+        publish_as: a worker that publishes its own replies: the terminal replies are
+            written already claimed by that publisher (what ``OutboxStore.claim`` would
+            set: ``sending``, owner, lease of ``publish_lease_s``, attempts+1, fence+1);
+            ``None`` leaves them ``pending`` for the dispatcher.
+        publish_lease_s: the publisher's lease on the replies written now.
+        sent: ``(reply_id, fence, entry_id, sent_at)`` of replies ``publish_as``
+            published, marked sent (each fenced); needs ``publish_as``.
+        op: the transaction's name (``finish``; ``TaskStore.fail`` keeps ``fail``).
+
+    Raises:
+        ValueError: ``sent`` without ``publish_as``.
+        UnknownTask: an item names no task; nothing was written.
+        StoreBusy, StoreError: the transaction as a whole failed; nothing was written.
+    """
+    if sent and publish_as is None:
+        raise ValueError("sent marks need the publisher (publish_as) that holds them")
+    out: list[SettleResult] = []
+    if not items and n < 1 and not sent:
+        return SettledBatch(out, [])
+    now = store.clock.now()
+    # Replies of successes are encoded and hashed before the transaction (from what the
+    # claim returned), so the write lock is held for the SQL only. Inside, each one is
+    # used only if the row still says the same (it does whenever the fence matches).
+    bodies = [_done_reply(item, now) for item in items]
+    claim = None if publish_as is None else PublisherClaim(publish_as, now + publish_lease_s)
+    marks: list[StaleError | None] = []
+    with store.db.write(op) as c:
+        if sent:
+            assert publish_as is not None
+            marks = mark_sent_in(c, publish_as, sent, store.clock.now())
+        for item, body in zip(items, bodies, strict=True):
+            # A refusal (StaleError) comes from the holder check, before this item wrote
+            # anything; an error after its first write aborts the whole transaction.
+            if item.result is not None:
+                row = _mark_done(store, c, item, now, out)
+                if row is not None:
+                    out.append(_done_reply_write(c, item, row, body, now, claim))
+                continue
+            try:
+                row = store._holder(c, item.task_id, item.owner, item.fence)
+            except StaleError as exc:
+                out.append(exc)
+                continue
+            error = item.error or ""
+            out.append(_fail_row(store, c, row, item.task_id, error, item.retryable, now, claim))
+        rows = store._claim_in(c, owner, n, now) if n >= 1 else []
+    replies = [] if claim is None else claim.rows
+    return SettledBatch(out, store._claimed(rows, owner, now), replies, marks)
+
+
+def _mark_done(
+    store: TaskStore, c: sqlite3.Connection, item: Settlement, now: float,
+    out: list[SettleResult],
+) -> sqlite3.Row | None:  # fmt: skip
+    """Mark one item ``done`` (``_MARK_DONE``, the holder check its WHERE clause). When it
+    matches nothing, nothing was written and the holder check's precise refusal is
+    appended to ``out``; returns the row the reply is built from otherwise."""
+    check_at = store.clock.now()
+    row: sqlite3.Row | None = c.execute(
+        _MARK_DONE,
+        (now, now, item.result, item.task_id,
+         *held_params(item.fence, item.owner, check_at, deadline=True)),
+    ).fetchone()  # fmt: skip
+    if row is None:
+        try:
+            store._holder(c, item.task_id, item.owner, item.fence)
+            out.append(StaleError(item.task_id, "lease_expired"))  # the clock moved on
+        except StaleError as exc:
+            out.append(exc)
+    return row
+
+
+def _done_reply_write(
+    c: sqlite3.Connection,
+    item: Settlement,
+    row: sqlite3.Row,
+    body: tuple[ReplyKey, tuple[bytes, str]] | None,
+    now: float,
+    claim: PublisherClaim | None = None,
+) -> str:
+    """The reply of an item ``_mark_done`` marked done (same transaction)."""
+    encoded = body[1] if body is not None and body[0] == reply_key(row) else None
+    try:
+        return write_reply(
+            c, item.task_id, TaskState.DONE, item.result, None, now, row, encoded, claim
+        )
+    except StaleError as exc:  # a second terminal reply: a bug, never a refusal
+        raise BrokerAdapterError(f"task {item.task_id} was finished twice: {exc}") from exc
+
+
+def _fail_row(
+    store: TaskStore, c: sqlite3.Connection, row: sqlite3.Row, task_id: str, error: str,
+    retryable: bool, now: float, claim: PublisherClaim | None = None,
+) -> FailOutcome:  # fmt: skip
+    if retryable and row["attempts"] < row["max_attempts"]:
+        not_before = now + store.policy.backoff.delay(row["attempts"], store.rng)
+        if not_before < row["deadline"]:
+            c.execute(
+                "UPDATE tasks SET state = 'pending', owner = NULL, lease_until = NULL,"
+                " not_before = ?, error = ?, updated_at = ? WHERE task_id = ?",
+                (not_before, error, now, task_id),
+            )
+            return FailOutcome.RETRY
+        error = f"{error} (no retry: the deadline comes first)"
+    elif retryable:
+        error = f"{error} (attempts exhausted: {row['attempts']}/{row['max_attempts']})"
+    to_terminal(c, task_id, TaskState.FAILED, now, error=error, row=row, claim=claim)
+    return FailOutcome.FAILED
+
+
+def _done_reply(item: Settlement, now: float) -> tuple[ReplyKey, tuple[bytes, str]] | None:
+    """The encoded ``done`` reply of ``item``, built from its claim, or ``None``."""
+    claimed = item.claimed
+    if item.result is None or claimed is None:
+        return None
+    key = (claimed.principal, claimed.message_id, claimed.correlation_id, claimed.attempt,
+           claimed.fence)  # fmt: skip
+    body = terminal_body(claimed.task_id, TaskState.DONE.value, *key[:3], item.result, None,
+                         *key[3:], now)  # fmt: skip
+    return key, encode_body(body)
