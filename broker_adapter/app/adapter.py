@@ -48,7 +48,13 @@ from broker_adapter.stages.handlers import load_handler
 from broker_adapter.stages.handoff import CLAIM, LOOK, Handoff
 from broker_adapter.stages.ingest import IngestConfig, Ingestor
 from broker_adapter.stages.worker import WorkerConfig
-from broker_adapter.store import OutboxStore, TaskStore, open_database
+from broker_adapter.store import Database, TaskStore
+from broker_adapter.store.backends import (
+    is_postgres_url,
+    open_store,
+    outbox_store,
+    task_store,
+)
 from broker_adapter.store.gate import WriteGate
 from broker_adapter.store.retention import DEFAULT_RETENTION_S, PurgeSchedule, run_purges
 from broker_adapter.store.tasks import AcceptItem, AcceptResult, Outcome, TaskPolicy
@@ -69,7 +75,10 @@ class RunConfig(ConfigModel):
 
     Attributes:
         redis_url: the Redis holding the streams.
-        db_path: the SQLite file (created if absent).
+        db_path: the SQLite file (created if absent), or a ``postgresql://`` URL: the
+            PostgreSQL store (``store.postgres``), which several adapter processes on
+            several hosts may share; there the workers claim their own tasks (no
+            hand-off) and the database counts are left out of ``/metrics``.
         handler: ``module:callable`` run for each task.
         app_dir: put first on the import path (here and in the worker processes) before
             the handler is imported; ``None`` leaves the path as it is.
@@ -99,7 +108,7 @@ class RunConfig(ConfigModel):
     """
 
     redis_url: RedisUrl
-    db_path: Path
+    db_path: Path | str
     handler: str
     app_dir: Path | None = None
     workers: int = Field(default=DEFAULT_WORKERS, ge=1, le=64)
@@ -119,6 +128,16 @@ class RunConfig(ConfigModel):
     retention_s: float = Field(default=DEFAULT_RETENTION_S, gt=0)
     metrics_port: int | None = Field(default=None, ge=0, le=65535)
     metrics_host: str = "127.0.0.1"
+
+    @field_validator("db_path", mode="before")
+    @classmethod
+    def _db_target(cls, v: object) -> object:
+        """A ``postgresql://`` URL stays a string; anything else is a SQLite path."""
+        return v if is_postgres_url(v) else Path(str(v)) if isinstance(v, str) else v
+
+    @property
+    def on_postgres(self) -> bool:
+        return is_postgres_url(self.db_path)
 
     @field_validator("handler")
     @classmethod
@@ -205,13 +224,14 @@ class Runner:
         self._first_look = threading.Event()
         #: The stages a metrics scrape reads; filled as they start.
         self.observed = Observed(
-            db_path=config.db_path, redis_url=config.redis_url,
+            db_path=None if config.on_postgres else Path(config.db_path),
+            redis_url=config.redis_url,
             streams=[Keys(config.prefix).replies(p) for p in self.keyring.principals],
         )  # fmt: skip
 
     def _prepare_database(self) -> bool:
         try:
-            open_database(self.config.db_path).close()
+            open_store(self.config.db_path).close()
         except StoreBusy as exc:
             self.log.warning("database busy at start-up, waiting for it: %s", exc)
             return False
@@ -253,7 +273,7 @@ class Runner:
             self.config.handler,
             self._worker_config,
             policy=self.policy,
-            handoff=True,
+            handoff=not self.config.on_postgres,
             keyring=self.keyring,
             app_dir=self.config.app_dir,
         )
@@ -277,7 +297,7 @@ class Runner:
         self, stop: threading.Event, handoff: Handoff | None, gate: WriteGate | None
     ) -> None:
         cfg = self.config
-        db = open_database(cfg.db_path, gate=gate)
+        db = open_store(cfg.db_path, gate=gate)
         try:
             ingest_cfg = IngestConfig(
                 prefix=cfg.prefix,
@@ -292,9 +312,9 @@ class Runner:
             )
             client = connect(cfg.redis_url)
             tasks = (
-                TaskStore(db, SystemClock(), self.policy)
-                if handoff is None
-                else HandingTaskStore(db, SystemClock(), self.policy, handoff=handoff)
+                HandingTaskStore(db, SystemClock(), self.policy, handoff=handoff)
+                if handoff is not None and isinstance(db, Database)
+                else task_store(db, SystemClock(), self.policy)
             )
             ingestor = Ingestor(ingest_cfg, client, tasks, self.keyring, logger=self.log)
             self.observed.add_ingestor(ingestor)
@@ -304,10 +324,10 @@ class Runner:
 
     def _dispatch(self, stop: threading.Event, gate: WriteGate | None) -> None:
         cfg = self.config
-        db = open_database(cfg.db_path, gate=gate)
+        db = open_store(cfg.db_path, gate=gate)
         try:
             client = connect(cfg.redis_url)
-            outbox = OutboxStore(db, SystemClock())
+            outbox = outbox_store(db, SystemClock())
             dispatch_cfg = self._dispatcher_config()
             dispatcher = Dispatcher(
                 dispatch_cfg, client, outbox, keyring=self.keyring, logger=self.log
@@ -329,10 +349,10 @@ class Runner:
     def _purge(self, stop: threading.Event, gate: WriteGate | None) -> None:
         """Forget requests past the retention window, in small batches between the live
         writers' transactions (``store.retention``), on a connection of its own."""
-        db = open_database(self.config.db_path, gate=gate)
+        db = open_store(self.config.db_path, gate=gate)
         try:
             clock = SystemClock()
-            tasks = TaskStore(db, clock, self.policy)
+            tasks = task_store(db, clock, self.policy)
             run_purges(stop, tasks.purge_batch, PurgeSchedule(clock, self.log))
         finally:
             db.close()

@@ -130,7 +130,11 @@ def _add_run(sub: argparse._SubParsersAction[_Parser]) -> None:
 
     run = sub.add_parser("run", help="run ingest, worker processes and the dispatcher")
     _add_redis(run)
-    _add_db(run, "the adapter's SQLite database file (created if absent)")
+    _add_db(
+        run,
+        "the adapter's database: a SQLite file (created if absent), or a"
+        " postgresql:// URL for a PostgreSQL database several adapters share",
+    )
     _add_prefix(run)
     _option(run, "--handler", "the handler run for each task, 'package.module:function'",
             env="BA_HANDLER", required=True, metavar="MOD:FUNC")  # fmt: skip
@@ -196,7 +200,9 @@ def _add_publish(sub: argparse._SubParsersAction[_Parser]) -> None:
 def _add_receive(sub: argparse._SubParsersAction[_Parser]) -> None:
     rcv = sub.add_parser("receive", help="apply replies once each (built-in recording effect)")
     _add_redis(rcv)
-    _add_db(rcv, "the receiver's SQLite database file (created if absent)")
+    _add_db(
+        rcv, "the receiver's database: a SQLite file (created if absent), or a postgresql:// URL"
+    )
     _add_prefix(rcv)
     _option(rcv, "--principal", "whose replies to read", env="BA_PRINCIPAL", required=True,
             metavar="P")  # fmt: skip
@@ -297,7 +303,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     fields: dict[str, Any] = {
         "redis_url": args.redis,
-        "db_path": Path(args.db),
+        "db_path": args.db,  # a SQLite file, or a postgresql:// URL (RunConfig decides)
         "handler": args.handler,
         "app_dir": Path(args.app_dir),
         "workers": args.workers,
@@ -366,7 +372,7 @@ def cmd_receive(args: argparse.Namespace) -> int:
     from broker_adapter.protocol.signing import Keyring
     from broker_adapter.redis.client import connect
     from broker_adapter.stages.receiver import Receiver, ReceiverConfig, record_effect
-    from broker_adapter.store import ReceiptStore, open_database
+    from broker_adapter.store.backends import is_postgres_url, open_store, receipt_store
 
     consumer = args.consumer or f"receive-{args.principal}"
     config = ReceiverConfig(
@@ -374,12 +380,13 @@ def cmd_receive(args: argparse.Namespace) -> int:
         retention_s=args.retention,
     )  # fmt: skip
     keyring = Keyring.load(args.keyring)
-    db = open_database(args.db)
+    db = open_store(args.db)  # a SQLite file, or a postgresql:// URL
     receiver = Receiver(
-        config, connect(args.redis), ReceiptStore(db), record_effect, keyring=keyring
+        config, connect(args.redis), receipt_store(db), record_effect, keyring=keyring
     )
     stop = _install_stop()
-    observed = Observed(db_path=Path(args.db), redis_url=args.redis)
+    on_postgres = is_postgres_url(args.db)  # no database families in /metrics there
+    observed = Observed(db_path=None if on_postgres else Path(args.db), redis_url=args.redis)
     observed.add_receiver(receiver)
     try:
         with serve_metrics(observed, args.metrics_host, args.metrics_port, worker_files=False):

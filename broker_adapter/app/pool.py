@@ -38,9 +38,9 @@ from broker_adapter.protocol.signing import Keyring
 from broker_adapter.stages.handlers import load_handler
 from broker_adapter.stages.handoff import Handoff, HandoffEndpoint
 from broker_adapter.stages.worker import Worker, WorkerConfig
-from broker_adapter.store.db import open_database
+from broker_adapter.store.backends import is_postgres_url, open_store, outbox_store, task_store
 from broker_adapter.store.gate import WriteGate
-from broker_adapter.store.tasks import TaskPolicy, TaskStore
+from broker_adapter.store.tasks import TaskPolicy
 
 #: How long ``stop`` waits beyond the longest grace before it SIGKILLs a child.
 STOP_MARGIN_S = 5.0
@@ -98,7 +98,7 @@ class WorkerPool:
         if keyring is None and any(c.redis_url is not None for c in self.configs):
             raise ConfigError("workers that publish replies need a keyring to sign them")
         self.keyring = keyring
-        self.db_path = Path(db_path)
+        self.db_path = db_path if is_postgres_url(db_path) else Path(db_path)
         self.handler_spec = handler_spec
         self.policy = policy
         self._ctx = multiprocessing.get_context("spawn")
@@ -298,14 +298,15 @@ def _child_main(
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    db = open_database(db_path, gate=gate)
+    db = open_store(db_path, gate=gate)
     try:
         worker = Worker(
             config,
-            TaskStore(db, policy=policy),
+            task_store(db, policy=policy),
             load_handler(handler_spec, app_dir=app_dir),
             handoff=handoff,
             keyring=keyring,
+            outbox=outbox_store(db),
         )
         ready.set()
         worker.run(stop)

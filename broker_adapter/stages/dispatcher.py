@@ -167,7 +167,8 @@ from broker_adapter.redis.trimming import (
     trim_with_dead_letters,
 )
 from broker_adapter.redis.trimming import now_ms as trim_now_ms
-from broker_adapter.store.outbox import OutboxRow, OutboxStore, UnknownReply
+from broker_adapter.store.interface import OutboxAPI
+from broker_adapter.store.outbox import OutboxRow, UnknownReply
 from broker_adapter.store.retention import DEFAULT_RETENTION_S
 
 if TYPE_CHECKING:
@@ -385,7 +386,7 @@ class ReplyPublisher:
     def __init__(
         self,
         client: redis.Redis,
-        outbox: OutboxStore,
+        outbox: OutboxAPI,
         keys: Keys,
         owner: str,
         *,
@@ -549,7 +550,7 @@ class Dispatcher:
         self,
         config: DispatcherConfig,
         client: redis.Redis,
-        outbox: OutboxStore,
+        outbox: OutboxAPI,
         *,
         keyring: Keyring | None = None,
         clock: Clock | None = None,

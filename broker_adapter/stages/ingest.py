@@ -97,8 +97,9 @@ from broker_adapter.redis.trimming import (
 )
 from broker_adapter.redis.trimming import now_ms as trim_now_ms
 from broker_adapter.stages.limits import IngressLimits
+from broker_adapter.store.interface import TaskStoreAPI
 from broker_adapter.store.retention import DEFAULT_RETENTION_S
-from broker_adapter.store.tasks import AcceptItem, AcceptResult, Outcome, TaskStore
+from broker_adapter.store.tasks import AcceptItem, AcceptResult, Outcome
 
 if TYPE_CHECKING:
     from broker_adapter.redis.client import Redis
@@ -254,7 +255,7 @@ class Ingestor:
         self,
         config: IngestConfig,
         client: Redis,
-        tasks: TaskStore,
+        tasks: TaskStoreAPI,
         keyring: Keyring | None,
         *,
         clock: Clock | None = None,

@@ -92,6 +92,7 @@ from broker_adapter.stages.handlers import (
     load_handler,
 )
 from broker_adapter.stages.handoff import CLAIM, Handed, IdleWait
+from broker_adapter.store.interface import OutboxAPI, TaskStoreAPI
 from broker_adapter.store.outbox import OutboxPolicy, OutboxRow, OutboxStore, SentMark
 from broker_adapter.store.tasks import (
     ClaimedTask,
@@ -293,7 +294,7 @@ class LeaseKeeper:
 
     def __init__(
         self,
-        tasks: TaskStore,
+        tasks: TaskStoreAPI,
         task: Task,
         interval_s: float,
         stats: WorkerStats,
@@ -399,6 +400,9 @@ class Worker:
             With it an idle worker waits on it (``idle_poll_s`` at most) and runs the tasks
             the ingest claimed for it, or looks or claims when told to, instead of polling
             every ``wake_poll_s``.
+        outbox: the outbox of ``tasks``' database, for the replies this worker publishes
+            (its own policy applies); ``None``: an ``OutboxStore`` on a SQLite
+            ``TaskStore``'s database, with ``outbox_policy``.
 
     Publishing its own replies (with a Redis client): the batch's commit writes the replies
     already claimed by this worker's publisher (owner ``<owner>-pub``, its lease, fence 1),
@@ -420,7 +424,7 @@ class Worker:
     def __init__(
         self,
         config: WorkerConfig,
-        tasks: TaskStore,
+        tasks: TaskStoreAPI,
         handler: Handler | str,
         *,
         clock: Clock | None = None,
@@ -429,6 +433,7 @@ class Worker:
         outbox_policy: OutboxPolicy | None = None,
         keyring: Keyring | None = None,
         handoff: IdleWait | None = None,
+        outbox: OutboxAPI | None = None,
     ) -> None:
         self.config = config
         self.tasks = tasks
@@ -463,7 +468,13 @@ class Worker:
                 raise ConfigError(
                     f"worker {config.owner} publishes replies: it needs a keyring to sign them"
                 )
-            outbox = OutboxStore(tasks.db, self.clock, outbox_policy)
+            if outbox is None:
+                if not isinstance(tasks, TaskStore):
+                    raise ConfigError(
+                        f"worker {config.owner} publishes replies: give it the outbox of its"
+                        " store (outbox=)"
+                    )
+                outbox = OutboxStore(tasks.db, self.clock, outbox_policy)
             self.publisher = ReplyPublisher(
                 redis_client, outbox, Keys(config.prefix), f"{config.owner}-pub",
                 keyring=keyring, record_ttl_s=config.record_ttl_s, stats=self.publish_stats,

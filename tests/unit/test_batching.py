@@ -223,7 +223,7 @@ def test_worker_skips_a_waiting_task_whose_lease_was_lost(s: Stores, clock: Fake
         assert worker.renew_leases() == 0  # a's and b's renewals are refused now
         return "ok"
 
-    worker = Worker(WorkerConfig(owner="w1", batch=2), s.tasks, takeover_of_the_next)  # type: ignore[arg-type]
+    worker = Worker(WorkerConfig(owner="w1", batch=2), s.tasks, takeover_of_the_next)
     assert worker.run_once() == 2
     assert ran == [a]
     assert worker.stats.done == 0

@@ -55,7 +55,7 @@ def test_the_runner_waits_for_a_locked_database_and_a_stop_ends_the_wait(
         calls.append(1)
         raise StoreBusy("database is locked")
 
-    monkeypatch.setattr("broker_adapter.app.adapter.open_database", locked)
+    monkeypatch.setattr("broker_adapter.app.adapter.open_store", locked)
     keyring = write_keyring(tmp_path / "keyring.json")
     config = RunConfig(
         redis_url="redis://127.0.0.1:1/0", db_path=path, handler="broker_adapter.examples:echo",

@@ -1,0 +1,106 @@
+"""``broker-adapter run --db postgresql://...``: two adapter processes (standing in for two
+hosts) share one PostgreSQL database and one Redis, end to end with real subprocesses."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import psycopg
+import pytest
+
+from tests.support.cli import cli_env, wait_for
+from tests.support.redis_server import RedisServer
+
+pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "broker_adapter", *args],
+        cwd=ROOT, capture_output=True, text=True, timeout=60, env=cli_env(),
+    )  # fmt: skip
+
+
+def _start_run(
+    redis_url: str, db: str, keyring: Path, prefix: str, name: str
+) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "broker_adapter", "run", "--redis", redis_url, "--db", db,
+         "--handler", "broker_adapter.examples:echo", "--workers", "2", "--keyring", str(keyring),
+         "--prefix", prefix, "--name", name, "--lease", "2", "--claim-min-idle-ms", "1000"],
+        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, text=True, env=cli_env(),
+    )  # fmt: skip
+
+
+def _count(url: str, sql: str) -> int:
+    """One count, 0 while the adapters have not made the tables yet."""
+    try:
+        with psycopg.connect(url) as conn:
+            row = conn.execute(sql).fetchone()
+    except psycopg.errors.UndefinedTable:
+        return 0
+    return int(row[0]) if row and row[0] is not None else 0
+
+
+@pytest.fixture
+def keyring(tmp_path: Path) -> Path:
+    path = tmp_path / "keyring.json"
+    path.write_text(json.dumps({"alice": {"k1": "alice-secret: a test key of 32 bytes or more"}}))
+    path.chmod(0o600)
+    return path
+
+
+def _publish(redis_url: str, keyring: Path, prefix: str, ids: range) -> None:
+    for i in ids:
+        res = _cli("publish", "--redis", redis_url, "--principal", "alice", "--keyring",
+                   str(keyring), "--prefix", prefix, "--id", f"m{i}",
+                   "--payload", json.dumps({"i": i}))  # fmt: skip
+        assert res.returncode == 0, res.stderr
+
+
+def _stop(proc: subprocess.Popen[str], sig: int = signal.SIGTERM) -> int:
+    proc.send_signal(sig)
+    return proc.wait(timeout=60)
+
+
+def test_two_adapters_on_one_postgres_database_answer_each_request_once(
+    redis_server: RedisServer, keyring: Path, prefix: str, pg_url: str
+) -> None:
+    """Two adapters share the inbound group and the database; one is SIGKILLed mid-run and
+    the other takes its pending entries over: every request answered once, resends and
+    takeovers deduplicated by the one inbox."""
+    n = 30
+    _publish(redis_server.url, keyring, prefix, range(n))
+    _publish(redis_server.url, keyring, prefix, range(5))  # resends: duplicates
+    a = _start_run(redis_server.url, pg_url, keyring, prefix, "host-a")
+    b = _start_run(redis_server.url, pg_url, keyring, prefix, "host-b")
+    try:
+        wait_for(lambda: _count(pg_url, "SELECT count(*) FROM tasks") > 0, "first tasks")
+        a.kill()  # a dead host: its claimed tasks and pending entries are B's after the lease
+        a.wait(timeout=30)
+        _publish(redis_server.url, keyring, prefix, range(n, n + 10))
+        wait_for(
+            lambda: _count(pg_url, "SELECT count(*) FROM outbox WHERE state = 'sent'") == n + 10,
+            "every reply sent",
+            timeout_s=120,
+        )
+    finally:
+        if a.poll() is None:
+            a.kill()
+        assert _stop(b) == 0
+    assert _count(pg_url, "SELECT count(*) FROM tasks") == n + 10
+    assert _count(pg_url, "SELECT count(*) FROM inbox") == n + 10
+    assert _count(pg_url, "SELECT sum(duplicates) FROM inbox") >= 5
+    assert _count(pg_url, "SELECT count(*) FROM tasks WHERE state <> 'done'") == 0
+    # The receiver keeps its receipts in PostgreSQL too (its own schema here).
+    res = _cli("receive", "--redis", redis_server.url, "--db", pg_url, "--principal", "alice",
+               "--prefix", prefix, "--until-idle", "1.5", "--keyring", str(keyring))  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    assert _count(pg_url, "SELECT count(*) FROM receipts") == n + 10
+    assert _count(pg_url, "SELECT count(DISTINCT reply_id) FROM receipts") == n + 10
