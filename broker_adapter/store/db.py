@@ -80,6 +80,11 @@ class Database:
         gate: WriteGate | None = None,
         read_only: bool = False,
     ) -> None:
+        if str(path).startswith(("postgresql:", "postgres:")):
+            raise ConfigError(
+                f"{path}: a PostgreSQL database is for 'run' and 'receive';"
+                " this reads a SQLite file only"
+            )
         if synchronous not in ("FULL", "NORMAL", "EXTRA"):
             raise ConfigError(f"synchronous must be FULL, NORMAL or EXTRA, got {synchronous!r}")
         self.path = Path(path)

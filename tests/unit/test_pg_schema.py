@@ -8,6 +8,7 @@ import pytest
 from broker_adapter import crashpoints
 from broker_adapter.errors import ConfigError, StoreError
 from broker_adapter.store.backends import is_postgres_url
+from broker_adapter.store.db import open_database
 from broker_adapter.store.postgres.db import PgDatabase
 from broker_adapter.store.postgres.schema import CONFLICT_ID_KEY, MIGRATIONS, SCHEMA_VERSION
 
@@ -92,3 +93,8 @@ def test_pg_url_detection_and_refusal_of_other_targets() -> None:
     assert not is_postgres_url("/var/lib/ba/tasks.db")
     with pytest.raises(ConfigError):
         PgDatabase("/var/lib/ba/tasks.db")
+
+
+def test_sqlite_only_commands_refuse_a_postgres_url_clearly() -> None:
+    with pytest.raises(ConfigError, match="'run' and 'receive'"):
+        open_database("postgresql://postgres@127.0.0.1/db")

@@ -44,9 +44,11 @@ from broker_adapter.store.postgres.schema import (
 
 log = logging.getLogger("broker_adapter.store")
 
-#: Connections per process at most: one per thread that writes (ingest, a worker's loop,
-#: the dispatcher, the purger) and a spare for reads.
-DEFAULT_POOL_MAX: Final = 8
+#: Connections one ``PgDatabase`` opens at most. Each stage thread (ingest, dispatcher,
+#: purger, a worker process) opens its own ``PgDatabase`` and runs one transaction at a
+#: time, a worker's lease renewals beside it: 3 leaves a spare. An adapter with N workers
+#: holds about N + 3 connections, well within a server's default of 100 for a few hosts.
+DEFAULT_POOL_MAX: Final = 3
 #: How long a statement waits for a row lock, and a caller for a pooled connection, before
 #: ``StoreBusy``: the SQLite store's busy timeout.
 DEFAULT_BUSY_TIMEOUT_MS: Final = 10_000
@@ -116,6 +118,7 @@ class PgDatabase:
             configure=configure,
             open=False,
             name="broker_adapter",
+            num_workers=1,  # the pool's own threads (connecting, growing): one is plenty
         )
         try:
             self.pool.open(wait=True, timeout=self._busy_s)
