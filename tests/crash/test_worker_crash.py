@@ -28,9 +28,11 @@ from broker_adapter.clock import FakeClock
 from broker_adapter.errors import ConfigError
 from broker_adapter.protocol.envelope import Envelope
 from broker_adapter.stages.worker import WorkerConfig
-from broker_adapter.store import AcceptItem, OutboxStore, TaskStore, open_database
+from broker_adapter.store import AcceptItem
+from broker_adapter.store.backends import outbox_store, task_store
 from broker_adapter.store.tasks import TaskRow, idempotency_key_for
 from tests.support.handlers import effects, init_effects_db, ledger
+from tests.support.store_script import open_any
 
 pytestmark = pytest.mark.crash
 
@@ -45,14 +47,14 @@ WAIT_S = 30.0
 class Setup:
     """A database with tasks accepted at T0, and the effects database their handler uses."""
 
-    def __init__(self, tmp_path: Path) -> None:
-        self.db_path = tmp_path / "tasks.db"
+    def __init__(self, tmp_path: Path, target: str) -> None:
+        self.db_path = target  # a SQLite file or a postgresql:// URL
         self.effects_path = tmp_path / "effects.db"
         init_effects_db(self.effects_path)
 
     def submit(self, n: int = 1, *, now: float = T0) -> list[str]:
         clock = FakeClock(now)
-        with open_database(self.db_path) as db:
+        with open_any(self.db_path) as db:
             items = [
                 AcceptItem(
                     "agent-a",
@@ -65,7 +67,7 @@ class Setup:
                 )
                 for i in range(n)
             ]
-            results = TaskStore(db, clock).accept(items)
+            results = task_store(db, clock).accept(items)
         ids = [r.task_id for r in results]
         assert all(isinstance(i, str) for i in ids)
         return [str(i) for i in ids]
@@ -76,28 +78,28 @@ class Setup:
         return idempotency_key_for(row.principal, row.message_id)
 
     def task(self, task_id: str) -> TaskRow:
-        with open_database(self.db_path) as db:
-            row = TaskStore(db).get(task_id)
+        with open_any(self.db_path) as db:
+            row = task_store(db).get(task_id)
         assert row is not None
         return row
 
     def replies(self) -> dict[str, list[dict[str, Any]]]:
         """Reply bodies by task id."""
-        with open_database(self.db_path) as db:
-            rows = OutboxStore(db).list(limit=100_000)
+        with open_any(self.db_path) as db:
+            rows = outbox_store(db).list(limit=100_000)
         out: dict[str, list[dict[str, Any]]] = {}
         for row in rows:
             out.setdefault(str(row.task_id), []).append(json.loads(row.body))
         return out
 
     def counts(self) -> dict[str, int]:
-        with open_database(self.db_path) as db:
-            return TaskStore(db).counts()
+        with open_any(self.db_path) as db:
+            return task_store(db).counts()
 
 
 @pytest.fixture
-def setup(tmp_path: Path) -> Setup:
-    return Setup(tmp_path)
+def setup(tmp_path: Path, store_target: str) -> Setup:
+    return Setup(tmp_path, store_target)
 
 
 def child_env(**points: str) -> dict[str, str]:

@@ -22,10 +22,12 @@ from broker_adapter.protocol.envelope import Envelope
 from broker_adapter.protocol.keys import Keys
 from broker_adapter.redis.client import connect
 from broker_adapter.stages.dispatcher import Dispatcher, DispatcherConfig
-from broker_adapter.store import AcceptItem, OutboxStore, TaskStore, open_database
+from broker_adapter.store import AcceptItem
+from broker_adapter.store.backends import outbox_store, task_store
 from broker_adapter.store.outbox import OutboxPolicy, OutboxRow
 from tests.support.redis_server import RedisServer
 from tests.support.replies_script import entries_per_reply, reply_keyring
+from tests.support.store_script import open_any
 
 pytestmark = pytest.mark.crash
 
@@ -36,9 +38,9 @@ N = 3
 PUB_LEASE_S = OutboxPolicy().lease_s
 
 
-def _submit(db_path: Path) -> list[str]:
-    with open_database(db_path) as db:
-        results = TaskStore(db, FakeClock(T0)).accept(
+def _submit(db_path: str) -> list[str]:
+    with open_any(db_path) as db:
+        results = task_store(db, FakeClock(T0)).accept(
             [
                 AcceptItem(
                     P,
@@ -53,7 +55,7 @@ def _submit(db_path: Path) -> list[str]:
 
 
 def _drain(
-    db_path: Path, server: RedisServer, prefix: str, crashpoint: str | None
+    db_path: str, server: RedisServer, prefix: str, crashpoint: str | None
 ) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if k not in ("BA_CRASHPOINT", "BA_PAUSEPOINT")}
     if crashpoint is not None:
@@ -67,45 +69,46 @@ def _drain(
     )  # fmt: skip
 
 
-def _rows(db_path: Path) -> list[OutboxRow]:
-    with open_database(db_path) as db:
-        return OutboxStore(db, FakeClock(T0)).list()
+def _rows(db_path: str) -> list[OutboxRow]:
+    with open_any(db_path) as db:
+        return outbox_store(db, FakeClock(T0)).list()
 
 
-def _dispatcher(db_path: Path, server: RedisServer, prefix: str, now: float) -> int:
+def _dispatcher(db_path: str, server: RedisServer, prefix: str, now: float) -> int:
     """One dispatcher step at ``now``."""
-    with open_database(db_path) as db:
+    with open_any(db_path) as db:
         d = Dispatcher(
             DispatcherConfig(prefix=prefix, owner="d1"),
             connect(server.url),
-            OutboxStore(db, FakeClock(now)),
+            outbox_store(db, FakeClock(now)),
             keyring=reply_keyring(),
         )
         return d.step()
 
 
-def _sweep(db_path: Path, server: RedisServer, prefix: str) -> int:
+def _sweep(db_path: str, server: RedisServer, prefix: str) -> int:
     """The dispatcher's step once the publisher lease ran out."""
     return _dispatcher(db_path, server, prefix, T0 + PUB_LEASE_S + 1)
 
 
-def _assert_exactly_once(db_path: Path, server: RedisServer, prefix: str, ids: list[str]) -> None:
+def _assert_exactly_once(db_path: str, server: RedisServer, prefix: str, ids: list[str]) -> None:
     rows = _rows(db_path)
     assert sorted(str(r.task_id) for r in rows) == sorted(ids)
     assert {r.state for r in rows} == {"sent"}
     stream = Keys(prefix).replies(P)
     assert entries_per_reply(server.client(), stream) == {r.reply_id: 1 for r in rows}
-    with open_database(db_path) as db:
-        assert TaskStore(db).counts()["done"] == N
+    with open_any(db_path) as db:
+        assert task_store(db).counts()["done"] == N
 
 
 @pytest.fixture
-def db_path(tmp_path: Path) -> Path:
-    return tmp_path / "tasks.db"
+def db_path(store_target: str) -> str:
+    """The task database: a SQLite file, or a PostgreSQL schema (``store_target``)."""
+    return store_target
 
 
 def test_worker_publishes_and_marks_sent_without_the_dispatcher(
-    db_path: Path, redis_server: RedisServer, prefix: str
+    db_path: str, redis_server: RedisServer, prefix: str
 ) -> None:
     ids = _submit(db_path)
     assert _dispatcher(db_path, redis_server, prefix, T0) == 0  # its first look sets the epoch
@@ -125,7 +128,7 @@ def test_worker_publishes_and_marks_sent_without_the_dispatcher(
     ],
 )
 def test_worker_killed_in_its_publication_leaves_one_reply_each(
-    db_path: Path, redis_server: RedisServer, prefix: str, point: str, state: str, on_stream: int
+    db_path: str, redis_server: RedisServer, prefix: str, point: str, state: str, on_stream: int
 ) -> None:
     ids = _submit(db_path)
     assert _dispatcher(db_path, redis_server, prefix, T0) == 0  # its first look sets the epoch
@@ -144,7 +147,7 @@ def test_worker_killed_in_its_publication_leaves_one_reply_each(
 
 
 def test_dispatcher_leaves_the_worker_rows_alone_within_the_lease(
-    db_path: Path, redis_server: RedisServer, prefix: str
+    db_path: str, redis_server: RedisServer, prefix: str
 ) -> None:
     _submit(db_path)
     proc = _drain(db_path, redis_server, prefix, "dispatcher.before_xadd")
