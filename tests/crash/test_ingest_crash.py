@@ -22,7 +22,8 @@ from broker_adapter.protocol.envelope import Envelope
 from broker_adapter.protocol.keys import INGEST_GROUP, Keys
 from broker_adapter.protocol.signing import Keyring, signature
 from broker_adapter.redis.client import connect, text
-from broker_adapter.store import TaskStore, open_database
+from broker_adapter.store import Database
+from broker_adapter.store.backends import task_store
 from tests.support import ingest_script
 from tests.support.ingest_script import (
     KEYRING,
@@ -34,6 +35,7 @@ from tests.support.ingest_script import (
     write_keyring,
 )
 from tests.support.redis_server import RedisServer
+from tests.support.store_script import dump_path, open_any
 
 pytestmark = pytest.mark.crash
 
@@ -52,6 +54,7 @@ def _run(
     server: RedisServer,
     prefix: str,
     tmp_path: Path,
+    db: str,
     consumer: str,
     crashpoint: str | None,
     *extra: str,
@@ -62,7 +65,7 @@ def _run(
         env["BA_CRASHPOINT"] = crashpoint
     cmd = [
         sys.executable, "-m", "tests.support.ingest_script",
-        "--url", server.url, "--prefix", prefix, "--db", str(tmp_path / "inbox.db"),
+        "--url", server.url, "--prefix", prefix, "--db", db,
         "--consumer", consumer, "--keyring", str(tmp_path / "keys.json"), "--count", "5",
         *extra,
     ]  # fmt: skip
@@ -98,14 +101,21 @@ def _publish(client: redis.Redis, prefix: str, keyring: Keyring) -> set[tuple[st
 @pytest.mark.parametrize("heir", ["same", "new"])
 @pytest.mark.parametrize("point", POINTS)
 def test_ingest_crash_then_restart_stores_each_request_once(
-    redis_server: RedisServer, prefix: str, tmp_path: Path, point: str, heir: str
+    redis_server: RedisServer,
+    prefix: str,
+    tmp_path: Path,
+    store_target: str,
+    point: str,
+    heir: str,
 ) -> None:
+    """On SQLite and on PostgreSQL (where the heir is another host's ingest meeting the
+    same inbox records)."""
     client = connect(redis_server.url)
     keys = Keys(prefix)
     keyring = write_keyring(tmp_path / "keys.json")
     expected = _publish(client, prefix, keyring)
 
-    crashed = _run(redis_server, prefix, tmp_path, "ingest-h-0", point)
+    crashed = _run(redis_server, prefix, tmp_path, store_target, "ingest-h-0", point)
     assert crashed.returncode == -signal.SIGKILL, crashed.stderr
 
     pending = _pending_ids(client, keys.inbound())
@@ -113,7 +123,7 @@ def test_ingest_crash_then_restart_stores_each_request_once(
         # Killed after its XACK: the acknowledged batch is off the pending list. What is
         # left is the next batch, read in the XACK's round trip and not handled: none of it
         # was stored, so nothing stored is left unacknowledged.
-        assert not pending & _stored_entry_ids(tmp_path / "inbox.db"), pending
+        assert not pending & _stored_entry_ids(store_target), pending
     else:
         # Killed before its XACK: the batch is still pending.
         assert pending, point
@@ -123,13 +133,14 @@ def test_ingest_crash_then_restart_stores_each_request_once(
     if heir == "new":
         aged = age_pending(client, keys.inbound(), "ingest-h-0")
         consumer = "ingest-h-1"
-    finished = _run(redis_server, prefix, tmp_path, consumer, None)
+    finished = _run(redis_server, prefix, tmp_path, store_target, consumer, None)
     assert finished.returncode == 0, finished.stderr
 
-    db = open_database(tmp_path / "inbox.db")
+    db = open_any(store_target)
     try:
-        assert task_counts(TaskStore(db)) == dict.fromkeys(expected, 1)
-        assert db.integrity_check() == "ok"
+        assert task_counts(task_store(db)) == dict.fromkeys(expected, 1)
+        if isinstance(db, Database):
+            assert db.integrity_check() == "ok"
     finally:
         db.close()
     assert pending_total(client, keys.inbound()) == 0
@@ -145,10 +156,5 @@ def _pending_ids(client: redis.Redis, stream: str) -> set[str]:
     return {text(r["message_id"]) for r in rows}  # type: ignore[arg-type]
 
 
-def _stored_entry_ids(path: Path) -> set[str]:
-    db = open_database(path)
-    try:
-        with db.read() as c:
-            return {row[0] for row in c.execute("SELECT entry_id FROM inbox")}
-    finally:
-        db.close()
+def _stored_entry_ids(target: str) -> set[str]:
+    return {row["entry_id"] for row in dump_path(target)["inbox"]}

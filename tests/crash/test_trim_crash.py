@@ -24,9 +24,14 @@ pytestmark = pytest.mark.crash
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _run(*args: str | RedisServer | Path | None) -> subprocess.CompletedProcess[str]:
-    """``test_ingest_crash``'s run of ``ingest_script``, trimming before every step."""
-    return run_ingest(*args[:5], "--trim", *args[5:])  # type: ignore[arg-type]
+def _run(
+    server: RedisServer, prefix: str, tmp_path: Path, consumer: str, point: str | None,
+    *extra: str,
+) -> subprocess.CompletedProcess[str]:  # fmt: skip
+    """``test_ingest_crash``'s run of ``ingest_script`` on a SQLite inbox in ``tmp_path``,
+    trimming before every step."""
+    db = str(tmp_path / "inbox.db")
+    return run_ingest(server, prefix, tmp_path, db, consumer, point, "--trim", *extra)
 
 
 def _key(entry_id: str) -> tuple[int, int]:

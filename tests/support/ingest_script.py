@@ -26,7 +26,10 @@ from broker_adapter.protocol.keys import INGEST_GROUP, Keys
 from broker_adapter.protocol.signing import Keyring
 from broker_adapter.redis.client import connect, text
 from broker_adapter.stages.ingest import IngestConfig, Ingestor
-from broker_adapter.store import TaskStore, open_database
+from broker_adapter.store import TaskStore
+from broker_adapter.store.backends import open_store, task_store
+from broker_adapter.store.postgres import PgTaskStore
+from tests.support.store_script import dump
 
 KEYRING: dict[str, dict[str, str]] = {
     "alice": {
@@ -108,13 +111,13 @@ def age_pending(client: redis.Redis, stream: str, consumer: str, idle_ms: int = 
     return len(ids)
 
 
-def task_counts(tasks: TaskStore) -> dict[tuple[str, str], int]:
-    """Tasks per (principal, message_id), straight from the table."""
-    with tasks.db.read() as c:
-        rows = c.execute(
-            "SELECT principal, message_id, count(*) FROM tasks GROUP BY principal, message_id"
-        ).fetchall()
-    return {(r[0], r[1]): int(r[2]) for r in rows}
+def task_counts(tasks: TaskStore | PgTaskStore) -> dict[tuple[str, str], int]:
+    """Tasks per (principal, message_id), straight from the table (either backend)."""
+    counts: dict[tuple[str, str], int] = {}
+    for row in dump(tasks.db)["tasks"]:
+        key = (row["principal"], row["message_id"])
+        counts[key] = counts.get(key, 0) + 1
+    return counts
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -131,7 +134,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     client = connect(args.url, socket_timeout_s=5.0)
-    db = open_database(args.db)
+    db = open_store(args.db)  # a SQLite file or a postgresql:// URL
     config = IngestConfig(
         prefix=args.prefix,
         consumer=args.consumer,
@@ -140,7 +143,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         claim_min_idle_ms=args.claim_min_idle_ms,
         trim_keep_s=0,
     )
-    ingestor = Ingestor(config, client, TaskStore(db), Keyring.load(args.keyring))
+    ingestor = Ingestor(config, client, task_store(db), Keyring.load(args.keyring))
     stream = Keys(args.prefix).inbound()
     deadline = time.monotonic() + args.timeout_s
     print("ready", flush=True)
