@@ -17,7 +17,9 @@ import pytest
 from broker_adapter.clock import FakeClock
 from broker_adapter.errors import RedisUnavailable
 from broker_adapter.protocol.keys import Keys
-from broker_adapter.store import OutboxStore, open_database
+from broker_adapter.store.backends import outbox_store
+from broker_adapter.store.outbox import OutboxPolicy
+from tests.support.postgres import STORE_BACKENDS, ThrowawayDatabase
 from tests.support.redis_server import RedisServer
 from tests.support.replies_script import (
     dispatcher_for,
@@ -28,6 +30,7 @@ from tests.support.replies_script import (
     receiver_for,
     run_worker,
 )
+from tests.support.store_script import open_any
 
 pytestmark = pytest.mark.crash
 
@@ -40,27 +43,27 @@ class Scene:
     server: RedisServer
     prefix: str
     clock: FakeClock
-    agent_path: Path
-    rx_path: Path
+    agent_path: str  # a SQLite file or a postgresql:// URL, as rx_path
+    rx_path: str
     reply_ids: list[str]
 
-    def args(self, db: Path, **extra: str) -> list[str]:
+    def args(self, db: str, **extra: str) -> list[str]:
         out = ["--url", self.server.url, "--db", str(db), "--prefix", self.prefix]
         out += ["--now", repr(self.clock.now()), "--principal", P]
         for name, value in extra.items():
             out += [f"--{name}", value]
         return out
 
-    def crash(self, role: str, point: str, db: Path, **extra: str) -> None:
+    def crash(self, role: str, point: str, db: str, **extra: str) -> None:
         proc = run_worker(role, self.args(db, **extra), crashpoint=point)
         assert proc.returncode == -signal.SIGKILL, (proc.returncode, proc.stdout, proc.stderr)
 
     def dispatch(self) -> int:
-        with open_database(self.agent_path) as db:
+        with open_any(self.agent_path) as db:
             return dispatcher_for(self.server.url, db, self.clock, self.prefix, "d-rec").step()
 
     def receive(self, consumer: str = "r1", **cfg: int) -> int:
-        with open_database(self.rx_path) as db:
+        with open_any(self.rx_path) as db:
             rc = receiver_for(self.server.url, db, self.clock, self.prefix, P, consumer, **cfg)
             return drain(rc)
 
@@ -70,27 +73,37 @@ class Scene:
         assert entries_per_reply(client, stream) == dict.fromkeys(self.reply_ids, 1)
         assert effect_counts(self.rx_path) == dict.fromkeys(self.reply_ids, 1)
         assert client.xpending(stream, "ba-receiver")["pending"] == 0
-        with open_database(self.agent_path) as db:
-            rows = OutboxStore(db, self.clock).list()
+        with open_any(self.agent_path) as db:
+            rows = outbox_store(db, self.clock).list()
         assert {r.reply_id: r.state for r in rows} == dict.fromkeys(self.reply_ids, "sent")
 
 
-def _scene(server: RedisServer, prefix: str, tmp_path: Path) -> Scene:
+def _scene(server: RedisServer, prefix: str, where: tuple[str, str]) -> Scene:
     clock = FakeClock()
-    agent_path = tmp_path / "agent.db"
-    with open_database(agent_path) as db:
+    agent_path, rx_path = where
+    with open_any(agent_path) as db:
         ids = make_replies(db, clock, P, N)
-    return Scene(server, prefix, clock, agent_path, tmp_path / "receiver.db", ids)
+    return Scene(server, prefix, clock, agent_path, rx_path, ids)
+
+
+@pytest.fixture(params=STORE_BACKENDS)
+def databases(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[str, str]:
+    """The adapter's and the receiver's databases: two SQLite files, or two PostgreSQL
+    schemas."""
+    if request.param == "sqlite":
+        return str(tmp_path / "agent.db"), str(tmp_path / "receiver.db")
+    pg: ThrowawayDatabase = request.getfixturevalue("pg_database")
+    return pg.fresh_schema(), pg.fresh_schema()
 
 
 @pytest.fixture
-def scene(redis_server: RedisServer, prefix: str, tmp_path: Path) -> Scene:
-    return _scene(redis_server, prefix, tmp_path)
+def scene(redis_server: RedisServer, prefix: str, databases: tuple[str, str]) -> Scene:
+    return _scene(redis_server, prefix, databases)
 
 
 def _outbox_states(scene: Scene) -> dict[str, str]:
-    with open_database(scene.agent_path) as db:
-        return {r.reply_id: r.state for r in OutboxStore(db, scene.clock).list()}
+    with open_any(scene.agent_path) as db:
+        return {r.reply_id: r.state for r in outbox_store(db, scene.clock).list()}
 
 
 def _stream_len(scene: Scene) -> int:
@@ -98,7 +111,7 @@ def _stream_len(scene: Scene) -> int:
 
 
 def _reclaim_after_lease(scene: Scene) -> None:
-    scene.clock.advance(OutboxStore(open_database(scene.agent_path)).policy.lease_s + 1)
+    scene.clock.advance(OutboxPolicy().lease_s + 1)
 
 
 def test_dispatcher_killed_before_xadd_publishes_after_lease(scene: Scene) -> None:
@@ -171,10 +184,10 @@ def _retrying(fn: object) -> int:
 
 
 def test_replies_survive_redis_restart_with_aof(
-    fresh_redis: RedisServer, prefix: str, tmp_path: Path
+    fresh_redis: RedisServer, prefix: str, databases: tuple[str, str]
 ) -> None:
-    scene = _scene(fresh_redis, prefix, tmp_path)
-    with open_database(scene.agent_path) as agent, open_database(scene.rx_path) as rx:
+    scene = _scene(fresh_redis, prefix, databases)
+    with open_any(scene.agent_path) as agent, open_any(scene.rx_path) as rx:
         d = dispatcher_for(fresh_redis.url, agent, scene.clock, prefix, "d1")
         assert d.step() == N
         stream = Keys(prefix).replies(P)
@@ -193,10 +206,10 @@ def test_replies_survive_redis_restart_with_aof(
 
 
 def test_replies_resent_after_redis_wipe_still_one_effect_each(
-    fresh_redis: RedisServer, prefix: str, tmp_path: Path
+    fresh_redis: RedisServer, prefix: str, databases: tuple[str, str]
 ) -> None:
-    scene = _scene(fresh_redis, prefix, tmp_path)
-    with open_database(scene.agent_path) as agent, open_database(scene.rx_path) as rx:
+    scene = _scene(fresh_redis, prefix, databases)
+    with open_any(scene.agent_path) as agent, open_any(scene.rx_path) as rx:
         d = dispatcher_for(fresh_redis.url, agent, scene.clock, prefix, "d1")
         rc = receiver_for(fresh_redis.url, rx, scene.clock, prefix, P, "r1")
         assert d.step() == N

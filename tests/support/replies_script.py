@@ -28,8 +28,16 @@ from broker_adapter.protocol.signing import Keyring
 from broker_adapter.redis.client import connect
 from broker_adapter.stages.dispatcher import Dispatcher, DispatcherConfig
 from broker_adapter.stages.receiver import Receiver, ReceiverConfig
-from broker_adapter.store import AcceptItem, OutboxStore, ReceiptStore, TaskStore, open_database
+from broker_adapter.store import AcceptItem
+from broker_adapter.store.backends import (
+    is_postgres_url,
+    open_store,
+    outbox_store,
+    receipt_store,
+    task_store,
+)
 from broker_adapter.store.db import Database
+from broker_adapter.store.postgres import PgDatabase
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 #: The keys replies are signed with in these tests: each principal's keyring entry (the
@@ -50,20 +58,32 @@ def reply_keyring() -> Keyring:
     return Keyring(REPLY_KEYS)
 
 
-def record_effect(conn: sqlite3.Connection, reply: Reply) -> dict[str, Any]:
-    """The test effect: one appended row per application, on the receipt's connection."""
+def record_effect(conn: Any, reply: Reply) -> dict[str, Any]:
+    """The test effect: one appended row per application, on the receipt's connection
+    (SQLite's or psycopg's)."""
+    mark = "?" if isinstance(conn, sqlite3.Connection) else "%s"
     conn.execute(
         "CREATE TABLE IF NOT EXISTS effects (reply_id TEXT NOT NULL, task_id TEXT, status TEXT)"
     )
     conn.execute(
-        "INSERT INTO effects (reply_id, task_id, status) VALUES (?, ?, ?)",
+        f"INSERT INTO effects (reply_id, task_id, status) VALUES ({mark}, {mark}, {mark})",
         (reply.reply_id, reply.task_id, reply.status),
     )
     return {"applied": reply.reply_id}
 
 
-def effect_counts(db_path: Path) -> dict[str, int]:
-    """Effects per reply id, read with a connection of its own."""
+def effect_counts(db_path: str | Path) -> dict[str, int]:
+    """Effects per reply id, read with a connection of its own (a SQLite file, or a
+    PostgreSQL URL)."""
+    if is_postgres_url(str(db_path)):
+        import psycopg
+
+        with psycopg.connect(str(db_path)) as pg:
+            found = pg.execute("SELECT to_regclass('effects') IS NOT NULL").fetchone()
+            if not found or not found[0]:
+                return {}
+            pairs = pg.execute("SELECT reply_id, count(*) FROM effects GROUP BY reply_id")
+            return {str(r[0]): int(r[1]) for r in pairs}
     conn = sqlite3.connect(str(db_path))
     try:
         exists = conn.execute(
@@ -78,10 +98,10 @@ def effect_counts(db_path: Path) -> dict[str, int]:
 
 
 def make_replies(
-    db: Database, clock: FakeClock, principal: str, n: int, *, first: int = 0
+    db: Database | PgDatabase, clock: FakeClock, principal: str, n: int, *, first: int = 0
 ) -> list[str]:
     """Accept ``n`` tasks from ``principal``, run them to ``done``: ``n`` outbox replies."""
-    tasks = TaskStore(db, clock)
+    tasks = task_store(db, clock)
     items = [
         AcceptItem(
             principal,
@@ -107,21 +127,24 @@ def entries_per_reply(client: redis.Redis, stream: str) -> Counter[str]:
     return Counter(f[b"reply_id"].decode() for _, f in entries)
 
 
-def dispatcher_for(url: str, db: Database, clock: FakeClock, prefix: str, owner: str) -> Dispatcher:
+def dispatcher_for(
+    url: str, db: Database | PgDatabase, clock: FakeClock, prefix: str, owner: str
+) -> Dispatcher:
     return Dispatcher(
-        DispatcherConfig(prefix=prefix, owner=owner), connect(url), OutboxStore(db, clock),
+        DispatcherConfig(prefix=prefix, owner=owner), connect(url), outbox_store(db, clock),
         keyring=reply_keyring(),
     )  # fmt: skip
 
 
 def receiver_for(
-    url: str, db: Database, clock: FakeClock, prefix: str, principal: str, consumer: str, **cfg: Any
-) -> Receiver:
+    url: str, db: Database | PgDatabase, clock: FakeClock, prefix: str, principal: str,
+    consumer: str, **cfg: Any,
+) -> Receiver:  # fmt: skip
     config = ReceiverConfig(
         prefix=prefix, principal=principal, consumer=consumer, block_ms=20, **cfg
     )
     return Receiver(
-        config, connect(url), ReceiptStore(db, clock), record_effect, keyring=reply_keyring(),
+        config, connect(url), receipt_store(db, clock), record_effect, keyring=reply_keyring(),
         clock=clock,
     )  # fmt: skip
 
@@ -173,7 +196,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--owner", default="d-script")
     args = parser.parse_args(argv)
     clock = FakeClock(args.now)
-    db = open_database(args.db)
+    db = open_store(args.db)  # a SQLite file or a postgresql:// URL
     if args.role == "dispatch":
         marked = dispatcher_for(args.url, db, clock, args.prefix, args.owner).step()
         print(f"dispatched {marked}", flush=True)
