@@ -1139,3 +1139,22 @@ def test_tasks_accept_counts_hops_from_the_parent_task_not_the_body(
     by_id = {row["task_id"]: row["hops"] for row in dump(db)["tasks"]}
     assert [by_id[t] for t in chain] == [0, 1, 2, 3]
     db.close()
+
+
+def test_an_error_text_with_a_nul_character_is_stored_and_replied(s: Stores) -> None:
+    """A handler's exception text may hold any character: the failure commits on both
+    backends (PostgreSQL's text keeps no NUL: the row has U+FFFD there), and the reply
+    carries the text as it was."""
+    task_id = accept_one(s)
+    _, fence = claim_one(s)
+    assert s.tasks.fail(task_id, "w1", fence, "bad\x00byte", retryable=False) is FailOutcome.FAILED
+    row = s.tasks.get(task_id)
+    assert row is not None
+    assert row.error in ("bad\x00byte", "bad\ufffdbyte")
+    assert reply_body(s, task_id)["error"] == "bad\x00byte"
+    (reply,) = replies(s, task_id)
+    (claimed,) = s.outbox.claim("d1", 1)
+    s.outbox.mark_dead(claimed.reply_id, "d1", claimed.fence, "redis said \x00")
+    dead = s.outbox.get(reply["reply_id"])
+    assert dead is not None
+    assert dead.state == "dead"

@@ -12,7 +12,7 @@ from broker_adapter.errors import StaleError
 from broker_adapter.protocol.reply import encode_body, reply_id_for, terminal_body
 from broker_adapter.store.lifecycle import TaskState
 from broker_adapter.store.outbox import PublisherClaim
-from broker_adapter.store.postgres.db import Conn
+from broker_adapter.store.postgres.db import Conn, free_text
 from broker_adapter.store.postgres.outbox import enqueue_encoded
 
 
@@ -70,7 +70,7 @@ def to_terminal(
     c.execute(
         "UPDATE tasks SET state = %s, owner = NULL, lease_until = NULL, updated_at = %s,"
         " finished_at = %s, result = %s, error = %s WHERE task_id = %s",
-        (state.value, now, now, result, error, task_id),
+        (state.value, now, now, result, free_text(error), task_id),
     )
     return write_reply(c, task_id, state, result, error, now, row, encoded, claim)
 

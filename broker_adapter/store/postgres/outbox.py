@@ -33,7 +33,7 @@ from broker_adapter.store.outbox import (
     SentMark,
     UnknownReply,
 )
-from broker_adapter.store.postgres.db import Conn, PgDatabase, Row
+from broker_adapter.store.postgres.db import Conn, PgDatabase, Row, free_text
 
 _COLUMNS = ", ".join(OutboxRow.__dataclass_fields__)
 _O_COLUMNS = ", ".join("o." + name for name in OutboxRow.__dataclass_fields__)
@@ -214,7 +214,7 @@ class PgOutboxStore:
             c.execute(
                 "UPDATE outbox SET state = %s, owner = NULL, lease_until = NULL,"
                 " not_before = %s, last_error = %s WHERE reply_id = %s AND fence = %s",
-                (state, not_before, error, reply_id, fence),
+                (state, not_before, free_text(error), reply_id, fence),
             )
         return state
 
@@ -224,7 +224,8 @@ class PgOutboxStore:
         with self.db.write("reply_dead") as c:
             _held_update(
                 c, reply_id, owner, fence, now,
-                "state = 'dead', owner = NULL, lease_until = NULL, last_error = %s", (error,),
+                "state = 'dead', owner = NULL, lease_until = NULL, last_error = %s",
+                (free_text(error),),
             )  # fmt: skip
 
     def replay(self, reply_id: str, by: str) -> OutboxRow:

@@ -18,7 +18,7 @@ from broker_adapter.errors import BrokerAdapterError, StaleError
 from broker_adapter.store.leases import DEFAULT_LEASE_S
 from broker_adapter.store.lifecycle import TaskState, reply_key
 from broker_adapter.store.outbox import PublisherClaim, SentMark
-from broker_adapter.store.postgres.db import Conn, Row
+from broker_adapter.store.postgres.db import Conn, Row, free_text
 from broker_adapter.store.postgres.lifecycle import to_terminal, write_reply
 from broker_adapter.store.postgres.outbox import mark_sent_in
 from broker_adapter.store.settle import (
@@ -113,7 +113,7 @@ def _failure(
             c.execute(
                 "UPDATE tasks SET state = 'pending', owner = NULL, lease_until = NULL,"
                 " not_before = %s, error = %s, updated_at = %s WHERE task_id = %s",
-                (not_before, error, now, item.task_id),
+                (not_before, free_text(error), now, item.task_id),
             )
             return FailOutcome.RETRY
         error = f"{error} (no retry: the deadline comes first)"
