@@ -78,7 +78,7 @@ class RunConfig(ConfigModel):
         db_path: the SQLite file (created if absent), or a ``postgresql://`` URL: the
             PostgreSQL store (``store.postgres``), which several adapter processes on
             several hosts may share; there the workers claim their own tasks (no
-            hand-off) and the database counts are left out of ``/metrics``.
+            hand-off: it hands tasks to the idle workers of one host's pool).
         handler: ``module:callable`` run for each task.
         app_dir: put first on the import path (here and in the worker processes) before
             the handler is imported; ``None`` leaves the path as it is.
@@ -224,7 +224,7 @@ class Runner:
         self._first_look = threading.Event()
         #: The stages a metrics scrape reads; filled as they start.
         self.observed = Observed(
-            db_path=None if config.on_postgres else Path(config.db_path),
+            db_path=config.db_path,
             redis_url=config.redis_url,
             streams=[Keys(config.prefix).replies(p) for p in self.keyring.principals],
         )  # fmt: skip

@@ -246,7 +246,7 @@ def build_parser() -> argparse.ArgumentParser:
     st = sub.add_parser(
         "status", help="received, processing, terminal, delivery (the database is only read)"
     )
-    _add_db(st, "the adapter's SQLite database file (must exist)")
+    _add_db(st, "the adapter's database: a SQLite file (must exist), or a postgresql:// URL")
     _add_redis(st, required=False)
     _add_prefix(st)
     _add_json(st)
@@ -385,8 +385,8 @@ def cmd_receive(args: argparse.Namespace) -> int:
         config, connect(args.redis), receipt_store(db), record_effect, keyring=keyring
     )
     stop = _install_stop()
-    on_postgres = is_postgres_url(args.db)  # no database families in /metrics there
-    observed = Observed(db_path=None if on_postgres else Path(args.db), redis_url=args.redis)
+    on_postgres = is_postgres_url(args.db)
+    observed = Observed(db_path=args.db if on_postgres else Path(args.db), redis_url=args.redis)
     observed.add_receiver(receiver)
     try:
         with serve_metrics(observed, args.metrics_host, args.metrics_port, worker_files=False):
@@ -464,8 +464,10 @@ def cmd_backup(args: argparse.Namespace) -> int:
 
 def cmd_status(args: argparse.Namespace) -> int:
     from broker_adapter.app.ops import collect_status, format_status
+    from broker_adapter.store.backends import is_postgres_url
 
-    report = collect_status(Path(args.db), args.redis, args.prefix)
+    db = args.db if is_postgres_url(args.db) else Path(args.db)
+    report = collect_status(db, args.redis, args.prefix)
     if args.json:
         _print_json(report)
     else:

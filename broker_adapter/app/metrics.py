@@ -134,7 +134,7 @@ class Observed:
         stages: names of the stages that should run and do not (``[]``: all running).
     """
 
-    db_path: Path | None = None
+    db_path: Path | str | None = None
     redis_url: str | None = None
     streams: list[str] = field(default_factory=list)
     ingestors: list[Ingestor] = field(default_factory=list)
@@ -250,11 +250,10 @@ def _stage_families(out: Families, observed: Observed) -> None:
         _reader_families(out, "receiver", receiver.reader)
 
 
-def _database_families(out: Families, db_path: Path) -> None:
-    from broker_adapter.store import open_database
-    from broker_adapter.store.report import snapshot
+def _database_families(out: Families, db_path: Path | str) -> None:
+    from broker_adapter.store.backends import open_store, snapshot
 
-    db = open_database(db_path, read_only=True)
+    db = open_store(db_path, read_only=True)  # a SQLite file or a postgresql:// URL
     try:
         report = snapshot(db, time.time())
     finally:
@@ -446,10 +445,16 @@ class WorkerMetrics:
 # -- health ---------------------------------------------------------------------------------
 
 
-def database_check(path: Path) -> Callable[[], str | None]:
+def database_check(path: Path | str) -> Callable[[], str | None]:
     """The file exists and its write lock can be had within ``CHECK_TIMEOUT_S``:
     ``BEGIN IMMEDIATE`` then ``ROLLBACK`` (nothing written, no fsync, the lock held for
-    microseconds). A file another writer keeps locked longer counts as not writable."""
+    microseconds). A file another writer keeps locked longer counts as not writable. A
+    PostgreSQL database: the server answers within ``CHECK_TIMEOUT_S`` and is not in
+    recovery (a standby cannot be written)."""
+    from broker_adapter.store.backends import is_postgres_url, probe
+
+    if is_postgres_url(path):
+        return lambda: probe(str(path), CHECK_TIMEOUT_S)
 
     def check() -> str | None:
         try:
@@ -480,7 +485,7 @@ class Readiness:
         if obs.redis_url is not None:
             found.append(redis_check(obs.redis_url, CHECK_TIMEOUT_S)() or "")
         if obs.db_path is not None:
-            found.append(database_check(obs.db_path)() or "")
+            found.append(database_check(obs.db_path)() or "")  # SQLite, or a SELECT 1
         found += [f"stage not running: {name}" for name in obs.stages()]
         return [p for p in found if p]
 

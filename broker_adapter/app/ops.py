@@ -14,7 +14,7 @@ from broker_adapter.protocol.deadletter import DeadLetter
 from broker_adapter.protocol.keys import INGEST_GROUP, Keys
 from broker_adapter.redis.client import call, connect, text
 from broker_adapter.store import OutboxStore, open_database
-from broker_adapter.store.report import snapshot
+from broker_adapter.store.backends import open_store, snapshot
 
 
 def _dead_streams(client: Any, prefix: str) -> list[str]:
@@ -27,13 +27,13 @@ def _inbound_streams(client: Any, prefix: str) -> list[str]:
     return sorted(found)
 
 
-def collect_status(db_path: Path, redis_url: str | None, prefix: str) -> dict[str, Any]:
+def collect_status(db_path: Path | str, redis_url: str | None, prefix: str) -> dict[str, Any]:
     """Everything ``broker-adapter status`` shows, as one JSON-ready dict.
 
     Raises:
         ConfigError: there is no database at ``db_path`` (none is created).
     """
-    db = open_database(db_path, read_only=True)
+    db = open_store(db_path, read_only=True)  # a SQLite file or a postgresql:// URL
     try:
         report: dict[str, Any] = snapshot(db, time.time())
     finally:

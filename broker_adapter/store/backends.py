@@ -18,10 +18,11 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, Any, Final
 
 from broker_adapter.clock import Clock
 from broker_adapter.errors import ConfigError
+from broker_adapter.store import report
 from broker_adapter.store.db import Database, open_database
 from broker_adapter.store.gate import WriteGate
 from broker_adapter.store.outbox import OutboxPolicy, OutboxStore
@@ -92,6 +93,23 @@ def outbox_store(
     from broker_adapter.store.postgres import PgOutboxStore
 
     return PgOutboxStore(db, clock, policy, rng)
+
+
+def snapshot(db: Database | PgDatabase, now: float) -> dict[str, Any]:
+    """``store.report.snapshot`` of ``db``, whichever backend it is."""
+    if isinstance(db, Database):
+        return report.snapshot(db, now)
+    from broker_adapter.store.postgres import report as pg_report
+
+    return pg_report.snapshot(db, now)
+
+
+def probe(url: str, timeout_s: float) -> str | None:
+    """Why the PostgreSQL database at ``url`` cannot be written now (unreachable within
+    ``timeout_s``, or a standby in recovery), or None: a readiness check."""
+    from broker_adapter.store.postgres.db import probe as pg_probe
+
+    return pg_probe(url, timeout_s)
 
 
 def receipt_store(

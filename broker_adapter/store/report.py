@@ -32,7 +32,20 @@ def snapshot(db: Database, now: float) -> dict[str, Any]:
             "SELECT min(created_at) FROM outbox WHERE state IN ('pending', 'sending')"
         ).fetchone()[0]
         receipts = c.execute("SELECT count(*), coalesce(sum(effects), 0) FROM receipts").fetchone()
-    terminal_names = ("done", "failed", "cancelled", "expired", "hop_limit")
+    return shape(now, tuple(inbox), states, tuple(leases), ready, outbox, oldest, tuple(receipts))
+
+
+#: The terminal states ``snapshot`` counts under ``terminal``.
+TERMINAL_NAMES = ("done", "failed", "cancelled", "expired", "hop_limit")
+
+
+def shape(
+    now: float, inbox: tuple[Any, ...], states: dict[str, int], leases: tuple[Any, ...],
+    ready: int, outbox: dict[str, int], oldest: float | None, receipts: tuple[Any, ...],
+) -> dict[str, Any]:  # fmt: skip
+    """The snapshot's dict from its counts (one shape for every backend): ``inbox`` is
+    (records, duplicates, conflicts), ``leases`` (live, expired), ``receipts`` (replies,
+    effects)."""
     return {
         "received": {"inbox": inbox[0], "duplicates": inbox[1], "conflicts": inbox[2]},
         "processing": {
@@ -44,7 +57,7 @@ def snapshot(db: Database, now: float) -> dict[str, Any]:
             "unknown": states.get("unknown", 0),
             "waiting_approval": states.get("waiting_approval", 0),
         },
-        "terminal": {name: states.get(name, 0) for name in terminal_names},
+        "terminal": {name: states.get(name, 0) for name in TERMINAL_NAMES},
         "delivery": {
             **{s: outbox.get(s, 0) for s in ("pending", "sending", "sent", "dead")},
             "oldest_unsent_age_s": None if oldest is None else round(max(0.0, now - oldest), 3),

@@ -98,6 +98,13 @@ def test_two_adapters_on_one_postgres_database_answer_each_request_once(
     assert _count(pg_url, "SELECT count(*) FROM inbox") == n + 10
     assert _count(pg_url, "SELECT sum(duplicates) FROM inbox") >= 5
     assert _count(pg_url, "SELECT count(*) FROM tasks WHERE state <> 'done'") == 0
+    status = _cli("status", "--db", pg_url, "--redis", redis_server.url, "--prefix", prefix,
+                  "--json")  # fmt: skip
+    assert status.returncode == 0, status.stderr
+    report = json.loads(status.stdout)
+    assert report["received"]["inbox"] == n + 10
+    assert report["terminal"]["done"] == report["delivery"]["sent"] == n + 10
+    assert report["processing"]["running"] == 0
     # The receiver keeps its receipts in PostgreSQL too (its own schema here).
     res = _cli("receive", "--redis", redis_server.url, "--db", pg_url, "--principal", "alice",
                "--prefix", prefix, "--until-idle", "1.5", "--keyring", str(keyring))  # fmt: skip

@@ -7,7 +7,7 @@ import pytest
 
 from broker_adapter import crashpoints
 from broker_adapter.errors import ConfigError, StoreError
-from broker_adapter.store.backends import is_postgres_url
+from broker_adapter.store.backends import is_postgres_url, probe, snapshot
 from broker_adapter.store.db import open_database
 from broker_adapter.store.postgres.db import PgDatabase
 from broker_adapter.store.postgres.schema import CONFLICT_ID_KEY, MIGRATIONS, SCHEMA_VERSION
@@ -98,3 +98,25 @@ def test_pg_url_detection_and_refusal_of_other_targets() -> None:
 def test_sqlite_only_commands_refuse_a_postgres_url_clearly() -> None:
     with pytest.raises(ConfigError, match="'run' and 'receive'"):
         open_database("postgresql://postgres@127.0.0.1/db")
+
+
+def test_pg_probe_answers_for_a_server_and_names_an_unreachable_one(pg_url: str) -> None:
+    assert probe(pg_url, 2.0) is None
+    why = probe("postgresql://postgres@127.0.0.1:1/none", 1.0)
+    assert why is not None
+    assert why.startswith("database: postgresql://postgres@127.0.0.1:1/none")
+
+
+def test_pg_snapshot_counts_like_the_sqlite_one(store_target: str) -> None:
+    from broker_adapter.clock import FakeClock
+    from tests.support.store_script import T0, item, open_any, stores
+
+    with open_any(store_target) as db:
+        s = stores(db, FakeClock(T0))
+        s.tasks.accept([item("m1"), item("m2"), item("m1")])
+        s.tasks.claim("w1", 1)
+        report = snapshot(db, T0)
+    assert report["received"] == {"inbox": 2, "duplicates": 1, "conflicts": 0}
+    assert report["processing"]["running"] == report["processing"]["live_leases"] == 1
+    assert report["processing"]["ready"] == 1
+    assert report["delivery"]["oldest_unsent_age_s"] is None

@@ -229,6 +229,19 @@ class PgDatabase:
         self.close()
 
 
+def probe(url: str, timeout_s: float) -> str | None:
+    """Why ``url``'s database cannot be written now, or None (a readiness check: one
+    short connection, ``SELECT pg_is_in_recovery()``, nothing written)."""
+    try:
+        with psycopg.connect(url, connect_timeout=max(1, round(timeout_s))) as conn:
+            row = conn.execute("SELECT pg_is_in_recovery()").fetchone()
+    except psycopg.Error as exc:
+        return f"database: {_redacted(url)}: {str(exc).strip().splitlines()[0]}"
+    if row is not None and row[0]:
+        return f"database: {_redacted(url)} is a standby in recovery (read-only)"
+    return None
+
+
 def free_text(value: str | None) -> str | None:
     """``value`` as a PostgreSQL ``text`` can hold it: a NUL character (which SQLite keeps
     and PostgreSQL refuses) becomes U+FFFD. For the free-text columns (errors, reasons),
