@@ -240,7 +240,7 @@ def build_parser() -> argparse.ArgumentParser:
             required=True, metavar="FILE")  # fmt: skip
 
     rcp = sub.add_parser("receipts", help="list applied replies (the database is only read)")
-    _add_db(rcp, "the receiver's SQLite database file (must exist)")
+    _add_db(rcp, "the receiver's database: a SQLite file (must exist), or a postgresql:// URL")
     _add_json(rcp)
 
     st = sub.add_parser(
@@ -252,7 +252,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_json(st)
 
     cancel = sub.add_parser("cancel", help="cancel a task durably")
-    _add_db(cancel, "the adapter's SQLite database file")
+    _add_db(cancel, "the adapter's database: a SQLite file, or a postgresql:// URL")
     cancel.add_argument("task_id", help="the task to cancel")
     _option(cancel, "--reason", "kept with the task and sent in its reply",
             default="cancelled by operator")  # fmt: skip
@@ -266,7 +266,7 @@ def build_parser() -> argparse.ArgumentParser:
     }
     for name, what in dl_help.items():
         p = dls.add_parser(name, help=what)
-        _add_db(p, "the adapter's SQLite database file (must exist)")
+        _add_db(p, "the adapter's database: a SQLite file (must exist), or a postgresql:// URL")
         _add_redis(p, required=False)
         _add_prefix(p)
         _add_json(p)
@@ -433,10 +433,10 @@ def _receive_until(receiver: Receiver, stop: threading.Event, until_idle: float 
 
 
 def cmd_receipts(args: argparse.Namespace) -> int:
-    from broker_adapter.store import ReceiptStore, open_database
+    from broker_adapter.store.backends import open_store, receipt_store
 
-    db = open_database(args.db, read_only=True)
-    for r in ReceiptStore(db).list():
+    db = open_store(args.db, read_only=True)  # a SQLite file or a postgresql:// URL
+    for r in receipt_store(db).list():
         reply = r.reply()
         row = {
             "reply_id": r.reply_id,
@@ -476,10 +476,10 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_cancel(args: argparse.Namespace) -> int:
-    from broker_adapter.store import TaskStore, open_database
+    from broker_adapter.store.backends import open_store, task_store
 
-    db = open_database(args.db)
-    state = TaskStore(db).cancel(args.task_id, args.reason)
+    db = open_store(args.db)  # a SQLite file or a postgresql:// URL
+    state = task_store(db).cancel(args.task_id, args.reason)
     _print_json({"task_id": args.task_id, "state": state.value})
     db.close()
     return 0

@@ -13,8 +13,8 @@ from typing import Any
 from broker_adapter.protocol.deadletter import DeadLetter
 from broker_adapter.protocol.keys import INGEST_GROUP, Keys
 from broker_adapter.redis.client import call, connect, text
-from broker_adapter.store import OutboxStore, open_database
-from broker_adapter.store.backends import open_store, snapshot
+from broker_adapter.store.backends import open_store, outbox_store, snapshot
+from broker_adapter.store.interface import OutboxAPI
 
 
 def _dead_streams(client: Any, prefix: str) -> list[str]:
@@ -119,8 +119,8 @@ def dead_letters_command(args: argparse.Namespace) -> int:
     (Redis, when ``--redis`` is given)."""
     from broker_adapter.errors import ConfigError
 
-    db = open_database(args.db, read_only=args.dl_command != "replay")
-    outbox = OutboxStore(db)
+    db = open_store(args.db, read_only=args.dl_command != "replay")  # SQLite or postgresql://
+    outbox = outbox_store(db)
     client: Any = connect(args.redis) if args.redis else None
     out: list[dict[str, Any]] = []
     try:
@@ -170,7 +170,7 @@ def _line(item: dict[str, Any]) -> str:
     )
 
 
-def _replay(args: argparse.Namespace, outbox: OutboxStore, client: Any) -> dict[str, Any]:
+def _replay(args: argparse.Namespace, outbox: OutboxAPI, client: Any) -> dict[str, Any]:
     from broker_adapter.errors import ConfigError
 
     row = outbox.get(args.id)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import random
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
+from urllib.parse import urlsplit, urlunsplit
 
 from broker_adapter.clock import Clock
 from broker_adapter.errors import ConfigError
@@ -44,6 +45,16 @@ POSTGRES_SCHEMES: Final = ("postgresql://", "postgres://")
 def is_postgres_url(target: object) -> bool:
     """Whether ``target`` (a ``--db`` value) names a PostgreSQL database."""
     return isinstance(target, str) and target.startswith(POSTGRES_SCHEMES)
+
+
+def redacted_url(url: str) -> str:
+    """``url`` without its password (``user:secret@`` becomes ``user@``): what messages
+    and logs may show."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    host = parts.netloc.rsplit("@", 1)[1]
+    return urlunsplit(parts._replace(netloc=f"{parts.username or ''}@{host}"))
 
 
 def open_store(

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from broker_adapter.errors import ConfigError, StoreError
+from broker_adapter.store.backends import is_postgres_url, redacted_url
 
 #: The tables a snapshot reports the row counts of (those present).
 COUNTED_TABLES = ("tasks", "inbox", "outbox", "receipts")
@@ -39,6 +40,11 @@ def snapshot(db_path: str | Path, out: str | Path) -> dict[str, Any]:
         ConfigError: ``db_path`` is not a file, or ``out`` exists already.
         StoreError: SQLite failed, or the copy does not pass its integrity check.
     """
+    if is_postgres_url(str(db_path)):
+        raise ConfigError(
+            f"{redacted_url(str(db_path))}: backup needs a SQLite file; back a PostgreSQL"
+            " database up with the server's own tools (pg_dump, base backups)"
+        )
     source, target = Path(db_path), Path(out)
     if not source.is_file():
         raise ConfigError(f"no database at {source}")

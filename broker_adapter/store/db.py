@@ -82,8 +82,8 @@ class Database:
     ) -> None:
         if str(path).startswith(("postgresql:", "postgres:")):
             raise ConfigError(
-                f"{path}: a PostgreSQL database is for 'run' and 'receive';"
-                " this reads a SQLite file only"
+                f"{path}: this needs a SQLite file; a PostgreSQL database is backed up and"
+                " inspected with the server's own tools (pg_dump, psql)"
             )
         if synchronous not in ("FULL", "NORMAL", "EXTRA"):
             raise ConfigError(f"synchronous must be FULL, NORMAL or EXTRA, got {synchronous!r}")

@@ -111,3 +111,28 @@ def test_two_adapters_on_one_postgres_database_answer_each_request_once(
     assert res.returncode == 0, res.stderr
     assert _count(pg_url, "SELECT count(*) FROM receipts") == n + 10
     assert _count(pg_url, "SELECT count(DISTINCT reply_id) FROM receipts") == n + 10
+
+
+def test_the_operator_commands_work_on_a_postgres_database(pg_url: str) -> None:
+    """cancel, receipts, dead-letters and status on a PostgreSQL database; backup, which
+    copies a SQLite file, refuses it with one clear line."""
+    from broker_adapter.clock import FakeClock
+    from tests.support.store_script import item, open_any, stores
+
+    with open_any(pg_url) as db:
+        (res,) = stores(db, FakeClock()).tasks.accept([item("m1")])
+    assert res.task_id is not None
+    cancelled = _cli("cancel", "--db", pg_url, res.task_id)
+    assert cancelled.returncode == 0, cancelled.stderr
+    assert json.loads(cancelled.stdout) == {"task_id": res.task_id, "state": "cancelled"}
+    listed = _cli("dead-letters", "list", "--db", pg_url)
+    assert listed.returncode == 0, listed.stderr
+    receipts = _cli("receipts", "--db", pg_url, "--json")
+    assert (receipts.returncode, receipts.stdout) == (0, "")
+    status = _cli("status", "--db", pg_url, "--json")
+    assert status.returncode == 0, status.stderr
+    report = json.loads(status.stdout)
+    assert (report["terminal"]["cancelled"], report["delivery"]["pending"]) == (1, 1)
+    backup = _cli("backup", "--db", pg_url, "--out", "/nonexistent/x.db")
+    assert backup.returncode != 0
+    assert "needs a SQLite file" in backup.stderr

@@ -96,7 +96,7 @@ def test_pg_url_detection_and_refusal_of_other_targets() -> None:
 
 
 def test_sqlite_only_commands_refuse_a_postgres_url_clearly() -> None:
-    with pytest.raises(ConfigError, match="'run' and 'receive'"):
+    with pytest.raises(ConfigError, match="needs a SQLite file"):
         open_database("postgresql://postgres@127.0.0.1/db")
 
 

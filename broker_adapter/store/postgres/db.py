@@ -34,7 +34,7 @@ from psycopg_pool import ConnectionPool, PoolTimeout
 
 from broker_adapter import crashpoints
 from broker_adapter.errors import ConfigError, StoreBusy, StoreError
-from broker_adapter.store.backends import is_postgres_url
+from broker_adapter.store.backends import is_postgres_url, redacted_url
 from broker_adapter.store.postgres.schema import (
     SCHEMA_VERSION,
     SchemaTooNew,
@@ -100,7 +100,7 @@ class PgDatabase:
         if not is_postgres_url(url):
             raise ConfigError(f"not a PostgreSQL URL: {url!r}")
         self.url = url
-        self.path = _redacted(url)  # what messages and logs show (``Database.path``)
+        self.path = redacted_url(url)  # what messages and logs show (``Database.path``)
         self.read_only = read_only
         self._pid = os.getpid()
         self._busy_s = busy_timeout_ms / 1000
@@ -236,9 +236,9 @@ def probe(url: str, timeout_s: float) -> str | None:
         with psycopg.connect(url, connect_timeout=max(1, round(timeout_s))) as conn:
             row = conn.execute("SELECT pg_is_in_recovery()").fetchone()
     except psycopg.Error as exc:
-        return f"database: {_redacted(url)}: {str(exc).strip().splitlines()[0]}"
+        return f"database: {redacted_url(url)}: {str(exc).strip().splitlines()[0]}"
     if row is not None and row[0]:
-        return f"database: {_redacted(url)} is a standby in recovery (read-only)"
+        return f"database: {redacted_url(url)} is a standby in recovery (read-only)"
     return None
 
 
@@ -259,15 +259,3 @@ def translate(exc: psycopg.Error, where: str) -> Exception:
     if isinstance(exc, (*_TRANSIENT, psycopg.OperationalError)):
         return StoreBusy(f"{where}: {exc}")
     return StoreError(f"{where}: {exc}")
-
-
-def _redacted(url: str) -> str:
-    """``url`` without a password (``user:secret@`` becomes ``user@``)."""
-    from urllib.parse import urlsplit, urlunsplit
-
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    netloc = parts.netloc.rsplit("@", 1)[1]
-    user = parts.username or ""
-    return urlunsplit(parts._replace(netloc=f"{user}@{netloc}"))
