@@ -53,6 +53,7 @@ from broker_adapter.store.backends import (
     is_postgres_url,
     open_store,
     outbox_store,
+    redacted_url,
     task_store,
 )
 from broker_adapter.store.gate import WriteGate
@@ -366,7 +367,8 @@ class Runner:
         """
         cfg = self.config
         self.log.info(
-            "broker-adapter running: %d workers, db %s, handler %s", cfg.workers, cfg.db_path,
+            "broker-adapter running: %d workers, db %s, handler %s", cfg.workers,
+            redacted_url(cfg.db_path) if isinstance(cfg.db_path, str) else cfg.db_path,
             cfg.handler,
         )  # fmt: skip
         with serve_metrics(self.observed, cfg.metrics_host, cfg.metrics_port):

@@ -19,9 +19,11 @@ from broker_adapter.stages.handlers import Task
 from broker_adapter.stages.handoff import CLAIM, LOOK, Handed, Handoff, HandoffEndpoint
 from broker_adapter.stages.worker import Worker, WorkerConfig
 from broker_adapter.store import AcceptItem, TaskStore, open_database
+from broker_adapter.store.backends import task_store
 from broker_adapter.store.db import Database
 from broker_adapter.store.tasks import TaskPolicy
 from tests.support.handoff_script import ScriptedWait
+from tests.support.store_script import open_any
 
 
 def _item(i: int, clock: FakeClock) -> AcceptItem:
@@ -292,8 +294,9 @@ def test_a_failed_accept_still_answers_the_taken_worker(
     assert waiting.result() == LOOK
 
 
-def test_handed_leaves_out_a_task_that_moved_on(db: Database, clock: FakeClock) -> None:
-    store = TaskStore(db, clock, TaskPolicy(lease_s=30))
+def test_handed_leaves_out_a_task_that_moved_on(store_target: str, clock: FakeClock) -> None:
+    db = open_any(store_target)
+    store = task_store(db, clock, TaskPolicy(lease_s=30))
     intake = store.accept_and_claim([_item(0, clock)], [("w0", 1)])
     handles = intake.claimed[0]
     assert len(handles) == 1
@@ -301,15 +304,20 @@ def test_handed_leaves_out_a_task_that_moved_on(db: Database, clock: FakeClock) 
     assert [c.fence for c in store.claim("w1")] == [2]
     assert store.handed("w0", handles) == []
     assert store.handed("w1", handles) == []  # the fence is w0's, not w1's
+    db.close()
 
 
-def test_accept_and_claim_claims_in_the_order_asked(db: Database, clock: FakeClock) -> None:
-    store = TaskStore(db, clock)
-    intake = store.accept_and_claim(
-        [_item(i, clock) for i in range(3)], [("w0", 2), ("w1", 2), ("w2", 1)]
-    )
-    assert [len(h) for h in intake.claimed] == [2, 1, 0]
-    assert store.accept_and_claim([], [("w0", 1)]).claimed == [[]]
+def test_accept_and_claim_claims_in_the_order_asked(store_target: str, clock: FakeClock) -> None:
+    with open_any(store_target) as db:
+        store = task_store(db, clock)
+        intake = store.accept_and_claim(
+            [_item(i, clock) for i in range(3)], [("w0", 2), ("w1", 2), ("w2", 1)]
+        )
+        assert [len(h) for h in intake.claimed] == [2, 1, 0]
+        assert store.accept_and_claim([], [("w0", 1)]).claimed == [[]]
+        w0, w1, _ = intake.claimed
+        handed = [store.handed("w0", w0), store.handed("w1", w1)]
+        assert [[t.owner for t in claims] for claims in handed] == [["w0", "w0"], ["w1"]]
 
 
 # -- the worker ----------------------------------------------------------------------------------
