@@ -30,10 +30,12 @@ from typing import Any, Final
 import psycopg
 from psycopg.rows import tuple_row
 
+from broker_adapter.store.migrations import CONFLICT_ID_KEY
+
 #: ``pg_advisory_xact_lock`` key of the migrating transaction (any fixed 64-bit number).
 MIGRATION_LOCK: Final = 0x62615F736368656D  # "ba_schem"
-#: The ``meta`` row holding the key of conflict-answer ids (as ``store.db.CONFLICT_ID_KEY``).
-CONFLICT_ID_KEY: Final = "conflict_id_key"
+
+__all__ = ["CONFLICT_ID_KEY", "MIGRATIONS", "SCHEMA_VERSION", "current_version", "migrate"]
 
 _V1_TABLES = """
 CREATE TABLE tasks (
