@@ -82,6 +82,42 @@ def enqueue_encoded(
     return True
 
 
+#: One reply for ``enqueue_many``: reply id, task id, principal, message id, status, the
+#: body's bytes and their hash.
+ReplySpec = tuple[str, str | None, str, str, str, bytes, str]
+
+
+def enqueue_many(
+    c: Conn, replies: Sequence[ReplySpec], now: float, claim: PublisherClaim | None = None
+) -> int:
+    """``enqueue_encoded`` for many replies in ONE statement (a settled batch's): how many
+    were inserted (a reply id, or a task's one reply, already there is skipped). With
+    ``claim`` they are written claimed by that publisher and appended to ``claim.rows``."""
+    if not replies:
+        return 0
+    columns = list(zip(*replies, strict=True))
+    arrays = (
+        "unnest(%s::text[], %s::text[], %s::text[], %s::text[], %s::text[], %s::bytea[],"
+        " %s::text[]) AS r(reply_id, task_id, principal, message_id, status, body, content_hash)"
+    )
+    names = "reply_id, task_id, principal, message_id, status, body, content_hash"
+    if claim is None:
+        cur = c.execute(
+            f"INSERT INTO outbox ({names}, state, not_before, created_at)"
+            f" SELECT {names}, 'pending', %s, %s FROM {arrays} ON CONFLICT DO NOTHING",
+            (now, now, *map(list, columns)),
+        )
+        return cur.rowcount
+    rows = c.execute(
+        f"INSERT INTO outbox ({names}, state, owner, lease_until, attempts, fence, not_before,"
+        f" created_at) SELECT {names}, 'sending', %s, %s, 1, 1, %s, %s FROM {arrays}"
+        f" ON CONFLICT DO NOTHING RETURNING {_COLUMNS}",
+        (claim.owner, claim.lease_until, now, now, *map(list, columns)),
+    ).fetchall()
+    claim.rows.extend(from_row(r) for r in rows)
+    return len(rows)
+
+
 def from_row(row: Row) -> OutboxRow:
     values = {name: row[name] for name in OutboxRow.__dataclass_fields__}
     values["body"] = bytes(values["body"])
