@@ -158,19 +158,35 @@ def mark_sent_in(
     c: Conn, owner: str, items: Sequence[SentMark], now: float
 ) -> builtins.list[StaleError | None]:
     """Record confirmed publications in the caller's transaction, each fenced on its own
-    (``store.outbox.mark_sent_in``)."""
+    (``store.outbox.mark_sent_in``): ONE UPDATE whose WHERE clause holds the publisher's
+    side of rule 10 per row; a row it left alone wrote nothing and gets
+    ``holder_refusal``'s precise refusal (as does a second mark of one reply)."""
+    first: dict[str, int] = {}
+    for i, (reply_id, *_) in enumerate(items):
+        first.setdefault(reply_id, i)
+    chosen = [items[i] for i in first.values()]
+    marked: set[int] = set()
+    if chosen:
+        rows = c.execute(
+            "UPDATE outbox o SET state = 'sent', owner = NULL, lease_until = NULL,"
+            " entry_id = v.entry_id, sent_at = v.sent_at, last_error = NULL"
+            " FROM unnest(%s::text[], %s::bigint[], %s::text[], %s::float8[])"
+            " AS v(reply_id, fence, entry_id, sent_at)"
+            " WHERE o.reply_id = v.reply_id AND o.fence = v.fence AND o.state = 'sending'"
+            " AND o.owner = %s AND o.lease_until > %s RETURNING o.reply_id",
+            ([m[0] for m in chosen], [m[1] for m in chosen], [m[2] for m in chosen],
+             [m[3] for m in chosen], owner, now),
+        ).fetchall()  # fmt: skip
+        marked = {first[r["reply_id"]] for r in rows}
     out: builtins.list[StaleError | None] = []
-    for reply_id, fence, entry_id, sent_at in items:
-        try:
-            _held_update(
-                c, reply_id, owner, fence, now,
-                "state = 'sent', owner = NULL, lease_until = NULL, entry_id = %s,"
-                " sent_at = %s, last_error = NULL", (entry_id, sent_at),
-            )  # fmt: skip
-        except StaleError as exc:
-            out.append(exc)
-        else:
+    for i, (reply_id, fence, _, _) in enumerate(items):
+        if i in marked:
             out.append(None)
+            continue
+        why = holder_refusal(c, reply_id, owner, fence, now)
+        if isinstance(why, UnknownReply):  # no such reply: as SQLite's, it aborts
+            raise why
+        out.append(why)
     return out
 
 
