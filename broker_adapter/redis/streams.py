@@ -71,6 +71,7 @@ from broker_adapter.errors import (
     RedisUnavailable,
     TransientError,
 )
+from broker_adapter.redis import cluster
 
 Fields = dict[bytes, bytes]
 T = TypeVar("T")
@@ -92,16 +93,20 @@ log = logging.getLogger("broker_adapter.redis.streams")
 
 def check_redis_url(url: str) -> str:
     """``url`` if redis-py can connect by it (``redis://``, ``rediss://`` or ``unix://``,
-    a numeric port, a numeric database).
+    a numeric port, a numeric database; or a cluster's seed node, ``redis+cluster://``
+    or ``rediss+cluster://``: see ``cluster``).
 
     Raises:
         ConfigError: why it cannot; the message never repeats the URL (it may hold a
             password).
     """
-    if not isinstance(url, str) or not url.startswith(("redis://", "rediss://", "unix://")):
-        raise ConfigError("bad Redis URL: must start with redis://, rediss:// or unix://")
+    plain = cluster.node_url(url) if cluster.is_cluster_url(url) else url
+    if not isinstance(url, str) or not plain.startswith(("redis://", "rediss://", "unix://")):
+        raise ConfigError(
+            "bad Redis URL: must start with redis://, rediss://, unix:// or redis+cluster://"
+        )
     try:
-        parse_url(url)  # type: ignore[no-untyped-call]
+        parse_url(plain)  # type: ignore[no-untyped-call]
     except ValueError as exc:
         raise ConfigError(f"bad Redis URL: {exc}") from None
     return url
@@ -117,7 +122,8 @@ def connect(
     """A redis-py client that never re-sends a command by itself.
 
     Args:
-        url: ``redis://host:port/db`` (or ``rediss://``, ``unix://``).
+        url: ``redis://host:port/db`` (or ``rediss://``, ``unix://``); a cluster's
+            ``redis+cluster://host:port`` gives a ``RedisCluster`` (``cluster``).
         socket_timeout_s: per-command socket timeout; must exceed any BLOCK used on it.
         connect_timeout_s: TCP connect timeout.
 
@@ -125,6 +131,8 @@ def connect(
         ConfigError: a malformed ``url`` (``check_redis_url``).
     """
     check_redis_url(url)
+    if cluster.is_cluster_url(url):
+        return cluster.connect_cluster(url, _client_options(socket_timeout_s, connect_timeout_s))  # type: ignore[return-value]
     return redis.Redis.from_url(
         url, retry=Retry(NoBackoff(), 0), **_client_options(socket_timeout_s, connect_timeout_s)
     )
@@ -147,6 +155,8 @@ def translated() -> Iterator[None]:
         yield
     except (redis.ConnectionError, redis.TimeoutError) as exc:
         raise RedisUnavailable(f"redis unavailable: {exc}") from exc
+    except cluster.TRANSIENT_CLUSTER_ERRORS as exc:  # redis-py strips their code words
+        raise RedisUnavailable(f"redis cluster: {type(exc).__name__}: {exc}") from exc
     except redis.ResponseError as exc:
         text = str(exc)
         if text.startswith("NOGROUP"):
@@ -156,6 +166,8 @@ def translated() -> Iterator[None]:
         raise BrokerAdapterError(f"redis error: {text}") from exc
     except redis.RedisError as exc:
         raise RedisUnavailable(f"redis error: {exc}") from exc
+    except redis.exceptions.RedisClusterException as exc:
+        raise cluster.translate(exc) from exc
 
 
 def call(fn: Callable[[], T]) -> T:
@@ -429,6 +441,8 @@ class GroupReader:
             RedisUnavailable: the send failed (the reader is reset).
         """
         if not self._full or self._replaying or self._ahead or self._inflight is not None:
+            return False
+        if cluster.is_cluster(self.client):  # a held connection would not follow a moved slot
             return False
         self._full = False
         conn = _pool_connection(self.client.connection_pool)
@@ -882,6 +896,11 @@ def exchange(
             commands may have run), or an error reply with ``raise_errors``. Callers
             translate (``translated``).
     """
+    if cluster.is_cluster(client):
+        return cluster.routed_exchange(
+            client,  # type: ignore[arg-type]
+            commands, exchange, raise_errors=raise_errors, raw=raw,
+        )  # fmt: skip
     pool = client.connection_pool
     conn = _pool_connection(pool)
     replies: list[Any] = []
@@ -1050,6 +1069,12 @@ def connect_async(
     from redis.asyncio.retry import Retry as AsyncRetry
 
     check_redis_url(url)
+    if cluster.is_cluster_url(url):
+        return redis.asyncio.RedisCluster.from_url(  # type: ignore[return-value]
+            cluster.node_url(url),
+            retry=AsyncRetry(NoBackoff(), 0),
+            **_client_options(socket_timeout_s, connect_timeout_s),
+        )
     return redis.asyncio.Redis.from_url(
         url,
         retry=AsyncRetry(NoBackoff(), 0),

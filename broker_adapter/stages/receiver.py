@@ -87,6 +87,7 @@ from broker_adapter.errors import (
 from broker_adapter.protocol.envelope import loads_strict, sha256_hex
 from broker_adapter.protocol.keys import DEFAULT_PREFIX, RECEIVER_GROUP, Keys
 from broker_adapter.protocol.signing import REPLY_WIRE_VERSION, Keyring
+from broker_adapter.redis.cluster import socket_timeout
 from broker_adapter.redis.streams import (
     DEFAULT_MAX_ENTRY_FIELDS,
     MAX_ENTRY_FIELDS,
@@ -371,7 +372,7 @@ class Receiver:
                 f"keyring has no keys for principal {config.principal!r}: its replies"
                 " cannot be verified"
             )
-        timeout = client.connection_pool.connection_kwargs.get("socket_timeout")
+        timeout = socket_timeout(client)
         if timeout is not None and float(timeout) * 1000 <= config.block_ms:
             raise ConfigError(
                 f"socket timeout {timeout} s must exceed block_ms {config.block_ms} ms"
