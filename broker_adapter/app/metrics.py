@@ -384,7 +384,17 @@ class AdapterCollector:
 
 
 def redis_client(url: str) -> Any:
-    """A client for the exporter's own looks, with short timeouts."""
+    """A client for the exporter's own looks, with short timeouts (a cluster's for a
+    ``redis+cluster://`` URL).
+
+    Raises:
+        RedisUnavailable: a cluster none of whose seed nodes answered.
+    """
+    from broker_adapter.redis.cluster import is_cluster_url
+    from broker_adapter.redis.streams import connect
+
+    if is_cluster_url(url):
+        return connect(url, socket_timeout_s=CHECK_TIMEOUT_S, connect_timeout_s=CHECK_TIMEOUT_S)
     return redis.Redis.from_url(
         url, socket_timeout=CHECK_TIMEOUT_S, socket_connect_timeout=CHECK_TIMEOUT_S
     )
@@ -482,13 +492,15 @@ def redis_check(url: str) -> Callable[[], str | None]:
     """PING within ``CHECK_TIMEOUT_S``; the problem, or ``None``."""
 
     def check() -> str | None:
-        client = redis_client(url)
+        client = None
         try:
+            client = redis_client(url)
             client.ping()
-        except redis.RedisError as exc:
+        except (redis.RedisError, BrokerAdapterError) as exc:
             return f"redis: {type(exc).__name__}: {exc}"
         finally:
-            client.close()
+            if client is not None:
+                client.close()
         return None
 
     return check

@@ -91,8 +91,29 @@ def connect_cluster(url: str, options: dict[str, Any]) -> RedisCluster:
         url: ``redis+cluster://[user:password@]host:port`` (no database: a cluster has
             only database 0).
         options: the socket options ``streams.connect`` gives every client.
+
+    Raises:
+        RedisUnavailable: no node answered: unlike a single Redis's client, a cluster's
+            reads the slot map when it is made, so the cluster must be up at start.
     """
-    return RedisCluster.from_url(node_url(url), retry=Retry(NoBackoff(), 0), **options)
+    try:
+        return RedisCluster.from_url(node_url(url), retry=Retry(NoBackoff(), 0), **options)
+    except (redis.RedisError, RedisClusterException) as exc:
+        raise RedisUnavailable(f"redis cluster unreachable: {exc}") from exc
+
+
+def connect_cluster_async(url: str, socket_timeout_s: float, connect_timeout_s: float) -> Any:
+    """The ``redis.asyncio`` twin of ``connect_cluster`` (it reads the slot map at its
+    first command)."""
+    import redis.asyncio
+    from redis.asyncio.retry import Retry as AsyncRetry
+
+    return redis.asyncio.RedisCluster.from_url(
+        node_url(url),
+        retry=AsyncRetry(NoBackoff(), 0),
+        socket_timeout=socket_timeout_s,
+        socket_connect_timeout=connect_timeout_s,
+    )
 
 
 def socket_timeout(client: Any) -> float | None:

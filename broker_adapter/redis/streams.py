@@ -129,6 +129,9 @@ def connect(
 
     Raises:
         ConfigError: a malformed ``url`` (``check_redis_url``).
+        RedisUnavailable: a cluster none of whose seed nodes answered (a cluster client
+            reads the slot map when it is made; a single Redis's connects at its first
+            command).
     """
     check_redis_url(url)
     if cluster.is_cluster_url(url):
@@ -1070,11 +1073,7 @@ def connect_async(
 
     check_redis_url(url)
     if cluster.is_cluster_url(url):
-        return redis.asyncio.RedisCluster.from_url(  # type: ignore[return-value]
-            cluster.node_url(url),
-            retry=AsyncRetry(NoBackoff(), 0),
-            **_client_options(socket_timeout_s, connect_timeout_s),
-        )
+        return cluster.connect_cluster_async(url, socket_timeout_s, connect_timeout_s)  # type: ignore[no-any-return]
     return redis.asyncio.Redis.from_url(
         url,
         retry=AsyncRetry(NoBackoff(), 0),

@@ -4,6 +4,8 @@ under a reader (ASK, then MOVED); a master SIGKILLed mid-run with its replica pr
 
 from __future__ import annotations
 
+import asyncio
+import json
 import threading
 from collections import Counter
 from pathlib import Path
@@ -13,7 +15,7 @@ import pytest
 from redis.crc import key_slot
 from redis.exceptions import AskError
 
-from broker_adapter.client.publisher import Publisher
+from broker_adapter.client.publisher import AsyncPublisher, Publisher
 from broker_adapter.clock import FakeClock
 from broker_adapter.protocol.envelope import Envelope
 from broker_adapter.protocol.keys import Keys, partition_of
@@ -22,8 +24,10 @@ from broker_adapter.redis.streams import (
     GroupReader,
     ReaderConfig,
     connect,
+    connect_async,
     eval_many,
     retrying,
+    text,
 )
 from broker_adapter.stages.dispatcher import LossEvent
 from broker_adapter.stages.ingest import IngestConfig, Ingestor
@@ -268,3 +272,70 @@ def test_one_round_trip_of_scripts_on_several_masters_runs_each_where_its_keys_a
     assert eval_many(client, script, [([k], []) for k in keys]) == [1] * len(keys)
     assert eval_many(client, script, [([k], []) for k in keys]) == [2] * len(keys)
     assert [int(client.get(k)) for k in keys] == [2] * len(keys)  # type: ignore[arg-type]
+
+
+def test_cli_run_publish_receive_status_on_the_cluster_with_partitions(
+    redis_cluster: RedisCluster,  # noqa: F811
+    tmp_path: Path,
+    keyring: Keyring,
+    prefix: str,
+) -> None:
+    from tests.integration.test_cli import _cli, _publish, _receipts, _receive, _start_run, _stop
+
+    url, keys_file = redis_cluster.url, tmp_path / "keys.json"  # the keyring fixture's file
+    n, db, rdb = 6, tmp_path / "adapter.db", tmp_path / "receiver.db"
+    for p in PRINCIPALS:
+        _publish(url, keys_file, prefix, p, n, "--partitions", "3")
+    keys, client = Keys(prefix), connect(url)
+    junk = keys.inbound_partition(1)
+    client.xadd(junk, {"v": "1", "env": "{not json", "kid": "k1", "sig": "00"})
+    proc = _start_run(url, db, keys_file, prefix, "--partitions", "3")
+    try:
+        wait_for(
+            lambda: count_rows(db, "SELECT count(*) FROM outbox WHERE state = 'sent'") == 2 * n,
+            "all replies sent",
+        )
+        wait_for(lambda: client.xlen(keys.dead_for(junk)) == 1, "the dead letter")
+    finally:
+        assert _stop(proc) == 0
+    for p in PRINCIPALS:
+        _receive(url, rdb, prefix, p, keys_file)
+    receipts = _receipts(rdb)
+    assert sorted(r["message_id"] for r in receipts) == sorted([f"m{i}" for i in range(n)] * 2)
+    assert all(r["effects"] == 1 and r["status"] == "done" for r in receipts)
+    common = ["--db", str(db), "--redis", url, "--prefix", prefix, "--json"]
+    status = _cli("status", *common)
+    assert status.returncode == 0, status.stderr
+    report = json.loads(status.stdout)
+    # SCAN went over every master: every partition (the ingest created the empty ones).
+    assert set(report["redis"]["inbound"]) == set(keys.inbound_partitions(3))
+    assert all(s["pending"] == 0 for s in report["redis"]["inbound"].values())
+    # A dead letter goes back to its partition (MULTI/EXEC within one slot).
+    (item,) = [
+        json.loads(line) for line in _cli("dead-letters", "list", *common).stdout.splitlines()
+    ]
+    replayed = _cli("dead-letters", "replay", *common, item["entry_id"])
+    assert replayed.returncode == 0, replayed.stderr
+    assert json.loads(replayed.stdout)["replayed_to"] == junk
+    assert client.xlen(keys.dead_for(junk)) == 0
+
+
+def test_the_async_publisher_writes_its_partition_on_the_cluster(
+    redis_cluster: RedisCluster,  # noqa: F811
+    prefix: str,
+    keyring: Keyring,
+) -> None:
+    keys = Keys(prefix)
+
+    async def publish() -> str:
+        client = connect_async(redis_cluster.url)
+        try:
+            publisher = AsyncPublisher(client, keys, "bob", keyring, partitions=4)
+            return await publisher.publish(envelope("a1", sender="bob"))
+        finally:
+            await client.aclose()
+
+    entry_id = asyncio.run(publish())
+    stream = keys.inbound_partition(partition_of("bob", 4))
+    entries: Any = connect(redis_cluster.url).xrange(stream)
+    assert [text(e[0]) for e in entries] == [entry_id]

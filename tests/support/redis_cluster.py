@@ -42,6 +42,7 @@ class ClusterNode(RedisServer):
             "--cluster-config-file", str(self.workdir / "nodes.conf"),
             "--cluster-node-timeout", str(NODE_TIMEOUT_MS),
             "--cluster-require-full-coverage", "yes",
+            "--repl-diskless-sync-delay", "0",  # the replica syncs at once, not after 5 s
         ]  # fmt: skip
 
     @property
