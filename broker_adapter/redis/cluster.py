@@ -23,6 +23,12 @@ against one Redis:
 * Every Lua script names only keys of one hash tag (see ``protocol.keys``), so each runs
   on one master; redis-py checks that for ``Script`` calls, ``routed_exchange`` for
   EVALSHA.
+* The dispatcher's data-loss watch reads ``cluster_server_info``: every master's
+  ``run_id``, so a failover of any master reads as a restart. The epoch key lives on one
+  master: a wipe is seen for that master only.
+* A cluster client reads the slot map when it is made: ``connect`` fails
+  (``RedisUnavailable``) while no seed node answers, where a single Redis's client
+  connects at its first command.
 
 Data a master acknowledged but had not yet replicated is lost when it dies and its
 replica is promoted (Redis replication is asynchronous): see README "Scaling out".
