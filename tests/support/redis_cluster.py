@@ -135,6 +135,23 @@ class RedisCluster:
             info = c.info("replication")
         return bool(info.get("role") == "slave" and info.get("master_link_status") == "up")
 
+    def replica_caught_up(self, timeout_s: float = 5.0) -> bool:
+        """Whether the replica has applied everything its master had written when asked
+        (replication offsets), within ``timeout_s``: what it holds then survives a
+        failover."""
+        with self.replicated_master.client(socket_timeout=2) as master:
+            target = int(master.info("replication")["master_repl_offset"])
+
+        def applied() -> bool:
+            with self.replica.client(socket_timeout=2) as replica:
+                return int(replica.info("replication")["slave_repl_offset"]) >= target
+
+        try:
+            wait_until("the replica caught up", applied, timeout_s)
+        except TimeoutError:
+            return False
+        return True
+
     def kill_and_promote(self) -> ClusterNode:
         """SIGKILL the replicated master and wait until its replica is promoted and the
         cluster is whole again. Returns the killed node."""
