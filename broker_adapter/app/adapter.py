@@ -39,7 +39,7 @@ from broker_adapter.errors import (
     StoreBusy,
     TransientError,
 )
-from broker_adapter.protocol.keys import DEFAULT_PREFIX, Keys
+from broker_adapter.protocol.keys import DEFAULT_PREFIX, MAX_PARTITIONS, Keys
 from broker_adapter.protocol.signing import Keyring
 from broker_adapter.redis.client import RedisUrl, connect
 from broker_adapter.redis.reader import DEFAULT_CLAIM_MIN_IDLE_MS
@@ -78,6 +78,8 @@ class RunConfig(ConfigModel):
             (both modes: in ACL mode each ACL principal needs its reply keys in it).
         mode: ``signed`` (HMAC per entry) or ``acl`` (the stream fixes the principal).
         acl_principals: in ACL mode, whose streams to read.
+        partitions: in signed mode, how many inbound partition streams ingest reads
+            (``IngestConfig.partitions``).
         prefix: Redis key prefix.
         name: this adapter's stable name (consumer and owner names derive from it).
         lease_s: task lease.
@@ -106,6 +108,7 @@ class RunConfig(ConfigModel):
     keyring_path: Path | None = None
     mode: Literal["signed", "acl"] = "signed"
     acl_principals: tuple[Principal, ...] = ()
+    partitions: int = Field(default=1, ge=1, le=MAX_PARTITIONS)
     prefix: KeyPrefix = DEFAULT_PREFIX
     name: str = Field(default_factory=lambda: socket.gethostname().split(".")[0] or "adapter")
     lease_s: float = Field(default=30.0, gt=0)
@@ -141,6 +144,8 @@ class RunConfig(ConfigModel):
             )
         if self.mode == "acl" and not self.acl_principals:
             raise ValueError("acl mode needs at least one principal (--acl-principal P)")
+        if self.mode == "acl" and self.partitions != 1:
+            raise ValueError("--partitions is for signed mode (ACL mode reads one stream each)")
         return self
 
 
@@ -284,6 +289,7 @@ class Runner:
                 consumer=f"{cfg.name}-ingest",
                 mode=cfg.mode,
                 acl_principals=cfg.acl_principals,
+                partitions=cfg.partitions,
                 claim_min_idle_ms=cfg.claim_min_idle_ms,
                 rate_limit=cfg.rate_limit,
                 rate_burst=cfg.rate_burst,

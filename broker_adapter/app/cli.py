@@ -91,7 +91,8 @@ def _option(
 
 def _add_redis(p: argparse.ArgumentParser, required: bool = True) -> None:
     what = "the Redis holding the streams" if required else "also report what Redis holds"
-    _option(p, "--redis", f"Redis URL (redis://, rediss:// or unix://): {what}",
+    _option(p, "--redis", f"Redis URL (redis://, rediss://, unix://, or a cluster node's"
+            f" redis+cluster://): {what}",
             env="BA_REDIS_URL", required=required, metavar="URL")  # fmt: skip
 
 
@@ -119,6 +120,12 @@ def _add_metrics(p: argparse.ArgumentParser) -> None:
             env="BA_METRICS_PORT", shown="off", type=int, metavar="PORT")  # fmt: skip
     _option(p, "--metrics-host", "the address the metrics port binds", env="BA_METRICS_HOST",
             default="127.0.0.1", metavar="HOST")  # fmt: skip
+
+
+def _add_partitions(p: argparse.ArgumentParser) -> None:
+    _option(p, "--partitions", "signed mode: inbound partition streams, a principal's by a"
+            " stable hash (docs/PROTOCOL.md); publishers and the adapter must agree",
+            env="BA_PARTITIONS", default=1, type=int, metavar="P")  # fmt: skip
 
 
 def _add_json(p: argparse.ArgumentParser) -> None:
@@ -149,6 +156,7 @@ def _add_run(sub: argparse._SubParsersAction[_Parser]) -> None:
             " (repeat the flag; the variable takes a comma-separated list)",
             env="BA_ACL_PRINCIPALS", default=[], action=_AppendOrEnv,
             dest="acl_principals", metavar="P")  # fmt: skip
+    _add_partitions(run)
     _option(run, "--name", "this adapter's stable name (consumer and owner names derive"
             " from it)", env="BA_NAME", shown="the host name")  # fmt: skip
     _option(run, "--lease", "a claimed task's lease, seconds; renewed every third of it",
@@ -181,6 +189,7 @@ def _add_publish(sub: argparse._SubParsersAction[_Parser]) -> None:
     _add_keyring(pub, "holds the principal's signing keys")
     _option(pub, "--key-id", "the key to sign with", env="BA_KEY_ID",
             shown="the principal's first key", metavar="KID")  # fmt: skip
+    _add_partitions(pub)
     _option(pub, "--id", "the message id; resend the same id until a reply arrives",
             env="BA_MESSAGE_ID", required=True, dest="message_id", metavar="ID")  # fmt: skip
     _option(pub, "--payload", "the task's payload, a JSON object", env="BA_PAYLOAD",
@@ -304,6 +313,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         "keyring_path": Path(args.keyring) if args.keyring else None,
         "mode": args.mode,
         "acl_principals": tuple(args.acl_principals),
+        "partitions": args.partitions,
         "prefix": args.prefix,
         "lease_s": args.lease,
         "grace_s": args.grace,
@@ -347,7 +357,7 @@ def cmd_publish(args: argparse.Namespace) -> int:
     except EnvelopeError as exc:  # built from the flags: a usage error
         raise ConfigError(f"the envelope is refused: {exc}") from None
     publisher = Publisher(connect(args.redis), Keys(args.prefix), args.principal, keyring,
-                          key_id=args.key_id)  # fmt: skip
+                          key_id=args.key_id, partitions=args.partitions)  # fmt: skip
     entry_id = publisher.publish(envelope)
     _print_json(
         {

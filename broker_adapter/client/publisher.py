@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 
 from broker_adapter.errors import AuthError, ConfigError, EnvelopeError
 from broker_adapter.protocol.envelope import Envelope, check_principal
-from broker_adapter.protocol.keys import Keys
+from broker_adapter.protocol.keys import Keys, partition_of
 from broker_adapter.protocol.signing import Keyring, unsigned_fields
 from broker_adapter.redis.client import text, translated
 
@@ -43,7 +43,12 @@ class _Signer:
     """What both publishers share: where to write and which fields to write."""
 
     def __init__(
-        self, keys: Keys, principal: str, keyring: Keyring | None, key_id: str | None
+        self,
+        keys: Keys,
+        principal: str,
+        keyring: Keyring | None,
+        key_id: str | None,
+        partitions: int = 1,
     ) -> None:
         try:
             self.principal = check_principal(principal, "principal")
@@ -63,7 +68,7 @@ class _Signer:
             if key_id is not None and key_id not in kids:
                 raise ConfigError(f"principal {principal!r} has no key {key_id!r}")
             self.key_id = key_id or kids[0]
-            self.stream = keys.inbound()
+            self.stream = keys.inbound_partition(partition_of(principal, partitions))
 
     def fields(self, envelope: Envelope) -> dict[str, bytes]:
         """The entry fields for ``envelope`` (signed unless in ACL mode).
@@ -92,9 +97,12 @@ class Publisher:
         principal: who publishes; every envelope's ``sender`` must equal it.
         keyring: signs entries (signed mode); ``None`` for ACL mode.
         key_id: the key to sign with; default the principal's first key.
+        partitions: how many inbound partitions the ingest reads (signed mode; the
+            adapter's ``--partitions``): entries go to ``partition_of(principal, P)``.
 
     Raises:
-        ConfigError: bad principal, or the keyring has no such principal or key.
+        ConfigError: bad principal, or the keyring has no such principal or key, or
+            ``partitions`` out of range.
     """
 
     def __init__(
@@ -104,9 +112,11 @@ class Publisher:
         principal: str,
         keyring: Keyring | None,
         key_id: str | None = None,
+        *,
+        partitions: int = 1,
     ) -> None:
         self.client = client
-        self._signer = _Signer(keys, principal, keyring, key_id)
+        self._signer = _Signer(keys, principal, keyring, key_id, partitions)
 
     @property
     def stream(self) -> str:
@@ -140,6 +150,8 @@ class AsyncPublisher:
         principal: who publishes.
         keyring: signs entries (signed mode); ``None`` for ACL mode.
         key_id: the key to sign with; default the principal's first key.
+        partitions: how many inbound partitions the ingest reads (signed mode; the
+            adapter's ``--partitions``): entries go to ``partition_of(principal, P)``.
     """
 
     def __init__(
@@ -149,9 +161,11 @@ class AsyncPublisher:
         principal: str,
         keyring: Keyring | None,
         key_id: str | None = None,
+        *,
+        partitions: int = 1,
     ) -> None:
         self.client = client
-        self._signer = _Signer(keys, principal, keyring, key_id)
+        self._signer = _Signer(keys, principal, keyring, key_id, partitions)
 
     @property
     def stream(self) -> str:

@@ -40,6 +40,7 @@ from pydantic import Field
 
 from broker_adapter.config import ConfigModel
 from broker_adapter.errors import BrokerAdapterError, GroupMissingError, RedisUnavailable
+from broker_adapter.redis import cluster
 from broker_adapter.redis.client import text, translated
 from broker_adapter.redis.dead_lettering import DeadLetterWriter
 from broker_adapter.redis.entry import StreamEntry
@@ -279,6 +280,8 @@ class GroupReader:
             RedisUnavailable: the send failed (the reader is reset).
         """
         if not self._full or self._replaying or self._ahead or self._inflight is not None:
+            return False
+        if cluster.is_cluster(self.client):  # a held connection would not follow a moved slot
             return False
         self._full = False
         try:

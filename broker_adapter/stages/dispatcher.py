@@ -159,6 +159,8 @@ from broker_adapter.protocol.deadletter import encodable
 from broker_adapter.protocol.keys import DEFAULT_PREFIX, Keys
 from broker_adapter.protocol.signing import REPLY_WIRE_VERSION, Keyring
 from broker_adapter.redis.client import call, text, translated
+from broker_adapter.redis.cluster import cluster_server_info, is_cluster
+from broker_adapter.redis.internals import exchange
 from broker_adapter.redis.scripts import eval_many
 from broker_adapter.redis.trimming import (
     DEFAULT_TRIM_EVERY_S,
@@ -604,11 +606,10 @@ class Dispatcher:
         """
         now = self.clock.now()
         epoch_key = self.keys.epoch()
-        with translated():
-            pipe = self.client.pipeline(transaction=False)
-            pipe.get(epoch_key)
-            pipe.info("server")
-            raw_epoch, info = pipe.execute(raise_on_error=False)
+        with translated():  # one round trip; on a cluster, INFO goes to the epoch key's master
+            raw_epoch, info = exchange(
+                self.client, [("GET", epoch_key), ("INFO", "server")], raise_errors=False
+            )
         if isinstance(raw_epoch, Exception):
             with translated():
                 raise raw_epoch
@@ -617,6 +618,9 @@ class Dispatcher:
             # only the epoch key can be watched.
             self._note_info_refused(info)
             info = {}
+        elif is_cluster(self.client):
+            with translated():  # every master's: a failover anywhere reads as a restart
+                info = cluster_server_info(self.client)
         epoch = None if raw_epoch is None else text(raw_epoch)
         run_id = str(info.get("run_id", ""))
         uptime_s = float(info.get("uptime_in_seconds", 0))

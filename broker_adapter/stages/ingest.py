@@ -76,8 +76,9 @@ from broker_adapter.errors import (
     TransientError,
 )
 from broker_adapter.protocol import deadletter
-from broker_adapter.protocol.keys import DEFAULT_PREFIX, INGEST_GROUP, Keys
+from broker_adapter.protocol.keys import DEFAULT_PREFIX, INGEST_GROUP, MAX_PARTITIONS, Keys
 from broker_adapter.protocol.signing import Authenticated, Keyring, check_stream_principal
+from broker_adapter.redis.cluster import socket_timeout
 from broker_adapter.redis.entry import StreamEntry
 from broker_adapter.redis.reader import (
     DEFAULT_BLOCK_MS,
@@ -123,6 +124,8 @@ class IngestConfig(ConfigModel):
         mode: ``signed`` (one shared stream, HMAC per entry) or ``acl`` (one stream per
             principal, Redis ACLs decide who may write it).
         acl_principals: the principals whose streams are read in ACL mode.
+        partitions: in signed mode, how many inbound partition streams are read
+            (``keys.partition_of``; 1, the default, is the one shared stream).
         count: entries per read; one accept transaction and one XACK per batch.
         block_ms: how long a read of new entries blocks (split across streams in ACL mode).
         claim_min_idle_ms: entries idle this long in another consumer's list are taken over.
@@ -149,6 +152,7 @@ class IngestConfig(ConfigModel):
     consumer: str
     mode: Literal["signed", "acl"] = "signed"
     acl_principals: tuple[Principal, ...] = ()
+    partitions: int = Field(default=1, ge=1, le=MAX_PARTITIONS)
     count: int = Field(default=DEFAULT_COUNT, ge=1, le=MAX_COUNT)
     block_ms: int = Field(default=DEFAULT_BLOCK_MS, ge=1)
     claim_min_idle_ms: int = Field(default=DEFAULT_CLAIM_MIN_IDLE_MS, ge=1)
@@ -185,6 +189,8 @@ class IngestConfig(ConfigModel):
             raise ValueError("ACL mode needs acl_principals (whose streams to read)")
         if self.mode == "signed" and self.acl_principals:
             raise ValueError("acl_principals is for ACL mode only")
+        if self.mode == "acl" and self.partitions != 1:
+            raise ValueError("partitions is for signed mode (ACL mode reads one stream each)")
         return self
 
 
@@ -274,11 +280,16 @@ class Ingestor:
             self.clock, rate_limit=config.rate_limit, rate_burst=config.rate_burst,
             max_open_tasks=config.max_open_tasks, open_counts=tasks.open_counts,
         )  # fmt: skip
-        principals: Sequence[str | None] = (
-            list(config.acl_principals) if config.mode == "acl" else [None]
-        )
-        block_ms = max(1, config.block_ms // len(principals))
-        timeout = client.connection_pool.connection_kwargs.get("socket_timeout")
+        # (stream, dead-letter stream, principal bound to it): one per ACL principal, or
+        # the signed mode's partitions (one: the shared stream).
+        streams: Sequence[tuple[str, str, str | None]] = (
+            [(self.keys.inbound(p), self.keys.inbound_dead(p), p) for p in config.acl_principals]
+            if config.mode == "acl"
+            else [(s, self.keys.dead_for(s), None)
+                  for s in self.keys.inbound_partitions(config.partitions)]
+        )  # fmt: skip
+        block_ms = max(1, config.block_ms // len(streams))
+        timeout = socket_timeout(client)
         if timeout is not None and float(timeout) * 1000 <= block_ms:
             raise ConfigError(
                 f"client socket timeout {timeout}s must exceed block_ms={block_ms}: a blocked "
@@ -295,17 +306,11 @@ class Ingestor:
         self._sources = [
             _Source(
                 GroupReader(
-                    client,
-                    self.keys.inbound(p),
-                    INGEST_GROUP,
-                    config.consumer,
-                    self.keys.inbound_dead(p),
-                    reader_config,
-                    self.log,
+                    client, stream, INGEST_GROUP, config.consumer, dead, reader_config, self.log
                 ),
                 p,
             )
-            for p in principals
+            for stream, dead, p in streams
         ]
         self._next_take_over = float("-inf")
         self._next_trim = self.clock.now() + config.trim_every_s

@@ -90,6 +90,7 @@ from broker_adapter.protocol.keys import DEFAULT_PREFIX, RECEIVER_GROUP, Keys
 from broker_adapter.protocol.reply import BadReply, Reply, load_body
 from broker_adapter.protocol.signing import REPLY_WIRE_VERSION, Keyring
 from broker_adapter.redis.client import text, translated
+from broker_adapter.redis.cluster import socket_timeout
 from broker_adapter.redis.entry import StreamEntry
 from broker_adapter.redis.reader import (
     DEFAULT_BLOCK_MS,
@@ -326,7 +327,7 @@ class Receiver:
                 f"keyring has no keys for principal {config.principal!r}: its replies"
                 " cannot be verified"
             )
-        timeout = client.connection_pool.connection_kwargs.get("socket_timeout")
+        timeout = socket_timeout(client)
         if timeout is not None and float(timeout) * 1000 <= config.block_ms:
             raise ConfigError(
                 f"socket timeout {timeout} s must exceed block_ms {config.block_ms} ms"

@@ -72,12 +72,18 @@ def keyring(tmp_path: Path) -> Path:
 
 
 def _publish(
-    redis_url: str, keyring: Path, prefix: str, principal: str, n: int, start: int = 0
+    redis_url: str,
+    keyring: Path,
+    prefix: str,
+    principal: str,
+    n: int,
+    *extra: str,
+    start: int = 0,
 ) -> None:
     for i in range(start, start + n):
         res = _cli("publish", "--redis", redis_url, "--principal", principal, "--keyring",
                    str(keyring), "--prefix", prefix, "--id", f"m{i}",
-                   "--payload", json.dumps({"i": i}))  # fmt: skip
+                   "--payload", json.dumps({"i": i}), *extra)  # fmt: skip
         assert res.returncode == 0, res.stderr
         ack = json.loads(res.stdout)
         assert ack["message_id"] == f"m{i}"
