@@ -19,12 +19,13 @@ happened (``after_reconcile``):
   ``ReconcilePolicy.max_tries`` it waits for an operator (``broker-adapter reconcile``).
 
 An action that ``requires_approval`` runs only while an approval record exists for its
-action, target and scope (``EffectsStore.valid_approval``, asked right before the effect);
+action, target and scope (``ApprovalStore.valid_approval``, asked right before the effect);
 without one the task waits in ``waiting_approval``.
 
 The decisions (``after_call``, ``after_reconcile``) are pure functions; the ``Reconciler``
-applies them through ``EffectsStore``, each in its own short transaction, with the reconcile
-and compensation functions called between them (``docs/RULES.md`` rule 9).
+applies them through ``EffectsStore`` (approvals: ``ApprovalStore``), each in its own short
+transaction, with the reconcile and compensation functions called between them
+(``docs/RULES.md`` rule 9).
 """
 
 from __future__ import annotations
@@ -44,7 +45,8 @@ from broker_adapter.errors import ConfigError, StaleError
 from broker_adapter.protocol.envelope import canonical_json
 from broker_adapter.protocol.idempotency import EFFECT_KEY_VERSION, Intent, effect_key
 from broker_adapter.stages.handlers import describe_error
-from broker_adapter.store.effects import Approval, EffectsStore, ReconcileClaim
+from broker_adapter.store.approvals import Approval, ApprovalStore
+from broker_adapter.store.effects import EffectsStore, ReconcileClaim
 from broker_adapter.store.tasks import ClaimedTask
 
 log = logging.getLogger("broker_adapter.effects")
@@ -375,19 +377,21 @@ class Reconciler:
 # -- approvals ------------------------------------------------------------------------------
 
 
-def current_approval(effects: EffectsStore, spec: EffectSpec, task: ClaimedTask) -> Approval | None:
+def current_approval(
+    approvals: ApprovalStore, spec: EffectSpec, task: ClaimedTask
+) -> Approval | None:
     """The approval that lets ``task`` (of an effect that ``requires_approval``) run its
     effect now, or ``None``. Ask right before the effect: a record revoked or expired since
     the claim stops it. Nothing in the task's payload counts, only the approval records."""
     target, scope = spec.approval_of(task)
-    return effects.valid_approval(spec.action, target, scope)
+    return approvals.valid_approval(spec.action, target, scope)
 
 
 def hold_for_approval(
-    effects: EffectsStore, spec: EffectSpec, task: ClaimedTask, timeout_s: float
+    approvals: ApprovalStore, spec: EffectSpec, task: ClaimedTask, timeout_s: float
 ) -> float:
     """Park ``task`` in ``waiting_approval`` for its approval (its holder found none).
     Returns when the wait ends without one."""
     target, scope = spec.approval_of(task)
-    return effects.wait_for_approval(task.task_id, task.owner, task.fence, spec.action, target,
+    return approvals.wait_for_approval(task.task_id, task.owner, task.fence, spec.action, target,
                                      scope, timeout_s)  # fmt: skip

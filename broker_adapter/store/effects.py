@@ -1,5 +1,6 @@
 """Effects beyond our transaction: the records and state changes behind ``unknown``,
-reconciliation, compensation, approvals and cancel requests (schema migration 7).
+reconciliation, compensation and cancel requests (schema migration 7; approvals are
+``approvals.py``).
 
 ::
 
@@ -8,8 +9,6 @@ reconciliation, compensation, approvals and cancel requests (schema migration 7)
             ──"it happened"──> done (the observed result, with its reply)
             ──"it did not"──> pending (retry) | failed (no attempt left) | expired (deadline)
             ──"still unknown"──> unknown (backs off; after the limit: waits for an operator)
-    running ──no valid approval──> waiting_approval ──approval──> pending
-                                                   ──approval timeout──> failed
 
 A task's attempt marks its effect as started (``mark_effect_started``: the fence of that
 attempt in ``effect_fence``) before the effect; a lease that runs out on an attempt so marked
@@ -21,9 +20,6 @@ to ``reconcile_log`` in the transaction that acts on it. A compensation has one 
 (task, kind): it is begun at most once, so it runs at most once; one begun and never ended
 (a crash) stays ``started`` for an operator.
 
-Approvals are written only through ``grant_approval`` by an approver the caller has
-authenticated (the CLI, an API): nothing in a task's payload can make or stand for one.
-
 No handler, network or Redis call runs inside these transactions (``docs/RULES.md`` rule 9):
 each method is one short transaction; the reconcile and compensation functions run between
 them.
@@ -32,7 +28,6 @@ them.
 from __future__ import annotations
 
 import json
-import os
 import sqlite3
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -43,19 +38,6 @@ from broker_adapter.store.tasks import ClaimedTask, TaskState, TaskStore, Unknow
 
 ReconcileOutcome = Literal["done", "not-done", "unknown"]
 CompensationOutcome = Literal["done", "failed"]
-
-
-@dataclass(frozen=True)
-class Approval:
-    approval_id: str
-    action: str
-    target: str
-    scope: str
-    approver: str
-    granted_at: float
-    expires_at: float
-    revoked_at: float | None
-    revoked_by: str | None
 
 
 @dataclass(frozen=True)
@@ -447,151 +429,18 @@ class EffectsStore:
             ).fetchall()
         return [CompensationRecord(**dict(r)) for r in rows]
 
-    # -- approvals ------------------------------------------------------------------------
-
-    def grant_approval(
-        self, action: str, target: str, scope: str, approver: str, expires_at: float
-    ) -> str:
-        """Record an approval of ``action`` on ``target`` within ``scope`` until
-        ``expires_at``. ``approver`` must come from an authenticated check of the caller.
-
-        Returns:
-            the approval's id.
-
-        Raises:
-            ValueError: an empty field, or ``expires_at`` not after now.
-        """
-        if not (action and target and scope and approver):
-            raise ValueError("an approval needs an action, a target, a scope and an approver")
-        now = self.clock.now()
-        if expires_at <= now:
-            raise ValueError(f"expires_at {expires_at!r} is not after now ({now!r})")
-        approval_id = f"a-{os.urandom(16).hex()}"
-        with self.db.write("approval_grant") as c:
-            c.execute(
-                "INSERT INTO approvals (approval_id, action, target, scope, approver,"
-                " granted_at, expires_at) VALUES (?, ?, ?, ?, ?, ?, ?)",
-                (approval_id, action, target, scope, approver, now, expires_at),
-            )
-        return approval_id
-
-    def revoke_approval(self, approval_id: str, by: str) -> bool:
-        """Revoke an approval. Returns False if there is none by that id or it was
-        revoked already."""
-        now = self.clock.now()
-        with self.db.write("approval_revoke") as c:
-            return bool(
-                c.execute(
-                    "UPDATE approvals SET revoked_at = ?, revoked_by = ?"
-                    " WHERE approval_id = ? AND revoked_at IS NULL",
-                    (now, by, approval_id),
-                ).rowcount
-            )
-
-    def valid_approval(
-        self, action: str, target: str, scope: str, now: float | None = None
-    ) -> Approval | None:
-        """An approval of exactly this action, target and scope, granted by ``now``, not
-        expired and not revoked (the one that lasts longest), or ``None``. Ask it again
-        right before the effect: one revoked or expired meanwhile stops it."""
-        at = self.clock.now() if now is None else now
-        row = self.db.fetch_one(
-            "SELECT * FROM approvals WHERE action = ? AND target = ? AND scope = ?"
-            " AND expires_at > ? AND granted_at <= ? AND revoked_at IS NULL"
-            " ORDER BY expires_at DESC LIMIT 1",
-            (action, target, scope, at, at),
-        )
-        return None if row is None else Approval(**dict(row))
-
-    def wait_for_approval(
-        self, task_id: str, owner: str, fence: int, action: str, target: str, scope: str,
-        timeout_s: float,
-    ) -> float:  # fmt: skip
-        """The holder found no valid approval: the task waits for one (``waiting_approval``)
-        until the approval timeout (never past its deadline). The attempt is given back:
-        the handler did not run.
-
-        Returns:
-            when the wait ends without an approval.
-
-        Raises:
-            StaleError: the caller does not hold the task; nothing was written.
-        """
-        now = self.clock.now()
-        with self.db.write("approval_wait") as c:
-            row = c.execute(
-                "UPDATE tasks SET state = 'waiting_approval', owner = NULL, lease_until = NULL,"
-                " attempts = attempts - 1, updated_at = ? WHERE task_id = ? AND state = 'running'"
-                " AND owner = ? AND fence = ? AND lease_until > ? RETURNING deadline",
-                (now, task_id, owner, fence, now),
-            ).fetchone()
-            if row is None:
-                raise self.tasks.refusal(task_id, owner, fence) or StaleError(
-                    task_id, "lease_expired"
-                )
-            until = min(now + timeout_s, float(row["deadline"]))
-            c.execute(
-                "INSERT OR REPLACE INTO approval_waits (task_id, action, target, scope, since,"
-                " until) VALUES (?, ?, ?, ?, ?, ?)",
-                (task_id, action, target, scope, now, until),
-            )
-        return until
-
-    def release_waits(self) -> dict[str, int]:
-        """Apply approvals and the clock to the waiting tasks, in one transaction: a task
-        with a valid approval goes back to ``pending`` (due now), one past its wait ends
-        ``failed`` with its reply; a wait whose task is no longer waiting (cancelled) goes.
-
-        Returns:
-            counts: ``released``, ``timed_out``, ``dropped``.
-        """
-        now = self.clock.now()
-        counts = {"released": 0, "timed_out": 0, "dropped": 0}
-        with self.db.write("approval_release") as c:
-            rows = c.execute(
-                "SELECT w.task_id, w.action, w.target, w.scope, w.until, t.state,"
-                " EXISTS (SELECT 1 FROM approvals a WHERE a.action = w.action"
-                " AND a.target = w.target AND a.scope = w.scope AND a.expires_at > ?"
-                " AND a.granted_at <= ? AND a.revoked_at IS NULL) AS approved"
-                " FROM approval_waits w JOIN tasks t ON t.task_id = w.task_id",
-                (now, now),
-            ).fetchall()
-            for r in rows:
-                task_id = r["task_id"]
-                if r["state"] != TaskState.WAITING_APPROVAL:
-                    counts["dropped"] += 1
-                elif r["approved"]:
-                    c.execute(
-                        "UPDATE tasks SET state = 'pending', not_before = ?, updated_at = ?"
-                        " WHERE task_id = ?",
-                        (now, now, task_id),
-                    )
-                    counts["released"] += 1
-                elif r["until"] <= now:
-                    error = (
-                        f"approval_timeout: no valid approval of {r['action']!r} on"
-                        f" {r['target']!r} in scope {r['scope']!r}"
-                    )
-                    self.tasks._to_terminal(c, task_id, TaskState.FAILED, now, error=error)
-                    counts["timed_out"] += 1
-                else:
-                    continue
-                c.execute("DELETE FROM approval_waits WHERE task_id = ?", (task_id,))
-        return counts
-
     # -- counts ---------------------------------------------------------------------------
 
     def counts(self) -> dict[str, int]:
-        """For ``status`` and metrics: ``unknown``, ``awaiting_operator``,
-        ``waiting_approval``, reconciles by outcome (``reconciled_<outcome>``) and
-        compensations by outcome (``compensations_<outcome>``)."""
+        """For ``status`` and metrics: ``unknown``, ``awaiting_operator``, reconciles by
+        outcome (``reconciled_<outcome>``) and compensations by outcome
+        (``compensations_<outcome>``)."""
         with self.db.read() as c:
             unknown, operator = c.execute(
                 "SELECT count(*), count(operator_since) FROM tasks WHERE state = 'unknown'"
             ).fetchone()
-            waiting = c.execute("SELECT count(*) FROM approval_waits").fetchone()[0]
             logged = c.execute("SELECT outcome, count(*) FROM reconcile_log GROUP BY outcome")
-            out = {"unknown": unknown, "awaiting_operator": operator, "waiting_approval": waiting}
+            out = {"unknown": unknown, "awaiting_operator": operator}
             for outcome in ("done", "not-done", "unknown"):
                 out[f"reconciled_{outcome}"] = 0
             out.update({f"reconciled_{o}": n for o, n in logged.fetchall()})

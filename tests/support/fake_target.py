@@ -41,6 +41,8 @@ from pathlib import Path
 from typing import Any
 
 from broker_adapter.fences import SqlFence, TargetFenced
+from broker_adapter.stages.effects import CompensateFn, Observation, ReconcileFn
+from broker_adapter.store.tasks import ClaimedTask
 from tests.support.cli import wait_for
 
 _SCHEMA = """
@@ -234,6 +236,30 @@ class FakeTargetClient:
             return bool(self._call("GET", "/health")["ok"])
         except (OSError, http.client.HTTPException, TargetError):
             return False
+
+
+def reconcile_with(client: FakeTargetClient) -> ReconcileFn:
+    """A reconcile function asking the target for the effects under the task's key: none is
+    ``not-done``; some is ``done`` with their ids as the result, ``applied`` their number."""
+
+    def reconcile(task: ClaimedTask, key: str) -> Observation:
+        applied = client.effects(key)
+        if not applied:
+            return Observation.not_happened(f"no effect under {key}")
+        ids = [e["effect_id"] for e in applied]
+        return Observation.happened({"effect_ids": ids}, applied=len(ids))
+
+    return reconcile
+
+
+def compensate_with(client: FakeTargetClient) -> CompensateFn:
+    """A compensation undoing every effect but the first of those ``reconcile_with`` found."""
+
+    def compensate(task: ClaimedTask, seen: Observation) -> Any:
+        extra = list(seen.result["effect_ids"][1:])
+        return {"compensated": [i for i in extra if client.compensate(i)]}
+
+    return compensate
 
 
 class FakeTarget:

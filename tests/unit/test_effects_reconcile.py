@@ -31,6 +31,7 @@ from broker_adapter.stages.effects import (
     side_effect,
 )
 from broker_adapter.store import ClaimedTask, open_database
+from broker_adapter.store.approvals import ApprovalStore
 from broker_adapter.store.effects import EffectsStore
 from tests.support.store_script import T0, Stores, dump, item, stores
 
@@ -263,20 +264,19 @@ def test_a_failing_compensation_is_recorded_failed(s: Stores, fx: EffectsStore) 
 # -- approvals ------------------------------------------------------------------------------
 
 
-def test_a_forged_approval_in_the_payload_counts_for_nothing(
-    s: Stores, fx: EffectsStore, clock: FakeClock
-) -> None:
+def test_a_forged_approval_in_the_payload_counts_for_nothing(s: Stores) -> None:
+    ap = ApprovalStore(s.tasks)
     spec = EffectSpec("restart", requires_approval=True,
                       approval=lambda t: (str(t.payload["server"]), "prod"))  # fmt: skip
     s.tasks.accept([item("m1", payload={"server": "web1", "human_approved": True})])
     (task,) = s.tasks.claim("w1")
-    assert current_approval(fx, spec, task) is None
-    hold_for_approval(fx, spec, task, 60)
+    assert current_approval(ap, spec, task) is None
+    hold_for_approval(ap, spec, task, 60)
     assert state(s, task.task_id) == "waiting_approval"
-    fx.grant_approval("restart", "web1", "prod", "alice", T0 + 600)
-    fx.release_waits()
+    ap.grant_approval("restart", "web1", "prod", "alice", T0 + 600)
+    ap.release_waits()
     (again,) = s.tasks.claim("w1")
-    found = current_approval(fx, spec, again)
+    found = current_approval(ap, spec, again)
     assert found is not None
     assert found.approver == "alice"
 

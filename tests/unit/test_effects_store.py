@@ -1,5 +1,5 @@
-"""``store.effects.EffectsStore``: unknown outcomes, reconcile records, compensations,
-approvals and cancel requests (schema migration 7), on a real SQLite file and a FakeClock."""
+"""``store.effects.EffectsStore``: unknown outcomes, reconcile records, compensations and
+cancel requests (schema migration 7), on a real SQLite file and a FakeClock."""
 
 from __future__ import annotations
 
@@ -283,80 +283,3 @@ def test_a_compensation_is_begun_once_and_ended_once(s: Stores, fx: EffectsStore
         "duplicate", "r1", "done", "refunded 1",
     )  # fmt: skip
     assert fx.counts()["compensations_done"] == 1
-
-
-# -- approvals ------------------------------------------------------------------------------
-
-
-def test_valid_approval_matches_exactly_and_not_when_expired_or_revoked(
-    fx: EffectsStore, clock: FakeClock
-) -> None:
-    approval_id = fx.grant_approval("restart", "web1", "prod", "alice", T0 + 60)
-    found = fx.valid_approval("restart", "web1", "prod", T0)
-    assert found is not None
-    assert (found.approval_id, found.approver) == (approval_id, "alice")
-    for other in (
-        ("restart", "web2", "prod"),
-        ("restart", "web1", "dev"),
-        ("stop", "web1", "prod"),
-    ):
-        assert fx.valid_approval(*other, T0) is None
-    assert fx.valid_approval("restart", "web1", "prod", T0 - 1) is None  # before the grant
-    assert fx.valid_approval("restart", "web1", "prod", T0 + 60) is None  # expired
-    assert fx.revoke_approval(approval_id, "bob")
-    assert not fx.revoke_approval(approval_id, "bob")
-    assert fx.valid_approval("restart", "web1", "prod", T0) is None
-    with pytest.raises(ValueError, match="not after now"):
-        fx.grant_approval("restart", "web1", "prod", "alice", T0)
-    with pytest.raises(ValueError, match="approver"):
-        fx.grant_approval("restart", "web1", "prod", "", T0 + 60)
-
-
-def test_a_waiting_task_runs_after_its_approval_and_gets_its_attempt_back(
-    s: Stores, fx: EffectsStore, clock: FakeClock
-) -> None:
-    task_id, fence = running(s, max_attempts=1)
-    until = fx.wait_for_approval(task_id, "w1", fence, "restart", "web1", "prod", 120)
-    assert until == T0 + 120
-    r = row(s, task_id)
-    assert (r["state"], r["attempts"], r["owner"]) == ("waiting_approval", 0, None)
-    assert fx.release_waits() == {"released": 0, "timed_out": 0, "dropped": 0}
-    assert s.tasks.claim("w1") == []
-    fx.grant_approval("restart", "web1", "prod", "alice", T0 + 3600)
-    clock.advance(1)
-    assert fx.release_waits()["released"] == 1
-    (again,) = s.tasks.claim("w1")
-    assert (again.task_id, again.attempt) == (task_id, 1)
-    assert fx.counts()["waiting_approval"] == 0
-
-
-def test_a_wait_past_its_approval_timeout_ends_failed_with_its_reply(
-    s: Stores, fx: EffectsStore, clock: FakeClock
-) -> None:
-    task_id, fence = running(s)
-    approval_id = fx.grant_approval("restart", "web1", "prod", "alice", T0 + 3600)
-    fx.revoke_approval(approval_id, "bob")  # revoked: does not release the wait
-    fx.wait_for_approval(task_id, "w1", fence, "restart", "web1", "prod", 120)
-    clock.advance(119)
-    assert fx.release_waits()["timed_out"] == 0
-    clock.advance(1)
-    assert fx.release_waits()["timed_out"] == 1
-    body = reply(s, task_id)
-    assert body["status"] == "failed"
-    assert body["error"].startswith("approval_timeout")
-
-
-def test_an_approval_wait_never_outlasts_the_deadline(s: Stores, fx: EffectsStore) -> None:
-    task_id, fence = running(s)
-    until = fx.wait_for_approval(task_id, "w1", fence, "a", "t", "s", 10 * DEADLINE_S)
-    assert until == T0 + DEADLINE_S
-    with pytest.raises(StaleError, match="not_running"):
-        fx.wait_for_approval(task_id, "w1", fence, "a", "t", "s", 10)
-
-
-def test_the_wait_of_a_cancelled_task_is_dropped(s: Stores, fx: EffectsStore) -> None:
-    task_id, fence = running(s)
-    fx.wait_for_approval(task_id, "w1", fence, "a", "t", "s", 60)
-    assert fx.request_cancel(task_id) is TaskState.CANCELLED
-    assert fx.release_waits()["dropped"] == 1
-    assert fx.counts()["waiting_approval"] == 0
