@@ -72,6 +72,16 @@ class Observation:
     applied: int = 1
     note: str | None = None
 
+    def __post_init__(self) -> None:
+        if self.outcome not in ("done", "not-done", "unknown"):
+            raise ValueError(f"outcome must be done, not-done or unknown, got {self.outcome!r}")
+        if isinstance(self.applied, bool) or not isinstance(self.applied, int):
+            raise ValueError(f"applied must be an integer, got {self.applied!r}")
+        if self.outcome == "done" and self.applied < 1:
+            raise ValueError(
+                f"an effect that happened was applied at least once, not {self.applied}"
+            )
+
     @classmethod
     def happened(
         cls, result: Any = None, *, applied: int = 1, note: str | None = None

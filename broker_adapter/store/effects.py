@@ -130,9 +130,11 @@ class EffectsStore:
 
     def mark_effect_started(self, task_id: str, owner: str, fence: int) -> None:
         """Record, before the effect, that this attempt starts an effect it cannot take
-        back: from now on its timeout or lost lease sends the task to ``unknown``.
+        back: from now on its timeout or lost lease sends the task to ``unknown``. A cancel
+        requested before is seen here: the effect must not start.
 
         Raises:
+            TaskCancelled: a cancel was requested (or made); nothing was written.
             StaleError: the caller does not hold the task; nothing was written.
         """
         now = self.clock.now()
@@ -140,11 +142,14 @@ class EffectsStore:
             hit = c.execute(
                 "UPDATE tasks SET effect_fence = fence, effect_started_at = ?, updated_at = ?"
                 " WHERE task_id = ? AND state = 'running' AND owner = ? AND fence = ?"
-                " AND lease_until > ?",
+                " AND lease_until > ? AND cancel_requested_at IS NULL",
                 (now, now, task_id, owner, fence, now),
             ).rowcount
         if not hit:
-            raise self.tasks.refusal(task_id, owner, fence) or StaleError(task_id, "lease_expired")
+            refusal = self.tasks.refusal(task_id, owner, fence)
+            if refusal is None and self.cancel_requested(task_id) is not None:
+                refusal = TaskCancelled(task_id)
+            raise refusal or StaleError(task_id, "lease_expired")
 
     def to_unknown(self, task_id: str, owner: str, fence: int, reason: str) -> None:
         """The holder gives up a task whose effect may have happened (a timeout, an error

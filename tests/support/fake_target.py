@@ -29,6 +29,7 @@ import http.client
 import json
 import os
 import signal
+import socket
 import sqlite3
 import subprocess
 import sys
@@ -156,7 +157,7 @@ def _handler(target: _Target) -> type[BaseHTTPRequestHandler]:
                 status, answer = target.apply(self.headers.get("Idempotency-Key"), body)
                 if body.get("drop_response"):
                     self.close_connection = True
-                    self.connection.shutdown(2)  # applied, never answered
+                    self.connection.shutdown(socket.SHUT_RDWR)  # applied, never answered
                     return
                 self._answer(status, answer)
             elif self.path == "/compensate":

@@ -132,6 +132,24 @@ def test_after_reconcile_done_retry_back_off_operator() -> None:
     assert after_reconcile(Observation.still_unknown(), last, POLICY, now) == Step("operator")
 
 
+@pytest.mark.parametrize(
+    ("outcome", "applied"), [("maybe", 1), ("done", 0), ("done", True), ("unknown", 1.5)]
+)
+def test_an_observation_says_one_of_three_things(outcome: str, applied: Any) -> None:
+    with pytest.raises(ValueError, match=r"outcome|applied"):
+        Observation(outcome, applied=applied)  # type: ignore[arg-type]
+
+
+def test_a_reconcile_that_answers_nonsense_knows_nothing(s: Stores, fx: EffectsStore) -> None:
+    task_id = unknown_task(s, fx)
+    spec = EffectSpec("restart", reconcile=lambda task, key: "yes")  # type: ignore[arg-type,return-value]
+    reconciler = Reconciler(fx, spec, "r1", POLICY)
+    reconciler.run_once()
+    assert state(s, task_id) == "unknown"
+    (record,) = fx.reconcile_log(task_id)
+    assert record.note == "reconcile returned str"
+
+
 def test_the_key_is_the_same_in_every_attempt_and_names_the_action() -> None:
     spec = EffectSpec("restart", arguments=lambda t: {"server": t.payload["q"]})
     base = ClaimedTask("t1", "alice", "m1", "task", {"q": "web1"}, 1, 3, 1, "w1", T0, T0, 0,

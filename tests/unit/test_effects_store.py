@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from broker_adapter.clock import FakeClock
-from broker_adapter.errors import FencedError, StaleError
+from broker_adapter.errors import FencedError, StaleError, TaskCancelled
 from broker_adapter.store import TaskState, open_database
 from broker_adapter.store.db import MIGRATIONS, SCHEMA_VERSION, _split
 from broker_adapter.store.effects import EffectsStore
@@ -127,6 +127,14 @@ def test_effect_mark_is_fenced(s: Stores, fx: EffectsStore) -> None:
         fx.mark_effect_started(task_id, "w1", fence + 1)
     with pytest.raises(StaleError, match="owner"):
         fx.mark_effect_started(task_id, "w2", fence)
+    assert row(s, task_id)["effect_fence"] is None
+
+
+def test_a_requested_cancel_stops_the_effect_from_starting(s: Stores, fx: EffectsStore) -> None:
+    task_id, fence = running(s)
+    fx.request_cancel(task_id)
+    with pytest.raises(TaskCancelled):
+        fx.mark_effect_started(task_id, "w1", fence)
     assert row(s, task_id)["effect_fence"] is None
 
 
