@@ -14,7 +14,9 @@
   and a target that dedupes by it (an HTTP API's ``Idempotency-Key`` header, a unique
   column) applies the effect once however often it is asked. Two actions of one request
   (charge the card, then send the receipt) get two keys; changing the arguments changes the
-  key (it is another effect, not a retry of the same one).
+  key (it is another effect, not a retry of the same one). The request-wide key a task
+  carries today (``store.tasks.idempotency_key_for``: principal and message id only) is the
+  special case of a request with one effect whose arguments never change.
 
 The derivation, version 1: SHA-256 over the canonical JSON (``envelope.canonical_json``,
 numbers written by ``envelope.canonical_numbers``, so ``13.0`` and ``13`` are one argument)
