@@ -23,6 +23,8 @@ from broker_adapter.protocol.envelope import content_fingerprint
 # outbox    replies waiting to be published; exactly one per terminal task.
 # receipts  the receiver side: one row per reply id applied, with its content hash.
 # meta      named values of this database, made once (the conflict-answer id key).
+# approvals, approval_waits, reconcile_log, compensations: effects beyond our
+#           transaction (effects.py, approvals.py).
 MIGRATIONS: tuple[str | Callable[[sqlite3.Connection], None], ...] = (
     """
     CREATE TABLE tasks (
@@ -137,6 +139,12 @@ MIGRATIONS: tuple[str | Callable[[sqlite3.Connection], None], ...] = (
     """
     CREATE INDEX IF NOT EXISTS outbox_answers ON outbox (created_at) WHERE task_id IS NULL;
     """,
+    # 7: effects beyond our transaction (``effects.py``): on ``tasks``, the cancel request
+    # of a running task, the mark of an attempt whose external effect started (its fence
+    # and when), the reconcile tries of an ``unknown`` task and since when it waits for an
+    # operator; the queue of ``unknown`` tasks; approvals, the tasks waiting for one, the
+    # audit of reconciles and the compensation records.
+    lambda c: _add_effects_schema(c),
 )
 SCHEMA_VERSION = len(MIGRATIONS)
 #: The ``meta`` row holding the key of conflict-answer ids.
@@ -231,3 +239,72 @@ def _recompute_fingerprints(c: sqlite3.Connection) -> None:
 
 def _split(script: str) -> list[str]:
     return [s.strip() for s in script.split(";") if s.strip()]
+
+
+#: Migration 7's columns of ``tasks`` (name, declaration).
+_EFFECT_COLUMNS = (
+    ("cancel_requested_at", "REAL"),
+    ("effect_fence", "INTEGER"),
+    ("effect_started_at", "REAL"),
+    ("reconcile_tries", "INTEGER NOT NULL DEFAULT 0"),
+    ("operator_since", "REAL"),
+)
+_EFFECT_TABLES = """
+    CREATE INDEX IF NOT EXISTS tasks_unknown ON tasks (not_before) WHERE state = 'unknown';
+    CREATE TABLE IF NOT EXISTS approvals (
+        approval_id TEXT PRIMARY KEY,
+        action      TEXT NOT NULL,
+        target      TEXT NOT NULL,
+        scope       TEXT NOT NULL,
+        approver    TEXT NOT NULL,
+        granted_at  REAL NOT NULL,
+        expires_at  REAL NOT NULL,
+        revoked_at  REAL,
+        revoked_by  TEXT,
+        CHECK (expires_at > granted_at)
+    );
+    CREATE INDEX IF NOT EXISTS approvals_match ON approvals (action, target, scope, expires_at);
+    CREATE TABLE IF NOT EXISTS approval_waits (
+        task_id TEXT PRIMARY KEY,
+        action  TEXT NOT NULL,
+        target  TEXT NOT NULL,
+        scope   TEXT NOT NULL,
+        since   REAL NOT NULL,
+        until   REAL NOT NULL
+    ) WITHOUT ROWID;
+    CREATE INDEX IF NOT EXISTS approval_waits_until ON approval_waits (until);
+    CREATE TABLE IF NOT EXISTS reconcile_log (
+        task_id  TEXT NOT NULL,
+        outcome  TEXT NOT NULL CHECK (outcome = 'done' OR outcome = 'not-done'
+                     OR outcome = 'unknown'),
+        by_whom  TEXT NOT NULL,
+        at       REAL NOT NULL,
+        fence    INTEGER NOT NULL,
+        observed TEXT,
+        note     TEXT
+    );
+    CREATE INDEX IF NOT EXISTS reconcile_log_task ON reconcile_log (task_id, at);
+    CREATE TABLE IF NOT EXISTS compensations (
+        task_id    TEXT NOT NULL,
+        kind       TEXT NOT NULL,
+        by_whom    TEXT NOT NULL,
+        fence      INTEGER NOT NULL,
+        what       TEXT NOT NULL,
+        started_at REAL NOT NULL,
+        outcome    TEXT NOT NULL CHECK (outcome = 'started' OR outcome = 'done'
+                       OR outcome = 'failed'),
+        detail     TEXT,
+        ended_at   REAL,
+        PRIMARY KEY (task_id, kind)
+    ) WITHOUT ROWID;
+"""
+
+
+def _add_effects_schema(c: sqlite3.Connection) -> None:
+    """Migration 7 (idempotent: a column already there is not added again)."""
+    present = {row[1] for row in c.execute("PRAGMA table_info(tasks)")}
+    for name, declaration in _EFFECT_COLUMNS:
+        if name not in present:
+            c.execute(f"ALTER TABLE tasks ADD COLUMN {name} {declaration}")
+    for statement in _split(_EFFECT_TABLES):
+        c.execute(statement)
