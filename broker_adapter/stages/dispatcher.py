@@ -3,7 +3,7 @@
 Who publishes: a worker with a Redis client publishes the replies of its own batches right
 after their commit (``worker.Worker``): its settle transaction writes them already claimed
 by its publisher (``sending``, owner ``<worker>-pub``, a lease, fence 1), and it publishes
-them with this module's ``ReplyPublisher``, the same code, script and crash points as the
+them with ``publish.ReplyPublisher``, the same code, script and crash points as the
 dispatcher's. The dispatcher publishes everything else (conflict answers, expiries,
 cancellations, replies of workers without Redis) and sweeps: a worker's row whose publisher
 lease ran out (the worker died, or Redis failed it and it went back in line) is claimed and
@@ -14,7 +14,7 @@ with the bytes fixed in the outbox; the publisher holds each row under its own c
 and fence; after the retry budget a row is ``dead`` with its last error, and the operator's
 replay checks Redis by reply id first.
 
-Publication is idempotent in Redis itself. ONE Lua script on two keys of one hash tag,
+Publication is idempotent in Redis itself (``publish``). ONE Lua script on two keys of one hash tag,
 ``reply_record(P, reply_id)`` and ``replies(P)``, looks up the reply's publication record
 (``"<content hash> <entry id>"``, kept ``record_window_s``) and XADDs only when there is
 none:
@@ -146,8 +146,6 @@ from broker_adapter import crashpoints
 from broker_adapter.clock import Clock
 from broker_adapter.config import ConfigModel, KeyPrefix
 from broker_adapter.errors import (
-    AuthError,
-    BrokerAdapterError,
     ConfigError,
     RedisUnavailable,
     ReplyConflict,
@@ -155,8 +153,8 @@ from broker_adapter.errors import (
     TransientError,
 )
 from broker_adapter.protocol.keys import DEFAULT_PREFIX, Keys
-from broker_adapter.protocol.signing import REPLY_WIRE_VERSION, Keyring
-from broker_adapter.redis.streams import call, encodable, eval_many, retrying, text, translated
+from broker_adapter.protocol.signing import Keyring
+from broker_adapter.redis.streams import call, encodable, retrying, text, translated
 from broker_adapter.redis.trimming import (
     DEFAULT_TRIM_EVERY_S,
     DEFAULT_TRIM_KEEP_S,
@@ -164,6 +162,12 @@ from broker_adapter.redis.trimming import (
     trim_with_dead_letters,
 )
 from broker_adapter.redis.trimming import now_ms as trim_now_ms
+from broker_adapter.stages.publish import (
+    DEFAULT_RECORD_TTL_S,
+    DispatcherStats,
+    Publication,
+    ReplyPublisher,
+)
 from broker_adapter.store.outbox import OutboxRow, OutboxStore, UnknownReply
 from broker_adapter.store.retention import DEFAULT_RETENTION_S
 
@@ -171,8 +175,6 @@ if TYPE_CHECKING:
     import redis
 
 DEFAULT_BATCH = 64
-#: How long a publication record dedupes its reply id (see "Publication records" above).
-DEFAULT_RECORD_TTL_S = 1800.0
 #: The operator's replay looks for a reply in its stream from this long before the row was
 #: written (entry ids carry the server's clock, ``created_at`` this process's).
 REPLAY_SCAN_SKEW_S = 60.0
@@ -190,28 +192,7 @@ DEFAULT_LOSS_WINDOW_S = 2.0
 #: the alarm, and once more when every publisher lease then held has run out (see
 #: ``Dispatcher.watch``: a worker's mark-sent can commit after the alarm).
 RECHECK_AFTER_S = 1.0
-REPLY_FORMAT_VERSION = REPLY_WIRE_VERSION
 IDMP_MIN_VERSION = (8, 6)
-
-# KEYS[1] publication record, KEYS[2] reply stream (same hash tag).
-# ARGV[1] content hash, ARGV[2] record TTL ms, ARGV[3] reply id, ARGV[4] body bytes,
-# ARGV[5] entry format version, ARGV[6] key id, ARGV[7] signature.
-# Returns {0, entry id} new, {1, entry id} published before with the same hash,
-# {2, stored hash} conflict.
-PUBLISH_SCRIPT = """
-local rec = redis.call('GET', KEYS[1])
-if rec then
-  local stored, eid = string.match(rec, '^(%S+) (%S+)$')
-  if stored == ARGV[1] then
-    return {1, eid}
-  end
-  return {2, stored or rec}
-end
-local eid = redis.call('XADD', KEYS[2], '*', 'v', ARGV[5], 'reply_id', ARGV[3],
-  'hash', ARGV[1], 'body', ARGV[4], 'kid', ARGV[6], 'sig', ARGV[7])
-redis.call('SET', KEYS[1], ARGV[1] .. ' ' .. eid, 'PX', ARGV[2], 'NX')
-return {0, eid}
-"""
 
 
 def default_owner() -> str:
@@ -263,30 +244,6 @@ class DispatcherConfig(ConfigModel):
         return min(self.record_ttl_s, self.retention_s)
 
 
-class PublishOutcome(StrEnum):
-    PUBLISHED = "published"  # a new entry
-    ALREADY_PUBLISHED = "already_published"  # the record's entry, nothing added
-    CONFLICT = "conflict"  # the reply id was published with other content
-    FAILED = "failed"  # not confirmed: retried with backoff
-
-
-@dataclass(frozen=True)
-class Publication:
-    """What publishing one row did.
-
-    Attributes:
-        entry_id: the reply's stream entry, for the two successful outcomes.
-        detail: why it failed or conflicted.
-        transient: the failure was Redis being unreachable or busy (not this row's fault).
-    """
-
-    reply_id: str
-    outcome: PublishOutcome
-    entry_id: str | None = None
-    detail: str = ""
-    transient: bool = False
-
-
 class ReplayOutcome(StrEnum):
     ALREADY_PUBLISHED = "already_published"  # Redis has it: marked sent, nothing re-sent
     REQUEUED = "requeued"  # back in line under the same reply id
@@ -324,23 +281,6 @@ class _Recheck:
     due: list[float]
 
 
-@dataclass
-class DispatcherStats:
-    published: int = 0
-    already_published: int = 0
-    conflicts: int = 0
-    failed: int = 0
-    dead: int = 0
-    fenced: int = 0
-    wipes: int = 0
-    restarts: int = 0
-    requeued: int = 0
-    trimmed: int = 0
-    unread_trimmed: int = 0
-    dead_letters_trimmed: int = 0
-    trim_failures: int = 0
-
-
 def parse_version(version: str) -> tuple[int, ...]:
     """``"7.0.15"`` -> ``(7, 0, 15)``; unparsable parts count as 0."""
     parts: list[int] = []
@@ -353,179 +293,6 @@ def parse_version(version: str) -> tuple[int, ...]:
 def _parse_record(raw: bytes | str) -> tuple[str, str | None]:
     stored, _, entry_id = text(raw).partition(" ")
     return stored, entry_id or None
-
-
-class ReplyPublisher:
-    """Publishes claimed outbox rows and records what that did, under one publisher
-    identity (``owner``): the one publication path of the dispatcher and of workers that
-    publish their own replies.
-
-    ``publish`` runs the record script for a batch (one pipelined round trip; crash points
-    ``dispatcher.before_xadd`` / ``dispatcher.after_xadd``); ``settle`` marks the
-    confirmed rows sent (one transaction, each row fenced; then ``dispatcher.after_mark_sent``)
-    and records the others (``settle_failures``): a content conflict is ``dead`` at once,
-    a failure goes back in line with backoff (``dead`` past the budget). A caller that
-    writes the marks in a transaction of its own uses ``confirmed`` and ``count_marked``
-    around it instead of ``settle``'s mark step.
-
-    Args:
-        client: a client from ``streams.connect`` (no automatic re-sends).
-        outbox: the outbox of this process's database.
-        keys: the key layout.
-        owner: the publisher's name on the rows it holds.
-        keyring: signs every entry for the principal it is addressed to.
-        record_ttl_s: how long a publication record dedupes its reply id.
-        stats: where outcomes are counted.
-        logger: where dead replies and refusals are reported.
-    """
-
-    def __init__(
-        self,
-        client: redis.Redis,
-        outbox: OutboxStore,
-        keys: Keys,
-        owner: str,
-        *,
-        keyring: Keyring,
-        record_ttl_s: float = DEFAULT_RECORD_TTL_S,
-        stats: DispatcherStats | None = None,
-        logger: logging.Logger | None = None,
-    ) -> None:
-        self.client = client
-        self.outbox = outbox
-        self.keys = keys
-        self.owner = owner
-        self.keyring = keyring
-        self.record_ttl_s = record_ttl_s
-        self.stats = stats if stats is not None else DispatcherStats()
-        self.log = logger or logging.getLogger("broker_adapter.stages.dispatcher")
-
-    def publish(self, rows: list[OutboxRow]) -> list[Publication]:
-        """Run the publication script for each row, all in one pipelined round trip.
-
-        Never raises for Redis trouble: an unreachable server makes every row ``FAILED``
-        (the outcome is ambiguous; the records make the retry safe). A row that cannot be
-        signed (its principal has no key) is ``FAILED`` without reaching Redis.
-        """
-        if not rows:
-            return []
-        crashpoints.hit("dispatcher.before_xadd")
-        ttl_ms = max(1, int(self.record_ttl_s * 1000))
-        pubs: list[Publication | None] = []
-        signed: list[OutboxRow] = []
-        calls: list[tuple[list[str], list[bytes | str | int]]] = []
-        for r in rows:
-            body = bytes(r.body)
-            try:
-                kid, sig = self.keyring.sign_reply(r.principal, r.reply_id, body)
-            except AuthError as exc:
-                detail = f"cannot sign reply {r.reply_id} for {r.principal!r}: {exc}"
-                pubs.append(Publication(r.reply_id, PublishOutcome.FAILED, None, detail))
-                continue
-            pubs.append(None)
-            signed.append(r)
-            calls.append((
-                [self.keys.reply_record(r.principal, r.reply_id), self.keys.replies(r.principal)],
-                [r.content_hash, ttl_ms, r.reply_id, body, REPLY_FORMAT_VERSION, kid, sig],
-            ))  # fmt: skip
-        try:
-            replies = eval_many(self.client, PUBLISH_SCRIPT, calls) if calls else []
-        except RedisUnavailable as exc:
-            failed = PublishOutcome.FAILED
-            unreachable = (Publication(r.reply_id, failed, None, str(exc), True) for r in signed)
-            return [pub or next(unreachable) for pub in pubs]
-        crashpoints.hit("dispatcher.after_xadd")
-        outcomes = (self._outcome(r, reply) for r, reply in zip(signed, replies, strict=True))
-        return [pub or next(outcomes) for pub in pubs]
-
-    def _outcome(self, row: OutboxRow, reply: Any) -> Publication:
-        if isinstance(reply, BrokerAdapterError):
-            transient = isinstance(reply, TransientError)
-            return Publication(row.reply_id, PublishOutcome.FAILED, None, str(reply), transient)
-        code, value = int(reply[0]), text(reply[1])
-        if code == 0:
-            return Publication(row.reply_id, PublishOutcome.PUBLISHED, value)
-        if code == 1:
-            return Publication(row.reply_id, PublishOutcome.ALREADY_PUBLISHED, value)
-        detail = (
-            f"reply_conflict: reply id {row.reply_id} was published with content hash "
-            f"{value[:16]}, the outbox holds {row.content_hash[:16]}"
-        )
-        return Publication(row.reply_id, PublishOutcome.CONFLICT, None, detail)
-
-    @staticmethod
-    def confirmed(
-        rows: list[OutboxRow], pubs: list[Publication]
-    ) -> list[tuple[OutboxRow, Publication]]:
-        """The rows Redis confirmed (published now or before), with their publication."""
-        ok = (PublishOutcome.PUBLISHED, PublishOutcome.ALREADY_PUBLISHED)
-        return [(row, pub) for row, pub in zip(rows, pubs, strict=True) if pub.outcome in ok]
-
-    def count_marked(
-        self, done: list[tuple[OutboxRow, Publication]], refused: list[StaleError | None]
-    ) -> int:
-        """Count what a mark-sent write did (``refused``: one entry per ``done`` row);
-        returns how many rows were marked sent."""
-        marked = 0
-        for (row, pub), stale in zip(done, refused, strict=True):
-            if stale is not None:
-                self._fenced(row, stale)
-                continue
-            marked += 1
-            if pub.outcome is PublishOutcome.PUBLISHED:
-                self.stats.published += 1
-            else:
-                self.stats.already_published += 1
-        return marked
-
-    def settle(
-        self, rows: list[OutboxRow], pubs: list[Publication], *, claim_next: int = 0
-    ) -> tuple[int, list[OutboxRow]]:
-        """Record what ``publish`` did: sent (one transaction), dead, or retry later. With
-        ``claim_next`` the mark-sent transaction also claims up to that many rows.
-
-        Returns:
-            how many rows were marked sent, and the rows claimed.
-        """
-        done = self.confirmed(rows, pubs)
-        refused, ahead = self.outbox.mark_sent_and_claim(
-            self.owner, [(row.reply_id, row.fence, pub.entry_id or "") for row, pub in done],
-            claim_next,
-        )  # fmt: skip
-        crashpoints.hit("dispatcher.after_mark_sent")
-        marked = self.count_marked(done, refused)
-        self.settle_failures(rows, pubs)
-        return marked, ahead
-
-    def settle_failures(self, rows: list[OutboxRow], pubs: list[Publication]) -> None:
-        """Record the rows ``publish`` did not confirm: a conflict is ``dead`` at once, a
-        failure goes back in line with backoff (``dead`` past the budget). Each its own
-        short transaction, fenced; rows this publisher no longer holds are only counted."""
-        owner = self.owner
-        for row, pub in zip(rows, pubs, strict=True):
-            try:
-                if pub.outcome is PublishOutcome.CONFLICT:
-                    self.stats.conflicts += 1
-                    self.outbox.mark_dead(row.reply_id, owner, row.fence, pub.detail)
-                    self.stats.dead += 1
-                    self.log.error("reply %s is dead: %s", row.reply_id, pub.detail)
-                elif pub.outcome is PublishOutcome.FAILED:
-                    self.stats.failed += 1
-                    state = self.outbox.retry(row.reply_id, owner, row.fence, pub.detail)
-                    if state == "dead":
-                        self.stats.dead += 1
-                        self.log.error(
-                            "reply %s is dead after %d attempts: %s",
-                            row.reply_id,
-                            row.attempts,
-                            pub.detail,
-                        )
-            except StaleError as exc:
-                self._fenced(row, exc)
-
-    def _fenced(self, row: OutboxRow, exc: StaleError) -> None:
-        self.stats.fenced += 1
-        self.log.warning("reply %s: %s no longer holds it (%s)", row.reply_id, self.owner, exc)
 
 
 class Dispatcher:

@@ -31,7 +31,7 @@ after its last work, then less and less often, up to ``idle_poll_s``.
 Replies (with ``WorkerConfig.redis_url``): the batch's commit writes each terminal reply
 already claimed by the worker's publisher identity (rules 13, 14 of ``docs/RULES.md``: state
 and reply in one transaction; the publisher has its own claim, lease and fence), and the
-worker publishes them right after the commit with the dispatcher's ``ReplyPublisher``. The
+worker publishes them right after the commit with the dispatcher's ``publish.ReplyPublisher``. The
 confirmed ones are marked sent (fenced) by the next batch's commit when it follows soon,
 else by a small transaction of their own. A kill between the commit and the mark leaves rows
 ``sending`` that the dispatcher takes back after the publisher lease (its script finds what
@@ -74,12 +74,6 @@ from broker_adapter.protocol.envelope import check_result
 from broker_adapter.protocol.keys import DEFAULT_PREFIX, Keys
 from broker_adapter.protocol.signing import Keyring
 from broker_adapter.redis.streams import RedisUrl, connect
-from broker_adapter.stages.dispatcher import (
-    DEFAULT_RECORD_TTL_S,
-    DispatcherStats,
-    Publication,
-    ReplyPublisher,
-)
 from broker_adapter.stages.handlers import (
     CallOutcome,
     CallRun,
@@ -92,6 +86,12 @@ from broker_adapter.stages.handlers import (
     load_handler,
 )
 from broker_adapter.stages.handoff import CLAIM, Handed, IdleWait
+from broker_adapter.stages.publish import (
+    DEFAULT_RECORD_TTL_S,
+    DispatcherStats,
+    Publication,
+    ReplyPublisher,
+)
 from broker_adapter.store.outbox import OutboxPolicy, OutboxRow, OutboxStore, SentMark
 from broker_adapter.store.tasks import (
     ClaimedTask,

@@ -21,13 +21,13 @@ from broker_adapter.protocol.envelope import sha256_hex
 from broker_adapter.protocol.keys import Keys
 from broker_adapter.redis.streams import connect
 from broker_adapter.stages.dispatcher import (
-    PUBLISH_SCRIPT,
     Dispatcher,
     DispatcherConfig,
     LossEvent,
     ReplayOutcome,
     parse_version,
 )
+from broker_adapter.stages.publish import PUBLISH_SCRIPT
 from broker_adapter.store import OutboxStore, open_database
 from broker_adapter.store.db import Database
 from broker_adapter.store.outbox import OutboxPolicy

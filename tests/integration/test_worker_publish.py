@@ -27,10 +27,10 @@ from broker_adapter.stages.dispatcher import (
     Dispatcher,
     DispatcherConfig,
     LossEvent,
-    ReplyPublisher,
 )
 from broker_adapter.stages.handlers import Task
 from broker_adapter.stages.handoff import CLAIM, Handed
+from broker_adapter.stages.publish import ReplyPublisher
 from broker_adapter.stages.worker import Worker, WorkerConfig
 from broker_adapter.store import AcceptItem, OutboxStore, TaskStore, open_database
 from broker_adapter.store.db import Database
