@@ -162,6 +162,7 @@ from broker_adapter.redis.trimming import (
     trim_with_dead_letters,
 )
 from broker_adapter.redis.trimming import now_ms as trim_now_ms
+from broker_adapter.stages.loop import IdlePolicy, look
 from broker_adapter.stages.publish import (
     DEFAULT_RECORD_TTL_S,
     DispatcherStats,
@@ -185,8 +186,6 @@ DEFAULT_IDLE_POLL_S = 0.05
 DEFAULT_WAKE_POLL_S = 0.001
 #: An idle dispatcher still runs a whole step (the data-loss watch included) this often.
 IDLE_STEP_EVERY_S = 0.5
-#: After its last publication the dispatcher keeps looking every ``wake_poll_s`` this long.
-ALERT_AFTER_WORK_S = 1.0
 DEFAULT_LOSS_WINDOW_S = 2.0
 #: After a data loss, the sent rows of the lost window are looked at again this long after
 #: the alarm, and once more when every publisher lease then held has run out (see
@@ -567,8 +566,7 @@ class Dispatcher:
         or after ``IDLE_STEP_EVERY_S`` in any case.
         """
         policy = retrying().copy(stop=tenacity.stop_when_event_set(stop), sleep=stop.wait)
-        pause = self.config.wake_poll_s
-        busy_at = time.monotonic()
+        idle = IdlePolicy(self.config.wake_poll_s, self.config.idle_poll_s)
         while not stop.is_set() or self._ahead:  # rows claimed ahead are published first
             try:
                 marked = policy(lambda: self.step(claim_ahead=not stop.is_set()))
@@ -578,19 +576,14 @@ class Dispatcher:
                 raise
             stepped_at = time.monotonic()
             if marked or self._ahead:
-                busy_at = stepped_at
-                pause = self.config.wake_poll_s
+                idle.worked()
                 continue
-            while not stop.wait(pause):
-                if time.monotonic() - busy_at >= ALERT_AFTER_WORK_S:
-                    pause = min(pause * 2, self.config.idle_poll_s)
+            while not stop.wait(idle.pause_s):
+                idle.waited()
                 if time.monotonic() - stepped_at >= IDLE_STEP_EVERY_S:
                     break
-                try:
-                    if self.outbox.has_ready():
-                        break
-                except TransientError as exc:
-                    self.log.warning("looking at the outbox failed, will retry: %s", exc)
+                if look(self.outbox.has_ready, self.log, "looking at the outbox"):
+                    break
 
     # -- trimming -----------------------------------------------------------------------------
 

@@ -62,7 +62,6 @@ from broker_adapter import crashpoints
 from broker_adapter.clock import Clock
 from broker_adapter.config import ConfigModel, KeyPrefix
 from broker_adapter.errors import (
-    BrokerAdapterError,
     ConfigError,
     EnvelopeError,
     RetryableError,
@@ -74,25 +73,20 @@ from broker_adapter.protocol.envelope import check_result
 from broker_adapter.protocol.keys import DEFAULT_PREFIX, Keys
 from broker_adapter.protocol.signing import Keyring
 from broker_adapter.redis.streams import RedisUrl, connect
-from broker_adapter.stages.handlers import (
-    CallOutcome,
-    CallRun,
-    Handler,
-    RunOutcome,
-    StopRun,
-    Task,
-    describe_error,
-    is_retryable,
-    load_handler,
-)
+from broker_adapter.stages.calls import CallOutcome, CallRun, RunOutcome, StopRun
+from broker_adapter.stages.handlers import Handler, describe_error, is_retryable, load_handler
 from broker_adapter.stages.handoff import CLAIM, Handed, IdleWait
+from broker_adapter.stages.lease import RENEWALS_PER_LEASE, LeaseKeeper, LeaseRenewer
+from broker_adapter.stages.loop import IdlePolicy, look
 from broker_adapter.stages.publish import (
     DEFAULT_RECORD_TTL_S,
     DispatcherStats,
-    Publication,
+    OwnReplies,
     ReplyPublisher,
+    sent_marks,
 )
-from broker_adapter.store.outbox import OutboxPolicy, OutboxRow, OutboxStore, SentMark
+from broker_adapter.stages.task import Task
+from broker_adapter.store.outbox import OutboxPolicy, OutboxRow, OutboxStore
 from broker_adapter.store.tasks import (
     ClaimedTask,
     FailOutcome,
@@ -112,17 +106,10 @@ DEFAULT_CALL_TIMEOUT_S = 60.0
 DEFAULT_IDLE_POLL_S = 0.05
 DEFAULT_WAKE_POLL_S = 0.001
 DEFAULT_GRACE_S = 10.0
-#: With ``renew_every_s=None`` a lease is renewed this many times per lease period.
-RENEWALS_PER_LEASE = 3
 #: The first claim of a worker takes at most this many tasks (no handler time known yet).
 INITIAL_CLAIM = 4
-#: An idle worker keeps looking every ``wake_poll_s`` this long after its last work, then
-#: backs off towards ``idle_poll_s``.
-ALERT_AFTER_WORK_S = 1.0
 #: Weight of the newest handler time in the running average that sizes claims.
 HANDLER_TIME_WEIGHT = 0.2
-#: After Redis failed a worker's publication, its replies go to the dispatcher this long.
-PUBLISH_PAUSE_S = 1.0
 #: The error a task fails with when its handler's result is over the result bounds
 #: (``envelope.check_result``); not retried: the handler would return as much again.
 RESULT_TOO_LARGE = "result_too_large"
@@ -211,164 +198,6 @@ class WorkerStats:
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
-
-
-class LeaseRenewer:
-    """One thread that renews the leases of all of a worker's claimed tasks when due.
-
-    A worker holds a lease for every task it claimed, started or not, until the task's
-    outcome is committed; one thread for all of them costs nothing per task. Each renewal
-    is its own short transaction (``LeaseKeeper.renew_now``), never inside another one.
-    The thread starts with the first lease and ends after a second with none.
-    """
-
-    IDLE_EXIT_S = 1.0
-
-    def __init__(self, name: str) -> None:
-        self._name = name
-        self._cond = threading.Condition()
-        self._due: dict[LeaseKeeper, float] = {}
-        self._thread: threading.Thread | None = None
-        self._wakes_at = float("inf")  # when the thread's current wait ends
-
-    def add(self, keeper: LeaseKeeper) -> None:
-        with self._cond:
-            due = time.monotonic() + keeper.interval_s
-            self._due[keeper] = due
-            if self._thread is None:
-                self._thread = threading.Thread(
-                    target=self._loop, name=f"renew-{self._name}", daemon=True
-                )
-                self._thread.start()
-            elif due < self._wakes_at:  # rarely: a wake-up per claimed task costs a switch
-                self._cond.notify()
-
-    def remove(self, keeper: LeaseKeeper) -> None:
-        with self._cond:
-            self._due.pop(keeper, None)
-
-    def _next(self) -> list[LeaseKeeper] | None:
-        """The keepers due now (rescheduled); ``None`` when the thread should end."""
-        with self._cond:
-            while True:
-                now = time.monotonic()
-                if not self._due:
-                    self._wakes_at = now + self.IDLE_EXIT_S
-                    self._cond.wait(self.IDLE_EXIT_S)
-                    if not self._due:
-                        self._thread = None
-                        return None
-                    continue
-                due = [k for k, at in self._due.items() if at <= now]
-                if due:
-                    self._wakes_at = float("inf")
-                    for keeper in due:
-                        self._due[keeper] = now + keeper.interval_s
-                    return due
-                self._wakes_at = min(self._due.values())
-                self._cond.wait(self._wakes_at - now)
-
-    def _loop(self) -> None:
-        while (due := self._next()) is not None:
-            for keeper in due:  # outside the lock: each renewal is a store transaction
-                if not keeper.renew_now():
-                    self.remove(keeper)
-
-
-class LeaseKeeper:
-    """Keeps one claimed task's lease renewed every ``interval_s`` until stopped.
-
-    A renewal refused as cancelled marks the task cancelled; refused for any other reason
-    marks its lease lost. Either way renewing ends, and the handler sees ``cancelled()``.
-
-    Args:
-        tasks: the store.
-        task: the claimed task.
-        interval_s: seconds between renewals (a real-time wait).
-        stats: where ``renewals`` is counted.
-        logger: where refusals are reported.
-        renewer: the worker's shared renewal thread; without one the keeper runs a thread
-            of its own.
-    """
-
-    def __init__(
-        self,
-        tasks: TaskStore,
-        task: Task,
-        interval_s: float,
-        stats: WorkerStats,
-        logger: logging.Logger,
-        renewer: LeaseRenewer | None = None,
-    ) -> None:
-        self._tasks = tasks
-        self._task = task
-        self.interval_s = interval_s
-        self._stats = stats
-        self._log = logger
-        self._renewer = renewer
-        self._lock = threading.Lock()
-        self._ended = False
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    def start(self) -> None:
-        """Start renewing every ``interval_s`` seconds."""
-        if self._renewer is not None:
-            self._renewer.add(self)
-            return
-        self._thread = threading.Thread(
-            target=self._loop, name=f"lease-{self._task.task_id[-8:]}", daemon=True
-        )
-        self._thread.start()
-
-    def renew_now(self) -> bool:
-        """Renew once, now (the renewal thread calls this; tests may too).
-
-        Returns:
-            True while the lease is held (a transient store error counts as held: the next
-            renewal tries again), False once it is lost, cancelled or the keeper stopped.
-        """
-        with self._lock:
-            if self._ended:
-                return False
-            claimed = self._task.claimed
-            try:
-                lease_until = self._tasks.renew(claimed.task_id, claimed.owner, claimed.fence)
-            except TaskCancelled:
-                self._task.mark_cancelled()
-                self._ended = True
-                self._log.info("task %s was cancelled; seen at lease renewal", claimed.task_id)
-                return False
-            except StaleError as exc:
-                self._task.mark_lease_lost(exc)
-                self._ended = True
-                self._log.warning("lease lost on task %s: %s", claimed.task_id, exc)
-                return False
-            except TransientError as exc:
-                self._log.warning("renewal of task %s failed, will retry: %s", claimed.task_id, exc)
-                return True
-            except BrokerAdapterError:
-                self._ended = True
-                self._log.exception("renewal of task %s failed; renewing stops", claimed.task_id)
-                return False
-            self._task.note_renewed(lease_until)
-            self._stats.renewals += 1
-            return True
-
-    def stop(self) -> None:
-        """Stop renewing; returns after any renewal in flight has ended."""
-        self._stop.set()
-        if self._renewer is not None:
-            self._renewer.remove(self)
-        with self._lock:
-            self._ended = True
-        if self._thread is not None:
-            self._thread.join()
-
-    def _loop(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            if not self.renew_now():
-                return
 
 
 @dataclass
@@ -469,10 +298,7 @@ class Worker:
                 keyring=keyring, record_ttl_s=config.record_ttl_s, stats=self.publish_stats,
                 logger=self.log,
             )  # fmt: skip
-        #: Publications Redis confirmed, not yet marked sent: (row, publication, when).
-        self._confirmed: list[tuple[OutboxRow, Publication, float]] = []
-        self._confirmed_at = 0.0  # time.monotonic() of the oldest of them
-        self._publish_paused_until = 0.0
+        self._replies = None if self.publisher is None else OwnReplies(self.publisher, self.clock)
         self._handoff = handoff
         #: The last idle wait ended on the hand-off: tasks to claim, or handed (``_ahead``).
         self._woken = False
@@ -549,8 +375,12 @@ class Worker:
                 if ran and time.monotonic() - ran[0].ended_at >= self.config.batch_window_s:
                     self._commit(ran, more_soon=True)
                     ran = []
-                elif self._confirmed and (
-                    time.monotonic() - self._confirmed_at >= self.config.batch_window_s
+                elif (
+                    self._replies is not None
+                    and self._replies.waiting
+                    and (
+                        time.monotonic() - self._replies.confirmed_at >= self.config.batch_window_s
+                    )
                 ):
                     self._mark_sent()
             ran.extend(self._ran(run.take()))
@@ -607,8 +437,7 @@ class Worker:
         self._drain_until = None
         # With a hand-off, new work is announced: the poll is only the fallback.
         first_pause = self.config.wake_poll_s if self._handoff is None else self.config.idle_poll_s
-        pause = first_pause
-        busy_at = time.monotonic()
+        idle = IdlePolicy(first_pause, self.config.idle_poll_s)
         try:
             while not stop.is_set() or self._ahead:  # tasks claimed ahead run in the drain
                 try:
@@ -617,23 +446,18 @@ class Worker:
                     self.log.warning("claim failed, will retry: %s", exc)
                     processed = 0
                 if processed:
-                    busy_at = time.monotonic()
-                    pause = first_pause
+                    idle.worked()
                     if self._ahead or not self._found_none:
                         continue
                     # The commit's claim found nothing: look (a read) before claiming again.
-                while not self._idle_wait(stop, self._until_marks_due(pause)):
-                    if self._confirmed and self._until_marks_due(pause) <= 0:
+                while not self._idle_wait(stop, self._until_marks_due(idle.pause_s)):
+                    if self._marks_waiting() and self._until_marks_due(idle.pause_s) <= 0:
                         self._mark_sent()  # no commit came in time to carry them
                     if self._woken:
                         break  # new tasks were committed: claim, no look first
-                    if time.monotonic() - busy_at >= ALERT_AFTER_WORK_S:
-                        pause = min(pause * 2, self.config.idle_poll_s)
-                    try:
-                        if self.tasks.has_work():
-                            break
-                    except TransientError as exc:
-                        self.log.warning("looking for work failed, will retry: %s", exc)
+                    idle.waited()
+                    if look(self.tasks.has_work, self.log, "looking for work"):
+                        break
             self._mark_sent()
         finally:
             self._stop = None
@@ -641,9 +465,9 @@ class Worker:
     def _until_marks_due(self, pause: float) -> float:
         """How long an idle wait may last: ``pause``, or less when confirmed publications
         wait to be marked (they wait ``batch_window_s`` at most for a commit to carry them)."""
-        if not self._confirmed:
+        if self._replies is None or not self._replies.waiting:
             return pause
-        due = self._confirmed_at + self.config.batch_window_s - time.monotonic()
+        due = self._replies.confirmed_at + self.config.batch_window_s - time.monotonic()
         return max(0.0, min(pause, due))
 
     def _idle_wait(self, stop: threading.Event, pause: float) -> bool:
@@ -840,61 +664,36 @@ class Worker:
 
     # -- replies ----------------------------------------------------------------------------
 
-    def _publishing(self) -> ReplyPublisher | None:
-        """The publisher, unless there is none or it pauses after a Redis failure."""
-        if self.publisher is None or time.monotonic() < self._publish_paused_until:
-            return None
-        return self.publisher
+    def _marks_waiting(self) -> bool:
+        return self._replies is not None and self._replies.waiting
 
     def _settle(self, items: list[Settlement], n: int) -> SettledBatch:
         """The batch's one transaction: outcomes, replies (claimed by the publisher when it
         publishes), the marks of confirmed publications waiting for it, the next claim."""
-        publisher = self._publishing()
-        if publisher is None:
+        replies = self._replies
+        if replies is None or replies.paused():
             self._mark_sent()  # a paused publisher's marks do not wait for the next commit
             return self.tasks.settle_batch(items, self.config.owner, n)
-        confirmed, self._confirmed = self._confirmed, []
+        publisher = replies.publisher
+        confirmed = replies.take_marks()
         try:
             batch = self.tasks.settle_batch(
                 items, self.config.owner, n, publish_as=publisher.owner,
-                publish_lease_s=publisher.outbox.policy.lease_s, sent=_marks(confirmed),
+                publish_lease_s=publisher.outbox.policy.lease_s, sent=sent_marks(confirmed),
             )  # fmt: skip
         except BaseException:
-            self._confirmed = confirmed + self._confirmed  # not written: still to mark
+            replies.restore(confirmed)  # not written: still to mark
             raise
         if confirmed:
-            crashpoints.hit("dispatcher.after_mark_sent")
-            publisher.count_marked([(row, pub) for row, pub, _ in confirmed], batch.marks)
+            replies.marked(confirmed, batch.marks)
         return batch
 
     def _publish(self, rows: list[OutboxRow], *, more_soon: bool) -> None:
-        """Publish the replies the batch's commit wrote claimed for this worker's publisher;
-        the confirmed ones wait for the next commit to be marked sent (``_mark_sent`` when
-        none follows soon), the others go back in line with backoff, or ``dead``."""
-        publisher = self.publisher
-        assert publisher is not None
-        pubs = publisher.publish(rows)
-        confirmed_at = self.clock.now()
-        done = publisher.confirmed(rows, pubs)
-        if not self._confirmed:
-            self._confirmed_at = time.monotonic()
-        self._confirmed += [(row, pub, confirmed_at) for row, pub in done]
-        if len(done) < len(rows):
-            unreachable = [p for p in pubs if p.transient]
-            if unreachable:
-                self._publish_paused_until = time.monotonic() + PUBLISH_PAUSE_S
-                self.log.warning(
-                    "publishing %d replies failed (left to the dispatcher for %.1f s): %s",
-                    len(unreachable),
-                    PUBLISH_PAUSE_S,
-                    unreachable[0].detail,
-                )
-            try:
-                publisher.settle_failures(rows, pubs)
-            except TransientError as exc:
-                self.log.warning(
-                    "replies not put back in line; they return at lease expiry: %s", exc
-                )
+        """Publish the replies the batch's commit wrote claimed for this worker's publisher
+        (``OwnReplies.publish``); the confirmed ones wait for the next commit to be marked
+        sent (``_mark_sent`` when none follows soon)."""
+        assert self._replies is not None
+        self._replies.publish(rows)
         # In ``run`` the marks wait for the next commit (work follows, or arrives within
         # ``batch_window_s``: the idle loop marks them then at the latest).
         slow = self._handler_s is None or self._handler_s > self.config.batch_window_s
@@ -903,20 +702,8 @@ class Worker:
 
     def _mark_sent(self) -> None:
         """Mark the confirmed publications sent now, in one transaction of their own."""
-        if not self._confirmed or self.publisher is None:
-            return
-        confirmed, self._confirmed = self._confirmed, []
-        publisher = self.publisher
-        try:
-            refused = publisher.outbox.mark_sent_marks(publisher.owner, _marks(confirmed))
-        except TransientError as exc:
-            # Published and recorded in Redis: when the lease runs out the dispatcher takes
-            # them back, its publication finds the records and marks them sent.
-            self.log.warning("%d replies not marked sent: %s", len(confirmed), exc)
-            return
-        crashpoints.hit("dispatcher.after_mark_sent")
-        publisher.count_marked([(row, pub) for row, pub, _ in confirmed], refused)
-        self._sync_metrics()
+        if self._replies is not None and self._replies.mark_sent():
+            self._sync_metrics()
 
     def _sync_metrics(self) -> None:
         """Hand the counters to the metrics files: after each batch's commit and each
@@ -985,8 +772,3 @@ class Worker:
             "(an effect the handler already caused stays)",
             claimed.task_id,
         )
-
-
-def _marks(confirmed: list[tuple[OutboxRow, Publication, float]]) -> list[SentMark]:
-    """Confirmed publications as ``(reply_id, fence, entry_id, sent_at)`` marks."""
-    return [(row.reply_id, row.fence, pub.entry_id or "", at) for row, pub, at in confirmed]
