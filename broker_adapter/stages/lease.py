@@ -14,14 +14,37 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from functools import partial
 from typing import Protocol
 
-from broker_adapter.errors import BrokerAdapterError, StaleError, TaskCancelled, TransientError
+from broker_adapter.clock import Clock
+from broker_adapter.errors import (
+    BrokerAdapterError,
+    ConfigError,
+    StaleError,
+    TaskCancelled,
+    TransientError,
+)
 from broker_adapter.stages.task import Task, TaskControl
-from broker_adapter.store.tasks import TaskStore
+from broker_adapter.store.tasks import ClaimedTask, TaskStore
 
 #: With ``renew_every_s=None`` a lease is renewed this many times per lease period.
 RENEWALS_PER_LEASE = 3
+
+
+def renew_interval(lease_s: float, every_s: float | None) -> float:
+    """The renewal interval: ``every_s``, or ``lease_s / RENEWALS_PER_LEASE`` for ``None``.
+
+    Raises:
+        ConfigError: renewals would come no sooner than the lease expires.
+    """
+    interval_s = lease_s / RENEWALS_PER_LEASE if every_s is None else every_s
+    if interval_s >= lease_s:
+        raise ConfigError(
+            f"renew_every_s ({interval_s} s) must be shorter than the lease "
+            f"({lease_s} s), or every lease expires before its renewal"
+        )
+    return interval_s
 
 
 class RenewalCount(Protocol):
@@ -187,3 +210,70 @@ class LeaseKeeper:
         while not self._stop.wait(self.interval_s):
             if not self.renew_now():
                 return
+
+
+class Leases:
+    """The leases of all of one worker's claimed tasks, each kept from its claim (``keep``)
+    until its commit (``release``), renewed by one shared ``LeaseRenewer`` thread.
+
+    Args:
+        tasks: the store.
+        owner: the worker (names the renewal thread).
+        interval_s: seconds between renewals (``renew_interval``).
+        clock: the time source of the tasks' ``time_left_s``.
+        stats: where ``renewals`` is counted.
+        logger: where refusals are reported.
+    """
+
+    def __init__(
+        self,
+        tasks: TaskStore,
+        owner: str,
+        interval_s: float,
+        clock: Clock,
+        stats: RenewalCount,
+        logger: logging.Logger,
+    ) -> None:
+        self._tasks = tasks
+        self._interval_s = interval_s
+        self._clock = clock
+        self._stats = stats
+        self._log = logger
+        self._keepers: dict[str, LeaseKeeper] = {}
+        self._lock = threading.Lock()
+        self._renewer = LeaseRenewer(owner)
+
+    def keep(self, claimed: ClaimedTask) -> Task:
+        """The handler's view of a claimed task, with its lease kept from now on."""
+        task = Task(claimed, clock=self._clock, cancel_check=partial(self._still_held, claimed))
+        keeper = LeaseKeeper(
+            self._tasks, task, self._interval_s, self._stats, self._log, self._renewer
+        )
+        with self._lock:
+            self._keepers[claimed.task_id] = keeper
+        keeper.start()
+        return task
+
+    def _still_held(self, claimed: ClaimedTask) -> bool | StaleError:
+        """``Task.cancelled()``'s look at the store (``TaskStore.refusal``): True when the
+        task was cancelled, the refusal when this worker no longer holds it (fence, owner,
+        lease), False while it does. A claim that moved on while this worker was frozen is
+        seen before its handler starts, not only at the next renewal. (Takes the claim, not
+        the ``Task``: no reference cycle per task for the garbage collector to find.)"""
+        refusal = self._tasks.refusal(claimed.task_id, claimed.owner, claimed.fence)
+        if isinstance(refusal, TaskCancelled):
+            return True
+        return refusal if refusal is not None else False
+
+    def release(self, task_id: str) -> None:
+        """Stop renewing ``task_id``; returns after a renewal in flight has ended."""
+        with self._lock:
+            keeper = self._keepers.pop(task_id, None)
+        if keeper is not None:
+            keeper.stop()
+
+    def renew_all(self) -> int:
+        """Renew every kept lease now, out of the schedule; returns how many are still held."""
+        with self._lock:
+            keepers = list(self._keepers.values())
+        return sum(keeper.renew_now() for keeper in keepers)

@@ -51,41 +51,36 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import asdict, dataclass
-from functools import partial
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pydantic import Field
-
 from broker_adapter import crashpoints
 from broker_adapter.clock import Clock
-from broker_adapter.config import ConfigModel, KeyPrefix
 from broker_adapter.errors import (
     ConfigError,
-    EnvelopeError,
-    RetryableError,
     StaleError,
     TaskCancelled,
     TransientError,
 )
-from broker_adapter.protocol.envelope import check_result
-from broker_adapter.protocol.keys import DEFAULT_PREFIX, Keys
+from broker_adapter.protocol.keys import Keys
 from broker_adapter.protocol.signing import Keyring
-from broker_adapter.redis.streams import RedisUrl, connect
+from broker_adapter.redis.streams import connect
 from broker_adapter.stages.calls import CallOutcome, CallRun, RunOutcome, StopRun
-from broker_adapter.stages.handlers import Handler, describe_error, is_retryable, load_handler
+from broker_adapter.stages.handlers import Handler, load_handler
 from broker_adapter.stages.handoff import CLAIM, Handed, IdleWait
-from broker_adapter.stages.lease import RENEWALS_PER_LEASE, LeaseKeeper, LeaseRenewer
+from broker_adapter.stages.lease import Leases, renew_interval
 from broker_adapter.stages.loop import IdlePolicy, look
+from broker_adapter.stages.outcomes import settlement
 from broker_adapter.stages.publish import (
-    DEFAULT_RECORD_TTL_S,
     DispatcherStats,
     OwnReplies,
     ReplyPublisher,
     sent_marks,
 )
 from broker_adapter.stages.task import Task
+from broker_adapter.stages.worker_config import WorkerConfig as WorkerConfig
+from broker_adapter.stages.worker_config import WorkerStats as WorkerStats
 from broker_adapter.store.outbox import OutboxPolicy, OutboxRow, OutboxStore
 from broker_adapter.store.tasks import (
     ClaimedTask,
@@ -100,104 +95,10 @@ if TYPE_CHECKING:
 
     from broker_adapter.app.metrics import WorkerMetrics
 
-DEFAULT_BATCH = 128
-DEFAULT_BATCH_WINDOW_S = 0.05
-DEFAULT_CALL_TIMEOUT_S = 60.0
-DEFAULT_IDLE_POLL_S = 0.05
-DEFAULT_WAKE_POLL_S = 0.001
-DEFAULT_GRACE_S = 10.0
 #: The first claim of a worker takes at most this many tasks (no handler time known yet).
 INITIAL_CLAIM = 4
 #: Weight of the newest handler time in the running average that sizes claims.
 HANDLER_TIME_WEIGHT = 0.2
-#: The error a task fails with when its handler's result is over the result bounds
-#: (``envelope.check_result``); not retried: the handler would return as much again.
-RESULT_TOO_LARGE = "result_too_large"
-
-
-class WorkerConfig(ConfigModel):
-    """One worker's settings.
-
-    Attributes:
-        owner: the name written as the lease owner; unique per running worker.
-        batch: the most tasks one claim takes (one transaction). Claims are sized so that
-            a batch's handlers take about ``batch_window_s`` (from the running average of
-            this worker's handler times): fast handlers are claimed ``batch`` at a time,
-            handlers slower than the window one at a time. The first claim takes at most
-            ``INITIAL_CLAIM``. Every claimed task's lease is renewed until its commit.
-        batch_window_s: how long a batch may keep outcomes before committing them. The
-            outcomes of a batch commit together (one transaction, one fsync) after its
-            last handler, or before the next handler starts once the oldest uncommitted
-            outcome is this old, seconds.
-        call_timeout_s: per handler call; capped by the time left to the task's deadline.
-        renew_every_s: lease renewal interval; ``None`` means a third of the store's lease.
-        idle_poll_s: the longest pause between two looks for work when idle, seconds. A
-            look is a read (``TaskStore.has_work``: no write lock, no fsync); a claim
-            follows only when it finds something.
-        wake_poll_s: the pause between looks for ``ALERT_AFTER_WORK_S`` after the last
-            work, seconds; after that it doubles with every empty look, up to
-            ``idle_poll_s``.
-        grace_s: on stop, how long the running handler may still take.
-        redis_url: the Redis of the reply streams. With it the worker publishes the replies
-            of its own batches right after their commit (see ``Worker``); without it (or
-            ``None``) they wait in the outbox for the dispatcher.
-        prefix: the key prefix (see ``keys``), as the dispatcher's.
-        record_ttl_s: how long its publication records live (the dispatcher's
-            ``DispatcherConfig.record_window_s``).
-        metrics_dir: with it, the worker's counters and handler times go to
-            prometheus-client's multiprocess files there (``metrics.WorkerMetrics``);
-            ``None`` (default): no metrics, nothing imported.
-        handler_name: the ``handler`` label of its handler duration histogram.
-    """
-
-    owner: str = Field(min_length=1, max_length=128)
-    batch: int = Field(default=DEFAULT_BATCH, ge=1, le=1000)
-    batch_window_s: float = Field(default=DEFAULT_BATCH_WINDOW_S, ge=0)
-    call_timeout_s: float = Field(default=DEFAULT_CALL_TIMEOUT_S, gt=0)
-    renew_every_s: float | None = Field(default=None, gt=0)
-    idle_poll_s: float = Field(default=DEFAULT_IDLE_POLL_S, gt=0)
-    wake_poll_s: float = Field(default=DEFAULT_WAKE_POLL_S, gt=0)
-    grace_s: float = Field(default=DEFAULT_GRACE_S, ge=0)
-    redis_url: RedisUrl | None = None
-    prefix: KeyPrefix = DEFAULT_PREFIX
-    record_ttl_s: float = Field(default=DEFAULT_RECORD_TTL_S, gt=0)
-    metrics_dir: str | None = None
-    handler_name: str = "handler"
-
-
-@dataclass
-class WorkerStats:
-    """Counters of one worker, since it was built.
-
-    Attributes:
-        claimed: tasks this worker claimed, or the ingest claimed for it (``handed``).
-        handed: of ``claimed``, those the ingest's accept transaction claimed for it.
-        done: committed ``done``.
-        retried: committed a retryable failure (back to ``pending``).
-        failed: committed ``failed``.
-        stale_commits: commits the store refused (fence, owner, lease, deadline), and claimed
-            tasks not started because a renewal found their lease lost meanwhile.
-        cancelled: tasks found cancelled; nothing committed.
-        timeouts: calls abandoned (call timeout, or still running past the stop grace).
-        expired: tasks whose deadline passed before their handler could start.
-        renewals: successful lease renewals.
-        store_errors: commits that failed on a transient store error (left to lease expiry).
-    """
-
-    claimed: int = 0
-    handed: int = 0
-    done: int = 0
-    retried: int = 0
-    failed: int = 0
-    stale_commits: int = 0
-    cancelled: int = 0
-    timeouts: int = 0
-    expired: int = 0
-    renewals: int = 0
-    store_errors: int = 0
-
-    def as_dict(self) -> dict[str, int]:
-        return asdict(self)
 
 
 @dataclass
@@ -264,18 +165,13 @@ class Worker:
         self.handler: Handler = load_handler(handler) if isinstance(handler, str) else handler
         self.clock = clock or tasks.clock
         self.log = logger or logging.getLogger(__name__)
-        lease_s = tasks.policy.lease_s
-        every = config.renew_every_s
-        self.renew_every_s = lease_s / RENEWALS_PER_LEASE if every is None else every
-        if self.renew_every_s >= lease_s:
-            raise ConfigError(
-                f"renew_every_s ({self.renew_every_s} s) must be shorter than the lease "
-                f"({lease_s} s), or every lease expires before its renewal"
-            )
+        self.renew_every_s = renew_interval(tasks.policy.lease_s, config.renew_every_s)
         self.stats = WorkerStats()
-        self._keepers: dict[str, LeaseKeeper] = {}
-        self._keepers_lock = threading.Lock()
-        self._renewer = LeaseRenewer(config.owner)
+        #: The lease of every claimed task, kept from its claim until its commit.
+        self.leases = Leases(
+            tasks, config.owner, self.renew_every_s, self.clock, self.stats, self.log
+        )
+        self._drain_lock = threading.Lock()
         self._stop: threading.Event | None = None
         self._drain_until: float | None = None
         #: Running average of this worker's handler call times (None: none ran yet).
@@ -355,7 +251,7 @@ class Worker:
             # Every claimed task's lease is kept from now until its outcome is committed: a
             # task waiting its turn in the batch, or an outcome waiting for the batch's
             # commit, must not lose its lease to another worker and run twice.
-            tasks = [self._keep(c) for c in claimed]
+            tasks = [self.leases.keep(c) for c in claimed]
         if not tasks:  # nothing to run: no call thread to wake
             if self._stop is None:
                 self._mark_sent()
@@ -399,7 +295,7 @@ class Worker:
                 if offered is not None:
                     self._take_handed(offered.withdraw())
                 for task in tasks:  # those not started or not committed: leases expire
-                    self._release_keeper(task.task_id)
+                    self.leases.release(task.task_id)
                 self._sync_metrics()
         if run.not_started:
             # No release in the store yet: these leases expire and the tasks come back.
@@ -493,7 +389,7 @@ class Worker:
             claimed = []
         self.stats.claimed += len(claimed)
         self.stats.handed += len(claimed)
-        self._ahead.extend(self._keep(c) for c in claimed)
+        self._ahead.extend(self.leases.keep(c) for c in claimed)
         return True
 
     def renew_leases(self) -> int:
@@ -502,9 +398,7 @@ class Worker:
         Returns:
             how many leases are still held afterwards.
         """
-        with self._keepers_lock:
-            keepers = list(self._keepers.values())
-        return sum(keeper.renew_now() for keeper in keepers)
+        return self.leases.renew_all()
 
     # -- one task -------------------------------------------------------------------------
 
@@ -513,39 +407,10 @@ class Worker:
 
     def _drain_deadline(self) -> float:
         """The ``time.monotonic()`` instant a stopping worker must be done by (set once)."""
-        with self._keepers_lock:
+        with self._drain_lock:
             if self._drain_until is None:
                 self._drain_until = time.monotonic() + self.config.grace_s
             return self._drain_until
-
-    def _keep(self, claimed: ClaimedTask) -> Task:
-        """The handler's view of a claimed task, with its lease kept from now on."""
-        task = Task(claimed, clock=self.clock, cancel_check=partial(self._still_held, claimed))
-        keeper = LeaseKeeper(
-            self.tasks, task, self.renew_every_s, self.stats, self.log, self._renewer
-        )
-        with self._keepers_lock:
-            self._keepers[claimed.task_id] = keeper
-        keeper.start()
-        return task
-
-    def _still_held(self, claimed: ClaimedTask) -> bool | StaleError:
-        """``Task.cancelled()``'s look at the store (``TaskStore.refusal``): True when the
-        task was cancelled, the refusal when this worker no longer holds it (fence, owner,
-        lease), False while it does. A claim that moved on while this worker was frozen is
-        seen before its handler starts, not only at the next renewal. (Takes the claim, not
-        the ``Task``: no reference cycle per task for the garbage collector to find.)"""
-        refusal = self.tasks.refusal(claimed.task_id, claimed.owner, claimed.fence)
-        if isinstance(refusal, TaskCancelled):
-            return True
-        return refusal if refusal is not None else False
-
-    def _release_keeper(self, task_id: str) -> None:
-        """Stop renewing ``task_id``; returns after a renewal in flight has ended."""
-        with self._keepers_lock:
-            keeper = self._keepers.pop(task_id, None)
-        if keeper is not None:
-            keeper.stop()
 
     def _prepare(self, task: Task) -> float | None:
         """Before one claimed task's handler (on the call thread): its timeout, or ``None``
@@ -563,7 +428,7 @@ class Worker:
         claimed = task.claimed
         crashpoints.hit("worker.after_claim")
         if task.cancelled():
-            self._release_keeper(claimed.task_id)
+            self.leases.release(claimed.task_id)
             if task.stop_reason == "lease_lost":  # a renewal was refused while it waited
                 self.stats.stale_commits += 1
                 self.log.warning(
@@ -578,7 +443,7 @@ class Worker:
         time_left_s = claimed.deadline - self.clock.now()
         if time_left_s <= 0:
             # Reconcile moves it to ``expired`` with its reply; running it would be refused.
-            self._release_keeper(claimed.task_id)
+            self.leases.release(claimed.task_id)
             self.tasks.reconcile()
             self.stats.expired += 1
             self.log.info("task %s reached its deadline before it started", claimed.task_id)
@@ -616,7 +481,7 @@ class Worker:
         # Stop renewing before the commit: a renewal racing the commit would be refused
         # ("not running") and report a lost lease that was in fact released.
         for r in ran:
-            self._release_keeper(r.task.task_id)
+            self.leases.release(r.task.task_id)
         items: list[tuple[ClaimedTask, Settlement]] = []
         for r in ran:
             claimed = r.task.claimed
@@ -625,7 +490,11 @@ class Worker:
             if r.task.stop_reason == "cancelled":
                 self._note_cancelled(claimed)
                 continue
-            items.append((claimed, self._settlement(claimed, r.outcome, r.timeout_s)))
+            grace_s = self.config.grace_s
+            item = settlement(
+                claimed, r.outcome, r.timeout_s, grace_s=grace_s, stats=self.stats, log=self.log
+            )
+            items.append((claimed, item))
         n = self.claim_size() if claim_next and not self._stopping() else 0
         try:
             batch = self._settle([item for _, item in items], n)
@@ -657,7 +526,7 @@ class Worker:
                     self.stats.done += 1
                 crashpoints.hit("worker.after_finish")
         self.stats.claimed += len(batch.claimed)
-        self._ahead = [self._keep(c) for c in batch.claimed]
+        self._ahead = [self.leases.keep(c) for c in batch.claimed]
         self._found_none = n >= 1 and not batch.claimed
         if batch.replies:
             self._publish(batch.replies, more_soon=more_soon or bool(self._ahead))
@@ -710,60 +579,6 @@ class Worker:
         mark-sent transaction of its own (what they committed is then counted)."""
         if self.metrics is not None:
             self.metrics.sync(self.stats, self.publish_stats, self.tasks.lease_takeovers)
-
-    def _settlement(
-        self, claimed: ClaimedTask, outcome: CallOutcome, timeout_s: float
-    ) -> Settlement:
-        """What to commit for one handler outcome."""
-        fail = partial(Settlement, claimed.task_id, claimed.owner, claimed.fence, None)
-        if outcome.ok:
-            try:
-                encoded = check_result(outcome.value).decode("utf-8")
-            except EnvelopeError as exc:  # deterministic: the same result is as large again
-                return fail(f"{RESULT_TOO_LARGE}: {exc.detail}", False)
-            except (TypeError, ValueError, RecursionError) as exc:
-                error = f"{type(exc).__name__}: the handler returned a non-JSON result: {exc}"
-                return fail(error, False)
-            return Settlement(
-                claimed.task_id, claimed.owner, claimed.fence, encoded, claimed=claimed
-            )
-        if outcome.timed_out:
-            self.stats.timeouts += 1
-            error = f"TimeoutError: the handler did not return within {timeout_s:.3f} s"
-            self._log_failure(claimed, error, retry=True)
-            return fail(error, True)
-        if outcome.stopped:
-            self.stats.timeouts += 1
-            error = (
-                f"WorkerStopping: the handler did not finish within the "
-                f"{self.config.grace_s} s shutdown grace"
-            )
-            self._log_failure(claimed, error, retry=True)
-            return fail(error, True)
-        assert outcome.error is not None
-        raised = outcome.error
-        error, retry = describe_error(raised), is_retryable(raised)
-        self._log_failure(claimed, error, retry=retry, raised=raised)
-        return fail(error, retry)
-
-    def _log_failure(
-        self, claimed: ClaimedTask, error: str, *, retry: bool, raised: BaseException | None = None
-    ) -> None:
-        """Log a handler's failure with the task's ids (never its payload): a warning when
-        it asks for another attempt, an error otherwise, and the traceback unless the
-        handler asked for a retry on purpose (``RetryableError``)."""
-        self.log.log(
-            logging.WARNING if retry else logging.ERROR,
-            "handler failed on task %s (message %s from %s, attempt %d of %d%s): %s",
-            claimed.task_id,
-            claimed.message_id,
-            claimed.principal,
-            claimed.attempt,
-            claimed.max_attempts,
-            ", asks for a retry" if retry else "",
-            error,
-            exc_info=None if raised is None or isinstance(raised, RetryableError) else raised,
-        )
 
     def _note_cancelled(self, claimed: ClaimedTask) -> None:
         self.stats.cancelled += 1
