@@ -337,10 +337,10 @@ def test_cli_a_stage_that_crashes_is_a_runtime_failure_naming_it(tmp_path: Path)
     write_keyring(tmp_path / "k.json")
     boom = (
         "import sys\n"
-        "from broker_adapter import cli, runner\n"
+        "from broker_adapter.app import adapter, cli\n"
         "def crash(self, *args):\n"
         "    raise RuntimeError('boom')\n"
-        "runner.Runner._ingest = crash\n"
+        "adapter.Runner._ingest = crash\n"
         "raise SystemExit(cli.main(sys.argv[1:]))\n"
     )
     res = subprocess.run(
