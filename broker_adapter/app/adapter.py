@@ -21,10 +21,10 @@ import logging
 import os
 import socket
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -44,13 +44,13 @@ from broker_adapter.protocol.signing import Keyring
 from broker_adapter.redis.streams import RedisUrl, connect
 from broker_adapter.stages.dispatcher import Dispatcher, DispatcherConfig
 from broker_adapter.stages.handlers import load_handler
-from broker_adapter.stages.handoff import CLAIM, LOOK, Handoff
+from broker_adapter.stages.handoff import Handoff
 from broker_adapter.stages.ingest import IngestConfig, Ingestor
 from broker_adapter.stages.worker import WorkerConfig
 from broker_adapter.store import OutboxStore, TaskStore, open_database
 from broker_adapter.store.gate import WriteGate
 from broker_adapter.store.retention import DEFAULT_RETENTION_S, PurgeSchedule, run_purges
-from broker_adapter.store.tasks import AcceptItem, AcceptResult, Outcome, TaskPolicy
+from broker_adapter.store.tasks import TaskPolicy
 
 log = logging.getLogger("broker_adapter.app.adapter")
 
@@ -141,36 +141,6 @@ class RunConfig(ConfigModel):
         if self.mode == "acl" and not self.acl_principals:
             raise ValueError("acl mode needs at least one principal (--acl-principal P)")
         return self
-
-
-class HandingTaskStore(TaskStore):
-    """The ingest's store: each accept also claims the new tasks for idle worker processes
-    and hands them over (``handoff.Handoff``); tasks stored that no idle worker took wait
-    for the next claim, and an idle worker that turns up meanwhile is told to claim."""
-
-    def __init__(self, *args: Any, handoff: Handoff, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._handoff = handoff
-
-    def accept(self, items: Sequence[AcceptItem]) -> list[AcceptResult]:
-        handoff = self._handoff
-        taken = handoff.take(len(items))
-        intake = None
-        try:
-            intake = self.accept_and_claim(items, [(owner, n) for _, owner, n in taken])
-        finally:
-            # Every worker taken gets its one message, whatever happened.
-            for i, (slot, _, _) in enumerate(taken):
-                handles = intake.claimed[i] if intake is not None else []
-                handoff.give(slot, handles or LOOK)
-        stored = sum(r.outcome is Outcome.STORED for r in intake.results)
-        if stored:
-            handoff.stored()
-            handed = sum(len(h) for h in intake.claimed)
-            # Workers that finish a batch will claim them in that commit: only idle ones.
-            for slot, _, _ in handoff.take(stored - handed, finishing=False):
-                handoff.give(slot, CLAIM)
-        return intake.results
 
 
 class Runner:
@@ -290,12 +260,10 @@ class Runner:
                 retention_s=cfg.retention_s,
             )
             client = connect(cfg.redis_url)
-            tasks = (
-                TaskStore(db, SystemClock(), self.policy)
-                if handoff is None
-                else HandingTaskStore(db, SystemClock(), self.policy, handoff=handoff)
+            tasks = TaskStore(db, SystemClock(), self.policy)
+            ingestor = Ingestor(
+                ingest_cfg, client, tasks, self.keyring, logger=self.log, handoff=handoff
             )
-            ingestor = Ingestor(ingest_cfg, client, tasks, self.keyring, logger=self.log)
             self.observed.add_ingestor(ingestor)
             ingestor.run(stop)
         finally:

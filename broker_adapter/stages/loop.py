@@ -5,7 +5,7 @@ A shared stage helper, not a stage: the worker (``worker.Worker.run``) and the d
 ``first_s`` for ``ALERT_AFTER_WORK_S``, then the pause doubles with every empty look, up to
 ``longest_s``. A look is a read (``look``: no write lock, no fsync); a step follows only
 when it finds something. The pauses themselves are waits on the loop's stop event (or on a
-hand-off), which the loop makes.
+hand-off: ``IdleWait``, the worker's end of the ingest's hand-off), which the loop makes.
 """
 
 from __future__ import annotations
@@ -13,12 +13,34 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from typing import Final, Literal, Protocol
 
 from broker_adapter.errors import TransientError
 
 #: An idle loop keeps looking every ``first_s`` this long after its last work, then backs
 #: off towards ``longest_s``.
 ALERT_AFTER_WORK_S = 1.0
+
+#: Hand-off message: the claim for this worker found nothing; look (a read) before claiming.
+LOOK: Final = "look"
+#: Hand-off message: tasks were stored that no worker was handed; claim them.
+CLAIM: Final = "claim"
+
+#: A task handed over already claimed: ``(task_id, fence)``.
+Handle = tuple[str, int]
+#: What a wait returns: handles, ``LOOK``, ``CLAIM``, or ``None`` (nothing came in time).
+Handed = list[Handle] | Literal["look", "claim"] | None
+
+
+class IdleWait(Protocol):
+    """What a worker waits on when idle instead of a plain pause (its end of the ingest's
+    hand-off, ``handoff.HandoffEndpoint``; tests script their own)."""
+
+    def wait(self, timeout_s: float, want: int) -> Handed: ...
+
+    def offer(self, want: int) -> None: ...
+
+    def withdraw(self) -> Handed: ...
 
 
 class IdlePolicy:

@@ -68,9 +68,8 @@ from broker_adapter.protocol.signing import Keyring
 from broker_adapter.redis.streams import connect
 from broker_adapter.stages.calls import CallOutcome, CallRun, RunOutcome, StopRun
 from broker_adapter.stages.handlers import Handler, load_handler
-from broker_adapter.stages.handoff import CLAIM, Handed, IdleWait
 from broker_adapter.stages.lease import Leases, renew_interval
-from broker_adapter.stages.loop import IdlePolicy, look
+from broker_adapter.stages.loop import CLAIM, Handed, IdlePolicy, IdleWait, look
 from broker_adapter.stages.outcomes import settlement
 from broker_adapter.stages.publish import (
     DispatcherStats,

@@ -388,7 +388,7 @@ def test_cli_app_dir_finds_the_handler_and_worker_logs_reach_the_runner(
     assert out.count("Traceback (most recent call last)") == 1, out
     assert out.count('ba_cli_test_app.py", line 2, in explode') == 1, out
     assert re.search(
-        r"ERROR broker_adapter\.worker: handler failed on task \S+ \(message m-explode from"
+        r"ERROR broker_adapter\.stages\.worker: handler failed on task \S+ \(message m-explode from"
         r" alice, attempt 1 of 1\): ValueError: the handler exploded on purpose",
         out,
     ), out
