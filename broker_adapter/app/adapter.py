@@ -31,7 +31,13 @@ from pydantic import Field, field_validator, model_validator
 from broker_adapter.app.metrics import Observed, serve_metrics, stages_down
 from broker_adapter.app.pool import WorkerPool
 from broker_adapter.clock import SystemClock
-from broker_adapter.config import ConfigModel, KeyPrefix, Principal
+from broker_adapter.config import (
+    DEFAULT_CLAIM_MIN_IDLE_MS,
+    DEFAULT_LEASE_S,
+    ConfigModel,
+    KeyPrefix,
+    Principal,
+)
 from broker_adapter.errors import (
     BrokerAdapterError,
     ConfigError,
@@ -47,6 +53,7 @@ from broker_adapter.stages.handlers import load_handler
 from broker_adapter.stages.handoff import Handoff
 from broker_adapter.stages.ingest import IngestConfig, Ingestor
 from broker_adapter.stages.worker import WorkerConfig
+from broker_adapter.stages.worker_config import DEFAULT_CALL_TIMEOUT_S, DEFAULT_GRACE_S
 from broker_adapter.store import OutboxStore, TaskStore, open_database
 from broker_adapter.store.gate import WriteGate
 from broker_adapter.store.retention import DEFAULT_RETENTION_S, PurgeSchedule, run_purges
@@ -107,10 +114,10 @@ class RunConfig(ConfigModel):
     acl_principals: tuple[Principal, ...] = ()
     prefix: KeyPrefix = DEFAULT_PREFIX
     name: str = Field(default_factory=lambda: socket.gethostname().split(".")[0] or "adapter")
-    lease_s: float = Field(default=30.0, gt=0)
-    call_timeout_s: float = Field(default=60.0, gt=0)
-    grace_s: float = Field(default=10.0, ge=0)
-    claim_min_idle_ms: int = Field(default=60_000, ge=0)
+    lease_s: float = Field(default=DEFAULT_LEASE_S, gt=0)
+    call_timeout_s: float = Field(default=DEFAULT_CALL_TIMEOUT_S, gt=0)
+    grace_s: float = Field(default=DEFAULT_GRACE_S, ge=0)
+    claim_min_idle_ms: int = Field(default=DEFAULT_CLAIM_MIN_IDLE_MS, ge=0)
     worker_publish: bool = True
     rate_limit: float | None = Field(default=None, gt=0)
     rate_burst: int | None = Field(default=None, ge=1)

@@ -22,6 +22,7 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from broker_adapter import __version__
+from broker_adapter.config import DEFAULT_CLAIM_MIN_IDLE_MS, DEFAULT_LEASE_S
 from broker_adapter.errors import BrokerAdapterError, ConfigError, TransientError
 from broker_adapter.store.retention import DEFAULT_RETENTION_S
 
@@ -150,12 +151,12 @@ def _add_run(sub: argparse._SubParsersAction[_Parser]) -> None:
     _option(run, "--name", "this adapter's stable name (consumer and owner names derive"
             " from it)", env="BA_NAME", shown="the host name")  # fmt: skip
     _option(run, "--lease", "a claimed task's lease, seconds; renewed every third of it",
-            env="BA_LEASE_S", default=30.0, type=float, metavar="S")  # fmt: skip
+            env="BA_LEASE_S", default=DEFAULT_LEASE_S, type=float, metavar="S")  # fmt: skip
     _option(run, "--grace", "on SIGTERM, how long running handlers may finish, seconds",
             env="BA_GRACE_S", default=10.0, type=float, metavar="S")  # fmt: skip
     _option(run, "--claim-min-idle-ms", "pending entries of a dead consumer idle this long"
-            " are taken over", env="BA_CLAIM_MIN_IDLE_MS", default=60_000, type=int,
-            metavar="MS")  # fmt: skip
+            " are taken over", env="BA_CLAIM_MIN_IDLE_MS", default=DEFAULT_CLAIM_MIN_IDLE_MS,
+            type=int, metavar="MS")  # fmt: skip
     _option(run, "--rate-limit", "entries per second per principal; over it they are"
             " dead-lettered rate_limited", env="BA_RATE_LIMIT", shown="off", type=float,
             metavar="N")  # fmt: skip

@@ -67,7 +67,7 @@ from pydantic import Field, field_validator, model_validator
 
 from broker_adapter import crashpoints
 from broker_adapter.clock import Clock, SystemClock
-from broker_adapter.config import ConfigModel, KeyPrefix, Principal
+from broker_adapter.config import DEFAULT_CLAIM_MIN_IDLE_MS, ConfigModel, KeyPrefix, Principal
 from broker_adapter.errors import (
     ConfigError,
     EnvelopeError,
@@ -100,7 +100,6 @@ if TYPE_CHECKING:
 
 DEFAULT_COUNT = 256
 DEFAULT_BLOCK_MS = 1000
-DEFAULT_CLAIM_MIN_IDLE_MS = 60_000
 DEFAULT_CLAIM_EVERY_S = 5.0
 DEFAULT_MAX_DELIVERIES = 10
 DEFAULT_MAX_ENTRY_BYTES = 256 * 1024

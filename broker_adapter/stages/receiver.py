@@ -75,7 +75,7 @@ from pydantic import Field
 
 from broker_adapter import crashpoints
 from broker_adapter.clock import Clock
-from broker_adapter.config import ConfigModel, KeyPrefix, Principal
+from broker_adapter.config import DEFAULT_CLAIM_MIN_IDLE_MS, ConfigModel, KeyPrefix, Principal
 from broker_adapter.errors import (
     AuthError,
     BrokerAdapterError,
@@ -114,7 +114,6 @@ if TYPE_CHECKING:
 
 DEFAULT_COUNT = 64
 DEFAULT_BLOCK_MS = 1000
-DEFAULT_CLAIM_MIN_IDLE_MS = 60_000
 DEFAULT_MAX_DELIVERIES = 10
 DEFAULT_TAKE_OVER_INTERVAL_S = 30.0
 #: A reply body is at most a result (the payload limits: 64 KiB canonical) and its metadata

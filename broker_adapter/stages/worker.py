@@ -52,8 +52,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from broker_adapter import crashpoints
 from broker_adapter.clock import Clock
@@ -92,7 +91,14 @@ from broker_adapter.store.tasks import (
 if TYPE_CHECKING:
     import redis
 
-    from broker_adapter.app.metrics import WorkerMetrics
+
+class WorkerMetricsSink(Protocol):
+    """Where a worker's handler times and counters go (``app.metrics.WorkerMetrics``)."""
+
+    def observe_call(self, elapsed_s: float) -> None: ...
+
+    def sync(self, stats: WorkerStats, publish: DispatcherStats, takeovers: int) -> None: ...
+
 
 #: The first claim of a worker takes at most this many tasks (no handler time known yet).
 INITIAL_CLAIM = 4
@@ -128,6 +134,8 @@ class Worker:
             With it an idle worker waits on it (``idle_poll_s`` at most) and runs the tasks
             the ingest claimed for it, or looks or claims when told to, instead of polling
             every ``wake_poll_s``.
+        metrics: where handler times and counters go (the pool gives one when
+            ``config.metrics_dir`` is set: ``app.metrics.WorkerMetrics``); ``None``: none.
 
     Publishing its own replies (with a Redis client): the batch's commit writes the replies
     already claimed by this worker's publisher (owner ``<owner>-pub``, its lease, fence 1),
@@ -158,6 +166,7 @@ class Worker:
         outbox_policy: OutboxPolicy | None = None,
         keyring: Keyring | None = None,
         handoff: IdleWait | None = None,
+        metrics: WorkerMetricsSink | None = None,
     ) -> None:
         self.config = config
         self.tasks = tasks
@@ -199,11 +208,7 @@ class Worker:
         self._woken = False
         #: The last commit also claimed, and found nothing ready.
         self._found_none = False
-        self.metrics: WorkerMetrics | None = None
-        if config.metrics_dir is not None:
-            from broker_adapter.app.metrics import WorkerMetrics
-
-            self.metrics = WorkerMetrics(Path(config.metrics_dir), config.handler_name)
+        self.metrics = metrics
 
     @property
     def owner(self) -> str:

@@ -49,8 +49,8 @@ class WorkerConfig(ConfigModel):
         record_ttl_s: how long its publication records live (the dispatcher's
             ``DispatcherConfig.record_window_s``).
         metrics_dir: with it, the worker's counters and handler times go to
-            prometheus-client's multiprocess files there (``metrics.WorkerMetrics``);
-            ``None`` (default): no metrics, nothing imported.
+            prometheus-client's multiprocess files there (``app.metrics.WorkerMetrics``,
+            made by the worker pool); ``None`` (default): no metrics, nothing imported.
         handler_name: the ``handler`` label of its handler duration histogram.
     """
 

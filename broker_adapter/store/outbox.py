@@ -25,7 +25,7 @@ from pydantic import Field
 
 from broker_adapter.backoff import Backoff
 from broker_adapter.clock import Clock, SystemClock
-from broker_adapter.config import ConfigModel
+from broker_adapter.config import DEFAULT_LEASE_S, ConfigModel
 from broker_adapter.errors import BrokerAdapterError, FencedError, StaleError
 from broker_adapter.protocol.envelope import canonical_json, sha256_hex
 from broker_adapter.store.db import Database
@@ -45,7 +45,7 @@ class OutboxPolicy(ConfigModel):
         ConfigError: a lease not above 0, or fewer than one attempt.
     """
 
-    lease_s: float = Field(default=30.0, gt=0)
+    lease_s: float = Field(default=DEFAULT_LEASE_S, gt=0)
     max_attempts: int = Field(default=20, ge=1)
     backoff: Backoff = Field(default_factory=lambda: Backoff(base_s=0.5, cap_s=30.0))
 
