@@ -15,27 +15,22 @@ Invariants kept (``docs/RULES.md``):
 
 Batches: a claim takes up to ``WorkerConfig.batch`` tasks in one transaction, sized by the
 running average of handler times so that a batch takes about ``batch_window_s`` (slow
-handlers: one at a time). The handlers run one after another, outside any transaction, back
-to back on one call thread (``handlers.CallRun``) while the worker's thread supervises their
-timeouts; their outcomes commit together in one transaction (``TaskStore.settle_batch``:
-each outcome fenced on its own), at the end of the batch or once the oldest is
-``batch_window_s`` old, and in ``run`` that transaction also claims the next batch. Every
-claimed task's lease is renewed (one ``LeaseRenewer`` thread per worker) from its claim
-until its commit, so a task waiting its turn, or an outcome waiting for its batch, never
-loses its lease and runs twice.
-When idle, ``run`` waits on its hand-off from the ingest (``handoff.HandoffEndpoint``: tasks
-the ingest's accept transaction claimed for it, or a signal to look or claim) or, without
-one, looks for work with a read (``TaskStore.has_work``) every ``wake_poll_s`` for a second
-after its last work, then less and less often, up to ``idle_poll_s``.
+handlers: one at a time). The handlers run back to back on one call thread
+(``calls.CallRun``) while the worker's thread supervises their timeouts; their outcomes
+(``outcomes.settlement``) commit together in one transaction (``TaskStore.settle_batch``:
+each fenced on its own), at the end of the batch or once the oldest is ``batch_window_s``
+old, and in ``run`` that transaction also claims the next batch. Every claimed task's lease
+is kept from its claim until its commit (``lease.Leases``). When idle, ``run`` waits on its
+hand-off from the ingest (``loop.IdleWait``) or looks for work by the idle policy
+(``loop.IdlePolicy``).
 
 Replies (with ``WorkerConfig.redis_url``): the batch's commit writes each terminal reply
-already claimed by the worker's publisher identity (rules 13, 14 of ``docs/RULES.md``: state
-and reply in one transaction; the publisher has its own claim, lease and fence), and the
-worker publishes them right after the commit with the dispatcher's ``publish.ReplyPublisher``. The
-confirmed ones are marked sent (fenced) by the next batch's commit when it follows soon,
-else by a small transaction of their own. A kill between the commit and the mark leaves rows
-``sending`` that the dispatcher takes back after the publisher lease (its script finds what
-was already published); a Redis failure puts them back in line with backoff.
+already claimed by the worker's publisher identity (``docs/RULES.md`` rules 13, 14), and the
+worker publishes them right after the commit (``publish.OwnReplies``: the dispatcher's
+``ReplyPublisher``, its script and crash points); the marks of the confirmed ones ride on
+the next batch's commit when it follows soon, else on a small transaction of their own.
+A kill between the commit and the mark leaves rows ``sending`` that the dispatcher takes
+back after the publisher lease (its script finds what was already published).
 
 Crash: the worker keeps nothing durable of its own. Killed after the claim
 (``worker.after_claim``) or after the handler's effect (``worker.after_effect``), its task
@@ -137,17 +132,7 @@ class Worker:
         metrics: where handler times and counters go (the pool gives one when
             ``config.metrics_dir`` is set: ``app.metrics.WorkerMetrics``); ``None``: none.
 
-    Publishing its own replies (with a Redis client): the batch's commit writes the replies
-    already claimed by this worker's publisher (owner ``<owner>-pub``, its lease, fence 1),
-    so the dispatcher leaves them alone until that lease runs out. Right after the commit
-    they are published by ``ReplyPublisher.publish`` (the dispatcher's path and crash
-    points); the confirmed ones are marked sent, fenced, in the next batch's commit when
-    one follows soon, else in a small transaction of their own. Rows Redis did not confirm
-    go back in line with backoff (``ReplyPublisher.settle_failures``) and, for
-    ``PUBLISH_PAUSE_S`` after an unreachable Redis, new replies are left to the
-    dispatcher. A worker killed between its commit and its mark leaves rows ``sending``
-    that the dispatcher takes back at lease expiry (the records make a second publication
-    a no-op).
+    Publishing its own replies: see the module's text and ``publish.OwnReplies``.
 
     Raises:
         ConfigError: the handler spec cannot be loaded, renewals would come no sooner than
