@@ -11,23 +11,18 @@ from __future__ import annotations
 
 import logging
 from functools import partial
-from typing import Protocol
 
-from broker_adapter.errors import EnvelopeError, RetryableError
+from broker_adapter import crashpoints
+from broker_adapter.errors import EnvelopeError, RetryableError, StaleError, TaskCancelled
 from broker_adapter.protocol.envelope import check_result
 from broker_adapter.stages.calls import CallOutcome
 from broker_adapter.stages.handlers import describe_error, is_retryable
-from broker_adapter.store.tasks import ClaimedTask, Settlement
+from broker_adapter.stages.worker_config import WorkerStats
+from broker_adapter.store.tasks import ClaimedTask, FailOutcome, Settlement, SettleResult
 
 #: The error a task fails with when its handler's result is over the result bounds
 #: (``envelope.check_result``); not retried: the handler would return as much again.
 RESULT_TOO_LARGE = "result_too_large"
-
-
-class TimeoutCount(Protocol):
-    """Where abandoned calls are counted (``worker.WorkerStats``)."""
-
-    timeouts: int
 
 
 def settlement(
@@ -36,7 +31,7 @@ def settlement(
     timeout_s: float,
     *,
     grace_s: float,
-    stats: TimeoutCount,
+    stats: WorkerStats,
     log: logging.Logger,
 ) -> Settlement:
     """What to commit for one handler outcome (``timeout_s``: the call's timeout,
@@ -91,4 +86,41 @@ def log_failure(
         ", asks for a retry" if retry else "",
         error,
         exc_info=None if raised is None or isinstance(raised, RetryableError) else raised,
+    )
+
+
+def count_committed(
+    claimed: ClaimedTask, result: SettleResult, stats: WorkerStats, log: logging.Logger
+) -> None:
+    """Count what the batch's commit did with one outcome: refused as cancelled or stale
+    (logged), or committed (``done``, retried, ``failed``; then ``worker.after_finish``)."""
+    if isinstance(result, TaskCancelled):
+        note_cancelled(claimed, stats, log)
+    elif isinstance(result, StaleError):
+        stats.stale_commits += 1
+        log.warning(
+            "stale commit refused for task %s (owner %s, fence %d): %s",
+            claimed.task_id,
+            claimed.owner,
+            claimed.fence,
+            result,
+        )
+    else:
+        if isinstance(result, FailOutcome):
+            if result is FailOutcome.RETRY:
+                stats.retried += 1
+            else:
+                stats.failed += 1
+        else:
+            stats.done += 1
+        crashpoints.hit("worker.after_finish")
+
+
+def note_cancelled(claimed: ClaimedTask, stats: WorkerStats, log: logging.Logger) -> None:
+    """A task found cancelled at its commit: nothing committed, counted and logged."""
+    stats.cancelled += 1
+    log.info(
+        "task %s was cancelled while its handler ran; nothing committed "
+        "(an effect the handler already caused stays)",
+        claimed.task_id,
     )

@@ -38,6 +38,7 @@ from broker_adapter.protocol.keys import Keys
 from broker_adapter.protocol.signing import REPLY_WIRE_VERSION, Keyring
 from broker_adapter.redis.streams import eval_many, text
 from broker_adapter.store.outbox import OutboxRow, OutboxStore, SentMark
+from broker_adapter.store.tasks import SettledBatch, Settlement, TaskStore
 
 if TYPE_CHECKING:
     import redis
@@ -297,10 +298,10 @@ class OwnReplies:
     """A worker's publication of the replies its own commits wrote claimed for its
     ``publisher``, and the confirmed ones waiting for their marks.
 
-    The marks wait for the worker's next commit to carry them (``take_marks``, then
-    ``marked``), or are written by a small transaction of their own (``mark_sent``). Rows
-    Redis did not confirm go back in line with backoff (``ReplyPublisher.settle_failures``);
-    for ``PUBLISH_PAUSE_S`` after an unreachable Redis the worker leaves new replies to the
+    The marks wait for the worker's next commit to carry them (``settle_batch``), or are
+    written by a small transaction of their own (``mark_sent``). Rows Redis did not confirm
+    go back in line with backoff (``ReplyPublisher.settle_failures``); for
+    ``PUBLISH_PAUSE_S`` after an unreachable Redis the worker leaves new replies to the
     dispatcher (``paused``).
 
     Args:
@@ -325,20 +326,30 @@ class OwnReplies:
         """Whether new replies are left to the dispatcher (Redis failed lately)."""
         return time.monotonic() < self._paused_until
 
-    def take_marks(self) -> list[Confirmed]:
-        """The confirmations waiting, for a commit to carry their marks (``marked`` after
-        it, ``restore`` if it was not written)."""
-        confirmed, self._confirmed = self._confirmed, []
-        return confirmed
-
-    def restore(self, confirmed: list[Confirmed]) -> None:
-        """Marks taken for a commit that was not written: still to mark."""
-        self._confirmed = confirmed + self._confirmed
-
-    def marked(self, confirmed: list[Confirmed], refused: list[StaleError | None]) -> None:
+    def _marked(self, confirmed: list[Confirmed], refused: list[StaleError | None]) -> None:
         """A commit wrote the marks of ``confirmed`` (``refused``: one entry each)."""
         crashpoints.hit("dispatcher.after_mark_sent")
         self.publisher.count_marked([(row, pub) for row, pub, _ in confirmed], refused)
+
+    def settle_batch(
+        self, tasks: TaskStore, items: list[Settlement], owner: str, n: int
+    ) -> SettledBatch:
+        """A worker's batch commit (``TaskStore.settle_batch``: outcomes, the next claim of
+        up to ``n``) that also writes its replies claimed by the publisher and carries the
+        marks of the confirmations waiting."""
+        publisher = self.publisher
+        confirmed, self._confirmed = self._confirmed, []
+        try:
+            batch = tasks.settle_batch(
+                items, owner, n, publish_as=publisher.owner,
+                publish_lease_s=publisher.outbox.policy.lease_s, sent=sent_marks(confirmed),
+            )  # fmt: skip
+        except BaseException:
+            self._confirmed = confirmed + self._confirmed  # not written: still to mark
+            raise
+        if confirmed:
+            self._marked(confirmed, batch.marks)
+        return batch
 
     def publish(self, rows: list[OutboxRow]) -> None:
         """Publish rows a commit wrote claimed for the publisher; the confirmed ones wait
@@ -381,5 +392,5 @@ class OwnReplies:
             # them back, its publication finds the records and marks them sent.
             publisher.log.warning("%d replies not marked sent: %s", len(confirmed), exc)
             return False
-        self.marked(confirmed, refused)
+        self._marked(confirmed, refused)
         return True

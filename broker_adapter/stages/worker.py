@@ -53,8 +53,6 @@ from broker_adapter import crashpoints
 from broker_adapter.clock import Clock
 from broker_adapter.errors import (
     ConfigError,
-    StaleError,
-    TaskCancelled,
     TransientError,
 )
 from broker_adapter.protocol.keys import Keys
@@ -64,12 +62,11 @@ from broker_adapter.stages.calls import CallOutcome, CallRun, RunOutcome, StopRu
 from broker_adapter.stages.handlers import Handler, load_handler
 from broker_adapter.stages.lease import Leases, renew_interval
 from broker_adapter.stages.loop import CLAIM, Handed, IdlePolicy, IdleWait, look
-from broker_adapter.stages.outcomes import settlement
+from broker_adapter.stages.outcomes import count_committed, note_cancelled, settlement
 from broker_adapter.stages.publish import (
     DispatcherStats,
     OwnReplies,
     ReplyPublisher,
-    sent_marks,
 )
 from broker_adapter.stages.task import Task
 from broker_adapter.stages.worker_config import WorkerConfig as WorkerConfig
@@ -77,7 +74,6 @@ from broker_adapter.stages.worker_config import WorkerStats as WorkerStats
 from broker_adapter.store.outbox import OutboxPolicy, OutboxRow, OutboxStore
 from broker_adapter.store.tasks import (
     ClaimedTask,
-    FailOutcome,
     SettledBatch,
     Settlement,
     TaskStore,
@@ -477,7 +473,7 @@ class Worker:
             # Rule 11: the last check before the commit is in the commit's transaction: the
             # store refuses a cancelled task (TaskCancelled) and keeps its ``cancelled``.
             if r.task.stop_reason == "cancelled":
-                self._note_cancelled(claimed)
+                note_cancelled(claimed, self.stats, self.log)
                 continue
             grace_s = self.config.grace_s
             item = settlement(
@@ -494,26 +490,7 @@ class Worker:
             )
             return
         for (claimed, _item), result in zip(items, batch.results, strict=True):
-            if isinstance(result, TaskCancelled):
-                self._note_cancelled(claimed)
-            elif isinstance(result, StaleError):
-                self.stats.stale_commits += 1
-                self.log.warning(
-                    "stale commit refused for task %s (owner %s, fence %d): %s",
-                    claimed.task_id,
-                    claimed.owner,
-                    claimed.fence,
-                    result,
-                )
-            else:
-                if isinstance(result, FailOutcome):
-                    if result is FailOutcome.RETRY:
-                        self.stats.retried += 1
-                    else:
-                        self.stats.failed += 1
-                else:
-                    self.stats.done += 1
-                crashpoints.hit("worker.after_finish")
+            count_committed(claimed, result, self.stats, self.log)
         self.stats.claimed += len(batch.claimed)
         self._ahead = [self.leases.keep(c) for c in batch.claimed]
         self._found_none = n >= 1 and not batch.claimed
@@ -532,19 +509,7 @@ class Worker:
         if replies is None or replies.paused():
             self._mark_sent()  # a paused publisher's marks do not wait for the next commit
             return self.tasks.settle_batch(items, self.config.owner, n)
-        publisher = replies.publisher
-        confirmed = replies.take_marks()
-        try:
-            batch = self.tasks.settle_batch(
-                items, self.config.owner, n, publish_as=publisher.owner,
-                publish_lease_s=publisher.outbox.policy.lease_s, sent=sent_marks(confirmed),
-            )  # fmt: skip
-        except BaseException:
-            replies.restore(confirmed)  # not written: still to mark
-            raise
-        if confirmed:
-            replies.marked(confirmed, batch.marks)
-        return batch
+        return replies.settle_batch(self.tasks, items, self.config.owner, n)
 
     def _publish(self, rows: list[OutboxRow], *, more_soon: bool) -> None:
         """Publish the replies the batch's commit wrote claimed for this worker's publisher
@@ -568,11 +533,3 @@ class Worker:
         mark-sent transaction of its own (what they committed is then counted)."""
         if self.metrics is not None:
             self.metrics.sync(self.stats, self.publish_stats, self.tasks.lease_takeovers)
-
-    def _note_cancelled(self, claimed: ClaimedTask) -> None:
-        self.stats.cancelled += 1
-        self.log.info(
-            "task %s was cancelled while its handler ran; nothing committed "
-            "(an effect the handler already caused stays)",
-            claimed.task_id,
-        )
