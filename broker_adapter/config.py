@@ -18,6 +18,11 @@ from broker_adapter.errors import ConfigError, EnvelopeError
 from broker_adapter.protocol.envelope import check_principal
 from broker_adapter.protocol.keys import Keys
 
+#: A claimed task's lease, and a publisher's claim on an outbox row, seconds.
+DEFAULT_LEASE_S = 30.0
+#: Pending stream entries idle this long are taken over from a consumer presumed dead.
+DEFAULT_CLAIM_MIN_IDLE_MS = 60_000
+
 
 def refusal(model: str, exc: ValidationError) -> ConfigError:
     """One ``ConfigError`` for everything ``exc`` found wrong: ``Model.field: why; ...``."""

@@ -21,17 +21,23 @@ import logging
 import os
 import socket
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
 from broker_adapter.app.metrics import Observed, serve_metrics, stages_down
 from broker_adapter.app.pool import WorkerPool
 from broker_adapter.clock import SystemClock
-from broker_adapter.config import ConfigModel, KeyPrefix, Principal
+from broker_adapter.config import (
+    DEFAULT_CLAIM_MIN_IDLE_MS,
+    DEFAULT_LEASE_S,
+    ConfigModel,
+    KeyPrefix,
+    Principal,
+)
 from broker_adapter.errors import (
     BrokerAdapterError,
     ConfigError,
@@ -42,16 +48,16 @@ from broker_adapter.errors import (
 from broker_adapter.protocol.keys import DEFAULT_PREFIX, MAX_PARTITIONS, Keys
 from broker_adapter.protocol.signing import Keyring
 from broker_adapter.redis.client import RedisUrl, connect
-from broker_adapter.redis.reader import DEFAULT_CLAIM_MIN_IDLE_MS
 from broker_adapter.stages.dispatcher import Dispatcher, DispatcherConfig
 from broker_adapter.stages.handlers import load_handler
-from broker_adapter.stages.handoff import CLAIM, LOOK, Handoff
+from broker_adapter.stages.handoff import Handoff
 from broker_adapter.stages.ingest import IngestConfig, Ingestor
 from broker_adapter.stages.worker import WorkerConfig
+from broker_adapter.stages.worker_config import DEFAULT_CALL_TIMEOUT_S, DEFAULT_GRACE_S
 from broker_adapter.store import OutboxStore, TaskStore, open_database
 from broker_adapter.store.gate import WriteGate
 from broker_adapter.store.retention import DEFAULT_RETENTION_S, PurgeSchedule, run_purges
-from broker_adapter.store.tasks import AcceptItem, AcceptResult, Outcome, TaskPolicy
+from broker_adapter.store.tasks import TaskPolicy
 
 log = logging.getLogger("broker_adapter.app.adapter")
 
@@ -111,9 +117,9 @@ class RunConfig(ConfigModel):
     partitions: int = Field(default=1, ge=1, le=MAX_PARTITIONS)
     prefix: KeyPrefix = DEFAULT_PREFIX
     name: str = Field(default_factory=lambda: socket.gethostname().split(".")[0] or "adapter")
-    lease_s: float = Field(default=30.0, gt=0)
-    call_timeout_s: float = Field(default=60.0, gt=0)
-    grace_s: float = Field(default=10.0, ge=0)
+    lease_s: float = Field(default=DEFAULT_LEASE_S, gt=0)
+    call_timeout_s: float = Field(default=DEFAULT_CALL_TIMEOUT_S, gt=0)
+    grace_s: float = Field(default=DEFAULT_GRACE_S, ge=0)
     claim_min_idle_ms: int = Field(default=DEFAULT_CLAIM_MIN_IDLE_MS, ge=0)
     worker_publish: bool = True
     rate_limit: float | None = Field(default=None, gt=0)
@@ -147,36 +153,6 @@ class RunConfig(ConfigModel):
         if self.mode == "acl" and self.partitions != 1:
             raise ValueError("--partitions is for signed mode (ACL mode reads one stream each)")
         return self
-
-
-class HandingTaskStore(TaskStore):
-    """The ingest's store: each accept also claims the new tasks for idle worker processes
-    and hands them over (``handoff.Handoff``); tasks stored that no idle worker took wait
-    for the next claim, and an idle worker that turns up meanwhile is told to claim."""
-
-    def __init__(self, *args: Any, handoff: Handoff, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._handoff = handoff
-
-    def accept(self, items: Sequence[AcceptItem]) -> list[AcceptResult]:
-        handoff = self._handoff
-        taken = handoff.take(len(items))
-        intake = None
-        try:
-            intake = self.accept_and_claim(items, [(owner, n) for _, owner, n in taken])
-        finally:
-            # Every worker taken gets its one message, whatever happened.
-            for i, (slot, _, _) in enumerate(taken):
-                handles = intake.claimed[i] if intake is not None else []
-                handoff.give(slot, handles or LOOK)
-        stored = sum(r.outcome is Outcome.STORED for r in intake.results)
-        if stored:
-            handoff.stored()
-            handed = sum(len(h) for h in intake.claimed)
-            # Workers that finish a batch will claim them in that commit: only idle ones.
-            for slot, _, _ in handoff.take(stored - handed, finishing=False):
-                handoff.give(slot, CLAIM)
-        return intake.results
 
 
 class Runner:
@@ -297,12 +273,10 @@ class Runner:
                 retention_s=cfg.retention_s,
             )
             client = connect(cfg.redis_url)
-            tasks = (
-                TaskStore(db, SystemClock(), self.policy)
-                if handoff is None
-                else HandingTaskStore(db, SystemClock(), self.policy, handoff=handoff)
+            tasks = TaskStore(db, SystemClock(), self.policy)
+            ingestor = Ingestor(
+                ingest_cfg, client, tasks, self.keyring, logger=self.log, handoff=handoff
             )
-            ingestor = Ingestor(ingest_cfg, client, tasks, self.keyring, logger=self.log)
             self.observed.add_ingestor(ingestor)
             ingestor.run(stop)
         finally:

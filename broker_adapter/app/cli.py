@@ -22,6 +22,7 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from broker_adapter import __version__
+from broker_adapter.config import DEFAULT_LEASE_S
 from broker_adapter.errors import BrokerAdapterError, ConfigError, TransientError
 from broker_adapter.store.retention import DEFAULT_RETENTION_S
 
@@ -133,7 +134,7 @@ def _add_json(p: argparse.ArgumentParser) -> None:
 
 
 def _add_run(sub: argparse._SubParsersAction[_Parser]) -> None:
-    from broker_adapter.redis.reader import DEFAULT_CLAIM_MIN_IDLE_MS
+    from broker_adapter.config import DEFAULT_CLAIM_MIN_IDLE_MS
 
     run = sub.add_parser("run", help="run ingest, worker processes and the dispatcher")
     _add_redis(run)
@@ -160,7 +161,7 @@ def _add_run(sub: argparse._SubParsersAction[_Parser]) -> None:
     _option(run, "--name", "this adapter's stable name (consumer and owner names derive"
             " from it)", env="BA_NAME", shown="the host name")  # fmt: skip
     _option(run, "--lease", "a claimed task's lease, seconds; renewed every third of it",
-            env="BA_LEASE_S", default=30.0, type=float, metavar="S")  # fmt: skip
+            env="BA_LEASE_S", default=DEFAULT_LEASE_S, type=float, metavar="S")  # fmt: skip
     _option(run, "--grace", "on SIGTERM, how long running handlers may finish, seconds",
             env="BA_GRACE_S", default=10.0, type=float, metavar="S")  # fmt: skip
     _option(run, "--claim-min-idle-ms", "pending entries of a dead consumer idle this long"

@@ -53,8 +53,9 @@ if TYPE_CHECKING:
 
     from broker_adapter.app.pool import WorkerPool
     from broker_adapter.redis.reader import GroupReader
-    from broker_adapter.stages.dispatcher import Dispatcher, DispatcherStats
+    from broker_adapter.stages.dispatcher import Dispatcher
     from broker_adapter.stages.ingest import Ingestor
+    from broker_adapter.stages.publish import DispatcherStats
     from broker_adapter.stages.receiver import Receiver
     from broker_adapter.stages.worker import WorkerStats
 

@@ -177,12 +177,9 @@ def _replay(args: argparse.Namespace, outbox: OutboxStore, client: Any) -> dict[
     if row is not None:
         if client is None:
             raise ConfigError("replaying a reply needs --redis (it checks Redis first)")
-        from broker_adapter.stages.dispatcher import Dispatcher, DispatcherConfig
+        from broker_adapter.stages.replay import Replayer
 
-        dispatcher = Dispatcher(
-            DispatcherConfig(prefix=args.prefix, owner=f"replay-{args.by}"), client, outbox
-        )
-        result = dispatcher.replay(args.id, by=args.by)
+        result = Replayer(client, outbox, Keys(args.prefix)).replay(args.id, by=args.by)
         return {"type": "reply", "reply_id": args.id, "replay": str(result),
                 "outcome": result.outcome.value}  # fmt: skip
     if client is None:

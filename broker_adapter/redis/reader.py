@@ -38,7 +38,7 @@ from typing import Any
 import redis
 from pydantic import Field
 
-from broker_adapter.config import ConfigModel
+from broker_adapter.config import DEFAULT_CLAIM_MIN_IDLE_MS, ConfigModel
 from broker_adapter.errors import BrokerAdapterError, GroupMissingError, RedisUnavailable
 from broker_adapter.redis import cluster
 from broker_adapter.redis.client import text, translated
@@ -57,8 +57,6 @@ from broker_adapter.redis.internals import (
 MAX_COUNT = 10_000
 #: How long a read of new entries blocks by default, milliseconds.
 DEFAULT_BLOCK_MS = 1000
-#: Entries idle this long in another consumer's pending list are taken over (by default).
-DEFAULT_CLAIM_MIN_IDLE_MS = 60_000
 #: Entries delivered more often than this go to the dead-letter stream (by default).
 DEFAULT_MAX_DELIVERIES = 10
 #: Entries with more fields than this are dead-lettered as ``too_many_fields``.

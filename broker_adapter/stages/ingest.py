@@ -60,7 +60,7 @@ import logging
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, Protocol
 
 import tenacity
 from pydantic import Field, field_validator, model_validator
@@ -68,7 +68,7 @@ from pydantic import Field, field_validator, model_validator
 from broker_adapter import crashpoints
 from broker_adapter.backoff import run_until_stopped
 from broker_adapter.clock import Clock, SystemClock
-from broker_adapter.config import ConfigModel, KeyPrefix, Principal
+from broker_adapter.config import DEFAULT_CLAIM_MIN_IDLE_MS, ConfigModel, KeyPrefix, Principal
 from broker_adapter.errors import (
     ConfigError,
     EnvelopeError,
@@ -82,7 +82,6 @@ from broker_adapter.redis.cluster import socket_timeout
 from broker_adapter.redis.entry import StreamEntry
 from broker_adapter.redis.reader import (
     DEFAULT_BLOCK_MS,
-    DEFAULT_CLAIM_MIN_IDLE_MS,
     DEFAULT_MAX_DELIVERIES,
     DEFAULT_MAX_ENTRY_FIELDS,
     MAX_COUNT,
@@ -240,6 +239,14 @@ class _Source:
     held: tuple[list[StreamEntry], list[AcceptItem]] | None = None
 
 
+class AcceptHandoff(Protocol):
+    """Makes the ingest's accept transaction hand its new tasks to idle workers
+    (``handoff.Handoff``): the hook the runner gives the ingest, in place of a plain
+    ``TaskStore.accept``."""
+
+    def accept(self, tasks: TaskStore, items: Sequence[AcceptItem]) -> list[AcceptResult]: ...
+
+
 class Ingestor:
     """Moves inbound entries into the inbox: authenticate, store in one transaction, XACK.
 
@@ -251,6 +258,8 @@ class Ingestor:
         keyring: verifies signatures; required in signed mode, ignored in ACL mode.
         clock: decides when ``take_over`` is due (a ``FakeClock`` in tests).
         logger: where warnings and alarms go.
+        handoff: makes each batch's accept instead of ``TaskStore.accept``, handing the new
+            tasks to idle workers (``AcceptHandoff``; the runner's ``handoff.Handoff``).
 
     Raises:
         ConfigError: signed mode without a keyring, or a socket timeout not above BLOCK.
@@ -265,12 +274,14 @@ class Ingestor:
         *,
         clock: Clock | None = None,
         logger: logging.Logger | None = None,
+        handoff: AcceptHandoff | None = None,
     ) -> None:
         if config.mode == "signed" and keyring is None:
             raise ConfigError("signed mode needs a keyring to verify signatures")
         self.config = config
         self.client = client
         self.tasks = tasks
+        self._handoff = handoff
         self.keyring = keyring
         self.clock = clock or SystemClock()
         self.log = logger or log
@@ -523,7 +534,10 @@ class Ingestor:
         reader = source.reader
         # One transaction for the whole batch; no Redis call happens inside it.
         try:
-            results = self.tasks.accept(items)
+            handoff = self._handoff
+            results = (
+                self.tasks.accept(items) if handoff is None else handoff.accept(self.tasks, items)
+            )
         except StoreBusy:
             source.held = (good, items)
             raise

@@ -77,7 +77,7 @@ from pydantic import Field
 from broker_adapter import crashpoints
 from broker_adapter.backoff import run_until_stopped
 from broker_adapter.clock import Clock
-from broker_adapter.config import ConfigModel, KeyPrefix, Principal
+from broker_adapter.config import DEFAULT_CLAIM_MIN_IDLE_MS, ConfigModel, KeyPrefix, Principal
 from broker_adapter.errors import (
     AuthError,
     ConfigError,
@@ -94,7 +94,6 @@ from broker_adapter.redis.cluster import socket_timeout
 from broker_adapter.redis.entry import StreamEntry
 from broker_adapter.redis.reader import (
     DEFAULT_BLOCK_MS,
-    DEFAULT_CLAIM_MIN_IDLE_MS,
     DEFAULT_MAX_DELIVERIES,
     DEFAULT_MAX_ENTRY_FIELDS,
     MAX_COUNT,

@@ -25,10 +25,10 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import TYPE_CHECKING, Final, Literal
 
+from broker_adapter.config import DEFAULT_LEASE_S
 from broker_adapter.errors import BrokerAdapterError, StaleError
 from broker_adapter.protocol.reply import encode_body, terminal_body
 from broker_adapter.store.fencing import TASK_HELD, held_params
-from broker_adapter.store.leases import DEFAULT_LEASE_S
 from broker_adapter.store.lifecycle import ReplyKey, TaskState, reply_key, to_terminal, write_reply
 from broker_adapter.store.outbox import OutboxRow, PublisherClaim, SentMark, mark_sent_in
 

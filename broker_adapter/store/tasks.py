@@ -28,7 +28,7 @@ from pydantic import Field
 
 from broker_adapter.backoff import Backoff
 from broker_adapter.clock import Clock, SystemClock
-from broker_adapter.config import ConfigModel
+from broker_adapter.config import DEFAULT_LEASE_S, ConfigModel
 from broker_adapter.errors import BrokerAdapterError, StaleError
 from broker_adapter.protocol.envelope import check_result
 from broker_adapter.protocol.reply import reply_id_for
@@ -45,7 +45,6 @@ from broker_adapter.store.inbox import (
     idempotency_key_for,
     new_task_ids,
 )
-from broker_adapter.store.leases import DEFAULT_LEASE_S
 from broker_adapter.store.lifecycle import LIVE_STATES, TERMINAL_STATES, TaskState, to_terminal
 from broker_adapter.store.migrations import CONFLICT_ID_KEY
 from broker_adapter.store.outbox import SentMark

@@ -20,14 +20,10 @@ from broker_adapter.errors import RedisUnavailable, ReplyConflict, StaleError
 from broker_adapter.protocol.envelope import sha256_hex
 from broker_adapter.protocol.keys import Keys
 from broker_adapter.redis.client import connect
-from broker_adapter.stages.dispatcher import (
-    PUBLISH_SCRIPT,
-    Dispatcher,
-    DispatcherConfig,
-    LossEvent,
-    ReplayOutcome,
-    parse_version,
-)
+from broker_adapter.stages.dispatcher import Dispatcher, DispatcherConfig
+from broker_adapter.stages.loss import LossEvent, parse_version
+from broker_adapter.stages.publish import PUBLISH_SCRIPT
+from broker_adapter.stages.replay import ReplayOutcome
 from broker_adapter.store import OutboxStore, open_database
 from broker_adapter.store.db import Database
 from broker_adapter.store.outbox import OutboxPolicy

@@ -19,7 +19,8 @@ from broker_adapter.app.adapter import RunConfig, Runner
 from broker_adapter.clock import FakeClock
 from broker_adapter.protocol.keys import RECEIVER_GROUP, Keys
 from broker_adapter.redis.client import connect, text
-from broker_adapter.stages.dispatcher import Dispatcher, DispatcherConfig, ReplayOutcome
+from broker_adapter.stages.dispatcher import Dispatcher, DispatcherConfig
+from broker_adapter.stages.replay import ReplayOutcome
 from broker_adapter.store import OutboxStore
 from broker_adapter.store.db import Database
 from tests.support.ingest_script import write_keyring

@@ -13,7 +13,8 @@ import pytest
 
 from broker_adapter.clock import FakeClock
 from broker_adapter.errors import FencedError, StaleError, TaskCancelled
-from broker_adapter.stages.handlers import Task, call_handler
+from broker_adapter.stages.calls import call_handler
+from broker_adapter.stages.task import Task
 from broker_adapter.stages.worker import Worker, WorkerConfig
 from broker_adapter.store import ClaimedTask, FailOutcome, open_database
 from broker_adapter.store.outbox import enqueue

@@ -21,8 +21,8 @@ from broker_adapter.app.metrics import (
     stages_down,
 )
 from broker_adapter.redis.reader import ReaderStats
-from broker_adapter.stages.dispatcher import DispatcherStats
 from broker_adapter.stages.ingest import IngestStats
+from broker_adapter.stages.publish import DispatcherStats
 from broker_adapter.stages.receiver import ReceiverStats
 from broker_adapter.stages.worker import WorkerStats
 from broker_adapter.store import open_database

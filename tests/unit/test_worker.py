@@ -27,7 +27,8 @@ from broker_adapter.protocol.envelope import (
     Envelope,
 )
 from broker_adapter.stages.handlers import RetryableError, Task
-from broker_adapter.stages.worker import DEFAULT_BATCH, Worker, WorkerConfig
+from broker_adapter.stages.worker import Worker, WorkerConfig
+from broker_adapter.stages.worker_config import DEFAULT_BATCH
 from broker_adapter.store import (
     AcceptItem,
     ClaimedTask,
