@@ -164,6 +164,7 @@ from broker_adapter.redis.trimming import (
     trim_with_dead_letters,
 )
 from broker_adapter.redis.trimming import now_ms as trim_now_ms
+from broker_adapter.stages import tracing
 from broker_adapter.store.outbox import OutboxRow, OutboxStore, UnknownReply
 from broker_adapter.store.retention import DEFAULT_RETENTION_S
 
@@ -407,6 +408,12 @@ class ReplyPublisher:
         (the outcome is ambiguous; the records make the retry safe). A row that cannot be
         signed (its principal has no key) is ``FAILED`` without reaching Redis.
         """
+        started = tracing.now()
+        pubs = self._publish(rows)
+        tracing.published(rows, pubs, started)
+        return pubs
+
+    def _publish(self, rows: list[OutboxRow]) -> list[Publication]:
         if not rows:
             return []
         crashpoints.hit("dispatcher.before_xadd")

@@ -34,6 +34,7 @@ from typing import Any, Literal, cast
 from broker_adapter.clock import Clock, SystemClock
 from broker_adapter.errors import ConfigError, StaleError
 from broker_adapter.errors import RetryableError as RetryableError  # its old home, kept
+from broker_adapter.stages import tracing
 from broker_adapter.store.tasks import ClaimedTask
 
 #: A handler takes one ``Task`` and returns a JSON value, or an awaitable of one.
@@ -165,6 +166,11 @@ class Task:
     @property
     def parent_id(self) -> str | None:
         return self.claimed.parent_id
+
+    @property
+    def traceparent(self) -> str | None:
+        """The W3C trace context the request was sent with, if any."""
+        return self.claimed.traceparent
 
     @property
     def idempotency_key(self) -> str:
@@ -611,7 +617,9 @@ class CallRun:
                 if gen != self._gen:
                     return
                 self._current = call
-            outcome = self._call(call)
+            with tracing.handler_span(task) as span:  # tracing: current during the call
+                outcome = self._call(call)
+                span.ended(outcome)
             if self._after is not None:
                 self._after()
             with self._lock:

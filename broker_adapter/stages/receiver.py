@@ -98,6 +98,7 @@ from broker_adapter.redis.streams import (
     text,
     translated,
 )
+from broker_adapter.stages import tracing
 from broker_adapter.store.receipts import (
     AppliedItem,
     Effect,
@@ -495,6 +496,7 @@ class Receiver:
         if not good:
             return 0
         crashpoints.hit("receiver.before_commit")
+        started = tracing.now()
         try:
             results = self.receipts.apply_many([item for _, item in good], self.effect)
         except StoreBusy:
@@ -504,6 +506,7 @@ class Receiver:
             raise
         self._held = None
         crashpoints.hit("receiver.after_commit")
+        tracing.received([item for _, item in good], results, started)
         ack: list[str] = []
         for (entry, _item), result in zip(good, results, strict=True):
             if self._outcome(entry, result):

@@ -166,6 +166,10 @@ MIGRATIONS: tuple[str | Callable[[sqlite3.Connection], None], ...] = (
     """
     CREATE INDEX IF NOT EXISTS outbox_answers ON outbox (created_at) WHERE task_id IS NULL;
     """,
+    # 7: the W3C ``traceparent`` a request was sent in (an optional envelope member), kept
+    # with its task so that its reply carries it and the worker's span is parented on it.
+    # NULL for every task accepted before and for requests sent without one.
+    lambda c: _add_column(c, "tasks", "traceparent", "TEXT"),
 )
 SCHEMA_VERSION = len(MIGRATIONS)
 #: The ``meta`` row holding the key of conflict-answer ids.
@@ -180,6 +184,13 @@ def _create_meta(c: sqlite3.Connection) -> None:
     c.execute(
         "INSERT OR IGNORE INTO meta (name, value) VALUES (?, ?)", (CONFLICT_ID_KEY, os.urandom(32))
     )
+
+
+def _add_column(c: sqlite3.Connection, table: str, column: str, decl: str) -> None:
+    """``ALTER TABLE ... ADD COLUMN`` unless the column is there already (idempotent, like
+    every migration). Adding a nullable column rewrites no row."""
+    if column not in {r[1] for r in c.execute(f"PRAGMA table_info({table})")}:
+        c.execute(f"ALTER TABLE {table} ADD COLUMN {column} {decl}")
 
 
 class Database:

@@ -163,6 +163,8 @@ class ClaimedTask:
     hops: int
     correlation_id: str | None
     parent_id: str | None
+    #: The request's W3C trace context, if it was sent with one (``Envelope.traceparent``).
+    traceparent: str | None = None
 
     @property
     def idempotency_key(self) -> str:
@@ -291,8 +293,8 @@ def new_task_ids(n: int) -> list[str]:
 _INSERT_TASK = (
     "INSERT INTO tasks (task_id, principal, message_id, kind, payload, fingerprint,"
     " correlation_id, parent_id, state, max_attempts, not_before, deadline, hops,"
-    " created_at, updated_at, finished_at, error)"
-    " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+    " created_at, updated_at, finished_at, error, traceparent)"
+    " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
 )
 # A reused id past the retention window (its task terminal) takes the record over.
 _UPSERT_INBOX = (
@@ -506,7 +508,7 @@ class TaskStore:
                 task_id, item.principal, env.message_id, env.kind, payload,
                 fingerprint, env.correlation_id, env.parent_id, state.value, env.max_attempts,
                 now, env.deadline, hops, now, now,
-                None if state is TaskState.PENDING else now, error,
+                None if state is TaskState.PENDING else now, error, env.traceparent,
             )
         )  # fmt: skip
         batch.inbox.append(
@@ -520,7 +522,8 @@ class TaskStore:
         if state is not TaskState.PENDING:
             reply_id = reply_id_for(task_id)
             t = {"principal": item.principal, "message_id": env.message_id,
-                 "correlation_id": env.correlation_id, "attempts": 0, "fence": 0}  # fmt: skip
+                 "correlation_id": env.correlation_id, "attempts": 0, "fence": 0,
+                 "traceparent": env.traceparent}  # fmt: skip
             batch.then.append(
                 lambda c: self._terminal_reply(c, task_id, state, None, error, now, t=t)
             )
@@ -565,6 +568,8 @@ class TaskStore:
             "fingerprint": fingerprint,
             "stored_fingerprint": row["fingerprint"],
         }
+        if env.traceparent is not None:  # tracing: the resend's trace context
+            body["traceparent"] = env.traceparent
 
         def write(c: sqlite3.Connection) -> None:
             c.execute(
@@ -593,15 +598,16 @@ class TaskStore:
     ) -> str:
         if t is None:
             t = c.execute(
-                "SELECT principal, message_id, correlation_id, attempts, fence FROM tasks"
-                " WHERE task_id = ?",
+                "SELECT principal, message_id, correlation_id, attempts, fence, traceparent"
+                " FROM tasks WHERE task_id = ?",
                 (task_id,),
             ).fetchone()
         reply_id = reply_id_for(task_id)
         if encoded is None:
             encoded = encode_body(
                 _reply_body(task_id, state, t["principal"], t["message_id"],
-                            t["correlation_id"], result, error, t["attempts"], t["fence"], now)
+                            t["correlation_id"], result, error, t["attempts"], t["fence"], now,
+                            traceparent=t["traceparent"])
             )  # fmt: skip
         data, content_hash = encoded
         inserted = enqueue_encoded(
@@ -627,7 +633,8 @@ class TaskStore:
         claim: PublisherClaim | None = None,
     ) -> str:
         """Make a task terminal and write its reply. ``row``: the task's ``principal``,
-        ``message_id``, ``correlation_id``, ``attempts`` and ``fence`` if already read in
+        ``message_id``, ``correlation_id``, ``attempts``, ``fence`` and ``traceparent`` if
+        already read in
         this transaction (``_holder`` reads them), to spare a lookup; ``encoded``: the
         reply body from ``encode_body``, if built before the transaction from them;
         ``claim``: write the reply already claimed by that publisher (see
@@ -674,7 +681,7 @@ class TaskStore:
             " attempts = attempts + 1, fence = fence + 1, updated_at = ?"
             f" WHERE task_id IN ({', '.join('?' * len(ids))}) AND +state = 'pending'"
             " RETURNING task_id, principal, message_id, kind, payload, attempts,"
-            " max_attempts, fence, deadline, hops, correlation_id, parent_id",
+            " max_attempts, fence, deadline, hops, correlation_id, parent_id, traceparent",
             (owner, now + self.policy.lease_s, now, *ids),
         ).fetchall()
         by_id = {r["task_id"]: r for r in rows}
@@ -694,8 +701,8 @@ class TaskStore:
                 for r in c.execute(
                     "SELECT task_id, principal, message_id, kind, payload, attempts,"
                     " max_attempts, fence, deadline, hops, correlation_id, parent_id,"
-                    f" lease_until FROM tasks WHERE task_id IN ({marks}) AND state = 'running'"
-                    " AND owner = ?",
+                    f" traceparent, lease_until FROM tasks WHERE task_id IN ({marks})"
+                    " AND state = 'running' AND owner = ?",
                     (*chunk, owner),
                 ):
                     if fences[r["task_id"]] == r["fence"]:
@@ -729,13 +736,14 @@ class TaskStore:
             hops=r["hops"],
             correlation_id=r["correlation_id"],
             parent_id=r["parent_id"],
+            traceparent=r["traceparent"],
         )
 
     def _holder(self, c: sqlite3.Connection, task_id: str, owner: str, fence: int) -> sqlite3.Row:
         """Check rule 10 (``docs/RULES.md``); raise ``StaleError`` (and roll back) if any fails."""
         row: sqlite3.Row | None = c.execute(
             "SELECT state, owner, fence, lease_until, deadline, attempts, max_attempts,"
-            " principal, message_id, correlation_id FROM tasks WHERE task_id = ?",
+            " principal, message_id, correlation_id, traceparent FROM tasks WHERE task_id = ?",
             (task_id,),
         ).fetchone()
         if row is None:
@@ -926,7 +934,7 @@ class TaskStore:
             "UPDATE tasks SET state = 'done', owner = NULL, lease_until = NULL, updated_at = ?,"
             " finished_at = ?, result = ?, error = NULL WHERE task_id = ? AND fence = ?"
             " AND state = 'running' AND owner = ? AND lease_until > ? AND deadline > ?"
-            " RETURNING principal, message_id, correlation_id, attempts, fence",
+            " RETURNING principal, message_id, correlation_id, attempts, fence, traceparent",
             (now, now, item.result, item.task_id, item.fence, item.owner, check_at, check_at),
         ).fetchone()
         if row is None:
@@ -1136,10 +1144,11 @@ class TaskStore:
 def _reply_body(
     task_id: str, state: TaskState, principal: str, message_id: str,
     correlation_id: str | None, result: str | None, error: str | None, attempts: int,
-    fence: int, now: float,
+    fence: int, now: float, *, traceparent: str | None = None,
 ) -> dict[str, Any]:  # fmt: skip
-    """A terminal reply's body (``result`` is the stored canonical JSON text)."""
-    return {
+    """A terminal reply's body (``result`` is the stored canonical JSON text), with the
+    request's ``traceparent`` when it had one."""
+    body = {
         "v": 1,
         "reply_id": reply_id_for(task_id),
         "task_id": task_id,
@@ -1153,6 +1162,9 @@ def _reply_body(
         "fence": fence,
         "finished_at": now,
     }
+    if traceparent is not None:  # tracing: only requests sent with one carry it
+        body["traceparent"] = traceparent
+    return body
 
 
 _ReplyKey = tuple[str, str, str | None, int, int]
@@ -1171,5 +1183,6 @@ def _done_reply(item: Settlement, now: float) -> tuple[_ReplyKey, tuple[bytes, s
         return None
     key = (claimed.principal, claimed.message_id, claimed.correlation_id, claimed.attempt,
            claimed.fence)  # fmt: skip
-    body = _reply_body(claimed.task_id, TaskState.DONE, *key[:3], item.result, None, *key[3:], now)
+    body = _reply_body(claimed.task_id, TaskState.DONE, *key[:3], item.result, None, *key[3:], now,
+                       traceparent=claimed.traceparent)  # fmt: skip
     return key, encode_body(body)
