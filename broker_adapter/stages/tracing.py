@@ -70,7 +70,7 @@ def tracer() -> Any | None:
     if trace is None:
         return None
     provider = trace.get_tracer_provider()
-    if isinstance(provider, trace.ProxyTracerProvider | trace.NoOpTracerProvider):
+    if isinstance(provider, (trace.ProxyTracerProvider, trace.NoOpTracerProvider)):
         return None
     cached = _cached
     if cached is None or cached[0] is not provider:
