@@ -21,7 +21,8 @@ Attributes are ids and outcomes only (``ba.principal``, ``ba.message_id``, ``ba.
 ``ba.reply_id``, ``ba.outcome``, ``ba.attempt``, ``ba.fence``, ``messaging.message.id``):
 never a payload, a result or a secret. A failed outcome sets the span's status to error.
 
-Without the package nothing here imports it, and every function returns at once. With it
+Without the package nothing here imports it, and every function returns at once. A span
+that cannot be recorded is logged and dropped: tracing never stops a stage. With it
 but no provider configured (the API's default proxy), no span is made either: a stage pays
 one check per batch, a handler call one check per call. The ingest, publish and receive
 spans are written after their batch committed, with the batch's start and end times, so
@@ -30,6 +31,7 @@ no stage holds a span open across a transaction or a Redis call.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -43,6 +45,7 @@ if TYPE_CHECKING:
     from broker_adapter.store.tasks import AcceptItem, AcceptResult
 
 INSTRUMENTATION_NAME = "broker_adapter"
+log = logging.getLogger("broker_adapter.stages.tracing")
 
 _UNSET: Any = object()
 #: ``opentelemetry.trace`` once looked for; ``None`` when it is not installed.
@@ -131,12 +134,16 @@ def _record(
     error: str | None,
 ) -> None:
     started, ended = span
-    made = tr.start_span(
-        name, context=_parent(traceparent), kind=kind, attributes=attributes, start_time=started
-    )
-    if error is not None:
-        made.set_status(_api.Status(_api.StatusCode.ERROR, error))
-    made.end(end_time=ended)
+    try:
+        made = tr.start_span(
+            name, context=_parent(traceparent), kind=kind, attributes=attributes,
+            start_time=started,
+        )  # fmt: skip
+        if error is not None:
+            made.set_status(_api.Status(_api.StatusCode.ERROR, error))
+        made.end(end_time=ended)
+    except Exception as exc:  # noqa: BLE001 - a tracing failure never stops a stage
+        log.warning("tracing: %s span not recorded: %r", name, exc)
 
 
 # -- the stages -------------------------------------------------------------------------------

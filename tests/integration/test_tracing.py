@@ -19,8 +19,10 @@ from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+from broker_adapter.clock import FakeClock
 from broker_adapter.stages import tracing
-from broker_adapter.stages.handlers import Task
+from broker_adapter.stages.handlers import Task, call_handler
+from broker_adapter.store.tasks import ClaimedTask
 from tests.support.redis_server import RedisServer
 from tests.support.replies_script import REPO_ROOT
 from tests.support.tracing_script import PAYLOAD_MARKER, echo, run_pipeline
@@ -130,6 +132,36 @@ def test_a_request_without_traceparent_gets_spans_of_a_new_trace(
     spans = _by_name(exporter.get_finished_spans())
     assert sorted(spans) == sorted(STAGES)
     assert all(s.parent is None for group in spans.values() for s in group)
+
+
+@pytest.mark.parametrize("is_async", [False, True], ids=["sync", "async"])
+def test_a_handlers_own_spans_nest_under_its_span(
+    provider: tuple[TracerProvider, InMemorySpanExporter], is_async: bool
+) -> None:
+    """Also for an ``async def`` handler, which runs on an event loop of its own."""
+    sdk, exporter = provider
+    clock = FakeClock()
+    claimed = ClaimedTask("t" * 32, "alice", "m1", "task", {}, 1, 3, 1, "w1", clock.now() + 30,
+                          clock.now() + 600, 0, None, None, traceparent=TP)  # fmt: skip
+
+    def sync_handler(task: Task) -> str:
+        with sdk.get_tracer("test").start_as_current_span("handler.own"):
+            return "ok"
+
+    async def async_handler(task: Task) -> str:
+        return sync_handler(task)
+
+    handler = async_handler if is_async else sync_handler
+    outcome = call_handler(handler, Task(claimed, clock=clock), 10.0)
+    assert (outcome.ok, outcome.value) == (True, "ok")
+    spans = _by_name(exporter.get_finished_spans())
+    (handled,) = spans["ba.handler"]
+    (own,) = spans["handler.own"]
+    assert _parent_ids(handled) == (TRACE_ID, SENDER_SPAN)
+    handled_ctx = handled.get_span_context()
+    assert handled_ctx is not None
+    assert own.parent is not None
+    assert own.parent.span_id == handled_ctx.span_id
 
 
 def test_a_failing_handler_marks_its_span(

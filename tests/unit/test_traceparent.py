@@ -233,3 +233,22 @@ def test_format_traceparent_is_what_the_envelope_accepts() -> None:
     text = tracing.format_traceparent(0x4BF92F3577B34DA6A3CE929D0E0E4736, 0xF067AA0BA902B7, 1)
     assert text == TP
     assert check_traceparent(text) == TP
+
+
+def test_a_span_that_cannot_be_recorded_never_stops_a_stage(
+    s: Stores, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    trace = pytest.importorskip("opentelemetry.trace")
+
+    class Broken:
+        def get_tracer(self, name: str) -> Broken:
+            return self
+
+        def start_span(self, *args: Any, **kwargs: Any) -> None:
+            raise RuntimeError("exporter gone")
+
+    monkeypatch.setattr(trace, "get_tracer_provider", Broken)
+    [accepted] = s.tasks.accept([item("m-1", traceparent=TP)])
+    with caplog.at_level("WARNING", logger="broker_adapter.stages.tracing"):
+        tracing.ingested([item("m-1", traceparent=TP)], [accepted], tracing.now())
+    assert "ba.ingest span not recorded: RuntimeError('exporter gone')" in caplog.text
