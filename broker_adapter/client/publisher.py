@@ -70,13 +70,17 @@ class _Signer:
             self.key_id = key_id or kids[0]
             self.stream = keys.inbound_partition(partition_of(principal, partitions))
 
-    def fields(self, envelope: Envelope) -> dict[str, bytes]:
-        """The entry fields for ``envelope`` (signed unless in ACL mode).
+    def fields(self, envelope: Envelope, traceparent: str | None = None) -> dict[str, bytes]:
+        """The entry fields for ``envelope`` (signed unless in ACL mode), with its
+        ``traceparent`` member set to ``traceparent`` when one is given.
 
         Raises:
             AuthError: reason ``sender_mismatch`` when ``envelope.sender`` is not this
                 publisher's principal.
+            EnvelopeError: ``traceparent`` is not a W3C traceparent (``bad_value``).
         """
+        if traceparent is not None and traceparent != envelope.traceparent:
+            envelope = envelope.replace(traceparent=traceparent)
         if envelope.sender != self.principal:
             raise AuthError(
                 "sender",
@@ -123,8 +127,15 @@ class Publisher:
         """The stream this publisher writes to."""
         return self._signer.stream
 
-    def publish(self, envelope: Envelope) -> str:
+    def publish(self, envelope: Envelope, *, traceparent: str | None = None) -> str:
         """XADD ``envelope`` to the inbound stream.
+
+        Args:
+            envelope: the request.
+            traceparent: the W3C trace context to send it in (e.g.
+                ``stages.tracing.current_traceparent()``), set as the envelope's
+                ``traceparent`` member; ``None`` sends the envelope as it is. Not part of
+                the request's content: a resend in another trace is still a duplicate.
 
         Returns:
             the stream entry id Redis assigned. It is *not* the request's identity (that is
@@ -132,10 +143,11 @@ class Publisher:
 
         Raises:
             AuthError: ``envelope.sender`` is not this publisher's principal.
+            EnvelopeError: ``traceparent`` is not a W3C traceparent.
             RedisUnavailable: maybe published. Retry with the SAME envelope.
             BrokerAdapterError: Redis refused the write (e.g. ``NOPERM`` under an ACL).
         """
-        fields = self._signer.fields(envelope)
+        fields = self._signer.fields(envelope, traceparent)
         with translated():
             entry_id = self.client.xadd(self._signer.stream, fields)  # type: ignore[arg-type]
         return text(entry_id)
@@ -171,13 +183,14 @@ class AsyncPublisher:
     def stream(self) -> str:
         return self._signer.stream
 
-    async def publish(self, envelope: Envelope) -> str:
-        """XADD ``envelope``; see ``Publisher.publish`` (``RedisUnavailable`` = maybe published).
+    async def publish(self, envelope: Envelope, *, traceparent: str | None = None) -> str:
+        """XADD ``envelope`` (in trace ``traceparent``, if given); see ``Publisher.publish``
+        (``RedisUnavailable`` = maybe published).
 
         Returns:
             the stream entry id.
         """
-        fields = self._signer.fields(envelope)
+        fields = self._signer.fields(envelope, traceparent)
         with translated():
             entry_id = await self.client.xadd(self._signer.stream, fields)  # type: ignore[arg-type]
         return text(entry_id)

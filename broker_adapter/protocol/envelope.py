@@ -4,8 +4,8 @@ Identity is (authenticated principal, ``message_id``); the principal is never ta
 body alone (see ``auth``). Two envelopes with the same identity are the *same request* when
 their fingerprints match, and a *conflict* otherwise. The fingerprint covers what the request
 asks for (``kind``, ``payload``, ``correlation_id``, ``parent_id``), not how it is delivered
-(``deadline``, ``max_attempts``, ``hops``), so a resend with a recomputed deadline is still a
-duplicate.
+(``deadline``, ``max_attempts``, ``hops``, ``traceparent``), so a resend with a recomputed
+deadline, or sent from another trace, is still a duplicate.
 
 Canonical JSON: UTF-8, keys sorted, no insignificant white space, no NaN or infinities,
 non-ASCII characters kept as they are. ``canonical_json`` is the only encoder used for
@@ -366,7 +366,7 @@ def _check_id(value: str, field: str) -> str:
 
 _FIELDS = (
     "message_id", "sender", "kind", "payload", "deadline", "max_attempts", "hops",
-    "correlation_id", "parent_id",
+    "correlation_id", "parent_id", "traceparent",
 )  # fmt: skip
 _REQUIRED = frozenset({"message_id", "sender", "payload", "deadline"})
 _KINDS: tuple[Kind, ...] = ("task", "result", "event")
@@ -411,6 +411,34 @@ def _check_optional_id(value: Any, field: str) -> str | None:
     return None if value is None else _check_id(_check_str(value, field), field)
 
 
+#: A W3C trace context ``traceparent`` of version 00: lowercase hex, trace id and parent
+#: (span) id not all zeros (the values the standard calls invalid).
+_TRACEPARENT = re.compile("00-(?!0{32})[0-9a-f]{32}-(?!0{16})[0-9a-f]{16}-[0-9a-f]{2}")
+
+
+def check_traceparent(value: Any, field: str = "traceparent") -> str | None:
+    """Validate an optional W3C trace context ``traceparent`` (``None`` passes).
+
+    Strict: only version ``00`` in its exact form, ``00-<32 hex>-<16 hex>-<2 hex>`` in
+    lowercase (55 characters), trace id and parent id not all zeros.
+
+    Raises:
+        EnvelopeError: ``bad_type`` (not a string) or ``bad_value``.
+    """
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise _type_error(field, "a string", value)
+    if len(value) != 55 or _TRACEPARENT.fullmatch(value) is None:
+        raise EnvelopeError(
+            field,
+            "bad_value",
+            "must be a W3C traceparent 00-<32 hex>-<16 hex>-<2 hex> in lowercase,"
+            " trace id and parent id not all zeros",
+        )
+    return value
+
+
 def _check_kind(value: Any) -> Kind:
     if isinstance(value, str):
         for kind in _KINDS:
@@ -436,6 +464,8 @@ class Envelope:
         hops: how many hand-offs led here, as the sender counts them (0..2**31-1).
         correlation_id: the sender's conversation id, echoed in the reply.
         parent_id: the task this request was made on behalf of.
+        traceparent: the W3C trace context the request was sent in (``check_traceparent``);
+            carried into its reply and the adapter's spans, not part of the fingerprint.
     """
 
     __slots__ = (*_FIELDS, "_payload_bytes")
@@ -449,6 +479,7 @@ class Envelope:
     hops: int
     correlation_id: str | None
     parent_id: str | None
+    traceparent: str | None
     _payload_bytes: bytes
 
     def __init__(
@@ -463,6 +494,7 @@ class Envelope:
         hops: int = 0,
         correlation_id: str | None = None,
         parent_id: str | None = None,
+        traceparent: str | None = None,
         _payload_check: Callable[[Any], bytes] = check_payload,
     ) -> None:
         # ``_payload_check`` is internal: ``from_json`` passes the wire fast path. Field
@@ -481,6 +513,7 @@ class Envelope:
         put(self, "hops", _check_int(hops, "hops", 0, HOPS_LIMIT))
         put(self, "correlation_id", _check_optional_id(correlation_id, "correlation_id"))
         put(self, "parent_id", _check_optional_id(parent_id, "parent_id"))
+        put(self, "traceparent", check_traceparent(traceparent))
 
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError(f"Envelope is frozen: cannot set {name!r}")

@@ -62,10 +62,11 @@ def reply_id_for(task_id: str) -> str:
 def terminal_body(
     task_id: str, status: str, principal: str, message_id: str,
     correlation_id: str | None, result: str | None, error: str | None, attempts: int,
-    fence: int, finished_at: float,
+    fence: int, finished_at: float, *, traceparent: str | None = None,
 ) -> dict[str, Any]:  # fmt: skip
-    """A terminal reply's body (``result`` is the stored canonical JSON text)."""
-    return {
+    """A terminal reply's body (``result`` is the stored canonical JSON text), with the
+    request's ``traceparent`` when it had one."""
+    body: dict[str, Any] = {
         "v": BODY_VERSION,
         "reply_id": reply_id_for(task_id),
         "task_id": task_id,
@@ -79,15 +80,20 @@ def terminal_body(
         "fence": fence,
         "finished_at": finished_at,
     }
+    if traceparent is not None:  # only requests sent with one carry it
+        body["traceparent"] = traceparent
+    return body
 
 
 def conflict_body(
     reply_id: str, task_id: str, principal: str, message_id: str,
     correlation_id: str | None, error: str, fingerprint: str, stored_fingerprint: str,
+    *, traceparent: str | None = None,
 ) -> dict[str, Any]:  # fmt: skip
     """The body of the answer to ``(principal, message_id)`` reused with other content
-    (``fingerprint``); ``task_id`` and ``stored_fingerprint`` are the stored request's."""
-    return {
+    (``fingerprint``); ``task_id`` and ``stored_fingerprint`` are the stored request's,
+    ``traceparent`` the resend's trace context, if it had one."""
+    body: dict[str, Any] = {
         "v": BODY_VERSION,
         "reply_id": reply_id,
         "task_id": task_id,
@@ -100,6 +106,9 @@ def conflict_body(
         "fingerprint": fingerprint,
         "stored_fingerprint": stored_fingerprint,
     }
+    if traceparent is not None:
+        body["traceparent"] = traceparent
+    return body
 
 
 def encode_body(body: Mapping[str, Any]) -> tuple[bytes, str]:
@@ -127,6 +136,7 @@ class Reply:
     finished_at: float | None = None
     fingerprint: str | None = None
     stored_fingerprint: str | None = None
+    traceparent: str | None = None
     v: int | None = None
     body: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
@@ -159,7 +169,8 @@ class Reply:
 _FIELD_TYPES: dict[str, type | tuple[type, ...]] = {
     "reply_id": str, "status": str, "task_id": str, "principal": str, "message_id": str,
     "correlation_id": str, "error": str, "attempts": int, "fence": int,
-    "finished_at": (int, float), "fingerprint": str, "stored_fingerprint": str, "v": int,
+    "finished_at": (int, float), "fingerprint": str, "stored_fingerprint": str,
+    "traceparent": str, "v": int,
 }  # fmt: skip
 _KIND_NAMES: dict[type | tuple[type, ...], str] = {
     str: "a string",

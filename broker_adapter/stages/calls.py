@@ -27,6 +27,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from broker_adapter.stages import tracing
 from broker_adapter.stages.handlers import Handler
 from broker_adapter.stages.task import Task, TaskControl
 
@@ -280,7 +281,9 @@ class CallRun:
                 if gen != self._gen:
                     return
                 self._current = call
-            outcome = self._call(call)
+            with tracing.handler_span(task) as span:  # tracing: current during the call
+                outcome = self._call(call)
+                span.ended(outcome)
             if self._after is not None:
                 self._after()
             with self._lock:

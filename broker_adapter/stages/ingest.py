@@ -96,6 +96,7 @@ from broker_adapter.redis.trimming import (
     trim_with_dead_letters,
 )
 from broker_adapter.redis.trimming import now_ms as trim_now_ms
+from broker_adapter.stages import tracing
 from broker_adapter.stages.limits import IngressLimits
 from broker_adapter.store.retention import DEFAULT_RETENTION_S
 from broker_adapter.store.tasks import AcceptItem, AcceptResult, Outcome, TaskStore
@@ -532,6 +533,7 @@ class Ingestor:
         """Accept a checked batch in one transaction, then XACK it (with ``peek``, reading
         the next new entries in the same round trip)."""
         reader = source.reader
+        started = tracing.now()
         # One transaction for the whole batch; no Redis call happens inside it.
         try:
             handoff = self._handoff
@@ -544,6 +546,7 @@ class Ingestor:
         source.held = None
         crashpoints.hit("ingest.after_commit")
         to_ack = self._after_commit(reader, good, items, results)
+        tracing.ingested(items, results, started)
         # XACK after COMMIT: a crash between the two leaves the entries pending, and the
         # inbox's unique key turns their redelivery into duplicates.
         self.stats.acked += reader.ack(to_ack, peek=peek)

@@ -38,6 +38,7 @@ from broker_adapter.protocol.keys import Keys
 from broker_adapter.protocol.signing import REPLY_WIRE_VERSION, Keyring
 from broker_adapter.redis.client import text
 from broker_adapter.redis.scripts import eval_many
+from broker_adapter.stages import tracing
 from broker_adapter.store.outbox import OutboxRow, OutboxStore, SentMark
 from broker_adapter.store.tasks import SettledBatch, Settlement, TaskStore
 
@@ -165,6 +166,12 @@ class ReplyPublisher:
         (the outcome is ambiguous; the records make the retry safe). A row that cannot be
         signed (its principal has no key) is ``FAILED`` without reaching Redis.
         """
+        started = tracing.now()
+        pubs = self._publish(rows)
+        tracing.published(rows, pubs, started)
+        return pubs
+
+    def _publish(self, rows: list[OutboxRow]) -> list[Publication]:
         if not rows:
             return []
         crashpoints.hit("dispatcher.before_xadd")

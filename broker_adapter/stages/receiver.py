@@ -102,6 +102,7 @@ from broker_adapter.redis.reader import (
     GroupReader,
     ReaderConfig,
 )
+from broker_adapter.stages import tracing
 from broker_adapter.store.interface import ReceiptsAPI
 from broker_adapter.store.receipts import (
     AppliedItem,
@@ -450,6 +451,7 @@ class Receiver:
         if not good:
             return 0
         crashpoints.hit("receiver.before_commit")
+        started = tracing.now()
         try:
             results = self.receipts.apply_many([item for _, item in good], self.effect)
         except StoreBusy:
@@ -459,6 +461,7 @@ class Receiver:
             raise
         self._held = None
         crashpoints.hit("receiver.after_commit")
+        tracing.received([item for _, item in good], results, started)
         ack: list[str] = []
         for (entry, _item), result in zip(good, results, strict=True):
             if self._outcome(entry, result):

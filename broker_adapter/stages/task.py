@@ -110,6 +110,11 @@ class Task:
         return self.claimed.parent_id
 
     @property
+    def traceparent(self) -> str | None:
+        """The W3C trace context the request was sent with, if any."""
+        return self.claimed.traceparent
+
+    @property
     def idempotency_key(self) -> str:
         """Stable across attempts, fences and every task of the same request (it is derived
         from the principal and message id: ``store.tasks.idempotency_key_for``): key every

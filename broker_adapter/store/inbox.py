@@ -116,8 +116,8 @@ def new_task_ids(n: int) -> list[str]:
 _INSERT_TASK = (
     "INSERT INTO tasks (task_id, principal, message_id, kind, payload, fingerprint,"
     " correlation_id, parent_id, state, max_attempts, not_before, deadline, hops,"
-    " created_at, updated_at, finished_at, error)"
-    " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+    " created_at, updated_at, finished_at, error, traceparent)"
+    " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
 )
 # A reused id past the retention window (its task terminal) takes the record over.
 _UPSERT_INBOX = (
@@ -288,7 +288,7 @@ def _accept_one(
             task_id, item.principal, env.message_id, env.kind, payload,
             fingerprint, env.correlation_id, env.parent_id, state.value, env.max_attempts,
             now, env.deadline, hops, now, now,
-            None if state is TaskState.PENDING else now, error,
+            None if state is TaskState.PENDING else now, error, env.traceparent,
         )
     )  # fmt: skip
     batch.inbox.append((item.principal, env.message_id, fingerprint, task_id, item.entry_id, now))
@@ -300,7 +300,8 @@ def _accept_one(
     if state is not TaskState.PENDING:
         reply_id = reply_id_for(task_id)
         t = {"principal": item.principal, "message_id": env.message_id,
-             "correlation_id": env.correlation_id, "attempts": 0, "fence": 0}  # fmt: skip
+             "correlation_id": env.correlation_id, "attempts": 0, "fence": 0,
+             "traceparent": env.traceparent}  # fmt: skip
         batch.then.append(lambda c: write_reply(c, task_id, state, None, error, now, t=t))
     return AcceptResult(outcome, task_id, reply_id, error or "")
 
@@ -334,7 +335,7 @@ def _known(
     detail = "message_id reused with different content; the first request stands"
     body = conflict_body(
         reply_id, row["task_id"], item.principal, env.message_id, env.correlation_id,
-        detail, fingerprint, row["fingerprint"],
+        detail, fingerprint, row["fingerprint"], traceparent=env.traceparent,
     )  # fmt: skip
 
     def write(c: sqlite3.Connection) -> None:

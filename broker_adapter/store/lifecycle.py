@@ -80,8 +80,8 @@ def write_reply(
     """
     if t is None:
         t = c.execute(
-            "SELECT principal, message_id, correlation_id, attempts, fence FROM tasks"
-            " WHERE task_id = ?",
+            "SELECT principal, message_id, correlation_id, attempts, fence, traceparent"
+            " FROM tasks WHERE task_id = ?",
             (task_id,),
         ).fetchone()
         assert t is not None
@@ -89,7 +89,8 @@ def write_reply(
     if encoded is None:
         encoded = encode_body(
             terminal_body(task_id, state.value, t["principal"], t["message_id"],
-                          t["correlation_id"], result, error, t["attempts"], t["fence"], now)
+                          t["correlation_id"], result, error, t["attempts"], t["fence"], now,
+                          traceparent=t["traceparent"])
         )  # fmt: skip
     data, content_hash = encoded
     inserted = enqueue_encoded(

@@ -145,6 +145,10 @@ MIGRATIONS: tuple[str | Callable[[sqlite3.Connection], None], ...] = (
     # operator; the queue of ``unknown`` tasks; approvals, the tasks waiting for one, the
     # audit of reconciles and the compensation records.
     lambda c: _add_effects_schema(c),
+    # 8: the W3C ``traceparent`` a request was sent in (an optional envelope member), kept
+    # with its task so that its reply carries it and the worker's span is parented on it.
+    # NULL for every task accepted before and for requests sent without one.
+    lambda c: _add_column(c, "tasks", "traceparent", "TEXT"),
 )
 SCHEMA_VERSION = len(MIGRATIONS)
 #: The ``meta`` row holding the key of conflict-answer ids.
@@ -302,9 +306,14 @@ _EFFECT_TABLES = """
 
 def _add_effects_schema(c: sqlite3.Connection) -> None:
     """Migration 7 (idempotent: a column already there is not added again)."""
-    present = {row[1] for row in c.execute("PRAGMA table_info(tasks)")}
     for name, declaration in _EFFECT_COLUMNS:
-        if name not in present:
-            c.execute(f"ALTER TABLE tasks ADD COLUMN {name} {declaration}")
+        _add_column(c, "tasks", name, declaration)
     for statement in _split(_EFFECT_TABLES):
         c.execute(statement)
+
+
+def _add_column(c: sqlite3.Connection, table: str, column: str, decl: str) -> None:
+    """``ALTER TABLE ... ADD COLUMN`` unless the column is there already (idempotent, like
+    every migration). Adding a nullable column rewrites no row."""
+    if column not in {r[1] for r in c.execute(f"PRAGMA table_info({table})")}:
+        c.execute(f"ALTER TABLE {table} ADD COLUMN {column} {decl}")

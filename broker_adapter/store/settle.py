@@ -90,7 +90,7 @@ _MARK_DONE = (
     "UPDATE tasks SET state = 'done', owner = NULL, lease_until = NULL, updated_at = ?,"
     " finished_at = ?, result = ?, error = NULL WHERE task_id = ? AND "
     + TASK_HELD
-    + " RETURNING principal, message_id, correlation_id, attempts, fence"
+    + " RETURNING principal, message_id, correlation_id, attempts, fence, traceparent"
 )
 
 
@@ -231,5 +231,5 @@ def _done_reply(item: Settlement, now: float) -> tuple[ReplyKey, tuple[bytes, st
     key = (claimed.principal, claimed.message_id, claimed.correlation_id, claimed.attempt,
            claimed.fence)  # fmt: skip
     body = terminal_body(claimed.task_id, TaskState.DONE.value, *key[:3], item.result, None,
-                         *key[3:], now)  # fmt: skip
+                         *key[3:], now, traceparent=claimed.traceparent)  # fmt: skip
     return key, encode_body(body)

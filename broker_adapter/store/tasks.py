@@ -121,6 +121,8 @@ class ClaimedTask:
     hops: int
     correlation_id: str | None
     parent_id: str | None
+    #: The request's W3C trace context, if it was sent with one (``Envelope.traceparent``).
+    traceparent: str | None = None
 
     @property
     def idempotency_key(self) -> str:
@@ -243,7 +245,7 @@ class TaskStore:
             " attempts = attempts + 1, fence = fence + 1, updated_at = ?"
             f" WHERE task_id IN ({', '.join('?' * len(ids))}) AND +state = 'pending'"
             " RETURNING task_id, principal, message_id, kind, payload, attempts,"
-            " max_attempts, fence, deadline, hops, correlation_id, parent_id",
+            " max_attempts, fence, deadline, hops, correlation_id, parent_id, traceparent",
             (owner, now + self.policy.lease_s, now, *ids),
         ).fetchall()
         by_id = {r["task_id"]: r for r in rows}
@@ -263,8 +265,8 @@ class TaskStore:
                 for r in c.execute(
                     "SELECT task_id, principal, message_id, kind, payload, attempts,"
                     " max_attempts, fence, deadline, hops, correlation_id, parent_id,"
-                    f" lease_until FROM tasks WHERE task_id IN ({marks}) AND state = 'running'"
-                    " AND owner = ?",
+                    f" traceparent, lease_until FROM tasks WHERE task_id IN ({marks})"
+                    " AND state = 'running' AND owner = ?",
                     (*chunk, owner),
                 ):
                     if fences[r["task_id"]] == r["fence"]:
@@ -298,6 +300,7 @@ class TaskStore:
             hops=r["hops"],
             correlation_id=r["correlation_id"],
             parent_id=r["parent_id"],
+            traceparent=r["traceparent"],
         )
 
     def _holder(self, c: sqlite3.Connection, task_id: str, owner: str, fence: int) -> sqlite3.Row:
@@ -305,7 +308,7 @@ class TaskStore:
         part fails. Returns the row (what ``lifecycle.write_reply`` and a failure need)."""
         row: sqlite3.Row | None = c.execute(
             "SELECT state, owner, fence, lease_until, deadline, attempts, max_attempts,"
-            " principal, message_id, correlation_id FROM tasks WHERE task_id = ?",
+            " principal, message_id, correlation_id, traceparent FROM tasks WHERE task_id = ?",
             (task_id,),
         ).fetchone()
         if row is None:

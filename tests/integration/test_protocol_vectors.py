@@ -209,4 +209,10 @@ def test_protocol_plain_redis_publisher_is_ingested(
     row = tasks.find("alice", "plain-1")
     assert row is not None
     assert (row.max_attempts, row.deadline) == (2, 1_900_000_000.0)
+    # a vector's trace context is kept with its task (and so goes into its reply)
+    traced = {c.message_id: c.traceparent for c in tasks.claim("w", len(expected))}
+    for v in vectors:
+        sent = json.loads(v["env"])
+        assert traced[sent["message_id"]] == sent.get("traceparent")
+    assert any(tp is not None for tp in traced.values())
     raw.close()
