@@ -164,6 +164,7 @@ from broker_adapter.redis.trimming import (
     trim_with_dead_letters,
 )
 from broker_adapter.redis.trimming import now_ms as trim_now_ms
+from broker_adapter.store import transitions
 from broker_adapter.store.outbox import OutboxRow, OutboxStore, UnknownReply
 from broker_adapter.store.retention import DEFAULT_RETENTION_S
 
@@ -508,7 +509,8 @@ class ReplyPublisher:
                     self.stats.conflicts += 1
                     self.outbox.mark_dead(row.reply_id, owner, row.fence, pub.detail)
                     self.stats.dead += 1
-                    self.log.error("reply %s is dead: %s", row.reply_id, pub.detail)
+                    self.log.error("reply %s is dead: %s", row.reply_id, pub.detail,
+                                   extra=transitions.reply_fields(row))  # fmt: skip
                 elif pub.outcome is PublishOutcome.FAILED:
                     self.stats.failed += 1
                     state = self.outbox.retry(row.reply_id, owner, row.fence, pub.detail)
@@ -519,6 +521,7 @@ class ReplyPublisher:
                             row.reply_id,
                             row.attempts,
                             pub.detail,
+                            extra=transitions.reply_fields(row),
                         )
             except StaleError as exc:
                 self._fenced(row, exc)

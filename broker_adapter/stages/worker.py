@@ -92,6 +92,7 @@ from broker_adapter.stages.handlers import (
     load_handler,
 )
 from broker_adapter.stages.handoff import CLAIM, Handed, IdleWait
+from broker_adapter.store import transitions
 from broker_adapter.store.outbox import OutboxPolicy, OutboxRow, OutboxStore, SentMark
 from broker_adapter.store.tasks import (
     ClaimedTask,
@@ -526,6 +527,7 @@ class Worker:
                 return 0
             claimed = self.tasks.claim(self.config.owner, n)
             self.stats.claimed += len(claimed)
+            transitions.claimed(claimed)
             # Every claimed task's lease is kept from now until its outcome is committed: a
             # task waiting its turn in the batch, or an outcome waiting for the batch's
             # commit, must not lose its lease to another worker and run twice.
@@ -669,6 +671,7 @@ class Worker:
             claimed = []
         self.stats.claimed += len(claimed)
         self.stats.handed += len(claimed)
+        transitions.claimed(claimed, "handoff")
         self._ahead.extend(self._keep(c) for c in claimed)
         return True
 
@@ -742,6 +745,7 @@ class Worker:
             self._release_keeper(claimed.task_id)
             if task.stop_reason == "lease_lost":  # a renewal was refused while it waited
                 self.stats.stale_commits += 1
+                transitions.claim_transition("stale", claimed, None, detail=str(task.lease_lost))
                 self.log.warning(
                     "task %s lost its lease before its handler started: %s",
                     claimed.task_id,
@@ -749,7 +753,7 @@ class Worker:
                 )
                 return None
             self.stats.cancelled += 1
-            self.log.info("task %s was cancelled before its handler started", claimed.task_id)
+            transitions.claim_transition("cancelled", claimed, "cancelled", detail="not started")
             return None
         time_left_s = claimed.deadline - self.clock.now()
         if time_left_s <= 0:
@@ -757,7 +761,7 @@ class Worker:
             self._release_keeper(claimed.task_id)
             self.tasks.reconcile()
             self.stats.expired += 1
-            self.log.info("task %s reached its deadline before it started", claimed.task_id)
+            transitions.claim_transition("expired", claimed, "expired", detail="not started")
             return None
         return min(self.config.call_timeout_s, time_left_s)
 
@@ -811,6 +815,8 @@ class Worker:
                 "commit of %d task(s) failed; they return at lease expiry: %s", len(items), exc
             )
             return
+        transitions.settled([c for c, _ in items], batch.results,
+                            {r.task.task_id: r.outcome.elapsed_s for r in ran})  # fmt: skip
         for (claimed, _item), result in zip(items, batch.results, strict=True):
             if isinstance(result, TaskCancelled):
                 self._note_cancelled(claimed)
@@ -833,6 +839,7 @@ class Worker:
                     self.stats.done += 1
                 crashpoints.hit("worker.after_finish")
         self.stats.claimed += len(batch.claimed)
+        transitions.claimed(batch.claimed)
         self._ahead = [self._keep(c) for c in batch.claimed]
         self._found_none = n >= 1 and not batch.claimed
         if batch.replies:
@@ -976,15 +983,13 @@ class Worker:
             ", asks for a retry" if retry else "",
             error,
             exc_info=None if raised is None or isinstance(raised, RetryableError) else raised,
+            extra=transitions.claim_fields(claimed),
         )
 
     def _note_cancelled(self, claimed: ClaimedTask) -> None:
         self.stats.cancelled += 1
-        self.log.info(
-            "task %s was cancelled while its handler ran; nothing committed "
-            "(an effect the handler already caused stays)",
-            claimed.task_id,
-        )
+        transitions.claim_transition("cancelled", claimed, "cancelled", detail="cancelled while"
+                                     " its handler ran; an effect it caused stays")  # fmt: skip
 
 
 def _marks(confirmed: list[tuple[OutboxRow, Publication, float]]) -> list[SentMark]:

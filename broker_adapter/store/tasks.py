@@ -46,6 +46,7 @@ from broker_adapter.errors import (
     TaskCancelled,
 )
 from broker_adapter.protocol.envelope import Envelope, check_result, sha256_hex
+from broker_adapter.store import transitions
 from broker_adapter.store.db import CONFLICT_ID_KEY, Database, in_lists
 from broker_adapter.store.outbox import (
     OutboxRow,
@@ -369,6 +370,8 @@ class TaskStore:
         #: counted in the reconciling transaction (one that then fails counts them again
         #: when it is retried): the ``ba_lease_takeovers_total`` metric.
         self.lease_takeovers = 0
+        #: what the last reconcile did, logged after its transaction (``transitions``)
+        self._reconciled: list[transitions.Reconciled] = []
 
     def conflict_reply_id(self, principal: str, message_id: str, fingerprint: str) -> str:
         """The id of the conflict answer to ``(principal, message_id)`` reused with content
@@ -425,6 +428,8 @@ class TaskStore:
                 else []
                 for owner, n in claim_for
             ]
+        self._log_reconciled()
+        transitions.accepted(items, results)
         return Intake(results, claimed)
 
     @staticmethod
@@ -651,6 +656,7 @@ class TaskStore:
         now = self.clock.now()
         with self.db.write("claim") as c:
             rows = self._claim_in(c, owner, n, now)
+        self._log_reconciled()
         return self._claimed(rows, owner, now)
 
     def _claim_in(self, c: sqlite3.Connection, owner: str, n: int, now: float) -> list[sqlite3.Row]:
@@ -911,6 +917,8 @@ class TaskStore:
                 error = item.error or ""
                 out.append(self._fail_row(c, row, item.task_id, error, item.retryable, now, claim))
             rows = self._claim_in(c, owner, n, now) if n >= 1 else []
+        if n >= 1:
+            self._log_reconciled()
         replies = [] if claim is None else claim.rows
         return SettledBatch(out, self._claimed(rows, owner, now), replies, marks)
 
@@ -1020,6 +1028,8 @@ class TaskStore:
             if state in TERMINAL_STATES:
                 return state
             self._to_terminal(c, task_id, TaskState.CANCELLED, now, error=reason)
+        transitions.task_transition("cancelled", task_id, "cancelled", detail="by operator",
+                                    reply_id=reply_id_for(task_id))  # fmt: skip
         return TaskState.CANCELLED
 
     def refusal(self, task_id: str, owner: str, fence: int) -> StaleError | None:
@@ -1049,10 +1059,17 @@ class TaskStore:
             counts by what happened: ``expired``, ``requeued``, ``exhausted``.
         """
         with self.db.write("reconcile") as c:
-            return self._reconcile(c, self.clock.now())
+            counts = self._reconcile(c, self.clock.now())
+        self._log_reconciled()
+        return counts
+
+    def _log_reconciled(self) -> None:
+        taken, self._reconciled = self._reconciled, []
+        transitions.reconciled(taken)
 
     def _reconcile(self, c: sqlite3.Connection, now: float) -> dict[str, int]:
         counts = {"expired": 0, "requeued": 0, "exhausted": 0}
+        self._reconciled = taken = []  # logged once the caller's transaction commits
         for (task_id,) in c.execute(
             "SELECT task_id FROM tasks INDEXED BY tasks_live_deadline"
             " WHERE state IN ('pending', 'running') AND deadline <= ?",
@@ -1060,6 +1077,7 @@ class TaskStore:
         ).fetchall():
             self._to_terminal(c, task_id, TaskState.EXPIRED, now, error="deadline reached")
             counts["expired"] += 1
+            taken.append((task_id, "expired", "expired", None, None))
         for r in c.execute(
             "SELECT task_id, attempts, max_attempts, owner FROM tasks INDEXED BY tasks_leases"
             " WHERE state = 'running' AND lease_until <= ?",
@@ -1075,6 +1093,7 @@ class TaskStore:
                     f"({r['attempts']}/{r['max_attempts']})",
                 )
                 counts["exhausted"] += 1
+                taken.append((r["task_id"], "failed", "failed", r["owner"], r["attempts"]))
             else:
                 c.execute(
                     "UPDATE tasks SET state = 'pending', owner = NULL, lease_until = NULL,"
@@ -1082,6 +1101,7 @@ class TaskStore:
                     (now, f"lease of {r['owner']} expired", now, r["task_id"]),
                 )
                 counts["requeued"] += 1
+                taken.append((r["task_id"], "lease_expired", "pending", r["owner"], r["attempts"]))
         self.lease_takeovers += counts["requeued"] + counts["exhausted"]
         return counts
 
