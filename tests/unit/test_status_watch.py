@@ -6,6 +6,9 @@ from __future__ import annotations
 import io
 import json
 import random
+import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -17,6 +20,8 @@ from broker_adapter.errors import ConfigError
 from broker_adapter.protocol.envelope import Envelope
 from broker_adapter.store import AcceptItem, TaskStore, open_database
 from broker_adapter.store.tasks import TaskPolicy
+from tests.support.cli import cli_env, wait_for
+from tests.support.redis_server import free_port
 
 
 def _database(path: Path, clock: FakeClock, n: int) -> None:
@@ -100,3 +105,48 @@ def test_ctrl_c_ends_the_watch_cleanly(tmp_path: Path, clock: FakeClock) -> None
 def test_watch_needs_the_database(tmp_path: Path) -> None:
     with pytest.raises(ConfigError):
         watch_status(tmp_path / "absent.db", None, "ba", 1.0, out=io.StringIO(), iterations=1)
+
+
+def test_the_command_refreshes_until_ctrl_c(tmp_path: Path, clock: FakeClock) -> None:
+    path = tmp_path / "adapter.db"
+    _database(path, clock, 2)
+    log = tmp_path / "watch.out"
+    root = Path(__file__).resolve().parents[2]
+    with log.open("w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "broker_adapter", "status", "--db", str(path), "--watch",
+             "--interval", "0.05"], cwd=root, stdout=out, stderr=subprocess.STDOUT,
+            env=cli_env(),
+        )  # fmt: skip
+    try:
+        wait_for(lambda: log.read_text().count("Ctrl-C to stop") >= 2, "two views")
+    finally:
+        proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=30) == 0
+    assert "Traceback" not in log.read_text()
+    assert "pending 2" in log.read_text()
+
+
+def test_a_bad_interval_is_a_usage_error(tmp_path: Path, clock: FakeClock) -> None:
+    path = tmp_path / "adapter.db"
+    _database(path, clock, 0)
+    res = subprocess.run(
+        [sys.executable, "-m", "broker_adapter", "status", "--db", str(path), "--watch",
+         "--interval", "0"], capture_output=True, text=True, timeout=60, env=cli_env(),
+        cwd=Path(__file__).resolve().parents[2],
+    )  # fmt: skip
+    assert res.returncode == 2
+    assert "--interval" in res.stderr
+
+
+def test_a_redis_that_does_not_answer_is_a_line_of_the_view(
+    tmp_path: Path, clock: FakeClock
+) -> None:
+    path = tmp_path / "adapter.db"
+    _database(path, clock, 1)
+    out = io.StringIO()
+    url = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
+    watch_status(path, url, "ba", 1.0, out=out, iterations=2, wait=lambda s: None)
+    views = out.getvalue().split("\n\n")
+    assert len(views) == 2
+    assert all("redis       not answering:" in v and "pending 1" in v for v in views)
