@@ -1028,7 +1028,7 @@ class TaskStore:
             if state in TERMINAL_STATES:
                 return state
             self._to_terminal(c, task_id, TaskState.CANCELLED, now, error=reason)
-        transitions.task_transition("cancelled", task_id, "cancelled", detail="by operator",
+        transitions.task_transition("cancelled", task_id, "cancelled", detail=reason,
                                     reply_id=reply_id_for(task_id))  # fmt: skip
         return TaskState.CANCELLED
 

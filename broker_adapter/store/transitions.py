@@ -14,7 +14,8 @@ are DEBUG, the others INFO: ``retry``, ``failed``, ``cancelled``, ``expired``,
 ``duplicate`` and ``conflict`` (no transition: the request was there already). At the
 CLI's default level an operator sees every task that left the happy path and pays
 nothing per task on it (three records per task would cost about a third of the
-end-to-end throughput); ``-v`` shows every transition.
+end-to-end throughput); ``-v`` shows every transition. A reply that goes dead is the
+dispatcher's ERROR line, with ``reply_fields`` (``transition`` ``reply_dead``).
 
 Each call site logs after its transaction committed (a rolled-back transaction logs
 nothing), and builds no record unless the logger is enabled for it.
@@ -33,20 +34,6 @@ log = logging.getLogger("broker_adapter.tasks")
 
 #: The transitions every task makes: DEBUG. The others are INFO.
 ROUTINE = frozenset({"accepted", "claimed", "done"})
-#: The fields a transition line may carry, in the order the text format shows them.
-FIELDS = (
-    "transition",
-    "task_id",
-    "state",
-    "message_id",
-    "principal",
-    "reply_id",
-    "owner",
-    "fence",
-    "attempt",
-    "duration_s",
-    "detail",
-)
 
 #: ``(task_id, transition, state, owner, attempts)`` of a transition the clock made.
 Reconciled = tuple[str, str, str, str | None, int | None]
@@ -171,8 +158,22 @@ def reconciled(taken_back: Iterable[Reconciled]) -> None:
     if not enabled():
         return
     for task_id, transition, state, owner, attempts in taken_back:
-        task_transition(transition, task_id, state, reply_id=reply_id_of(task_id),
-                        owner=owner, attempt=attempts)  # fmt: skip
+        task_transition(
+            transition,
+            task_id,
+            state,
+            reply_id=reply_id_of(task_id),
+            owner=owner,
+            attempt=attempts,
+            detail=_CLOCK_DETAIL[transition],
+        )
+
+
+_CLOCK_DETAIL = {
+    "expired": "deadline reached",
+    "lease_expired": "the holder's lease ran out",
+    "failed": "the holder's lease ran out on the last attempt",
+}
 
 
 def settled(
