@@ -182,11 +182,14 @@ def settled(
     """What a worker's commit did with each outcome (``TaskStore.settle_batch`` results:
     a reply id for ``done``, ``retry`` or ``failed``, or the refusal); ``durations``: the
     handler call time by task id."""
-    if not enabled("done") and not enabled():
+    routine = enabled("done")
+    if not routine and not enabled():
         return
     from broker_adapter.errors import StaleError, TaskCancelled
 
     for claim, result in zip(claims, results, strict=True):
+        if not routine and isinstance(result, str) and result not in ("retry", "failed"):
+            continue  # done, not logged at this level: the common case costs one look
         took = durations.get(claim.task_id)
         if isinstance(result, TaskCancelled):
             continue  # the worker logs it with its other cancellations
