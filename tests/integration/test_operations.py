@@ -60,7 +60,7 @@ def test_counters_health_and_log_of_a_troubled_run(
     with run_log.open("w") as out:
         run = _start(
             out, "-v", "run", "--redis", url, "--db", str(db), "--handler", HANDLER,
-            "--workers", "2", "--keyring", str(keyring), "--prefix", prefix, "--lease", "3",
+            "--workers", "2", "--keyring", str(keyring), "--prefix", prefix, "--lease", "5",
             "--metrics-port", str(port), "--log-format", "json",
         )  # fmt: skip
     try:
@@ -156,6 +156,8 @@ def _receive_with_a_lost_ack(
         text = (tmp / name).read_text()
         assert SECRET not in text
         assert MARKER not in text
+        _json_lines(tmp / name)  # every line of receive's log is JSON too
+    assert _json_lines(tmp / "receive-2.log")  # it logged (its metrics port at least)
 
 
 def _check_run_log(path: Path, db: Path) -> None:
