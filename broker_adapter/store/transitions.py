@@ -134,9 +134,12 @@ def claim_transition(
 
 def accepted(items: Sequence[AcceptItem], results: Sequence[AcceptResult]) -> None:
     """What the inbox did with each authenticated entry of a committed batch."""
-    if not enabled("accepted") and not enabled():
+    routine = enabled("accepted")
+    if not routine and not enabled():
         return
     for item, result in zip(items, results, strict=True):
+        if not routine and result.outcome == "stored":
+            continue  # the common case costs one look
         known = _ACCEPT_TRANSITION.get(result.outcome.value)
         if known is None or result.task_id is None:
             continue
