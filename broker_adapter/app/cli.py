@@ -29,6 +29,8 @@ from broker_adapter.store.retention import DEFAULT_RETENTION_S
 if TYPE_CHECKING:
     from broker_adapter.stages.receiver import Receiver
 
+log = logging.getLogger("broker_adapter.app.cli")
+
 EXIT_USAGE = 2
 EXIT_FAILURE = 1
 
@@ -129,6 +131,12 @@ def _add_partitions(p: argparse.ArgumentParser) -> None:
             env="BA_PARTITIONS", default=1, type=int, metavar="P")  # fmt: skip
 
 
+def _add_log_format(p: argparse.ArgumentParser) -> None:
+    _option(p, "--log-format", "the log on stderr: text lines, or one JSON object per line"
+            " (docs/OPERATIONS.md, \"Logs\")", env="BA_LOG_FORMAT", default="text",
+            choices=("text", "json"))  # fmt: skip
+
+
 def _add_json(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="one JSON object per line")
 
@@ -179,6 +187,7 @@ def _add_run(sub: argparse._SubParsersAction[_Parser]) -> None:
         run, "requests older than this are forgotten, and deadlines further ahead refused"
     )
     _add_metrics(run)
+    _add_log_format(run)
 
 
 def _add_publish(sub: argparse._SubParsersAction[_Parser]) -> None:
@@ -220,6 +229,7 @@ def _add_receive(sub: argparse._SubParsersAction[_Parser]) -> None:
 
     _add_retention(rcv, "receipts older than this are forgotten")
     _add_metrics(rcv)
+    _add_log_format(rcv)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -254,6 +264,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_redis(st, required=False)
     _add_prefix(st)
     _add_json(st)
+    st.add_argument("--watch", action="store_true",
+                    help="refresh until Ctrl-C (the terminal is cleared each time)")  # fmt: skip
+    st.add_argument("--interval", type=float, default=2.0, metavar="S",
+                    help="with --watch: seconds between refreshes [default: 2.0]")  # fmt: skip
 
     cancel = sub.add_parser("cancel", help="cancel a task durably")
     _add_db(cancel, "the adapter's SQLite database file")
@@ -424,7 +438,7 @@ def _receive_until(receiver: Receiver, stop: threading.Event, until_idle: float 
             n = receiver.step()
         except TransientError as exc:
             if failure is None:
-                print(f"broker-adapter: retrying every 1 s: {exc}", file=sys.stderr)
+                log.warning("retrying every 1 s: %s", exc)
             failure = exc
             left_s = 1.0 if until_idle is None else until_idle - idle_s
             stop.wait(max(0.0, min(1.0, left_s)))
@@ -433,7 +447,7 @@ def _receive_until(receiver: Receiver, stop: threading.Event, until_idle: float 
         applied += n
         if n:
             idle_since = time.monotonic()
-            print(f"received {applied} replies", file=sys.stderr)
+            log.info("received %d replies", applied)
 
 
 def cmd_receipts(args: argparse.Namespace) -> int:
@@ -467,8 +481,13 @@ def cmd_backup(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from broker_adapter.app.ops import collect_status, format_status
+    from broker_adapter.app.ops import collect_status, format_status, watch_status
 
+    if args.watch:
+        if args.interval <= 0:
+            raise ConfigError("--interval must be above 0")
+        return watch_status(Path(args.db), args.redis, args.prefix, args.interval,
+                            as_json=args.json)  # fmt: skip
     report = collect_status(Path(args.db), args.redis, args.prefix)
     if args.json:
         _print_json(report)
@@ -515,12 +534,10 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from broker_adapter.app.logs import configure
+
     args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    configure(logging.DEBUG if args.verbose else logging.INFO, getattr(args, "log_format", "text"))
     try:
         return COMMANDS[args.command](args)
     except ConfigError as exc:

@@ -18,6 +18,7 @@ from broker_adapter.protocol.envelope import check_result
 from broker_adapter.stages.calls import CallOutcome
 from broker_adapter.stages.handlers import describe_error, is_retryable
 from broker_adapter.stages.worker_config import WorkerStats
+from broker_adapter.store import transitions
 from broker_adapter.store.tasks import ClaimedTask, FailOutcome, Settlement, SettleResult
 
 #: The error a task fails with when its handler's result is over the result bounds
@@ -86,6 +87,7 @@ def log_failure(
         ", asks for a retry" if retry else "",
         error,
         exc_info=None if raised is None or isinstance(raised, RetryableError) else raised,
+        extra=transitions.claim_fields(claimed),
     )
 
 
@@ -119,8 +121,5 @@ def count_committed(
 def note_cancelled(claimed: ClaimedTask, stats: WorkerStats, log: logging.Logger) -> None:
     """A task found cancelled at its commit: nothing committed, counted and logged."""
     stats.cancelled += 1
-    log.info(
-        "task %s was cancelled while its handler ran; nothing committed "
-        "(an effect the handler already caused stays)",
-        claimed.task_id,
-    )
+    transitions.claim_transition("cancelled", claimed, "cancelled", detail="cancelled while"
+                                 " its handler ran; an effect it caused stays")  # fmt: skip

@@ -39,6 +39,7 @@ from broker_adapter.protocol.signing import REPLY_WIRE_VERSION, Keyring
 from broker_adapter.redis.client import text
 from broker_adapter.redis.scripts import eval_many
 from broker_adapter.stages import tracing
+from broker_adapter.store import transitions
 from broker_adapter.store.outbox import OutboxRow, OutboxStore, SentMark
 from broker_adapter.store.tasks import SettledBatch, Settlement, TaskStore
 
@@ -273,7 +274,8 @@ class ReplyPublisher:
                     self.stats.conflicts += 1
                     self.outbox.mark_dead(row.reply_id, owner, row.fence, pub.detail)
                     self.stats.dead += 1
-                    self.log.error("reply %s is dead: %s", row.reply_id, pub.detail)
+                    self.log.error("reply %s is dead: %s", row.reply_id, pub.detail,
+                                   extra=transitions.reply_fields(row))  # fmt: skip
                 elif pub.outcome is PublishOutcome.FAILED:
                     self.stats.failed += 1
                     state = self.outbox.retry(row.reply_id, owner, row.fence, pub.detail)
@@ -284,6 +286,7 @@ class ReplyPublisher:
                             row.reply_id,
                             row.attempts,
                             pub.detail,
+                            extra=transitions.reply_fields(row),
                         )
             except StaleError as exc:
                 self._fenced(row, exc)

@@ -71,6 +71,7 @@ from broker_adapter.stages.publish import (
 from broker_adapter.stages.task import Task
 from broker_adapter.stages.worker_config import WorkerConfig as WorkerConfig
 from broker_adapter.stages.worker_config import WorkerStats as WorkerStats
+from broker_adapter.store import transitions
 from broker_adapter.store.outbox import OutboxPolicy, OutboxRow, OutboxStore
 from broker_adapter.store.tasks import (
     ClaimedTask,
@@ -233,6 +234,7 @@ class Worker:
                 return 0
             claimed = self.tasks.claim(self.config.owner, n)
             self.stats.claimed += len(claimed)
+            transitions.claimed(claimed)
             # Every claimed task's lease is kept from now until its outcome is committed: a
             # task waiting its turn in the batch, or an outcome waiting for the batch's
             # commit, must not lose its lease to another worker and run twice.
@@ -374,6 +376,7 @@ class Worker:
             claimed = []
         self.stats.claimed += len(claimed)
         self.stats.handed += len(claimed)
+        transitions.claimed(claimed, "handoff")
         self._ahead.extend(self.leases.keep(c) for c in claimed)
         return True
 
@@ -416,6 +419,7 @@ class Worker:
             self.leases.release(claimed.task_id)
             if task.stop_reason == "lease_lost":  # a renewal was refused while it waited
                 self.stats.stale_commits += 1
+                transitions.claim_transition("stale", claimed, None, detail=str(task.lease_lost))
                 self.log.warning(
                     "task %s lost its lease before its handler started: %s",
                     claimed.task_id,
@@ -423,7 +427,7 @@ class Worker:
                 )
                 return None
             self.stats.cancelled += 1
-            self.log.info("task %s was cancelled before its handler started", claimed.task_id)
+            transitions.claim_transition("cancelled", claimed, "cancelled", detail="not started")
             return None
         time_left_s = claimed.deadline - self.clock.now()
         if time_left_s <= 0:
@@ -431,7 +435,7 @@ class Worker:
             self.leases.release(claimed.task_id)
             self.tasks.reconcile()
             self.stats.expired += 1
-            self.log.info("task %s reached its deadline before it started", claimed.task_id)
+            transitions.claim_transition("expired", claimed, "expired", detail="not started")
             return None
         return min(self.config.call_timeout_s, time_left_s)
 
@@ -489,9 +493,12 @@ class Worker:
                 "commit of %d task(s) failed; they return at lease expiry: %s", len(items), exc
             )
             return
+        transitions.settled([c for c, _ in items], batch.results,
+                            {r.task.task_id: r.outcome.elapsed_s for r in ran})  # fmt: skip
         for (claimed, _item), result in zip(items, batch.results, strict=True):
             count_committed(claimed, result, self.stats, self.log)
         self.stats.claimed += len(batch.claimed)
+        transitions.claimed(batch.claimed)
         self._ahead = [self.leases.keep(c) for c in batch.claimed]
         self._found_none = n >= 1 and not batch.claimed
         if batch.replies:

@@ -13,10 +13,14 @@ from __future__ import annotations
 import sqlite3
 
 from broker_adapter.store.lifecycle import TaskState, to_terminal
+from broker_adapter.store.transitions import Reconciled
 
 
-def reconcile_in(c: sqlite3.Connection, now: float) -> dict[str, int]:
-    """Apply ``now`` inside the caller's transaction.
+def reconcile_in(
+    c: sqlite3.Connection, now: float, taken: list[Reconciled] | None = None
+) -> dict[str, int]:
+    """Apply ``now`` inside the caller's transaction; each task it moved is appended to
+    ``taken`` (``transitions.reconciled`` logs them once the transaction committed).
 
     Returns:
         counts by what happened: ``expired``, ``requeued``, ``exhausted``.
@@ -29,6 +33,8 @@ def reconcile_in(c: sqlite3.Connection, now: float) -> dict[str, int]:
     ).fetchall():
         to_terminal(c, task_id, TaskState.EXPIRED, now, error="deadline reached")
         counts["expired"] += 1
+        if taken is not None:
+            taken.append((task_id, "expired", "expired", None, None))
     for r in c.execute(
         "SELECT task_id, attempts, max_attempts, owner FROM tasks INDEXED BY tasks_leases"
         " WHERE state = 'running' AND lease_until <= ?",
@@ -44,6 +50,8 @@ def reconcile_in(c: sqlite3.Connection, now: float) -> dict[str, int]:
                 f"({r['attempts']}/{r['max_attempts']})",
             )
             counts["exhausted"] += 1
+            if taken is not None:
+                taken.append((r["task_id"], "failed", "failed", r["owner"], r["attempts"]))
         else:
             c.execute(
                 "UPDATE tasks SET state = 'pending', owner = NULL, lease_until = NULL,"
@@ -51,4 +59,6 @@ def reconcile_in(c: sqlite3.Connection, now: float) -> dict[str, int]:
                 (now, f"lease of {r['owner']} expired", now, r["task_id"]),
             )
             counts["requeued"] += 1
+            if taken is not None:
+                taken.append((r["task_id"], "lease_expired", "pending", r["owner"], r["attempts"]))
     return counts

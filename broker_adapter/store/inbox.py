@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from broker_adapter.errors import EnvelopeError
 from broker_adapter.protocol.envelope import Envelope, sha256_hex
 from broker_adapter.protocol.reply import CONFLICT_STATUS, conflict_body, reply_id_for
+from broker_adapter.store import transitions
 from broker_adapter.store.db import in_lists
 from broker_adapter.store.lifecycle import TERMINAL_STATES, TaskState, write_reply
 from broker_adapter.store.outbox import enqueue
@@ -206,6 +207,8 @@ def accept_and_claim(
             else []
             for owner, n in claim_for
         ]
+    store._log_reconciled()
+    transitions.accepted(items, results)
     return Intake(results, claimed)
 
 

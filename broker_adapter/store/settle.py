@@ -159,6 +159,8 @@ def settle(
             error = item.error or ""
             out.append(_fail_row(store, c, row, item.task_id, error, item.retryable, now, claim))
         rows = store._claim_in(c, owner, n, now) if n >= 1 else []
+    if n >= 1:
+        store._log_reconciled()
     replies = [] if claim is None else claim.rows
     return SettledBatch(out, store._claimed(rows, owner, now), replies, marks)
 

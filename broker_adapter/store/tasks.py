@@ -32,7 +32,7 @@ from broker_adapter.config import DEFAULT_LEASE_S, ConfigModel
 from broker_adapter.errors import BrokerAdapterError, StaleError
 from broker_adapter.protocol.envelope import check_result
 from broker_adapter.protocol.reply import reply_id_for
-from broker_adapter.store import inbox, settle
+from broker_adapter.store import inbox, settle, transitions
 from broker_adapter.store.db import Database, in_lists
 from broker_adapter.store.fencing import TASK_HELD_STATE, refusal
 from broker_adapter.store.housekeeping import reconcile_in
@@ -185,6 +185,8 @@ class TaskStore:
         #: counted in the reconciling transaction (one that then fails counts them again
         #: when it is retried): the ``ba_lease_takeovers_total`` metric.
         self.lease_takeovers = 0
+        #: what the last reconcile did, logged after its transaction (``transitions``)
+        self._reconciled: list[transitions.Reconciled] = []
 
     def conflict_reply_id(self, principal: str, message_id: str, fingerprint: str) -> str:
         """The id of the conflict answer to ``(principal, message_id)`` reused with content
@@ -222,6 +224,7 @@ class TaskStore:
         now = self.clock.now()
         with self.db.write("claim") as c:
             rows = self._claim_in(c, owner, n, now)
+        self._log_reconciled()
         return self._claimed(rows, owner, now)
 
     def _claim_in(self, c: sqlite3.Connection, owner: str, n: int, now: float) -> list[sqlite3.Row]:
@@ -435,6 +438,8 @@ class TaskStore:
             if state in TERMINAL_STATES:
                 return state
             to_terminal(c, task_id, TaskState.CANCELLED, now, error=reason)
+        transitions.task_transition("cancelled", task_id, "cancelled", detail=reason,
+                                    reply_id=reply_id_for(task_id))  # fmt: skip
         return TaskState.CANCELLED
 
     def refusal(self, task_id: str, owner: str, fence: int) -> StaleError | None:
@@ -465,10 +470,18 @@ class TaskStore:
             counts by what happened: ``expired``, ``requeued``, ``exhausted``.
         """
         with self.db.write("reconcile") as c:
-            return self._reconcile(c, self.clock.now())
+            counts = self._reconcile(c, self.clock.now())
+        self._log_reconciled()
+        return counts
+
+    def _log_reconciled(self) -> None:
+        taken, self._reconciled = self._reconciled, []
+        transitions.reconciled(taken)
 
     def _reconcile(self, c: sqlite3.Connection, now: float) -> dict[str, int]:
-        counts = reconcile_in(c, now)
+        taken: list[transitions.Reconciled] = []  # logged once the caller's transaction commits
+        self._reconciled = taken
+        counts = reconcile_in(c, now, taken)
         self.lease_takeovers += counts["requeued"] + counts["exhausted"]
         return counts
 
