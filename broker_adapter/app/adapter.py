@@ -6,7 +6,7 @@ idle and tells each which (``handoff``; a worker that hears nothing still finds 
 by claiming). Each thread and each process opens its own ``Database`` (no connection
 crosses a thread or a ``fork``); worker processes are started with ``spawn``.
 
-Lifecycle: ``Runner.run(stop)`` returns after ``stop`` is set (SIGTERM / SIGINT in the CLI):
+Lifecycle: ``Adapter.run(stop)`` returns after ``stop`` is set (SIGTERM / SIGINT in the CLI):
 ingest and the dispatcher finish their current batch, the workers stop claiming and let the
 running handlers finish within ``grace_s``. A worker process that dies (SIGKILL, a handler
 that kills it) is replaced; its claimed task comes back to the pool when its lease expires,
@@ -31,13 +31,7 @@ from pydantic import Field, field_validator, model_validator
 from broker_adapter.app.metrics import Observed, serve_metrics, stages_down
 from broker_adapter.app.pool import WorkerPool
 from broker_adapter.clock import SystemClock
-from broker_adapter.config import (
-    DEFAULT_CLAIM_MIN_IDLE_MS,
-    DEFAULT_LEASE_S,
-    ConfigModel,
-    KeyPrefix,
-    Principal,
-)
+from broker_adapter.config import DEFAULT_CLAIM_MIN_IDLE_MS, DEFAULT_LEASE_S, ConfigModel
 from broker_adapter.errors import (
     BrokerAdapterError,
     ConfigError,
@@ -45,7 +39,7 @@ from broker_adapter.errors import (
     StoreBusy,
     TransientError,
 )
-from broker_adapter.protocol.keys import DEFAULT_PREFIX, MAX_PARTITIONS, Keys
+from broker_adapter.protocol.keys import DEFAULT_PREFIX, MAX_PARTITIONS, KeyPrefix, Keys, Principal
 from broker_adapter.protocol.signing import Keyring
 from broker_adapter.redis.client import RedisUrl, connect
 from broker_adapter.stages.dispatcher import Dispatcher, DispatcherConfig
@@ -70,7 +64,7 @@ DB_WAIT_FIRST_S = 0.1
 DB_WAIT_MAX_S = 5.0
 
 
-class RunConfig(ConfigModel):
+class AdapterConfig(ConfigModel):
     """Everything ``broker-adapter run`` needs; validated before anything starts.
 
     Attributes:
@@ -138,7 +132,7 @@ class RunConfig(ConfigModel):
         return v
 
     @model_validator(mode="after")
-    def _modes(self) -> RunConfig:
+    def _modes(self) -> AdapterConfig:
         if self.keyring_path is None:
             need = (
                 "to verify requests and sign replies"
@@ -155,7 +149,7 @@ class RunConfig(ConfigModel):
         return self
 
 
-class Runner:
+class Adapter:
     """Runs the whole adapter until told to stop.
 
     Args:
@@ -163,10 +157,10 @@ class Runner:
         logger: where progress and alarms go.
     """
 
-    def __init__(self, config: RunConfig, logger: logging.Logger | None = None) -> None:
+    def __init__(self, config: AdapterConfig, logger: logging.Logger | None = None) -> None:
         self.config = config
         self.log = logger or log
-        assert config.keyring_path is not None  # RunConfig requires it
+        assert config.keyring_path is not None  # AdapterConfig requires it
         self.keyring = Keyring.load(config.keyring_path)
         keyless = [p for p in config.acl_principals if not self.keyring.key_ids(p)]
         if config.mode == "acl" and keyless:

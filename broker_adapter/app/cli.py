@@ -155,7 +155,7 @@ def _add_run(sub: argparse._SubParsersAction[_Parser]) -> None:
             metavar="DIR")  # fmt: skip
     _option(run, "--workers", "worker processes (1..64)", env="BA_WORKERS", default=2,
             type=int, metavar="N")  # fmt: skip
-    # Checked by RunConfig, whose refusal says what each mode needs it for.
+    # Checked by AdapterConfig, whose refusal says what each mode needs it for.
     _add_keyring(run, "needed: verifies requests and signs every reply (in ACL mode too)",
                  required=False)  # fmt: skip
     _option(run, "--mode", "signed: one stream, an HMAC per entry; acl: one stream per"
@@ -317,7 +317,7 @@ def _install_stop() -> threading.Event:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from broker_adapter.app.adapter import RunConfig, Runner
+    from broker_adapter.app.adapter import Adapter, AdapterConfig
 
     fields: dict[str, Any] = {
         "redis_url": args.redis,
@@ -342,9 +342,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     }
     if args.name:
         fields["name"] = args.name
-    config = RunConfig(**fields)
+    config = AdapterConfig(**fields)
     stop = _install_stop()
-    return Runner(config).run(stop)
+    return Adapter(config).run(stop)
 
 
 def cmd_publish(args: argparse.Namespace) -> int:

@@ -35,7 +35,6 @@ from __future__ import annotations
 import http.server
 import logging
 import os
-import sqlite3
 import tempfile
 import threading
 import time
@@ -47,6 +46,7 @@ from typing import TYPE_CHECKING, Any
 
 from broker_adapter.errors import BrokerAdapterError, ConfigError
 from broker_adapter.redis.probe import StreamSample, redis_check, redis_client, sample_groups
+from broker_adapter.store.probe import DatabaseError, writable_check
 
 if TYPE_CHECKING:
     from prometheus_client.metrics_core import Metric
@@ -69,7 +69,7 @@ CHECK_TIMEOUT_S = 1.0
 
 Labels = tuple[tuple[str, str], ...]
 #: What a source of a scrape may fail with; it is then left out of that scrape.
-_SOURCE_ERRORS = (BrokerAdapterError, sqlite3.Error, OSError, ValueError)
+_SOURCE_ERRORS = (BrokerAdapterError, DatabaseError, OSError, ValueError)
 
 
 class Families:
@@ -448,24 +448,9 @@ class WorkerMetrics:
 
 
 def database_check(path: Path) -> Callable[[], str | None]:
-    """The file exists and its write lock can be had within ``CHECK_TIMEOUT_S``:
-    ``BEGIN IMMEDIATE`` then ``ROLLBACK`` (nothing written, no fsync, the lock held for
-    microseconds). A file another writer keeps locked longer counts as not writable."""
-
-    def check() -> str | None:
-        try:
-            conn = sqlite3.connect(f"file:{path}?mode=rw", uri=True, timeout=CHECK_TIMEOUT_S,
-                                   isolation_level=None)  # fmt: skip
-            try:
-                conn.execute("BEGIN IMMEDIATE")
-                conn.execute("ROLLBACK")
-            finally:
-                conn.close()
-        except sqlite3.Error as exc:
-            return f"database: {exc}"
-        return None
-
-    return check
+    """The file exists and its write lock can be had within ``CHECK_TIMEOUT_S``
+    (``store.probe.writable_check``)."""
+    return writable_check(path, CHECK_TIMEOUT_S)
 
 
 @dataclass

@@ -40,6 +40,9 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
+from typing import Annotated
+
+from pydantic import AfterValidator
 
 from broker_adapter.errors import ConfigError
 from broker_adapter.protocol.envelope import check_principal
@@ -115,3 +118,18 @@ class Keys:
         if not sep:
             raise ValueError(f"not a broker_adapter stream key: {stream!r}")
         return f"{head}:dead"
+
+
+def _key_prefix(value: str) -> str:
+    Keys(value)  # refuses braces and white space
+    return value
+
+
+def _principal(value: str) -> str:
+    return check_principal(value, "principal")
+
+
+#: A Redis key prefix as a settings field (``Keys``): no braces, no white space.
+KeyPrefix = Annotated[str, AfterValidator(_key_prefix)]
+#: A principal name as a settings field (``envelope.check_principal``).
+Principal = Annotated[str, AfterValidator(_principal)]

@@ -110,14 +110,14 @@ from pydantic import Field
 from broker_adapter import crashpoints
 from broker_adapter.backoff import retrying
 from broker_adapter.clock import Clock
-from broker_adapter.config import ConfigModel, KeyPrefix
+from broker_adapter.config import ConfigModel
 from broker_adapter.errors import (
     ConfigError,
     RedisUnavailable,
     TransientError,
 )
 from broker_adapter.protocol.deadletter import encodable
-from broker_adapter.protocol.keys import DEFAULT_PREFIX, Keys
+from broker_adapter.protocol.keys import DEFAULT_PREFIX, KeyPrefix, Keys
 from broker_adapter.protocol.signing import Keyring
 from broker_adapter.redis.trimming import (
     DEFAULT_TRIM_EVERY_S,

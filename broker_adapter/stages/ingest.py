@@ -68,7 +68,7 @@ from pydantic import Field, field_validator, model_validator
 from broker_adapter import crashpoints
 from broker_adapter.backoff import run_until_stopped
 from broker_adapter.clock import Clock, SystemClock
-from broker_adapter.config import DEFAULT_CLAIM_MIN_IDLE_MS, ConfigModel, KeyPrefix, Principal
+from broker_adapter.config import DEFAULT_CLAIM_MIN_IDLE_MS, ConfigModel
 from broker_adapter.errors import (
     ConfigError,
     EnvelopeError,
@@ -76,7 +76,14 @@ from broker_adapter.errors import (
     TransientError,
 )
 from broker_adapter.protocol import deadletter
-from broker_adapter.protocol.keys import DEFAULT_PREFIX, INGEST_GROUP, MAX_PARTITIONS, Keys
+from broker_adapter.protocol.keys import (
+    DEFAULT_PREFIX,
+    INGEST_GROUP,
+    MAX_PARTITIONS,
+    KeyPrefix,
+    Keys,
+    Principal,
+)
 from broker_adapter.protocol.signing import Authenticated, Keyring, check_stream_principal
 from broker_adapter.redis.cluster import socket_timeout
 from broker_adapter.redis.entry import StreamEntry

@@ -77,7 +77,7 @@ from pydantic import Field
 from broker_adapter import crashpoints
 from broker_adapter.backoff import run_until_stopped
 from broker_adapter.clock import Clock
-from broker_adapter.config import DEFAULT_CLAIM_MIN_IDLE_MS, ConfigModel, KeyPrefix, Principal
+from broker_adapter.config import DEFAULT_CLAIM_MIN_IDLE_MS, ConfigModel
 from broker_adapter.errors import (
     AuthError,
     ConfigError,
@@ -86,7 +86,7 @@ from broker_adapter.errors import (
     TransientError,
 )
 from broker_adapter.protocol.envelope import sha256_hex
-from broker_adapter.protocol.keys import DEFAULT_PREFIX, RECEIVER_GROUP, Keys
+from broker_adapter.protocol.keys import DEFAULT_PREFIX, RECEIVER_GROUP, KeyPrefix, Keys, Principal
 from broker_adapter.protocol.reply import BadReply, Reply, load_body
 from broker_adapter.protocol.signing import REPLY_WIRE_VERSION, Keyring
 from broker_adapter.redis.client import text, translated

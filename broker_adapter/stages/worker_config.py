@@ -6,8 +6,8 @@ from dataclasses import asdict, dataclass
 
 from pydantic import Field
 
-from broker_adapter.config import ConfigModel, KeyPrefix
-from broker_adapter.protocol.keys import DEFAULT_PREFIX
+from broker_adapter.config import ConfigModel
+from broker_adapter.protocol.keys import DEFAULT_PREFIX, KeyPrefix
 from broker_adapter.redis.client import RedisUrl
 from broker_adapter.stages.publish import DEFAULT_RECORD_TTL_S
 

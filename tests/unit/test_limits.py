@@ -139,7 +139,7 @@ def test_open_counts_are_pending_and_running_tasks_per_principal(tasks: TaskStor
 def test_run_takes_the_limits_from_flags_or_the_environment(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    from broker_adapter.app.adapter import RunConfig
+    from broker_adapter.app.adapter import AdapterConfig
     from broker_adapter.app.cli import build_parser
 
     base = ["run", "--redis", "redis://127.0.0.1:1/0", "--db", str(tmp_path / "a.db"),
@@ -153,5 +153,5 @@ def test_run_takes_the_limits_from_flags_or_the_environment(
     args = build_parser().parse_args(base)
     assert (args.rate_limit, args.rate_burst, args.max_open_tasks) == (None, None, None)
     with pytest.raises(ValueError, match="greater than 0"):
-        RunConfig(redis_url="redis://x", db_path=tmp_path, handler="m:f", mode="acl",
+        AdapterConfig(redis_url="redis://x", db_path=tmp_path, handler="m:f", mode="acl",
                   acl_principals=("a",), rate_limit=0)  # fmt: skip

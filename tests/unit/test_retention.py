@@ -422,7 +422,7 @@ def test_retention_flag_and_variable_reach_the_configs_and_stores(
         pass
 
     class FakeRunner:
-        def __init__(self, config: runner.RunConfig) -> None:
+        def __init__(self, config: runner.AdapterConfig) -> None:
             seen["run"] = config
             raise Stop
 
@@ -430,7 +430,7 @@ def test_retention_flag_and_variable_reach_the_configs_and_stores(
         seen["receive"] = config
         raise Stop
 
-    monkeypatch.setattr(runner, "Runner", FakeRunner)
+    monkeypatch.setattr(runner, "Adapter", FakeRunner)
     monkeypatch.setattr(receiver, "Receiver", fake_receiver)
     keyring = tmp_path / "k.json"
     keyring.write_text('{"alice": {"k1": "a secret of thirty-two bytes or more"}}')
@@ -452,10 +452,10 @@ def test_retention_flag_and_variable_reach_the_configs_and_stores(
     assert configs() == (90.0, 90.0)
     assert configs("--retention", "30") == (30.0, 30.0)  # the flag wins
     # The runner's policy (its ingest, workers and purge) carries it.
-    config = runner.RunConfig(redis_url="redis://x", db_path=tmp_path / "p.db",
+    config = runner.AdapterConfig(redis_url="redis://x", db_path=tmp_path / "p.db",
                               handler="broker_adapter.examples:echo",
                               keyring_path=keyring, retention_s=30)  # fmt: skip
     monkeypatch.undo()
-    assert runner.Runner(config).policy.retention_s == 30
+    assert runner.Adapter(config).policy.retention_s == 30
     with pytest.raises(ValueError, match="greater than 0"):
         receiver.ReceiverConfig(principal="alice", retention_s=0)
