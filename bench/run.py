@@ -148,7 +148,9 @@ def child_receive(args: argparse.Namespace) -> int:
 class Pipeline:
     """``broker-adapter run`` + a receiver, both real subprocesses, on fresh keys and files."""
 
-    def __init__(self, url: str, workdir: Path, keyring: Path, workers: int) -> None:
+    def __init__(
+        self, url: str, workdir: Path, keyring: Path, workers: int, *, metrics: bool = False
+    ) -> None:
         self.url = url
         self.prefix = common.new_prefix()
         self.db = workdir / f"{self.prefix}.db"
@@ -158,7 +160,8 @@ class Pipeline:
         self.runner = subprocess.Popen(
             [sys.executable, "-m", "broker_adapter", "run", "--redis", url, "--db", str(self.db),
              "--handler", "broker_adapter.examples:echo", "--workers", str(workers),
-             "--keyring", str(keyring), "--prefix", self.prefix, "--name", "bench"],
+             "--keyring", str(keyring), "--prefix", self.prefix, "--name", "bench",
+             *(["--metrics-port", "0"] if metrics else [])],
             cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT, env=common.python_env(),
         )  # fmt: skip
         self.receiver = subprocess.Popen(
@@ -270,7 +273,7 @@ class Pipeline:
 def throughput_run(
     url: str, workdir: Path, keyring: Path, args: argparse.Namespace
 ) -> dict[str, Any]:
-    pipe = Pipeline(url, workdir, keyring, args.workers)
+    pipe = Pipeline(url, workdir, keyring, args.workers, metrics=args.metrics)
     try:
         pipe.warm_up()
         pub = pipe.publish(args.n, "m")
@@ -296,7 +299,7 @@ def throughput_run(
 
 def latency_run(url: str, workdir: Path, keyring: Path, args: argparse.Namespace) -> dict[str, Any]:
     n = int(args.latency_rate * args.latency_seconds)
-    pipe = Pipeline(url, workdir, keyring, args.workers)
+    pipe = Pipeline(url, workdir, keyring, args.workers, metrics=args.metrics)
     try:
         pipe.warm_up()
         pub = pipe.publish(n, "l", rate=args.latency_rate)
@@ -321,7 +324,7 @@ def latency_run(url: str, workdir: Path, keyring: Path, args: argparse.Namespace
 
 def rss_run(url: str, workdir: Path, keyring: Path, args: argparse.Namespace) -> dict[str, Any]:
     n = args.rss_messages
-    pipe = Pipeline(url, workdir, keyring, args.workers)
+    pipe = Pipeline(url, workdir, keyring, args.workers, metrics=args.metrics)
     watch = common.RssWatch(pipe.pids).start()
     try:
         pipe.warm_up(2000)
@@ -496,6 +499,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--latency-rate", type=float, default=1000.0, help="offered msg/s")
     parser.add_argument("--latency-seconds", type=float, default=None, help="per rep [10]")
     parser.add_argument("--no-peers", action="store_true")
+    parser.add_argument(
+        "--metrics",
+        action="store_true",
+        help="run the adapter with its Prometheus endpoint on (--metrics-port 0)",
+    )
     parser.add_argument(
         "--only",
         choices=["floor", "throughput", "latency", "peers", "rss"],
