@@ -30,6 +30,8 @@ from broker_adapter.stages.dispatcher import Dispatcher, DispatcherConfig
 from broker_adapter.stages.receiver import Receiver, ReceiverConfig
 from broker_adapter.store import AcceptItem, OutboxStore, ReceiptStore, TaskStore, open_database
 from broker_adapter.store.db import Database
+from broker_adapter.store.outbox import OutboxPolicy
+from tests.support.backends import Backend
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 #: The keys replies are signed with in these tests: each principal's keyring entry (the
@@ -107,22 +109,57 @@ def entries_per_reply(client: redis.Redis, stream: str) -> Counter[str]:
     return Counter(f[b"reply_id"].decode() for _, f in entries)
 
 
-def dispatcher_for(url: str, db: Database, clock: FakeClock, prefix: str, owner: str) -> Dispatcher:
+def _client(redis_at: str | redis.Redis) -> redis.Redis:
+    """A client of its own for a Redis URL; a client as it is."""
+    return connect(redis_at) if isinstance(redis_at, str) else redis_at
+
+
+def dispatcher_for(
+    redis_at: str | redis.Redis, db: Database, clock: FakeClock, prefix: str, owner: str
+) -> Dispatcher:
+    """A dispatcher on ``redis_at`` (a URL or a client) signing with ``reply_keyring``."""
     return Dispatcher(
-        DispatcherConfig(prefix=prefix, owner=owner), connect(url), OutboxStore(db, clock),
+        DispatcherConfig(prefix=prefix, owner=owner), _client(redis_at), OutboxStore(db, clock),
         keyring=reply_keyring(),
     )  # fmt: skip
 
 
+def make_dispatcher(
+    backend: Backend,
+    db: Database,
+    clock: FakeClock,
+    prefix: str,
+    owner: str = "d1",
+    client: redis.Redis | None = None,
+    policy: OutboxPolicy | None = None,
+    **cfg: Any,
+) -> Dispatcher:
+    """A dispatcher on ``client`` (else a new client of ``backend``) with ``DispatcherConfig``
+    options ``cfg``."""
+    return Dispatcher(
+        DispatcherConfig(prefix=prefix, owner=owner, **cfg),
+        client or backend.connect(),
+        OutboxStore(db, clock, policy),
+        keyring=reply_keyring(),
+    )
+
+
 def receiver_for(
-    url: str, db: Database, clock: FakeClock, prefix: str, principal: str, consumer: str, **cfg: Any
+    redis_at: str | redis.Redis,
+    db: Database,
+    clock: FakeClock,
+    prefix: str,
+    principal: str,
+    consumer: str,
+    **cfg: Any,
 ) -> Receiver:
+    """A receiver on ``redis_at`` (a URL or a client), BLOCK 20 ms, applying ``record_effect``."""
     config = ReceiverConfig(
         prefix=prefix, principal=principal, consumer=consumer, block_ms=20, **cfg
     )
     return Receiver(
-        config, connect(url), ReceiptStore(db, clock), record_effect, keyring=reply_keyring(),
-        clock=clock,
+        config, _client(redis_at), ReceiptStore(db, clock), record_effect,
+        keyring=reply_keyring(), clock=clock,
     )  # fmt: skip
 
 

@@ -2,54 +2,21 @@
 
 from __future__ import annotations
 
-import json
-from collections.abc import Iterator
-from pathlib import Path
-from typing import Any
-
 import pytest
 
 from broker_adapter.clock import FakeClock
 from broker_adapter.errors import StaleError
-from broker_adapter.store import TaskState, open_database
+from broker_adapter.store import TaskState
 from broker_adapter.store.approvals import ApprovalStore
 from broker_adapter.store.effects import EffectsStore
-from tests.support.store_script import T0, Stores, dump, item, stores
+from tests.support.store_script import T0, Stores, reply_body, running, task_row
 
 DEADLINE_S = 600.0  # store_script's envelopes: T0 + 600
 
 
 @pytest.fixture
-def clock() -> FakeClock:
-    return FakeClock(T0)
-
-
-@pytest.fixture
-def s(tmp_path: Path, clock: FakeClock) -> Iterator[Stores]:
-    with open_database(tmp_path / "tasks.db") as db:
-        yield stores(db, clock)
-
-
-@pytest.fixture
 def ap(s: Stores) -> ApprovalStore:
     return ApprovalStore(s.tasks)
-
-
-def running(s: Stores, mid: str = "m1", **over: Any) -> tuple[str, int]:
-    s.tasks.accept([item(mid, **over)])
-    (task,) = s.tasks.claim("w1")
-    return task.task_id, task.fence
-
-
-def row(s: Stores, task_id: str) -> dict[str, Any]:
-    (found,) = [r for r in dump(s.db)["tasks"] if r["task_id"] == task_id]
-    return found
-
-
-def reply(s: Stores, task_id: str) -> dict[str, Any]:
-    (found,) = [r for r in dump(s.db)["outbox"] if r["task_id"] == task_id]
-    body: dict[str, Any] = json.loads(found["body"])
-    return body
 
 
 def test_valid_approval_matches_exactly_and_not_when_expired_or_revoked(
@@ -88,7 +55,7 @@ def test_a_waiting_task_runs_after_its_approval_and_gets_its_attempt_back(
     task_id, fence = running(s, max_attempts=1)
     until = ap.wait_for_approval(task_id, "w1", fence, "restart", "web1", "prod", 120)
     assert until == T0 + 120
-    r = row(s, task_id)
+    r = task_row(s, task_id)
     assert (r["state"], r["attempts"], r["owner"]) == ("waiting_approval", 0, None)
     assert ap.release_waits() == {"released": 0, "timed_out": 0, "dropped": 0}
     assert s.tasks.claim("w1") == []
@@ -111,7 +78,7 @@ def test_a_wait_past_its_approval_timeout_ends_failed_with_its_reply(
     assert ap.release_waits()["timed_out"] == 0
     clock.advance(1)
     assert ap.release_waits()["timed_out"] == 1
-    body = reply(s, task_id)
+    body = reply_body(s, task_id)
     assert body["status"] == "failed"
     assert body["error"].startswith("approval_timeout")
 

@@ -6,10 +6,7 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Iterator
 from pathlib import Path
-
-import pytest
 
 from broker_adapter.clock import FakeClock
 from broker_adapter.errors import FencedError, StaleError, TaskCancelled
@@ -19,20 +16,9 @@ from broker_adapter.stages.worker import Worker, WorkerConfig
 from broker_adapter.store import ClaimedTask, FailOutcome, open_database
 from broker_adapter.store.outbox import enqueue
 from broker_adapter.store.tasks import Settlement
-from tests.support.store_script import LEASE_S, T0, Stores, item, stores
+from tests.support.store_script import LEASE_S, T0, Stores, item
 
 WAIT_S = 10.0
-
-
-@pytest.fixture
-def clock() -> FakeClock:
-    return FakeClock(T0)
-
-
-@pytest.fixture
-def s(tmp_path: Path, clock: FakeClock) -> Iterator[Stores]:
-    with open_database(tmp_path / "batch.db") as db:
-        yield stores(db, clock)
 
 
 def accept(s: Stores, clock: FakeClock, n: int) -> list[str]:

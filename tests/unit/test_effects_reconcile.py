@@ -6,8 +6,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import random
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -30,29 +28,13 @@ from broker_adapter.stages.effects import (
     hold_for_approval,
     side_effect,
 )
-from broker_adapter.store import ClaimedTask, open_database
+from broker_adapter.store import ClaimedTask
 from broker_adapter.store.approvals import ApprovalStore
 from broker_adapter.store.effects import EffectsStore
-from tests.support.store_script import T0, Stores, dump, item, stores
+from tests.support.store_script import T0, Stores, dump, item, task_state
 
 POLICY = ReconcilePolicy(lease_s=20.0, batch=8, max_tries=3,
                          backoff=Backoff(base_s=10.0, cap_s=40.0))  # fmt: skip
-
-
-@pytest.fixture
-def clock() -> FakeClock:
-    return FakeClock(T0)
-
-
-@pytest.fixture
-def s(tmp_path: Path, clock: FakeClock) -> Iterator[Stores]:
-    with open_database(tmp_path / "tasks.db") as db:
-        yield stores(db, clock)
-
-
-@pytest.fixture
-def fx(s: Stores) -> EffectsStore:
-    return EffectsStore(s.tasks)
 
 
 def unknown_task(s: Stores, fx: EffectsStore, mid: str = "m1", **over: Any) -> str:
@@ -62,12 +44,6 @@ def unknown_task(s: Stores, fx: EffectsStore, mid: str = "m1", **over: Any) -> s
     fx.mark_effect_started(task.task_id, "w1", task.fence)
     fx.to_unknown(task.task_id, "w1", task.fence, "timed out")
     return task.task_id
-
-
-def state(s: Stores, task_id: str) -> str:
-    row = s.tasks.get(task_id)
-    assert row is not None
-    return row.state
 
 
 def result_of(s: Stores, task_id: str) -> Any:
@@ -145,7 +121,7 @@ def test_a_reconcile_that_answers_nonsense_knows_nothing(s: Stores, fx: EffectsS
     spec = EffectSpec("restart", reconcile=lambda task, key: "yes")  # type: ignore[arg-type,return-value]
     reconciler = Reconciler(fx, spec, "r1", POLICY)
     reconciler.run_once()
-    assert state(s, task_id) == "unknown"
+    assert task_state(s, task_id) == "unknown"
     (record,) = fx.reconcile_log(task_id)
     assert record.note == "reconcile returned str"
 
@@ -188,7 +164,7 @@ def test_found_effect_is_done_with_the_observed_result_without_a_second_call(
     target.applied[spec.key(_claim_view(s, task_id))] = 1
     reconciler = Reconciler(fx, spec, "r1", POLICY)
     assert reconciler.run_once() == 1
-    assert state(s, task_id) == "done"
+    assert task_state(s, task_id) == "done"
     assert result_of(s, task_id) == {"effects": 1}
     ((asked_id, key),) = target.asked
     assert asked_id == task_id
@@ -202,7 +178,7 @@ def test_nothing_found_is_retried(s: Stores, fx: EffectsStore) -> None:
     task_id = unknown_task(s, fx)
     reconciler = Reconciler(fx, EffectSpec("restart", reconcile=target.reconcile), "r1", POLICY)
     reconciler.run_once()
-    assert state(s, task_id) == "pending"
+    assert task_state(s, task_id) == "pending"
     (again,) = s.tasks.claim("w2")
     assert (again.task_id, again.attempt) == (task_id, 2)
     assert reconciler.stats.not_done == 1
@@ -223,7 +199,7 @@ def test_still_unknown_backs_off_then_waits_for_an_operator(
         clock.advance(POLICY.backoff.cap_s)
     assert reconciler.run_once() == 0
     assert (reconciler.stats.unknown, reconciler.stats.operator) == (POLICY.max_tries - 1, 1)
-    assert state(s, task_id) == "unknown"
+    assert task_state(s, task_id) == "unknown"
     log = fx.reconcile_log(task_id)
     assert all(r.outcome == "unknown" for r in log)
     assert log[0].note is not None
@@ -237,7 +213,7 @@ def test_without_a_reconcile_function_an_operator_decides(s: Stores, fx: Effects
     reconciler.run_once()
     assert reconciler.stats.operator == 1
     assert fx.counts()["awaiting_operator"] == 1
-    assert state(s, task_id) == "unknown"
+    assert task_state(s, task_id) == "unknown"
 
 
 def test_a_duplicate_is_compensated_once_even_across_reconcilers(
@@ -255,10 +231,10 @@ def test_a_duplicate_is_compensated_once_even_across_reconcilers(
     first = Reconciler(fx, dataclasses.replace(spec, compensate=slow_compensation), "r1", POLICY)
     first.run_once()
     assert first.stats.stale == 1
-    assert state(s, task_id) == "unknown"
+    assert task_state(s, task_id) == "unknown"
     second = Reconciler(fx, spec, "r2", POLICY)
     second.run_once()
-    assert state(s, task_id) == "done"
+    assert task_state(s, task_id) == "done"
     assert target.compensated == [task_id]  # once, though two reconcilers saw the duplicate
     (record,) = fx.compensations(task_id)
     assert (record.by_whom, record.outcome, record.detail) == ("r1", "done", '{"undone":1}')
@@ -276,7 +252,7 @@ def test_a_failing_compensation_is_recorded_failed(s: Stores, fx: EffectsStore) 
     Reconciler(fx, spec, "r1", POLICY).run_once()
     (record,) = fx.compensations(task_id)
     assert (record.outcome, record.detail) == ("failed", "RuntimeError: refund refused")
-    assert state(s, task_id) == "done"
+    assert task_state(s, task_id) == "done"
 
 
 # -- approvals ------------------------------------------------------------------------------
@@ -290,7 +266,7 @@ def test_a_forged_approval_in_the_payload_counts_for_nothing(s: Stores) -> None:
     (task,) = s.tasks.claim("w1")
     assert current_approval(ap, spec, task) is None
     hold_for_approval(ap, spec, task, 60)
-    assert state(s, task.task_id) == "waiting_approval"
+    assert task_state(s, task.task_id) == "waiting_approval"
     ap.grant_approval("restart", "web1", "prod", "alice", T0 + 600)
     ap.release_waits()
     (again,) = s.tasks.claim("w1")

@@ -3,9 +3,7 @@ cancel requests (schema migration 7), on a real SQLite file and a FakeClock."""
 
 from __future__ import annotations
 
-import json
 import sqlite3
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,43 +15,19 @@ from broker_adapter.store import TaskState, open_database
 from broker_adapter.store.effects import EffectsStore
 from broker_adapter.store.migrations import MIGRATIONS, SCHEMA_VERSION, _split
 from broker_adapter.store.tasks import UnknownTask
-from tests.support.store_script import LEASE_S, T0, Stores, dump, item, stores
+from tests.support.store_script import (
+    LEASE_S,
+    T0,
+    Stores,
+    dump,
+    item,
+    reply_body,
+    running,
+    task_row,
+)
 
 RECONCILE_LEASE_S = 20.0
 DEADLINE_S = 600.0  # store_script's envelopes: T0 + 600
-
-
-@pytest.fixture
-def clock() -> FakeClock:
-    return FakeClock(T0)
-
-
-@pytest.fixture
-def s(tmp_path: Path, clock: FakeClock) -> Iterator[Stores]:
-    with open_database(tmp_path / "tasks.db") as db:
-        yield stores(db, clock)
-
-
-@pytest.fixture
-def fx(s: Stores) -> EffectsStore:
-    return EffectsStore(s.tasks)
-
-
-def running(s: Stores, mid: str = "m1", owner: str = "w1", **over: Any) -> tuple[str, int]:
-    s.tasks.accept([item(mid, **over)])
-    (task,) = s.tasks.claim(owner)
-    return task.task_id, task.fence
-
-
-def row(s: Stores, task_id: str) -> dict[str, Any]:
-    (found,) = [r for r in dump(s.db)["tasks"] if r["task_id"] == task_id]
-    return found
-
-
-def reply(s: Stores, task_id: str) -> dict[str, Any]:
-    (found,) = [r for r in dump(s.db)["outbox"] if r["task_id"] == task_id]
-    body: dict[str, Any] = json.loads(found["body"])
-    return body
 
 
 def unknown(s: Stores, fx: EffectsStore, mid: str = "m1", **over: Any) -> str:
@@ -108,7 +82,7 @@ def test_cancel_of_a_running_task_is_a_request_the_others_cancel_at_once(
     clock.advance(1)
     assert fx.request_cancel(task_id) is TaskState.RUNNING  # the first request's time stays
     assert fx.cancel_requested(task_id) == T0
-    assert row(s, task_id)["state"] == "running"
+    assert task_row(s, task_id)["state"] == "running"
     s.tasks.finish(task_id, "w1", fence, {"partial": True})  # the holder still commits
     (pending,) = s.tasks.accept([item("m2")])
     assert pending.task_id is not None
@@ -127,7 +101,7 @@ def test_effect_mark_is_fenced(s: Stores, fx: EffectsStore) -> None:
         fx.mark_effect_started(task_id, "w1", fence + 1)
     with pytest.raises(StaleError, match="owner"):
         fx.mark_effect_started(task_id, "w2", fence)
-    assert row(s, task_id)["effect_fence"] is None
+    assert task_row(s, task_id)["effect_fence"] is None
 
 
 def test_a_requested_cancel_stops_the_effect_from_starting(s: Stores, fx: EffectsStore) -> None:
@@ -135,7 +109,7 @@ def test_a_requested_cancel_stops_the_effect_from_starting(s: Stores, fx: Effect
     fx.request_cancel(task_id)
     with pytest.raises(TaskCancelled):
         fx.mark_effect_started(task_id, "w1", fence)
-    assert row(s, task_id)["effect_fence"] is None
+    assert task_row(s, task_id)["effect_fence"] is None
 
 
 def test_a_lapsed_lease_after_the_effect_started_goes_to_unknown_not_pending(
@@ -147,8 +121,8 @@ def test_a_lapsed_lease_after_the_effect_started_goes_to_unknown_not_pending(
     clock.advance(LEASE_S + 1)
     assert fx.take_back_lapsed() == 1
     assert s.tasks.reconcile()["requeued"] == 1  # the store's own take-back: the other one
-    assert (row(s, marked)["state"], row(s, plain)["state"]) == ("unknown", "pending")
-    assert "lapsed after its effect started" in row(s, marked)["error"]
+    assert (task_row(s, marked)["state"], task_row(s, plain)["state"]) == ("unknown", "pending")
+    assert "lapsed after its effect started" in task_row(s, marked)["error"]
 
 
 def test_a_passed_deadline_after_the_effect_started_is_unknown_not_expired(
@@ -159,7 +133,7 @@ def test_a_passed_deadline_after_the_effect_started_is_unknown_not_expired(
     clock.set(T0 + DEADLINE_S)
     assert fx.take_back_lapsed() == 1
     assert s.tasks.reconcile()["expired"] == 0
-    assert row(s, task_id)["state"] == "unknown"
+    assert task_row(s, task_id)["state"] == "unknown"
 
 
 def test_the_mark_of_an_earlier_attempt_does_not_count(
@@ -173,7 +147,7 @@ def test_the_mark_of_an_earlier_attempt_does_not_count(
     clock.advance(LEASE_S + 1)
     assert fx.take_back_lapsed() == 0
     assert s.tasks.reconcile()["requeued"] == 1
-    assert row(s, again.task_id)["state"] == "pending"
+    assert task_row(s, again.task_id)["state"] == "pending"
 
 
 def test_to_unknown_is_fenced(s: Stores, fx: EffectsStore) -> None:
@@ -181,7 +155,7 @@ def test_to_unknown_is_fenced(s: Stores, fx: EffectsStore) -> None:
     with pytest.raises(FencedError):
         fx.to_unknown(task_id, "w1", fence - 1, "timeout")
     fx.to_unknown(task_id, "w1", fence, "timeout")
-    r = row(s, task_id)
+    r = task_row(s, task_id)
     assert (r["state"], r["owner"], r["error"]) == ("unknown", None, "timeout")
     with pytest.raises(StaleError, match="not_running"):
         fx.to_unknown(task_id, "w1", fence, "timeout")
@@ -194,7 +168,7 @@ def test_reconcile_claim_holds_under_a_lease_and_a_new_fence(
     s: Stores, fx: EffectsStore, clock: FakeClock
 ) -> None:
     task_id = unknown(s, fx)
-    before = row(s, task_id)
+    before = task_row(s, task_id)
     (claim,) = fx.claim_unknown("r1", 5, RECONCILE_LEASE_S)
     assert (claim.task.task_id, claim.task.fence, claim.tries) == (task_id, before["fence"] + 1, 0)
     assert claim.task.attempt == before["attempts"]  # a reconcile is no attempt
@@ -214,8 +188,8 @@ def test_happened_is_done_with_the_observed_result_and_its_reply(
     task_id = unknown(s, fx)
     (claim,) = fx.claim_unknown("r1", 1, RECONCILE_LEASE_S)
     fx.resolve_done(task_id, "r1", claim.task.fence, {"restarted": "web1"}, note="found it")
-    assert row(s, task_id)["state"] == "done"
-    body = reply(s, task_id)
+    assert task_row(s, task_id)["state"] == "done"
+    body = reply_body(s, task_id)
     assert (body["status"], body["result"]) == ("done", {"restarted": "web1"})
     (record,) = fx.reconcile_log(task_id)
     assert (record.outcome, record.by_whom, record.fence, record.observed, record.note) == (
@@ -232,11 +206,11 @@ def test_not_happened_is_pending_again_or_ends_when_nothing_is_left(
     claims = {c.task.task_id: c.task.fence for c in fx.claim_unknown("r1", 5, RECONCILE_LEASE_S)}
     assert fx.resolve_not_done(retried, "r1", claims[retried]) is TaskState.PENDING
     assert fx.resolve_not_done(last, "r1", claims[last]) is TaskState.FAILED
-    assert "attempts exhausted" in reply(s, last)["error"]
+    assert "attempts exhausted" in reply_body(s, last)["error"]
     clock.set(T0 + 10)  # the deadline does not end an unknown task, nor its reconcile
     assert fx.resolve_not_done(late, "r1", claims[late]) is TaskState.EXPIRED
-    assert reply(s, late)["status"] == "expired"
-    assert row(s, retried)["not_before"] == T0
+    assert reply_body(s, late)["status"] == "expired"
+    assert task_row(s, retried)["not_before"] == T0
     assert [r.outcome for r in fx.reconcile_log(retried)] == ["not-done"]
 
 
@@ -255,7 +229,7 @@ def test_still_unknown_backs_off_then_waits_for_an_operator(
     assert fx.claim_unknown("r1", 1, RECONCILE_LEASE_S) == []  # only an operator now
     assert fx.counts()["awaiting_operator"] == 1
     assert fx.operator_resolve(task_id, "done", "alice", observed={"seen": 1}) is TaskState.DONE
-    assert reply(s, task_id)["result"] == {"seen": 1}
+    assert reply_body(s, task_id)["result"] == {"seen": 1}
     assert [(r.outcome, r.by_whom) for r in fx.reconcile_log(task_id)] == [
         ("unknown", "r1"), ("unknown", "r1"), ("done", "alice"),
     ]  # fmt: skip

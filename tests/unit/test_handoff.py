@@ -6,7 +6,6 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -17,7 +16,7 @@ from broker_adapter.protocol.envelope import Envelope
 from broker_adapter.stages.handlers import Task
 from broker_adapter.stages.handoff import CLAIM, LOOK, Handed, Handoff, HandoffEndpoint
 from broker_adapter.stages.worker import Worker, WorkerConfig
-from broker_adapter.store import AcceptItem, TaskStore, open_database
+from broker_adapter.store import AcceptItem, TaskStore
 from broker_adapter.store.db import Database
 from broker_adapter.store.tasks import TaskPolicy
 from tests.support.handoff_script import ScriptedWait
@@ -30,12 +29,6 @@ def _item(i: int, clock: FakeClock) -> AcceptItem:
             message_id=f"m{i}", sender="alice", payload={"i": i}, deadline=clock.now() + 600
         ),
     )
-
-
-@pytest.fixture
-def db(tmp_path: Path) -> Iterator[Database]:
-    with open_database(tmp_path / "t.db") as db:
-        yield db
 
 
 @pytest.fixture

@@ -3,14 +3,13 @@ tasks that the quota reads."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from broker_adapter.clock import FakeClock
 from broker_adapter.stages.limits import QUOTA_EXCEEDED, RATE_LIMITED, IngressLimits, default_burst
-from broker_adapter.store import AcceptItem, TaskStore, open_database
+from broker_adapter.store import AcceptItem, TaskStore
 from tests.support.ingest_script import envelope
 
 
@@ -113,13 +112,6 @@ def test_bad_settings_are_refused(clock: FakeClock) -> None:
         IngressLimits(clock, rate_limit=0.0)
     with pytest.raises(ValueError, match="open_counts"):
         IngressLimits(clock, max_open_tasks=1)
-
-
-@pytest.fixture
-def tasks(tmp_path: Path, clock: FakeClock) -> Iterator[TaskStore]:
-    db = open_database(tmp_path / "inbox.db")
-    yield TaskStore(db, clock)
-    db.close()
 
 
 def test_open_counts_are_pending_and_running_tasks_per_principal(tasks: TaskStore) -> None:

@@ -6,8 +6,6 @@ from __future__ import annotations
 import json
 import logging
 import random
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -17,19 +15,12 @@ from broker_adapter.app.logs import JsonFormatter, TextFormatter, fields_of
 from broker_adapter.clock import FakeClock
 from broker_adapter.protocol.envelope import Envelope
 from broker_adapter.stages.worker import Worker, WorkerConfig
-from broker_adapter.store import AcceptItem, Database, TaskStore, open_database
+from broker_adapter.store import AcceptItem, Database, TaskStore
 from broker_adapter.store.tasks import TaskPolicy, reply_id_for
 from tests.support import handlers as sample
 
 MARKER = "payload-marker-7f3c"
 LEASE_S = 30.0
-
-
-@pytest.fixture
-def db(tmp_path: Path) -> Iterator[Database]:
-    database = open_database(tmp_path / "logs.db")
-    yield database
-    database.close()
 
 
 @pytest.fixture

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -21,19 +21,7 @@ from tests.support.store_script import (
     Stores,
     dump,
     item,
-    stores,
 )
-
-
-@pytest.fixture
-def clock() -> FakeClock:
-    return FakeClock(T0)
-
-
-@pytest.fixture
-def s(tmp_path: Path, clock: FakeClock) -> Iterator[Stores]:
-    with open_database(tmp_path / "outbox.db") as db:
-        yield stores(db, clock)
 
 
 def finished(s: Stores, mid: str = "m1") -> str:
@@ -280,7 +268,7 @@ def test_outbox_claim_marks_dead_a_row_whose_publishers_keep_dying(
     tmp_path: Path, clock: FakeClock
 ) -> None:
     from broker_adapter.protocol.envelope import Envelope
-    from broker_adapter.store import AcceptItem, OutboxStore, TaskStore, open_database
+    from broker_adapter.store import AcceptItem, OutboxStore, TaskStore
     from broker_adapter.store.outbox import OutboxPolicy
 
     db = open_database(tmp_path / "dying.db")

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import sqlite3
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -12,20 +10,16 @@ import pytest
 from broker_adapter.clock import FakeClock
 from broker_adapter.protocol.envelope import canonical_json, sha256_hex
 from broker_adapter.protocol.reply import Reply
-from broker_adapter.store import ReceiptOutcome, open_database
+from broker_adapter.store import ReceiptOutcome
+from broker_adapter.store.db import Database
 from tests.support.store_script import T0, Stores, create_effects_table, dump, record_effect, stores
 
 
 @pytest.fixture
-def clock() -> FakeClock:
-    return FakeClock(T0)
-
-
-@pytest.fixture
-def s(tmp_path: Path, clock: FakeClock) -> Iterator[Stores]:
-    with open_database(tmp_path / "receiver.db") as db:
-        create_effects_table(db.conn)
-        yield stores(db, clock)
+def s(db: Database, clock: FakeClock) -> Stores:
+    """The stores on a database with the test effect's table."""
+    create_effects_table(db.conn)
+    return stores(db, clock)
 
 
 def reply(status: str = "done", **extra: Any) -> tuple[bytes, str]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import os
 import sqlite3
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
@@ -26,17 +26,6 @@ from broker_adapter.store.retention import (
 )
 from broker_adapter.store.tasks import Settlement, TaskPolicy, TaskStore
 from tests.support.store_script import RETENTION_S, T0, Stores, dump, item, stores
-
-
-@pytest.fixture
-def clock() -> FakeClock:
-    return FakeClock(T0)
-
-
-@pytest.fixture
-def s(tmp_path: Path, clock: FakeClock) -> Iterator[Stores]:
-    with open_database(tmp_path / "retention.db") as db:
-        yield stores(db, clock)
 
 
 def accepted(s: Stores, *mids: str, **overrides: Any) -> list[str]:
@@ -200,7 +189,7 @@ def test_purge_rechecks_each_request_inside_its_transaction(
     write = s.db.write
 
     def resend_first(op: str, **options: Any) -> AbstractContextManager[sqlite3.Connection]:
-        with open_database(tmp_path / "retention.db") as other:
+        with open_database(s.db.path) as other:
             assert stores(other, clock).outbox.requeue_sent() == 1
         return write(op, **options)
 

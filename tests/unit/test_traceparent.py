@@ -4,7 +4,6 @@ part of the fingerprint, kept with the task and carried into every reply of the 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from typing import Any
 
 import fakeredis
@@ -17,30 +16,13 @@ from broker_adapter.protocol.envelope import Envelope, check_traceparent
 from broker_adapter.protocol.keys import Keys
 from broker_adapter.protocol.signing import Keyring
 from broker_adapter.stages import tracing
-from broker_adapter.store import Database, Outcome, open_database
+from broker_adapter.store import Outcome
 from broker_adapter.store.tasks import Settlement
 from tests.support.ingest_script import KEYRING
-from tests.support.store_script import LEASE_S, MAX_HOPS, T0, Stores, envelope, item, stores
+from tests.support.store_script import LEASE_S, MAX_HOPS, T0, Stores, envelope, item
 
 TP = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 OTHER = "00-4bf92f3577b34da6a3ce929d0e0e4736-b7ad6b7169203331-00"
-
-
-@pytest.fixture
-def clock() -> FakeClock:
-    return FakeClock(T0)
-
-
-@pytest.fixture
-def db(tmp_path: Any) -> Iterator[Database]:
-    database = open_database(tmp_path / "t.db")
-    yield database
-    database.close()
-
-
-@pytest.fixture
-def s(db: Database, clock: FakeClock) -> Stores:
-    return stores(db, clock)
 
 
 # -- the envelope member ----------------------------------------------------------------------

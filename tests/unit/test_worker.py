@@ -10,8 +10,7 @@ import json
 import random
 import threading
 import time
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -42,13 +41,6 @@ from tests.support import handlers as sample
 
 WAIT_S = 10.0
 LEASE_S = 30.0
-
-
-@pytest.fixture
-def db(tmp_path: Path) -> Iterator[Database]:
-    database = open_database(tmp_path / "worker.db")
-    yield database
-    database.close()
 
 
 @pytest.fixture
