@@ -30,8 +30,9 @@ from typing import Any
 from broker_adapter import crashpoints
 from broker_adapter.client.publisher import Publisher
 from broker_adapter.errors import StaleError
+from broker_adapter.protocol.canonical import canonical_json, sha256_hex
 from broker_adapter.protocol.deadletter import DeadLetter
-from broker_adapter.protocol.envelope import Envelope, canonical_json, sha256_hex
+from broker_adapter.protocol.envelope import Envelope
 from broker_adapter.protocol.keys import Keys
 from broker_adapter.protocol.reply import Reply
 from broker_adapter.protocol.signing import Keyring

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from broker_adapter.protocol.envelope import sha256_hex
+from broker_adapter.protocol.canonical import sha256_hex
 from broker_adapter.protocol.keys import Keys
 from broker_adapter.protocol.signing import Keyring
 from broker_adapter.redis.client import connect, text

@@ -17,7 +17,7 @@ from redis.retry import Retry
 from broker_adapter.backoff import Backoff
 from broker_adapter.clock import FakeClock
 from broker_adapter.errors import RedisUnavailable, ReplyConflict, StaleError
-from broker_adapter.protocol.envelope import sha256_hex
+from broker_adapter.protocol.canonical import sha256_hex
 from broker_adapter.protocol.keys import Keys
 from broker_adapter.redis.client import connect
 from broker_adapter.stages.dispatcher import Dispatcher, DispatcherConfig

@@ -24,7 +24,8 @@ import pytest
 from broker_adapter.client.publisher import Publisher
 from broker_adapter.clock import FakeClock
 from broker_adapter.protocol import deadletter
-from broker_adapter.protocol.envelope import Envelope, canonical_json, sha256_hex
+from broker_adapter.protocol.canonical import canonical_json, sha256_hex
+from broker_adapter.protocol.envelope import Envelope
 from broker_adapter.protocol.keys import INGEST_GROUP, Keys
 from broker_adapter.protocol.reply import Reply
 from broker_adapter.protocol.signing import Keyring
