@@ -40,7 +40,8 @@ from broker_adapter.redis.client import connect
 from broker_adapter.redis.embedded import EmbeddedRedis
 from broker_adapter.stages.dispatcher import Dispatcher, DispatcherConfig
 from broker_adapter.stages.handlers import Task
-from broker_adapter.stages.ingest import IngestConfig, Ingestor
+from broker_adapter.stages.ingest import Ingestor
+from broker_adapter.stages.ingest_config import IngestConfig
 from broker_adapter.stages.receiver import Receiver, ReceiverConfig, effect_key
 from broker_adapter.stages.worker import Worker, WorkerConfig
 from broker_adapter.store import OutboxStore, ReceiptStore, TaskStore, open_database
