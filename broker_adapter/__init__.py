@@ -38,7 +38,8 @@ from broker_adapter.errors import (
     TransientError,
 )
 from broker_adapter.fences import SqlFence, TargetFenced
-from broker_adapter.protocol.envelope import Envelope, canonical_json
+from broker_adapter.protocol.canonical import canonical_json
+from broker_adapter.protocol.envelope import Envelope
 from broker_adapter.protocol.idempotency import effect_key as action_key
 from broker_adapter.protocol.keys import Keys
 from broker_adapter.protocol.reply import BadReply, Reply

@@ -45,7 +45,8 @@ from broker_adapter.redis.client import RedisUrl, connect
 from broker_adapter.stages.dispatcher import Dispatcher, DispatcherConfig
 from broker_adapter.stages.handlers import load_handler
 from broker_adapter.stages.handoff import Handoff
-from broker_adapter.stages.ingest import IngestConfig, Ingestor
+from broker_adapter.stages.ingest import Ingestor
+from broker_adapter.stages.ingest_config import IngestConfig
 from broker_adapter.stages.worker import WorkerConfig
 from broker_adapter.stages.worker_config import DEFAULT_CALL_TIMEOUT_S, DEFAULT_GRACE_S
 from broker_adapter.store import OutboxStore, TaskStore, open_database

@@ -350,7 +350,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 def cmd_publish(args: argparse.Namespace) -> int:
     from broker_adapter.client.publisher import Publisher
     from broker_adapter.errors import EnvelopeError
-    from broker_adapter.protocol.envelope import Envelope, loads_strict
+    from broker_adapter.protocol.canonical import loads_strict
+    from broker_adapter.protocol.envelope import Envelope
     from broker_adapter.protocol.keys import Keys
     from broker_adapter.protocol.signing import Keyring
     from broker_adapter.redis.client import connect

@@ -30,8 +30,9 @@ from typing import Any
 from broker_adapter import crashpoints
 from broker_adapter.client.publisher import Publisher
 from broker_adapter.errors import StaleError
+from broker_adapter.protocol.canonical import canonical_json, sha256_hex
 from broker_adapter.protocol.deadletter import DeadLetter
-from broker_adapter.protocol.envelope import Envelope, canonical_json, sha256_hex
+from broker_adapter.protocol.envelope import Envelope
 from broker_adapter.protocol.keys import Keys
 from broker_adapter.protocol.reply import Reply
 from broker_adapter.protocol.signing import Keyring
@@ -39,7 +40,8 @@ from broker_adapter.redis.client import connect
 from broker_adapter.redis.embedded import EmbeddedRedis
 from broker_adapter.stages.dispatcher import Dispatcher, DispatcherConfig
 from broker_adapter.stages.handlers import Task
-from broker_adapter.stages.ingest import IngestConfig, Ingestor
+from broker_adapter.stages.ingest import Ingestor
+from broker_adapter.stages.ingest_config import IngestConfig
 from broker_adapter.stages.receiver import Receiver, ReceiverConfig, effect_key
 from broker_adapter.stages.worker import Worker, WorkerConfig
 from broker_adapter.store import OutboxStore, ReceiptStore, TaskStore, open_database

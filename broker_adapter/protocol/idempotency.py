@@ -18,8 +18,8 @@
   carries today (``store.tasks.idempotency_key_for``: principal and message id only) is the
   special case of a request with one effect whose arguments never change.
 
-The derivation, version 1: SHA-256 over the canonical JSON (``envelope.canonical_json``,
-numbers written by ``envelope.canonical_numbers``, so ``13.0`` and ``13`` are one argument)
+The derivation, version 1: SHA-256 over the canonical JSON (``canonical.canonical_json``,
+numbers written by ``canonical.canonical_numbers``, so ``13.0`` and ``13`` are one argument)
 of the array ``["ba.effect", version, principal, message_id, action, arguments]``, its
 first 32 hex digits after ``"ba1-"``. A JSON array leaves no ambiguity between parts (no
 separator to smuggle in), and a new version changes every key, so the derivation can change
@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-from broker_adapter.protocol.envelope import canonical_json, canonical_numbers, sha256_hex
+from broker_adapter.protocol.canonical import canonical_json, canonical_numbers, sha256_hex
 
 #: The derivation ``effect_key`` uses unless told otherwise.
 EFFECT_KEY_VERSION = 1

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 
 from broker_adapter.errors import BrokerAdapterError
-from broker_adapter.protocol.envelope import canonical_json, loads_strict, sha256_hex
+from broker_adapter.protocol.canonical import canonical_json, loads_strict, sha256_hex
 
 #: The body format's version (the ``v`` field).
 BODY_VERSION: Final = 1
@@ -180,7 +180,7 @@ _KIND_NAMES: dict[type | tuple[type, ...], str] = {
 
 
 def load_body(body: bytes) -> dict[str, Any]:
-    """Decode a reply body as the ingest decodes an envelope (``envelope.loads_strict``:
+    """Decode a reply body as the ingest decodes an envelope (``canonical.loads_strict``:
     UTF-8, no NaN or infinity, no duplicate keys), nesting at most ``REPLY_MAX_DEPTH``.
 
     Raises:

@@ -66,7 +66,7 @@ DEFAULT_MAX_ENTRY_FIELDS = 64
 #: 7,998 values Lua can unpack.
 MIN_ENTRY_FIELDS, MAX_ENTRY_FIELDS = 8, 1000
 #: A bare ``ReaderConfig``'s entry size limit (the ingest and the receiver set their own:
-#: ``ingest.DEFAULT_MAX_ENTRY_BYTES``, ``receiver.DEFAULT_MAX_REPLY_BYTES``).
+#: ``ingest_config.DEFAULT_MAX_ENTRY_BYTES``, ``receiver.DEFAULT_MAX_REPLY_BYTES``).
 READER_MAX_ENTRY_BYTES = 1024 * 1024
 
 log = logging.getLogger("broker_adapter.redis.reader")

@@ -42,7 +42,7 @@ from pydantic import Field
 from broker_adapter.backoff import Backoff
 from broker_adapter.config import ConfigModel
 from broker_adapter.errors import ConfigError, StaleError
-from broker_adapter.protocol.envelope import canonical_json
+from broker_adapter.protocol.canonical import canonical_json
 from broker_adapter.protocol.idempotency import EFFECT_KEY_VERSION, Intent, effect_key
 from broker_adapter.stages.handlers import describe_error
 from broker_adapter.store.approvals import Approval, ApprovalStore

@@ -1,6 +1,6 @@
 """What a worker commits for a handler's outcome: a result, or an error and whether to retry.
 
-A result is checked against the result bounds (``envelope.check_result``) and committed as
+A result is checked against the result bounds (``bounds.check_result``) and committed as
 JSON text; a result over them, or not JSON, fails the task without a retry (the handler
 would return the same again). A call abandoned at its timeout or past the stop grace fails
 with a retry; a raised exception fails as ``"ExcType: message"``, retried when the handler
@@ -14,7 +14,7 @@ from functools import partial
 
 from broker_adapter import crashpoints
 from broker_adapter.errors import EnvelopeError, RetryableError, StaleError, TaskCancelled
-from broker_adapter.protocol.envelope import check_result
+from broker_adapter.protocol.bounds import check_result
 from broker_adapter.stages.calls import CallOutcome
 from broker_adapter.stages.handlers import describe_error, is_retryable
 from broker_adapter.stages.worker_config import WorkerStats
@@ -22,7 +22,7 @@ from broker_adapter.store import transitions
 from broker_adapter.store.tasks import ClaimedTask, FailOutcome, Settlement, SettleResult
 
 #: The error a task fails with when its handler's result is over the result bounds
-#: (``envelope.check_result``); not retried: the handler would return as much again.
+#: (``bounds.check_result``); not retried: the handler would return as much again.
 RESULT_TOO_LARGE = "result_too_large"
 
 

@@ -85,7 +85,7 @@ from broker_adapter.errors import (
     StoreBusy,
     TransientError,
 )
-from broker_adapter.protocol.envelope import sha256_hex
+from broker_adapter.protocol.canonical import sha256_hex
 from broker_adapter.protocol.keys import DEFAULT_PREFIX, RECEIVER_GROUP, KeyPrefix, Keys, Principal
 from broker_adapter.protocol.reply import BadReply, Reply, load_body
 from broker_adapter.protocol.signing import REPLY_WIRE_VERSION, Keyring

@@ -37,7 +37,8 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from broker_adapter.errors import EnvelopeError
-from broker_adapter.protocol.envelope import check_traceparent, loads_strict
+from broker_adapter.protocol.canonical import loads_strict
+from broker_adapter.protocol.envelope import check_traceparent
 
 if TYPE_CHECKING:
     from broker_adapter.store.outbox import OutboxRow

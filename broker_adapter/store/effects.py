@@ -33,7 +33,8 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from broker_adapter.errors import FencedError, StaleError, TaskCancelled
-from broker_adapter.protocol.envelope import canonical_json, check_result
+from broker_adapter.protocol.bounds import check_result
+from broker_adapter.protocol.canonical import canonical_json
 from broker_adapter.store.lifecycle import to_terminal
 from broker_adapter.store.tasks import ClaimedTask, TaskState, TaskStore, UnknownTask
 

@@ -21,7 +21,8 @@ from enum import StrEnum
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from broker_adapter.errors import EnvelopeError
-from broker_adapter.protocol.envelope import Envelope, sha256_hex
+from broker_adapter.protocol.canonical import sha256_hex
+from broker_adapter.protocol.envelope import Envelope
 from broker_adapter.protocol.reply import CONFLICT_STATUS, conflict_body, reply_id_for
 from broker_adapter.store import transitions
 from broker_adapter.store.db import in_lists

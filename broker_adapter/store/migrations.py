@@ -125,7 +125,7 @@ MIGRATIONS: tuple[str | Callable[[sqlite3.Connection], None], ...] = (
     # once per row checked: about 2 us on every insert and every state change, inside the
     # write lock. Same rule, same stored data, so only the schema text changes.
     lambda c: _rewrite_in_checks(c, ("tasks", "outbox")),
-    # 4: fingerprints write floats the ECMAScript way (``envelope.canonical_numbers``), so
+    # 4: fingerprints write floats the ECMAScript way (``canonical.canonical_numbers``), so
     # that ``13.0`` and a resend's ``13`` are one request. Stored ones are recomputed from
     # the content each task row keeps.
     lambda c: _recompute_fingerprints(c),

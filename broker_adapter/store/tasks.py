@@ -30,7 +30,7 @@ from broker_adapter.backoff import Backoff
 from broker_adapter.clock import Clock, SystemClock
 from broker_adapter.config import DEFAULT_LEASE_S, ConfigModel
 from broker_adapter.errors import BrokerAdapterError, StaleError
-from broker_adapter.protocol.envelope import check_result
+from broker_adapter.protocol.bounds import check_result
 from broker_adapter.protocol.reply import reply_id_for
 from broker_adapter.store import inbox, settle, transitions
 from broker_adapter.store.db import Database, in_lists
@@ -367,7 +367,7 @@ class TaskStore:
         """Commit one success: ``settle_batch`` of one ``done`` outcome, its refusal raised.
 
         Args:
-            result: any JSON value within the result bounds (``envelope.check_result``);
+            result: any JSON value within the result bounds (``bounds.check_result``);
                 stored canonically and carried in the reply.
 
         Returns:

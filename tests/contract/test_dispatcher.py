@@ -13,7 +13,7 @@ import pytest
 from broker_adapter.backoff import Backoff
 from broker_adapter.clock import FakeClock
 from broker_adapter.errors import ReplyConflict, StaleError
-from broker_adapter.protocol.envelope import sha256_hex
+from broker_adapter.protocol.canonical import sha256_hex
 from broker_adapter.protocol.keys import Keys
 from broker_adapter.stages.loss import LossEvent, parse_version
 from broker_adapter.stages.replay import ReplayOutcome

@@ -14,7 +14,7 @@ import pytest
 
 from broker_adapter.clock import FakeClock
 from broker_adapter.errors import ConfigError
-from broker_adapter.protocol.envelope import canonical_json, sha256_hex
+from broker_adapter.protocol.canonical import canonical_json, sha256_hex
 from broker_adapter.protocol.keys import RECEIVER_GROUP, Keys
 from broker_adapter.protocol.reply import Reply, parse_body
 from broker_adapter.stages.receiver import Receiver, ReceiverConfig, effect_key

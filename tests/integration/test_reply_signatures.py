@@ -18,7 +18,8 @@ import pytest
 
 from broker_adapter.clock import FakeClock
 from broker_adapter.errors import ConfigError
-from broker_adapter.protocol.envelope import Envelope, canonical_json, sha256_hex
+from broker_adapter.protocol.canonical import canonical_json, sha256_hex
+from broker_adapter.protocol.envelope import Envelope
 from broker_adapter.protocol.keys import Keys
 from broker_adapter.protocol.signing import Keyring, reply_signature, signature
 from broker_adapter.redis.client import connect

@@ -23,7 +23,8 @@ from broker_adapter.protocol.keys import Keys
 from broker_adapter.redis.client import connect
 from broker_adapter.stages import tracing
 from broker_adapter.stages.handlers import Task
-from broker_adapter.stages.ingest import IngestConfig, Ingestor
+from broker_adapter.stages.ingest import Ingestor
+from broker_adapter.stages.ingest_config import IngestConfig
 from broker_adapter.stages.worker import Worker, WorkerConfig
 from broker_adapter.store import ReceiptStore, TaskStore, open_database
 from tests.support.ingest_script import DEADLINE, drain, write_keyring

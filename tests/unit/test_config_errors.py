@@ -17,7 +17,7 @@ from broker_adapter.redis.client import check_redis_url, connect
 from broker_adapter.redis.reader import ReaderConfig
 from broker_adapter.stages.dispatcher import DispatcherConfig
 from broker_adapter.stages.handlers import RetryableError as RetryableFromHandlers
-from broker_adapter.stages.ingest import IngestConfig
+from broker_adapter.stages.ingest_config import IngestConfig
 from broker_adapter.stages.receiver import ReceiverConfig
 from broker_adapter.stages.worker import WorkerConfig
 from broker_adapter.store.outbox import OutboxPolicy

@@ -21,7 +21,7 @@ from broker_adapter.app.metrics import (
     stages_down,
 )
 from broker_adapter.redis.reader import ReaderStats
-from broker_adapter.stages.ingest import IngestStats
+from broker_adapter.stages.ingest_config import IngestStats
 from broker_adapter.stages.publish import DispatcherStats
 from broker_adapter.stages.receiver import ReceiverStats
 from broker_adapter.stages.worker import WorkerStats

@@ -10,7 +10,7 @@ import pytest
 
 from broker_adapter.clock import FakeClock
 from broker_adapter.errors import FencedError, StaleError
-from broker_adapter.protocol.envelope import canonical_json, sha256_hex
+from broker_adapter.protocol.canonical import canonical_json, sha256_hex
 from broker_adapter.store import OutboxRow, open_database
 from broker_adapter.store.outbox import UnknownReply, enqueue
 from tests.support.store_script import (

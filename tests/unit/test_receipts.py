@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from broker_adapter.clock import FakeClock
-from broker_adapter.protocol.envelope import canonical_json, sha256_hex
+from broker_adapter.protocol.canonical import canonical_json, sha256_hex
 from broker_adapter.protocol.reply import Reply
 from broker_adapter.store import ReceiptOutcome
 from broker_adapter.store.db import Database

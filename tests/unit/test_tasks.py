@@ -24,7 +24,9 @@ from broker_adapter.errors import (
     StoreError,
     TaskCancelled,
 )
-from broker_adapter.protocol.envelope import PAYLOAD_MAX_BYTES, Envelope, canonical_json, sha256_hex
+from broker_adapter.protocol.bounds import PAYLOAD_MAX_BYTES
+from broker_adapter.protocol.canonical import canonical_json, sha256_hex
+from broker_adapter.protocol.envelope import Envelope
 from broker_adapter.store import (
     AcceptItem,
     Database,

@@ -19,12 +19,8 @@ from pydantic import ValidationError
 from broker_adapter import crashpoints
 from broker_adapter.clock import FakeClock
 from broker_adapter.errors import ConfigError
-from broker_adapter.protocol.envelope import (
-    PAYLOAD_MAX_BYTES,
-    PAYLOAD_MAX_DEPTH,
-    PAYLOAD_MAX_NODES,
-    Envelope,
-)
+from broker_adapter.protocol.bounds import PAYLOAD_MAX_BYTES, PAYLOAD_MAX_DEPTH, PAYLOAD_MAX_NODES
+from broker_adapter.protocol.envelope import Envelope
 from broker_adapter.stages.handlers import RetryableError, Task
 from broker_adapter.stages.worker import Worker, WorkerConfig
 from broker_adapter.stages.worker_config import DEFAULT_BATCH
