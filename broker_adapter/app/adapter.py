@@ -28,8 +28,9 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from broker_adapter.app.metrics import Observed, serve_metrics, stages_down
+from broker_adapter.app.metrics import Observed, stages_down
 from broker_adapter.app.pool import WorkerPool
+from broker_adapter.app.serving import serve_metrics
 from broker_adapter.clock import SystemClock
 from broker_adapter.config import DEFAULT_CLAIM_MIN_IDLE_MS, DEFAULT_LEASE_S, ConfigModel
 from broker_adapter.errors import (

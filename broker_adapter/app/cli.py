@@ -388,7 +388,8 @@ def cmd_publish(args: argparse.Namespace) -> int:
 
 
 def cmd_receive(args: argparse.Namespace) -> int:
-    from broker_adapter.app.metrics import Observed, serve_metrics
+    from broker_adapter.app.metrics import Observed
+    from broker_adapter.app.serving import serve_metrics
     from broker_adapter.protocol.signing import Keyring
     from broker_adapter.redis.client import connect
     from broker_adapter.stages.receiver import Receiver, ReceiverConfig, record_effect
