@@ -374,6 +374,8 @@ _WORKER_COUNTERS: dict[str, tuple[str, str, dict[str, str]]] = {
     "failed": ("ba_task_outcomes", "", {"outcome": "failed"}),
     "cancelled": ("ba_task_outcomes", "", {"outcome": "cancelled"}),
     "expired": ("ba_task_outcomes", "", {"outcome": "expired"}),
+    "unknown": ("ba_task_outcomes", "", {"outcome": "unknown"}),
+    "waiting_approval": ("ba_task_outcomes", "", {"outcome": "waiting_approval"}),
     "stale_commits": (
         "ba_stale_fence_refusals",
         "Commits the store refused (fence, owner,"

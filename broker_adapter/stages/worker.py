@@ -59,6 +59,8 @@ from broker_adapter.protocol.keys import Keys
 from broker_adapter.protocol.signing import Keyring
 from broker_adapter.redis.client import connect
 from broker_adapter.stages.calls import CallOutcome, CallRun, RunOutcome, StopRun
+from broker_adapter.stages.effect_gate import EffectGate
+from broker_adapter.stages.effects import effect_spec
 from broker_adapter.stages.handlers import Handler, load_handler
 from broker_adapter.stages.lease import Leases, renew_interval
 from broker_adapter.stages.loop import CLAIM, Handed, IdlePolicy, IdleWait, look
@@ -191,6 +193,12 @@ class Worker:
         #: The last commit also claimed, and found nothing ready.
         self._found_none = False
         self.metrics = metrics
+        spec = effect_spec(self.handler)
+        #: Approvals and effect marks of a declared side effect; ``None`` for an ordinary
+        #: handler (its only cost: this check per task).
+        self.effects = None if spec is None else EffectGate(
+            tasks, spec, self.leases, config.approval_timeout_s, self.stats, self.log
+        )  # fmt: skip
 
     @property
     def owner(self) -> str:
@@ -437,6 +445,8 @@ class Worker:
             self.stats.expired += 1
             transitions.claim_transition("expired", claimed, "expired", detail="not started")
             return None
+        if self.effects is not None and not self.effects.before_call(task):
+            return None  # parked for its approval, or refused: the handler does not run
         return min(self.config.call_timeout_s, time_left_s)
 
     @staticmethod
@@ -479,6 +489,8 @@ class Worker:
             if r.task.stop_reason == "cancelled":
                 note_cancelled(claimed, self.stats, self.log)
                 continue
+            if self.effects is not None and self.effects.after_call(r.task, r.outcome):
+                continue  # its effect started: ``unknown`` (or nothing left to write)
             grace_s = self.config.grace_s
             item = settlement(
                 claimed, r.outcome, r.timeout_s, grace_s=grace_s, stats=self.stats, log=self.log

@@ -34,6 +34,7 @@ from typing import Any, Literal
 
 from broker_adapter.errors import FencedError, StaleError, TaskCancelled
 from broker_adapter.protocol.envelope import canonical_json, check_result
+from broker_adapter.store.housekeeping import unknown_from_lapsed_in
 from broker_adapter.store.lifecycle import to_terminal
 from broker_adapter.store.tasks import ClaimedTask, TaskState, TaskStore, UnknownTask
 
@@ -173,18 +174,10 @@ class EffectsStore:
 
     @staticmethod
     def unknown_from_lapsed_claims(c: sqlite3.Connection, now: float) -> int:
-        """For the store's take-back of leases and deadlines (``TaskStore._reconcile``),
-        inside its transaction and before it: every running task whose current attempt
-        marked its effect started and whose lease ran out or deadline passed goes to
-        ``unknown``, never back to ``pending`` nor to ``expired``. Returns how many."""
-        return c.execute(
-            "UPDATE tasks SET state = 'unknown', not_before = ?, updated_at = ?,"
-            " error = 'the claim of ' || coalesce(owner, '?') || ' lapsed after its effect"
-            " started', owner = NULL, lease_until = NULL, reconcile_tries = 0,"
-            " operator_since = NULL WHERE state = 'running' AND effect_fence = fence"
-            " AND (lease_until <= ? OR deadline <= ?)",
-            (now, now, now, now),
-        ).rowcount
+        """``housekeeping.unknown_from_lapsed_in``: the store's take-back of leases and
+        deadlines runs it first in its transaction (``reconcile_in``); here for callers
+        holding a transaction of their own. Returns how many went to ``unknown``."""
+        return unknown_from_lapsed_in(c, now)
 
     def take_back_lapsed(self) -> int:
         """``unknown_from_lapsed_claims`` in a transaction of its own."""
