@@ -22,6 +22,8 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from broker_adapter import __version__
+from broker_adapter.app.effects_cli import COMMANDS as EFFECT_COMMANDS
+from broker_adapter.app.effects_cli import add_commands as add_effect_commands
 from broker_adapter.config import DEFAULT_LEASE_S
 from broker_adapter.errors import BrokerAdapterError, ConfigError, TransientError
 from broker_adapter.store.retention import DEFAULT_RETENTION_S
@@ -294,6 +296,7 @@ def build_parser() -> argparse.ArgumentParser:
             _option(p, "--by", "who replays (kept with the replay)",
                     default=os.environ.get("USER", "operator"))  # fmt: skip
 
+    add_effect_commands(sub, _option, _add_db)
     sub.add_parser("demo", help="run the end-to-end demo on an embedded default")
     return parser
 
@@ -530,6 +533,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "cancel": cmd_cancel,
     "dead-letters": cmd_dead_letters,
     "demo": cmd_demo,
+    **EFFECT_COMMANDS,
 }
 
 
