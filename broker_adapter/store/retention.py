@@ -155,6 +155,8 @@ def purge_requests(
             c.execute(
                 "DELETE FROM approvals WHERE expires_at <= ? OR revoked_at <= ?", (cutoff, cutoff)
             )
+            # A chain none of whose tasks was stored within the window is forgotten.
+            c.execute("DELETE FROM chains WHERE updated_at <= ?", (cutoff,))
         for chunk, marks in in_lists(answers):
             replies += c.execute(
                 f"DELETE FROM outbox WHERE reply_id IN ({marks}) AND task_id IS NULL"

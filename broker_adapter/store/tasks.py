@@ -92,6 +92,10 @@ class TaskPolicy(ConfigModel):
             request. It also bounds deadlines: one further ahead than this is refused, so
             that no request outlives the record that makes its replay a duplicate.
         backoff: delay before a retryable failure runs again.
+        max_chain_tasks: the chain budget: requests naming a ``correlation_id`` under which
+            this many tasks were stored already (within the retention window, by any
+            sender, with or without ``parent_id``) are accepted straight into
+            ``hop_limit``.
 
     Raises:
         ConfigError: a lease or retention not above 0, or a negative ``max_hops``.
@@ -101,6 +105,7 @@ class TaskPolicy(ConfigModel):
     max_hops: int = Field(default=16, ge=0)
     retention_s: float = Field(default=DEFAULT_RETENTION_S, gt=0)
     backoff: Backoff = Field(default_factory=Backoff)
+    max_chain_tasks: int = Field(default=1000, ge=1)
 
 
 @dataclass(frozen=True)
