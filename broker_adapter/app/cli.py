@@ -271,7 +271,9 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--interval", type=float, default=2.0, metavar="S",
                     help="with --watch: seconds between refreshes [default: 2.0]")  # fmt: skip
 
-    cancel = sub.add_parser("cancel", help="cancel a task durably")
+    cancel = sub.add_parser(
+        "cancel", help="cancel a task durably (a running one: requested, for its handler to stop)"
+    )
     _add_db(cancel, "the adapter's SQLite database file")
     cancel.add_argument("task_id", help="the task to cancel")
     _option(cancel, "--reason", "kept with the task and sent in its reply",
@@ -501,10 +503,16 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 def cmd_cancel(args: argparse.Namespace) -> int:
     from broker_adapter.store import TaskStore, open_database
+    from broker_adapter.store.effects import EffectsStore
 
+    # A running task gets a cancel request (its handler sees it at its next check; its
+    # lease is no longer renewed after the grace); any other live task is cancelled now.
     db = open_database(args.db)
-    state = TaskStore(db).cancel(args.task_id, args.reason)
-    _print_json({"task_id": args.task_id, "state": state.value})
+    state = EffectsStore(TaskStore(db)).request_cancel(args.task_id, args.reason)
+    out = {"task_id": args.task_id, "state": state.value}
+    if state == "running":
+        out["cancel_requested"] = True
+    _print_json(out)
     db.close()
     return 0
 

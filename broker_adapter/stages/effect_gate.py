@@ -55,6 +55,23 @@ def call_end(task: Task, outcome: CallOutcome) -> CallEnd:
     return CallEnd.RAISED
 
 
+def stopped_how(task: Task, outcome: CallOutcome) -> str:
+    """What is known of a call that stopped on a cancel, for the task's reply."""
+    if outcome.timed_out:
+        how = "the handler timed out"
+    elif outcome.stopped:
+        how = "the worker stopped past its grace"
+    elif outcome.error is not None:
+        how = f"the handler raised {describe_error(outcome.error)}"
+    else:
+        how = "the handler returned"
+    if task.effect_was_started:
+        return f"{how}; its effect had started: what it did stays"
+    if task._start_effect is not None:
+        return f"{how}; its effect had not started"
+    return f"{how}; any effect it caused stays"
+
+
 class EffectGate:
     """Approvals and effect marks around the calls of one declared handler.
 

@@ -121,6 +121,23 @@ class EffectsStore:
                 return TaskState.RUNNING
         return self.tasks.cancel(task_id, reason)
 
+    def end_requested_cancel(self, task_id: str, owner: str, fence: int, what: str) -> bool:
+        """The holder of a running task whose cancel was requested stopped it: ``cancelled``
+        with its reply, ``what`` saying what was known to have happened. Returns False if
+        the caller no longer holds it (cancelled outright, or the claim moved on)."""
+        now = self.clock.now()
+        with self.db.write("cancel_request") as c:
+            row = c.execute(
+                "SELECT cancel_requested_at FROM tasks WHERE task_id = ? AND state = 'running'"
+                " AND owner = ? AND fence = ? AND cancel_requested_at IS NOT NULL",
+                (task_id, owner, fence),
+            ).fetchone()
+            if row is None:
+                return False
+            error = f"cancel requested {now - row[0]:.3f} s before the handler stopped; {what}"
+            to_terminal(c, task_id, TaskState.CANCELLED, now, error=error)
+        return True
+
     def cancel_requested(self, task_id: str) -> float | None:
         """When a cancel of the running task was requested, or ``None``."""
         row = self.db.fetch_one(

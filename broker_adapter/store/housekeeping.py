@@ -42,11 +42,20 @@ def reconcile_in(
         if taken is not None:
             taken.append((task_id, "expired", "expired", None, None))
     for r in c.execute(
-        "SELECT task_id, attempts, max_attempts, owner FROM tasks INDEXED BY tasks_leases"
-        " WHERE state = 'running' AND lease_until <= ?",
+        "SELECT task_id, attempts, max_attempts, owner, cancel_requested_at FROM tasks"
+        " INDEXED BY tasks_leases WHERE state = 'running' AND lease_until <= ?",
         (now,),
     ).fetchall():
-        if r["attempts"] >= r["max_attempts"]:
+        if r["cancel_requested_at"] is not None:
+            error = (
+                f"cancel requested; the handler of {r['owner']} did not end within the"
+                " grace: what it did is not known"
+            )
+            to_terminal(c, r["task_id"], TaskState.CANCELLED, now, error=error)
+            counts["cancelled"] = counts.get("cancelled", 0) + 1
+            if taken is not None:
+                taken.append((r["task_id"], "cancelled", "cancelled", r["owner"], r["attempts"]))
+        elif r["attempts"] >= r["max_attempts"]:
             to_terminal(
                 c,
                 r["task_id"],

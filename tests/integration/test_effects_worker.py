@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from broker_adapter.clock import FakeClock
-from broker_adapter.errors import RetryableError
+from broker_adapter.errors import RetryableError, TaskCancelled
 from broker_adapter.protocol.envelope import Envelope
 from broker_adapter.stages.effects import side_effect
 from broker_adapter.stages.task import Task
@@ -254,3 +254,60 @@ def test_cli_approve_and_revoke(tmp_path: Path) -> None:
     unnamed = _cli("approve", "--db", str(path), "restart", "--target", "web1", "--scope",
                    "prod", "--expires-in", "600")  # fmt: skip
     assert unnamed.returncode == 2  # --by is required
+
+
+# -- cancel of a running task ---------------------------------------------------------------
+
+
+def test_a_cancel_requested_while_the_handler_runs_is_seen_and_the_reply_says_what_happened(
+    tasks: TaskStore, target: FakeTargetClient
+) -> None:
+    seen: list[bool] = []
+
+    def stops_on_cancel(task: Task) -> None:
+        assert not task.cancelled()
+        state_now = EffectsStore(tasks).request_cancel(task.task_id)  # the operator's
+        assert state_now == "running"
+        seen.append(task.cancelled())  # seen at its next check
+        raise RuntimeError("stopped half way")
+
+    task_id = submit(tasks, target)
+    worker(tasks, stops_on_cancel).run_once()
+    assert seen == [True]
+    assert state(tasks, task_id) == "cancelled"
+    body = reply(tasks, task_id)
+    assert body["status"] == "cancelled"
+    assert "cancel requested" in body["error"]
+    assert "RuntimeError: stopped half way" in body["error"]
+
+
+def test_a_requested_cancel_stops_renewals_after_the_grace_and_the_lapse_ends_it(
+    tasks: TaskStore, target: FakeTargetClient, clock: FakeClock
+) -> None:
+    task_id = submit(tasks, target)
+    (claimed,) = tasks.claim("w1")
+    EffectsStore(tasks).request_cancel(task_id)
+    grace = tasks.policy.cancel_grace_s
+    clock.advance(min(grace, tasks.policy.lease_s) - 1)
+    assert tasks.renew(task_id, "w1", claimed.fence) > clock.now()  # within the grace
+    clock.set(T0 + grace)
+    with pytest.raises(TaskCancelled):
+        tasks.renew(task_id, "w1", claimed.fence)
+    clock.advance(tasks.policy.lease_s)
+    assert tasks.reconcile()["cancelled"] == 1
+    body = reply(tasks, task_id)
+    assert (body["status"], state(tasks, task_id)) == ("cancelled", "cancelled")
+    assert "did not end within the grace" in body["error"]
+
+
+def test_a_requested_cancel_of_a_started_effect_whose_lease_lapses_is_unknown(
+    tasks: TaskStore, target: FakeTargetClient, clock: FakeClock
+) -> None:
+    task_id = submit(tasks, target)
+    (claimed,) = tasks.claim("w1")
+    fx = EffectsStore(tasks)
+    fx.mark_effect_started(task_id, "w1", claimed.fence)
+    fx.request_cancel(task_id)
+    clock.advance(tasks.policy.lease_s + 1)
+    assert tasks.reconcile()["unknown"] == 1  # whether it happened: for the reconcile
+    assert state(tasks, task_id) == "unknown"
