@@ -359,7 +359,8 @@ class EffectsStore:
         note: str | None, now: float,
     ) -> str:  # fmt: skip
         self._log(c, task_id, "done", by, fence, encoded, note, now, raw=True)
-        return to_terminal(c, task_id, TaskState.DONE, now, result=encoded)
+        effects = _reply_member(c, task_id, "done", by, note)
+        return to_terminal(c, task_id, TaskState.DONE, now, result=encoded, effects=effects)
 
     def _not_done_in(
         self, c: sqlite3.Connection, row: sqlite3.Row, by: str, fence: int, observed: Any,
@@ -367,16 +368,17 @@ class EffectsStore:
     ) -> TaskState:  # fmt: skip
         task_id = row["task_id"]
         self._log(c, task_id, "not-done", by, fence, observed, note, now)
+        effects = _reply_member(c, task_id, "not-done", by, note)
         if row["deadline"] <= now:
             error = "deadline reached; the reconcile found the effect not done"
-            to_terminal(c, task_id, TaskState.EXPIRED, now, error=error)
+            to_terminal(c, task_id, TaskState.EXPIRED, now, error=error, effects=effects)
             return TaskState.EXPIRED
         if row["attempts"] >= row["max_attempts"]:
             error = (
                 "the reconcile found the effect not done; attempts exhausted "
                 f"({row['attempts']}/{row['max_attempts']})"
             )
-            to_terminal(c, task_id, TaskState.FAILED, now, error=error)
+            to_terminal(c, task_id, TaskState.FAILED, now, error=error, effects=effects)
             return TaskState.FAILED
         c.execute(
             "UPDATE tasks SET state = 'pending', owner = NULL, lease_until = NULL,"
@@ -448,23 +450,53 @@ class EffectsStore:
     # -- counts ---------------------------------------------------------------------------
 
     def counts(self) -> dict[str, int]:
-        """For ``status`` and metrics: ``unknown``, ``awaiting_operator``, reconciles by
-        outcome (``reconciled_<outcome>``) and compensations by outcome
-        (``compensations_<outcome>``)."""
+        """For ``status`` and metrics: ``effect_counts``."""
         with self.db.read() as c:
-            unknown, operator = c.execute(
-                "SELECT count(*), count(operator_since) FROM tasks WHERE state = 'unknown'"
-            ).fetchone()
-            logged = c.execute("SELECT outcome, count(*) FROM reconcile_log GROUP BY outcome")
-            out = {"unknown": unknown, "awaiting_operator": operator}
-            for outcome in ("done", "not-done", "unknown"):
-                out[f"reconciled_{outcome}"] = 0
-            out.update({f"reconciled_{o}": n for o, n in logged.fetchall()})
-            for outcome in ("started", "done", "failed"):
-                out[f"compensations_{outcome}"] = 0
-            comp = c.execute("SELECT outcome, count(*) FROM compensations GROUP BY outcome")
-            out.update({f"compensations_{o}": n for o, n in comp.fetchall()})
-        return out
+            return effect_counts(c)
+
+
+def effect_counts(c: sqlite3.Connection) -> dict[str, int]:
+    """``unknown`` tasks, those ``awaiting_operator``, reconciles by outcome
+    (``reconciled_<outcome>``) and compensations by outcome (``compensations_<outcome>``),
+    read in the caller's read transaction (``report.snapshot``)."""
+    unknown, operator = c.execute(
+        "SELECT count(*), count(operator_since) FROM tasks WHERE state = 'unknown'"
+    ).fetchone()
+    out = {"unknown": unknown, "awaiting_operator": operator}
+    for outcome in ("done", "not-done", "unknown"):
+        out[f"reconciled_{outcome}"] = 0
+    logged = c.execute("SELECT outcome, count(*) FROM reconcile_log GROUP BY outcome")
+    out.update({f"reconciled_{o}": n for o, n in logged.fetchall()})
+    for outcome in ("started", "done", "failed"):
+        out[f"compensations_{outcome}"] = 0
+    comp = c.execute("SELECT outcome, count(*) FROM compensations GROUP BY outcome")
+    out.update({f"compensations_{o}": n for o, n in comp.fetchall()})
+    return out
+
+
+def _reply_member(
+    c: sqlite3.Connection, task_id: str, outcome: str, by: str, note: str | None
+) -> dict[str, Any]:
+    """The reply body's ``effects`` member for a task a reconcile ends: how it was
+    reconciled (``outcome``, ``by``, ``note``, and ``tries`` that found nothing before) and
+    its compensations (``docs/PROTOCOL.md`` section 11)."""
+    tries = c.execute("SELECT count(*) FROM reconcile_log WHERE task_id = ? AND outcome ="
+                      " 'unknown'", (task_id,)).fetchone()[0]  # fmt: skip
+    member: dict[str, Any] = {
+        "reconciled": {"outcome": outcome, "by": by, "note": note, "tries": tries},
+    }
+    rows = c.execute(
+        "SELECT kind, outcome, by_whom, what, detail FROM compensations WHERE task_id = ?"
+        " ORDER BY started_at, kind",
+        (task_id,),
+    ).fetchall()
+    if rows:
+        member["compensations"] = [
+            {"kind": r["kind"], "outcome": r["outcome"], "by": r["by_whom"], "what": r["what"],
+             "detail": r["detail"]}
+            for r in rows
+        ]  # fmt: skip
+    return member
 
 
 def _loads(text: str | None) -> Any:

@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 
+from broker_adapter.app.ops import collect_status, format_status
 from broker_adapter.clock import FakeClock
 from broker_adapter.protocol.envelope import Envelope
 from broker_adapter.protocol.idempotency import Intent, effect_key
@@ -154,6 +155,9 @@ def test_irreversible_no_dedupe_killed_after_the_start_is_unknown_then_reconcile
     assert reply["status"] == "done"
     assert reply["result"] == {"effect_ids": [effect["effect_id"]]}
     assert [r.outcome for r in fx.reconcile_log(task_id)] == ["done"]
+    assert reply["effects"]["reconciled"] == {"outcome": "done", "by": "reconciler",
+                                              "note": None, "tries": 0}  # fmt: skip
+    assert "compensations" not in reply["effects"]
 
 
 def test_killed_after_the_start_before_the_effect_is_reconciled_not_done_and_retried_once(
@@ -192,3 +196,10 @@ def test_a_duplicate_at_a_non_idempotent_target_is_compensated_once_and_audited(
     assert again.stats.outcomes == []  # nothing left to reconcile
     assert len(fx.compensations(task_id)) == 1
     assert plain.task(task_id).state == "done"
+    (reply,) = plain.replies(task_id)
+    (shown,) = reply["effects"]["compensations"]
+    assert (shown["kind"], shown["outcome"], shown["by"]) == ("duplicate", "done", "reconciler")
+    report = collect_status(plain.db_path, None, "ba")
+    assert (report["effects"]["compensations_done"], report["effects"]["reconciled_done"]) == (
+        1, 1)  # fmt: skip
+    assert "compensations done 1" in format_status(report)
