@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 
 from broker_adapter.app.ops import collect_status, format_status
@@ -30,6 +31,7 @@ from broker_adapter.store import AcceptItem, Database, OutboxStore, TaskStore, o
 from broker_adapter.store.effects import EffectsStore
 from broker_adapter.store.tasks import TaskPolicy, TaskRow
 from tests.support import effect_handlers
+from tests.support.cli import wait_for
 from tests.support.fake_target import FakeTarget, FakeTargetClient
 
 pytestmark = pytest.mark.crash
@@ -41,6 +43,7 @@ AFTER_LEASE = T0 + LEASE_S + 1
 WAIT_S = 60.0
 IRREVERSIBLE = "tests.support.effect_handlers:irreversible"
 KEYED = "tests.support.effect_handlers:keyed"
+FENCED = "tests.support.effect_handlers:fenced"
 
 
 class Setup:
@@ -61,14 +64,17 @@ class Setup:
         assert isinstance(result.task_id, str)
         return result.task_id
 
+    def args(self, handler: str, owner: str, now: float) -> list[str]:
+        return [sys.executable, "-m", "tests.support.worker_script", "drain", "--db",
+                str(self.db_path), "--handler", handler, "--lease-s", str(LEASE_S),
+                "--owner", owner, "--now", repr(now)]  # fmt: skip
+
     def drain(self, handler: str, owner: str, now: float, **points: str) -> dict[str, int]:
         env = {k: v for k, v in os.environ.items() if k not in ("BA_CRASHPOINT", "BA_PAUSEPOINT")}
         env.update(points)
-        args = [sys.executable, "-m", "tests.support.worker_script", "drain", "--db",
-                str(self.db_path), "--handler", handler, "--lease-s", str(LEASE_S),
-                "--owner", owner, "--now", repr(now)]  # fmt: skip
-        done = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True,
-                              timeout=WAIT_S, check=False)  # fmt: skip
+        done = subprocess.run(self.args(handler, owner, now), cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=WAIT_S,
+                              check=False)  # fmt: skip
         if points:
             assert done.returncode == -signal.SIGKILL, done.stderr
             return {}
@@ -203,3 +209,29 @@ def test_a_duplicate_at_a_non_idempotent_target_is_compensated_once_and_audited(
     assert (report["effects"]["compensations_done"], report["effects"]["reconciled_done"]) == (
         1, 1)  # fmt: skip
     assert "compensations done 1" in format_status(report)
+
+
+def test_a_zombie_workers_late_write_is_refused_at_the_target(plain: Setup) -> None:
+    task_id = plain.submit(freeze_first=True)
+    zombie = subprocess.Popen(plain.args(FENCED, "w1", T0), cwd=ROOT, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        proc = psutil.Process(zombie.pid)
+        wait_for(lambda: proc.status() == psutil.STATUS_STOPPED, "the worker to freeze", WAIT_S)
+        stats = plain.drain(FENCED, "w2", AFTER_LEASE)  # its lease ran out: taken over
+        assert stats["done"] == 1
+        (effect,) = plain.target.effects()
+        assert effect["fence"] == 2
+        zombie.send_signal(signal.SIGCONT)  # it wakes up and writes with fence 1
+        out, err = zombie.communicate(timeout=WAIT_S)
+    finally:
+        if zombie.poll() is None:
+            zombie.kill()
+            zombie.wait()
+    assert zombie.returncode == 0, err
+    assert "fake target answered 409" in err  # refused at the resource ...
+    (line,) = [x for x in out.splitlines() if x.startswith("STATS ")]
+    assert json.loads(line.removeprefix("STATS "))["stale_commits"] == 1  # ... and by us
+    assert [e["fence"] for e in plain.target.effects()] == [2]
+    row = plain.task(task_id)
+    assert (row.state, row.fence) == ("done", 2)

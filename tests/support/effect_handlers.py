@@ -8,10 +8,15 @@ payload's ``"target"`` URL, for the side-effect tests of the worker (in its own 
   that does not dedupe applies the effect twice.
 * ``approved``: an irreversible effect that ``requires_approval`` on the payload's
   ``"server"`` in scope ``"restart"``.
+* ``fenced``: an ordinary handler whose write is fenced at the target (its task id and
+  fence); with ``"freeze_first": true`` its first attempt SIGSTOPs its own process right
+  before the write (a worker frozen mid-handler: a zombie once it is resumed).
 """
 
 from __future__ import annotations
 
+import os
+import signal
 from typing import Any
 
 from broker_adapter.stages.effects import Observation, side_effect
@@ -68,3 +73,11 @@ def irreversible(task: Task) -> dict[str, Any]:
              approval=lambda t: (str(t.payload["server"]), "restart"))  # fmt: skip
 def approved(task: Task) -> dict[str, Any]:
     return _apply(task)
+
+
+def fenced(task: Task) -> dict[str, Any]:
+    if task.payload.get("freeze_first") and task.attempt == 1:
+        os.kill(os.getpid(), signal.SIGSTOP)  # frozen here until a SIGCONT
+    answer = _client(task.payload).apply({"attempt": task.attempt}, fence_key=task.task_id,
+                                         fence=task.fence)  # fmt: skip
+    return {"effect_id": answer["effect_id"]}
