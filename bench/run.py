@@ -55,6 +55,7 @@ import common
 from common import KEYRING, PRINCIPAL, ROOT
 
 from broker_adapter.protocol.keys import Keys
+from broker_adapter.protocol.reply import Reply
 from broker_adapter.redis.client import connect
 
 RESULTS = ROOT / "bench" / "results" / "latest.json"
@@ -104,17 +105,17 @@ EFFECTS_DDL = (
 )
 
 
-def bench_effect(conn: sqlite3.Connection, reply: dict[str, Any]) -> dict[str, Any]:
+def bench_effect(conn: sqlite3.Connection, reply: Reply) -> dict[str, Any]:
     """The receiver's effect: one row with the publish time (from the echoed payload) and
     the time of the effect itself, in the receipt's transaction."""
-    result = reply.get("result") or {}
+    result = reply.result or {}
     echo = result.get("echo") if isinstance(result, dict) else None
     published = echo.get("t") if isinstance(echo, dict) else None
     conn.execute(
         "INSERT INTO bench_effects VALUES (?, ?, ?, ?, ?)",
-        (reply["reply_id"], reply.get("message_id"), reply.get("status"), published, time.time()),
+        (reply.reply_id, reply.message_id, reply.status, published, time.time()),
     )
-    return {"status": reply.get("status")}
+    return {"status": reply.status}
 
 
 def child_receive(args: argparse.Namespace) -> int:
