@@ -67,7 +67,7 @@ def stopped_how(task: Task, outcome: CallOutcome) -> str:
         how = "the handler returned"
     if task.effect_was_started:
         return f"{how}; its effect had started: what it did stays"
-    if task._start_effect is not None:
+    if task.declares_effect:
         return f"{how}; its effect had not started"
     return f"{how}; any effect it caused stays"
 

@@ -175,6 +175,12 @@ class Task:
         self._effect_started = True
 
     @property
+    def declares_effect(self) -> bool:
+        """Whether the handler declared a side effect it marks itself
+        (``side_effect(..., irreversible=False)``)."""
+        return self._start_effect is not None
+
+    @property
     def effect_was_started(self) -> bool:
         """Whether this attempt marked its effect started."""
         return self._effect_started

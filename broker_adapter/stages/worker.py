@@ -36,7 +36,11 @@ Crash: the worker keeps nothing durable of its own. Killed after the claim
 (``worker.after_claim``) or after the handler's effect (``worker.after_effect``), its task
 stays ``running`` until the lease expires; the next claim takes it back with attempts+1 and
 fence+1, and a handler that keys its external effect by ``Task.idempotency_key`` applies it
-once. A worker frozen past its lease wakes up as a zombie whose commit the fence refuses.
+once. A handler declared with ``effects.side_effect`` (``effect_gate``) is never retried
+blindly once its effect started: a timeout, a crash or a lost lease after the start sends
+the task to ``unknown`` for its reconcile, and an effect that ``requires_approval`` runs
+only with a valid approval record, checked right before the call. A worker frozen past its
+lease wakes up as a zombie whose commit the fence refuses.
 Killed after the commit (``worker.after_finish``), the terminal state and its reply are
 already durable together.
 """
