@@ -44,6 +44,7 @@ from broker_adapter.protocol.keys import DEFAULT_PREFIX, MAX_PARTITIONS, KeyPref
 from broker_adapter.protocol.signing import Keyring
 from broker_adapter.redis.client import RedisUrl, connect
 from broker_adapter.stages.dispatcher import Dispatcher, DispatcherConfig
+from broker_adapter.stages.effects import EffectSpec, Reconciler, effect_spec, run_reconciles
 from broker_adapter.stages.handlers import load_handler
 from broker_adapter.stages.handoff import Handoff
 from broker_adapter.stages.ingest import Ingestor
@@ -51,6 +52,8 @@ from broker_adapter.stages.ingest_config import IngestConfig
 from broker_adapter.stages.worker import WorkerConfig
 from broker_adapter.stages.worker_config import DEFAULT_CALL_TIMEOUT_S, DEFAULT_GRACE_S
 from broker_adapter.store import OutboxStore, TaskStore, open_database
+from broker_adapter.store.approvals import ApprovalStore
+from broker_adapter.store.effects import EffectsStore
 from broker_adapter.store.gate import WriteGate
 from broker_adapter.store.retention import DEFAULT_RETENTION_S, PurgeSchedule, run_purges
 from broker_adapter.store.tasks import TaskPolicy
@@ -172,7 +175,11 @@ class Adapter:
             )
         # The pool imports it again (a cached module); importing it here first means a
         # handler that cannot be found is refused before anything starts.
-        load_handler(config.handler, app_dir=config.app_dir)
+        #: The handler's declared side effect (``effects.side_effect``), or ``None``: with
+        #: one, a reconcile thread releases approval waits and reconciles ``unknown`` tasks.
+        self.effect: EffectSpec | None = effect_spec(
+            load_handler(config.handler, app_dir=config.app_dir)
+        )
         self.policy = TaskPolicy(lease_s=config.lease_s, retention_s=config.retention_s)
         # Create and migrate once, up front (a bad path or a newer schema fails here); a
         # database that another writer keeps locked is waited for in ``run``.
@@ -313,6 +320,21 @@ class Adapter:
         finally:
             db.close()
 
+    def _reconcile(self, stop: threading.Event, gate: WriteGate | None) -> None:
+        """For a handler that declared a side effect: release approval waits and reconcile
+        ``unknown`` tasks (``effects.run_reconciles``), on a connection of its own. Each
+        reconcile holds its task under a lease and a fence, and its function is called with
+        a timeout, outside any transaction."""
+        assert self.effect is not None
+        db = open_database(self.config.db_path, gate=gate)
+        try:
+            tasks = TaskStore(db, SystemClock(), self.policy)
+            owner = f"{self.config.name}-reconciler-{os.getpid()}"
+            reconciler = Reconciler(EffectsStore(tasks), self.effect, owner)
+            run_reconciles(stop, reconciler, ApprovalStore(tasks), self.log)
+        finally:
+            db.close()
+
     def run(self, stop: threading.Event) -> int:
         """Run until ``stop`` is set. Returns the exit code (0 after a clean drain).
 
@@ -338,6 +360,8 @@ class Adapter:
             self._thread("ingest", lambda: self._ingest(stop, pool.handoff, pool.gate)),
             self._thread("purge", lambda: self._purge(stop, pool.gate)),
         ]
+        if self.effect is not None:
+            threads.append(self._thread("reconcile", lambda: self._reconcile(stop, pool.gate)))
         self.observed.stages = partial(stages_down, threads, pool)
         self._first_look.wait(FIRST_LOOK_TIMEOUT_S)
         pool.start()

@@ -22,6 +22,8 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from broker_adapter import __version__
+from broker_adapter.app.effects_cli import COMMANDS as EFFECT_COMMANDS
+from broker_adapter.app.effects_cli import add_commands as add_effect_commands
 from broker_adapter.config import DEFAULT_LEASE_S
 from broker_adapter.errors import BrokerAdapterError, ConfigError, TransientError
 from broker_adapter.store.retention import DEFAULT_RETENTION_S
@@ -269,7 +271,9 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--interval", type=float, default=2.0, metavar="S",
                     help="with --watch: seconds between refreshes [default: 2.0]")  # fmt: skip
 
-    cancel = sub.add_parser("cancel", help="cancel a task durably")
+    cancel = sub.add_parser(
+        "cancel", help="cancel a task durably (a running one: requested, for its handler to stop)"
+    )
     _add_db(cancel, "the adapter's SQLite database file")
     cancel.add_argument("task_id", help="the task to cancel")
     _option(cancel, "--reason", "kept with the task and sent in its reply",
@@ -294,6 +298,7 @@ def build_parser() -> argparse.ArgumentParser:
             _option(p, "--by", "who replays (kept with the replay)",
                     default=os.environ.get("USER", "operator"))  # fmt: skip
 
+    add_effect_commands(sub, _option, _add_db)
     sub.add_parser("demo", help="run the end-to-end demo on an embedded default")
     return parser
 
@@ -500,10 +505,16 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 def cmd_cancel(args: argparse.Namespace) -> int:
     from broker_adapter.store import TaskStore, open_database
+    from broker_adapter.store.effects import EffectsStore
 
+    # A running task gets a cancel request (its handler sees it at its next check; its
+    # lease is no longer renewed after the grace); any other live task is cancelled now.
     db = open_database(args.db)
-    state = TaskStore(db).cancel(args.task_id, args.reason)
-    _print_json({"task_id": args.task_id, "state": state.value})
+    state = EffectsStore(TaskStore(db)).request_cancel(args.task_id, args.reason)
+    out = {"task_id": args.task_id, "state": state.value}
+    if state == "running":
+        out["cancel_requested"] = True
+    _print_json(out)
     db.close()
     return 0
 
@@ -532,6 +543,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "cancel": cmd_cancel,
     "dead-letters": cmd_dead_letters,
     "demo": cmd_demo,
+    **EFFECT_COMMANDS,
 }
 
 

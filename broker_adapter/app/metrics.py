@@ -272,6 +272,22 @@ def _database_families(out: Families, db_path: Path) -> None:
     out.gauge("ba_outbox_oldest_unsent_age_seconds", "Age of the oldest reply not sent yet"
               " (0: none).", 0.0 if oldest is None else oldest)  # fmt: skip
     out.gauge("ba_receipts", "Replies the receiver recorded.", report["receipts"]["replies"])
+    fx = report["effects"]
+    out.gauge("ba_unknown_outcomes", "Tasks whose external effect's outcome is not known"
+              " (unknown), by whether they wait for an operator.",
+              fx["unknown"] - fx["awaiting_operator"], waiting="reconcile")  # fmt: skip
+    out.gauge("ba_unknown_outcomes", "", fx["awaiting_operator"], waiting="operator")
+    for outcome in ("done", "not-done", "unknown"):
+        out.counter("ba_reconciles", "Reconciles of unknown tasks (automatic or an"
+                    " operator's), by what they found.", fx[f"reconciled_{outcome}"],
+                    outcome=outcome)  # fmt: skip
+    for outcome in ("started", "done", "failed"):
+        out.counter("ba_compensations", "Compensations of duplicate effects, by outcome.",
+                    fx[f"compensations_{outcome}"], outcome=outcome)  # fmt: skip
+    out.gauge("ba_approvals_waiting", "Tasks waiting for an approval.", fx["waiting_approval"])
+    for state in ("valid", "expired", "revoked"):
+        out.gauge("ba_approvals", "Approval records by state (granted and valid, expired,"
+                  " revoked).", fx[f"approvals_{state}"], state=state)  # fmt: skip
 
 
 class ReadinessCheck(Protocol):
@@ -376,6 +392,8 @@ _WORKER_COUNTERS: dict[str, tuple[str, str, dict[str, str]]] = {
     "failed": ("ba_task_outcomes", "", {"outcome": "failed"}),
     "cancelled": ("ba_task_outcomes", "", {"outcome": "cancelled"}),
     "expired": ("ba_task_outcomes", "", {"outcome": "expired"}),
+    "unknown": ("ba_task_outcomes", "", {"outcome": "unknown"}),
+    "waiting_approval": ("ba_task_outcomes", "", {"outcome": "waiting_approval"}),
     "stale_commits": (
         "ba_stale_fence_refusals",
         "Commits the store refused (fence, owner,"

@@ -74,6 +74,19 @@ def format_status(report: dict[str, Any]) -> str:
         + "  ".join(f"{k} {d[k]}" for k in ("pending", "sending", "sent", "dead"))
         + f"  oldest unsent {'-' if oldest is None else f'{oldest}s'}",
     ]
+    fx = report.get("effects")
+    if fx and any(fx.values()):  # only once something reached an external effect
+        lines.append(
+            f"effects     unknown {fx['unknown']} (awaiting operator {fx['awaiting_operator']})"
+            f"  reconciled done {fx['reconciled_done']} not-done {fx['reconciled_not-done']}"
+            f" unknown {fx['reconciled_unknown']}  compensations done"
+            f" {fx['compensations_done']} failed {fx['compensations_failed']}"
+            f" started {fx['compensations_started']}"
+        )
+        lines.append(
+            f"approvals   waiting {fx['waiting_approval']}  valid {fx['approvals_valid']}"
+            f"  expired {fx['approvals_expired']}  revoked {fx['approvals_revoked']}"
+        )
     if "redis" in report:
         for stream, info in report["redis"]["inbound"].items():
             per = ", ".join(f"{c}={n}" for c, n in info["pending_by_consumer"].items()) or "-"

@@ -27,7 +27,7 @@ Modes:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from broker_adapter.errors import AuthError, ConfigError, EnvelopeError
 from broker_adapter.protocol.envelope import Envelope, check_principal
@@ -37,6 +37,31 @@ from broker_adapter.redis.client import text, translated
 
 if TYPE_CHECKING:
     from broker_adapter.redis.client import AsyncRedis, Redis
+
+
+class ChainLink(Protocol):
+    """The task a request is made on behalf of (a handler's ``stages.task.Task``)."""
+
+    @property
+    def task_id(self) -> str: ...
+
+    @property
+    def correlation_id(self) -> str | None: ...
+
+    @property
+    def hops(self) -> int: ...
+
+
+def chained(envelope: Envelope, parent: ChainLink) -> Envelope:
+    """``envelope`` as a request made on behalf of ``parent``: ``parent_id`` is the parent's
+    task, ``correlation_id`` the parent's chain (its ``correlation_id``, or its task id for
+    a chain's first task; a caller's own value is replaced, so a child stays in its
+    chain's budget) and ``hops`` one more than the parent's at least. ``publish(...,
+    parent=task)`` does this; the adapter counts the chain by ``correlation_id`` whatever
+    the request says (``TaskPolicy.max_chain_tasks``)."""
+    chain = parent.correlation_id or parent.task_id
+    return envelope.replace(parent_id=parent.task_id, correlation_id=chain,
+                            hops=max(envelope.hops, parent.hops + 1))  # fmt: skip
 
 
 class _Signer:
@@ -127,11 +152,16 @@ class Publisher:
         """The stream this publisher writes to."""
         return self._signer.stream
 
-    def publish(self, envelope: Envelope, *, traceparent: str | None = None) -> str:
+    def publish(
+        self, envelope: Envelope, *, traceparent: str | None = None,
+        parent: ChainLink | None = None,
+    ) -> str:  # fmt: skip
         """XADD ``envelope`` to the inbound stream.
 
         Args:
             envelope: the request.
+            parent: the task a handler publishes it for: the request joins that task's
+                chain (``chained``: ``parent_id``, ``correlation_id``, ``hops``).
             traceparent: the W3C trace context to send it in (e.g.
                 ``stages.tracing.current_traceparent()``), set as the envelope's
                 ``traceparent`` member; ``None`` sends the envelope as it is. Not part of
@@ -147,6 +177,8 @@ class Publisher:
             RedisUnavailable: maybe published. Retry with the SAME envelope.
             BrokerAdapterError: Redis refused the write (e.g. ``NOPERM`` under an ACL).
         """
+        if parent is not None:
+            envelope = chained(envelope, parent)
         fields = self._signer.fields(envelope, traceparent)
         with translated():
             entry_id = self.client.xadd(self._signer.stream, fields)  # type: ignore[arg-type]
@@ -183,13 +215,18 @@ class AsyncPublisher:
     def stream(self) -> str:
         return self._signer.stream
 
-    async def publish(self, envelope: Envelope, *, traceparent: str | None = None) -> str:
-        """XADD ``envelope`` (in trace ``traceparent``, if given); see ``Publisher.publish``
-        (``RedisUnavailable`` = maybe published).
+    async def publish(
+        self, envelope: Envelope, *, traceparent: str | None = None,
+        parent: ChainLink | None = None,
+    ) -> str:  # fmt: skip
+        """XADD ``envelope`` (in trace ``traceparent``, for task ``parent``, if given); see
+        ``Publisher.publish`` (``RedisUnavailable`` = maybe published).
 
         Returns:
             the stream entry id.
         """
+        if parent is not None:
+            envelope = chained(envelope, parent)
         fields = self._signer.fields(envelope, traceparent)
         with translated():
             entry_id = await self.client.xadd(self._signer.stream, fields)  # type: ignore[arg-type]

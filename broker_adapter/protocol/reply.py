@@ -63,9 +63,12 @@ def terminal_body(
     task_id: str, status: str, principal: str, message_id: str,
     correlation_id: str | None, result: str | None, error: str | None, attempts: int,
     fence: int, finished_at: float, *, traceparent: str | None = None,
+    effects: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:  # fmt: skip
     """A terminal reply's body (``result`` is the stored canonical JSON text), with the
-    request's ``traceparent`` when it had one."""
+    request's ``traceparent`` when it had one, and ``effects`` (how a reconcile ended an
+    ``unknown`` task: ``reconciled``, ``compensations``; ``docs/PROTOCOL.md`` section 11)
+    when there is something to say."""
     body: dict[str, Any] = {
         "v": BODY_VERSION,
         "reply_id": reply_id_for(task_id),
@@ -82,6 +85,8 @@ def terminal_body(
     }
     if traceparent is not None:  # only requests sent with one carry it
         body["traceparent"] = traceparent
+    if effects:  # only tasks an external effect's reconcile ended carry it
+        body["effects"] = dict(effects)
     return body
 
 

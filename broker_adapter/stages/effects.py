@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import logging
 import random
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -41,10 +42,12 @@ from pydantic import Field
 
 from broker_adapter.backoff import Backoff
 from broker_adapter.config import ConfigModel
-from broker_adapter.errors import ConfigError, StaleError
+from broker_adapter.errors import ConfigError, StaleError, TransientError
 from broker_adapter.protocol.canonical import canonical_json
 from broker_adapter.protocol.idempotency import EFFECT_KEY_VERSION, Intent, effect_key
+from broker_adapter.stages.calls import call_handler
 from broker_adapter.stages.handlers import describe_error
+from broker_adapter.stages.task import Task
 from broker_adapter.store.approvals import Approval, ApprovalStore
 from broker_adapter.store.effects import EffectsStore, ReconcileClaim
 from broker_adapter.store.tasks import ClaimedTask
@@ -233,9 +236,14 @@ class ReconcilePolicy(ConfigModel):
         batch: tasks held per pass at most.
         max_tries: reconciles that find nothing before the task waits for an operator.
         backoff: delay before the next reconcile of a task still unknown.
+        call_timeout_s: a reconcile function that has not answered by then knows nothing
+            (``unknown``); kept below ``lease_s`` so its answer is written under its lease.
+        every_s: the pause between two passes of ``run_reconciles``.
     """
 
     lease_s: float = Field(default=60.0, gt=0)
+    call_timeout_s: float = Field(default=20.0, gt=0)
+    every_s: float = Field(default=1.0, gt=0)
     batch: int = Field(default=16, ge=1)
     max_tries: int = Field(default=8, ge=1)
     backoff: Backoff = Field(default_factory=lambda: Backoff(base_s=5.0, cap_s=600.0))
@@ -327,10 +335,14 @@ class Reconciler:
         ``unknown`` (never a guess)."""
         if self.spec.reconcile is None:
             return Observation.still_unknown("no reconcile function: an operator decides")
-        try:
-            seen = self.spec.reconcile(task, self.spec.key(task))
-        except Exception as exc:  # noqa: BLE001 - a failed reconcile knows nothing
-            return Observation.still_unknown(f"reconcile raised {describe_error(exc)}")
+        reconcile, key = self.spec.reconcile, self.spec.key(task)
+        timeout_s = min(self.policy.call_timeout_s, self.policy.lease_s)
+        ended = call_handler(lambda _t: reconcile(task, key), Task(task), timeout_s)
+        if ended.timed_out:
+            return Observation.still_unknown(f"reconcile gave no answer within {timeout_s} s")
+        if ended.error is not None:  # a failed reconcile knows nothing
+            return Observation.still_unknown(f"reconcile raised {describe_error(ended.error)}")
+        seen = ended.value
         if not isinstance(seen, Observation):
             return Observation.still_unknown(f"reconcile returned {type(seen).__name__}")
         return seen
@@ -405,3 +417,23 @@ def hold_for_approval(
     target, scope = spec.approval_of(task)
     return approvals.wait_for_approval(task.task_id, task.owner, task.fence, spec.action, target,
                                      scope, timeout_s)  # fmt: skip
+
+
+def run_reconciles(
+    stop: threading.Event, reconciler: Reconciler, approvals: ApprovalStore,
+    logger: logging.Logger | None = None,
+) -> None:  # fmt: skip
+    """Until ``stop``: release the approval waits (``ApprovalStore.release_waits``) and
+    reconcile a batch of ``unknown`` tasks (``Reconciler.run_once``), every
+    ``policy.every_s`` (at once again while batches come back full). A store that is busy
+    or failing is tried again at the next pass."""
+    out = logger or log
+    while not stop.is_set():
+        full = False
+        try:
+            approvals.release_waits()
+            full = reconciler.run_once() >= reconciler.policy.batch
+        except TransientError as exc:
+            out.warning("reconcile pass failed, will retry: %s", exc)
+        if not full and stop.wait(reconciler.policy.every_s):
+            return

@@ -1,11 +1,11 @@
 """The ``Task`` a handler receives: the claimed task's fields and its cancellation check.
 
 ``Task`` holds only what a handler reads and asks (``cancelled()``, ``wait_cancelled()``,
-``time_left_s()``). What the worker writes on it (a cancel seen at a lease renewal, a lost
-lease, an abandoned call, a renewed lease) goes through ``TaskControl``, the worker's side
-of the same task (``lease``, ``calls``), so a handler has no public method that changes its
-own task's state.
-"""
+``time_left_s()``, ``effect_key()``, and ``effect_started()`` for a handler declared with
+``effects.side_effect(..., irreversible=False)``). What the worker writes on it (a cancel
+seen at a lease renewal, a lost lease, an abandoned call, a renewed lease) goes through
+``TaskControl``, the worker's side of the same task (``lease``, ``calls``), so a handler
+has no public method that changes its own task's state."""
 
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ from collections.abc import Callable
 from typing import Any, Literal
 
 from broker_adapter.clock import Clock, SystemClock
-from broker_adapter.errors import StaleError
+from broker_adapter.errors import ConfigError, StaleError
+from broker_adapter.protocol.idempotency import EFFECT_KEY_VERSION, Intent, effect_key
 from broker_adapter.store.tasks import ClaimedTask
 
 #: Why a task's ``cancelled()`` turned True.
@@ -51,6 +52,10 @@ class Task:
         self._reason: StopReason | None = None
         self._lease_lost: StaleError | None = None
         self._lease_until = claimed.lease_until
+        #: Records this attempt's effect as started (set by the worker for a declared
+        #: effect: ``effects.side_effect``); ``None``: the handler declared none.
+        self._start_effect: Callable[[], None] | None = None
+        self._effect_started = False
 
     # -- what the handler reads -----------------------------------------------------------
 
@@ -139,6 +144,47 @@ class Task:
         with self._lock:
             return self._reason
 
+    def effect_key(self, action: str, arguments: Any = None, *,
+                   version: int = EFFECT_KEY_VERSION) -> str:  # fmt: skip
+        """The idempotency key of one external effect of this request: derived from the
+        intent (principal, message id), ``action`` and ``arguments`` (default: the
+        payload), never from the attempt, the time or randomness
+        (``protocol.idempotency.effect_key``); the same in every attempt. Send it to the
+        target, e.g. as an ``Idempotency-Key`` header."""
+        args = self.payload if arguments is None else arguments
+        return effect_key(Intent(self.principal, self.message_id), action, args, version=version)
+
+    def effect_started(self) -> None:
+        """Say, right before it, that the effect this handler cannot take back starts now
+        (for a handler declared ``side_effect(..., irreversible=False)``; an irreversible
+        one is marked before its call). From then on a timeout, a crash or a lost lease
+        sends the task to ``unknown`` for its reconcile, never to a blind retry.
+
+        Raises:
+            TaskCancelled: a cancel was requested: do not start the effect.
+            StaleError: this attempt no longer holds the task: do not start it.
+            ConfigError: the handler declared no side effect.
+        """
+        if self._effect_started:
+            return
+        if self._start_effect is None:
+            raise ConfigError(
+                "effect_started() needs a handler declared with effects.side_effect(...)"
+            )
+        self._start_effect()
+        self._effect_started = True
+
+    @property
+    def declares_effect(self) -> bool:
+        """Whether the handler declared a side effect it marks itself
+        (``side_effect(..., irreversible=False)``)."""
+        return self._start_effect is not None
+
+    @property
+    def effect_was_started(self) -> bool:
+        """Whether this attempt marked its effect started."""
+        return self._effect_started
+
     def time_left_s(self) -> float:
         """Seconds until the absolute deadline (negative once it has passed)."""
         return self.claimed.deadline - self._clock.now()
@@ -224,6 +270,14 @@ class TaskControl:
             reason: ``"timeout"`` (call timeout or deadline) or ``"stopping"`` (shutdown).
         """
         self._task._mark(reason)
+
+    def allow_effect(self, start: Callable[[], None]) -> None:
+        """The handler declared a side effect: ``start`` records its start in the store."""
+        self._task._start_effect = start
+
+    def note_effect_started(self) -> None:
+        """The worker marked the effect started before the call (an irreversible one)."""
+        self._task._effect_started = True
 
     def note_renewed(self, lease_until: float) -> None:
         """Record a successful renewal.

@@ -36,7 +36,11 @@ Crash: the worker keeps nothing durable of its own. Killed after the claim
 (``worker.after_claim``) or after the handler's effect (``worker.after_effect``), its task
 stays ``running`` until the lease expires; the next claim takes it back with attempts+1 and
 fence+1, and a handler that keys its external effect by ``Task.idempotency_key`` applies it
-once. A worker frozen past its lease wakes up as a zombie whose commit the fence refuses.
+once. A handler declared with ``effects.side_effect`` (``effect_gate``) is never retried
+blindly once its effect started: a timeout, a crash or a lost lease after the start sends
+the task to ``unknown`` for its reconcile, and an effect that ``requires_approval`` runs
+only with a valid approval record, checked right before the call. A worker frozen past its
+lease wakes up as a zombie whose commit the fence refuses.
 Killed after the commit (``worker.after_finish``), the terminal state and its reply are
 already durable together.
 """
@@ -59,6 +63,8 @@ from broker_adapter.protocol.keys import Keys
 from broker_adapter.protocol.signing import Keyring
 from broker_adapter.redis.client import connect
 from broker_adapter.stages.calls import CallOutcome, CallRun, RunOutcome, StopRun
+from broker_adapter.stages.effect_gate import EffectGate, stopped_how
+from broker_adapter.stages.effects import effect_spec
 from broker_adapter.stages.handlers import Handler, load_handler
 from broker_adapter.stages.lease import Leases, renew_interval
 from broker_adapter.stages.loop import CLAIM, Handed, IdlePolicy, IdleWait, look
@@ -72,6 +78,7 @@ from broker_adapter.stages.task import Task
 from broker_adapter.stages.worker_config import WorkerConfig as WorkerConfig
 from broker_adapter.stages.worker_config import WorkerStats as WorkerStats
 from broker_adapter.store import transitions
+from broker_adapter.store.effects import EffectsStore
 from broker_adapter.store.outbox import OutboxPolicy, OutboxRow, OutboxStore
 from broker_adapter.store.tasks import (
     ClaimedTask,
@@ -191,6 +198,14 @@ class Worker:
         #: The last commit also claimed, and found nothing ready.
         self._found_none = False
         self.metrics = metrics
+        #: Ends requested cancels (made when one is first needed).
+        self._cancels: EffectsStore | None = None
+        spec = effect_spec(self.handler)
+        #: Approvals and effect marks of a declared side effect; ``None`` for an ordinary
+        #: handler (its only cost: this check per task).
+        self.effects = None if spec is None else EffectGate(
+            tasks, spec, self.leases, config.approval_timeout_s, self.stats, self.log
+        )  # fmt: skip
 
     @property
     def owner(self) -> str:
@@ -427,6 +442,7 @@ class Worker:
                 )
                 return None
             self.stats.cancelled += 1
+            self._end_cancel(claimed, "its handler had not started")
             transitions.claim_transition("cancelled", claimed, "cancelled", detail="not started")
             return None
         time_left_s = claimed.deadline - self.clock.now()
@@ -437,7 +453,21 @@ class Worker:
             self.stats.expired += 1
             transitions.claim_transition("expired", claimed, "expired", detail="not started")
             return None
+        if self.effects is not None and not self.effects.before_call(task):
+            return None  # parked for its approval, or refused: the handler does not run
         return min(self.config.call_timeout_s, time_left_s)
+
+    def _end_cancel(self, claimed: ClaimedTask, what: str) -> None:
+        """End a running task whose cancel was requested (``EffectsStore.request_cancel``)
+        as ``cancelled``, its reply saying ``what`` happened; nothing when it was cancelled
+        outright (``TaskStore.cancel``: already terminal)."""
+        if self._cancels is None:
+            self._cancels = EffectsStore(self.tasks)
+        try:
+            self._cancels.end_requested_cancel(claimed.task_id, claimed.owner, claimed.fence,
+                                               what)  # fmt: skip
+        except TransientError as exc:  # the lease lapses: the take-back ends it cancelled
+            self.log.warning("ending the cancel of %s failed: %s", claimed.task_id, exc)
 
     @staticmethod
     def _after_call() -> None:
@@ -476,7 +506,13 @@ class Worker:
             claimed = r.task.claimed
             # Rule 11: the last check before the commit is in the commit's transaction: the
             # store refuses a cancelled task (TaskCancelled) and keeps its ``cancelled``.
-            if r.task.stop_reason == "cancelled":
+            if self.effects is not None and self.effects.after_call(r.task, r.outcome):
+                continue  # its effect started: ``unknown`` (or nothing left to write)
+            if r.task.stop_reason == "cancelled" and not r.outcome.ok:
+                # Stopped on a cancel (requested: ended here, with what is known; made
+                # outright: already ``cancelled``). A result it returned is still committed:
+                # the store refuses it if the task was cancelled outright.
+                self._end_cancel(claimed, stopped_how(r.task, r.outcome))
                 note_cancelled(claimed, self.stats, self.log)
                 continue
             grace_s = self.config.grace_s

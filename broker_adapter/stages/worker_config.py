@@ -17,6 +17,7 @@ DEFAULT_CALL_TIMEOUT_S = 60.0
 DEFAULT_IDLE_POLL_S = 0.05
 DEFAULT_WAKE_POLL_S = 0.001
 DEFAULT_GRACE_S = 10.0
+DEFAULT_APPROVAL_TIMEOUT_S = 3600.0
 
 
 class WorkerConfig(ConfigModel):
@@ -52,6 +53,9 @@ class WorkerConfig(ConfigModel):
             prometheus-client's multiprocess files there (``app.metrics.WorkerMetrics``,
             made by the worker pool); ``None`` (default): no metrics, nothing imported.
         handler_name: the ``handler`` label of its handler duration histogram.
+        approval_timeout_s: for a handler whose effect ``requires_approval``
+            (``effects.side_effect``): how long a task waits in ``waiting_approval`` for a
+            valid approval record before it ends ``failed`` (never past its deadline).
     """
 
     owner: str = Field(min_length=1, max_length=128)
@@ -67,6 +71,7 @@ class WorkerConfig(ConfigModel):
     record_ttl_s: float = Field(default=DEFAULT_RECORD_TTL_S, gt=0)
     metrics_dir: str | None = None
     handler_name: str = "handler"
+    approval_timeout_s: float = Field(default=DEFAULT_APPROVAL_TIMEOUT_S, gt=0)
 
 
 @dataclass
@@ -86,6 +91,9 @@ class WorkerStats:
         expired: tasks whose deadline passed before their handler could start.
         renewals: successful lease renewals.
         store_errors: commits that failed on a transient store error (left to lease expiry).
+        unknown: tasks of a declared effect given up after the effect started (timeout,
+            stop, an error asking for a retry): ``unknown``, for the reconcile.
+        waiting_approval: tasks parked for an approval record before their effect.
     """
 
     claimed: int = 0
@@ -99,6 +107,8 @@ class WorkerStats:
     expired: int = 0
     renewals: int = 0
     store_errors: int = 0
+    unknown: int = 0
+    waiting_approval: int = 0
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)

@@ -18,6 +18,7 @@ short transaction with no handler, network or Redis call in it (``docs/RULES.md`
 from __future__ import annotations
 
 import os
+import sqlite3
 from dataclasses import dataclass
 
 from broker_adapter.errors import StaleError
@@ -184,16 +185,20 @@ class ApprovalStore:
         return counts
 
     def counts(self) -> dict[str, int]:
-        """For ``status`` and metrics: ``waiting_approval`` (tasks waiting) and approvals
-        ``approvals_valid``, ``approvals_expired``, ``approvals_revoked``."""
-        now = self.clock.now()
+        """For ``status`` and metrics: ``approval_counts``."""
         with self.db.read() as c:
-            waiting = c.execute("SELECT count(*) FROM approval_waits").fetchone()[0]
-            valid, expired, revoked = c.execute(
-                "SELECT count(*) FILTER (WHERE revoked_at IS NULL AND expires_at > ?),"
-                " count(*) FILTER (WHERE revoked_at IS NULL AND expires_at <= ?),"
-                " count(revoked_at) FROM approvals",
-                (now, now),
-            ).fetchone()
-        return {"waiting_approval": waiting, "approvals_valid": valid,
-                "approvals_expired": expired, "approvals_revoked": revoked}  # fmt: skip
+            return approval_counts(c, self.clock.now())
+
+
+def approval_counts(c: sqlite3.Connection, now: float) -> dict[str, int]:
+    """``waiting_approval`` (tasks waiting) and approvals ``approvals_valid``,
+    ``approvals_expired``, ``approvals_revoked``, read in the caller's read transaction."""
+    waiting = c.execute("SELECT count(*) FROM approval_waits").fetchone()[0]
+    valid, expired, revoked = c.execute(
+        "SELECT count(*) FILTER (WHERE revoked_at IS NULL AND expires_at > ?),"
+        " count(*) FILTER (WHERE revoked_at IS NULL AND expires_at <= ?),"
+        " count(revoked_at) FROM approvals",
+        (now, now),
+    ).fetchone()
+    return {"waiting_approval": waiting, "approvals_valid": valid,
+            "approvals_expired": expired, "approvals_revoked": revoked}  # fmt: skip

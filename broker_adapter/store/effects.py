@@ -35,6 +35,7 @@ from typing import Any, Literal
 from broker_adapter.errors import FencedError, StaleError, TaskCancelled
 from broker_adapter.protocol.bounds import check_result
 from broker_adapter.protocol.canonical import canonical_json
+from broker_adapter.store.housekeeping import unknown_from_lapsed_in
 from broker_adapter.store.lifecycle import to_terminal
 from broker_adapter.store.tasks import ClaimedTask, TaskState, TaskStore, UnknownTask
 
@@ -121,6 +122,23 @@ class EffectsStore:
                 return TaskState.RUNNING
         return self.tasks.cancel(task_id, reason)
 
+    def end_requested_cancel(self, task_id: str, owner: str, fence: int, what: str) -> bool:
+        """The holder of a running task whose cancel was requested stopped it: ``cancelled``
+        with its reply, ``what`` saying what was known to have happened. Returns False if
+        the caller no longer holds it (cancelled outright, or the claim moved on)."""
+        now = self.clock.now()
+        with self.db.write("cancel_request") as c:
+            row = c.execute(
+                "SELECT cancel_requested_at FROM tasks WHERE task_id = ? AND state = 'running'"
+                " AND owner = ? AND fence = ? AND cancel_requested_at IS NOT NULL",
+                (task_id, owner, fence),
+            ).fetchone()
+            if row is None:
+                return False
+            error = f"cancel requested {now - row[0]:.3f} s before the handler stopped; {what}"
+            to_terminal(c, task_id, TaskState.CANCELLED, now, error=error)
+        return True
+
     def cancel_requested(self, task_id: str) -> float | None:
         """When a cancel of the running task was requested, or ``None``."""
         row = self.db.fetch_one(
@@ -174,18 +192,10 @@ class EffectsStore:
 
     @staticmethod
     def unknown_from_lapsed_claims(c: sqlite3.Connection, now: float) -> int:
-        """For the store's take-back of leases and deadlines (``TaskStore._reconcile``),
-        inside its transaction and before it: every running task whose current attempt
-        marked its effect started and whose lease ran out or deadline passed goes to
-        ``unknown``, never back to ``pending`` nor to ``expired``. Returns how many."""
-        return c.execute(
-            "UPDATE tasks SET state = 'unknown', not_before = ?, updated_at = ?,"
-            " error = 'the claim of ' || coalesce(owner, '?') || ' lapsed after its effect"
-            " started', owner = NULL, lease_until = NULL, reconcile_tries = 0,"
-            " operator_since = NULL WHERE state = 'running' AND effect_fence = fence"
-            " AND (lease_until <= ? OR deadline <= ?)",
-            (now, now, now, now),
-        ).rowcount
+        """``housekeeping.unknown_from_lapsed_in``: the store's take-back of leases and
+        deadlines runs it first in its transaction (``reconcile_in``); here for callers
+        holding a transaction of their own. Returns how many went to ``unknown``."""
+        return unknown_from_lapsed_in(c, now)
 
     def take_back_lapsed(self) -> int:
         """``unknown_from_lapsed_claims`` in a transaction of its own."""
@@ -350,7 +360,8 @@ class EffectsStore:
         note: str | None, now: float,
     ) -> str:  # fmt: skip
         self._log(c, task_id, "done", by, fence, encoded, note, now, raw=True)
-        return to_terminal(c, task_id, TaskState.DONE, now, result=encoded)
+        effects = _reply_member(c, task_id, "done", by, note)
+        return to_terminal(c, task_id, TaskState.DONE, now, result=encoded, effects=effects)
 
     def _not_done_in(
         self, c: sqlite3.Connection, row: sqlite3.Row, by: str, fence: int, observed: Any,
@@ -358,16 +369,17 @@ class EffectsStore:
     ) -> TaskState:  # fmt: skip
         task_id = row["task_id"]
         self._log(c, task_id, "not-done", by, fence, observed, note, now)
+        effects = _reply_member(c, task_id, "not-done", by, note)
         if row["deadline"] <= now:
             error = "deadline reached; the reconcile found the effect not done"
-            to_terminal(c, task_id, TaskState.EXPIRED, now, error=error)
+            to_terminal(c, task_id, TaskState.EXPIRED, now, error=error, effects=effects)
             return TaskState.EXPIRED
         if row["attempts"] >= row["max_attempts"]:
             error = (
                 "the reconcile found the effect not done; attempts exhausted "
                 f"({row['attempts']}/{row['max_attempts']})"
             )
-            to_terminal(c, task_id, TaskState.FAILED, now, error=error)
+            to_terminal(c, task_id, TaskState.FAILED, now, error=error, effects=effects)
             return TaskState.FAILED
         c.execute(
             "UPDATE tasks SET state = 'pending', owner = NULL, lease_until = NULL,"
@@ -439,23 +451,53 @@ class EffectsStore:
     # -- counts ---------------------------------------------------------------------------
 
     def counts(self) -> dict[str, int]:
-        """For ``status`` and metrics: ``unknown``, ``awaiting_operator``, reconciles by
-        outcome (``reconciled_<outcome>``) and compensations by outcome
-        (``compensations_<outcome>``)."""
+        """For ``status`` and metrics: ``effect_counts``."""
         with self.db.read() as c:
-            unknown, operator = c.execute(
-                "SELECT count(*), count(operator_since) FROM tasks WHERE state = 'unknown'"
-            ).fetchone()
-            logged = c.execute("SELECT outcome, count(*) FROM reconcile_log GROUP BY outcome")
-            out = {"unknown": unknown, "awaiting_operator": operator}
-            for outcome in ("done", "not-done", "unknown"):
-                out[f"reconciled_{outcome}"] = 0
-            out.update({f"reconciled_{o}": n for o, n in logged.fetchall()})
-            for outcome in ("started", "done", "failed"):
-                out[f"compensations_{outcome}"] = 0
-            comp = c.execute("SELECT outcome, count(*) FROM compensations GROUP BY outcome")
-            out.update({f"compensations_{o}": n for o, n in comp.fetchall()})
-        return out
+            return effect_counts(c)
+
+
+def effect_counts(c: sqlite3.Connection) -> dict[str, int]:
+    """``unknown`` tasks, those ``awaiting_operator``, reconciles by outcome
+    (``reconciled_<outcome>``) and compensations by outcome (``compensations_<outcome>``),
+    read in the caller's read transaction (``report.snapshot``)."""
+    unknown, operator = c.execute(
+        "SELECT count(*), count(operator_since) FROM tasks WHERE state = 'unknown'"
+    ).fetchone()
+    out = {"unknown": unknown, "awaiting_operator": operator}
+    for outcome in ("done", "not-done", "unknown"):
+        out[f"reconciled_{outcome}"] = 0
+    logged = c.execute("SELECT outcome, count(*) FROM reconcile_log GROUP BY outcome")
+    out.update({f"reconciled_{o}": n for o, n in logged.fetchall()})
+    for outcome in ("started", "done", "failed"):
+        out[f"compensations_{outcome}"] = 0
+    comp = c.execute("SELECT outcome, count(*) FROM compensations GROUP BY outcome")
+    out.update({f"compensations_{o}": n for o, n in comp.fetchall()})
+    return out
+
+
+def _reply_member(
+    c: sqlite3.Connection, task_id: str, outcome: str, by: str, note: str | None
+) -> dict[str, Any]:
+    """The reply body's ``effects`` member for a task a reconcile ends: how it was
+    reconciled (``outcome``, ``by``, ``note``, and ``tries`` that found nothing before) and
+    its compensations (``docs/PROTOCOL.md`` section 11)."""
+    tries = c.execute("SELECT count(*) FROM reconcile_log WHERE task_id = ? AND outcome ="
+                      " 'unknown'", (task_id,)).fetchone()[0]  # fmt: skip
+    member: dict[str, Any] = {
+        "reconciled": {"outcome": outcome, "by": by, "note": note, "tries": tries},
+    }
+    rows = c.execute(
+        "SELECT kind, outcome, by_whom, what, detail FROM compensations WHERE task_id = ?"
+        " ORDER BY started_at, kind",
+        (task_id,),
+    ).fetchall()
+    if rows:
+        member["compensations"] = [
+            {"kind": r["kind"], "outcome": r["outcome"], "by": r["by_whom"], "what": r["what"],
+             "detail": r["detail"]}
+            for r in rows
+        ]  # fmt: skip
+    return member
 
 
 def _loads(text: str | None) -> Any:

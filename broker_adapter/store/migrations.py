@@ -25,6 +25,7 @@ from broker_adapter.protocol.envelope import content_fingerprint
 # meta      named values of this database, made once (the conflict-answer id key).
 # approvals, approval_waits, reconcile_log, compensations: effects beyond our
 #           transaction (effects.py, approvals.py).
+# chains    tasks stored per correlation_id, for the chain budget (inbox.py).
 MIGRATIONS: tuple[str | Callable[[sqlite3.Connection], None], ...] = (
     """
     CREATE TABLE tasks (
@@ -149,6 +150,17 @@ MIGRATIONS: tuple[str | Callable[[sqlite3.Connection], None], ...] = (
     # with its task so that its reply carries it and the worker's span is parented on it.
     # NULL for every task accepted before and for requests sent without one.
     lambda c: _add_column(c, "tasks", "traceparent", "TEXT"),
+    # 9: the chain budget (``inbox``): per ``correlation_id``, how many tasks were stored
+    # naming it, whoever sent them and whatever ``parent_id`` they gave; forgotten with the
+    # retention window after its last task (``retention``).
+    """
+    CREATE TABLE IF NOT EXISTS chains (
+        chain_id   TEXT PRIMARY KEY,
+        tasks      INTEGER NOT NULL,
+        updated_at REAL NOT NULL
+    ) WITHOUT ROWID;
+    CREATE INDEX IF NOT EXISTS chains_updated ON chains (updated_at);
+    """,
 )
 SCHEMA_VERSION = len(MIGRATIONS)
 #: The ``meta`` row holding the key of conflict-answer ids.

@@ -29,7 +29,7 @@ from pydantic import Field
 from broker_adapter.backoff import Backoff
 from broker_adapter.clock import Clock, SystemClock
 from broker_adapter.config import DEFAULT_LEASE_S, ConfigModel
-from broker_adapter.errors import BrokerAdapterError, StaleError
+from broker_adapter.errors import BrokerAdapterError, StaleError, TaskCancelled
 from broker_adapter.protocol.bounds import check_result
 from broker_adapter.protocol.reply import reply_id_for
 from broker_adapter.store import inbox, settle, transitions
@@ -92,6 +92,13 @@ class TaskPolicy(ConfigModel):
             request. It also bounds deadlines: one further ahead than this is refused, so
             that no request outlives the record that makes its replay a duplicate.
         backoff: delay before a retryable failure runs again.
+        max_chain_tasks: the chain budget: requests naming a ``correlation_id`` under which
+            this many tasks were stored already (within the retention window, by any
+            sender, with or without ``parent_id``) are accepted straight into
+            ``hop_limit``.
+        cancel_grace_s: a running task whose cancel was requested (``broker-adapter cancel``)
+            keeps its lease this long for its handler to stop; then renewals are refused and
+            the lapsed lease ends the task ``cancelled`` (``unknown`` if its effect started).
 
     Raises:
         ConfigError: a lease or retention not above 0, or a negative ``max_hops``.
@@ -101,6 +108,8 @@ class TaskPolicy(ConfigModel):
     max_hops: int = Field(default=16, ge=0)
     retention_s: float = Field(default=DEFAULT_RETENTION_S, gt=0)
     backoff: Backoff = Field(default_factory=Backoff)
+    max_chain_tasks: int = Field(default=1000, ge=1)
+    cancel_grace_s: float = Field(default=30.0, ge=0)
 
 
 @dataclass(frozen=True)
@@ -311,7 +320,8 @@ class TaskStore:
         part fails. Returns the row (what ``lifecycle.write_reply`` and a failure need)."""
         row: sqlite3.Row | None = c.execute(
             "SELECT state, owner, fence, lease_until, deadline, attempts, max_attempts,"
-            " principal, message_id, correlation_id, traceparent FROM tasks WHERE task_id = ?",
+            " principal, message_id, correlation_id, traceparent, cancel_requested_at"
+            " FROM tasks WHERE task_id = ?",
             (task_id,),
         ).fetchone()
         if row is None:
@@ -336,7 +346,10 @@ class TaskStore:
         now = self.clock.now()
         lease_until = now + self.policy.lease_s
         with self.db.write("renew") as c:
-            self._holder(c, task_id, owner, fence)
+            row = self._holder(c, task_id, owner, fence)
+            requested = row["cancel_requested_at"]
+            if requested is not None and now >= requested + self.policy.cancel_grace_s:
+                raise TaskCancelled(task_id)  # the grace of a requested cancel is over
             c.execute(
                 "UPDATE tasks SET lease_until = ?, updated_at = ? WHERE task_id = ? AND fence = ?",
                 (lease_until, now, task_id, fence),
@@ -447,16 +460,22 @@ class TaskStore:
         read statement (no transaction), the deadline left to the caller. Returns the
         refusal (``TaskCancelled``, ``FencedError``, or a ``StaleError`` saying why the
         claim is gone), or None while it holds. A worker asks it before a handler starts
-        and whenever the handler asks ``Task.cancelled()``."""
+        and whenever the handler asks ``Task.cancelled()``. A running task whose cancel was
+        requested is refused as ``TaskCancelled`` here (its handler is to stop), while its
+        renewals still hold during the grace."""
         row = self.db.fetch_one(
-            "SELECT state, owner, fence, lease_until, deadline FROM tasks WHERE task_id = ?",
+            "SELECT state, owner, fence, lease_until, deadline, cancel_requested_at FROM tasks"
+            " WHERE task_id = ?",
             (task_id,),
         )
         if row is None:
             return StaleError(task_id, "not_running", "no such task")
-        return refusal(
+        refused = refusal(
             row, task_id, owner, fence, self.clock.now(), state=TASK_HELD_STATE, deadline=False
         )
+        if refused is None and row["cancel_requested_at"] is not None:
+            return TaskCancelled(task_id)  # requested (``EffectsStore.request_cancel``)
+        return refused
 
     def is_cancelled(self, task_id: str) -> bool:
         row = self.db.fetch_one("SELECT state FROM tasks WHERE task_id = ?", (task_id,))

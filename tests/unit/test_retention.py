@@ -448,3 +448,39 @@ def test_retention_flag_and_variable_reach_the_configs_and_stores(
     assert runner.Adapter(config).policy.retention_s == 30
     with pytest.raises(ValueError, match="greater than 0"):
         receiver.ReceiverConfig(principal="alice", retention_s=0)
+
+
+# -- effect records ---------------------------------------------------------------------------
+
+
+def test_a_purged_task_takes_its_effect_records_and_old_approvals_go(
+    s: Stores, clock: FakeClock
+) -> None:
+    from broker_adapter.store.approvals import ApprovalStore
+
+    (task_id,) = done_and_sent(s, "m1")
+    (kept,) = accepted(s, "kept", deadline=T0 + RETENTION_S)
+    approvals = ApprovalStore(s.tasks)
+    old = approvals.grant_approval("restart", "web1", "prod", "alice", T0 + 0.5)
+    with s.db.write("test") as c:
+        for tid in (task_id, kept):
+            c.execute("INSERT INTO reconcile_log (task_id, outcome, by_whom, at, fence)"
+                      " VALUES (?, 'done', 'r', ?, 1)", (tid, T0))  # fmt: skip
+            c.execute("INSERT INTO compensations (task_id, kind, by_whom, fence, what,"
+                      " started_at, outcome) VALUES (?, 'duplicate', 'r', 1, 'x', ?, 'done')",
+                      (tid, T0))  # fmt: skip
+            c.execute("INSERT INTO approval_waits (task_id, action, target, scope, since,"
+                      " until) VALUES (?, 'restart', 'web1', 'prod', ?, ?)",
+                      (tid, T0, T0 + 1))  # fmt: skip
+    clock.set(T0 + RETENTION_S + 1)
+    fresh = approvals.grant_approval("restart", "web2", "prod", "alice", clock.now() + 60)
+    assert s.tasks.purge() == 1
+    d = dump(s.db)
+    with s.db.read() as c:
+        for table in ("reconcile_log", "compensations", "approval_waits"):
+            left = [r[0] for r in c.execute(f"SELECT task_id FROM {table}").fetchall()]
+            assert left == [kept], table
+        ids = [r[0] for r in c.execute("SELECT approval_id FROM approvals").fetchall()]
+    assert ids == [fresh]
+    assert old not in ids
+    assert [r["task_id"] for r in d["tasks"]] == [kept]
