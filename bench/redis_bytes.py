@@ -1,7 +1,7 @@
 """What Redis keeps per message after a run, before and after the trims.
 
-Not a test. Starts a private redis-server, runs the adapter (``Runner``, the code of
-``broker-adapter run``, with ``--retention`` given as ``RunConfig.retention_s``) and the
+Not a test. Starts a private redis-server, runs the adapter (``Adapter``, the code of
+``broker-adapter run``, with ``--retention`` given as ``AdapterConfig.retention_s``) and the
 benchmark receiver (``bench/run.py _receive``) as subprocesses, publishes ``--n`` signed
 messages, waits until every reply is applied, samples Redis (``INFO memory`` used_memory,
 ``DBSIZE``, ``MEMORY USAGE`` of the streams, the publication records), then waits until the
@@ -38,8 +38,8 @@ RUN_PY = Path(__file__).resolve().parent / "run.py"
 
 
 def child_run(args: argparse.Namespace) -> int:
-    """``broker-adapter run`` with a retention window (``Runner``), until SIGTERM."""
-    from broker_adapter.app.adapter import RunConfig, Runner
+    """``broker-adapter run`` with a retention window (``Adapter``), until SIGTERM."""
+    from broker_adapter.app.adapter import Adapter, AdapterConfig
 
     stop = threading.Event()
 
@@ -47,12 +47,12 @@ def child_run(args: argparse.Namespace) -> int:
         stop.set()
 
     signal.signal(signal.SIGTERM, on_signal)
-    config = RunConfig(
+    config = AdapterConfig(
         redis_url=args.redis, db_path=Path(args.db), handler="broker_adapter.examples:echo",
         keyring_path=Path(args.keyring), prefix=args.prefix, name="bytes",
         retention_s=args.retention,
     )  # fmt: skip
-    return Runner(config).run(stop)
+    return Adapter(config).run(stop)
 
 
 def sample(client: Any, prefix: str) -> dict[str, Any]:

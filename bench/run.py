@@ -55,6 +55,7 @@ import common
 from common import KEYRING, PRINCIPAL, ROOT
 
 from broker_adapter.protocol.keys import Keys
+from broker_adapter.protocol.reply import Reply
 from broker_adapter.redis.client import connect
 
 RESULTS = ROOT / "bench" / "results" / "latest.json"
@@ -104,17 +105,17 @@ EFFECTS_DDL = (
 )
 
 
-def bench_effect(conn: sqlite3.Connection, reply: dict[str, Any]) -> dict[str, Any]:
+def bench_effect(conn: sqlite3.Connection, reply: Reply) -> dict[str, Any]:
     """The receiver's effect: one row with the publish time (from the echoed payload) and
     the time of the effect itself, in the receipt's transaction."""
-    result = reply.get("result") or {}
+    result = reply.result or {}
     echo = result.get("echo") if isinstance(result, dict) else None
     published = echo.get("t") if isinstance(echo, dict) else None
     conn.execute(
         "INSERT INTO bench_effects VALUES (?, ?, ?, ?, ?)",
-        (reply["reply_id"], reply.get("message_id"), reply.get("status"), published, time.time()),
+        (reply.reply_id, reply.message_id, reply.status, published, time.time()),
     )
-    return {"status": reply.get("status")}
+    return {"status": reply.status}
 
 
 def child_receive(args: argparse.Namespace) -> int:
@@ -148,7 +149,9 @@ def child_receive(args: argparse.Namespace) -> int:
 class Pipeline:
     """``broker-adapter run`` + a receiver, both real subprocesses, on fresh keys and files."""
 
-    def __init__(self, url: str, workdir: Path, keyring: Path, workers: int) -> None:
+    def __init__(
+        self, url: str, workdir: Path, keyring: Path, workers: int, *, metrics: bool = False
+    ) -> None:
         self.url = url
         self.prefix = common.new_prefix()
         self.db = workdir / f"{self.prefix}.db"
@@ -158,7 +161,8 @@ class Pipeline:
         self.runner = subprocess.Popen(
             [sys.executable, "-m", "broker_adapter", "run", "--redis", url, "--db", str(self.db),
              "--handler", "broker_adapter.examples:echo", "--workers", str(workers),
-             "--keyring", str(keyring), "--prefix", self.prefix, "--name", "bench"],
+             "--keyring", str(keyring), "--prefix", self.prefix, "--name", "bench",
+             *(["--metrics-port", "0"] if metrics else [])],
             cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT, env=common.python_env(),
         )  # fmt: skip
         self.receiver = subprocess.Popen(
@@ -270,7 +274,7 @@ class Pipeline:
 def throughput_run(
     url: str, workdir: Path, keyring: Path, args: argparse.Namespace
 ) -> dict[str, Any]:
-    pipe = Pipeline(url, workdir, keyring, args.workers)
+    pipe = Pipeline(url, workdir, keyring, args.workers, metrics=args.metrics)
     try:
         pipe.warm_up()
         pub = pipe.publish(args.n, "m")
@@ -296,7 +300,7 @@ def throughput_run(
 
 def latency_run(url: str, workdir: Path, keyring: Path, args: argparse.Namespace) -> dict[str, Any]:
     n = int(args.latency_rate * args.latency_seconds)
-    pipe = Pipeline(url, workdir, keyring, args.workers)
+    pipe = Pipeline(url, workdir, keyring, args.workers, metrics=args.metrics)
     try:
         pipe.warm_up()
         pub = pipe.publish(n, "l", rate=args.latency_rate)
@@ -321,7 +325,7 @@ def latency_run(url: str, workdir: Path, keyring: Path, args: argparse.Namespace
 
 def rss_run(url: str, workdir: Path, keyring: Path, args: argparse.Namespace) -> dict[str, Any]:
     n = args.rss_messages
-    pipe = Pipeline(url, workdir, keyring, args.workers)
+    pipe = Pipeline(url, workdir, keyring, args.workers, metrics=args.metrics)
     watch = common.RssWatch(pipe.pids).start()
     try:
         pipe.warm_up(2000)
@@ -496,6 +500,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--latency-rate", type=float, default=1000.0, help="offered msg/s")
     parser.add_argument("--latency-seconds", type=float, default=None, help="per rep [10]")
     parser.add_argument("--no-peers", action="store_true")
+    parser.add_argument(
+        "--metrics",
+        action="store_true",
+        help="run the adapter with its Prometheus endpoint on (--metrics-port 0)",
+    )
     parser.add_argument(
         "--only",
         choices=["floor", "throughput", "latency", "peers", "rss"],

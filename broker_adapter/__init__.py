@@ -1,11 +1,24 @@
 """broker_adapter: hand work between AI agents over Redis Streams, once.
 
-Agents publish signed envelopes to a Redis stream; a consumer group ingests them into a local
-SQLite inbox (deduplicated by authenticated principal and message id); leased, fenced workers
-run handlers and commit each terminal result together with its reply (transactional outbox);
-a dispatcher publishes replies that an idempotent receiver applies exactly once.
+Agents publish signed envelopes to a Redis stream; a consumer group ingests them into a
+local SQLite inbox (deduplicated by authenticated principal and message id); leased, fenced
+workers run handlers and commit each terminal result together with its reply
+(transactional outbox); a dispatcher publishes replies that an idempotent receiver applies
+exactly once.
+
+Everything a user needs is importable from here::
+
+    from broker_adapter import Adapter, AdapterConfig, Envelope, Keyring, Publisher, connect
+
+The sub-packages (``protocol``, ``redis``, ``store``, ``client``, ``stages``, ``app``) are
+the implementation, layered as docs/ARCHITECTURE.md describes; their names may move
+between minor versions, the names below do not.
 """
 
+__version__ = "0.1.0"
+
+from broker_adapter.app.adapter import Adapter, AdapterConfig
+from broker_adapter.client.publisher import AsyncPublisher, Publisher
 from broker_adapter.clock import Clock, FakeClock, SystemClock
 from broker_adapter.errors import (
     AuthError,
@@ -13,7 +26,9 @@ from broker_adapter.errors import (
     ConfigError,
     EnvelopeError,
     FencedError,
+    GroupMissingError,
     RedisUnavailable,
+    ReplyConflict,
     RetryableError,
     StageError,
     StaleError,
@@ -22,12 +37,27 @@ from broker_adapter.errors import (
     TaskCancelled,
     TransientError,
 )
-from broker_adapter.protocol.envelope import Envelope, canonical_json
-
-__version__ = "0.1.0"
+from broker_adapter.fences import SqlFence, TargetFenced
+from broker_adapter.protocol.canonical import canonical_json
+from broker_adapter.protocol.envelope import Envelope
+from broker_adapter.protocol.idempotency import effect_key as action_key
+from broker_adapter.protocol.keys import Keys
+from broker_adapter.protocol.reply import BadReply, Reply
+from broker_adapter.protocol.signing import Keyring
+from broker_adapter.redis.client import connect, connect_async
+from broker_adapter.stages.effects import side_effect
+from broker_adapter.stages.receiver import Receiver, ReceiverConfig, effect_key
+from broker_adapter.stages.task import Task
+from broker_adapter.store import ReceiptStore, open_database
+from broker_adapter.store.outbox import UnknownReply
+from broker_adapter.store.tasks import UnknownTask
 
 __all__ = [
+    "Adapter",
+    "AdapterConfig",
+    "AsyncPublisher",
     "AuthError",
+    "BadReply",
     "BrokerAdapterError",
     "Clock",
     "ConfigError",
@@ -35,15 +65,35 @@ __all__ = [
     "EnvelopeError",
     "FakeClock",
     "FencedError",
+    "GroupMissingError",
+    "Keyring",
+    "Keys",
+    "Publisher",
+    "ReceiptStore",
+    "Receiver",
+    "ReceiverConfig",
     "RedisUnavailable",
+    "Reply",
+    "ReplyConflict",
     "RetryableError",
+    "SqlFence",
     "StageError",
     "StaleError",
     "StoreBusy",
     "StoreError",
     "SystemClock",
+    "TargetFenced",
+    "Task",
     "TaskCancelled",
     "TransientError",
+    "UnknownReply",
+    "UnknownTask",
     "__version__",
+    "action_key",
     "canonical_json",
+    "connect",
+    "connect_async",
+    "effect_key",
+    "open_database",
+    "side_effect",
 ]

@@ -1,6 +1,6 @@
 """The base of every settings model: checked when built, refused as one ``ConfigError``.
 
-Each settings class (``RunConfig``, ``IngestConfig``, ``WorkerConfig``, ``TaskPolicy``,
+Each settings class (``AdapterConfig``, ``IngestConfig``, ``WorkerConfig``, ``TaskPolicy``,
 ``ReaderConfig``, ...) subclasses ``ConfigModel`` and states its bounds as pydantic fields
 and validators. ``Model(...)`` stays the way to build one; what it refuses comes out as a
 ``ConfigError`` (a ``ValueError``, like pydantic's own error) naming the model and each
@@ -10,13 +10,16 @@ traceback.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Self
+from typing import Any, Self
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 from broker_adapter.errors import ConfigError, EnvelopeError
-from broker_adapter.protocol.envelope import check_principal
-from broker_adapter.protocol.keys import Keys
+
+#: A claimed task's lease, and a publisher's claim on an outbox row, seconds.
+DEFAULT_LEASE_S = 30.0
+#: Pending stream entries idle this long are taken over from a consumer presumed dead.
+DEFAULT_CLAIM_MIN_IDLE_MS = 60_000
 
 
 def refusal(model: str, exc: ValidationError) -> ConfigError:
@@ -31,21 +34,6 @@ def refusal(model: str, exc: ValidationError) -> ConfigError:
             why = str(err.get("msg", "invalid")).removeprefix("Value error, ")
         problems.append(f"{model}.{where}: {why}" if where else f"{model}: {why}")
     return ConfigError("; ".join(problems) or f"{model}: invalid")
-
-
-def _key_prefix(value: str) -> str:
-    Keys(value)  # refuses braces and white space
-    return value
-
-
-def _principal(value: str) -> str:
-    return check_principal(value, "principal")
-
-
-#: A Redis key prefix (``keys.Keys``): no braces, no white space.
-KeyPrefix = Annotated[str, AfterValidator(_key_prefix)]
-#: A principal name (``envelope.check_principal``).
-Principal = Annotated[str, AfterValidator(_principal)]
 
 
 class ConfigModel(BaseModel):

@@ -36,6 +36,22 @@ _STORE_OPS = (
     "reply_replay",
     "receipt",
     "purge",
+    # effects beyond our transaction (store/effects.py)
+    "cancel_request",
+    "effect_started",
+    "to_unknown",
+    "unknown_lapsed",
+    "claim_unknown",
+    "reconcile_done",
+    "reconcile_not_done",
+    "reconcile_unknown",
+    "reconcile_operator",
+    "compensation_begin",
+    "compensation_end",
+    "approval_grant",
+    "approval_revoke",
+    "approval_wait",
+    "approval_release",
 )
 
 #: Every crash point, with the window it opens.

@@ -12,6 +12,8 @@ import redis
 
 from broker_adapter import crashpoints
 from broker_adapter.clock import FakeClock
+from broker_adapter.store import TaskStore, open_database
+from broker_adapter.store.db import Database
 from tests.support.postgres import STORE_BACKENDS, ThrowawayDatabase, require_server
 from tests.support.redis_server import RedisServer, require_binary
 
@@ -88,3 +90,40 @@ def store_target(request: pytest.FixtureRequest, tmp_path: Path) -> str:
         return str(tmp_path / "store.db")
     url: str = request.getfixturevalue("pg_url")
     return url
+
+
+@pytest.fixture
+def db(tmp_path: Path) -> Iterator[Database]:
+    """The agent side's database (``agent.db``) of one test, closed afterwards.
+    A directory's or a test module's own ``db`` fixture takes precedence over this one."""
+    database = open_database(tmp_path / "agent.db")
+    yield database
+    database.close()
+
+
+@pytest.fixture
+def agent_db(db: Database) -> Database:
+    """The agent side's database under the name the reply tests use."""
+    return db
+
+
+@pytest.fixture
+def rx_path(tmp_path: Path) -> Path:
+    """The receiver's database file (``receiver.db``)."""
+    return tmp_path / "receiver.db"
+
+
+@pytest.fixture
+def rx_db(rx_path: Path) -> Iterator[Database]:
+    """The receiver's database of one test, closed afterwards."""
+    database = open_database(rx_path)
+    yield database
+    database.close()
+
+
+@pytest.fixture
+def tasks(tmp_path: Path, clock: FakeClock) -> Iterator[TaskStore]:
+    """The ingest's task store (``inbox.db``) on the test clock."""
+    db = open_database(tmp_path / "inbox.db")
+    yield TaskStore(db, clock)
+    db.close()

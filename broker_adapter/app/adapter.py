@@ -6,7 +6,7 @@ idle and tells each which (``handoff``; a worker that hears nothing still finds 
 by claiming). Each thread and each process opens its own ``Database`` (no connection
 crosses a thread or a ``fork``); worker processes are started with ``spawn``.
 
-Lifecycle: ``Runner.run(stop)`` returns after ``stop`` is set (SIGTERM / SIGINT in the CLI):
+Lifecycle: ``Adapter.run(stop)`` returns after ``stop`` is set (SIGTERM / SIGINT in the CLI):
 ingest and the dispatcher finish their current batch, the workers stop claiming and let the
 running handlers finish within ``grace_s``. A worker process that dies (SIGKILL, a handler
 that kills it) is replaced; its claimed task comes back to the pool when its lease expires,
@@ -21,17 +21,18 @@ import logging
 import os
 import socket
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from broker_adapter.app.metrics import Observed, serve_metrics, stages_down
+from broker_adapter.app.metrics import Observed, stages_down
 from broker_adapter.app.pool import WorkerPool
+from broker_adapter.app.serving import serve_metrics
 from broker_adapter.clock import SystemClock
-from broker_adapter.config import ConfigModel, KeyPrefix, Principal
+from broker_adapter.config import DEFAULT_CLAIM_MIN_IDLE_MS, DEFAULT_LEASE_S, ConfigModel
 from broker_adapter.errors import (
     BrokerAdapterError,
     ConfigError,
@@ -39,16 +40,19 @@ from broker_adapter.errors import (
     StoreBusy,
     TransientError,
 )
-from broker_adapter.protocol.keys import DEFAULT_PREFIX, Keys
+from broker_adapter.protocol.keys import DEFAULT_PREFIX, MAX_PARTITIONS, KeyPrefix, Keys, Principal
 from broker_adapter.protocol.signing import Keyring
 from broker_adapter.redis.client import RedisUrl, connect
-from broker_adapter.redis.reader import DEFAULT_CLAIM_MIN_IDLE_MS
 from broker_adapter.stages.dispatcher import Dispatcher, DispatcherConfig
+from broker_adapter.stages.effects import EffectSpec, Reconciler, effect_spec, run_reconciles
 from broker_adapter.stages.handlers import load_handler
-from broker_adapter.stages.handoff import CLAIM, LOOK, Handoff
-from broker_adapter.stages.ingest import IngestConfig, Ingestor
-from broker_adapter.stages.worker import WorkerConfig
-from broker_adapter.store import Database, TaskStore
+from broker_adapter.stages.handoff import Handoff
+from broker_adapter.stages.ingest import Ingestor
+from broker_adapter.stages.ingest_config import IngestConfig
+from broker_adapter.stages.worker import EFFECTS_NEED_SQLITE, WorkerConfig
+from broker_adapter.stages.worker_config import DEFAULT_CALL_TIMEOUT_S, DEFAULT_GRACE_S
+from broker_adapter.store import TaskStore, open_database
+from broker_adapter.store.approvals import ApprovalStore
 from broker_adapter.store.backends import (
     is_postgres_url,
     open_store,
@@ -56,9 +60,10 @@ from broker_adapter.store.backends import (
     redacted_url,
     task_store,
 )
+from broker_adapter.store.effects import EffectsStore
 from broker_adapter.store.gate import WriteGate
 from broker_adapter.store.retention import DEFAULT_RETENTION_S, PurgeSchedule, run_purges
-from broker_adapter.store.tasks import AcceptItem, AcceptResult, Outcome, TaskPolicy
+from broker_adapter.store.tasks import TaskPolicy
 
 log = logging.getLogger("broker_adapter.app.adapter")
 
@@ -71,15 +76,16 @@ DB_WAIT_FIRST_S = 0.1
 DB_WAIT_MAX_S = 5.0
 
 
-class RunConfig(ConfigModel):
+class AdapterConfig(ConfigModel):
     """Everything ``broker-adapter run`` needs; validated before anything starts.
 
     Attributes:
         redis_url: the Redis holding the streams.
         db_path: the SQLite file (created if absent), or a ``postgresql://`` URL: the
             PostgreSQL store (``store.postgres``), which several adapter processes on
-            several hosts may share; there the workers claim their own tasks (no
-            hand-off: it hands tasks to the idle workers of one host's pool).
+            several hosts may share; the hand-off gives new tasks to the idle workers of
+            this host's pool, the workers of other hosts claim the rest (``SKIP LOCKED``).
+            A handler declaring a side effect needs SQLite for now (``ConfigError``).
         handler: ``module:callable`` run for each task.
         app_dir: put first on the import path (here and in the worker processes) before
             the handler is imported; ``None`` leaves the path as it is.
@@ -88,6 +94,8 @@ class RunConfig(ConfigModel):
             (both modes: in ACL mode each ACL principal needs its reply keys in it).
         mode: ``signed`` (HMAC per entry) or ``acl`` (the stream fixes the principal).
         acl_principals: in ACL mode, whose streams to read.
+        partitions: in signed mode, how many inbound partition streams ingest reads
+            (``IngestConfig.partitions``).
         prefix: Redis key prefix.
         name: this adapter's stable name (consumer and owner names derive from it).
         lease_s: task lease.
@@ -116,11 +124,12 @@ class RunConfig(ConfigModel):
     keyring_path: Path | None = None
     mode: Literal["signed", "acl"] = "signed"
     acl_principals: tuple[Principal, ...] = ()
+    partitions: int = Field(default=1, ge=1, le=MAX_PARTITIONS)
     prefix: KeyPrefix = DEFAULT_PREFIX
     name: str = Field(default_factory=lambda: socket.gethostname().split(".")[0] or "adapter")
-    lease_s: float = Field(default=30.0, gt=0)
-    call_timeout_s: float = Field(default=60.0, gt=0)
-    grace_s: float = Field(default=10.0, ge=0)
+    lease_s: float = Field(default=DEFAULT_LEASE_S, gt=0)
+    call_timeout_s: float = Field(default=DEFAULT_CALL_TIMEOUT_S, gt=0)
+    grace_s: float = Field(default=DEFAULT_GRACE_S, ge=0)
     claim_min_idle_ms: int = Field(default=DEFAULT_CLAIM_MIN_IDLE_MS, ge=0)
     worker_publish: bool = True
     rate_limit: float | None = Field(default=None, gt=0)
@@ -149,7 +158,7 @@ class RunConfig(ConfigModel):
         return v
 
     @model_validator(mode="after")
-    def _modes(self) -> RunConfig:
+    def _modes(self) -> AdapterConfig:
         if self.keyring_path is None:
             need = (
                 "to verify requests and sign replies"
@@ -161,40 +170,12 @@ class RunConfig(ConfigModel):
             )
         if self.mode == "acl" and not self.acl_principals:
             raise ValueError("acl mode needs at least one principal (--acl-principal P)")
+        if self.mode == "acl" and self.partitions != 1:
+            raise ValueError("--partitions is for signed mode (ACL mode reads one stream each)")
         return self
 
 
-class HandingTaskStore(TaskStore):
-    """The ingest's store: each accept also claims the new tasks for idle worker processes
-    and hands them over (``handoff.Handoff``); tasks stored that no idle worker took wait
-    for the next claim, and an idle worker that turns up meanwhile is told to claim."""
-
-    def __init__(self, *args: Any, handoff: Handoff, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._handoff = handoff
-
-    def accept(self, items: Sequence[AcceptItem]) -> list[AcceptResult]:
-        handoff = self._handoff
-        taken = handoff.take(len(items))
-        intake = None
-        try:
-            intake = self.accept_and_claim(items, [(owner, n) for _, owner, n in taken])
-        finally:
-            # Every worker taken gets its one message, whatever happened.
-            for i, (slot, _, _) in enumerate(taken):
-                handles = intake.claimed[i] if intake is not None else []
-                handoff.give(slot, handles or LOOK)
-        stored = sum(r.outcome is Outcome.STORED for r in intake.results)
-        if stored:
-            handoff.stored()
-            handed = sum(len(h) for h in intake.claimed)
-            # Workers that finish a batch will claim them in that commit: only idle ones.
-            for slot, _, _ in handoff.take(stored - handed, finishing=False):
-                handoff.give(slot, CLAIM)
-        return intake.results
-
-
-class Runner:
+class Adapter:
     """Runs the whole adapter until told to stop.
 
     Args:
@@ -202,10 +183,10 @@ class Runner:
         logger: where progress and alarms go.
     """
 
-    def __init__(self, config: RunConfig, logger: logging.Logger | None = None) -> None:
+    def __init__(self, config: AdapterConfig, logger: logging.Logger | None = None) -> None:
         self.config = config
         self.log = logger or log
-        assert config.keyring_path is not None  # RunConfig requires it
+        assert config.keyring_path is not None  # AdapterConfig requires it
         self.keyring = Keyring.load(config.keyring_path)
         keyless = [p for p in config.acl_principals if not self.keyring.key_ids(p)]
         if config.mode == "acl" and keyless:
@@ -215,7 +196,13 @@ class Runner:
             )
         # The pool imports it again (a cached module); importing it here first means a
         # handler that cannot be found is refused before anything starts.
-        load_handler(config.handler, app_dir=config.app_dir)
+        #: The handler's declared side effect (``effects.side_effect``), or ``None``: with
+        #: one, a reconcile thread releases approval waits and reconciles ``unknown`` tasks.
+        self.effect: EffectSpec | None = effect_spec(
+            load_handler(config.handler, app_dir=config.app_dir)
+        )
+        if self.effect is not None and config.on_postgres:
+            raise ConfigError(f"handler {config.handler}: {EFFECTS_NEED_SQLITE}")
         self.policy = TaskPolicy(lease_s=config.lease_s, retention_s=config.retention_s)
         # Create and migrate once, up front (a bad path or a newer schema fails here); a
         # database that another writer keeps locked is waited for in ``run``.
@@ -274,7 +261,7 @@ class Runner:
             self.config.handler,
             self._worker_config,
             policy=self.policy,
-            handoff=not self.config.on_postgres,
+            handoff=True,
             keyring=self.keyring,
             app_dir=self.config.app_dir,
         )
@@ -305,6 +292,7 @@ class Runner:
                 consumer=f"{cfg.name}-ingest",
                 mode=cfg.mode,
                 acl_principals=cfg.acl_principals,
+                partitions=cfg.partitions,
                 claim_min_idle_ms=cfg.claim_min_idle_ms,
                 rate_limit=cfg.rate_limit,
                 rate_burst=cfg.rate_burst,
@@ -312,12 +300,10 @@ class Runner:
                 retention_s=cfg.retention_s,
             )
             client = connect(cfg.redis_url)
-            tasks = (
-                HandingTaskStore(db, SystemClock(), self.policy, handoff=handoff)
-                if handoff is not None and isinstance(db, Database)
-                else task_store(db, SystemClock(), self.policy)
+            tasks = task_store(db, SystemClock(), self.policy)
+            ingestor = Ingestor(
+                ingest_cfg, client, tasks, self.keyring, logger=self.log, handoff=handoff
             )
-            ingestor = Ingestor(ingest_cfg, client, tasks, self.keyring, logger=self.log)
             self.observed.add_ingestor(ingestor)
             ingestor.run(stop)
         finally:
@@ -358,6 +344,21 @@ class Runner:
         finally:
             db.close()
 
+    def _reconcile(self, stop: threading.Event, gate: WriteGate | None) -> None:
+        """For a handler that declared a side effect: release approval waits and reconcile
+        ``unknown`` tasks (``effects.run_reconciles``), on a connection of its own. Each
+        reconcile holds its task under a lease and a fence, and its function is called with
+        a timeout, outside any transaction."""
+        assert self.effect is not None
+        db = open_database(self.config.db_path, gate=gate)
+        try:
+            tasks = TaskStore(db, SystemClock(), self.policy)
+            owner = f"{self.config.name}-reconciler-{os.getpid()}"
+            reconciler = Reconciler(EffectsStore(tasks), self.effect, owner)
+            run_reconciles(stop, reconciler, ApprovalStore(tasks), self.log)
+        finally:
+            db.close()
+
     def run(self, stop: threading.Event) -> int:
         """Run until ``stop`` is set. Returns the exit code (0 after a clean drain).
 
@@ -384,6 +385,8 @@ class Runner:
             self._thread("ingest", lambda: self._ingest(stop, pool.handoff, pool.gate)),
             self._thread("purge", lambda: self._purge(stop, pool.gate)),
         ]
+        if self.effect is not None:
+            threads.append(self._thread("reconcile", lambda: self._reconcile(stop, pool.gate)))
         self.observed.stages = partial(stages_down, threads, pool)
         self._first_look.wait(FIRST_LOOK_TIMEOUT_S)
         pool.start()

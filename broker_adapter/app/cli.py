@@ -22,11 +22,16 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from broker_adapter import __version__
+from broker_adapter.app.effects_cli import COMMANDS as EFFECT_COMMANDS
+from broker_adapter.app.effects_cli import add_commands as add_effect_commands
+from broker_adapter.config import DEFAULT_LEASE_S
 from broker_adapter.errors import BrokerAdapterError, ConfigError, TransientError
 from broker_adapter.store.retention import DEFAULT_RETENTION_S
 
 if TYPE_CHECKING:
     from broker_adapter.stages.receiver import Receiver
+
+log = logging.getLogger("broker_adapter.app.cli")
 
 EXIT_USAGE = 2
 EXIT_FAILURE = 1
@@ -91,7 +96,8 @@ def _option(
 
 def _add_redis(p: argparse.ArgumentParser, required: bool = True) -> None:
     what = "the Redis holding the streams" if required else "also report what Redis holds"
-    _option(p, "--redis", f"Redis URL (redis://, rediss:// or unix://): {what}",
+    _option(p, "--redis", f"Redis URL (redis://, rediss://, unix://, or a cluster node's"
+            f" redis+cluster://): {what}",
             env="BA_REDIS_URL", required=required, metavar="URL")  # fmt: skip
 
 
@@ -121,12 +127,24 @@ def _add_metrics(p: argparse.ArgumentParser) -> None:
             default="127.0.0.1", metavar="HOST")  # fmt: skip
 
 
+def _add_partitions(p: argparse.ArgumentParser) -> None:
+    _option(p, "--partitions", "signed mode: inbound partition streams, a principal's by a"
+            " stable hash (docs/PROTOCOL.md); publishers and the adapter must agree",
+            env="BA_PARTITIONS", default=1, type=int, metavar="P")  # fmt: skip
+
+
+def _add_log_format(p: argparse.ArgumentParser) -> None:
+    _option(p, "--log-format", "the log on stderr: text lines, or one JSON object per line"
+            " (docs/OPERATIONS.md, \"Logs\")", env="BA_LOG_FORMAT", default="text",
+            choices=("text", "json"))  # fmt: skip
+
+
 def _add_json(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="one JSON object per line")
 
 
 def _add_run(sub: argparse._SubParsersAction[_Parser]) -> None:
-    from broker_adapter.redis.reader import DEFAULT_CLAIM_MIN_IDLE_MS
+    from broker_adapter.config import DEFAULT_CLAIM_MIN_IDLE_MS
 
     run = sub.add_parser("run", help="run ingest, worker processes and the dispatcher")
     _add_redis(run)
@@ -143,7 +161,7 @@ def _add_run(sub: argparse._SubParsersAction[_Parser]) -> None:
             metavar="DIR")  # fmt: skip
     _option(run, "--workers", "worker processes (1..64)", env="BA_WORKERS", default=2,
             type=int, metavar="N")  # fmt: skip
-    # Checked by RunConfig, whose refusal says what each mode needs it for.
+    # Checked by AdapterConfig, whose refusal says what each mode needs it for.
     _add_keyring(run, "needed: verifies requests and signs every reply (in ACL mode too)",
                  required=False)  # fmt: skip
     _option(run, "--mode", "signed: one stream, an HMAC per entry; acl: one stream per"
@@ -153,10 +171,11 @@ def _add_run(sub: argparse._SubParsersAction[_Parser]) -> None:
             " (repeat the flag; the variable takes a comma-separated list)",
             env="BA_ACL_PRINCIPALS", default=[], action=_AppendOrEnv,
             dest="acl_principals", metavar="P")  # fmt: skip
+    _add_partitions(run)
     _option(run, "--name", "this adapter's stable name (consumer and owner names derive"
             " from it)", env="BA_NAME", shown="the host name")  # fmt: skip
     _option(run, "--lease", "a claimed task's lease, seconds; renewed every third of it",
-            env="BA_LEASE_S", default=30.0, type=float, metavar="S")  # fmt: skip
+            env="BA_LEASE_S", default=DEFAULT_LEASE_S, type=float, metavar="S")  # fmt: skip
     _option(run, "--grace", "on SIGTERM, how long running handlers may finish, seconds",
             env="BA_GRACE_S", default=10.0, type=float, metavar="S")  # fmt: skip
     _option(run, "--claim-min-idle-ms", "pending entries of a dead consumer idle this long"
@@ -174,6 +193,7 @@ def _add_run(sub: argparse._SubParsersAction[_Parser]) -> None:
         run, "requests older than this are forgotten, and deadlines further ahead refused"
     )
     _add_metrics(run)
+    _add_log_format(run)
 
 
 def _add_publish(sub: argparse._SubParsersAction[_Parser]) -> None:
@@ -185,6 +205,7 @@ def _add_publish(sub: argparse._SubParsersAction[_Parser]) -> None:
     _add_keyring(pub, "holds the principal's signing keys")
     _option(pub, "--key-id", "the key to sign with", env="BA_KEY_ID",
             shown="the principal's first key", metavar="KID")  # fmt: skip
+    _add_partitions(pub)
     _option(pub, "--id", "the message id; resend the same id until a reply arrives",
             env="BA_MESSAGE_ID", required=True, dest="message_id", metavar="ID")  # fmt: skip
     _option(pub, "--payload", "the task's payload, a JSON object", env="BA_PAYLOAD",
@@ -216,6 +237,7 @@ def _add_receive(sub: argparse._SubParsersAction[_Parser]) -> None:
 
     _add_retention(rcv, "receipts older than this are forgotten")
     _add_metrics(rcv)
+    _add_log_format(rcv)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -250,8 +272,14 @@ def build_parser() -> argparse.ArgumentParser:
     _add_redis(st, required=False)
     _add_prefix(st)
     _add_json(st)
+    st.add_argument("--watch", action="store_true",
+                    help="refresh until Ctrl-C (the terminal is cleared each time)")  # fmt: skip
+    st.add_argument("--interval", type=float, default=2.0, metavar="S",
+                    help="with --watch: seconds between refreshes [default: 2.0]")  # fmt: skip
 
-    cancel = sub.add_parser("cancel", help="cancel a task durably")
+    cancel = sub.add_parser(
+        "cancel", help="cancel a task durably (a running one: requested, for its handler to stop)"
+    )
     _add_db(cancel, "the adapter's database: a SQLite file, or a postgresql:// URL")
     cancel.add_argument("task_id", help="the task to cancel")
     _option(cancel, "--reason", "kept with the task and sent in its reply",
@@ -276,6 +304,7 @@ def build_parser() -> argparse.ArgumentParser:
             _option(p, "--by", "who replays (kept with the replay)",
                     default=os.environ.get("USER", "operator"))  # fmt: skip
 
+    add_effect_commands(sub, _option, _add_db)
     sub.add_parser("demo", help="run the end-to-end demo on an embedded default")
     return parser
 
@@ -299,7 +328,7 @@ def _install_stop() -> threading.Event:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from broker_adapter.app.adapter import RunConfig, Runner
+    from broker_adapter.app.adapter import Adapter, AdapterConfig
 
     fields: dict[str, Any] = {
         "redis_url": args.redis,
@@ -310,6 +339,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         "keyring_path": Path(args.keyring) if args.keyring else None,
         "mode": args.mode,
         "acl_principals": tuple(args.acl_principals),
+        "partitions": args.partitions,
         "prefix": args.prefix,
         "lease_s": args.lease,
         "grace_s": args.grace,
@@ -323,15 +353,16 @@ def cmd_run(args: argparse.Namespace) -> int:
     }
     if args.name:
         fields["name"] = args.name
-    config = RunConfig(**fields)
+    config = AdapterConfig(**fields)
     stop = _install_stop()
-    return Runner(config).run(stop)
+    return Adapter(config).run(stop)
 
 
 def cmd_publish(args: argparse.Namespace) -> int:
     from broker_adapter.client.publisher import Publisher
     from broker_adapter.errors import EnvelopeError
-    from broker_adapter.protocol.envelope import Envelope, loads_strict
+    from broker_adapter.protocol.canonical import loads_strict
+    from broker_adapter.protocol.envelope import Envelope
     from broker_adapter.protocol.keys import Keys
     from broker_adapter.protocol.signing import Keyring
     from broker_adapter.redis.client import connect
@@ -353,7 +384,7 @@ def cmd_publish(args: argparse.Namespace) -> int:
     except EnvelopeError as exc:  # built from the flags: a usage error
         raise ConfigError(f"the envelope is refused: {exc}") from None
     publisher = Publisher(connect(args.redis), Keys(args.prefix), args.principal, keyring,
-                          key_id=args.key_id)  # fmt: skip
+                          key_id=args.key_id, partitions=args.partitions)  # fmt: skip
     entry_id = publisher.publish(envelope)
     _print_json(
         {
@@ -368,7 +399,8 @@ def cmd_publish(args: argparse.Namespace) -> int:
 
 
 def cmd_receive(args: argparse.Namespace) -> int:
-    from broker_adapter.app.metrics import Observed, serve_metrics
+    from broker_adapter.app.metrics import Observed
+    from broker_adapter.app.serving import serve_metrics
     from broker_adapter.protocol.signing import Keyring
     from broker_adapter.redis.client import connect
     from broker_adapter.stages.receiver import Receiver, ReceiverConfig, record_effect
@@ -420,7 +452,7 @@ def _receive_until(receiver: Receiver, stop: threading.Event, until_idle: float 
             n = receiver.step()
         except TransientError as exc:
             if failure is None:
-                print(f"broker-adapter: retrying every 1 s: {exc}", file=sys.stderr)
+                log.warning("retrying every 1 s: %s", exc)
             failure = exc
             left_s = 1.0 if until_idle is None else until_idle - idle_s
             stop.wait(max(0.0, min(1.0, left_s)))
@@ -429,7 +461,7 @@ def _receive_until(receiver: Receiver, stop: threading.Event, until_idle: float 
         applied += n
         if n:
             idle_since = time.monotonic()
-            print(f"received {applied} replies", file=sys.stderr)
+            log.info("received %d replies", applied)
 
 
 def cmd_receipts(args: argparse.Namespace) -> int:
@@ -463,10 +495,15 @@ def cmd_backup(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from broker_adapter.app.ops import collect_status, format_status
+    from broker_adapter.app.ops import collect_status, format_status, watch_status
     from broker_adapter.store.backends import is_postgres_url
 
     db = args.db if is_postgres_url(args.db) else Path(args.db)
+    if args.watch:
+        if args.interval <= 0:
+            raise ConfigError("--interval must be above 0")
+        return watch_status(db, args.redis, args.prefix, args.interval,
+                            as_json=args.json)  # fmt: skip
     report = collect_status(db, args.redis, args.prefix)
     if args.json:
         _print_json(report)
@@ -476,11 +513,22 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_cancel(args: argparse.Namespace) -> int:
+    from broker_adapter.store import TaskStore
     from broker_adapter.store.backends import open_store, task_store
+    from broker_adapter.store.effects import EffectsStore
 
     db = open_store(args.db)  # a SQLite file or a postgresql:// URL
-    state = task_store(db).cancel(args.task_id, args.reason)
-    _print_json({"task_id": args.task_id, "state": state.value})
+    tasks = task_store(db)
+    if isinstance(tasks, TaskStore):
+        # A running task gets a cancel request (its handler sees it at its next check; its
+        # lease is no longer renewed after the grace); any other live task is cancelled now.
+        state = EffectsStore(tasks).request_cancel(args.task_id, args.reason)
+    else:  # PostgreSQL: no cancel requests yet (effects are SQLite's); cancelled outright
+        state = tasks.cancel(args.task_id, args.reason)
+    out = {"task_id": args.task_id, "state": state.value}
+    if state == "running":
+        out["cancel_requested"] = True
+    _print_json(out)
     db.close()
     return 0
 
@@ -509,16 +557,15 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "cancel": cmd_cancel,
     "dead-letters": cmd_dead_letters,
     "demo": cmd_demo,
+    **EFFECT_COMMANDS,
 }
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from broker_adapter.app.logs import configure
+
     args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    configure(logging.DEBUG if args.verbose else logging.INFO, getattr(args, "log_format", "text"))
     try:
         return COMMANDS[args.command](args)
     except ConfigError as exc:

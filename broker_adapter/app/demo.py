@@ -13,7 +13,11 @@ killed by SIGKILL at a named crash point. The story:
    carries the same reply id and adds no second entry;
 5. the receiver is killed after committing an effect and before its XACK: the redelivered
    reply is recognised and the effect is not applied again; a forged reply, added under a
-   real reply id before the real one, is refused for its signature and never applied.
+   real reply id before the real one, is refused for its signature and never applied;
+6. a handler charges a card at a target that does not dedupe (declared irreversible, with
+   a reconcile function) and its worker is killed after the charge: the task is not retried
+   blindly but goes to ``unknown``; the reconcile finds the charge under the effect's
+   idempotency key and ends the task ``done`` with one charge.
 """
 
 from __future__ import annotations
@@ -30,19 +34,30 @@ from typing import Any
 from broker_adapter import crashpoints
 from broker_adapter.client.publisher import Publisher
 from broker_adapter.errors import StaleError
+from broker_adapter.protocol.canonical import canonical_json, sha256_hex
 from broker_adapter.protocol.deadletter import DeadLetter
-from broker_adapter.protocol.envelope import Envelope, canonical_json, sha256_hex
+from broker_adapter.protocol.envelope import Envelope
 from broker_adapter.protocol.keys import Keys
 from broker_adapter.protocol.reply import Reply
 from broker_adapter.protocol.signing import Keyring
 from broker_adapter.redis.client import connect
 from broker_adapter.redis.embedded import EmbeddedRedis
 from broker_adapter.stages.dispatcher import Dispatcher, DispatcherConfig
+from broker_adapter.stages.effects import Observation, Reconciler, effect_spec, side_effect
 from broker_adapter.stages.handlers import Task
-from broker_adapter.stages.ingest import IngestConfig, Ingestor
+from broker_adapter.stages.ingest import Ingestor
+from broker_adapter.stages.ingest_config import IngestConfig
 from broker_adapter.stages.receiver import Receiver, ReceiverConfig, effect_key
 from broker_adapter.stages.worker import Worker, WorkerConfig
-from broker_adapter.store import OutboxStore, ReceiptStore, TaskStore, open_database
+from broker_adapter.store import (
+    AcceptItem,
+    ClaimedTask,
+    OutboxStore,
+    ReceiptStore,
+    TaskStore,
+    open_database,
+)
+from broker_adapter.store.effects import EffectsStore
 from broker_adapter.store.tasks import TaskPolicy, idempotency_key_for
 
 PREFIX = "demo"
@@ -84,6 +99,33 @@ def restart_service(task: Task) -> dict[str, Any]:
     return {"restarted": task.payload.get("service"), "attempt": task.attempt}
 
 
+def _charges_conn(path: str) -> sqlite3.Connection:
+    """A card processor that does NOT dedupe: every request is a charge (it only records
+    the idempotency key it was sent, so that a reconcile can ask about it)."""
+    conn = sqlite3.connect(path, timeout=10, isolation_level=None)
+    conn.execute("PRAGMA journal_mode = WAL")
+    conn.execute("CREATE TABLE IF NOT EXISTS charges (key TEXT, amount INT)")
+    return conn
+
+
+def card_charged(task: ClaimedTask, key: str) -> Observation:
+    """The reconcile: ask the processor for charges under the effect's idempotency key."""
+    with closing(_charges_conn(os.environ[EFFECTS_ENV])) as conn:
+        n = conn.execute("SELECT count(*) FROM charges WHERE key = ?", (key,)).fetchone()[0]
+    if n == 0:
+        return Observation.not_happened("no charge under the key")
+    return Observation.happened({"charged": task.payload["amount"]}, applied=n)
+
+
+@side_effect("charge_card", reconcile=card_charged)
+def charge_card(task: Task) -> dict[str, Any]:
+    """The demo's irreversible handler: one charge per call, the target does not dedupe."""
+    with closing(_charges_conn(os.environ[EFFECTS_ENV])) as conn:
+        conn.execute("INSERT INTO charges VALUES (?, ?)",
+                     (task.effect_key("charge_card"), task.payload["amount"]))  # fmt: skip
+    return {"charged": task.payload["amount"]}
+
+
 # -- children: each is a real process that a crash point kills ----------------------------
 
 
@@ -97,6 +139,13 @@ def _worker_child(db_path: str, point: str) -> None:
     db = open_database(db_path)
     tasks = TaskStore(db, policy=TaskPolicy(lease_s=LEASE_S))
     Worker(WorkerConfig(owner="worker-A"), tasks, restart_service).run_once(1)
+
+
+def _charge_child(db_path: str, point: str) -> None:
+    _arm(point)
+    db = open_database(db_path)
+    tasks = TaskStore(db, policy=TaskPolicy(lease_s=LEASE_S))
+    Worker(WorkerConfig(owner="worker-C"), tasks, charge_card).run_once(1)
 
 
 def _dispatcher_child(db_path: str, url: str, point: str) -> None:
@@ -269,7 +318,40 @@ def _story(tmp: Path, redis: EmbeddedRedis) -> bool:
         "before any receipt; the real one was applied"
     )
     _say()
-    return _report(db, rdb_path, stale_refused, before == after, forgery_refused)
+    once = _unknown_story(str(tmp / "charges.db"))
+    return _report(db, rdb_path, stale_refused, before == after, forgery_refused, once)
+
+
+def _unknown_story(db_path: str) -> bool:
+    """Step 6: an irreversible effect at a target that does not dedupe."""
+    _say("6. A handler charges a card at a processor that does not dedupe, and is SIGKILLed")
+    _say("   after the charge (the handler is declared @side_effect: irreversible, reconcile)")
+    tasks = TaskStore(open_database(db_path), policy=TaskPolicy(lease_s=LEASE_S))
+    env = Envelope.build(message_id="charge-42", sender="planner", payload={"amount": 42},
+                         deadline=time.time() + 120)  # fmt: skip
+    tasks.accept([AcceptItem("planner", env)])
+    code = _run_child(_charge_child, db_path, "worker.after_effect")
+    time.sleep(LEASE_S + 0.1)  # a demo runs on the real clock: let the lease run out
+    taken = tasks.reconcile()
+    task = tasks.find("planner", "charge-42")
+    assert task is not None
+    _say(f"   worker C exit code {code}; its lease ran out after the charge started:"
+         f" {taken.get('unknown', 0)} task taken back as {task.state}, not pending")  # fmt: skip
+    retried = Worker(WorkerConfig(owner="worker-D"), tasks, charge_card).run_once(10)
+    _say(f"   another worker finds nothing to retry blindly: {retried} claimed")
+    fx = EffectsStore(tasks)
+    spec = effect_spec(charge_card)
+    assert spec is not None
+    Reconciler(fx, spec, "reconciler").run_once()
+    task = tasks.find("planner", "charge-42")
+    assert task is not None
+    (record,) = fx.reconcile_log(task.task_id)
+    with closing(_charges_conn(os.environ[EFFECTS_ENV])) as conn:
+        charges = conn.execute("SELECT count(*) FROM charges").fetchone()[0]
+    _say(f"   the reconcile asked the processor under the effect's idempotency key: "
+         f"{record.outcome}; task {task.state}, charges {charges}\n")  # fmt: skip
+    tasks.db.close()
+    return task.state == "done" and charges == 1 and retried == 0
 
 
 def _forge_reply(client: Any, keys: Keys, db: Any) -> str:
@@ -302,8 +384,9 @@ def _expired_lease_outbox(db: Any) -> OutboxStore:
 
 
 def _report(
-    db: Any, rdb_path: str, stale_refused: bool, one_entry_per_reply: bool, forgery_refused: bool
-) -> bool:
+    db: Any, rdb_path: str, stale_refused: bool, one_entry_per_reply: bool,
+    forgery_refused: bool, unknown_reconciled_once: bool,
+) -> bool:  # fmt: skip
     with closing(sqlite3.connect(rdb_path)) as rconn:
         applied: dict[str, int] = {}
         for reply_id, n in rconn.execute("SELECT reply_id, count(*) FROM applied GROUP BY 1"):
@@ -336,6 +419,7 @@ def _report(
         "stale commit refused": stale_refused,
         "one stream entry per reply id": one_entry_per_reply,
         "forged reply refused, never applied": forgery_refused,
+        "unknown outcome reconciled: one charge, no blind retry": unknown_reconciled_once,
     }
     for name, good in checks.items():
         _say(f"   [{'ok' if good else 'FAILED'}] {name}")
@@ -345,4 +429,4 @@ def _report(
 if __name__ == "__main__":  # pragma: no cover
     raise SystemExit(run_demo())
 
-__all__ = ["restart_service", "run_demo"]
+__all__ = ["card_charged", "charge_card", "restart_service", "run_demo"]

@@ -9,12 +9,14 @@ so the parent's handlers, format and levels apply to it as to its own records.
 One pipe per child, not one ``multiprocessing.Queue`` for all: a queue's writers share a
 lock, and a child SIGKILLed (or SIGSTOPped) while it holds that lock would silence every
 other child for good. A pipe has one writer; a dead child's pipe reads as closed and is
-dropped. A record is formatted in the child (``QueueHandler.prepare``: the message with its
-traceback, as text), so nothing unpicklable crosses and the traceback is printed once.
+dropped. A record is made plain in the child (``_Forwarding.prepare``: its message built,
+its traceback as text in ``exc_text``, its ``extra=`` fields kept), so nothing unpicklable
+crosses, and the parent's formatter, text or JSON, renders it as one of its own.
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 import threading
 from logging.handlers import QueueHandler, QueueListener
@@ -39,13 +41,33 @@ class _PipeQueue:
             pass
 
 
+class _Forwarding(QueueHandler):
+    """``QueueHandler`` whose records keep their traceback apart from the message (the
+    stdlib's ``prepare`` folds it into the message text)."""
+
+    def prepare(self, record: logging.LogRecord) -> logging.LogRecord:
+        plain = copy.copy(record)
+        plain.msg = record.getMessage()
+        plain.args = None
+        if record.exc_info:
+            plain.exc_text = record.exc_text or _TRACEBACKS.formatException(record.exc_info)
+        if record.stack_info:
+            plain.stack_info = _TRACEBACKS.formatStack(record.stack_info)
+        plain.exc_info = None
+        plain.message = plain.msg
+        return plain
+
+
+_TRACEBACKS = logging.Formatter()
+
+
 def forward_to_parent(conn: Connection, level: int) -> None:
     """In a child: send every log record of ``level`` or above to the parent's
     ``ChildLogs`` through ``conn`` (its ``pipe()``), instead of any other handler."""
     root = logging.getLogger()
     for handler in list(root.handlers):
         root.removeHandler(handler)
-    root.addHandler(QueueHandler(_PipeQueue(conn)))  # type: ignore[arg-type]
+    root.addHandler(_Forwarding(_PipeQueue(conn)))  # type: ignore[arg-type]
     root.setLevel(level)
 
 

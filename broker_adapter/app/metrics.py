@@ -26,35 +26,32 @@ What is counted where:
 Counters of this process and of the workers that share a name (reply publications, lease
 takeovers) are added up into one family (``Families``).
 
-Health: ``/healthz`` answers 200 while the process serves HTTP; ``/readyz`` answers 200
-only when every check passes (``Readiness``), else 503 with one line per failed check.
+The HTTP port that serves them, with ``/healthz`` and ``/readyz``, is ``app.serving``.
 """
 
 from __future__ import annotations
 
-import http.server
 import logging
 import os
-import sqlite3
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
-from broker_adapter.errors import BrokerAdapterError, ConfigError
-from broker_adapter.redis.probe import StreamSample, redis_check, redis_client, sample_groups
+from broker_adapter.errors import BrokerAdapterError
+from broker_adapter.redis.probe import StreamSample, redis_client, sample_groups
+from broker_adapter.store.probe import DatabaseError
 
 if TYPE_CHECKING:
     from prometheus_client.metrics_core import Metric
 
     from broker_adapter.app.pool import WorkerPool
     from broker_adapter.redis.reader import GroupReader
-    from broker_adapter.stages.dispatcher import Dispatcher, DispatcherStats
+    from broker_adapter.stages.dispatcher import Dispatcher
     from broker_adapter.stages.ingest import Ingestor
+    from broker_adapter.stages.publish import DispatcherStats
     from broker_adapter.stages.receiver import Receiver
     from broker_adapter.stages.worker import WorkerStats
 
@@ -68,7 +65,7 @@ CHECK_TIMEOUT_S = 1.0
 
 Labels = tuple[tuple[str, str], ...]
 #: What a source of a scrape may fail with; it is then left out of that scrape.
-_SOURCE_ERRORS = (BrokerAdapterError, sqlite3.Error, OSError, ValueError)
+_SOURCE_ERRORS = (BrokerAdapterError, DatabaseError, OSError, ValueError)
 
 
 class Families:
@@ -274,6 +271,28 @@ def _database_families(out: Families, db_path: Path | str) -> None:
     out.gauge("ba_outbox_oldest_unsent_age_seconds", "Age of the oldest reply not sent yet"
               " (0: none).", 0.0 if oldest is None else oldest)  # fmt: skip
     out.gauge("ba_receipts", "Replies the receiver recorded.", report["receipts"]["replies"])
+    fx = report["effects"]
+    out.gauge("ba_unknown_outcomes", "Tasks whose external effect's outcome is not known"
+              " (unknown), by whether they wait for an operator.",
+              fx["unknown"] - fx["awaiting_operator"], waiting="reconcile")  # fmt: skip
+    out.gauge("ba_unknown_outcomes", "", fx["awaiting_operator"], waiting="operator")
+    for outcome in ("done", "not-done", "unknown"):
+        out.counter("ba_reconciles", "Reconciles of unknown tasks (automatic or an"
+                    " operator's), by what they found.", fx[f"reconciled_{outcome}"],
+                    outcome=outcome)  # fmt: skip
+    for outcome in ("started", "done", "failed"):
+        out.counter("ba_compensations", "Compensations of duplicate effects, by outcome.",
+                    fx[f"compensations_{outcome}"], outcome=outcome)  # fmt: skip
+    out.gauge("ba_approvals_waiting", "Tasks waiting for an approval.", fx["waiting_approval"])
+    for state in ("valid", "expired", "revoked"):
+        out.gauge("ba_approvals", "Approval records by state (granted and valid, expired,"
+                  " revoked).", fx[f"approvals_{state}"], state=state)  # fmt: skip
+
+
+class ReadinessCheck(Protocol):
+    """What ``ba_ready`` reports: ``app.serving.Readiness``."""
+
+    def problems(self) -> list[str]: ...
 
 
 class AdapterCollector:
@@ -288,7 +307,7 @@ class AdapterCollector:
         observed: Observed,
         *,
         sample_every_s: float = SAMPLE_EVERY_S,
-        readiness: Readiness | None = None,
+        readiness: ReadinessCheck | None = None,
     ) -> None:
         self.observed = observed
         self.readiness = readiness
@@ -372,6 +391,8 @@ _WORKER_COUNTERS: dict[str, tuple[str, str, dict[str, str]]] = {
     "failed": ("ba_task_outcomes", "", {"outcome": "failed"}),
     "cancelled": ("ba_task_outcomes", "", {"outcome": "cancelled"}),
     "expired": ("ba_task_outcomes", "", {"outcome": "expired"}),
+    "unknown": ("ba_task_outcomes", "", {"outcome": "unknown"}),
+    "waiting_approval": ("ba_task_outcomes", "", {"outcome": "waiting_approval"}),
     "stale_commits": (
         "ba_stale_fence_refusals",
         "Commits the store refused (fence, owner,"
@@ -440,165 +461,3 @@ class WorkerMetrics:
         if gained > 0:
             counter.inc(gained)
             self._seen[key] = now
-
-
-# -- health ---------------------------------------------------------------------------------
-
-
-def database_check(path: Path | str) -> Callable[[], str | None]:
-    """The file exists and its write lock can be had within ``CHECK_TIMEOUT_S``:
-    ``BEGIN IMMEDIATE`` then ``ROLLBACK`` (nothing written, no fsync, the lock held for
-    microseconds). A file another writer keeps locked longer counts as not writable. A
-    PostgreSQL database: the server answers within ``CHECK_TIMEOUT_S`` and is not in
-    recovery (a standby cannot be written)."""
-    from broker_adapter.store.backends import is_postgres_url, probe
-
-    if is_postgres_url(path):
-        return lambda: probe(str(path), CHECK_TIMEOUT_S)
-
-    def check() -> str | None:
-        try:
-            conn = sqlite3.connect(f"file:{path}?mode=rw", uri=True, timeout=CHECK_TIMEOUT_S,
-                                   isolation_level=None)  # fmt: skip
-            try:
-                conn.execute("BEGIN IMMEDIATE")
-                conn.execute("ROLLBACK")
-            finally:
-                conn.close()
-        except sqlite3.Error as exc:
-            return f"database: {exc}"
-        return None
-
-    return check
-
-
-@dataclass
-class Readiness:
-    """The checks behind ``/readyz``: Redis answers a PING, the database can be written,
-    and every stage runs (``Observed.stages``)."""
-
-    observed: Observed
-
-    def problems(self) -> list[str]:
-        obs = self.observed
-        found: list[str] = []
-        if obs.redis_url is not None:
-            found.append(redis_check(obs.redis_url, CHECK_TIMEOUT_S)() or "")
-        if obs.db_path is not None:
-            found.append(database_check(obs.db_path)() or "")  # SQLite, or a SELECT 1
-        found += [f"stage not running: {name}" for name in obs.stages()]
-        return [p for p in found if p]
-
-
-# -- the HTTP server ------------------------------------------------------------------------
-
-
-class MetricsServer:
-    """``/metrics``, ``/healthz`` and ``/readyz`` on ``host:port`` (port 0: any free one,
-    see ``port``), served by a daemon thread of the stdlib's HTTP server."""
-
-    def __init__(self, observed: Observed, host: str = DEFAULT_METRICS_HOST, port: int = 0):
-        from prometheus_client import CollectorRegistry
-
-        self.registry = CollectorRegistry(auto_describe=False)
-        self.readiness = Readiness(observed)
-        self.collector = AdapterCollector(observed, readiness=self.readiness)
-        self.registry.register(self.collector)
-        self._httpd = http.server.ThreadingHTTPServer((host, port), self._handler())
-        self._httpd.daemon_threads = True
-        self._thread: threading.Thread | None = None
-
-    @property
-    def port(self) -> int:
-        return int(self._httpd.server_address[1])
-
-    def _handler(self) -> type[http.server.BaseHTTPRequestHandler]:
-        server = self
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def do_GET(self) -> None:
-                status, ctype, body = server.respond(self.path.partition("?")[0])
-                self.send_response(status)
-                self.send_header("Content-Type", ctype)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, format: str, *args: Any) -> None:
-                log.debug("metrics http: " + format, *args)
-
-        return Handler
-
-    def respond(self, path: str) -> tuple[int, str, bytes]:
-        """Status, content type and body for a GET of ``path``."""
-        text_type = "text/plain; charset=utf-8"
-        if path == "/metrics":
-            from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-
-            return 200, CONTENT_TYPE_LATEST, generate_latest(self.registry)
-        if path == "/healthz":
-            return 200, text_type, b"ok\n"
-        if path == "/readyz":
-            problems = self.readiness.problems()
-            if problems:
-                return 503, text_type, ("\n".join(problems) + "\n").encode()
-            return 200, text_type, b"ready\n"
-        return 404, text_type, b"not found: /metrics, /healthz, /readyz\n"
-
-    def start(self) -> None:
-        self._thread = threading.Thread(
-            target=self._httpd.serve_forever, name="metrics-http", daemon=True
-        )
-        self._thread.start()
-        host, port = self._httpd.server_address[:2]
-        log.info("metrics on http://%s:%d/metrics (/healthz, /readyz)", host, port)
-
-    def stop(self) -> None:
-        if self._thread is not None:
-            self._httpd.shutdown()
-            self._thread.join(timeout=5)
-        self._httpd.server_close()
-
-
-@contextmanager
-def serve_metrics(
-    observed: Observed, host: str, port: int | None, *, worker_files: bool = True
-) -> Iterator[MetricsServer | None]:
-    """Serve ``observed`` on ``host:port`` while the block runs; ``port`` ``None``: do
-    nothing (prometheus-client is not imported). With ``worker_files`` a temporary
-    directory is made for the worker processes' counters (``Observed.worker_dir``) and
-    removed afterwards."""
-    if port is None:
-        yield None
-        return
-    server = serve(observed, host, port)
-    files = tempfile.TemporaryDirectory(prefix="ba-metrics-") if worker_files else None
-    observed.worker_dir = None if files is None else Path(files.name)
-    try:
-        yield server
-    finally:
-        server.stop()
-        observed.worker_dir = None
-        if files is not None:
-            files.cleanup()
-
-
-def serve(observed: Observed, host: str, port: int) -> MetricsServer:
-    """Start a ``MetricsServer``.
-
-    Raises:
-        ConfigError: prometheus-client is not installed (the ``metrics`` extra), or the
-            port cannot be bound.
-    """
-    try:
-        import prometheus_client  # noqa: F401
-    except ImportError:
-        raise ConfigError(
-            "--metrics-port needs prometheus-client: pip install 'broker_adapter[metrics]'"
-        ) from None
-    try:
-        server = MetricsServer(observed, host, port)
-    except OSError as exc:
-        raise ConfigError(f"metrics port {host}:{port}: {exc}") from None
-    server.start()
-    return server

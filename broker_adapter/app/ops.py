@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from broker_adapter.protocol.deadletter import DeadLetter
 from broker_adapter.protocol.keys import INGEST_GROUP, Keys
@@ -72,6 +74,19 @@ def format_status(report: dict[str, Any]) -> str:
         + "  ".join(f"{k} {d[k]}" for k in ("pending", "sending", "sent", "dead"))
         + f"  oldest unsent {'-' if oldest is None else f'{oldest}s'}",
     ]
+    fx = report.get("effects")
+    if fx and any(fx.values()):  # only once something reached an external effect
+        lines.append(
+            f"effects     unknown {fx['unknown']} (awaiting operator {fx['awaiting_operator']})"
+            f"  reconciled done {fx['reconciled_done']} not-done {fx['reconciled_not-done']}"
+            f" unknown {fx['reconciled_unknown']}  compensations done"
+            f" {fx['compensations_done']} failed {fx['compensations_failed']}"
+            f" started {fx['compensations_started']}"
+        )
+        lines.append(
+            f"approvals   waiting {fx['waiting_approval']}  valid {fx['approvals_valid']}"
+            f"  expired {fx['approvals_expired']}  revoked {fx['approvals_revoked']}"
+        )
     if "redis" in report:
         for stream, info in report["redis"]["inbound"].items():
             per = ", ".join(f"{c}={n}" for c, n in info["pending_by_consumer"].items()) or "-"
@@ -81,6 +96,64 @@ def format_status(report: dict[str, Any]) -> str:
         for stream, n in report["redis"]["dead_letters"].items():
             lines.append(f"dead        {stream}: {n}")
     return "\n".join(lines)
+
+
+def watch_status(
+    db_path: Path | str,
+    redis_url: str | None,
+    prefix: str,
+    interval_s: float,
+    *,
+    as_json: bool = False,
+    out: TextIO | None = None,
+    iterations: int | None = None,
+    wait: Callable[[float], object] = time.sleep,
+    now: Callable[[], float] = time.time,
+) -> int:
+    """``status --watch``: show ``collect_status`` every ``interval_s`` until Ctrl-C
+    (exit 0). On a terminal each view replaces the last; elsewhere (and with
+    ``as_json``, one object per line with its time in ``at``) they follow each other.
+    Each view opens the database read-only; a Redis that does not answer is one line of
+    the view, and the next one looks again.
+
+    Args:
+        iterations: stop after this many views (tests; ``None``: until interrupted).
+        wait, now: the pause between views and the clock of their headers (tests).
+
+    Raises:
+        ConfigError: there is no database at ``db_path``.
+    """
+    from broker_adapter.errors import TransientError
+
+    stream = out if out is not None else sys.stdout
+    clear = not as_json and stream.isatty()
+    shown = 0
+    try:
+        while iterations is None or shown < iterations:
+            if shown:
+                wait(interval_s)
+            at = now()
+            try:
+                report = collect_status(db_path, redis_url, prefix)
+                problem = None
+            except TransientError as exc:  # Redis away: the database part still shows
+                report, problem = collect_status(db_path, None, prefix), str(exc)
+            if as_json:
+                line = {"at": at, **report, **({"redis_error": problem} if problem else {})}
+                stream.write(json.dumps(line, sort_keys=True, default=str) + "\n")
+            else:
+                stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(at))
+                header = f"{stamp}  every {interval_s:g} s, Ctrl-C to stop"
+                body = format_status(report)
+                if problem:
+                    body += f"\nredis       not answering: {problem}"
+                stream.write(("\x1b[H\x1b[2J" if clear else "\n" if shown else "")
+                             + f"{header}\n{body}\n")  # fmt: skip
+            stream.flush()
+            shown += 1
+    except KeyboardInterrupt:
+        stream.write("\n")
+    return 0
 
 
 def _reply_view(row: Any) -> dict[str, Any]:
@@ -177,12 +250,9 @@ def _replay(args: argparse.Namespace, outbox: OutboxAPI, client: Any) -> dict[st
     if row is not None:
         if client is None:
             raise ConfigError("replaying a reply needs --redis (it checks Redis first)")
-        from broker_adapter.stages.dispatcher import Dispatcher, DispatcherConfig
+        from broker_adapter.stages.replay import Replayer
 
-        dispatcher = Dispatcher(
-            DispatcherConfig(prefix=args.prefix, owner=f"replay-{args.by}"), client, outbox
-        )
-        result = dispatcher.replay(args.id, by=args.by)
+        result = Replayer(client, outbox, Keys(args.prefix)).replay(args.id, by=args.by)
         return {"type": "reply", "reply_id": args.id, "replay": str(result),
                 "outcome": result.outcome.value}  # fmt: skip
     if client is None:

@@ -231,44 +231,6 @@ class WorkerPool:
         self.stop()
 
 
-def run_pool(
-    n: int,
-    db_path: str | Path,
-    handler_spec: str,
-    config_factory: Callable[[int], WorkerConfig],
-    stop: threading.Event,
-    *,
-    policy: TaskPolicy | None = None,
-    keyring: Keyring | None = None,
-) -> list[int | None]:
-    """Run a ``WorkerPool`` until ``stop`` is set (or every child has exited), then stop it.
-
-    Args:
-        n: how many processes.
-        db_path: the SQLite database.
-        handler_spec: ``"module:callable"``.
-        config_factory: the config of child ``i``.
-        stop: set it to drain the pool and return.
-        policy: the store's policy in every child.
-        keyring: signs the replies of children that publish them.
-
-    Returns:
-        the children's exit codes.
-
-    Raises:
-        ConfigError: see ``WorkerPool``.
-    """
-    pool = WorkerPool(n, db_path, handler_spec, config_factory, policy=policy, keyring=keyring)
-    pool.start()
-    try:
-        while not stop.wait(1.0):
-            if pool.alive() == 0:
-                break
-    finally:
-        codes = pool.stop()
-    return codes
-
-
 def _child_main(
     db_path: str,
     handler_spec: str,
@@ -300,6 +262,11 @@ def _child_main(
     signal.signal(signal.SIGINT, on_signal)
     db = open_store(db_path, gate=gate)
     try:
+        metrics = None
+        if config.metrics_dir is not None:
+            from broker_adapter.app.metrics import WorkerMetrics
+
+            metrics = WorkerMetrics(Path(config.metrics_dir), config.handler_name)
         worker = Worker(
             config,
             task_store(db, policy=policy),
@@ -307,6 +274,7 @@ def _child_main(
             handoff=handoff,
             keyring=keyring,
             outbox=outbox_store(db),
+            metrics=metrics,
         )
         ready.set()
         worker.run(stop)

@@ -27,11 +27,11 @@ Modes:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from broker_adapter.errors import AuthError, ConfigError, EnvelopeError
 from broker_adapter.protocol.envelope import Envelope, check_principal
-from broker_adapter.protocol.keys import Keys
+from broker_adapter.protocol.keys import Keys, partition_of
 from broker_adapter.protocol.signing import Keyring, unsigned_fields
 from broker_adapter.redis.client import text, translated
 
@@ -39,11 +39,41 @@ if TYPE_CHECKING:
     from broker_adapter.redis.client import AsyncRedis, Redis
 
 
+class ChainLink(Protocol):
+    """The task a request is made on behalf of (a handler's ``stages.task.Task``)."""
+
+    @property
+    def task_id(self) -> str: ...
+
+    @property
+    def correlation_id(self) -> str | None: ...
+
+    @property
+    def hops(self) -> int: ...
+
+
+def chained(envelope: Envelope, parent: ChainLink) -> Envelope:
+    """``envelope`` as a request made on behalf of ``parent``: ``parent_id`` is the parent's
+    task, ``correlation_id`` the parent's chain (its ``correlation_id``, or its task id for
+    a chain's first task; a caller's own value is replaced, so a child stays in its
+    chain's budget) and ``hops`` one more than the parent's at least. ``publish(...,
+    parent=task)`` does this; the adapter counts the chain by ``correlation_id`` whatever
+    the request says (``TaskPolicy.max_chain_tasks``)."""
+    chain = parent.correlation_id or parent.task_id
+    return envelope.replace(parent_id=parent.task_id, correlation_id=chain,
+                            hops=max(envelope.hops, parent.hops + 1))  # fmt: skip
+
+
 class _Signer:
     """What both publishers share: where to write and which fields to write."""
 
     def __init__(
-        self, keys: Keys, principal: str, keyring: Keyring | None, key_id: str | None
+        self,
+        keys: Keys,
+        principal: str,
+        keyring: Keyring | None,
+        key_id: str | None,
+        partitions: int = 1,
     ) -> None:
         try:
             self.principal = check_principal(principal, "principal")
@@ -63,15 +93,19 @@ class _Signer:
             if key_id is not None and key_id not in kids:
                 raise ConfigError(f"principal {principal!r} has no key {key_id!r}")
             self.key_id = key_id or kids[0]
-            self.stream = keys.inbound()
+            self.stream = keys.inbound_partition(partition_of(principal, partitions))
 
-    def fields(self, envelope: Envelope) -> dict[str, bytes]:
-        """The entry fields for ``envelope`` (signed unless in ACL mode).
+    def fields(self, envelope: Envelope, traceparent: str | None = None) -> dict[str, bytes]:
+        """The entry fields for ``envelope`` (signed unless in ACL mode), with its
+        ``traceparent`` member set to ``traceparent`` when one is given.
 
         Raises:
             AuthError: reason ``sender_mismatch`` when ``envelope.sender`` is not this
                 publisher's principal.
+            EnvelopeError: ``traceparent`` is not a W3C traceparent (``bad_value``).
         """
+        if traceparent is not None and traceparent != envelope.traceparent:
+            envelope = envelope.replace(traceparent=traceparent)
         if envelope.sender != self.principal:
             raise AuthError(
                 "sender",
@@ -92,9 +126,12 @@ class Publisher:
         principal: who publishes; every envelope's ``sender`` must equal it.
         keyring: signs entries (signed mode); ``None`` for ACL mode.
         key_id: the key to sign with; default the principal's first key.
+        partitions: how many inbound partitions the ingest reads (signed mode; the
+            adapter's ``--partitions``): entries go to ``partition_of(principal, P)``.
 
     Raises:
-        ConfigError: bad principal, or the keyring has no such principal or key.
+        ConfigError: bad principal, or the keyring has no such principal or key, or
+            ``partitions`` out of range.
     """
 
     def __init__(
@@ -104,17 +141,31 @@ class Publisher:
         principal: str,
         keyring: Keyring | None,
         key_id: str | None = None,
+        *,
+        partitions: int = 1,
     ) -> None:
         self.client = client
-        self._signer = _Signer(keys, principal, keyring, key_id)
+        self._signer = _Signer(keys, principal, keyring, key_id, partitions)
 
     @property
     def stream(self) -> str:
         """The stream this publisher writes to."""
         return self._signer.stream
 
-    def publish(self, envelope: Envelope) -> str:
+    def publish(
+        self, envelope: Envelope, *, traceparent: str | None = None,
+        parent: ChainLink | None = None,
+    ) -> str:  # fmt: skip
         """XADD ``envelope`` to the inbound stream.
+
+        Args:
+            envelope: the request.
+            parent: the task a handler publishes it for: the request joins that task's
+                chain (``chained``: ``parent_id``, ``correlation_id``, ``hops``).
+            traceparent: the W3C trace context to send it in (e.g.
+                ``stages.tracing.current_traceparent()``), set as the envelope's
+                ``traceparent`` member; ``None`` sends the envelope as it is. Not part of
+                the request's content: a resend in another trace is still a duplicate.
 
         Returns:
             the stream entry id Redis assigned. It is *not* the request's identity (that is
@@ -122,10 +173,13 @@ class Publisher:
 
         Raises:
             AuthError: ``envelope.sender`` is not this publisher's principal.
+            EnvelopeError: ``traceparent`` is not a W3C traceparent.
             RedisUnavailable: maybe published. Retry with the SAME envelope.
             BrokerAdapterError: Redis refused the write (e.g. ``NOPERM`` under an ACL).
         """
-        fields = self._signer.fields(envelope)
+        if parent is not None:
+            envelope = chained(envelope, parent)
+        fields = self._signer.fields(envelope, traceparent)
         with translated():
             entry_id = self.client.xadd(self._signer.stream, fields)  # type: ignore[arg-type]
         return text(entry_id)
@@ -140,6 +194,8 @@ class AsyncPublisher:
         principal: who publishes.
         keyring: signs entries (signed mode); ``None`` for ACL mode.
         key_id: the key to sign with; default the principal's first key.
+        partitions: how many inbound partitions the ingest reads (signed mode; the
+            adapter's ``--partitions``): entries go to ``partition_of(principal, P)``.
     """
 
     def __init__(
@@ -149,21 +205,29 @@ class AsyncPublisher:
         principal: str,
         keyring: Keyring | None,
         key_id: str | None = None,
+        *,
+        partitions: int = 1,
     ) -> None:
         self.client = client
-        self._signer = _Signer(keys, principal, keyring, key_id)
+        self._signer = _Signer(keys, principal, keyring, key_id, partitions)
 
     @property
     def stream(self) -> str:
         return self._signer.stream
 
-    async def publish(self, envelope: Envelope) -> str:
-        """XADD ``envelope``; see ``Publisher.publish`` (``RedisUnavailable`` = maybe published).
+    async def publish(
+        self, envelope: Envelope, *, traceparent: str | None = None,
+        parent: ChainLink | None = None,
+    ) -> str:  # fmt: skip
+        """XADD ``envelope`` (in trace ``traceparent``, for task ``parent``, if given); see
+        ``Publisher.publish`` (``RedisUnavailable`` = maybe published).
 
         Returns:
             the stream entry id.
         """
-        fields = self._signer.fields(envelope)
+        if parent is not None:
+            envelope = chained(envelope, parent)
+        fields = self._signer.fields(envelope, traceparent)
         with translated():
             entry_id = await self.client.xadd(self._signer.stream, fields)  # type: ignore[arg-type]
         return text(entry_id)

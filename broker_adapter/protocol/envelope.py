@@ -4,25 +4,15 @@ Identity is (authenticated principal, ``message_id``); the principal is never ta
 body alone (see ``auth``). Two envelopes with the same identity are the *same request* when
 their fingerprints match, and a *conflict* otherwise. The fingerprint covers what the request
 asks for (``kind``, ``payload``, ``correlation_id``, ``parent_id``), not how it is delivered
-(``deadline``, ``max_attempts``, ``hops``), so a resend with a recomputed deadline is still a
-duplicate.
+(``deadline``, ``max_attempts``, ``hops``, ``traceparent``), so a resend with a recomputed
+deadline, or sent from another trace, is still a duplicate.
 
-Canonical JSON: UTF-8, keys sorted, no insignificant white space, no NaN or infinities,
-non-ASCII characters kept as they are. ``canonical_json`` is the only encoder used for
-fingerprints, signatures and stored payloads.
-
-The fingerprint writes numbers so that every language gets the same bytes from the same
-values: a float is written the way ECMAScript's ``Number.prototype.toString`` writes the
-IEEE double (RFC 8785, the JSON Canonicalization Scheme), so ``13.0``, ``13`` and ``1.3e1``
-are one number and ``-0.0`` is ``0``; an integer is written as its exact decimal digits
-(the same as ECMAScript's up to 2**53; above that a Python int keeps every digit, and a
-float of the same value is written the ECMAScript way, so the two differ).
+The request's content is written in canonical JSON (``canonical``) and its payload is kept
+within the payload bounds (``bounds``).
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import math
 import re
 from collections.abc import Callable
@@ -30,119 +20,21 @@ from json.encoder import encode_basestring
 from typing import Any, Literal
 
 from broker_adapter.errors import EnvelopeError
+from broker_adapter.protocol.bounds import check_parsed_payload, check_payload
+from broker_adapter.protocol.canonical import (
+    canonical_json,
+    canonical_numbers,
+    loads_strict,
+    sha256_hex,
+)
 
 MESSAGE_ID_MAX_BYTES = 128
 PRINCIPAL_MAX_BYTES = 64
-PAYLOAD_MAX_BYTES = 64 * 1024
-PAYLOAD_MAX_DEPTH = 16
-PAYLOAD_MAX_NODES = 10_000
 MAX_ATTEMPTS_LIMIT = 10
 HOPS_LIMIT = 2**31 - 1
-#: Integers of more digits are refused: Python neither parses nor writes longer ones (its
-#: default int-string limit), so no process of ours could store or answer them.
-INT_MAX_DIGITS = 4300
 PRINCIPAL_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
 
 Kind = Literal["task", "result", "event"]
-
-
-# One encoder and one decoder, built once: ``json.dumps``/``json.loads`` with options build
-# a new one on every call, which costs as much as encoding a small payload.
-_ENCODER = json.JSONEncoder(
-    sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
-)
-
-
-def canonical_json(value: Any) -> bytes:
-    """Encode ``value`` as canonical JSON bytes.
-
-    Raises:
-        ValueError: the value holds NaN/infinity, a type JSON cannot carry, a string that is
-            not encodable as UTF-8 (a lone surrogate), or nests too deeply to encode.
-    """
-    try:
-        text = _ENCODER.encode(value)
-    except (TypeError, RecursionError) as exc:
-        # json raises TypeError for a set, bytes, a non-str key mix, ...; callers (and the
-        # documented contract) expect ValueError for "not JSON".
-        raise ValueError(f"not JSON-encodable: {exc}") from None
-    return text.encode("utf-8")  # UnicodeEncodeError is a ValueError
-
-
-def sha256_hex(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
-
-
-def ecmascript_number(value: float) -> str:
-    """``value`` as ECMAScript's Number-to-String writes it (RFC 8785 section 3.2.2.3).
-
-    Python's ``repr`` already gives the shortest digits that round-trip (the digits
-    ECMAScript picks); only where the decimal point goes and when an exponent is used
-    differ: ``1e+21``, ``1e-7``, ``0.000001``, ``100000000000000000000``, ``-0.0`` as ``0``.
-
-    Raises:
-        ValueError: ``value`` is NaN or infinite.
-    """
-    if not math.isfinite(value):
-        raise ValueError(f"{value!r} is not a JSON number")
-    if value == 0:
-        return "0"
-    sign = "-" if value < 0 else ""
-    mantissa, _, exponent = repr(abs(value)).partition("e")
-    whole, _, fraction = mantissa.partition(".")
-    shift = int(exponent) if exponent else 0
-    if whole == "0":  # 0.00123: the digits start after the zeros of the fraction
-        digits = fraction.lstrip("0")
-        point = shift - (len(fraction) - len(digits))
-    else:
-        digits = whole + fraction
-        point = shift + len(whole)
-    # value == 0.<digits> * 10**point, with k significant digits
-    digits = digits.rstrip("0")
-    k = len(digits)
-    if k <= point <= 21:
-        text = digits + "0" * (point - k)
-    elif 0 < point <= 21:
-        text = digits[:point] + "." + digits[point:]
-    elif -6 < point <= 0:
-        text = "0." + "0" * -point + digits
-    else:
-        power = point - 1
-        head = digits[0] + ("." + digits[1:] if k > 1 else "")
-        text = f"{head}e{'+' if power >= 0 else '-'}{abs(power)}"
-    return sign + text
-
-
-# A float in canonical JSON (Python's repr) always has a digit followed by "." or "e"; an
-# integer never does. Python's repr differs from ECMAScript's form only in an integral
-# float (``13.0``, ``-0.0``) and in exponents (``1e-05``, ``1e+16``): a plain ``1.5`` or
-# ``1796134460.125`` is already written as ECMAScript writes it, so bytes without either
-# pattern need no rewrite. Strings are matched as whole tokens so that digits inside them
-# are passed over.
-_MAYBE_FLOAT = re.compile(rb"[0-9][.eE]")
-_MAYBE_REWRITTEN = re.compile(rb"[0-9](?:\.0(?![0-9])|e[-+])")
-_JSON_TOKEN = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"|-?[0-9][0-9.eE+-]*')
-
-
-def _number_token(match: re.Match[bytes]) -> bytes:
-    token = match.group()
-    if token[0] == 0x22 or not _MAYBE_FLOAT.search(token):  # a string, or an integer
-        return token
-    return ecmascript_number(float(token)).encode("ascii")
-
-
-def canonical_numbers(data: bytes) -> bytes:
-    """Canonical JSON bytes with every float rewritten by ``ecmascript_number``.
-
-    Bytes without a float that needs it come back as they are, after one scan: the common
-    payload (strings, integers, booleans, floats like ``0.25``) costs a regular-expression
-    search, not a re-encoding.
-    """
-    if b"." not in data and b"e+" not in data and b"e-" not in data:
-        return data  # no float at all: repr writes a "." or an exponent with its sign
-    if _MAYBE_REWRITTEN.search(data) is None:
-        return data
-    return _JSON_TOKEN.sub(_number_token, data)
 
 
 def content_fingerprint(
@@ -163,167 +55,6 @@ def content_fingerprint(
         + ',"payload":'
     )  # fmt: skip
     return sha256_hex(head.encode("utf-8") + canonical_numbers(payload) + b"}")
-
-
-def _reject_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not valid JSON")
-
-
-def loads_strict(data: bytes | str) -> Any:
-    """Parse JSON, refusing ``NaN``/``Infinity`` and duplicate object keys.
-
-    Raises:
-        ValueError: not UTF-8, not JSON, a constant or a duplicate key.
-    """
-    if not isinstance(data, str):
-        data = bytes(data).decode("utf-8")  # json.loads would also sniff UTF-16/32
-    return _DECODER.decode(data)
-
-
-def _no_dup_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    obj = dict(pairs)
-    if len(obj) != len(pairs):
-        seen: set[str] = set()
-        for key, _ in pairs:
-            if key in seen:
-                raise ValueError(f"duplicate key {key!r}")
-            seen.add(key)
-    return obj
-
-
-_DECODER = json.JSONDecoder(parse_constant=_reject_constant, object_pairs_hook=_no_dup_keys)
-
-
-def check_payload(payload: Any) -> bytes:
-    """Check the payload bounds: object, string keys, finite numbers, depth, nodes, size.
-
-    Returns:
-        the payload's canonical JSON bytes (computed for the size check anyway).
-
-    Raises:
-        EnvelopeError: with ``field="payload"`` and a specific reason.
-    """
-    if not isinstance(payload, dict):
-        raise EnvelopeError("payload", "not_object", "payload must be a JSON object")
-    _walk(payload, "payload")
-    try:
-        encoded = canonical_json(payload)
-    except UnicodeEncodeError:
-        raise EnvelopeError(
-            "payload", "bad_utf8", "payload holds a string that is not valid UTF-8"
-        ) from None
-    except ValueError:  # what is left after the walk: an int Python will not write out
-        raise EnvelopeError(
-            "payload", "too_large", f"payload holds an integer of more than {INT_MAX_DIGITS} digits"
-        ) from None
-    _check_size(encoded, "payload")
-    return encoded
-
-
-def _walk(value: Any, field: str) -> None:
-    """The walk of ``check_payload``: string keys, JSON types, finite numbers, at most
-    ``PAYLOAD_MAX_DEPTH`` levels and ``PAYLOAD_MAX_NODES`` nodes (``field`` names the
-    value in the errors)."""
-    nodes = 0
-    # Iterative walk so that a hostile nesting depth cannot exhaust the Python stack.
-    stack: list[tuple[Any, int]] = [(value, 1)]
-    while stack:
-        value, depth = stack.pop()
-        nodes += 1
-        if nodes > PAYLOAD_MAX_NODES:
-            raise EnvelopeError(
-                field, "too_many_nodes", f"{field} has more than {PAYLOAD_MAX_NODES} nodes"
-            )
-        kind = type(value)
-        if kind is str or kind is int or kind is bool or value is None:
-            continue  # the common leaves, without the isinstance chain below
-        # Only objects and arrays open a nesting level: 16 nested objects holding a scalar
-        # nest 16 levels deep, not 17.
-        if depth > PAYLOAD_MAX_DEPTH and isinstance(value, dict | list):
-            raise EnvelopeError(
-                field, "too_deep", f"{field} nests deeper than {PAYLOAD_MAX_DEPTH} levels"
-            )
-        if isinstance(value, dict):
-            for key, item in value.items():
-                if not isinstance(key, str):
-                    raise EnvelopeError(
-                        field, "non_string_key", f"object key {key!r} is not a string"
-                    )
-                stack.append((item, depth + 1))
-        elif isinstance(value, list):
-            stack.extend((item, depth + 1) for item in value)
-        elif isinstance(value, bool) or value is None or isinstance(value, str | int):
-            continue
-        elif isinstance(value, float):
-            if not math.isfinite(value):
-                raise EnvelopeError(field, "not_finite", f"{field} holds NaN or infinity")
-        else:
-            raise EnvelopeError(
-                field, "bad_type", f"{field} holds a {type(value).__name__}, not JSON"
-            )
-
-
-def _check_size(encoded: bytes, field: str) -> None:
-    if len(encoded) > PAYLOAD_MAX_BYTES:
-        raise EnvelopeError(
-            field,
-            "too_large",
-            f"{field} is {len(encoded)} bytes canonical, limit {PAYLOAD_MAX_BYTES}",
-        )
-
-
-def _within_bounds_by_size(encoded: bytes) -> bool:
-    """Whether canonical JSON bytes prove the node and depth limits by themselves: every
-    node takes at least one byte of its own, and every nesting level an opening bracket
-    (inside strings or not)."""
-    return (
-        len(encoded) <= PAYLOAD_MAX_NODES
-        and encoded.count(b"{") + encoded.count(b"[") <= PAYLOAD_MAX_DEPTH
-    )
-
-
-def check_result(result: Any) -> bytes:
-    """Encode a handler's result within the payload bounds: any JSON value (not only an
-    object), at most ``PAYLOAD_MAX_BYTES`` canonical, ``PAYLOAD_MAX_DEPTH`` levels and
-    ``PAYLOAD_MAX_NODES`` nodes, counted on the JSON the reply carries.
-
-    What ``canonical_json`` takes is a result (a tuple is an array, an int key a string
-    key, as in the reply); only its size, depth and nodes are checked here. A result of
-    more than 10,000 bytes, or with more than 16 brackets, is parsed back (at most 64 KiB)
-    and walked as a payload is.
-
-    Returns:
-        the result's canonical JSON bytes.
-
-    Raises:
-        ValueError: the result is not JSON (``canonical_json``: NaN, a set, bytes, ...).
-        EnvelopeError: with ``field="result"`` and reason ``too_large``, ``too_deep`` or
-            ``too_many_nodes`` (an ``EnvelopeError`` is a ``ValueError`` too).
-    """
-    encoded = canonical_json(result)
-    _check_size(encoded, "result")
-    if not _within_bounds_by_size(encoded):
-        _walk(loads_strict(encoded), "result")
-    return encoded
-
-
-def check_parsed_payload(payload: Any) -> bytes:
-    """``check_payload`` for a value ``json`` parsed (the wire path), with the same answers.
-
-    Parsed JSON has string keys and JSON types by construction, so the walk is needed only
-    where the encoded bytes cannot prove the bounds by themselves: every node takes at least
-    one byte of its own, and every nesting level an opening bracket. A payload that is short
-    enough and has few enough brackets (inside strings or not) is within the node and depth
-    limits; any other, and any that fails to encode, gets the full walk and its reason.
-    """
-    if type(payload) is dict:
-        try:
-            encoded = canonical_json(payload)
-        except ValueError:  # infinity (1e400 parses as inf) or a lone surrogate
-            return check_payload(payload)
-        if len(encoded) <= PAYLOAD_MAX_BYTES and _within_bounds_by_size(encoded):
-            return encoded
-    return check_payload(payload)
 
 
 def _utf8_size(value: str, field: str) -> int:
@@ -366,7 +97,7 @@ def _check_id(value: str, field: str) -> str:
 
 _FIELDS = (
     "message_id", "sender", "kind", "payload", "deadline", "max_attempts", "hops",
-    "correlation_id", "parent_id",
+    "correlation_id", "parent_id", "traceparent",
 )  # fmt: skip
 _REQUIRED = frozenset({"message_id", "sender", "payload", "deadline"})
 _KINDS: tuple[Kind, ...] = ("task", "result", "event")
@@ -411,6 +142,34 @@ def _check_optional_id(value: Any, field: str) -> str | None:
     return None if value is None else _check_id(_check_str(value, field), field)
 
 
+#: A W3C trace context ``traceparent`` of version 00: lowercase hex, trace id and parent
+#: (span) id not all zeros (the values the standard calls invalid).
+_TRACEPARENT = re.compile("00-(?!0{32})[0-9a-f]{32}-(?!0{16})[0-9a-f]{16}-[0-9a-f]{2}")
+
+
+def check_traceparent(value: Any, field: str = "traceparent") -> str | None:
+    """Validate an optional W3C trace context ``traceparent`` (``None`` passes).
+
+    Strict: only version ``00`` in its exact form, ``00-<32 hex>-<16 hex>-<2 hex>`` in
+    lowercase (55 characters), trace id and parent id not all zeros.
+
+    Raises:
+        EnvelopeError: ``bad_type`` (not a string) or ``bad_value``.
+    """
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise _type_error(field, "a string", value)
+    if len(value) != 55 or _TRACEPARENT.fullmatch(value) is None:
+        raise EnvelopeError(
+            field,
+            "bad_value",
+            "must be a W3C traceparent 00-<32 hex>-<16 hex>-<2 hex> in lowercase,"
+            " trace id and parent id not all zeros",
+        )
+    return value
+
+
 def _check_kind(value: Any) -> Kind:
     if isinstance(value, str):
         for kind in _KINDS:
@@ -436,6 +195,8 @@ class Envelope:
         hops: how many hand-offs led here, as the sender counts them (0..2**31-1).
         correlation_id: the sender's conversation id, echoed in the reply.
         parent_id: the task this request was made on behalf of.
+        traceparent: the W3C trace context the request was sent in (``check_traceparent``);
+            carried into its reply and the adapter's spans, not part of the fingerprint.
     """
 
     __slots__ = (*_FIELDS, "_payload_bytes")
@@ -449,6 +210,7 @@ class Envelope:
     hops: int
     correlation_id: str | None
     parent_id: str | None
+    traceparent: str | None
     _payload_bytes: bytes
 
     def __init__(
@@ -463,6 +225,7 @@ class Envelope:
         hops: int = 0,
         correlation_id: str | None = None,
         parent_id: str | None = None,
+        traceparent: str | None = None,
         _payload_check: Callable[[Any], bytes] = check_payload,
     ) -> None:
         # ``_payload_check`` is internal: ``from_json`` passes the wire fast path. Field
@@ -481,6 +244,7 @@ class Envelope:
         put(self, "hops", _check_int(hops, "hops", 0, HOPS_LIMIT))
         put(self, "correlation_id", _check_optional_id(correlation_id, "correlation_id"))
         put(self, "parent_id", _check_optional_id(parent_id, "parent_id"))
+        put(self, "traceparent", check_traceparent(traceparent))
 
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError(f"Envelope is frozen: cannot set {name!r}")

@@ -3,7 +3,10 @@
 ==============================  =====================================================
 key                             what it holds
 ==============================  =====================================================
-``{p}:{in}:tasks``              inbound task stream shared by all principals (signed mode)
+``{p}:{in}:tasks``              inbound task stream shared by all principals (signed mode);
+                                with P partitions, partition 0
+``{p}:{in#K}:tasks``            inbound partition K (1 <= K < P) of the shared stream
+``{p}:{in#K}:dead``             dead letters of partition K
 ``{p}:{in.P}:tasks``            inbound task stream of principal P (ACL mode)
 ``{p}:{in}:dead``               dead letters of the shared inbound stream
 ``{p}:{in.P}:dead``             dead letters of P's inbound stream
@@ -23,13 +26,23 @@ What stays how long (``trimming``): inbound streams up to the oldest entry any g
 needs, reply streams likewise or until ``retention_s`` for what no group acknowledged, dead
 letters ``retention_s``, records ``min(record_ttl_s, retention_s)``.
 
+Partitions (signed mode, ``--partitions P``): the shared inbound stream may be spread
+over P streams so that, on a Redis Cluster, ingest reads several masters. A publisher
+writes to partition ``partition_of(principal, P)`` (docs/PROTOCOL.md "Partitions"); each
+partition's stream and dead letters share its own hash tag. Partition 0 is the unpartitioned
+stream itself, so ``P = 1`` is the single-stream layout, key for key.
+
 Groups: ``ba-ingest`` reads inbound streams; a receiver's group on its reply stream is
 ``ba-receiver`` unless configured otherwise.
 """
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
+from typing import Annotated
+
+from pydantic import AfterValidator
 
 from broker_adapter.errors import ConfigError
 from broker_adapter.protocol.envelope import check_principal
@@ -37,6 +50,18 @@ from broker_adapter.protocol.envelope import check_principal
 INGEST_GROUP = "ba-ingest"
 RECEIVER_GROUP = "ba-receiver"
 DEFAULT_PREFIX = "ba"
+#: The most inbound partitions a deployment may use.
+MAX_PARTITIONS = 1024
+
+
+def partition_of(principal: str, partitions: int) -> int:
+    """The inbound partition of ``principal`` among ``partitions``: the first 8 bytes of
+    SHA-256 of its UTF-8 name, read as an unsigned big-endian integer, modulo
+    ``partitions`` (stable across languages and releases: docs/PROTOCOL.md)."""
+    if not 1 <= partitions <= MAX_PARTITIONS:
+        raise ConfigError(f"partitions must be 1..{MAX_PARTITIONS}, not {partitions}")
+    digest = hashlib.sha256(check_principal(principal, "principal").encode("utf-8")).digest()
+    return int.from_bytes(digest[:8], "big") % partitions
 
 
 @dataclass(frozen=True)
@@ -58,6 +83,18 @@ class Keys:
 
     def inbound_dead(self, principal: str | None = None) -> str:
         return f"{self.prefix}:{{{self._in_tag(principal)}}}:dead"
+
+    def inbound_partition(self, partition: int) -> str:
+        """Inbound partition ``partition`` of the shared stream (0 is ``inbound()``)."""
+        if not 0 <= partition < MAX_PARTITIONS:
+            raise ConfigError(f"partition must be 0..{MAX_PARTITIONS - 1}, not {partition}")
+        return self.inbound() if partition == 0 else f"{self.prefix}:{{in#{partition}}}:tasks"
+
+    def inbound_partitions(self, partitions: int) -> list[str]:
+        """The ``partitions`` inbound streams of the shared stream, partition 0 first."""
+        if not 1 <= partitions <= MAX_PARTITIONS:
+            raise ConfigError(f"partitions must be 1..{MAX_PARTITIONS}, not {partitions}")
+        return [self.inbound_partition(k) for k in range(partitions)]
 
     def _out_tag(self, principal: str) -> str:
         return f"out.{check_principal(principal, 'principal')}"
@@ -81,3 +118,18 @@ class Keys:
         if not sep:
             raise ValueError(f"not a broker_adapter stream key: {stream!r}")
         return f"{head}:dead"
+
+
+def _key_prefix(value: str) -> str:
+    Keys(value)  # refuses braces and white space
+    return value
+
+
+def _principal(value: str) -> str:
+    return check_principal(value, "principal")
+
+
+#: A Redis key prefix as a settings field (``Keys``): no braces, no white space.
+KeyPrefix = Annotated[str, AfterValidator(_key_prefix)]
+#: A principal name as a settings field (``envelope.check_principal``).
+Principal = Annotated[str, AfterValidator(_principal)]

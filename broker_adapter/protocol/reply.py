@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 
 from broker_adapter.errors import BrokerAdapterError
-from broker_adapter.protocol.envelope import canonical_json, loads_strict, sha256_hex
+from broker_adapter.protocol.canonical import canonical_json, loads_strict, sha256_hex
 
 #: The body format's version (the ``v`` field).
 BODY_VERSION: Final = 1
@@ -62,10 +62,14 @@ def reply_id_for(task_id: str) -> str:
 def terminal_body(
     task_id: str, status: str, principal: str, message_id: str,
     correlation_id: str | None, result: str | None, error: str | None, attempts: int,
-    fence: int, finished_at: float,
+    fence: int, finished_at: float, *, traceparent: str | None = None,
+    effects: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:  # fmt: skip
-    """A terminal reply's body (``result`` is the stored canonical JSON text)."""
-    return {
+    """A terminal reply's body (``result`` is the stored canonical JSON text), with the
+    request's ``traceparent`` when it had one, and ``effects`` (how a reconcile ended an
+    ``unknown`` task: ``reconciled``, ``compensations``; ``docs/PROTOCOL.md`` section 11)
+    when there is something to say."""
+    body: dict[str, Any] = {
         "v": BODY_VERSION,
         "reply_id": reply_id_for(task_id),
         "task_id": task_id,
@@ -79,15 +83,22 @@ def terminal_body(
         "fence": fence,
         "finished_at": finished_at,
     }
+    if traceparent is not None:  # only requests sent with one carry it
+        body["traceparent"] = traceparent
+    if effects:  # only tasks an external effect's reconcile ended carry it
+        body["effects"] = dict(effects)
+    return body
 
 
 def conflict_body(
     reply_id: str, task_id: str, principal: str, message_id: str,
     correlation_id: str | None, error: str, fingerprint: str, stored_fingerprint: str,
+    *, traceparent: str | None = None,
 ) -> dict[str, Any]:  # fmt: skip
     """The body of the answer to ``(principal, message_id)`` reused with other content
-    (``fingerprint``); ``task_id`` and ``stored_fingerprint`` are the stored request's."""
-    return {
+    (``fingerprint``); ``task_id`` and ``stored_fingerprint`` are the stored request's,
+    ``traceparent`` the resend's trace context, if it had one."""
+    body: dict[str, Any] = {
         "v": BODY_VERSION,
         "reply_id": reply_id,
         "task_id": task_id,
@@ -100,6 +111,9 @@ def conflict_body(
         "fingerprint": fingerprint,
         "stored_fingerprint": stored_fingerprint,
     }
+    if traceparent is not None:
+        body["traceparent"] = traceparent
+    return body
 
 
 def encode_body(body: Mapping[str, Any]) -> tuple[bytes, str]:
@@ -127,6 +141,7 @@ class Reply:
     finished_at: float | None = None
     fingerprint: str | None = None
     stored_fingerprint: str | None = None
+    traceparent: str | None = None
     v: int | None = None
     body: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
@@ -159,7 +174,8 @@ class Reply:
 _FIELD_TYPES: dict[str, type | tuple[type, ...]] = {
     "reply_id": str, "status": str, "task_id": str, "principal": str, "message_id": str,
     "correlation_id": str, "error": str, "attempts": int, "fence": int,
-    "finished_at": (int, float), "fingerprint": str, "stored_fingerprint": str, "v": int,
+    "finished_at": (int, float), "fingerprint": str, "stored_fingerprint": str,
+    "traceparent": str, "v": int,
 }  # fmt: skip
 _KIND_NAMES: dict[type | tuple[type, ...], str] = {
     str: "a string",
@@ -169,7 +185,7 @@ _KIND_NAMES: dict[type | tuple[type, ...], str] = {
 
 
 def load_body(body: bytes) -> dict[str, Any]:
-    """Decode a reply body as the ingest decodes an envelope (``envelope.loads_strict``:
+    """Decode a reply body as the ingest decodes an envelope (``canonical.loads_strict``:
     UTF-8, no NaN or infinity, no duplicate keys), nesting at most ``REPLY_MAX_DEPTH``.
 
     Raises:

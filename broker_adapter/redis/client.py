@@ -24,6 +24,7 @@ from broker_adapter.errors import (
     GroupMissingError,
     RedisUnavailable,
 )
+from broker_adapter.redis import cluster
 
 if TYPE_CHECKING:
     import redis.asyncio
@@ -41,16 +42,22 @@ Redis = redis.Redis
 
 def check_redis_url(url: str) -> str:
     """``url`` if redis-py can connect by it (``redis://``, ``rediss://`` or ``unix://``,
-    a numeric port, a numeric database).
+    a numeric port, a numeric database; or a cluster's seed node, ``redis+cluster://``
+    or ``rediss+cluster://``: see ``cluster``).
 
     Raises:
         ConfigError: why it cannot; the message never repeats the URL (it may hold a
             password).
     """
-    if not isinstance(url, str) or not url.startswith(("redis://", "rediss://", "unix://")):
-        raise ConfigError("bad Redis URL: must start with redis://, rediss:// or unix://")
+    if not isinstance(url, str):
+        raise ConfigError("bad Redis URL: must be a string")
+    plain = cluster.node_url(url) if cluster.is_cluster_url(url) else url
+    if not plain.startswith(("redis://", "rediss://", "unix://")):
+        raise ConfigError(
+            "bad Redis URL: must start with redis://, rediss://, unix:// or redis+cluster://"
+        )
     try:
-        parse_url(url)  # type: ignore[no-untyped-call]
+        parse_url(plain)  # type: ignore[no-untyped-call]
     except ValueError as exc:
         raise ConfigError(f"bad Redis URL: {exc}") from None
     return url
@@ -66,14 +73,21 @@ def connect(
     """A redis-py client that never re-sends a command by itself.
 
     Args:
-        url: ``redis://host:port/db`` (or ``rediss://``, ``unix://``).
+        url: ``redis://host:port/db`` (or ``rediss://``, ``unix://``); a cluster's
+            ``redis+cluster://host:port`` gives a ``RedisCluster`` (``cluster``).
         socket_timeout_s: per-command socket timeout; must exceed any BLOCK used on it.
         connect_timeout_s: TCP connect timeout.
 
     Raises:
         ConfigError: a malformed ``url`` (``check_redis_url``).
+        RedisUnavailable: a cluster none of whose seed nodes answered (a cluster client
+            reads the slot map when it is made; a single Redis's connects at its first
+            command).
     """
     check_redis_url(url)
+    if cluster.is_cluster_url(url):
+        options = _client_options(socket_timeout_s, connect_timeout_s)
+        return cluster.connect_cluster(url, options)  # type: ignore[return-value]
     return redis.Redis.from_url(
         url, retry=Retry(NoBackoff(), 0), **_client_options(socket_timeout_s, connect_timeout_s)
     )
@@ -96,6 +110,8 @@ def connect_async(
     from redis.asyncio.retry import Retry as AsyncRetry
 
     check_redis_url(url)
+    if cluster.is_cluster_url(url):
+        return cluster.connect_cluster_async(url, socket_timeout_s, connect_timeout_s)  # type: ignore[no-any-return]
     return redis.asyncio.Redis.from_url(
         url,
         retry=AsyncRetry(NoBackoff(), 0),
@@ -120,6 +136,8 @@ def translated() -> Iterator[None]:
         yield
     except (redis.ConnectionError, redis.TimeoutError) as exc:
         raise RedisUnavailable(f"redis unavailable: {exc}") from exc
+    except cluster.TRANSIENT_CLUSTER_ERRORS as exc:  # redis-py strips their code words
+        raise RedisUnavailable(f"redis cluster: {type(exc).__name__}: {exc}") from exc
     except redis.ResponseError as exc:
         text = str(exc)
         if text.startswith("NOGROUP"):
@@ -129,6 +147,8 @@ def translated() -> Iterator[None]:
         raise BrokerAdapterError(f"redis error: {text}") from exc
     except redis.RedisError as exc:
         raise RedisUnavailable(f"redis error: {exc}") from exc
+    except redis.exceptions.RedisClusterException as exc:
+        raise cluster.translate(exc) from exc
 
 
 def call(fn: Callable[[], T]) -> T:

@@ -26,6 +26,7 @@ from typing import Any
 
 import redis
 
+from broker_adapter.redis import cluster
 from broker_adapter.redis.client import text
 from broker_adapter.redis.entry import StreamEntry
 
@@ -54,6 +55,11 @@ def exchange(
             commands may have run), or an error reply with ``raise_errors``. Callers
             translate (``translated``).
     """
+    if cluster.is_cluster(client):
+        return cluster.routed_exchange(
+            client,  # type: ignore[arg-type]
+            commands, exchange, raise_errors=raise_errors, raw=raw,
+        )  # fmt: skip
     pool = client.connection_pool
     conn = pool_connection(pool)
     replies: list[Any] = []

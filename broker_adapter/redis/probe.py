@@ -12,7 +12,8 @@ from typing import Any
 import redis
 
 from broker_adapter.errors import BrokerAdapterError
-from broker_adapter.redis.client import text, translated
+from broker_adapter.redis import cluster
+from broker_adapter.redis.client import connect, text, translated
 
 
 @dataclass
@@ -25,7 +26,14 @@ class StreamSample:
 
 
 def redis_client(url: str, timeout_s: float) -> Any:
-    """A client for the exporter's own looks: connect and socket timeouts of ``timeout_s``."""
+    """A client for the exporter's own looks: connect and socket timeouts of ``timeout_s``
+    (a cluster's for a ``redis+cluster://`` URL).
+
+    Raises:
+        RedisUnavailable: a cluster none of whose seed nodes answered.
+    """
+    if cluster.is_cluster_url(url):
+        return connect(url, socket_timeout_s=timeout_s, connect_timeout_s=timeout_s)
     return redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
 
 

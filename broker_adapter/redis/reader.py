@@ -38,8 +38,9 @@ from typing import Any
 import redis
 from pydantic import Field
 
-from broker_adapter.config import ConfigModel
+from broker_adapter.config import DEFAULT_CLAIM_MIN_IDLE_MS, ConfigModel
 from broker_adapter.errors import BrokerAdapterError, GroupMissingError, RedisUnavailable
+from broker_adapter.redis import cluster
 from broker_adapter.redis.client import text, translated
 from broker_adapter.redis.dead_lettering import DeadLetterWriter
 from broker_adapter.redis.entry import StreamEntry
@@ -56,8 +57,6 @@ from broker_adapter.redis.internals import (
 MAX_COUNT = 10_000
 #: How long a read of new entries blocks by default, milliseconds.
 DEFAULT_BLOCK_MS = 1000
-#: Entries idle this long in another consumer's pending list are taken over (by default).
-DEFAULT_CLAIM_MIN_IDLE_MS = 60_000
 #: Entries delivered more often than this go to the dead-letter stream (by default).
 DEFAULT_MAX_DELIVERIES = 10
 #: Entries with more fields than this are dead-lettered as ``too_many_fields``.
@@ -67,7 +66,7 @@ DEFAULT_MAX_ENTRY_FIELDS = 64
 #: 7,998 values Lua can unpack.
 MIN_ENTRY_FIELDS, MAX_ENTRY_FIELDS = 8, 1000
 #: A bare ``ReaderConfig``'s entry size limit (the ingest and the receiver set their own:
-#: ``ingest.DEFAULT_MAX_ENTRY_BYTES``, ``receiver.DEFAULT_MAX_REPLY_BYTES``).
+#: ``ingest_config.DEFAULT_MAX_ENTRY_BYTES``, ``receiver.DEFAULT_MAX_REPLY_BYTES``).
 READER_MAX_ENTRY_BYTES = 1024 * 1024
 
 log = logging.getLogger("broker_adapter.redis.reader")
@@ -279,6 +278,8 @@ class GroupReader:
             RedisUnavailable: the send failed (the reader is reset).
         """
         if not self._full or self._replaying or self._ahead or self._inflight is not None:
+            return False
+        if cluster.is_cluster(self.client):  # a held connection would not follow a moved slot
             return False
         self._full = False
         try:

@@ -46,33 +46,23 @@ import multiprocessing
 import threading
 from collections.abc import Sequence
 from multiprocessing.connection import Connection
-from typing import Any, Final, Literal, Protocol
+from typing import Any, Final, Literal
+
+from broker_adapter.stages.loop import CLAIM as CLAIM
+from broker_adapter.stages.loop import LOOK as LOOK
+from broker_adapter.stages.loop import Handed as Handed
+from broker_adapter.stages.loop import Handle as Handle
+from broker_adapter.stages.loop import IdleWait as IdleWait
+from broker_adapter.store.interface import TaskStoreAPI
+from broker_adapter.store.tasks import AcceptItem, AcceptResult, Outcome
 
 log = logging.getLogger("broker_adapter.stages.handoff")
 
 #: The most tasks one hand-off carries (``(task_id, fence)`` pairs: a few KiB at most).
 HANDOFF_MAX: Final = 128
-#: Message: the claim for this worker found nothing; look (a read) before claiming.
-LOOK: Final = "look"
-#: Message: tasks were stored that no worker was handed; claim them.
-CLAIM: Final = "claim"
 #: How long a worker whose cell was taken waits for the ingest's message at most (the
 #: ingest's accept transaction stands between; its busy timeout is shorter).
 RECEIVE_TIMEOUT_S: Final = 30.0
-
-Handle = tuple[str, int]
-#: What a wait returns: handles, ``LOOK``, ``CLAIM``, or ``None`` (nothing came in time).
-Handed = list[Handle] | Literal["look", "claim"] | None
-
-
-class IdleWait(Protocol):
-    """What a worker waits on when idle (``HandoffEndpoint``; tests script their own)."""
-
-    def wait(self, timeout_s: float, want: int) -> Handed: ...
-
-    def offer(self, want: int) -> None: ...
-
-    def withdraw(self) -> Handed: ...
 
 
 class HandoffEndpoint:
@@ -224,6 +214,35 @@ class Handoff:
         except (OSError, ValueError) as exc:
             log.warning("handoff to worker slot %d failed (its tasks return at lease expiry): "
                         "%s", slot, exc)  # fmt: skip
+
+    def accept(self, tasks: TaskStoreAPI, items: Sequence[AcceptItem]) -> list[AcceptResult]:
+        """The ingest's accept with the hand-off (``ingest.AcceptHandoff``): the accept
+        transaction also claims the new tasks for idle workers (``take``), each taken worker
+        gets its handles after the commit (``give``); tasks stored that no idle worker took
+        wait for the next claim, and an idle worker that turns up meanwhile is told to
+        claim (``CLAIM``).
+
+        Raises:
+            StoreBusy, StoreError: as ``TaskStore.accept_and_claim`` (every worker taken
+                was told to ``LOOK`` first).
+        """
+        taken = self.take(len(items))
+        intake = None
+        try:
+            intake = tasks.accept_and_claim(items, [(owner, n) for _, owner, n in taken])
+        finally:
+            # Every worker taken gets its one message, whatever happened.
+            for i, (slot, _, _) in enumerate(taken):
+                handles = intake.claimed[i] if intake is not None else []
+                self.give(slot, handles or LOOK)
+        stored = sum(r.outcome is Outcome.STORED for r in intake.results)
+        if stored:
+            self.stored()
+            handed = sum(len(h) for h in intake.claimed)
+            # Workers that finish a batch will claim them in that commit: only idle ones.
+            for slot, _, _ in self.take(stored - handed, finishing=False):
+                self.give(slot, CLAIM)
+        return intake.results
 
     def idle(self) -> dict[int, int]:
         """The workers waiting idle now: slot -> how many tasks each wants."""

@@ -2,9 +2,9 @@
 
 Invariants kept:
 
-* Rule 2: every stored request carries a principal from a trusted check: a verified HMAC
-  (signed mode, ``auth.Keyring``) or the stream a Redis ACL lets only that principal write
-  (ACL mode). An entry that fails the check is dead-lettered, never stored.
+* Rule 2: every stored request carries a principal from a trusted check (a verified HMAC,
+  or the stream a Redis ACL binds to one principal); the entry screening that enforces it,
+  and dead-letters each entry that fails on its own, is ``intake``.
 * Rule 5: XACK comes only after the inbox rows and task rows of the whole batch committed
   together in ONE ``TaskStore.accept`` transaction. The ACK means "durably in the inbox",
   never "done".
@@ -12,11 +12,10 @@ Invariants kept:
   not JSON, not an envelope, unsigned, spoofed, not a task) is moved to the dead-letter
   stream with its reason and the original fields, and acknowledged in one atomic script:
   rejected, nothing written, nothing lost. The shape of the entry (fields, size) is checked
-  by the ``GroupReader`` before anything is parsed.
-* Each entry is handled on its own: an exception while checking one (a bug, or input no
-  check foresaw) dead-letters that entry as ``internal_error`` with the exception class,
-  and the rest of its batch goes on; only transient failures of Redis or SQLite (not the
-  entry's fault) fail the batch, which is then replayed.
+  by the ``GroupReader`` before anything is parsed. Only transient failures of Redis or
+  SQLite (not an entry's fault) fail the batch, which is then replayed.
+
+Settings and counters: ``ingest_config``.
 
 How one batch goes (``step``)::
 
@@ -59,159 +58,38 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
 
 import tenacity
-from pydantic import Field, field_validator, model_validator
 
 from broker_adapter import crashpoints
 from broker_adapter.backoff import run_until_stopped
 from broker_adapter.clock import Clock, SystemClock
-from broker_adapter.config import ConfigModel, KeyPrefix, Principal
-from broker_adapter.errors import (
-    ConfigError,
-    EnvelopeError,
-    StoreBusy,
-    TransientError,
-)
+from broker_adapter.errors import ConfigError, StoreBusy, TransientError
 from broker_adapter.protocol import deadletter
-from broker_adapter.protocol.keys import DEFAULT_PREFIX, INGEST_GROUP, Keys
-from broker_adapter.protocol.signing import Authenticated, Keyring, check_stream_principal
+from broker_adapter.protocol.keys import INGEST_GROUP, Keys
+from broker_adapter.protocol.signing import Authenticated, EntryFields, Keyring
+from broker_adapter.redis.cluster import socket_timeout
 from broker_adapter.redis.entry import StreamEntry
-from broker_adapter.redis.reader import (
-    DEFAULT_BLOCK_MS,
-    DEFAULT_CLAIM_MIN_IDLE_MS,
-    DEFAULT_MAX_DELIVERIES,
-    DEFAULT_MAX_ENTRY_FIELDS,
-    MAX_COUNT,
-    MAX_ENTRY_FIELDS,
-    MIN_ENTRY_FIELDS,
-    GroupReader,
-    ReaderConfig,
-)
-from broker_adapter.redis.trimming import (
-    DEFAULT_TRIM_EVERY_S,
-    DEFAULT_TRIM_KEEP_S,
-    trim_with_dead_letters,
-)
+from broker_adapter.redis.reader import GroupReader, ReaderConfig
 from broker_adapter.redis.trimming import now_ms as trim_now_ms
+from broker_adapter.redis.trimming import trim_with_dead_letters
+from broker_adapter.stages import intake, tracing
+from broker_adapter.stages.ingest_config import IngestConfig, IngestStats
 from broker_adapter.stages.limits import IngressLimits
 from broker_adapter.store.interface import TaskStoreAPI
-from broker_adapter.store.retention import DEFAULT_RETENTION_S
 from broker_adapter.store.tasks import AcceptItem, AcceptResult, Outcome
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from broker_adapter.redis.client import Redis
 
-DEFAULT_COUNT = 256
-DEFAULT_CLAIM_EVERY_S = 5.0
-DEFAULT_MAX_ENTRY_BYTES = 256 * 1024
 #: ``take_over`` pages through at most this many XAUTOCLAIM replies per stream per call.
 TAKE_OVER_MAX_PAGES = 64
-_CONSUMER_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._:-")
 
 log = logging.getLogger("broker_adapter.stages.ingest")
-
-
-class IngestConfig(ConfigModel):
-    """How an ``Ingestor`` reads.
-
-    Attributes:
-        prefix: key prefix (see ``keys``).
-        consumer: this process slot's consumer name, stable across restarts (e.g.
-            ``ingest-<host>-<slot>``), so a restarted process replays its own pending list.
-        mode: ``signed`` (one shared stream, HMAC per entry) or ``acl`` (one stream per
-            principal, Redis ACLs decide who may write it).
-        acl_principals: the principals whose streams are read in ACL mode.
-        count: entries per read; one accept transaction and one XACK per batch.
-        block_ms: how long a read of new entries blocks (split across streams in ACL mode).
-        claim_min_idle_ms: entries idle this long in another consumer's list are taken over.
-        claim_every_s: how often ``run`` looks for such entries.
-        max_deliveries: entries delivered more often go to the dead-letter stream.
-        max_entry_bytes: entries larger than this (all field names and values) are
-            dead-lettered as ``oversize`` before any parsing.
-        max_entry_fields: entries of more fields than this (repeated names counted) are
-            dead-lettered as ``too_many_fields`` before any parsing; a dead letter copies
-            at most this many fields (and ``max_entry_bytes`` bytes).
-        rate_limit: authenticated entries per second per principal (token bucket, see
-            ``limits``); over it they are dead-lettered as ``rate_limited``. ``None``: off.
-        rate_burst: the bucket's size (default: one second's worth, at least 1).
-        max_open_tasks: a principal with this many tasks not yet terminal gets no new one
-            (``quota_exceeded``). ``None``: off.
-        retention_s: the retention window, seconds: dead letters older than this are
-            trimmed from the dead-letter streams.
-        trim_every_s: how often ``run`` trims the inbound and dead-letter streams.
-        trim_keep_s: acknowledged inbound entries younger than this (or than
-            ``retention_s``, if shorter) are kept, seconds.
-    """
-
-    prefix: KeyPrefix = DEFAULT_PREFIX
-    consumer: str
-    mode: Literal["signed", "acl"] = "signed"
-    acl_principals: tuple[Principal, ...] = ()
-    count: int = Field(default=DEFAULT_COUNT, ge=1, le=MAX_COUNT)
-    block_ms: int = Field(default=DEFAULT_BLOCK_MS, ge=1)
-    claim_min_idle_ms: int = Field(default=DEFAULT_CLAIM_MIN_IDLE_MS, ge=1)
-    claim_every_s: float = Field(default=DEFAULT_CLAIM_EVERY_S, gt=0)
-    max_deliveries: int = Field(default=DEFAULT_MAX_DELIVERIES, ge=1)
-    max_entry_bytes: int = Field(default=DEFAULT_MAX_ENTRY_BYTES, ge=1024)
-    max_entry_fields: int = Field(
-        default=DEFAULT_MAX_ENTRY_FIELDS, ge=MIN_ENTRY_FIELDS, le=MAX_ENTRY_FIELDS
-    )
-    rate_limit: float | None = Field(default=None, gt=0)
-    rate_burst: int | None = Field(default=None, ge=1)
-    max_open_tasks: int | None = Field(default=None, ge=1)
-    retention_s: float = Field(default=DEFAULT_RETENTION_S, gt=0)
-    trim_every_s: float = Field(default=DEFAULT_TRIM_EVERY_S, gt=0)
-    trim_keep_s: float = Field(default=DEFAULT_TRIM_KEEP_S, ge=0)
-
-    @field_validator("consumer")
-    @classmethod
-    def _consumer(cls, v: str) -> str:
-        if not 1 <= len(v) <= 128 or not set(v) <= _CONSUMER_CHARS:
-            raise ValueError("consumer must be 1..128 characters of letters, digits, '._:-'")
-        return v
-
-    @field_validator("acl_principals")
-    @classmethod
-    def _principals(cls, v: tuple[str, ...]) -> tuple[str, ...]:
-        if len(set(v)) != len(v):
-            raise ValueError("acl_principals lists a principal twice")
-        return v
-
-    @model_validator(mode="after")
-    def _mode(self) -> IngestConfig:
-        if self.mode == "acl" and not self.acl_principals:
-            raise ValueError("ACL mode needs acl_principals (whose streams to read)")
-        if self.mode == "signed" and self.acl_principals:
-            raise ValueError("acl_principals is for ACL mode only")
-        return self
-
-
-@dataclass
-class IngestStats:
-    """Counters since start. ``dead_lettered`` is by reason, including the reader's own
-    (``payload_deleted``, ``delivery_limit``)."""
-
-    batches: int = 0
-    entries: int = 0
-    accepted: int = 0
-    duplicates: int = 0
-    conflicts: int = 0
-    expired: int = 0
-    hop_limited: int = 0
-    acked: int = 0
-    taken_over: int = 0
-    transient_errors: int = 0
-    trimmed: int = 0
-    dead_letters_trimmed: int = 0
-    trim_failures: int = 0
-    dead_lettered: dict[str, int] = field(default_factory=dict)
-
-    @property
-    def dead_lettered_total(self) -> int:
-        return sum(self.dead_lettered.values())
 
 
 _OUTCOME_COUNTER = {
@@ -229,10 +107,20 @@ class _Source:
 
     reader: GroupReader
     principal: str | None
+    #: ``intake.authenticator`` for this stream.
+    authenticate: Callable[[EntryFields], Authenticated]
     # A checked batch whose accept transaction failed on a busy or failing store: retried
     # as it is, without reading the entries again, so a store outage does not raise their
     # Redis delivery counts towards the poison limit.
     held: tuple[list[StreamEntry], list[AcceptItem]] | None = None
+
+
+class AcceptHandoff(Protocol):
+    """Makes the ingest's accept transaction hand its new tasks to idle workers
+    (``handoff.Handoff``): the hook the runner gives the ingest, in place of a plain
+    ``TaskStore.accept``."""
+
+    def accept(self, tasks: TaskStoreAPI, items: Sequence[AcceptItem]) -> list[AcceptResult]: ...
 
 
 class Ingestor:
@@ -246,6 +134,8 @@ class Ingestor:
         keyring: verifies signatures; required in signed mode, ignored in ACL mode.
         clock: decides when ``take_over`` is due (a ``FakeClock`` in tests).
         logger: where warnings and alarms go.
+        handoff: makes each batch's accept instead of ``TaskStore.accept``, handing the new
+            tasks to idle workers (``AcceptHandoff``; the runner's ``handoff.Handoff``).
 
     Raises:
         ConfigError: signed mode without a keyring, or a socket timeout not above BLOCK.
@@ -260,12 +150,14 @@ class Ingestor:
         *,
         clock: Clock | None = None,
         logger: logging.Logger | None = None,
+        handoff: AcceptHandoff | None = None,
     ) -> None:
         if config.mode == "signed" and keyring is None:
             raise ConfigError("signed mode needs a keyring to verify signatures")
         self.config = config
         self.client = client
         self.tasks = tasks
+        self._handoff = handoff
         self.keyring = keyring
         self.clock = clock or SystemClock()
         self.log = logger or log
@@ -275,11 +167,16 @@ class Ingestor:
             self.clock, rate_limit=config.rate_limit, rate_burst=config.rate_burst,
             max_open_tasks=config.max_open_tasks, open_counts=tasks.open_counts,
         )  # fmt: skip
-        principals: Sequence[str | None] = (
-            list(config.acl_principals) if config.mode == "acl" else [None]
-        )
-        block_ms = max(1, config.block_ms // len(principals))
-        timeout = client.connection_pool.connection_kwargs.get("socket_timeout")
+        # (stream, dead-letter stream, principal bound to it): one per ACL principal, or
+        # the signed mode's partitions (one: the shared stream).
+        streams: Sequence[tuple[str, str, str | None]] = (
+            [(self.keys.inbound(p), self.keys.inbound_dead(p), p) for p in config.acl_principals]
+            if config.mode == "acl"
+            else [(s, self.keys.dead_for(s), None)
+                  for s in self.keys.inbound_partitions(config.partitions)]
+        )  # fmt: skip
+        block_ms = max(1, config.block_ms // len(streams))
+        timeout = socket_timeout(client)
         if timeout is not None and float(timeout) * 1000 <= block_ms:
             raise ConfigError(
                 f"client socket timeout {timeout}s must exceed block_ms={block_ms}: a blocked "
@@ -296,17 +193,12 @@ class Ingestor:
         self._sources = [
             _Source(
                 GroupReader(
-                    client,
-                    self.keys.inbound(p),
-                    INGEST_GROUP,
-                    config.consumer,
-                    self.keys.inbound_dead(p),
-                    reader_config,
-                    self.log,
+                    client, stream, INGEST_GROUP, config.consumer, dead, reader_config, self.log
                 ),
                 p,
+                intake.authenticator(p, keyring),
             )
-            for p in principals
+            for stream, dead, p in streams
         ]
         self._next_take_over = float("-inf")
         self._next_trim = self.clock.now() + config.trim_every_s
@@ -459,45 +351,10 @@ class Ingestor:
 
     # -- one batch --------------------------------------------------------------------------
 
-    def _authenticate(self, source: _Source, entry: StreamEntry) -> Authenticated:
-        """The entry's principal and envelope (its size and fields were screened by the
-        reader)."""
-        fields = entry.fields or {}
-        if source.principal is not None:
-            return check_stream_principal(fields, source.principal)
-        assert self.keyring is not None  # checked in __init__
-        return self.keyring.authenticate(fields)
-
     def _handle(self, source: _Source, entries: list[StreamEntry], *, peek: bool = False) -> int:
-        reader = source.reader
-        good: list[StreamEntry] = []
-        items: list[AcceptItem] = []
-        refused: list[tuple[StreamEntry, str, str, dict[str, str]]] = []
-        self.limits.new_batch()
-        for entry in entries:
-            try:
-                auth = self._authenticate(source, entry)
-            except EnvelopeError as exc:
-                extra = {deadletter.FIELD: exc.field}
-                if source.principal is not None:
-                    extra[deadletter.PRINCIPAL] = source.principal
-                reader.dead_letter(entry, exc.reason, exc.detail, extra=extra)
-                continue
-            except TransientError:
-                raise  # not the entry's fault: the batch is replayed
-            except Exception as exc:  # noqa: BLE001 - this entry's problem, not the batch's
-                reader.dead_letter_exception(entry, exc, "authenticating it")
-                continue
-            refusal = self.limits.admit(auth.principal)
-            if refusal is not None:  # dead-lettered together below: a flood is cheap to refuse
-                refused.append(
-                    (entry, *refusal, {deadletter.FIELD: "", deadletter.PRINCIPAL: auth.principal})
-                )
-                continue
-            good.append(entry)
-            items.append(AcceptItem(auth.principal, auth.envelope, entry.entry_id))
-        if refused:
-            reader.dead_letter_many(refused)
+        good, items = intake.screen(
+            source.reader, entries, source.authenticate, self.limits, principal=source.principal
+        )
         if len(good) < len(entries):
             crashpoints.hit("ingest.after_dead_letter")
         self.stats.batches += 1
@@ -517,15 +374,20 @@ class Ingestor:
         """Accept a checked batch in one transaction, then XACK it (with ``peek``, reading
         the next new entries in the same round trip)."""
         reader = source.reader
+        started = tracing.now()
         # One transaction for the whole batch; no Redis call happens inside it.
         try:
-            results = self.tasks.accept(items)
+            handoff = self._handoff
+            results = (
+                self.tasks.accept(items) if handoff is None else handoff.accept(self.tasks, items)
+            )
         except StoreBusy:
             source.held = (good, items)
             raise
         source.held = None
         crashpoints.hit("ingest.after_commit")
         to_ack = self._after_commit(reader, good, items, results)
+        tracing.ingested(items, results, started)
         # XACK after COMMIT: a crash between the two leaves the entries pending, and the
         # inbox's unique key turns their redelivery into duplicates.
         self.stats.acked += reader.ack(to_ack, peek=peek)

@@ -77,7 +77,7 @@ from pydantic import Field
 from broker_adapter import crashpoints
 from broker_adapter.backoff import run_until_stopped
 from broker_adapter.clock import Clock
-from broker_adapter.config import ConfigModel, KeyPrefix, Principal
+from broker_adapter.config import DEFAULT_CLAIM_MIN_IDLE_MS, ConfigModel
 from broker_adapter.errors import (
     AuthError,
     ConfigError,
@@ -85,15 +85,15 @@ from broker_adapter.errors import (
     StoreBusy,
     TransientError,
 )
-from broker_adapter.protocol.envelope import sha256_hex
-from broker_adapter.protocol.keys import DEFAULT_PREFIX, RECEIVER_GROUP, Keys
+from broker_adapter.protocol.canonical import sha256_hex
+from broker_adapter.protocol.keys import DEFAULT_PREFIX, RECEIVER_GROUP, KeyPrefix, Keys, Principal
 from broker_adapter.protocol.reply import BadReply, Reply, load_body
 from broker_adapter.protocol.signing import REPLY_WIRE_VERSION, Keyring
 from broker_adapter.redis.client import text, translated
+from broker_adapter.redis.cluster import socket_timeout
 from broker_adapter.redis.entry import StreamEntry
 from broker_adapter.redis.reader import (
     DEFAULT_BLOCK_MS,
-    DEFAULT_CLAIM_MIN_IDLE_MS,
     DEFAULT_MAX_DELIVERIES,
     DEFAULT_MAX_ENTRY_FIELDS,
     MAX_COUNT,
@@ -102,6 +102,7 @@ from broker_adapter.redis.reader import (
     GroupReader,
     ReaderConfig,
 )
+from broker_adapter.stages import tracing
 from broker_adapter.store.interface import ReceiptsAPI
 from broker_adapter.store.receipts import (
     AppliedItem,
@@ -326,7 +327,7 @@ class Receiver:
                 f"keyring has no keys for principal {config.principal!r}: its replies"
                 " cannot be verified"
             )
-        timeout = client.connection_pool.connection_kwargs.get("socket_timeout")
+        timeout = socket_timeout(client)
         if timeout is not None and float(timeout) * 1000 <= config.block_ms:
             raise ConfigError(
                 f"socket timeout {timeout} s must exceed block_ms {config.block_ms} ms"
@@ -450,6 +451,7 @@ class Receiver:
         if not good:
             return 0
         crashpoints.hit("receiver.before_commit")
+        started = tracing.now()
         try:
             results = self.receipts.apply_many([item for _, item in good], self.effect)
         except StoreBusy:
@@ -459,6 +461,7 @@ class Receiver:
             raise
         self._held = None
         crashpoints.hit("receiver.after_commit")
+        tracing.received([item for _, item in good], results, started)
         ack: list[str] = []
         for (entry, _item), result in zip(good, results, strict=True):
             if self._outcome(entry, result):

@@ -46,6 +46,13 @@ LOCK_WAIT_MAX_S = 0.0005
 log = logging.getLogger("broker_adapter.store")
 
 
+def _add_column(c: sqlite3.Connection, table: str, column: str, decl: str) -> None:
+    """``ALTER TABLE ... ADD COLUMN`` unless the column is there already (idempotent, like
+    every migration). Adding a nullable column rewrites no row."""
+    if column not in {r[1] for r in c.execute(f"PRAGMA table_info({table})")}:
+        c.execute(f"ALTER TABLE {table} ADD COLUMN {column} {decl}")
+
+
 class Database:
     """A SQLite connection configured for durability, owned by one process.
 

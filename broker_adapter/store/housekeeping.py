@@ -1,27 +1,37 @@
 """Housekeeping of the task table: the clock applied to deadlines and leases.
 
 ``reconcile_in`` runs first in every claim transaction (and on its own, ``reconcile``):
-live tasks past their deadline end ``expired``; running tasks whose lease ran out go back
-to ``pending``, or end ``failed`` when that was their last attempt (attempts are counted
-at claim, so a handler that kills its worker still spends its budget). Each terminal
-state comes with its reply (``lifecycle.to_terminal``). Forgetting old requests is
-``retention``'s (``TaskStore.purge_batch``).
-"""
+first, a running task whose current attempt marked its effect started
+(``effects.EffectsStore.mark_effect_started``) and whose lease ran out or deadline passed
+goes to ``unknown`` (``unknown_from_lapsed_in``: a retry could repeat the effect, the
+reconcile decides); then live tasks past their deadline end ``expired``; running tasks
+whose lease ran out go back to ``pending``, or end ``failed`` when that was their last
+attempt (attempts are counted at claim, so a handler that kills its worker still spends its
+budget). Each terminal state comes with its reply (``lifecycle.to_terminal``). Forgetting
+old requests is ``retention``'s (``TaskStore.purge_batch``)."""
 
 from __future__ import annotations
 
 import sqlite3
 
 from broker_adapter.store.lifecycle import TaskState, to_terminal
+from broker_adapter.store.transitions import Reconciled
 
 
-def reconcile_in(c: sqlite3.Connection, now: float) -> dict[str, int]:
-    """Apply ``now`` inside the caller's transaction.
+def reconcile_in(
+    c: sqlite3.Connection, now: float, taken: list[Reconciled] | None = None
+) -> dict[str, int]:
+    """Apply ``now`` inside the caller's transaction; each task it moved is appended to
+    ``taken`` (``transitions.reconciled`` logs them once the transaction committed).
 
     Returns:
-        counts by what happened: ``expired``, ``requeued``, ``exhausted``.
+        counts by what happened: ``expired``, ``requeued``, ``exhausted`` (and ``unknown``
+        when an effect-started task lapsed: only then, so the common answer stays small).
     """
     counts = {"expired": 0, "requeued": 0, "exhausted": 0}
+    unknown = unknown_from_lapsed_in(c, now, taken)
+    if unknown:
+        counts["unknown"] = unknown
     for (task_id,) in c.execute(
         "SELECT task_id FROM tasks INDEXED BY tasks_live_deadline"
         " WHERE state IN ('pending', 'running') AND deadline <= ?",
@@ -29,12 +39,23 @@ def reconcile_in(c: sqlite3.Connection, now: float) -> dict[str, int]:
     ).fetchall():
         to_terminal(c, task_id, TaskState.EXPIRED, now, error="deadline reached")
         counts["expired"] += 1
+        if taken is not None:
+            taken.append((task_id, "expired", "expired", None, None))
     for r in c.execute(
-        "SELECT task_id, attempts, max_attempts, owner FROM tasks INDEXED BY tasks_leases"
-        " WHERE state = 'running' AND lease_until <= ?",
+        "SELECT task_id, attempts, max_attempts, owner, cancel_requested_at FROM tasks"
+        " INDEXED BY tasks_leases WHERE state = 'running' AND lease_until <= ?",
         (now,),
     ).fetchall():
-        if r["attempts"] >= r["max_attempts"]:
+        if r["cancel_requested_at"] is not None:
+            error = (
+                f"cancel requested; the handler of {r['owner']} did not end within the"
+                " grace: what it did is not known"
+            )
+            to_terminal(c, r["task_id"], TaskState.CANCELLED, now, error=error)
+            counts["cancelled"] = counts.get("cancelled", 0) + 1
+            if taken is not None:
+                taken.append((r["task_id"], "cancelled", "cancelled", r["owner"], r["attempts"]))
+        elif r["attempts"] >= r["max_attempts"]:
             to_terminal(
                 c,
                 r["task_id"],
@@ -44,6 +65,8 @@ def reconcile_in(c: sqlite3.Connection, now: float) -> dict[str, int]:
                 f"({r['attempts']}/{r['max_attempts']})",
             )
             counts["exhausted"] += 1
+            if taken is not None:
+                taken.append((r["task_id"], "failed", "failed", r["owner"], r["attempts"]))
         else:
             c.execute(
                 "UPDATE tasks SET state = 'pending', owner = NULL, lease_until = NULL,"
@@ -51,4 +74,42 @@ def reconcile_in(c: sqlite3.Connection, now: float) -> dict[str, int]:
                 (now, f"lease of {r['owner']} expired", now, r["task_id"]),
             )
             counts["requeued"] += 1
+            if taken is not None:
+                taken.append((r["task_id"], "lease_expired", "pending", r["owner"], r["attempts"]))
     return counts
+
+
+_TO_UNKNOWN = (
+    "UPDATE tasks SET state = 'unknown', not_before = ?, updated_at = ?,"
+    " error = 'the claim of ' || coalesce(owner, '?') || ' lapsed after its effect"
+    " started', owner = NULL, lease_until = NULL, reconcile_tries = 0,"
+    " operator_since = NULL WHERE task_id IN ({select})"
+    " RETURNING task_id, attempts"
+)
+#: Both selections go through a partial index on running tasks (no scan on the hot path):
+#: the lease ran out, or the deadline passed, on an attempt that marked its effect started.
+_LAPSED_LEASE = (
+    "SELECT task_id FROM tasks INDEXED BY tasks_leases WHERE state = 'running'"
+    " AND lease_until <= ? AND effect_fence = fence"
+)
+_LAPSED_DEADLINE = (
+    "SELECT task_id FROM tasks INDEXED BY tasks_live_deadline"
+    " WHERE state IN ('pending', 'running') AND deadline <= ? AND state = 'running'"
+    " AND effect_fence = fence"
+)
+
+
+def unknown_from_lapsed_in(
+    c: sqlite3.Connection, now: float, taken: list[Reconciled] | None = None
+) -> int:
+    """Inside the caller's transaction, before the other take-backs: every running task
+    whose current attempt marked its effect started and whose lease ran out or deadline
+    passed goes to ``unknown``, never back to ``pending`` nor to ``expired`` (its deadline
+    bounds new attempts, not finding out what one did). Returns how many."""
+    n = 0
+    for select in (_LAPSED_LEASE, _LAPSED_DEADLINE):
+        rows = c.execute(_TO_UNKNOWN.format(select=select), (now, now, now)).fetchall()
+        n += len(rows)
+        if taken is not None:
+            taken.extend((r["task_id"], "unknown", "unknown", None, r["attempts"]) for r in rows)
+    return n

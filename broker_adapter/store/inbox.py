@@ -4,8 +4,10 @@
 ``(principal, message_id)``: the same identity with the same content (fingerprint) is a
 duplicate of the stored task; with other content a conflict, answered under a stable
 conflict reply id (``conflict_reply_id``) while the stored request stands. A deadline
-already past or too many hops (``docs/RULES.md`` rule 12, counted by ``hops``) store the
-task terminal at once, with its reply. ``accept_and_claim`` also claims new tasks for idle
+already past, too many hops (``docs/RULES.md`` rule 12, counted by ``hops``) or a spent
+chain budget (``TaskPolicy.max_chain_tasks`` tasks stored under the request's
+``correlation_id``, table ``chains``) store the task terminal at once (``hop_limit`` for
+both), with its reply. ``accept_and_claim`` also claims new tasks for idle
 workers in the same transaction (the hand-off).
 """
 
@@ -21,8 +23,10 @@ from enum import StrEnum
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from broker_adapter.errors import EnvelopeError
-from broker_adapter.protocol.envelope import Envelope, sha256_hex
+from broker_adapter.protocol.canonical import sha256_hex
+from broker_adapter.protocol.envelope import Envelope
 from broker_adapter.protocol.reply import CONFLICT_STATUS, conflict_body, reply_id_for
+from broker_adapter.store import transitions
 from broker_adapter.store.db import in_lists
 from broker_adapter.store.lifecycle import TERMINAL_STATES, TaskState, write_reply
 from broker_adapter.store.outbox import enqueue
@@ -116,8 +120,8 @@ def new_task_ids(n: int) -> list[str]:
 _INSERT_TASK = (
     "INSERT INTO tasks (task_id, principal, message_id, kind, payload, fingerprint,"
     " correlation_id, parent_id, state, max_attempts, not_before, deadline, hops,"
-    " created_at, updated_at, finished_at, error)"
-    " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+    " created_at, updated_at, finished_at, error, traceparent)"
+    " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
 )
 # A reused id past the retention window (its task terminal) takes the record over.
 _UPSERT_INBOX = (
@@ -137,17 +141,29 @@ class _AcceptBatch:
 
     known: dict[tuple[str, str], Mapping[str, Any]]
     parent_hops: dict[str, int]
+    #: Tasks stored per ``correlation_id`` named in the batch (the chain budget), counting
+    #: those this batch stores; ``chain_adds`` is what this batch adds.
+    chains: dict[str, int]
     #: Fresh task ids, one per item of the batch at most (drawn in one go).
     ids: Iterator[str]
     tasks: list[tuple[Any, ...]] = field(default_factory=list)
     inbox: list[tuple[Any, ...]] = field(default_factory=list)
     duplicates: list[tuple[str, str]] = field(default_factory=list)
     then: list[Callable[[sqlite3.Connection], object]] = field(default_factory=list)
+    chain_adds: dict[str, int] = field(default_factory=dict)
+    now: float = 0.0
 
     def write(self, c: sqlite3.Connection) -> None:
         if self.tasks:
             c.executemany(_INSERT_TASK, self.tasks)
             c.executemany(_UPSERT_INBOX, self.inbox)
+        if self.chain_adds:
+            c.executemany(
+                "INSERT INTO chains (chain_id, tasks, updated_at) VALUES (?, ?, ?)"
+                " ON CONFLICT (chain_id) DO UPDATE SET tasks = tasks + excluded.tasks,"
+                " updated_at = excluded.updated_at",
+                [(cid, n, self.now) for cid, n in self.chain_adds.items()],
+            )
         if self.duplicates:
             c.executemany(
                 "UPDATE inbox SET duplicates = duplicates + 1"
@@ -192,7 +208,9 @@ def accept_and_claim(
         batch = _AcceptBatch(
             known=_prefetch(c, items),
             parent_hops=_parent_hops(c, items),
+            chains=_chain_counts(c, items),
             ids=iter(ids),
+            now=now,
         )
         results = [
             _accept_one(store, batch, item, now, fingerprint, payload)
@@ -206,6 +224,8 @@ def accept_and_claim(
             else []
             for owner, n in claim_for
         ]
+    store._log_reconciled()
+    transitions.accepted(items, results)
     return Intake(results, claimed)
 
 
@@ -242,6 +262,17 @@ def _parent_hops(c: sqlite3.Connection, items: Sequence[AcceptItem]) -> dict[str
         rows = c.execute(f"SELECT task_id, hops FROM tasks WHERE task_id IN ({marks})", chunk)
         hops.update((row[0], int(row[1])) for row in rows)
     return hops
+
+
+def _chain_counts(c: sqlite3.Connection, items: Sequence[AcceptItem]) -> dict[str, int]:
+    """The tasks stored so far under every ``correlation_id`` the batch names (none named:
+    no query)."""
+    named = list({i.envelope.correlation_id for i in items} - {None})
+    counts: dict[str, int] = {}
+    for chunk, marks in in_lists(named):
+        rows = c.execute(f"SELECT chain_id, tasks FROM chains WHERE chain_id IN ({marks})", chunk)
+        counts.update((row[0], int(row[1])) for row in rows)
+    return counts
 
 
 def _accept_one(
@@ -283,12 +314,25 @@ def _accept_one(
     elif hops > store.policy.max_hops:
         state, outcome = TaskState.HOP_LIMIT, Outcome.HOP_LIMIT
         error = f"hops {hops} exceed the limit {store.policy.max_hops}"
+    elif (chain := env.correlation_id) is not None:
+        # The chain budget: counted by the system per correlation_id, so a request that
+        # leaves out its parent_id (its hops start again) still spends its chain's budget.
+        stored = batch.chains.get(chain, 0)
+        if stored >= store.policy.max_chain_tasks:
+            state, outcome = TaskState.HOP_LIMIT, Outcome.HOP_LIMIT
+            error = (
+                f"chain {chain!r} has {stored} tasks: its budget of"
+                f" {store.policy.max_chain_tasks} is spent"
+            )
+        else:
+            batch.chains[chain] = stored + 1
+            batch.chain_adds[chain] = batch.chain_adds.get(chain, 0) + 1
     batch.tasks.append(
         (
             task_id, item.principal, env.message_id, env.kind, payload,
             fingerprint, env.correlation_id, env.parent_id, state.value, env.max_attempts,
             now, env.deadline, hops, now, now,
-            None if state is TaskState.PENDING else now, error,
+            None if state is TaskState.PENDING else now, error, env.traceparent,
         )
     )  # fmt: skip
     batch.inbox.append((item.principal, env.message_id, fingerprint, task_id, item.entry_id, now))
@@ -300,7 +344,8 @@ def _accept_one(
     if state is not TaskState.PENDING:
         reply_id = reply_id_for(task_id)
         t = {"principal": item.principal, "message_id": env.message_id,
-             "correlation_id": env.correlation_id, "attempts": 0, "fence": 0}  # fmt: skip
+             "correlation_id": env.correlation_id, "attempts": 0, "fence": 0,
+             "traceparent": env.traceparent}  # fmt: skip
         batch.then.append(lambda c: write_reply(c, task_id, state, None, error, now, t=t))
     return AcceptResult(outcome, task_id, reply_id, error or "")
 
@@ -334,7 +379,7 @@ def _known(
     detail = "message_id reused with different content; the first request stands"
     body = conflict_body(
         reply_id, row["task_id"], item.principal, env.message_id, env.correlation_id,
-        detail, fingerprint, row["fingerprint"],
+        detail, fingerprint, row["fingerprint"], traceparent=env.traceparent,
     )  # fmt: skip
 
     def write(c: sqlite3.Connection) -> None:

@@ -7,8 +7,11 @@
                   └──lease expired───┤ ──failure / budget spent──> failed
                                      │ ──deadline reached──> expired
                cancel (any live) ────┴──> cancelled          hops > limit at accept ──> hop_limit
-    reserved, not reached yet: unknown (outcome of an external effect not known),
-                               waiting_approval (needs a separate authorization record)
+    running ──effect started, then timeout / lost lease──> unknown ──reconcile──> done |
+                                                              pending | failed | expired
+    running ──no valid approval──> waiting_approval ──approval──> pending
+                                                    ──approval timeout──> failed
+    (``effects.py``, ``approvals.py``)
 
 Every arrow into a terminal state (``to_terminal``; an accept that stores a task terminal
 at once writes only its reply, ``write_reply``) writes the task's reply into the outbox in
@@ -66,6 +69,7 @@ def write_reply(
     t: sqlite3.Row | Mapping[str, Any] | None = None,
     encoded: tuple[bytes, str] | None = None,
     claim: PublisherClaim | None = None,
+    effects: Mapping[str, Any] | None = None,
 ) -> str:
     """Write the terminal reply of ``task_id`` into the outbox (the caller's transaction).
 
@@ -80,8 +84,8 @@ def write_reply(
     """
     if t is None:
         t = c.execute(
-            "SELECT principal, message_id, correlation_id, attempts, fence FROM tasks"
-            " WHERE task_id = ?",
+            "SELECT principal, message_id, correlation_id, attempts, fence, traceparent"
+            " FROM tasks WHERE task_id = ?",
             (task_id,),
         ).fetchone()
         assert t is not None
@@ -89,7 +93,8 @@ def write_reply(
     if encoded is None:
         encoded = encode_body(
             terminal_body(task_id, state.value, t["principal"], t["message_id"],
-                          t["correlation_id"], result, error, t["attempts"], t["fence"], now)
+                          t["correlation_id"], result, error, t["attempts"], t["fence"], now,
+                          traceparent=t["traceparent"], effects=effects)
         )  # fmt: skip
     data, content_hash = encoded
     inserted = enqueue_encoded(
@@ -113,6 +118,7 @@ def to_terminal(
     row: sqlite3.Row | Mapping[str, Any] | None = None,
     encoded: tuple[bytes, str] | None = None,
     claim: PublisherClaim | None = None,
+    effects: Mapping[str, Any] | None = None,
 ) -> str:
     """Make a task terminal and write its reply (``write_reply``; ``row`` is its ``t``)."""
     c.execute(
@@ -120,4 +126,4 @@ def to_terminal(
         " finished_at = ?, result = ?, error = ? WHERE task_id = ?",
         (state.value, now, now, result, error, task_id),
     )
-    return write_reply(c, task_id, state, result, error, now, row, encoded, claim)
+    return write_reply(c, task_id, state, result, error, now, row, encoded, claim, effects)

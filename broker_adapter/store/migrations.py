@@ -23,6 +23,9 @@ from broker_adapter.protocol.envelope import content_fingerprint
 # outbox    replies waiting to be published; exactly one per terminal task.
 # receipts  the receiver side: one row per reply id applied, with its content hash.
 # meta      named values of this database, made once (the conflict-answer id key).
+# approvals, approval_waits, reconcile_log, compensations: effects beyond our
+#           transaction (effects.py, approvals.py).
+# chains    tasks stored per correlation_id, for the chain budget (inbox.py).
 MIGRATIONS: tuple[str | Callable[[sqlite3.Connection], None], ...] = (
     """
     CREATE TABLE tasks (
@@ -123,7 +126,7 @@ MIGRATIONS: tuple[str | Callable[[sqlite3.Connection], None], ...] = (
     # once per row checked: about 2 us on every insert and every state change, inside the
     # write lock. Same rule, same stored data, so only the schema text changes.
     lambda c: _rewrite_in_checks(c, ("tasks", "outbox")),
-    # 4: fingerprints write floats the ECMAScript way (``envelope.canonical_numbers``), so
+    # 4: fingerprints write floats the ECMAScript way (``canonical.canonical_numbers``), so
     # that ``13.0`` and a resend's ``13`` are one request. Stored ones are recomputed from
     # the content each task row keeps.
     lambda c: _recompute_fingerprints(c),
@@ -136,6 +139,27 @@ MIGRATIONS: tuple[str | Callable[[sqlite3.Connection], None], ...] = (
     # Partial: the replies of tasks, nearly every row, are not in it and cost it nothing.
     """
     CREATE INDEX IF NOT EXISTS outbox_answers ON outbox (created_at) WHERE task_id IS NULL;
+    """,
+    # 7: effects beyond our transaction (``effects.py``): on ``tasks``, the cancel request
+    # of a running task, the mark of an attempt whose external effect started (its fence
+    # and when), the reconcile tries of an ``unknown`` task and since when it waits for an
+    # operator; the queue of ``unknown`` tasks; approvals, the tasks waiting for one, the
+    # audit of reconciles and the compensation records.
+    lambda c: _add_effects_schema(c),
+    # 8: the W3C ``traceparent`` a request was sent in (an optional envelope member), kept
+    # with its task so that its reply carries it and the worker's span is parented on it.
+    # NULL for every task accepted before and for requests sent without one.
+    lambda c: _add_column(c, "tasks", "traceparent", "TEXT"),
+    # 9: the chain budget (``inbox``): per ``correlation_id``, how many tasks were stored
+    # naming it, whoever sent them and whatever ``parent_id`` they gave; forgotten with the
+    # retention window after its last task (``retention``).
+    """
+    CREATE TABLE IF NOT EXISTS chains (
+        chain_id   TEXT PRIMARY KEY,
+        tasks      INTEGER NOT NULL,
+        updated_at REAL NOT NULL
+    ) WITHOUT ROWID;
+    CREATE INDEX IF NOT EXISTS chains_updated ON chains (updated_at);
     """,
 )
 SCHEMA_VERSION = len(MIGRATIONS)
@@ -231,3 +255,77 @@ def _recompute_fingerprints(c: sqlite3.Connection) -> None:
 
 def _split(script: str) -> list[str]:
     return [s.strip() for s in script.split(";") if s.strip()]
+
+
+#: Migration 7's columns of ``tasks`` (name, declaration).
+_EFFECT_COLUMNS = (
+    ("cancel_requested_at", "REAL"),
+    ("effect_fence", "INTEGER"),
+    ("effect_started_at", "REAL"),
+    ("reconcile_tries", "INTEGER NOT NULL DEFAULT 0"),
+    ("operator_since", "REAL"),
+)
+_EFFECT_TABLES = """
+    CREATE INDEX IF NOT EXISTS tasks_unknown ON tasks (not_before) WHERE state = 'unknown';
+    CREATE TABLE IF NOT EXISTS approvals (
+        approval_id TEXT PRIMARY KEY,
+        action      TEXT NOT NULL,
+        target      TEXT NOT NULL,
+        scope       TEXT NOT NULL,
+        approver    TEXT NOT NULL,
+        granted_at  REAL NOT NULL,
+        expires_at  REAL NOT NULL,
+        revoked_at  REAL,
+        revoked_by  TEXT,
+        CHECK (expires_at > granted_at)
+    );
+    CREATE INDEX IF NOT EXISTS approvals_match ON approvals (action, target, scope, expires_at);
+    CREATE TABLE IF NOT EXISTS approval_waits (
+        task_id TEXT PRIMARY KEY,
+        action  TEXT NOT NULL,
+        target  TEXT NOT NULL,
+        scope   TEXT NOT NULL,
+        since   REAL NOT NULL,
+        until   REAL NOT NULL
+    ) WITHOUT ROWID;
+    CREATE INDEX IF NOT EXISTS approval_waits_until ON approval_waits (until);
+    CREATE TABLE IF NOT EXISTS reconcile_log (
+        task_id  TEXT NOT NULL,
+        outcome  TEXT NOT NULL CHECK (outcome = 'done' OR outcome = 'not-done'
+                     OR outcome = 'unknown'),
+        by_whom  TEXT NOT NULL,
+        at       REAL NOT NULL,
+        fence    INTEGER NOT NULL,
+        observed TEXT,
+        note     TEXT
+    );
+    CREATE INDEX IF NOT EXISTS reconcile_log_task ON reconcile_log (task_id, at);
+    CREATE TABLE IF NOT EXISTS compensations (
+        task_id    TEXT NOT NULL,
+        kind       TEXT NOT NULL,
+        by_whom    TEXT NOT NULL,
+        fence      INTEGER NOT NULL,
+        what       TEXT NOT NULL,
+        started_at REAL NOT NULL,
+        outcome    TEXT NOT NULL CHECK (outcome = 'started' OR outcome = 'done'
+                       OR outcome = 'failed'),
+        detail     TEXT,
+        ended_at   REAL,
+        PRIMARY KEY (task_id, kind)
+    ) WITHOUT ROWID;
+"""
+
+
+def _add_effects_schema(c: sqlite3.Connection) -> None:
+    """Migration 7 (idempotent: a column already there is not added again)."""
+    for name, declaration in _EFFECT_COLUMNS:
+        _add_column(c, "tasks", name, declaration)
+    for statement in _split(_EFFECT_TABLES):
+        c.execute(statement)
+
+
+def _add_column(c: sqlite3.Connection, table: str, column: str, decl: str) -> None:
+    """``ALTER TABLE ... ADD COLUMN`` unless the column is there already (idempotent, like
+    every migration). Adding a nullable column rewrites no row."""
+    if column not in {r[1] for r in c.execute(f"PRAGMA table_info({table})")}:
+        c.execute(f"ALTER TABLE {table} ADD COLUMN {column} {decl}")

@@ -28,12 +28,11 @@ from pydantic import Field
 
 from broker_adapter.backoff import Backoff
 from broker_adapter.clock import Clock, SystemClock
-from broker_adapter.config import ConfigModel
+from broker_adapter.config import DEFAULT_LEASE_S, ConfigModel
 from broker_adapter.errors import BrokerAdapterError, StaleError
 from broker_adapter.protocol.reply import encode_body
 from broker_adapter.store.db import Database
 from broker_adapter.store.fencing import REPLY_HELD, REPLY_HELD_STATE, held_params, refusal
-from broker_adapter.store.leases import DEFAULT_LEASE_S
 
 OUTBOX_STATES = ("pending", "sending", "sent", "dead")
 

@@ -22,7 +22,7 @@ from enum import StrEnum
 from typing import Any
 
 from broker_adapter.clock import Clock, SystemClock
-from broker_adapter.protocol.envelope import canonical_json
+from broker_adapter.protocol.canonical import canonical_json
 from broker_adapter.protocol.reply import Reply
 from broker_adapter.store.db import Database, in_lists
 from broker_adapter.store.retention import PURGE_BATCH, PurgeBatch, purge_receipts, whole_pass

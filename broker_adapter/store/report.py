@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from broker_adapter.store.approvals import approval_counts
 from broker_adapter.store.db import Database
+from broker_adapter.store.effects import effect_counts
 
 
 def snapshot(db: Database, now: float) -> dict[str, Any]:
@@ -12,7 +14,9 @@ def snapshot(db: Database, now: float) -> dict[str, Any]:
 
     Returns:
         ``received`` (inbox), ``processing`` (pending/running and leases), ``terminal``
-        (tasks by terminal state) and ``delivery`` (outbox by state, oldest unsent age).
+        (tasks by terminal state), ``delivery`` (outbox by state, oldest unsent age) and
+        ``effects`` (unknown outcomes, reconciles, compensations, approvals:
+        ``effects.effect_counts``, ``approvals.approval_counts``).
     """
     with db.read() as c:
         inbox = c.execute(
@@ -32,7 +36,10 @@ def snapshot(db: Database, now: float) -> dict[str, Any]:
             "SELECT min(created_at) FROM outbox WHERE state IN ('pending', 'sending')"
         ).fetchone()[0]
         receipts = c.execute("SELECT count(*), coalesce(sum(effects), 0) FROM receipts").fetchone()
-    return shape(now, tuple(inbox), states, tuple(leases), ready, outbox, oldest, tuple(receipts))
+        effects = {**effect_counts(c), **approval_counts(c, now)}
+    return shape(
+        now, tuple(inbox), states, tuple(leases), ready, outbox, oldest, tuple(receipts), effects
+    )
 
 
 #: The terminal states ``snapshot`` counts under ``terminal``.
@@ -42,10 +49,11 @@ TERMINAL_NAMES = ("done", "failed", "cancelled", "expired", "hop_limit")
 def shape(
     now: float, inbox: tuple[Any, ...], states: dict[str, int], leases: tuple[Any, ...],
     ready: int, outbox: dict[str, int], oldest: float | None, receipts: tuple[Any, ...],
+    effects: dict[str, int],
 ) -> dict[str, Any]:  # fmt: skip
     """The snapshot's dict from its counts (one shape for every backend): ``inbox`` is
     (records, duplicates, conflicts), ``leases`` (live, expired), ``receipts`` (replies,
-    effects)."""
+    effects), ``effects`` the effect and approval counts."""
     return {
         "received": {"inbox": inbox[0], "duplicates": inbox[1], "conflicts": inbox[2]},
         "processing": {
@@ -63,4 +71,5 @@ def shape(
             "oldest_unsent_age_s": None if oldest is None else round(max(0.0, now - oldest), 3),
         },
         "receipts": {"replies": receipts[0], "effects": receipts[1]},
+        "effects": effects,
     }

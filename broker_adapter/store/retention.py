@@ -2,9 +2,10 @@
 
 One window per process, ``retention_s`` (7 days by default). On the adapter's side a
 request goes as a whole, in ONE transaction: its task row, its inbox record (if the record
-still names this task: a message id reused past the window took it over) and its terminal
-reply in the outbox. It goes only when all of these hold, re-checked inside the deleting
-transaction:
+still names this task: a message id reused past the window took it over), its terminal
+reply in the outbox and its effect records (reconcile log, compensations, approval wait);
+approvals expired or revoked before the window go with any batch that deletes. It goes
+only when all of these hold, re-checked inside the deleting transaction:
 
 * the task is terminal and its deadline has passed (a replay of the envelope can then only
   be accepted as ``expired``, never run);
@@ -147,7 +148,15 @@ def purge_requests(
         replies = 0
         for chunk, marks in in_lists(ids):
             replies += c.execute(f"DELETE FROM outbox WHERE task_id IN ({marks})", chunk).rowcount
+            for table in _EFFECT_RECORDS:  # the task's effect records go with it
+                c.execute(f"DELETE FROM {table} WHERE task_id IN ({marks})", chunk)
             c.execute(f"DELETE FROM tasks WHERE task_id IN ({marks})", chunk)
+        if ids:  # approvals expired or revoked before the window: nothing can use them
+            c.execute(
+                "DELETE FROM approvals WHERE expires_at <= ? OR revoked_at <= ?", (cutoff, cutoff)
+            )
+            # A chain none of whose tasks was stored within the window is forgotten.
+            c.execute("DELETE FROM chains WHERE updated_at <= ?", (cutoff,))
         for chunk, marks in in_lists(answers):
             replies += c.execute(
                 f"DELETE FROM outbox WHERE reply_id IN ({marks}) AND task_id IS NULL"
@@ -156,6 +165,10 @@ def purge_requests(
             ).rowcount
         work = held()
     return PurgeBatch(len(ids), records, replies, 0, cursor, more, held(), work)
+
+
+#: A task's effect records (schema migration 7), purged with it.
+_EFFECT_RECORDS = ("reconcile_log", "compensations", "approval_waits")
 
 
 def purge_receipts(

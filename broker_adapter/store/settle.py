@@ -25,10 +25,10 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import TYPE_CHECKING, Final, Literal
 
+from broker_adapter.config import DEFAULT_LEASE_S
 from broker_adapter.errors import BrokerAdapterError, StaleError
 from broker_adapter.protocol.reply import encode_body, terminal_body
 from broker_adapter.store.fencing import TASK_HELD, held_params
-from broker_adapter.store.leases import DEFAULT_LEASE_S
 from broker_adapter.store.lifecycle import ReplyKey, TaskState, reply_key, to_terminal, write_reply
 from broker_adapter.store.outbox import OutboxRow, PublisherClaim, SentMark, mark_sent_in
 
@@ -90,7 +90,7 @@ _MARK_DONE = (
     "UPDATE tasks SET state = 'done', owner = NULL, lease_until = NULL, updated_at = ?,"
     " finished_at = ?, result = ?, error = NULL WHERE task_id = ? AND "
     + TASK_HELD
-    + " RETURNING principal, message_id, correlation_id, attempts, fence"
+    + " RETURNING principal, message_id, correlation_id, attempts, fence, traceparent"
 )
 
 
@@ -159,6 +159,8 @@ def settle(
             error = item.error or ""
             out.append(_fail_row(store, c, row, item.task_id, error, item.retryable, now, claim))
         rows = store._claim_in(c, owner, n, now) if n >= 1 else []
+    if n >= 1:
+        store._log_reconciled()
     replies = [] if claim is None else claim.rows
     return SettledBatch(out, store._claimed(rows, owner, now), replies, marks)
 
@@ -231,5 +233,5 @@ def _done_reply(item: Settlement, now: float) -> tuple[ReplyKey, tuple[bytes, st
     key = (claimed.principal, claimed.message_id, claimed.correlation_id, claimed.attempt,
            claimed.fence)  # fmt: skip
     body = terminal_body(claimed.task_id, TaskState.DONE.value, *key[:3], item.result, None,
-                         *key[3:], now)  # fmt: skip
+                         *key[3:], now, traceparent=claimed.traceparent)  # fmt: skip
     return key, encode_body(body)

@@ -28,11 +28,11 @@ from pydantic import Field
 
 from broker_adapter.backoff import Backoff
 from broker_adapter.clock import Clock, SystemClock
-from broker_adapter.config import ConfigModel
-from broker_adapter.errors import BrokerAdapterError, StaleError
-from broker_adapter.protocol.envelope import check_result
+from broker_adapter.config import DEFAULT_LEASE_S, ConfigModel
+from broker_adapter.errors import BrokerAdapterError, StaleError, TaskCancelled
+from broker_adapter.protocol.bounds import check_result
 from broker_adapter.protocol.reply import reply_id_for
-from broker_adapter.store import inbox, settle
+from broker_adapter.store import inbox, settle, transitions
 from broker_adapter.store.db import Database, in_lists
 from broker_adapter.store.fencing import TASK_HELD_STATE, refusal
 from broker_adapter.store.housekeeping import reconcile_in
@@ -45,7 +45,6 @@ from broker_adapter.store.inbox import (
     idempotency_key_for,
     new_task_ids,
 )
-from broker_adapter.store.leases import DEFAULT_LEASE_S
 from broker_adapter.store.lifecycle import LIVE_STATES, TERMINAL_STATES, TaskState, to_terminal
 from broker_adapter.store.migrations import CONFLICT_ID_KEY
 from broker_adapter.store.outbox import SentMark
@@ -93,6 +92,13 @@ class TaskPolicy(ConfigModel):
             request. It also bounds deadlines: one further ahead than this is refused, so
             that no request outlives the record that makes its replay a duplicate.
         backoff: delay before a retryable failure runs again.
+        max_chain_tasks: the chain budget: requests naming a ``correlation_id`` under which
+            this many tasks were stored already (within the retention window, by any
+            sender, with or without ``parent_id``) are accepted straight into
+            ``hop_limit``.
+        cancel_grace_s: a running task whose cancel was requested (``broker-adapter cancel``)
+            keeps its lease this long for its handler to stop; then renewals are refused and
+            the lapsed lease ends the task ``cancelled`` (``unknown`` if its effect started).
 
     Raises:
         ConfigError: a lease or retention not above 0, or a negative ``max_hops``.
@@ -102,6 +108,8 @@ class TaskPolicy(ConfigModel):
     max_hops: int = Field(default=16, ge=0)
     retention_s: float = Field(default=DEFAULT_RETENTION_S, gt=0)
     backoff: Backoff = Field(default_factory=Backoff)
+    max_chain_tasks: int = Field(default=1000, ge=1)
+    cancel_grace_s: float = Field(default=30.0, ge=0)
 
 
 @dataclass(frozen=True)
@@ -122,6 +130,8 @@ class ClaimedTask:
     hops: int
     correlation_id: str | None
     parent_id: str | None
+    #: The request's W3C trace context, if it was sent with one (``Envelope.traceparent``).
+    traceparent: str | None = None
 
     @property
     def idempotency_key(self) -> str:
@@ -184,6 +194,8 @@ class TaskStore:
         #: counted in the reconciling transaction (one that then fails counts them again
         #: when it is retried): the ``ba_lease_takeovers_total`` metric.
         self.lease_takeovers = 0
+        #: what the last reconcile did, logged after its transaction (``transitions``)
+        self._reconciled: list[transitions.Reconciled] = []
 
     def conflict_reply_id(self, principal: str, message_id: str, fingerprint: str) -> str:
         """The id of the conflict answer to ``(principal, message_id)`` reused with content
@@ -221,6 +233,7 @@ class TaskStore:
         now = self.clock.now()
         with self.db.write("claim") as c:
             rows = self._claim_in(c, owner, n, now)
+        self._log_reconciled()
         return self._claimed(rows, owner, now)
 
     def _claim_in(self, c: sqlite3.Connection, owner: str, n: int, now: float) -> list[sqlite3.Row]:
@@ -244,7 +257,7 @@ class TaskStore:
             " attempts = attempts + 1, fence = fence + 1, updated_at = ?"
             f" WHERE task_id IN ({', '.join('?' * len(ids))}) AND +state = 'pending'"
             " RETURNING task_id, principal, message_id, kind, payload, attempts,"
-            " max_attempts, fence, deadline, hops, correlation_id, parent_id",
+            " max_attempts, fence, deadline, hops, correlation_id, parent_id, traceparent",
             (owner, now + self.policy.lease_s, now, *ids),
         ).fetchall()
         by_id = {r["task_id"]: r for r in rows}
@@ -264,8 +277,8 @@ class TaskStore:
                 for r in c.execute(
                     "SELECT task_id, principal, message_id, kind, payload, attempts,"
                     " max_attempts, fence, deadline, hops, correlation_id, parent_id,"
-                    f" lease_until FROM tasks WHERE task_id IN ({marks}) AND state = 'running'"
-                    " AND owner = ?",
+                    f" traceparent, lease_until FROM tasks WHERE task_id IN ({marks})"
+                    " AND state = 'running' AND owner = ?",
                     (*chunk, owner),
                 ):
                     if fences[r["task_id"]] == r["fence"]:
@@ -299,6 +312,7 @@ class TaskStore:
             hops=r["hops"],
             correlation_id=r["correlation_id"],
             parent_id=r["parent_id"],
+            traceparent=r["traceparent"],
         )
 
     def _holder(self, c: sqlite3.Connection, task_id: str, owner: str, fence: int) -> sqlite3.Row:
@@ -306,7 +320,8 @@ class TaskStore:
         part fails. Returns the row (what ``lifecycle.write_reply`` and a failure need)."""
         row: sqlite3.Row | None = c.execute(
             "SELECT state, owner, fence, lease_until, deadline, attempts, max_attempts,"
-            " principal, message_id, correlation_id FROM tasks WHERE task_id = ?",
+            " principal, message_id, correlation_id, traceparent, cancel_requested_at"
+            " FROM tasks WHERE task_id = ?",
             (task_id,),
         ).fetchone()
         if row is None:
@@ -331,7 +346,10 @@ class TaskStore:
         now = self.clock.now()
         lease_until = now + self.policy.lease_s
         with self.db.write("renew") as c:
-            self._holder(c, task_id, owner, fence)
+            row = self._holder(c, task_id, owner, fence)
+            requested = row["cancel_requested_at"]
+            if requested is not None and now >= requested + self.policy.cancel_grace_s:
+                raise TaskCancelled(task_id)  # the grace of a requested cancel is over
             c.execute(
                 "UPDATE tasks SET lease_until = ?, updated_at = ? WHERE task_id = ? AND fence = ?",
                 (lease_until, now, task_id, fence),
@@ -362,7 +380,7 @@ class TaskStore:
         """Commit one success: ``settle_batch`` of one ``done`` outcome, its refusal raised.
 
         Args:
-            result: any JSON value within the result bounds (``envelope.check_result``);
+            result: any JSON value within the result bounds (``bounds.check_result``);
                 stored canonically and carried in the reply.
 
         Returns:
@@ -433,6 +451,8 @@ class TaskStore:
             if state in TERMINAL_STATES:
                 return state
             to_terminal(c, task_id, TaskState.CANCELLED, now, error=reason)
+        transitions.task_transition("cancelled", task_id, "cancelled", detail=reason,
+                                    reply_id=reply_id_for(task_id))  # fmt: skip
         return TaskState.CANCELLED
 
     def refusal(self, task_id: str, owner: str, fence: int) -> StaleError | None:
@@ -440,16 +460,22 @@ class TaskStore:
         read statement (no transaction), the deadline left to the caller. Returns the
         refusal (``TaskCancelled``, ``FencedError``, or a ``StaleError`` saying why the
         claim is gone), or None while it holds. A worker asks it before a handler starts
-        and whenever the handler asks ``Task.cancelled()``."""
+        and whenever the handler asks ``Task.cancelled()``. A running task whose cancel was
+        requested is refused as ``TaskCancelled`` here (its handler is to stop), while its
+        renewals still hold during the grace."""
         row = self.db.fetch_one(
-            "SELECT state, owner, fence, lease_until, deadline FROM tasks WHERE task_id = ?",
+            "SELECT state, owner, fence, lease_until, deadline, cancel_requested_at FROM tasks"
+            " WHERE task_id = ?",
             (task_id,),
         )
         if row is None:
             return StaleError(task_id, "not_running", "no such task")
-        return refusal(
+        refused = refusal(
             row, task_id, owner, fence, self.clock.now(), state=TASK_HELD_STATE, deadline=False
         )
+        if refused is None and row["cancel_requested_at"] is not None:
+            return TaskCancelled(task_id)  # requested (``EffectsStore.request_cancel``)
+        return refused
 
     def is_cancelled(self, task_id: str) -> bool:
         row = self.db.fetch_one("SELECT state FROM tasks WHERE task_id = ?", (task_id,))
@@ -463,10 +489,18 @@ class TaskStore:
             counts by what happened: ``expired``, ``requeued``, ``exhausted``.
         """
         with self.db.write("reconcile") as c:
-            return self._reconcile(c, self.clock.now())
+            counts = self._reconcile(c, self.clock.now())
+        self._log_reconciled()
+        return counts
+
+    def _log_reconciled(self) -> None:
+        taken, self._reconciled = self._reconciled, []
+        transitions.reconciled(taken)
 
     def _reconcile(self, c: sqlite3.Connection, now: float) -> dict[str, int]:
-        counts = reconcile_in(c, now)
+        taken: list[transitions.Reconciled] = []  # logged once the caller's transaction commits
+        self._reconciled = taken
+        counts = reconcile_in(c, now, taken)
         self.lease_takeovers += counts["requeued"] + counts["exhausted"]
         return counts
 

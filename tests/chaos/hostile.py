@@ -37,7 +37,8 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from broker_adapter.protocol.envelope import Envelope, canonical_json, sha256_hex
+from broker_adapter.protocol.canonical import canonical_json, sha256_hex
+from broker_adapter.protocol.envelope import Envelope
 from broker_adapter.protocol.signing import (
     REPLY_WIRE_VERSION,
     WIRE_VERSION,

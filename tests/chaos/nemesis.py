@@ -61,7 +61,7 @@ from typing import Any
 import redis
 
 from broker_adapter import crashpoints
-from broker_adapter.protocol.envelope import sha256_hex
+from broker_adapter.protocol.canonical import sha256_hex
 from broker_adapter.protocol.keys import INGEST_GROUP, RECEIVER_GROUP, Keys
 from broker_adapter.redis.client import text
 from broker_adapter.store.tasks import reply_id_for

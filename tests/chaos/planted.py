@@ -33,6 +33,7 @@ from typing import Any
 from broker_adapter.protocol.signing import Keyring
 from broker_adapter.stages import receiver
 from broker_adapter.stages.ingest import Ingestor
+from broker_adapter.store.inbox import Intake
 from broker_adapter.store.tasks import AcceptItem, AcceptResult, TaskStore
 
 ENV = "CHAOS_PLANTED"
@@ -47,18 +48,28 @@ def _patch_xack_before_commit() -> None:
 
     def handle(self: Ingestor, source: Any, entries: list[Any], *, peek: bool = False) -> int:
         tasks = self.tasks
-        accept = tasks.accept
+        accept, accept_and_claim = tasks.accept, tasks.accept_and_claim
 
-        def accept_after_ack(items: Sequence[AcceptItem]) -> list[AcceptResult]:
+        def ack_first(items: Sequence[AcceptItem]) -> None:
             ids = [item.entry_id for item in items if item.entry_id]
             self.stats.acked += source.reader.ack(ids)  # BUG: XACK before the commit
+
+        def accept_after_ack(items: Sequence[AcceptItem]) -> list[AcceptResult]:
+            ack_first(items)
             return accept(items)
 
+        def accept_and_claim_after_ack(
+            items: Sequence[AcceptItem], claim_for: Sequence[tuple[str, int]]
+        ) -> Intake:
+            ack_first(items)  # the hand-off's accept (``handoff.Handoff.accept``)
+            return accept_and_claim(items, claim_for)
+
         tasks.accept = accept_after_ack  # type: ignore[method-assign]
+        tasks.accept_and_claim = accept_and_claim_after_ack  # type: ignore[method-assign]
         try:
             return original_handle(self, source, entries, peek=peek)
         finally:
-            del tasks.accept  # back to the class's method
+            del tasks.accept, tasks.accept_and_claim  # back to the class's methods
 
     Ingestor._handle = handle  # type: ignore[method-assign]
 

@@ -109,7 +109,7 @@ PROFILES: dict[str, Profile] = {
 
 
 @dataclass(frozen=True)
-class RunConfig:
+class AdapterConfig:
     """One run.
 
     Attributes:
@@ -235,7 +235,7 @@ SCENARIOS: dict[str, Scenario] = {
 class Run:
     """The state of one run; ``execute`` does the whole thing."""
 
-    def __init__(self, config: RunConfig) -> None:
+    def __init__(self, config: AdapterConfig) -> None:
         self.config = config
         prof = config.profile
         self.out = config.out
@@ -557,7 +557,7 @@ class Run:
         thread.join(prof.duration_s + 60.0)
 
 
-def run_chaos(config: RunConfig) -> RunResult:
+def run_chaos(config: AdapterConfig) -> RunResult:
     """Run one chaos run; see the module docstring."""
     return Run(config).execute()
 
@@ -593,7 +593,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     name = args.scenario or args.profile
     prof = profile_for(name, messages=args.messages, duration_s=args.duration)
-    config = RunConfig(
+    config = AdapterConfig(
         profile=prof, seed=args.seed, out=args.out, mode=args.redis_mode, planted=args.planted,
         scenario=args.scenario,
     )  # fmt: skip

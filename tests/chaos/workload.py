@@ -37,7 +37,8 @@ import redis
 
 from broker_adapter.client.publisher import Publisher
 from broker_adapter.errors import AuthError, BrokerAdapterError, ConfigError
-from broker_adapter.protocol.envelope import Envelope, canonical_json
+from broker_adapter.protocol.canonical import canonical_json
+from broker_adapter.protocol.envelope import Envelope
 from broker_adapter.protocol.keys import Keys
 from broker_adapter.protocol.signing import Keyring, signature
 from broker_adapter.redis.client import connect

@@ -26,7 +26,7 @@ from typing import Any
 import pytest
 
 from broker_adapter.clock import FakeClock
-from broker_adapter.protocol.envelope import canonical_json, sha256_hex
+from broker_adapter.protocol.canonical import canonical_json, sha256_hex
 from broker_adapter.store import Database, open_database
 from broker_adapter.store.tasks import reply_id_for
 from tests.support.postgres import STORE_BACKENDS, ThrowawayDatabase, require_server

@@ -72,12 +72,18 @@ def keyring(tmp_path: Path) -> Path:
 
 
 def _publish(
-    redis_url: str, keyring: Path, prefix: str, principal: str, n: int, start: int = 0
+    redis_url: str,
+    keyring: Path,
+    prefix: str,
+    principal: str,
+    n: int,
+    *extra: str,
+    start: int = 0,
 ) -> None:
     for i in range(start, start + n):
         res = _cli("publish", "--redis", redis_url, "--principal", principal, "--keyring",
                    str(keyring), "--prefix", prefix, "--id", f"m{i}",
-                   "--payload", json.dumps({"i": i}))  # fmt: skip
+                   "--payload", json.dumps({"i": i}), *extra)  # fmt: skip
         assert res.returncode == 0, res.stderr
         ack = json.loads(res.stdout)
         assert ack["message_id"] == f"m{i}"
@@ -301,10 +307,10 @@ def test_cli_receive_with_keyring_applies_only_signed_replies(
         (["receive", "--redis", "redis://x", "--db", "d.db", "--principal", "a", "--keyring",
           "/nonexistent.json"], "keyring"),
         (["frobnicate"], "invalid choice"),
-        ([*RUN, "--prefix", "a b"], "RunConfig.prefix: bad key prefix 'a b'"),
-        ([*RUN, "--redis", "http://x"], "RunConfig.redis_url: bad Redis URL"),
-        ([*RUN, "--redis", "redis://host:abc"], "RunConfig.redis_url: bad Redis URL: Port"),
-        ([*RUN, "--lease", "-1"], "RunConfig.lease_s"),
+        ([*RUN, "--prefix", "a b"], "AdapterConfig.prefix: bad key prefix 'a b'"),
+        ([*RUN, "--redis", "http://x"], "AdapterConfig.redis_url: bad Redis URL"),
+        ([*RUN, "--redis", "redis://host:abc"], "AdapterConfig.redis_url: bad Redis URL: Port"),
+        ([*RUN, "--lease", "-1"], "AdapterConfig.lease_s"),
         ([*RUN, "--keyring", "/nonexistent.json"], "cannot read keyring /nonexistent.json"),
         ([*RUN, "--db", "no/such/dir/a.db"], "no directory no/such/dir"),
         ([*RUN, "--handler", "nomod:f"], "module 'nomod' not found in the app directory"),
@@ -340,7 +346,7 @@ def test_cli_a_stage_that_crashes_is_a_runtime_failure_naming_it(tmp_path: Path)
         "from broker_adapter.app import adapter, cli\n"
         "def crash(self, *args):\n"
         "    raise RuntimeError('boom')\n"
-        "adapter.Runner._ingest = crash\n"
+        "adapter.Adapter._ingest = crash\n"
         "raise SystemExit(cli.main(sys.argv[1:]))\n"
     )
     res = subprocess.run(

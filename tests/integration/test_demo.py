@@ -28,7 +28,7 @@ def test_demo_on_a_throwaway_redis_server_passes_every_check() -> None:
     res = _demo(dict(os.environ))
     assert res.returncode == 0, res.stdout + res.stderr
     assert "redis-server (throwaway" in res.stdout
-    assert res.stdout.count("[ok]") == 4
+    assert res.stdout.count("[ok]") == 5
     assert "FAILED" not in res.stdout
     assert "refused (fence)" in res.stdout
 
@@ -38,4 +38,4 @@ def test_demo_falls_back_to_the_embedded_fake_server_without_a_binary() -> None:
     res = _demo(env)
     assert res.returncode == 0, res.stdout + res.stderr
     assert "fakeredis TCP server" in res.stdout
-    assert res.stdout.count("[ok]") == 4
+    assert res.stdout.count("[ok]") == 5

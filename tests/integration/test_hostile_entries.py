@@ -24,14 +24,16 @@ import pytest
 from broker_adapter.client.publisher import Publisher
 from broker_adapter.clock import FakeClock
 from broker_adapter.protocol import deadletter
-from broker_adapter.protocol.envelope import Envelope, canonical_json, sha256_hex
+from broker_adapter.protocol.canonical import canonical_json, sha256_hex
+from broker_adapter.protocol.envelope import Envelope
 from broker_adapter.protocol.keys import INGEST_GROUP, Keys
 from broker_adapter.protocol.reply import Reply
 from broker_adapter.protocol.signing import Keyring
 from broker_adapter.redis.client import connect, text
 from broker_adapter.redis.internals import exchange
 from broker_adapter.stages import receiver as receiver_module
-from broker_adapter.stages.ingest import IngestConfig, Ingestor
+from broker_adapter.stages.ingest import Ingestor
+from broker_adapter.stages.ingest_config import IngestConfig
 from broker_adapter.stages.receiver import Receiver, ReceiverConfig
 from broker_adapter.store import ReceiptStore, TaskStore, open_database
 from broker_adapter.store.db import Database

@@ -18,7 +18,8 @@ from broker_adapter.protocol.envelope import Envelope
 from broker_adapter.protocol.keys import Keys
 from broker_adapter.protocol.signing import Keyring, reply_signature
 from broker_adapter.redis.client import connect
-from broker_adapter.stages.ingest import IngestConfig, Ingestor
+from broker_adapter.stages.ingest import Ingestor
+from broker_adapter.stages.ingest_config import IngestConfig
 from broker_adapter.stages.receiver import Receiver, ReceiverConfig, parse_entry
 from broker_adapter.store import ReceiptStore, TaskStore, open_database
 from tests.support.ingest_script import drain, task_counts
@@ -209,4 +210,10 @@ def test_protocol_plain_redis_publisher_is_ingested(
     row = tasks.find("alice", "plain-1")
     assert row is not None
     assert (row.max_attempts, row.deadline) == (2, 1_900_000_000.0)
+    # a vector's trace context is kept with its task (and so goes into its reply)
+    traced = {c.message_id: c.traceparent for c in tasks.claim("w", len(expected))}
+    for v in vectors:
+        sent = json.loads(v["env"])
+        assert traced[sent["message_id"]] == sent.get("traceparent")
+    assert any(tp is not None for tp in traced.values())
     raw.close()

@@ -15,11 +15,12 @@ from typing import Any
 
 import pytest
 
-from broker_adapter.app.adapter import RunConfig, Runner
+from broker_adapter.app.adapter import Adapter, AdapterConfig
 from broker_adapter.clock import FakeClock
 from broker_adapter.protocol.keys import RECEIVER_GROUP, Keys
 from broker_adapter.redis.client import connect, text
-from broker_adapter.stages.dispatcher import Dispatcher, DispatcherConfig, ReplayOutcome
+from broker_adapter.stages.dispatcher import Dispatcher, DispatcherConfig
+from broker_adapter.stages.replay import ReplayOutcome
 from broker_adapter.store import OutboxStore
 from broker_adapter.store.db import Database
 from tests.support.ingest_script import write_keyring
@@ -154,16 +155,16 @@ def test_replay_without_a_record_finds_the_reply_in_its_stream(
 def test_the_runner_gives_workers_and_dispatcher_the_same_record_window(tmp_path: Any) -> None:
     keyring = tmp_path / "keys.json"
     write_keyring(keyring)
-    config = RunConfig(
+    config = AdapterConfig(
         redis_url="redis://127.0.0.1:1/0", db_path=tmp_path / "a.db",
         handler="broker_adapter.examples:echo",
         keyring_path=keyring, retention_s=5.0,
     )  # fmt: skip
-    runner = Runner(config)
+    runner = Adapter(config)
     assert runner._worker_config(0).record_ttl_s == 5.0
     assert runner._dispatcher_config().record_window_s == 5.0
     assert (
-        Runner(config.model_copy(update={"retention_s": 7 * 86_400.0}))
+        Adapter(config.model_copy(update={"retention_s": 7 * 86_400.0}))
         ._worker_config(0)
         .record_ttl_s
         == 1800.0

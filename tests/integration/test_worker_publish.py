@@ -22,15 +22,11 @@ from broker_adapter.errors import FencedError
 from broker_adapter.protocol.envelope import Envelope
 from broker_adapter.protocol.keys import Keys
 from broker_adapter.redis.client import connect
-from broker_adapter.stages.dispatcher import (
-    RECHECK_AFTER_S,
-    Dispatcher,
-    DispatcherConfig,
-    LossEvent,
-    ReplyPublisher,
-)
+from broker_adapter.stages.dispatcher import Dispatcher, DispatcherConfig
 from broker_adapter.stages.handlers import Task
 from broker_adapter.stages.handoff import CLAIM, Handed
+from broker_adapter.stages.loss import RECHECK_AFTER_S, LossEvent
+from broker_adapter.stages.publish import ReplyPublisher
 from broker_adapter.stages.worker import Worker, WorkerConfig
 from broker_adapter.store import AcceptItem, OutboxStore, TaskStore, open_database
 from broker_adapter.store.db import Database

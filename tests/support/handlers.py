@@ -10,6 +10,7 @@ effect happened once).
 from __future__ import annotations
 
 import asyncio
+import os
 import sqlite3
 from contextlib import closing
 from pathlib import Path
@@ -144,3 +145,18 @@ def ledger(path: str | Path) -> list[tuple[str, int, int, str]]:
             "SELECT idempotency_key, fence, attempt, owner FROM attempts ORDER BY seq"
         ).fetchall()
     return [(str(k), int(f), int(a), str(o)) for k, f, a, o in rows]
+
+
+def held_or_failing(task: Task) -> dict[str, Any]:
+    """Echo the payload. ``payload["hold"]``, a file path: on the first attempt write this
+    process's pid there and wait (to be killed); ``payload["fail"]``: raise ``ValueError``
+    (not retryable) with a message that names no payload."""
+    if task.payload.get("fail"):
+        raise ValueError("this task asks to fail")
+    hold = task.payload.get("hold")
+    if hold and task.attempt == 1:
+        tmp = Path(f"{hold}.tmp")
+        tmp.write_text(str(os.getpid()))
+        tmp.rename(hold)
+        task.wait_cancelled(3600.0)
+    return {"echo": task.payload}

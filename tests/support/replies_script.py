@@ -37,7 +37,9 @@ from broker_adapter.store.backends import (
     task_store,
 )
 from broker_adapter.store.db import Database
+from broker_adapter.store.outbox import OutboxPolicy, OutboxStore
 from broker_adapter.store.postgres import PgDatabase
+from tests.support.backends import Backend
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 #: The keys replies are signed with in these tests: each principal's keyring entry (the
@@ -127,25 +129,61 @@ def entries_per_reply(client: redis.Redis, stream: str) -> Counter[str]:
     return Counter(f[b"reply_id"].decode() for _, f in entries)
 
 
+def _client(redis_at: str | redis.Redis) -> redis.Redis:
+    """A client of its own for a Redis URL; a client as it is."""
+    return connect(redis_at) if isinstance(redis_at, str) else redis_at
+
+
 def dispatcher_for(
-    url: str, db: Database | PgDatabase, clock: FakeClock, prefix: str, owner: str
+    redis_at: str | redis.Redis,
+    db: Database | PgDatabase,
+    clock: FakeClock,
+    prefix: str,
+    owner: str,
 ) -> Dispatcher:
+    """A dispatcher on ``redis_at`` (a URL or a client) signing with ``reply_keyring``."""
     return Dispatcher(
-        DispatcherConfig(prefix=prefix, owner=owner), connect(url), outbox_store(db, clock),
+        DispatcherConfig(prefix=prefix, owner=owner), _client(redis_at), outbox_store(db, clock),
         keyring=reply_keyring(),
     )  # fmt: skip
 
 
+def make_dispatcher(
+    backend: Backend,
+    db: Database,
+    clock: FakeClock,
+    prefix: str,
+    owner: str = "d1",
+    client: redis.Redis | None = None,
+    policy: OutboxPolicy | None = None,
+    **cfg: Any,
+) -> Dispatcher:
+    """A dispatcher on ``client`` (else a new client of ``backend``) with ``DispatcherConfig``
+    options ``cfg``."""
+    return Dispatcher(
+        DispatcherConfig(prefix=prefix, owner=owner, **cfg),
+        client or backend.connect(),
+        OutboxStore(db, clock, policy),
+        keyring=reply_keyring(),
+    )
+
+
 def receiver_for(
-    url: str, db: Database | PgDatabase, clock: FakeClock, prefix: str, principal: str,
-    consumer: str, **cfg: Any,
-) -> Receiver:  # fmt: skip
+    redis_at: str | redis.Redis,
+    db: Database | PgDatabase,
+    clock: FakeClock,
+    prefix: str,
+    principal: str,
+    consumer: str,
+    **cfg: Any,
+) -> Receiver:
+    """A receiver on ``redis_at`` (a URL or a client), BLOCK 20 ms, applying ``record_effect``."""
     config = ReceiverConfig(
         prefix=prefix, principal=principal, consumer=consumer, block_ms=20, **cfg
     )
     return Receiver(
-        config, connect(url), receipt_store(db, clock), record_effect, keyring=reply_keyring(),
-        clock=clock,
+        config, _client(redis_at), receipt_store(db, clock), record_effect,
+        keyring=reply_keyring(), clock=clock,
     )  # fmt: skip
 
 

@@ -243,6 +243,33 @@ def dump_path(path: str | Path) -> Dump:
 # -- one operation --------------------------------------------------------------------------
 
 
+def running(s: Stores, mid: str = "m1", owner: str = "w1", **overrides: Any) -> tuple[str, int]:
+    """Accept ``item(mid, **overrides)`` and claim it for ``owner``: its task id and fence."""
+    s.tasks.accept([item(mid, **overrides)])
+    (task,) = s.tasks.claim(owner)
+    return task.task_id, task.fence
+
+
+def task_row(s: Stores, task_id: str) -> dict[str, Any]:
+    """The ``tasks`` row of ``task_id``, as ``dump`` gives it."""
+    (found,) = [r for r in dump(s.db)["tasks"] if r["task_id"] == task_id]
+    return found
+
+
+def task_state(s: Stores, task_id: str) -> str:
+    """The state of ``task_id``."""
+    row = s.tasks.get(task_id)
+    assert row is not None
+    return row.state
+
+
+def reply_body(s: Stores, task_id: str) -> dict[str, Any]:
+    """The body of the one outbox reply of ``task_id``."""
+    (found,) = [r for r in dump(s.db)["outbox"] if r["task_id"] == task_id]
+    body: dict[str, Any] = json.loads(found["body"])
+    return body
+
+
 def _accept(s: Stores, a: dict[str, Any]) -> Json:
     env = Envelope.build(**a["envelope"])
     results = s.tasks.accept([AcceptItem(a["principal"], env)])

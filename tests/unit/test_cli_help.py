@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 import broker_adapter
-from broker_adapter.app.adapter import RunConfig
+from broker_adapter.app.adapter import AdapterConfig
 from broker_adapter.app.cli import build_parser
 from broker_adapter.protocol.envelope import Envelope
 
@@ -100,7 +100,7 @@ def test_help_shows_defaults_and_variables() -> None:
 
 def test_the_flag_defaults_are_the_settings_defaults() -> None:
     run = {a.dest: a.default for a in _options(dict(_commands())["run"])}
-    fields = RunConfig.model_fields
+    fields = AdapterConfig.model_fields
     same = {"lease": "lease_s", "grace": "grace_s"}
     for dest in ("workers", "lease", "grace", "claim_min_idle_ms", "prefix", "mode",
                  "rate_limit", "rate_burst", "max_open_tasks"):  # fmt: skip

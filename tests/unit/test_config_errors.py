@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from broker_adapter.app.adapter import RunConfig
+from broker_adapter.app.adapter import AdapterConfig
 from broker_adapter.backoff import Backoff
 from broker_adapter.config import ConfigModel
 from broker_adapter.errors import BrokerAdapterError, ConfigError, StageError
@@ -17,32 +17,32 @@ from broker_adapter.redis.client import check_redis_url, connect
 from broker_adapter.redis.reader import ReaderConfig
 from broker_adapter.stages.dispatcher import DispatcherConfig
 from broker_adapter.stages.handlers import RetryableError as RetryableFromHandlers
-from broker_adapter.stages.ingest import IngestConfig
+from broker_adapter.stages.ingest_config import IngestConfig
 from broker_adapter.stages.receiver import ReceiverConfig
 from broker_adapter.stages.worker import WorkerConfig
 from broker_adapter.store.outbox import OutboxPolicy
 from broker_adapter.store.tasks import TaskPolicy
 
 
-def _run(**fields: Any) -> RunConfig:
+def _run(**fields: Any) -> AdapterConfig:
     base: dict[str, Any] = {
         "redis_url": "redis://127.0.0.1:1/0",
         "db_path": Path("a.db"),
         "handler": "m:f",
         "keyring_path": Path("k.json"),
     }
-    return RunConfig(**{**base, **fields})
+    return AdapterConfig(**{**base, **fields})
 
 
 @pytest.mark.parametrize(
     ("build", "needle"),
     [
-        (lambda: _run(prefix="a b"), "RunConfig.prefix: bad key prefix 'a b'"),
-        (lambda: _run(redis_url="http://x"), "RunConfig.redis_url: bad Redis URL: must start"),
-        (lambda: _run(redis_url="redis://h:abc"), "RunConfig.redis_url: bad Redis URL: Port"),
-        (lambda: _run(workers=0), "RunConfig.workers: "),
-        (lambda: _run(acl_principals=("bad name",), mode="acl"), "RunConfig.acl_principals.0:"),
-        (lambda: _run(keyring_path=None), "RunConfig: signed mode needs a keyring"),
+        (lambda: _run(prefix="a b"), "AdapterConfig.prefix: bad key prefix 'a b'"),
+        (lambda: _run(redis_url="http://x"), "AdapterConfig.redis_url: bad Redis URL: must start"),
+        (lambda: _run(redis_url="redis://h:abc"), "AdapterConfig.redis_url: bad Redis URL: Port"),
+        (lambda: _run(workers=0), "AdapterConfig.workers: "),
+        (lambda: _run(acl_principals=("bad name",), mode="acl"), "AdapterConfig.acl_principals.0:"),
+        (lambda: _run(keyring_path=None), "AdapterConfig: signed mode needs a keyring"),
         (lambda: IngestConfig(consumer="c", count=0), "IngestConfig.count: "),
         (lambda: ReceiverConfig(principal="a b"), "ReceiverConfig.principal: may hold only"),
         (lambda: DispatcherConfig(prefix="{x}"), "DispatcherConfig.prefix: bad key prefix"),
@@ -66,7 +66,7 @@ def test_a_refused_setting_is_one_config_error_naming_its_field(build: Any, need
 def test_every_problem_is_named_once_without_repeating_the_field() -> None:
     with pytest.raises(ConfigError) as caught:
         _run(prefix="a b", workers=0)
-    assert str(caught.value).count("RunConfig.") == 2
+    assert str(caught.value).count("AdapterConfig.") == 2
     with pytest.raises(ConfigError) as principal:
         ReceiverConfig(principal="")
     assert "principal: principal" not in str(principal.value)
@@ -109,7 +109,7 @@ def test_task_policy_and_reader_bounds_both_sides(
 
 @pytest.mark.parametrize(
     "model",
-    [RunConfig, IngestConfig, ReceiverConfig, DispatcherConfig, WorkerConfig, TaskPolicy,
+    [AdapterConfig, IngestConfig, ReceiverConfig, DispatcherConfig, WorkerConfig, TaskPolicy,
      OutboxPolicy, ReaderConfig, Backoff],
 )  # fmt: skip
 def test_every_settings_model_refuses_through_the_one_base(model: type[ConfigModel]) -> None:

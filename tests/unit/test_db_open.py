@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from broker_adapter.app.adapter import RunConfig, Runner
+from broker_adapter.app.adapter import Adapter, AdapterConfig
 from broker_adapter.errors import ConfigError, StoreBusy, StoreError
 from broker_adapter.store import open_database
 from broker_adapter.store.db import Database
@@ -57,12 +57,12 @@ def test_the_runner_waits_for_a_locked_database_and_a_stop_ends_the_wait(
 
     monkeypatch.setattr("broker_adapter.app.adapter.open_store", locked)
     keyring = write_keyring(tmp_path / "keyring.json")
-    config = RunConfig(
+    config = AdapterConfig(
         redis_url="redis://127.0.0.1:1/0", db_path=path, handler="broker_adapter.examples:echo",
         keyring_path=tmp_path / "keyring.json",
     )  # fmt: skip
     assert keyring.principals
-    runner = Runner(config)  # busy at start-up is not an error
+    runner = Adapter(config)  # busy at start-up is not an error
     assert calls == [1]
     stop = threading.Event()
     waits: list[float | None] = []

@@ -15,25 +15,29 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from broker_adapter.errors import EnvelopeError
-from broker_adapter.protocol.envelope import (
-    HOPS_LIMIT,
+from broker_adapter.protocol.bounds import (
     INT_MAX_DIGITS,
-    MAX_ATTEMPTS_LIMIT,
-    MESSAGE_ID_MAX_BYTES,
     PAYLOAD_MAX_BYTES,
     PAYLOAD_MAX_DEPTH,
     PAYLOAD_MAX_NODES,
-    PRINCIPAL_MAX_BYTES,
-    Envelope,
-    canonical_json,
-    canonical_numbers,
     check_parsed_payload,
     check_payload,
     check_result,
-    content_fingerprint,
+)
+from broker_adapter.protocol.canonical import (
+    canonical_json,
+    canonical_numbers,
     ecmascript_number,
     loads_strict,
     sha256_hex,
+)
+from broker_adapter.protocol.envelope import (
+    HOPS_LIMIT,
+    MAX_ATTEMPTS_LIMIT,
+    MESSAGE_ID_MAX_BYTES,
+    PRINCIPAL_MAX_BYTES,
+    Envelope,
+    content_fingerprint,
 )
 from broker_adapter.store import AcceptItem, TaskStore, open_database
 from tests.support.store_script import T0, dump

@@ -13,18 +13,15 @@ import pytest
 
 from broker_adapter.clock import FakeClock
 from broker_adapter.errors import ConfigError, StaleError
+from broker_adapter.stages.calls import CallRun, RunOutcome, StopRun, call_handler
 from broker_adapter.stages.handlers import (
     ERROR_TEXT_MAX_CHARS,
-    CallRun,
     RetryableError,
-    RunOutcome,
-    StopRun,
-    Task,
-    call_handler,
     describe_error,
     is_retryable,
     load_handler,
 )
+from broker_adapter.stages.task import Task, TaskControl
 from broker_adapter.store import ClaimedTask
 from broker_adapter.store.tasks import idempotency_key_for
 from tests.support import handlers as sample
@@ -168,8 +165,8 @@ def test_task_cancelled_asks_the_store_until_true(clock: FakeClock) -> None:
 
 def test_task_lease_lost_sets_cancelled_and_keeps_the_first_reason(task: Task) -> None:
     refusal = StaleError(task.task_id, "fence")
-    task.mark_lease_lost(refusal)
-    task.mark_stopped("timeout")
+    TaskControl(task).mark_lease_lost(refusal)
+    TaskControl(task).mark_stopped("timeout")
     assert task.cancelled()
     assert task.lease_lost is refusal
     assert task.stop_reason == "lease_lost"
@@ -177,8 +174,8 @@ def test_task_lease_lost_sets_cancelled_and_keeps_the_first_reason(task: Task) -
 
 def test_task_note_renewed_only_moves_forward(task: Task) -> None:
     first = task.lease_until
-    task.note_renewed(first + 10)
-    task.note_renewed(first + 5)
+    TaskControl(task).note_renewed(first + 10)
+    TaskControl(task).note_renewed(first + 5)
     assert task.lease_until == first + 10
 
 

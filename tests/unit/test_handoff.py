@@ -6,19 +6,17 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-from broker_adapter.app.adapter import HandingTaskStore
 from broker_adapter.clock import FakeClock
 from broker_adapter.errors import StoreBusy
 from broker_adapter.protocol.envelope import Envelope
 from broker_adapter.stages.handlers import Task
 from broker_adapter.stages.handoff import CLAIM, LOOK, Handed, Handoff, HandoffEndpoint
 from broker_adapter.stages.worker import Worker, WorkerConfig
-from broker_adapter.store import AcceptItem, TaskStore, open_database
+from broker_adapter.store import AcceptItem, TaskStore
 from broker_adapter.store.backends import task_store
 from broker_adapter.store.db import Database
 from broker_adapter.store.tasks import TaskPolicy
@@ -33,12 +31,6 @@ def _item(i: int, clock: FakeClock) -> AcceptItem:
             message_id=f"m{i}", sender="alice", payload={"i": i}, deadline=clock.now() + 600
         ),
     )
-
-
-@pytest.fixture
-def db(tmp_path: Path) -> Iterator[Database]:
-    with open_database(tmp_path / "t.db") as db:
-        yield db
 
 
 @pytest.fixture
@@ -213,15 +205,15 @@ def test_a_replacement_gets_a_new_pipe_and_an_empty_cell(handoff: Handoff) -> No
     assert waiting.result() is None  # the old pipe was closed: nothing more comes on it
 
 
-# -- the ingest's store ------------------------------------------------------------------------
+# -- the ingest's accept with the hand-off ------------------------------------------------
 
 
 def test_accept_claims_for_the_idle_worker_in_its_transaction(
     db: Database, clock: FakeClock, handoff: Handoff
 ) -> None:
-    store = HandingTaskStore(db, clock, TaskPolicy(lease_s=30), handoff=handoff)
+    store = TaskStore(db, clock, TaskPolicy(lease_s=30))
     waiting = _Waiting(handoff, handoff.endpoint(0), want=8)
-    results = store.accept([_item(0, clock), _item(1, clock)])
+    results = handoff.accept(store, [_item(0, clock), _item(1, clock)])
     handles = waiting.result()
     assert isinstance(handles, list)
     assert [fence for _, fence in handles] == [1, 1]
@@ -238,10 +230,10 @@ def test_accept_claims_for_the_idle_worker_in_its_transaction(
 def test_accept_with_nobody_idle_leaves_the_tasks_pending_and_counts_the_commit(
     db: Database, clock: FakeClock, handoff: Handoff
 ) -> None:
-    store = HandingTaskStore(db, clock, handoff=handoff)
+    store = TaskStore(db, clock)
     ep = handoff.endpoint(0)
     assert ep.wait(0.0, 1) == LOOK
-    store.accept([_item(0, clock)])
+    handoff.accept(store, [_item(0, clock)])
     assert [tuple(r) for r in db.conn.execute("SELECT state FROM tasks")] == [("pending",)]
     assert ep.wait(0.0, 1) == LOOK  # the next wait looks instead of sleeping on it
 
@@ -251,10 +243,10 @@ def test_a_duplicate_tells_the_taken_worker_to_look(
 ) -> None:
     """Nothing new stored: no claim in the transaction; the worker taken for it looks (and
     finds the first one, stored while nobody was idle)."""
-    store = HandingTaskStore(db, clock, handoff=handoff)
-    store.accept([_item(0, clock)])
+    store = TaskStore(db, clock)
+    handoff.accept(store, [_item(0, clock)])
     waiting = _Waiting(handoff, handoff.endpoint(0), want=1)
-    store.accept([_item(0, clock)])
+    handoff.accept(store, [_item(0, clock)])
     assert waiting.result() == LOOK
     assert [tuple(r) for r in db.conn.execute("SELECT state FROM tasks")] == [("pending",)]
 
@@ -262,7 +254,7 @@ def test_a_duplicate_tells_the_taken_worker_to_look(
 def test_tasks_nobody_was_handed_go_to_a_worker_idle_by_then(
     db: Database, clock: FakeClock, handoff: Handoff, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    store = HandingTaskStore(db, clock, handoff=handoff)
+    store = TaskStore(db, clock)
     waiting = _Waiting(handoff, handoff.endpoint(0), want=1)
     real_take = handoff.take
     takes: list[int] = []
@@ -273,7 +265,7 @@ def test_tasks_nobody_was_handed_go_to_a_worker_idle_by_then(
         return [] if len(takes) == 1 else real_take(needed, **kwargs)
 
     monkeypatch.setattr(handoff, "take", take)
-    store.accept([_item(0, clock), _item(1, clock)])
+    handoff.accept(store, [_item(0, clock), _item(1, clock)])
     assert takes == [2, 2]
     assert waiting.result() == CLAIM
     assert db.conn.execute("SELECT count(*) FROM tasks WHERE state = 'pending'").fetchone()[0] == 2
@@ -282,7 +274,7 @@ def test_tasks_nobody_was_handed_go_to_a_worker_idle_by_then(
 def test_a_failed_accept_still_answers_the_taken_worker(
     db: Database, clock: FakeClock, handoff: Handoff, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    store = HandingTaskStore(db, clock, handoff=handoff)
+    store = TaskStore(db, clock)
     waiting = _Waiting(handoff, handoff.endpoint(0), want=1)
 
     def busy(*args: Any, **kwargs: Any) -> Any:
@@ -290,7 +282,7 @@ def test_a_failed_accept_still_answers_the_taken_worker(
 
     monkeypatch.setattr(store, "accept_and_claim", busy)
     with pytest.raises(StoreBusy):
-        store.accept([_item(0, clock)])
+        handoff.accept(store, [_item(0, clock)])
     assert waiting.result() == LOOK
 
 

@@ -3,14 +3,13 @@ tasks that the quota reads."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from broker_adapter.clock import FakeClock
 from broker_adapter.stages.limits import QUOTA_EXCEEDED, RATE_LIMITED, IngressLimits, default_burst
-from broker_adapter.store import AcceptItem, TaskStore, open_database
+from broker_adapter.store import AcceptItem, TaskStore
 from tests.support.ingest_script import envelope
 
 
@@ -115,13 +114,6 @@ def test_bad_settings_are_refused(clock: FakeClock) -> None:
         IngressLimits(clock, max_open_tasks=1)
 
 
-@pytest.fixture
-def tasks(tmp_path: Path, clock: FakeClock) -> Iterator[TaskStore]:
-    db = open_database(tmp_path / "inbox.db")
-    yield TaskStore(db, clock)
-    db.close()
-
-
 def test_open_counts_are_pending_and_running_tasks_per_principal(tasks: TaskStore) -> None:
     items = [AcceptItem("alice", envelope(f"a{i}")) for i in range(3)]
     items.append(AcceptItem("bob", envelope("b0", sender="bob")))
@@ -139,7 +131,7 @@ def test_open_counts_are_pending_and_running_tasks_per_principal(tasks: TaskStor
 def test_run_takes_the_limits_from_flags_or_the_environment(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    from broker_adapter.app.adapter import RunConfig
+    from broker_adapter.app.adapter import AdapterConfig
     from broker_adapter.app.cli import build_parser
 
     base = ["run", "--redis", "redis://127.0.0.1:1/0", "--db", str(tmp_path / "a.db"),
@@ -153,5 +145,5 @@ def test_run_takes_the_limits_from_flags_or_the_environment(
     args = build_parser().parse_args(base)
     assert (args.rate_limit, args.rate_burst, args.max_open_tasks) == (None, None, None)
     with pytest.raises(ValueError, match="greater than 0"):
-        RunConfig(redis_url="redis://x", db_path=tmp_path, handler="m:f", mode="acl",
+        AdapterConfig(redis_url="redis://x", db_path=tmp_path, handler="m:f", mode="acl",
                   acl_principals=("a",), rate_limit=0)  # fmt: skip

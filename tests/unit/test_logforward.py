@@ -1,7 +1,9 @@
-"""A spawned child's log records reach the parent's logging, traceback included, once."""
+"""A spawned child's log records reach the parent's logging, traceback included, once, and
+with their structured fields."""
 
 from __future__ import annotations
 
+import json
 import logging
 import multiprocessing
 from multiprocessing.connection import Connection
@@ -9,6 +11,7 @@ from multiprocessing.connection import Connection
 import pytest
 
 from broker_adapter.app.logforward import ChildLogs, forward_to_parent
+from broker_adapter.app.logs import JsonFormatter, TextFormatter
 
 
 def _child(conn: Connection, level: int) -> None:
@@ -18,7 +21,7 @@ def _child(conn: Connection, level: int) -> None:
     try:
         raise KeyError("from the child")
     except KeyError:
-        log.exception("child failed on task %s", "t-1")
+        log.exception("child failed on task %s", "t-1", extra={"task_id": "t-1", "fence": 3})
 
 
 def test_a_child_logs_through_the_parent(caplog: pytest.LogCaptureFixture) -> None:
@@ -35,8 +38,17 @@ def test_a_child_logs_through_the_parent(caplog: pytest.LogCaptureFixture) -> No
     logs.close()  # a second close does nothing
     records = [r for r in caplog.records if r.name == "broker_adapter.test_child"]
     assert len(records) == 1
-    text = records[0].getMessage()
-    assert text.startswith("child failed on task t-1\nTraceback (most recent call last)")
-    assert text.count("Traceback") == 1
+    record = records[0]
+    assert record.getMessage() == "child failed on task t-1"  # the traceback kept apart
+    text = TextFormatter().format(record)
+    assert text.count("Traceback (most recent call last)") == 1
     assert "KeyError: 'from the child'" in text
-    assert records[0].levelno == logging.ERROR
+    assert "task_id=t-1 fence=3" in text
+    assert record.levelno == logging.ERROR
+    line = json.loads(JsonFormatter().format(record))
+    assert (line["message"], line["task_id"], line["fence"]) == (
+        "child failed on task t-1",
+        "t-1",
+        3,
+    )
+    assert line["exc"].count("Traceback (most recent call last)") == 1

@@ -13,16 +13,11 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest, values
 from prometheus_client.parser import text_string_to_metric_families
 
-from broker_adapter.app.metrics import (
-    AdapterCollector,
-    MetricsServer,
-    Observed,
-    WorkerMetrics,
-    stages_down,
-)
+from broker_adapter.app.metrics import AdapterCollector, Observed, WorkerMetrics, stages_down
+from broker_adapter.app.serving import MetricsServer
 from broker_adapter.redis.reader import ReaderStats
-from broker_adapter.stages.dispatcher import DispatcherStats
-from broker_adapter.stages.ingest import IngestStats
+from broker_adapter.stages.ingest_config import IngestStats
+from broker_adapter.stages.publish import DispatcherStats
 from broker_adapter.stages.receiver import ReceiverStats
 from broker_adapter.stages.worker import WorkerStats
 from broker_adapter.store import open_database
@@ -186,3 +181,26 @@ def test_stages_down_names_dead_threads_and_a_pool_without_workers() -> None:
     finally:
         alive.set()
         running.join()
+
+
+def test_collector_exports_the_effect_and_approval_counts(tmp_path: Path) -> None:
+    from broker_adapter.store import TaskStore
+    from broker_adapter.store.approvals import ApprovalStore
+
+    db_path = tmp_path / "a.db"
+    with open_database(db_path) as db:
+        with db.write("test") as c:
+            c.execute("INSERT INTO reconcile_log (task_id, outcome, by_whom, at, fence) VALUES"
+                      " ('t1', 'not-done', 'r', 1, 1), ('t2', 'done', 'r', 1, 1)")  # fmt: skip
+            c.execute("INSERT INTO compensations (task_id, kind, by_whom, fence, what,"
+                      " started_at, outcome) VALUES ('t2', 'duplicate', 'r', 1, 'x', 1,"
+                      " 'done')")  # fmt: skip
+        approvals = ApprovalStore(TaskStore(db))
+        approvals.grant_approval("restart", "web1", "prod", "alice", approvals.clock.now() + 600)
+    got = _samples(Observed(db_path=db_path))
+    assert got['ba_reconciles_total{outcome="not-done"}'] == 1
+    assert got['ba_reconciles_total{outcome="done"}'] == 1
+    assert got['ba_compensations_total{outcome="done"}'] == 1
+    assert got['ba_approvals{state="valid"}'] == 1
+    assert got['ba_unknown_outcomes{waiting="operator"}'] == 0
+    assert got["ba_approvals_waiting"] == 0

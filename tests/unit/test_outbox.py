@@ -9,7 +9,7 @@ import pytest
 
 from broker_adapter.clock import FakeClock
 from broker_adapter.errors import FencedError, StaleError
-from broker_adapter.protocol.envelope import canonical_json, sha256_hex
+from broker_adapter.protocol.canonical import canonical_json, sha256_hex
 from broker_adapter.store import OutboxRow
 from broker_adapter.store.backends import outbox_store
 from broker_adapter.store.outbox import UnknownReply
@@ -24,11 +24,6 @@ from tests.support.store_script import (
     open_any,
     stores,
 )
-
-
-@pytest.fixture
-def clock() -> FakeClock:
-    return FakeClock(T0)
 
 
 @pytest.fixture

@@ -18,7 +18,7 @@ import pytest
 from broker_adapter import crashpoints
 from broker_adapter.clock import FakeClock
 from broker_adapter.errors import TaskCancelled
-from broker_adapter.protocol.envelope import canonical_json, sha256_hex
+from broker_adapter.protocol.canonical import canonical_json, sha256_hex
 from broker_adapter.protocol.reply import Reply
 from broker_adapter.store import Outcome, ReceiptOutcome
 from broker_adapter.store.postgres import PgDatabase

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from broker_adapter.clock import FakeClock
-from broker_adapter.protocol.envelope import canonical_json, sha256_hex
+from broker_adapter.protocol.canonical import canonical_json, sha256_hex
 from broker_adapter.protocol.reply import Reply
 from broker_adapter.store import ReceiptOutcome
 from tests.support.store_script import (
@@ -23,12 +23,8 @@ from tests.support.store_script import (
 
 
 @pytest.fixture
-def clock() -> FakeClock:
-    return FakeClock(T0)
-
-
-@pytest.fixture
 def s(store_target: str, clock: FakeClock) -> Iterator[Stores]:
+    """The stores on a database with the test effect's table."""
     with open_any(store_target) as db:
         create_effects_table(db)
         yield stores(db, clock)

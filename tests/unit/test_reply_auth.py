@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from broker_adapter.app.adapter import RunConfig, Runner
+from broker_adapter.app.adapter import Adapter, AdapterConfig
 from broker_adapter.app.pool import WorkerPool
 from broker_adapter.clock import FakeClock
 from broker_adapter.errors import AuthError, ConfigError
@@ -130,8 +130,8 @@ def test_a_pool_of_publishing_workers_needs_a_keyring(tmp_path: Path) -> None:
         WorkerPool(1, tmp_path / "p.db", "broker_adapter.examples:echo", config)
 
 
-def _run_config(tmp_path: Path, keyring: Path | None, **over: object) -> RunConfig:
-    return RunConfig(
+def _run_config(tmp_path: Path, keyring: Path | None, **over: object) -> AdapterConfig:
+    return AdapterConfig(
         redis_url="redis://127.0.0.1:1", db_path=tmp_path / "a.db",
         handler="broker_adapter.examples:echo", keyring_path=keyring, **over,
     )  # fmt: skip
@@ -144,7 +144,7 @@ def test_acl_mode_needs_a_keyring_with_every_acl_principals_keys(tmp_path: Path)
     path.write_text(json.dumps({"alice": {"a2": KEYS["alice"]["a2"]}}), encoding="utf-8")
     path.chmod(0o600)
     ok = _run_config(tmp_path, path, mode="acl", acl_principals=("alice",))
-    assert Runner(ok).keyring.key_ids("alice") == ("a2",)
+    assert Adapter(ok).keyring.key_ids("alice") == ("a2",)
     missing = _run_config(tmp_path, path, mode="acl", acl_principals=("alice", "bob", "carol"))
     with pytest.raises(ConfigError, match=r"no keys for ACL principal.*bob, carol"):
-        Runner(missing)
+        Adapter(missing)

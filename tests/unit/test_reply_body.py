@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from broker_adapter.protocol.envelope import canonical_json
+from broker_adapter.protocol.canonical import canonical_json
 from broker_adapter.protocol.reply import (
     BadReply,
     Reply,

@@ -38,11 +38,6 @@ from tests.support.store_script import (
 
 
 @pytest.fixture
-def clock() -> FakeClock:
-    return FakeClock(T0)
-
-
-@pytest.fixture
 def s(store_target: str, clock: FakeClock) -> Iterator[Stores]:
     with open_any(store_target) as db:
         yield stores(db, clock)
@@ -448,7 +443,7 @@ def test_retention_flag_and_variable_reach_the_configs_and_stores(
         pass
 
     class FakeRunner:
-        def __init__(self, config: runner.RunConfig) -> None:
+        def __init__(self, config: runner.AdapterConfig) -> None:
             seen["run"] = config
             raise Stop
 
@@ -456,7 +451,7 @@ def test_retention_flag_and_variable_reach_the_configs_and_stores(
         seen["receive"] = config
         raise Stop
 
-    monkeypatch.setattr(runner, "Runner", FakeRunner)
+    monkeypatch.setattr(runner, "Adapter", FakeRunner)
     monkeypatch.setattr(receiver, "Receiver", fake_receiver)
     keyring = tmp_path / "k.json"
     keyring.write_text('{"alice": {"k1": "a secret of thirty-two bytes or more"}}')
@@ -478,10 +473,46 @@ def test_retention_flag_and_variable_reach_the_configs_and_stores(
     assert configs() == (90.0, 90.0)
     assert configs("--retention", "30") == (30.0, 30.0)  # the flag wins
     # The runner's policy (its ingest, workers and purge) carries it.
-    config = runner.RunConfig(redis_url="redis://x", db_path=tmp_path / "p.db",
+    config = runner.AdapterConfig(redis_url="redis://x", db_path=tmp_path / "p.db",
                               handler="broker_adapter.examples:echo",
                               keyring_path=keyring, retention_s=30)  # fmt: skip
     monkeypatch.undo()
-    assert runner.Runner(config).policy.retention_s == 30
+    assert runner.Adapter(config).policy.retention_s == 30
     with pytest.raises(ValueError, match="greater than 0"):
         receiver.ReceiverConfig(principal="alice", retention_s=0)
+
+
+# -- effect records ---------------------------------------------------------------------------
+
+
+def test_a_purged_task_takes_its_effect_records_and_old_approvals_go(
+    sq: SqliteStores, clock: FakeClock
+) -> None:
+    from broker_adapter.store.approvals import ApprovalStore
+
+    (task_id,) = done_and_sent(sq, "m1")
+    (kept,) = accepted(sq, "kept", deadline=T0 + RETENTION_S)
+    approvals = ApprovalStore(sq.tasks)
+    old = approvals.grant_approval("restart", "web1", "prod", "alice", T0 + 0.5)
+    with sq.db.write("test") as c:
+        for tid in (task_id, kept):
+            c.execute("INSERT INTO reconcile_log (task_id, outcome, by_whom, at, fence)"
+                      " VALUES (?, 'done', 'r', ?, 1)", (tid, T0))  # fmt: skip
+            c.execute("INSERT INTO compensations (task_id, kind, by_whom, fence, what,"
+                      " started_at, outcome) VALUES (?, 'duplicate', 'r', 1, 'x', ?, 'done')",
+                      (tid, T0))  # fmt: skip
+            c.execute("INSERT INTO approval_waits (task_id, action, target, scope, since,"
+                      " until) VALUES (?, 'restart', 'web1', 'prod', ?, ?)",
+                      (tid, T0, T0 + 1))  # fmt: skip
+    clock.set(T0 + RETENTION_S + 1)
+    fresh = approvals.grant_approval("restart", "web2", "prod", "alice", clock.now() + 60)
+    assert sq.tasks.purge() == 1
+    d = dump(sq.db)
+    with sq.db.read() as c:
+        for table in ("reconcile_log", "compensations", "approval_waits"):
+            left = [r[0] for r in c.execute(f"SELECT task_id FROM {table}").fetchall()]
+            assert left == [kept], table
+        ids = [r[0] for r in c.execute("SELECT approval_id FROM approvals").fetchall()]
+    assert ids == [fresh]
+    assert old not in ids
+    assert [r["task_id"] for r in d["tasks"]] == [kept]

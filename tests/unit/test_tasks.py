@@ -24,7 +24,9 @@ from broker_adapter.errors import (
     StoreError,
     TaskCancelled,
 )
-from broker_adapter.protocol.envelope import PAYLOAD_MAX_BYTES, Envelope, canonical_json, sha256_hex
+from broker_adapter.protocol.bounds import PAYLOAD_MAX_BYTES
+from broker_adapter.protocol.canonical import canonical_json, sha256_hex
+from broker_adapter.protocol.envelope import Envelope
 from broker_adapter.store import (
     AcceptItem,
     Database,
@@ -54,13 +56,10 @@ from tests.support.store_script import (
     item,
     open_any,
     reopen,
+    reply_body,
     stores,
+    task_state,
 )
-
-
-@pytest.fixture
-def clock() -> FakeClock:
-    return FakeClock(T0)
 
 
 @pytest.fixture
@@ -83,18 +82,6 @@ def claim_one(s: Stores, owner: str = "w1") -> tuple[str, int]:
 
 def replies(s: Stores, task_id: str) -> list[dict[str, Any]]:
     return [r for r in dump(s.db)["outbox"] if r["task_id"] == task_id]
-
-
-def reply_body(s: Stores, task_id: str) -> dict[str, Any]:
-    (row,) = replies(s, task_id)
-    value: dict[str, Any] = json.loads(row["body"])
-    return value
-
-
-def state(s: Stores, task_id: str) -> str:
-    row = s.tasks.get(task_id)
-    assert row is not None
-    return row.state
 
 
 # -- accept ---------------------------------------------------------------------------------
@@ -229,7 +216,7 @@ def test_accept_expires_at_once_when_deadline_not_after_now(
     assert res.task_id is not None
     if outcome is Outcome.EXPIRED:
         assert res.reply_id == reply_id_for(res.task_id)
-        assert state(s, res.task_id) == "expired"
+        assert task_state(s, res.task_id) == "expired"
         assert reply_body(s, res.task_id)["status"] == "expired"
     else:
         assert replies(s, res.task_id) == []
@@ -245,7 +232,7 @@ def test_accept_ends_in_hop_limit_when_hops_exceed_limit(
     assert res.outcome is outcome
     assert res.task_id is not None
     if outcome is Outcome.HOP_LIMIT:
-        assert state(s, res.task_id) == "hop_limit"
+        assert task_state(s, res.task_id) == "hop_limit"
         body = reply_body(s, res.task_id)
         assert body["status"] == "hop_limit"
         assert f"hops {hops}" in body["error"]
@@ -289,7 +276,7 @@ def test_accept_is_new_task_when_reused_past_retention_after_terminal(
     (res,) = s.tasks.accept([item("m1", **fresh)])
     assert res.outcome is Outcome.STORED
     assert res.task_id not in (None, old)
-    assert state(s, old) == "done"
+    assert task_state(s, old) == "done"
     found = s.tasks.find("alice", "m1")
     assert found is not None
     assert found.task_id == res.task_id
@@ -349,7 +336,7 @@ def test_purge_keeps_records_when_live_or_within_retention(s: Stores, clock: Fak
     clock.set(T0 + RETENTION_S + 1)
     assert s.tasks.purge() == 1
     assert s.tasks.find("alice", "live") is not None
-    assert state(s, live) == "pending"
+    assert task_state(s, live) == "pending"
 
 
 @pytest.mark.parametrize(
@@ -369,7 +356,7 @@ def test_accept_refuses_deadline_beyond_retention_window(
     assert res.outcome is outcome
     if outcome is Outcome.STORED:
         assert res.refusal is None
-        assert state(s, res.task_id) == "pending"  # type: ignore[arg-type]
+        assert task_state(s, res.task_id) == "pending"  # type: ignore[arg-type]
         return
     assert res.task_id is None
     assert res.refusal is not None
@@ -552,7 +539,7 @@ def test_finish_writes_nothing_when_result_is_not_json(s: Stores, result: Any) -
     with pytest.raises(ValueError):  # noqa: PT011 - documented contract
         s.tasks.finish(task_id, "w1", fence, result)
     assert dump(s.db) == before
-    assert state(s, task_id) == "running"
+    assert task_state(s, task_id) == "running"
 
 
 def test_finish_writes_nothing_when_result_is_over_the_bounds(s: Stores) -> None:
@@ -564,7 +551,7 @@ def test_finish_writes_nothing_when_result_is_over_the_bounds(s: Stores) -> None
     assert (info.value.field, info.value.reason) == ("result", "too_large")
     assert dump(s.db) == before
     s.tasks.finish(task_id, "w1", fence, "x" * (PAYLOAD_MAX_BYTES - 2))  # at the bound
-    assert state(s, task_id) == "done"
+    assert task_state(s, task_id) == "done"
 
 
 def test_finish_raises_unknown_task_when_no_such_task(s: Stores) -> None:
@@ -600,7 +587,7 @@ def stale_lease(s: Stores, clock: FakeClock) -> tuple[str, str, int]:
     task_id = accept_one(s)
     _, fence = claim_one(s, "w1")
     clock.advance(LEASE_S)  # lease_until == now: expired, nobody reclaimed it yet
-    assert state(s, task_id) == "running"
+    assert task_state(s, task_id) == "running"
     return task_id, "w1", fence
 
 
@@ -729,7 +716,7 @@ def test_fail_ends_failed_at_once_when_not_retryable(s: Stores) -> None:
     task_id = accept_one(s)
     _, fence = claim_one(s)
     assert s.tasks.fail(task_id, "w1", fence, "bad input", retryable=False) is FailOutcome.FAILED
-    assert state(s, task_id) == "failed"
+    assert task_state(s, task_id) == "failed"
     body = reply_body(s, task_id)
     assert (body["status"], body["error"], body["attempts"]) == ("failed", "bad input", 1)
 
@@ -755,7 +742,7 @@ def test_retries_never_extend_deadline_so_task_expires(s: Stores, clock: FakeClo
         clock.set(row.not_before)
     clock.set(T0 + 20)
     assert s.tasks.claim("w1") == []
-    assert state(s, task_id) == "expired"
+    assert task_state(s, task_id) == "expired"
     assert reply_body(s, task_id)["error"] == "deadline reached"
 
 
@@ -770,7 +757,7 @@ def test_renew_extends_lease_from_now(s: Stores, clock: FakeClock) -> None:
     clock.advance(LEASE_S - 1)  # past the first lease, inside the renewed one
     assert s.tasks.reconcile() == {"expired": 0, "requeued": 0, "exhausted": 0}
     s.tasks.finish(task_id, "w1", fence, None)
-    assert state(s, task_id) == "done"
+    assert task_state(s, task_id) == "done"
 
 
 # -- cancel ---------------------------------------------------------------------------------
@@ -843,11 +830,11 @@ def test_reconcile_expires_live_tasks_at_deadline_with_reply(s: Stores, clock: F
     clock.set(T0 + 10)
     counts = s.tasks.reconcile()
     assert counts["expired"] == 2
-    assert {state(s, pending), state(s, running)} == {"expired"}
+    assert {task_state(s, pending), task_state(s, running)} == {"expired"}
     for task_id in (pending, running):
         body = reply_body(s, task_id)
         assert (body["status"], body["error"]) == ("expired", "deadline reached")
-    assert state(s, later) != "expired"
+    assert task_state(s, later) != "expired"
     assert len(dump(s.db)["outbox"]) == 2
     with pytest.raises(StaleError):
         s.tasks.finish(running, "w1", task.fence, None)

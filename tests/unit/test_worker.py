@@ -10,8 +10,7 @@ import json
 import random
 import threading
 import time
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -20,14 +19,11 @@ from pydantic import ValidationError
 from broker_adapter import crashpoints
 from broker_adapter.clock import FakeClock
 from broker_adapter.errors import ConfigError
-from broker_adapter.protocol.envelope import (
-    PAYLOAD_MAX_BYTES,
-    PAYLOAD_MAX_DEPTH,
-    PAYLOAD_MAX_NODES,
-    Envelope,
-)
+from broker_adapter.protocol.bounds import PAYLOAD_MAX_BYTES, PAYLOAD_MAX_DEPTH, PAYLOAD_MAX_NODES
+from broker_adapter.protocol.envelope import Envelope
 from broker_adapter.stages.handlers import RetryableError, Task
-from broker_adapter.stages.worker import DEFAULT_BATCH, Worker, WorkerConfig
+from broker_adapter.stages.worker import Worker, WorkerConfig
+from broker_adapter.stages.worker_config import DEFAULT_BATCH
 from broker_adapter.store import (
     AcceptItem,
     ClaimedTask,
@@ -41,13 +37,6 @@ from tests.support import handlers as sample
 
 WAIT_S = 10.0
 LEASE_S = 30.0
-
-
-@pytest.fixture
-def db(tmp_path: Path) -> Iterator[Database]:
-    database = open_database(tmp_path / "worker.db")
-    yield database
-    database.close()
 
 
 @pytest.fixture

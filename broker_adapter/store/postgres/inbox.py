@@ -11,6 +11,9 @@ sorted order (two batches never wait on each other in a cycle): a second accept 
 same identity waits for the first to commit, then reads its record and answers
 ``duplicate`` (or ``conflict``), exactly as the single SQLite writer does. The primary key
 stays the last word: an insert it refuses aborts the transaction, never a second record.
+The chain budget (``chains``, per ``correlation_id``) is read under a lock of the same kind
+per chain the batch names (``chain_lock``, in the same sorted set), so two hosts never
+both spend a chain's last task.
 """
 
 from __future__ import annotations
@@ -34,8 +37,8 @@ if TYPE_CHECKING:
 _INSERT_TASK = (
     "INSERT INTO tasks (task_id, principal, message_id, kind, payload, fingerprint,"
     " correlation_id, parent_id, state, max_attempts, not_before, deadline, hops,"
-    " created_at, updated_at, finished_at, error)"
-    " VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)"
+    " created_at, updated_at, finished_at, error, traceparent)"
+    " VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)"
 )
 # A reused id past the retention window (its task terminal) takes the record over.
 _UPSERT_INBOX = (
@@ -45,6 +48,13 @@ _UPSERT_INBOX = (
     " task_id = excluded.task_id, entry_id = excluded.entry_id,"
     " received_at = excluded.received_at, duplicates = 0, conflicts = 0"
 )
+
+
+def chain_lock(chain_id: str) -> int:
+    """The advisory-lock key of one chain budget (``correlation_id``): two hosts accepting
+    tasks of one chain count it one after the other, never both under its budget."""
+    digest = hashlib.sha256(f"chain\0{chain_id}".encode()).digest()
+    return int.from_bytes(digest[:8], "big", signed=True)
 
 
 def identity_lock(principal: str, message_id: str) -> int:
@@ -60,17 +70,29 @@ class _AcceptBatch:
 
     known: dict[tuple[str, str], Mapping[str, Any]]
     parent_hops: dict[str, int]
+    #: Tasks stored per ``correlation_id`` named in the batch (the chain budget), counting
+    #: those this batch stores; ``chain_adds`` is what this batch adds.
+    chains: dict[str, int]
     ids: Iterator[str]
     tasks: list[tuple[Any, ...]] = field(default_factory=list)
     inbox: list[tuple[Any, ...]] = field(default_factory=list)
     duplicates: list[tuple[str, str]] = field(default_factory=list)
     then: list[Callable[[Conn], object]] = field(default_factory=list)
+    chain_adds: dict[str, int] = field(default_factory=dict)
+    now: float = 0.0
 
     def write(self, c: Conn) -> None:
         cur = c.cursor()
         if self.tasks:
             cur.executemany(_INSERT_TASK, self.tasks)
             cur.executemany(_UPSERT_INBOX, self.inbox)
+        if self.chain_adds:
+            cur.executemany(
+                "INSERT INTO chains (chain_id, tasks, updated_at) VALUES (%s, %s, %s)"
+                " ON CONFLICT (chain_id) DO UPDATE SET tasks = chains.tasks + excluded.tasks,"
+                " updated_at = excluded.updated_at",
+                [(cid, n, self.now) for cid, n in sorted(self.chain_adds.items())],
+            )
         if self.duplicates:
             cur.executemany(
                 "UPDATE inbox SET duplicates = duplicates + 1"
@@ -86,10 +108,12 @@ def accept_in(
     fingerprints: Sequence[str], payloads: Sequence[str], ids: Sequence[str],
 ) -> list[AcceptResult]:  # fmt: skip
     """Lock the batch's identities, read their records, decide and write every item."""
-    keys = sorted({identity_lock(i.principal, i.envelope.message_id) for i in items})
+    chains = {i.envelope.correlation_id for i in items} - {None}
+    keys = sorted({identity_lock(i.principal, i.envelope.message_id) for i in items}
+                  | {chain_lock(cid) for cid in chains if cid is not None})  # fmt: skip
     c.cursor().executemany("SELECT pg_advisory_xact_lock(%s)", [(k,) for k in keys])
     batch = _AcceptBatch(known=_prefetch(c, items), parent_hops=_parent_hops(c, items),
-                         ids=iter(ids))  # fmt: skip
+                         chains=_chain_counts(c, chains), ids=iter(ids), now=now)  # fmt: skip
     results = [
         _accept_one(store, batch, item, now, fingerprint, payload)
         for item, fingerprint, payload in zip(items, fingerprints, payloads, strict=True)
@@ -124,6 +148,16 @@ def _parent_hops(c: Conn, items: Sequence[AcceptItem]) -> dict[str, int]:
     return {r["task_id"]: int(r["hops"]) for r in rows}
 
 
+def _chain_counts(c: Conn, chains: set[str | None]) -> dict[str, int]:
+    """The tasks stored so far under every ``correlation_id`` the batch names (none named:
+    no query)."""
+    named = [cid for cid in chains if cid is not None]
+    if not named:
+        return {}
+    rows = c.execute("SELECT chain_id, tasks FROM chains WHERE chain_id = ANY(%s)", (named,))
+    return {r["chain_id"]: int(r["tasks"]) for r in rows}
+
+
 def _accept_one(
     store: PgTaskStore, batch: _AcceptBatch, item: AcceptItem, now: float,
     fingerprint: str, payload: str,
@@ -153,12 +187,24 @@ def _accept_one(
     elif hops > store.policy.max_hops:
         state, outcome = TaskState.HOP_LIMIT, Outcome.HOP_LIMIT
         error = f"hops {hops} exceed the limit {store.policy.max_hops}"
+    elif (chain := env.correlation_id) is not None:
+        # The chain budget (``store.inbox``): counted per correlation_id, whoever sent it.
+        stored = batch.chains.get(chain, 0)
+        if stored >= store.policy.max_chain_tasks:
+            state, outcome = TaskState.HOP_LIMIT, Outcome.HOP_LIMIT
+            error = (
+                f"chain {chain!r} has {stored} tasks: its budget of"
+                f" {store.policy.max_chain_tasks} is spent"
+            )
+        else:
+            batch.chains[chain] = stored + 1
+            batch.chain_adds[chain] = batch.chain_adds.get(chain, 0) + 1
     batch.tasks.append(
         (
             task_id, item.principal, env.message_id, env.kind, payload,
             fingerprint, env.correlation_id, env.parent_id, state.value, env.max_attempts,
             now, env.deadline, hops, now, now,
-            None if state is TaskState.PENDING else now, error,
+            None if state is TaskState.PENDING else now, error, env.traceparent,
         )
     )  # fmt: skip
     batch.inbox.append((item.principal, env.message_id, fingerprint, task_id, item.entry_id, now))
@@ -170,7 +216,8 @@ def _accept_one(
     if state is not TaskState.PENDING:
         reply_id = reply_id_for(task_id)
         t = {"principal": item.principal, "message_id": env.message_id,
-             "correlation_id": env.correlation_id, "attempts": 0, "fence": 0}  # fmt: skip
+             "correlation_id": env.correlation_id, "attempts": 0, "fence": 0,
+             "traceparent": env.traceparent}  # fmt: skip
         batch.then.append(lambda c: write_reply(c, task_id, state, None, error, now, t=t))
     return AcceptResult(outcome, task_id, reply_id, error or "")
 
@@ -188,7 +235,7 @@ def _known(
     detail = "message_id reused with different content; the first request stands"
     body = conflict_body(
         reply_id, row["task_id"], item.principal, env.message_id, env.correlation_id,
-        detail, fingerprint, row["fingerprint"],
+        detail, fingerprint, row["fingerprint"], traceparent=env.traceparent,
     )  # fmt: skip
 
     def write(c: Conn) -> None:

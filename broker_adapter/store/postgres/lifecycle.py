@@ -28,12 +28,13 @@ def write_reply(
     claim: PublisherClaim | None = None,
 ) -> str:
     """Write the terminal reply of ``task_id`` into the outbox (the caller's transaction);
-    ``t``: the task's principal, message id, correlation id, attempts and fence if read
+    ``t``: the task's principal, message id, correlation id, attempts, fence and
+    traceparent if read
     already; ``encoded``: the body if built before the transaction. Returns the reply id."""
     if t is None:
         t = c.execute(
-            "SELECT principal, message_id, correlation_id, attempts, fence FROM tasks"
-            " WHERE task_id = %s",
+            "SELECT principal, message_id, correlation_id, attempts, fence, traceparent"
+            " FROM tasks WHERE task_id = %s",
             (task_id,),
         ).fetchone()
         assert t is not None
@@ -41,7 +42,8 @@ def write_reply(
     if encoded is None:
         encoded = encode_body(
             terminal_body(task_id, state.value, t["principal"], t["message_id"],
-                          t["correlation_id"], result, error, t["attempts"], t["fence"], now)
+                          t["correlation_id"], result, error, t["attempts"], t["fence"], now,
+                          traceparent=t.get("traceparent"))
         )  # fmt: skip
     data, content_hash = encoded
     inserted = enqueue_encoded(

@@ -16,7 +16,7 @@ import json
 from collections.abc import Sequence
 
 from broker_adapter.clock import Clock, SystemClock
-from broker_adapter.protocol.envelope import canonical_json
+from broker_adapter.protocol.canonical import canonical_json
 from broker_adapter.protocol.reply import Reply
 from broker_adapter.store.postgres.db import Conn, PgDatabase, Row
 from broker_adapter.store.postgres.retention import purge_receipts

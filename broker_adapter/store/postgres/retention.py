@@ -14,7 +14,13 @@ PostgreSQL's autovacuum reclaims the deleted rows' space for new ones.
 from __future__ import annotations
 
 from broker_adapter.store.postgres.db import PgDatabase
-from broker_adapter.store.retention import PURGE_BATCH, SCAN_ROWS, PurgeBatch, timed_lock
+from broker_adapter.store.retention import (
+    _EFFECT_RECORDS,
+    PURGE_BATCH,
+    SCAN_ROWS,
+    PurgeBatch,
+    timed_lock,
+)
 
 _TERMINAL = "('done', 'failed', 'cancelled', 'expired', 'hop_limit')"
 #: The rule of a purgeable request on ``tasks t`` joined with its reply ``outbox o``;
@@ -80,7 +86,16 @@ def purge_requests(
             ([r["principal"] for r in confirmed], [r["message_id"] for r in confirmed], ids),
         ).rowcount
         replies = c.execute("DELETE FROM outbox WHERE task_id = ANY(%s)", (ids,)).rowcount
+        for table in _EFFECT_RECORDS:  # the task's effect records go with it
+            c.execute(f"DELETE FROM {table} WHERE task_id = ANY(%s)", (ids,))
         c.execute("DELETE FROM tasks WHERE task_id = ANY(%s)", (ids,))
+        if ids:  # approvals expired or revoked before the window: nothing can use them
+            c.execute(
+                "DELETE FROM approvals WHERE expires_at <= %s OR revoked_at <= %s",
+                (cutoff, cutoff),
+            )
+            # A chain none of whose tasks was stored within the window is forgotten.
+            c.execute("DELETE FROM chains WHERE updated_at <= %s", (cutoff,))
         replies += c.execute(
             "DELETE FROM outbox WHERE reply_id = ANY(%s) AND task_id IS NULL"
             " AND state = 'sent' AND sent_at <= %s",

@@ -140,9 +140,80 @@ def _v1(conn: psycopg.Connection[Any]) -> None:
     )
 
 
+# What the SQLite migrations 7 to 9 added, in one step: the effect columns of ``tasks``
+# and the effect tables (7), ``tasks.traceparent`` (8), the chain budget's ``chains`` (9).
+_V2_TABLES = """
+ALTER TABLE tasks ADD COLUMN IF NOT EXISTS cancel_requested_at double precision;
+ALTER TABLE tasks ADD COLUMN IF NOT EXISTS effect_fence bigint;
+ALTER TABLE tasks ADD COLUMN IF NOT EXISTS effect_started_at double precision;
+ALTER TABLE tasks ADD COLUMN IF NOT EXISTS reconcile_tries integer NOT NULL DEFAULT 0;
+ALTER TABLE tasks ADD COLUMN IF NOT EXISTS operator_since double precision;
+ALTER TABLE tasks ADD COLUMN IF NOT EXISTS traceparent text;
+CREATE INDEX IF NOT EXISTS tasks_unknown ON tasks (not_before) WHERE state = 'unknown';
+
+CREATE TABLE IF NOT EXISTS approvals (
+    approval_id text PRIMARY KEY,
+    action      text NOT NULL,
+    target      text NOT NULL,
+    scope       text NOT NULL,
+    approver    text NOT NULL,
+    granted_at  double precision NOT NULL,
+    expires_at  double precision NOT NULL,
+    revoked_at  double precision,
+    revoked_by  text,
+    CHECK (expires_at > granted_at)
+);
+CREATE INDEX IF NOT EXISTS approvals_match ON approvals (action, target, scope, expires_at);
+CREATE TABLE IF NOT EXISTS approval_waits (
+    task_id text PRIMARY KEY,
+    action  text NOT NULL,
+    target  text NOT NULL,
+    scope   text NOT NULL,
+    since   double precision NOT NULL,
+    until   double precision NOT NULL
+);
+CREATE INDEX IF NOT EXISTS approval_waits_until ON approval_waits (until);
+CREATE TABLE IF NOT EXISTS reconcile_log (
+    task_id  text NOT NULL,
+    outcome  text NOT NULL CHECK (outcome IN ('done', 'not-done', 'unknown')),
+    by_whom  text NOT NULL,
+    at       double precision NOT NULL,
+    fence    bigint NOT NULL,
+    observed text,
+    note     text
+);
+CREATE INDEX IF NOT EXISTS reconcile_log_task ON reconcile_log (task_id, at);
+CREATE TABLE IF NOT EXISTS compensations (
+    task_id    text NOT NULL,
+    kind       text NOT NULL,
+    by_whom    text NOT NULL,
+    fence      bigint NOT NULL,
+    what       text NOT NULL,
+    started_at double precision NOT NULL,
+    outcome    text NOT NULL CHECK (outcome IN ('started', 'done', 'failed')),
+    detail     text,
+    ended_at   double precision,
+    PRIMARY KEY (task_id, kind)
+);
+
+CREATE TABLE IF NOT EXISTS chains (
+    chain_id   text PRIMARY KEY,
+    tasks      integer NOT NULL,
+    updated_at double precision NOT NULL
+);
+CREATE INDEX IF NOT EXISTS chains_updated ON chains (updated_at);
+"""
+
+
+def _v2(conn: psycopg.Connection[Any]) -> None:
+    """Migration 2: the SQLite schema's versions 7 to 9 (effects, traceparent, chains)."""
+    conn.execute(_V2_TABLES)
+
+
 #: ``(what it does, how)``, one per version, in order.
 MIGRATIONS: Final[tuple[tuple[str, Callable[[psycopg.Connection[Any]], None]], ...]] = (
     ("tasks, inbox, outbox, receipts and meta (the SQLite schema at its version 6)", _v1),
+    ("effect columns and tables, tasks.traceparent, chains (SQLite versions 7 to 9)", _v2),
 )
 SCHEMA_VERSION: Final = len(MIGRATIONS)
 

@@ -14,9 +14,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from broker_adapter.config import DEFAULT_LEASE_S
 from broker_adapter.errors import BrokerAdapterError, StaleError
 from broker_adapter.protocol.reply import encode_body, reply_id_for, terminal_body
-from broker_adapter.store.leases import DEFAULT_LEASE_S
 from broker_adapter.store.lifecycle import TaskState, reply_key
 from broker_adapter.store.outbox import OutboxRow, PublisherClaim, SentMark
 from broker_adapter.store.postgres.db import Conn, Row, free_text
@@ -115,7 +115,7 @@ def _mark_done(
         " WHERE t.task_id = v.task_id AND t.fence = v.fence AND t.state = 'running'"
         " AND t.owner = v.owner AND t.lease_until > %s AND t.deadline > %s"
         " RETURNING t.task_id, t.principal, t.message_id, t.correlation_id, t.attempts,"
-        " t.fence",
+        " t.fence, t.traceparent",
         (now, now, [i.task_id for i in chosen], [i.fence for i in chosen],
          [i.owner for i in chosen], [i.result for i in chosen], check_at, check_at),
     ).fetchall()  # fmt: skip
@@ -133,7 +133,7 @@ def _done_reply_spec(
         data, content_hash = encode_body(
             terminal_body(item.task_id, TaskState.DONE.value, row["principal"],
                           row["message_id"], row["correlation_id"], item.result, None,
-                          row["attempts"], row["fence"], now)
+                          row["attempts"], row["fence"], now, traceparent=row["traceparent"])
         )  # fmt: skip
     return (reply_id_for(item.task_id), item.task_id, row["principal"], row["message_id"],
             TaskState.DONE.value, data, content_hash)  # fmt: skip

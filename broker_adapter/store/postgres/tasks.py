@@ -24,8 +24,11 @@ from collections.abc import Sequence
 from typing import Any
 
 from broker_adapter.clock import Clock, SystemClock
+from broker_adapter.config import DEFAULT_LEASE_S
 from broker_adapter.errors import StaleError
-from broker_adapter.protocol.envelope import check_result
+from broker_adapter.protocol.bounds import check_result
+from broker_adapter.protocol.reply import reply_id_for
+from broker_adapter.store import transitions
 from broker_adapter.store.fencing import TASK_HELD_STATE, held_params, held_sql, refusal
 from broker_adapter.store.inbox import (
     AcceptItem,
@@ -35,7 +38,6 @@ from broker_adapter.store.inbox import (
     conflict_reply_id,
     new_task_ids,
 )
-from broker_adapter.store.leases import DEFAULT_LEASE_S
 from broker_adapter.store.lifecycle import TERMINAL_STATES, TaskState
 from broker_adapter.store.outbox import SentMark
 from broker_adapter.store.postgres import settle
@@ -54,7 +56,7 @@ _TASK_COLUMNS = ", ".join(TaskRow.__dataclass_fields__)
 TASK_HELD = held_sql(TASK_HELD_STATE, deadline=True, mark="%s")
 _CLAIMED_COLUMNS = (
     "task_id, principal, message_id, kind, payload, attempts, max_attempts, fence, deadline,"
-    " hops, correlation_id, parent_id"
+    " hops, correlation_id, parent_id, traceparent"
 )
 
 
@@ -111,6 +113,7 @@ class PgTaskStore:
                 else []
                 for owner, n in claim_for
             ]
+        transitions.accepted(items, results)
         return Intake(results, claimed)
 
     # -- workers --------------------------------------------------------------------------
@@ -172,6 +175,7 @@ class PgTaskStore:
             max_attempts=r["max_attempts"], fence=r["fence"], owner=owner,
             lease_until=lease_until, deadline=float(r["deadline"]), hops=r["hops"],
             correlation_id=r["correlation_id"], parent_id=r["parent_id"],
+            traceparent=r["traceparent"],
         )  # fmt: skip
 
     def _hold(self, c: Conn, task_id: str, owner: str, fence: int, assignments: str = "",
@@ -184,7 +188,7 @@ class PgTaskStore:
         row = c.execute(
             f"UPDATE tasks SET {sets} WHERE task_id = %s AND {TASK_HELD}"
             " RETURNING state, owner, fence, lease_until, deadline, attempts, max_attempts,"
-            " principal, message_id, correlation_id",
+            " principal, message_id, correlation_id, traceparent",
             (*params, task_id, *held_params(fence, owner, now, deadline=True)),
         ).fetchone()
         if row is None:
@@ -270,6 +274,8 @@ class PgTaskStore:
             if state in TERMINAL_STATES:
                 return state
             to_terminal(c, task_id, TaskState.CANCELLED, now, error=reason)
+        transitions.task_transition("cancelled", task_id, "cancelled", detail=reason,
+                                    reply_id=reply_id_for(task_id))  # fmt: skip
         return TaskState.CANCELLED
 
     def refusal(self, task_id: str, owner: str, fence: int) -> StaleError | None:

@@ -1,5 +1,5 @@
-"""Receiver against a real redis-server: once-only effects, duplicates, conflicts, bad
-entries, rewinds, failing effects and takeover of a dead consumer's entries."""
+"""The receiver's contract, on a redis-server and on fakeredis: once-only effects, duplicates,
+conflicts, bad entries, rewinds, failing effects and takeover of a dead consumer's entries."""
 
 from __future__ import annotations
 
@@ -14,14 +14,13 @@ import pytest
 
 from broker_adapter.clock import FakeClock
 from broker_adapter.errors import ConfigError
-from broker_adapter.protocol.envelope import canonical_json, sha256_hex
+from broker_adapter.protocol.canonical import canonical_json, sha256_hex
 from broker_adapter.protocol.keys import RECEIVER_GROUP, Keys
 from broker_adapter.protocol.reply import Reply, parse_body
-from broker_adapter.redis.client import connect
 from broker_adapter.stages.receiver import Receiver, ReceiverConfig, effect_key
 from broker_adapter.store import ReceiptStore
 from broker_adapter.store.db import Database
-from tests.support.redis_server import RedisServer
+from tests.support.backends import Backend
 from tests.support.replies_script import (
     dispatcher_for,
     drain,
@@ -32,16 +31,14 @@ from tests.support.replies_script import (
     reply_keyring,
 )
 
-pytestmark = pytest.mark.integration
-
 P = "alice"
 
 
 class _Rx(NamedTuple):
-    """What most receiver tests start from: a server, the agent's and the receiver's files,
+    """What most receiver tests start from: a Redis, the agent's and the receiver's files,
     the clock and a fresh key prefix."""
 
-    redis_server: RedisServer
+    backend: Backend
     agent_db: Database
     rx_db: Database
     rx_path: Path
@@ -51,26 +48,26 @@ class _Rx(NamedTuple):
 
 @pytest.fixture
 def rx(
-    redis_server: RedisServer,
+    backend: Backend,
     agent_db: Database,
     rx_db: Database,
     rx_path: Path,
     clock: FakeClock,
     prefix: str,
 ) -> _Rx:
-    return _Rx(redis_server, agent_db, rx_db, rx_path, clock, prefix)
+    return _Rx(backend, agent_db, rx_db, rx_path, clock, prefix)
 
 
 def _publish(
-    server: RedisServer, agent_db: Database, clock: FakeClock, prefix: str, n: int
+    backend: Backend, agent_db: Database, clock: FakeClock, prefix: str, n: int
 ) -> list[str]:
     ids = make_replies(agent_db, clock, P, n)
-    assert dispatcher_for(server.url, agent_db, clock, prefix, "d1").step() == n
+    assert dispatcher_for(backend.connect(), agent_db, clock, prefix, "d1").step() == n
     return ids
 
 
-def _client(server: RedisServer) -> Any:
-    return server.client()
+def _client(backend: Backend) -> Any:
+    return backend.client()
 
 
 def _signed(fields: dict[bytes, bytes]) -> dict[bytes, bytes]:
@@ -86,9 +83,9 @@ def _raw_reply(reply_id: str, **extra: Any) -> dict[bytes, bytes]:
 
 
 def test_receiver_applies_each_reply_once_and_acks(rx: _Rx) -> None:
-    redis_server, agent_db, rx_db, rx_path, clock, prefix = rx
-    ids = _publish(redis_server, agent_db, clock, prefix, 4)
-    rc = receiver_for(redis_server.url, rx_db, clock, prefix, P, "r1")
+    backend, agent_db, rx_db, rx_path, clock, prefix = rx
+    ids = _publish(backend, agent_db, clock, prefix, 4)
+    rc = receiver_for(backend.connect(), rx_db, clock, prefix, P, "r1")
     assert drain(rc) == 4
     assert effect_counts(rx_path) == dict.fromkeys(ids, 1)
     assert rc.stats.applied == 4
@@ -100,24 +97,24 @@ def test_receiver_applies_each_reply_once_and_acks(rx: _Rx) -> None:
 
 
 def test_receiver_second_entry_of_same_reply_is_a_duplicate(rx: _Rx) -> None:
-    redis_server, agent_db, rx_db, rx_path, clock, prefix = rx
-    (rid,) = _publish(redis_server, agent_db, clock, prefix, 1)
-    client = _client(redis_server)
+    backend, agent_db, rx_db, rx_path, clock, prefix = rx
+    (rid,) = _publish(backend, agent_db, clock, prefix, 1)
+    client = _client(backend)
     stream = Keys(prefix).replies(P)
     ((_, fields),) = client.xrange(stream)
     client.xadd(stream, fields)  # e.g. a resend after the record's retention ran out
-    rc = receiver_for(redis_server.url, rx_db, clock, prefix, P, "r1")
+    rc = receiver_for(backend.connect(), rx_db, clock, prefix, P, "r1")
     assert drain(rc) == 2
     assert (rc.stats.applied, rc.stats.duplicates) == (1, 1)
     assert effect_counts(rx_path) == {rid: 1}
 
 
 def test_receiver_rewind_of_the_group_produces_zero_new_effects(rx: _Rx) -> None:
-    redis_server, agent_db, rx_db, rx_path, clock, prefix = rx
-    ids = _publish(redis_server, agent_db, clock, prefix, 3)
-    rc = receiver_for(redis_server.url, rx_db, clock, prefix, P, "r1")
+    backend, agent_db, rx_db, rx_path, clock, prefix = rx
+    ids = _publish(backend, agent_db, clock, prefix, 3)
+    rc = receiver_for(backend.connect(), rx_db, clock, prefix, P, "r1")
     drain(rc)
-    _client(redis_server).xgroup_setid(Keys(prefix).replies(P), RECEIVER_GROUP, "0")
+    _client(backend).xgroup_setid(Keys(prefix).replies(P), RECEIVER_GROUP, "0")
     assert drain(rc) == 3  # everything read and acknowledged again ...
     assert rc.stats.duplicates == 3
     assert effect_counts(rx_path) == dict.fromkeys(ids, 1)  # ... with no new effect
@@ -125,13 +122,13 @@ def test_receiver_rewind_of_the_group_produces_zero_new_effects(rx: _Rx) -> None
 
 
 def test_receiver_refuses_conflicting_content_without_running_the_effect(
-    redis_server: RedisServer, rx_db: Database, rx_path: Path, clock: FakeClock, prefix: str
+    backend: Backend, rx_db: Database, rx_path: Path, clock: FakeClock, prefix: str
 ) -> None:
-    client = _client(redis_server)
+    client = _client(backend)
     stream = Keys(prefix).replies(P)
     client.xadd(stream, _raw_reply("r-1", result=1))
     client.xadd(stream, _raw_reply("r-1", result=2))  # same reply id, other content
-    rc = receiver_for(redis_server.url, rx_db, clock, prefix, P, "r1")
+    rc = receiver_for(backend.connect(), rx_db, clock, prefix, P, "r1")
     assert drain(rc) == 1
     assert effect_counts(rx_path) == {"r-1": 1}
     (dead,) = client.xrange(Keys(prefix).replies_dead(P))
@@ -173,7 +170,7 @@ def _unsigned(fields: dict[bytes, bytes], *drop: bytes) -> dict[bytes, bytes]:
     ],
 )
 def test_receiver_dead_letters_malformed_entries_with_reason(
-    redis_server: RedisServer,
+    backend: Backend,
     rx_db: Database,
     rx_path: Path,
     clock: FakeClock,
@@ -181,9 +178,9 @@ def test_receiver_dead_letters_malformed_entries_with_reason(
     fields: dict[bytes, bytes],
     reason: bytes,
 ) -> None:
-    client = _client(redis_server)
+    client = _client(backend)
     client.xadd(Keys(prefix).replies(P), fields)
-    rc = receiver_for(redis_server.url, rx_db, clock, prefix, P, "r1")
+    rc = receiver_for(backend.connect(), rx_db, clock, prefix, P, "r1")
     assert drain(rc) == 0
     (dead,) = client.xrange(Keys(prefix).replies_dead(P))
     assert dead[1][b"dl.reason"] == reason
@@ -193,8 +190,8 @@ def test_receiver_dead_letters_malformed_entries_with_reason(
 
 
 def test_receiver_failing_effect_leaves_nothing_and_is_retried_then_dead_lettered(rx: _Rx) -> None:
-    redis_server, agent_db, rx_db, rx_path, clock, prefix = rx
-    ids = _publish(redis_server, agent_db, clock, prefix, 2)
+    backend, agent_db, rx_db, rx_path, clock, prefix = rx
+    ids = _publish(backend, agent_db, clock, prefix, 2)
     poison = ids[0]
 
     def effect(conn: sqlite3.Connection, reply: Reply) -> Any:
@@ -206,7 +203,7 @@ def test_receiver_failing_effect_leaves_nothing_and_is_retried_then_dead_lettere
     config = ReceiverConfig(prefix=prefix, principal=P, consumer="r1", block_ms=20,
                             max_deliveries=3)  # fmt: skip
     rc = Receiver(
-        config, connect(redis_server.url), ReceiptStore(rx_db, clock), effect,
+        config, backend.connect(), ReceiptStore(rx_db, clock), effect,
         keyring=reply_keyring(),
     )  # fmt: skip
     for _ in range(10):
@@ -215,19 +212,19 @@ def test_receiver_failing_effect_leaves_nothing_and_is_retried_then_dead_lettere
     assert effect_counts(rx_path) == {ids[1]: 1}
     assert rc.receipts.get(poison) is None
     assert rc.stats.effect_failures == 3
-    (dead,) = _client(redis_server).xrange(Keys(prefix).replies_dead(P))
+    (dead,) = _client(backend).xrange(Keys(prefix).replies_dead(P))
     assert dead[1][b"dl.reason"] == b"delivery_limit"
     assert rc.reader.pending() == {}
 
 
 def test_receiver_takes_over_entries_of_a_dead_consumer(rx: _Rx) -> None:
-    redis_server, agent_db, rx_db, rx_path, clock, prefix = rx
-    ids = _publish(redis_server, agent_db, clock, prefix, 3)
-    client = _client(redis_server)
+    backend, agent_db, rx_db, rx_path, clock, prefix = rx
+    ids = _publish(backend, agent_db, clock, prefix, 3)
+    client = _client(backend)
     stream = Keys(prefix).replies(P)
     client.xgroup_create(stream, RECEIVER_GROUP, id="0")
     client.xreadgroup(RECEIVER_GROUP, "dead-one", {stream: ">"})  # read, never applied
-    heir = receiver_for(redis_server.url, rx_db, clock, prefix, P, "heir", claim_min_idle_ms=0)
+    heir = receiver_for(backend.connect(), rx_db, clock, prefix, P, "heir", claim_min_idle_ms=0)
     assert drain(heir) == 3
     assert heir.reader.stats.taken_over == 3
     assert effect_counts(rx_path) == dict.fromkeys(ids, 1)
@@ -235,22 +232,22 @@ def test_receiver_takes_over_entries_of_a_dead_consumer(rx: _Rx) -> None:
 
 
 def test_receiver_config_refuses_socket_timeout_shorter_than_block(
-    redis_server: RedisServer, rx_db: Database, prefix: str
+    backend: Backend, rx_db: Database, prefix: str
 ) -> None:
     config = ReceiverConfig(prefix=prefix, principal=P, block_ms=5000)
     with pytest.raises(ConfigError):
         Receiver(
-            config, connect(redis_server.url, socket_timeout_s=2), ReceiptStore(rx_db),
+            config, backend.connect(socket_timeout_s=2), ReceiptStore(rx_db),
             keyring=reply_keyring(),
         )  # fmt: skip
 
 
 def test_receiver_refuses_a_keyring_without_the_principals_keys(
-    redis_server: RedisServer, rx_db: Database, prefix: str
+    backend: Backend, rx_db: Database, prefix: str
 ) -> None:
     config = ReceiverConfig(prefix=prefix, principal="carol")
     with pytest.raises(ConfigError, match="no keys for principal 'carol'"):
-        Receiver(config, connect(redis_server.url), ReceiptStore(rx_db), keyring=reply_keyring())
+        Receiver(config, backend.connect(), ReceiptStore(rx_db), keyring=reply_keyring())
 
 
 def test_effect_key_is_stable_and_carries_the_fence() -> None:
@@ -261,9 +258,9 @@ def test_effect_key_is_stable_and_carries_the_fence() -> None:
 
 
 def test_receiver_run_applies_until_stopped(rx: _Rx) -> None:
-    redis_server, agent_db, rx_db, rx_path, clock, prefix = rx
-    ids = _publish(redis_server, agent_db, clock, prefix, 3)
-    rc = receiver_for(redis_server.url, rx_db, clock, prefix, P, "r1")
+    backend, agent_db, rx_db, rx_path, clock, prefix = rx
+    ids = _publish(backend, agent_db, clock, prefix, 3)
+    rc = receiver_for(backend.connect(), rx_db, clock, prefix, P, "r1")
     stop = threading.Event()
     worker = threading.Thread(target=rc.run, args=(stop,))
     worker.start()
@@ -277,16 +274,16 @@ def test_receiver_run_applies_until_stopped(rx: _Rx) -> None:
 
 
 def test_receiver_busy_store_holds_the_batch_and_spends_no_delivery_count(
-    redis_server: RedisServer, agent_db: Database, tmp_path: Path, clock: FakeClock, prefix: str
+    backend: Backend, agent_db: Database, tmp_path: Path, clock: FakeClock, prefix: str
 ) -> None:
     """A receipts database locked for longer than the delivery limit's worth of retries must
     not dead-letter good replies: the batch is retried as it is, not read again."""
     from broker_adapter.errors import StoreBusy
 
-    ids = _publish(redis_server, agent_db, clock, prefix, 3)
+    ids = _publish(backend, agent_db, clock, prefix, 3)
     path = tmp_path / "busy-rx.db"
     db = Database(path, busy_timeout_ms=20)
-    rc = receiver_for(redis_server.url, db, clock, prefix, P, "busy", max_deliveries=3)
+    rc = receiver_for(backend.connect(), db, clock, prefix, P, "busy", max_deliveries=3)
     holder = sqlite3.connect(str(path), isolation_level=None)
     holder.execute("BEGIN IMMEDIATE")  # someone else holds the write lock
     failures = 0
@@ -300,7 +297,7 @@ def test_receiver_busy_store_holds_the_batch_and_spends_no_delivery_count(
     assert failures >= 6  # the first steps may only replay the (empty) own pending list
     assert drain(rc) == 3
     assert effect_counts(path) == dict.fromkeys(ids, 1)
-    assert _client(redis_server).xlen(Keys(prefix).replies_dead(P)) == 0
+    assert _client(backend).xlen(Keys(prefix).replies_dead(P)) == 0
     assert rc.reader.pending() == {}
     db.close()
 
@@ -308,9 +305,9 @@ def test_receiver_busy_store_holds_the_batch_and_spends_no_delivery_count(
 def test_receiver_reads_ahead_with_its_xack_and_a_stop_leaves_nothing_read_unapplied(
     rx: _Rx,
 ) -> None:
-    redis_server, agent_db, rx_db, rx_path, clock, prefix = rx
-    ids = _publish(redis_server, agent_db, clock, prefix, 6)
-    rc = receiver_for(redis_server.url, rx_db, clock, prefix, P, "r1", count=2)
+    backend, agent_db, rx_db, rx_path, clock, prefix = rx
+    ids = _publish(backend, agent_db, clock, prefix, 6)
+    rc = receiver_for(backend.connect(), rx_db, clock, prefix, P, "r1", count=2)
     assert rc.step() == 0  # the replay of its own (empty) pending list
     assert rc.step() == 2  # two applied and acked; the next two read in the XACK's trip
     assert rc.reader.pending() == {"r1": 2}
@@ -327,12 +324,12 @@ def test_receiver_prefetch_left_by_a_batch_of_dead_letters_is_applied_on_stop(rx
     """After a whole batch the receiver sends the read of the next one at once
     (``GroupReader.prefetch``); a batch of dead letters acknowledges nothing, so the next
     read takes that reply, and a stop still applies it."""
-    redis_server, agent_db, rx_db, rx_path, clock, prefix = rx
-    client = _client(redis_server)
+    backend, agent_db, rx_db, rx_path, clock, prefix = rx
+    client = _client(backend)
     for _ in range(2):
         client.xadd(Keys(prefix).replies(P), {b"v": b"1", b"reply_id": b"r-bad"})
-    ids = _publish(redis_server, agent_db, clock, prefix, 2)
-    rc = receiver_for(redis_server.url, rx_db, clock, prefix, P, "r1", count=2)
+    ids = _publish(backend, agent_db, clock, prefix, 2)
+    rc = receiver_for(backend.connect(), rx_db, clock, prefix, P, "r1", count=2)
     assert rc.step() == 0  # the replay of its own (empty) pending list
     assert rc.step() == 0  # both dead-lettered; the next two read in the meantime
     assert rc.reader.has_ahead

@@ -1,0 +1,117 @@
+"""The operator's commands for effects beyond our transaction: ``reconcile`` (an operator's
+answer for an ``unknown`` task), ``approve`` and ``revoke`` (approval records).
+
+Who may use them: whoever can write the adapter's database file. That is the authority the
+whole adapter already trusts (a writer of the file can mark any task done), so a signature
+checked by the same processes that read the file would add nothing against that writer;
+what the records keep out is the agents, who reach the adapter only through signed stream
+entries and never write the file: nothing in a payload can make or stand for an approval.
+Every record names the ``--by`` operator together with the operating-system user who ran
+the command (``by (os user U)``), and every reconcile answer is kept in ``reconcile_log``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import getpass
+import json
+from collections.abc import Callable
+from typing import Any
+
+from broker_adapter.errors import ConfigError
+
+Option = Callable[..., None]
+
+
+def add_commands(sub: Any, option: Option, add_db: Callable[[Any, str], None]) -> None:
+    """Add ``reconcile``, ``approve`` and ``revoke`` to the CLI's subcommands."""
+    rec = sub.add_parser("reconcile", help="an operator's answer for an unknown task (audited)")
+    add_db(rec, "the adapter's SQLite database file (must exist)")
+    rec.add_argument("task_id", help="the unknown task")
+    rec.add_argument("--outcome", required=True, choices=("done", "not-done"),
+                     help="done: the effect happened; not-done: it did not (a retry may"
+                     " follow)")  # fmt: skip
+    _add_by(rec, option)
+    rec.add_argument("--result", default="null", metavar="JSON",
+                     help="with done: the task's result, a JSON value [default: null]")  # fmt: skip
+    rec.add_argument("--note", default=None, help="kept in the reconcile record")
+
+    app = sub.add_parser("approve", help="record an approval of an action on a target")
+    add_db(app, "the adapter's SQLite database file (must exist)")
+    app.add_argument("action", help="the action's name, as its handler declares it")
+    app.add_argument("--target", required=True, help="what the action may act on")
+    app.add_argument("--scope", required=True, help="within which scope")
+    app.add_argument("--expires-in", required=True, type=float, metavar="S",
+                     help="the approval ends this many seconds from now")  # fmt: skip
+    _add_by(app, option)
+
+    rev = sub.add_parser("revoke", help="revoke an approval record")
+    add_db(rev, "the adapter's SQLite database file (must exist)")
+    rev.add_argument("approval_id", help="the approval (as approve printed it)")
+    _add_by(rev, option)
+
+
+def _add_by(p: argparse.ArgumentParser, option: Option) -> None:
+    option(p, "--by", "who decides (kept in the record, with the OS user)", env="BA_OPERATOR",
+           required=True, metavar="NAME")  # fmt: skip
+
+
+def _who(by: str) -> str:
+    if not by.strip():
+        raise ConfigError("--by must name who decides")
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):
+        user = "unknown"
+    return f"{by.strip()} (os user {user})"
+
+
+def cmd_reconcile(args: argparse.Namespace) -> int:
+    from broker_adapter.store import TaskStore, open_database
+    from broker_adapter.store.effects import EffectsStore
+
+    try:
+        observed = json.loads(args.result)
+    except ValueError as exc:
+        raise ConfigError(f"--result is not JSON: {exc}") from None
+    with open_database(args.db) as db:
+        state = EffectsStore(TaskStore(db)).operator_resolve(
+            args.task_id, args.outcome, _who(args.by), observed=observed, note=args.note
+        )
+    print(json.dumps({"task_id": args.task_id, "state": state.value}, sort_keys=True))
+    return 0
+
+
+def cmd_approve(args: argparse.Namespace) -> int:
+    from broker_adapter.store import TaskStore, open_database
+    from broker_adapter.store.approvals import ApprovalStore
+
+    if args.expires_in <= 0:
+        raise ConfigError("--expires-in must be above 0")
+    with open_database(args.db) as db:
+        store = ApprovalStore(TaskStore(db))
+        try:
+            approval_id = store.grant_approval(args.action, args.target, args.scope,
+                                               _who(args.by),
+                                               store.clock.now() + args.expires_in)  # fmt: skip
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+    print(json.dumps({"approval_id": approval_id}, sort_keys=True))
+    return 0
+
+
+def cmd_revoke(args: argparse.Namespace) -> int:
+    from broker_adapter.store import TaskStore, open_database
+    from broker_adapter.store.approvals import ApprovalStore
+
+    with open_database(args.db) as db:
+        revoked = ApprovalStore(TaskStore(db)).revoke_approval(args.approval_id, _who(args.by))
+    print(json.dumps({"approval_id": args.approval_id, "revoked": revoked}, sort_keys=True))
+    return 0 if revoked else 1
+
+
+COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
+    "reconcile": cmd_reconcile,
+    "approve": cmd_approve,
+    "revoke": cmd_revoke,
+}

@@ -1,0 +1,170 @@
+"""The worker's side of a declared side effect (``effects.side_effect``): what happens right
+before the handler's call and right after it.
+
+Before the call (on the call thread, no transaction held): an action that
+``requires_approval`` is checked against the approval records (``current_approval``: asked
+now, so a record revoked or expired since the claim stops it; nothing in the payload
+counts); without a valid one the task is parked in ``waiting_approval``
+(``hold_for_approval``) and its handler does not run. An ``irreversible`` effect is then
+marked started (``EffectsStore.mark_effect_started``), which also refuses a task whose
+cancel was requested. A handler declared ``irreversible=False`` marks it itself, per call
+(``Task.effect_started()``).
+
+After the call: ``effects.after_call`` decides. A timeout, a stop past the grace, or an
+error asking for a retry after the effect started goes to ``unknown``
+(``EffectsStore.to_unknown``, its own short transaction) for the reconcile, never to a
+blind retry; everything else is settled with the batch as usual. An ordinary handler
+(no declaration) never reaches this module: the worker's cost for it is one ``None`` check.
+"""
+
+from __future__ import annotations
+
+import logging
+from functools import partial
+
+from broker_adapter.errors import StaleError, TaskCancelled
+from broker_adapter.stages.calls import CallOutcome
+from broker_adapter.stages.effects import (
+    AfterCall,
+    CallEnd,
+    EffectSpec,
+    after_call,
+    current_approval,
+    hold_for_approval,
+)
+from broker_adapter.stages.handlers import describe_error, is_retryable
+from broker_adapter.stages.lease import Leases
+from broker_adapter.stages.task import Task, TaskControl
+from broker_adapter.stages.worker_config import WorkerStats
+from broker_adapter.store import transitions
+from broker_adapter.store.approvals import ApprovalStore
+from broker_adapter.store.effects import EffectsStore
+from broker_adapter.store.tasks import TaskStore
+
+
+def call_end(task: Task, outcome: CallOutcome) -> CallEnd:
+    """How a call ended, as ``effects.after_call`` takes it."""
+    if outcome.ok:
+        return CallEnd.RETURNED
+    if task.stop_reason == "lease_lost":
+        return CallEnd.LEASE_LOST
+    if outcome.timed_out:
+        return CallEnd.TIMED_OUT
+    if outcome.stopped:
+        return CallEnd.STOPPED
+    return CallEnd.RAISED
+
+
+def stopped_how(task: Task, outcome: CallOutcome) -> str:
+    """What is known of a call that stopped on a cancel, for the task's reply."""
+    if outcome.timed_out:
+        how = "the handler timed out"
+    elif outcome.stopped:
+        how = "the worker stopped past its grace"
+    elif outcome.error is not None:
+        how = f"the handler raised {describe_error(outcome.error)}"
+    else:
+        how = "the handler returned"
+    if task.effect_was_started:
+        return f"{how}; its effect had started: what it did stays"
+    if task.declares_effect:
+        return f"{how}; its effect had not started"
+    return f"{how}; any effect it caused stays"
+
+
+class EffectGate:
+    """Approvals and effect marks around the calls of one declared handler.
+
+    Args:
+        tasks: the store.
+        spec: the handler's declaration.
+        leases: the worker's leases (a parked or refused task's lease is let go).
+        approval_timeout_s: how long a task waits for its approval before it ends.
+        stats: the worker's counters (``unknown``, ``waiting_approval``, ...).
+        log: where refusals are reported.
+    """
+
+    def __init__(
+        self, tasks: TaskStore, spec: EffectSpec, leases: Leases, approval_timeout_s: float,
+        stats: WorkerStats, log: logging.Logger,
+    ) -> None:  # fmt: skip
+        self.tasks = tasks
+        self.spec = spec
+        self.effects = EffectsStore(tasks)
+        self.approvals = ApprovalStore(tasks)
+        self.leases = leases
+        self.approval_timeout_s = approval_timeout_s
+        self.stats = stats
+        self.log = log
+
+    def before_call(self, task: Task) -> bool:
+        """Right before the handler: whether it may run (approved, effect marked)."""
+        claimed = task.claimed
+        spec = self.spec
+        if spec.requires_approval and current_approval(self.approvals, spec, claimed) is None:
+            self.leases.release(claimed.task_id)
+            try:
+                until = hold_for_approval(self.approvals, spec, claimed, self.approval_timeout_s)
+            except StaleError as exc:
+                self._refused(task, exc)
+                return False
+            self.stats.waiting_approval += 1
+            transitions.claim_transition("waiting_approval", claimed, "waiting_approval",
+                                         detail=f"no valid approval of {spec.action!r};"
+                                         f" waits until {until:.3f}")  # fmt: skip
+            return False
+        start = partial(self.effects.mark_effect_started, claimed.task_id, claimed.owner,
+                        claimed.fence)  # fmt: skip
+        control = TaskControl(task)
+        if not spec.irreversible:
+            control.allow_effect(start)
+            return True
+        try:
+            start()
+        except StaleError as exc:
+            self.leases.release(claimed.task_id)
+            self._refused(task, exc)
+            return False
+        control.note_effect_started()
+        return True
+
+    def _refused(self, task: Task, exc: StaleError) -> None:
+        """The store refused the mark or the wait: a requested cancel ends the task now
+        (nothing was started), a lost claim is left to its new holder."""
+        claimed = task.claimed
+        if isinstance(exc, TaskCancelled):
+            self.tasks.cancel(claimed.task_id, "cancelled before its effect started")
+            self.stats.cancelled += 1
+            return
+        self.stats.stale_commits += 1
+        self.log.warning("task %s not started, its claim is gone: %s", claimed.task_id, exc)
+
+    def after_call(self, task: Task, outcome: CallOutcome) -> bool:
+        """After the call: True when this wrote the outcome (``unknown``) or there is none
+        to write; False: settle it with the batch."""
+        if not task.effect_was_started:
+            return False
+        retryable = outcome.error is not None and is_retryable(outcome.error)
+        decision = after_call(call_end(task, outcome), effect_started=True, retryable=retryable)
+        if decision is AfterCall.SETTLE:
+            return False
+        if decision is AfterCall.NOTHING:
+            self.stats.stale_commits += 1
+            return True
+        claimed = task.claimed
+        if outcome.timed_out:
+            reason = "timeout after the effect started"
+        elif outcome.stopped:
+            reason = "worker stopped after the effect started"
+        else:
+            assert outcome.error is not None
+            reason = f"{describe_error(outcome.error)} (after the effect started)"
+        try:
+            self.effects.to_unknown(claimed.task_id, claimed.owner, claimed.fence, reason)
+        except StaleError as exc:  # its lease lapsed: the store's take-back sends it there
+            self.stats.stale_commits += 1
+            self.log.warning("task %s: unknown refused: %s", claimed.task_id, exc)
+            return True
+        self.stats.unknown += 1
+        transitions.claim_transition("unknown", claimed, "unknown", detail=reason)
+        return True

@@ -1,0 +1,439 @@
+"""Declared side effects: what a handler registers, what happens after its call, and the
+reconciler that finds out what an ``unknown`` task did.
+
+A handler that reaches a system we do not commit with declares it (``side_effect``):
+
+    @side_effect("restart_server", reconcile=server_restarted, compensate=undo_restart)
+    def restart(task): ...
+
+For such a handler (``irreversible``, or a call that marked its effect started) a timeout, a
+crash or a lost lease after the start is never retried blindly: the task goes to ``unknown``
+(``after_call``), and the reconciler (``Reconciler``) asks the registered reconcile
+function, with the task and the effect's idempotency key (``EffectSpec.key``), what
+happened (``after_reconcile``):
+
+* it happened: ``done``, with the result it observed; if the target applied it more than
+  once (a duplicate it could not refuse), the compensation runs once, under its own record;
+* it did not: ``pending``, the attempt may run again;
+* still unknown: the task stays ``unknown`` and is asked again later (backoff), and after
+  ``ReconcilePolicy.max_tries`` it waits for an operator (``broker-adapter reconcile``).
+
+An action that ``requires_approval`` runs only while an approval record exists for its
+action, target and scope (``ApprovalStore.valid_approval``, asked right before the effect);
+without one the task waits in ``waiting_approval``.
+
+The decisions (``after_call``, ``after_reconcile``) are pure functions; the ``Reconciler``
+applies them through ``EffectsStore`` (approvals: ``ApprovalStore``), each in its own short
+transaction, with the reconcile and compensation functions called between them
+(``docs/RULES.md`` rule 9).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any, Literal, TypeVar
+
+from pydantic import Field
+
+from broker_adapter.backoff import Backoff
+from broker_adapter.config import ConfigModel
+from broker_adapter.errors import ConfigError, StaleError, TransientError
+from broker_adapter.protocol.canonical import canonical_json
+from broker_adapter.protocol.idempotency import EFFECT_KEY_VERSION, Intent, effect_key
+from broker_adapter.stages.calls import call_handler
+from broker_adapter.stages.handlers import describe_error
+from broker_adapter.stages.task import Task
+from broker_adapter.store.approvals import Approval, ApprovalStore
+from broker_adapter.store.effects import EffectsStore, ReconcileClaim
+from broker_adapter.store.tasks import ClaimedTask
+
+log = logging.getLogger("broker_adapter.effects")
+
+#: The compensation kind for an effect the target applied more than once.
+DUPLICATE = "duplicate"
+
+
+@dataclass(frozen=True)
+class Observation:
+    """What a reconcile function found at the target.
+
+    Attributes:
+        outcome: ``done`` (the effect happened), ``not-done`` (it did not), ``unknown``.
+        result: for ``done``, what the effect produced: the task's result (a JSON value).
+        applied: for ``done``, how many times the target applied it (more than 1: a
+            duplicate the target could not refuse, which the compensation undoes).
+        note: a short text kept in the audit record.
+    """
+
+    outcome: Literal["done", "not-done", "unknown"]
+    result: Any = None
+    applied: int = 1
+    note: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.outcome not in ("done", "not-done", "unknown"):
+            raise ValueError(f"outcome must be done, not-done or unknown, got {self.outcome!r}")
+        if isinstance(self.applied, bool) or not isinstance(self.applied, int):
+            raise ValueError(f"applied must be an integer, got {self.applied!r}")
+        if self.outcome == "done" and self.applied < 1:
+            raise ValueError(
+                f"an effect that happened was applied at least once, not {self.applied}"
+            )
+
+    @classmethod
+    def happened(
+        cls, result: Any = None, *, applied: int = 1, note: str | None = None
+    ) -> Observation:
+        return cls("done", result, applied, note)
+
+    @classmethod
+    def not_happened(cls, note: str | None = None) -> Observation:
+        return cls("not-done", note=note)
+
+    @classmethod
+    def still_unknown(cls, note: str | None = None) -> Observation:
+        return cls("unknown", note=note)
+
+
+#: Called with the task and the effect's idempotency key; says what the target did.
+ReconcileFn = Callable[[ClaimedTask, str], Observation]
+#: Called once for a duplicate effect, with the task and what the reconcile observed; what
+#: it returns (a JSON value) is kept as the compensation's outcome detail.
+CompensateFn = Callable[[ClaimedTask, Observation], Any]
+#: The approval's ``(target, scope)`` for a task.
+ApprovalFn = Callable[[ClaimedTask], tuple[str, str]]
+
+
+@dataclass(frozen=True)
+class EffectSpec:
+    """What a handler declares about its external effect.
+
+    Attributes:
+        action: the effect's name (part of its idempotency key and of its approvals).
+        irreversible: every call starts the effect (marked before the call); ``False``: a
+            call marks it itself when it starts it.
+        reconcile: finds out what an ``unknown`` task did (``None``: an operator does).
+        compensate: undoes a duplicate, once (``None``: a duplicate is only recorded).
+        requires_approval: run only with a valid approval (``approval`` names it).
+        approval: the approval's ``(target, scope)`` for a task.
+        arguments: the effect's arguments for its key (default: the whole payload).
+        version: the key's derivation (``protocol.idempotency``).
+    """
+
+    action: str
+    irreversible: bool = True
+    reconcile: ReconcileFn | None = None
+    compensate: CompensateFn | None = None
+    requires_approval: bool = False
+    approval: ApprovalFn | None = None
+    arguments: Callable[[ClaimedTask], Any] | None = None
+    version: int = EFFECT_KEY_VERSION
+
+    def __post_init__(self) -> None:
+        if not self.action:
+            raise ConfigError("a side effect needs an action name")
+        if self.requires_approval and self.approval is None:
+            raise ConfigError(
+                f"action {self.action!r} requires approval: give approval=(task -> (target, scope))"
+            )
+
+    def key(self, task: ClaimedTask) -> str:
+        """The idempotency key of this effect for ``task`` (the same in every attempt)."""
+        arguments = task.payload if self.arguments is None else self.arguments(task)
+        intent = Intent(task.principal, task.message_id)
+        return effect_key(intent, self.action, arguments, version=self.version)
+
+    def approval_of(self, task: ClaimedTask) -> tuple[str, str]:
+        """The ``(target, scope)`` an approval of ``task`` must name."""
+        if self.approval is None:
+            raise ConfigError(f"action {self.action!r} has no approval target")
+        return self.approval(task)
+
+
+H = TypeVar("H", bound=Callable[..., Any])
+_SPEC_ATTR = "__ba_side_effect__"
+
+
+def side_effect(
+    action: str,
+    *,
+    irreversible: bool = True,
+    reconcile: ReconcileFn | None = None,
+    compensate: CompensateFn | None = None,
+    requires_approval: bool = False,
+    approval: ApprovalFn | None = None,
+    arguments: Callable[[ClaimedTask], Any] | None = None,
+    version: int = EFFECT_KEY_VERSION,
+) -> Callable[[H], H]:
+    """Declare a handler's external effect (see ``EffectSpec``); the handler is returned
+    as it is, with the declaration attached (``effect_spec`` reads it)."""
+    spec = EffectSpec(action, irreversible, reconcile, compensate, requires_approval,
+                      approval, arguments, version)  # fmt: skip
+
+    def register(handler: H) -> H:
+        setattr(handler, _SPEC_ATTR, spec)
+        return handler
+
+    return register
+
+
+def effect_spec(handler: Callable[..., Any]) -> EffectSpec | None:
+    """The declaration ``side_effect`` attached to ``handler``, or ``None``."""
+    spec = getattr(handler, _SPEC_ATTR, None)
+    return spec if isinstance(spec, EffectSpec) else None
+
+
+# -- decisions ------------------------------------------------------------------------------
+
+
+class CallEnd(StrEnum):
+    """How a handler call ended, as the worker saw it."""
+
+    RETURNED = "returned"
+    RAISED = "raised"
+    TIMED_OUT = "timed_out"
+    STOPPED = "stopped"  # the worker stopped past its grace
+    LEASE_LOST = "lease_lost"
+
+
+class AfterCall(StrEnum):
+    """What the worker writes after a call."""
+
+    SETTLE = "settle"  # as without a declared effect: done, or fail (retried per budget)
+    UNKNOWN = "unknown"  # EffectsStore.to_unknown: the reconcile decides
+    NOTHING = "nothing"  # no claim left to write with: the store's take-back decides
+
+
+def after_call(end: CallEnd, *, effect_started: bool, retryable: bool = False) -> AfterCall:
+    """The worker's next write after a call.
+
+    A call that returned is settled. A lost lease leaves nothing to write (the commit would
+    be refused; the store sends an effect-started task to ``unknown`` when it takes the
+    lease back). Before the effect started, everything is settled as usual (a retry cannot
+    repeat an effect that never began). After it, a non-retryable error fails the task (no
+    second call follows), while a timeout, a stop or an error asking for a retry would
+    retry blindly: ``unknown``.
+    """
+    if end is CallEnd.RETURNED:
+        return AfterCall.SETTLE
+    if end is CallEnd.LEASE_LOST:
+        return AfterCall.NOTHING
+    if not effect_started or (end is CallEnd.RAISED and not retryable):
+        return AfterCall.SETTLE
+    return AfterCall.UNKNOWN
+
+
+class ReconcilePolicy(ConfigModel):
+    """How the reconciler works.
+
+    Attributes:
+        lease_s: the lease on an ``unknown`` task while its reconcile runs.
+        batch: tasks held per pass at most.
+        max_tries: reconciles that find nothing before the task waits for an operator.
+        backoff: delay before the next reconcile of a task still unknown.
+        call_timeout_s: a reconcile function that has not answered by then knows nothing
+            (``unknown``); kept below ``lease_s`` so its answer is written under its lease.
+        every_s: the pause between two passes of ``run_reconciles``.
+    """
+
+    lease_s: float = Field(default=60.0, gt=0)
+    call_timeout_s: float = Field(default=20.0, gt=0)
+    every_s: float = Field(default=1.0, gt=0)
+    batch: int = Field(default=16, ge=1)
+    max_tries: int = Field(default=8, ge=1)
+    backoff: Backoff = Field(default_factory=lambda: Backoff(base_s=5.0, cap_s=600.0))
+
+
+@dataclass(frozen=True)
+class Step:
+    """What to do with an ``unknown`` task after one reconcile.
+
+    Attributes:
+        kind: ``done``, ``retry`` (back to pending), ``back_off`` (ask again at
+            ``retry_at``) or ``operator`` (wait for one).
+        retry_at: for ``back_off``.
+        compensate: for ``done``: the effect was applied more than once.
+    """
+
+    kind: Literal["done", "retry", "back_off", "operator"]
+    retry_at: float | None = None
+    compensate: bool = False
+
+
+def after_reconcile(
+    seen: Observation, tries: int, policy: ReconcilePolicy, now: float,
+    rng: random.Random | None = None,
+) -> Step:  # fmt: skip
+    """The step after a reconcile that observed ``seen``, ``tries`` reconciles having found
+    nothing before it."""
+    if seen.outcome == "done":
+        return Step("done", compensate=seen.applied > 1)
+    if seen.outcome == "not-done":
+        return Step("retry")
+    tries += 1
+    if tries >= policy.max_tries:
+        return Step("operator")
+    return Step("back_off", retry_at=now + policy.backoff.delay(tries, rng))
+
+
+# -- the reconciler -------------------------------------------------------------------------
+
+
+@dataclass
+class ReconcileStats:
+    done: int = 0
+    not_done: int = 0
+    unknown: int = 0
+    operator: int = 0
+    compensations: int = 0
+    stale: int = 0
+    outcomes: list[tuple[str, str]] = field(default_factory=list)  # (task_id, step kind)
+
+
+class Reconciler:
+    """Reconciles the ``unknown`` tasks of one declared effect, a batch per ``run_once``.
+
+    Args:
+        effects: the store.
+        spec: the effect (its reconcile and compensation functions).
+        owner: the reconciler's name (its claims and audit records carry it).
+        policy: lease, batch, tries, backoff.
+        rng: randomness for the backoff's jitter.
+    """
+
+    def __init__(
+        self, effects: EffectsStore, spec: EffectSpec, owner: str,
+        policy: ReconcilePolicy | None = None, rng: random.Random | None = None,
+    ) -> None:  # fmt: skip
+        self.effects = effects
+        self.spec = spec
+        self.owner = owner
+        self.policy = policy or ReconcilePolicy()
+        self.rng = rng or random.Random()
+        self.stats = ReconcileStats()
+
+    def run_once(self) -> int:
+        """Hold a batch of due ``unknown`` tasks and reconcile each. Returns how many."""
+        claims = self.effects.claim_unknown(self.owner, self.policy.batch, self.policy.lease_s)
+        for claim in claims:
+            try:
+                kind = self._one(claim)
+            except StaleError as exc:  # the reconcile's lease lapsed, or an operator answered
+                log.warning("reconcile of %s refused: %s", claim.task.task_id, exc)
+                self.stats.stale += 1
+                kind = "stale"
+            self.stats.outcomes.append((claim.task.task_id, kind))
+        return len(claims)
+
+    def observe(self, task: ClaimedTask) -> Observation:
+        """The reconcile function's answer; one that raises or answers nonsense is
+        ``unknown`` (never a guess)."""
+        if self.spec.reconcile is None:
+            return Observation.still_unknown("no reconcile function: an operator decides")
+        reconcile, key = self.spec.reconcile, self.spec.key(task)
+        timeout_s = min(self.policy.call_timeout_s, self.policy.lease_s)
+        ended = call_handler(lambda _t: reconcile(task, key), Task(task), timeout_s)
+        if ended.timed_out:
+            return Observation.still_unknown(f"reconcile gave no answer within {timeout_s} s")
+        if ended.error is not None:  # a failed reconcile knows nothing
+            return Observation.still_unknown(f"reconcile raised {describe_error(ended.error)}")
+        seen = ended.value
+        if not isinstance(seen, Observation):
+            return Observation.still_unknown(f"reconcile returned {type(seen).__name__}")
+        return seen
+
+    def _one(self, claim: ReconcileClaim) -> str:
+        task = claim.task
+        seen = self.observe(task)
+        step = after_reconcile(seen, claim.tries, self.policy, self.effects.clock.now(), self.rng)
+        if self.spec.reconcile is None:
+            step = Step("operator")
+        args = (task.task_id, self.owner, task.fence)
+        if step.kind == "done":
+            if step.compensate:
+                self._compensate(task, seen)
+            self.effects.resolve_done(*args, seen.result, note=seen.note)
+            self.stats.done += 1
+        elif step.kind == "retry":
+            self.effects.resolve_not_done(*args, note=seen.note)
+            self.stats.not_done += 1
+        else:
+            self.effects.resolve_unknown(*args, step.retry_at, note=seen.note)
+            if step.kind == "operator":
+                self.stats.operator += 1
+            else:
+                self.stats.unknown += 1
+        return step.kind
+
+    def _compensate(self, task: ClaimedTask, seen: Observation) -> None:
+        """Run the compensation of a duplicate once: begun under its record (a second
+        reconcile of the task finds it begun and does not run it again), ended with how it
+        went."""
+        what = f"the effect was applied {seen.applied} times"
+        if self.spec.compensate is None:
+            what += "; no compensation registered"
+        if not self.effects.begin_compensation(task.task_id, DUPLICATE, self.owner,
+                                               task.fence, what):  # fmt: skip
+            return
+        if self.spec.compensate is None:
+            self.effects.end_compensation(task.task_id, DUPLICATE, "failed", "none registered")
+            return
+        self.stats.compensations += 1
+        try:
+            detail = self.spec.compensate(task, seen)
+        except Exception as exc:  # noqa: BLE001 - recorded as the compensation's outcome
+            self.effects.end_compensation(task.task_id, DUPLICATE, "failed", describe_error(exc))
+            return
+        try:
+            text = canonical_json(detail).decode("utf-8")
+        except ValueError:
+            text = repr(detail)
+        self.effects.end_compensation(task.task_id, DUPLICATE, "done", text)
+
+
+# -- approvals ------------------------------------------------------------------------------
+
+
+def current_approval(
+    approvals: ApprovalStore, spec: EffectSpec, task: ClaimedTask
+) -> Approval | None:
+    """The approval that lets ``task`` (of an effect that ``requires_approval``) run its
+    effect now, or ``None``. Ask right before the effect: a record revoked or expired since
+    the claim stops it. Nothing in the task's payload counts, only the approval records."""
+    target, scope = spec.approval_of(task)
+    return approvals.valid_approval(spec.action, target, scope)
+
+
+def hold_for_approval(
+    approvals: ApprovalStore, spec: EffectSpec, task: ClaimedTask, timeout_s: float
+) -> float:
+    """Park ``task`` in ``waiting_approval`` for its approval (its holder found none).
+    Returns when the wait ends without one."""
+    target, scope = spec.approval_of(task)
+    return approvals.wait_for_approval(task.task_id, task.owner, task.fence, spec.action, target,
+                                     scope, timeout_s)  # fmt: skip
+
+
+def run_reconciles(
+    stop: threading.Event, reconciler: Reconciler, approvals: ApprovalStore,
+    logger: logging.Logger | None = None,
+) -> None:  # fmt: skip
+    """Until ``stop``: release the approval waits (``ApprovalStore.release_waits``) and
+    reconcile a batch of ``unknown`` tasks (``Reconciler.run_once``), every
+    ``policy.every_s`` (at once again while batches come back full). A store that is busy
+    or failing is tried again at the next pass."""
+    out = logger or log
+    while not stop.is_set():
+        full = False
+        try:
+            approvals.release_waits()
+            full = reconciler.run_once() >= reconciler.policy.batch
+        except TransientError as exc:
+            out.warning("reconcile pass failed, will retry: %s", exc)
+        if not full and stop.wait(reconciler.policy.every_s):
+            return

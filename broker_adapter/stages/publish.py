@@ -1,0 +1,408 @@
+"""Publishing claimed outbox rows to the reply streams: the one publication path.
+
+A shared stage helper, not a stage: the dispatcher (``dispatcher.Dispatcher``) and a worker
+that publishes its own replies (``worker.Worker``) both publish through ``ReplyPublisher``,
+with the same script and the same crash points (``dispatcher.before_xadd``,
+``dispatcher.after_xadd``, ``dispatcher.after_mark_sent``: the names are contracts and keep
+the dispatcher's name whoever publishes).
+
+Publication is idempotent in Redis itself. ONE Lua script (``PUBLISH_SCRIPT``) on two keys of
+one hash tag, ``reply_record(P, reply_id)`` and ``replies(P)``, looks up the reply's
+publication record (``"<content hash> <entry id>"``) and XADDs only when there is none: no
+record, a new entry and its record (SET NX, TTL); a record with the same hash, the earlier
+entry id and nothing added; a record with another hash, a permanent conflict. The script's
+two writes reach the AOF as one MULTI/EXEC. Every entry is signed for its principal at
+publish time (``signing.Keyring.sign_reply``); a row that cannot be signed fails like an
+unconfirmed publication and is never published unsigned. See ``dispatcher`` for how long
+records live and the crash order (XADD, then mark sent).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import TYPE_CHECKING, Any
+
+from broker_adapter import crashpoints
+from broker_adapter.clock import Clock
+from broker_adapter.errors import (
+    AuthError,
+    BrokerAdapterError,
+    RedisUnavailable,
+    StaleError,
+    TransientError,
+)
+from broker_adapter.protocol.keys import Keys
+from broker_adapter.protocol.signing import REPLY_WIRE_VERSION, Keyring
+from broker_adapter.redis.client import text
+from broker_adapter.redis.scripts import eval_many
+from broker_adapter.stages import tracing
+from broker_adapter.store import transitions
+from broker_adapter.store.interface import OutboxAPI, TaskStoreAPI
+from broker_adapter.store.outbox import OutboxRow, SentMark
+from broker_adapter.store.tasks import SettledBatch, Settlement
+
+if TYPE_CHECKING:
+    from broker_adapter.redis.client import Redis
+
+#: How long a publication record dedupes its reply id (see "Publication records" in
+#: ``dispatcher``).
+DEFAULT_RECORD_TTL_S = 1800.0
+REPLY_FORMAT_VERSION = REPLY_WIRE_VERSION
+#: After Redis failed a worker's publication, its replies go to the dispatcher this long.
+PUBLISH_PAUSE_S = 1.0
+
+# KEYS[1] publication record, KEYS[2] reply stream (same hash tag).
+# ARGV[1] content hash, ARGV[2] record TTL ms, ARGV[3] reply id, ARGV[4] body bytes,
+# ARGV[5] entry format version, ARGV[6] key id, ARGV[7] signature.
+# Returns {0, entry id} new, {1, entry id} published before with the same hash,
+# {2, stored hash} conflict.
+PUBLISH_SCRIPT = """
+local rec = redis.call('GET', KEYS[1])
+if rec then
+  local stored, eid = string.match(rec, '^(%S+) (%S+)$')
+  if stored == ARGV[1] then
+    return {1, eid}
+  end
+  return {2, stored or rec}
+end
+local eid = redis.call('XADD', KEYS[2], '*', 'v', ARGV[5], 'reply_id', ARGV[3],
+  'hash', ARGV[1], 'body', ARGV[4], 'kid', ARGV[6], 'sig', ARGV[7])
+redis.call('SET', KEYS[1], ARGV[1] .. ' ' .. eid, 'PX', ARGV[2], 'NX')
+return {0, eid}
+"""
+
+
+class PublishOutcome(StrEnum):
+    PUBLISHED = "published"  # a new entry
+    ALREADY_PUBLISHED = "already_published"  # the record's entry, nothing added
+    CONFLICT = "conflict"  # the reply id was published with other content
+    FAILED = "failed"  # not confirmed: retried with backoff
+
+
+@dataclass(frozen=True)
+class Publication:
+    """What publishing one row did.
+
+    Attributes:
+        entry_id: the reply's stream entry, for the two successful outcomes.
+        detail: why it failed or conflicted.
+        transient: the failure was Redis being unreachable or busy (not this row's fault).
+    """
+
+    reply_id: str
+    outcome: PublishOutcome
+    entry_id: str | None = None
+    detail: str = ""
+    transient: bool = False
+
+
+@dataclass
+class DispatcherStats:
+    published: int = 0
+    already_published: int = 0
+    conflicts: int = 0
+    failed: int = 0
+    dead: int = 0
+    fenced: int = 0
+    wipes: int = 0
+    restarts: int = 0
+    requeued: int = 0
+    trimmed: int = 0
+    unread_trimmed: int = 0
+    dead_letters_trimmed: int = 0
+    trim_failures: int = 0
+
+
+class ReplyPublisher:
+    """Publishes claimed outbox rows and records what that did, under one publisher
+    identity (``owner``): the one publication path of the dispatcher and of workers that
+    publish their own replies.
+
+    ``publish`` runs the record script for a batch (one pipelined round trip; crash points
+    ``dispatcher.before_xadd`` / ``dispatcher.after_xadd``); ``settle`` marks the
+    confirmed rows sent (one transaction, each row fenced; then ``dispatcher.after_mark_sent``)
+    and records the others (``settle_failures``): a content conflict is ``dead`` at once,
+    a failure goes back in line with backoff (``dead`` past the budget). A caller that
+    writes the marks in a transaction of its own uses ``confirmed`` and ``count_marked``
+    around it instead of ``settle``'s mark step.
+
+    Args:
+        client: a client from ``streams.connect`` (no automatic re-sends).
+        outbox: the outbox of this process's database.
+        keys: the key layout.
+        owner: the publisher's name on the rows it holds.
+        keyring: signs every entry for the principal it is addressed to.
+        record_ttl_s: how long a publication record dedupes its reply id.
+        stats: where outcomes are counted.
+        logger: where dead replies and refusals are reported.
+    """
+
+    def __init__(
+        self,
+        client: Redis,
+        outbox: OutboxAPI,
+        keys: Keys,
+        owner: str,
+        *,
+        keyring: Keyring,
+        record_ttl_s: float = DEFAULT_RECORD_TTL_S,
+        stats: DispatcherStats | None = None,
+        logger: logging.Logger | None = None,
+    ) -> None:
+        self.client = client
+        self.outbox = outbox
+        self.keys = keys
+        self.owner = owner
+        self.keyring = keyring
+        self.record_ttl_s = record_ttl_s
+        self.stats = stats if stats is not None else DispatcherStats()
+        self.log = logger or logging.getLogger("broker_adapter.stages.dispatcher")
+
+    def publish(self, rows: list[OutboxRow]) -> list[Publication]:
+        """Run the publication script for each row, all in one pipelined round trip.
+
+        Never raises for Redis trouble: an unreachable server makes every row ``FAILED``
+        (the outcome is ambiguous; the records make the retry safe). A row that cannot be
+        signed (its principal has no key) is ``FAILED`` without reaching Redis.
+        """
+        started = tracing.now()
+        pubs = self._publish(rows)
+        tracing.published(rows, pubs, started)
+        return pubs
+
+    def _publish(self, rows: list[OutboxRow]) -> list[Publication]:
+        if not rows:
+            return []
+        crashpoints.hit("dispatcher.before_xadd")
+        ttl_ms = max(1, int(self.record_ttl_s * 1000))
+        pubs: list[Publication | None] = []
+        signed: list[OutboxRow] = []
+        calls: list[tuple[list[str], list[bytes | str | int]]] = []
+        for r in rows:
+            body = bytes(r.body)
+            try:
+                kid, sig = self.keyring.sign_reply(r.principal, r.reply_id, body)
+            except AuthError as exc:
+                detail = f"cannot sign reply {r.reply_id} for {r.principal!r}: {exc}"
+                pubs.append(Publication(r.reply_id, PublishOutcome.FAILED, None, detail))
+                continue
+            pubs.append(None)
+            signed.append(r)
+            calls.append((
+                [self.keys.reply_record(r.principal, r.reply_id), self.keys.replies(r.principal)],
+                [r.content_hash, ttl_ms, r.reply_id, body, REPLY_FORMAT_VERSION, kid, sig],
+            ))  # fmt: skip
+        try:
+            replies = eval_many(self.client, PUBLISH_SCRIPT, calls) if calls else []
+        except RedisUnavailable as exc:
+            failed = PublishOutcome.FAILED
+            unreachable = (Publication(r.reply_id, failed, None, str(exc), True) for r in signed)
+            return [pub or next(unreachable) for pub in pubs]
+        crashpoints.hit("dispatcher.after_xadd")
+        outcomes = (self._outcome(r, reply) for r, reply in zip(signed, replies, strict=True))
+        return [pub or next(outcomes) for pub in pubs]
+
+    def _outcome(self, row: OutboxRow, reply: Any) -> Publication:
+        if isinstance(reply, BrokerAdapterError):
+            transient = isinstance(reply, TransientError)
+            return Publication(row.reply_id, PublishOutcome.FAILED, None, str(reply), transient)
+        code, value = int(reply[0]), text(reply[1])
+        if code == 0:
+            return Publication(row.reply_id, PublishOutcome.PUBLISHED, value)
+        if code == 1:
+            return Publication(row.reply_id, PublishOutcome.ALREADY_PUBLISHED, value)
+        detail = (
+            f"reply_conflict: reply id {row.reply_id} was published with content hash "
+            f"{value[:16]}, the outbox holds {row.content_hash[:16]}"
+        )
+        return Publication(row.reply_id, PublishOutcome.CONFLICT, None, detail)
+
+    @staticmethod
+    def confirmed(
+        rows: list[OutboxRow], pubs: list[Publication]
+    ) -> list[tuple[OutboxRow, Publication]]:
+        """The rows Redis confirmed (published now or before), with their publication."""
+        ok = (PublishOutcome.PUBLISHED, PublishOutcome.ALREADY_PUBLISHED)
+        return [(row, pub) for row, pub in zip(rows, pubs, strict=True) if pub.outcome in ok]
+
+    def count_marked(
+        self, done: list[tuple[OutboxRow, Publication]], refused: list[StaleError | None]
+    ) -> int:
+        """Count what a mark-sent write did (``refused``: one entry per ``done`` row);
+        returns how many rows were marked sent."""
+        marked = 0
+        for (row, pub), stale in zip(done, refused, strict=True):
+            if stale is not None:
+                self._fenced(row, stale)
+                continue
+            marked += 1
+            if pub.outcome is PublishOutcome.PUBLISHED:
+                self.stats.published += 1
+            else:
+                self.stats.already_published += 1
+        return marked
+
+    def settle(
+        self, rows: list[OutboxRow], pubs: list[Publication], *, claim_next: int = 0
+    ) -> tuple[int, list[OutboxRow]]:
+        """Record what ``publish`` did: sent (one transaction), dead, or retry later. With
+        ``claim_next`` the mark-sent transaction also claims up to that many rows.
+
+        Returns:
+            how many rows were marked sent, and the rows claimed.
+        """
+        done = self.confirmed(rows, pubs)
+        refused, ahead = self.outbox.mark_sent_and_claim(
+            self.owner, [(row.reply_id, row.fence, pub.entry_id or "") for row, pub in done],
+            claim_next,
+        )  # fmt: skip
+        crashpoints.hit("dispatcher.after_mark_sent")
+        marked = self.count_marked(done, refused)
+        self.settle_failures(rows, pubs)
+        return marked, ahead
+
+    def settle_failures(self, rows: list[OutboxRow], pubs: list[Publication]) -> None:
+        """Record the rows ``publish`` did not confirm: a conflict is ``dead`` at once, a
+        failure goes back in line with backoff (``dead`` past the budget). Each its own
+        short transaction, fenced; rows this publisher no longer holds are only counted."""
+        owner = self.owner
+        for row, pub in zip(rows, pubs, strict=True):
+            try:
+                if pub.outcome is PublishOutcome.CONFLICT:
+                    self.stats.conflicts += 1
+                    self.outbox.mark_dead(row.reply_id, owner, row.fence, pub.detail)
+                    self.stats.dead += 1
+                    self.log.error("reply %s is dead: %s", row.reply_id, pub.detail,
+                                   extra=transitions.reply_fields(row))  # fmt: skip
+                elif pub.outcome is PublishOutcome.FAILED:
+                    self.stats.failed += 1
+                    state = self.outbox.retry(row.reply_id, owner, row.fence, pub.detail)
+                    if state == "dead":
+                        self.stats.dead += 1
+                        self.log.error(
+                            "reply %s is dead after %d attempts: %s",
+                            row.reply_id,
+                            row.attempts,
+                            pub.detail,
+                            extra=transitions.reply_fields(row),
+                        )
+            except StaleError as exc:
+                self._fenced(row, exc)
+
+    def _fenced(self, row: OutboxRow, exc: StaleError) -> None:
+        self.stats.fenced += 1
+        self.log.warning("reply %s: %s no longer holds it (%s)", row.reply_id, self.owner, exc)
+
+
+#: A publication Redis confirmed, waiting for its mark: (row, publication, confirmed at).
+Confirmed = tuple[OutboxRow, Publication, float]
+
+
+def sent_marks(confirmed: list[Confirmed]) -> list[SentMark]:
+    """Confirmed publications as ``(reply_id, fence, entry_id, sent_at)`` marks."""
+    return [(row.reply_id, row.fence, pub.entry_id or "", at) for row, pub, at in confirmed]
+
+
+class OwnReplies:
+    """A worker's publication of the replies its own commits wrote claimed for its
+    ``publisher``, and the confirmed ones waiting for their marks.
+
+    The marks wait for the worker's next commit to carry them (``settle_batch``), or are
+    written by a small transaction of their own (``mark_sent``). Rows Redis did not confirm
+    go back in line with backoff (``ReplyPublisher.settle_failures``); for
+    ``PUBLISH_PAUSE_S`` after an unreachable Redis the worker leaves new replies to the
+    dispatcher (``paused``).
+
+    Args:
+        publisher: the worker's publisher identity (owner ``<worker>-pub``).
+        clock: stamps each confirmation (its ``sent_at``).
+    """
+
+    def __init__(self, publisher: ReplyPublisher, clock: Clock) -> None:
+        self.publisher = publisher
+        self._clock = clock
+        self._confirmed: list[Confirmed] = []
+        #: ``time.monotonic()`` of the oldest confirmation waiting for its mark.
+        self.confirmed_at = 0.0
+        self._paused_until = 0.0
+
+    @property
+    def waiting(self) -> bool:
+        """Whether confirmed publications wait for their marks."""
+        return bool(self._confirmed)
+
+    def paused(self) -> bool:
+        """Whether new replies are left to the dispatcher (Redis failed lately)."""
+        return time.monotonic() < self._paused_until
+
+    def _marked(self, confirmed: list[Confirmed], refused: list[StaleError | None]) -> None:
+        """A commit wrote the marks of ``confirmed`` (``refused``: one entry each)."""
+        crashpoints.hit("dispatcher.after_mark_sent")
+        self.publisher.count_marked([(row, pub) for row, pub, _ in confirmed], refused)
+
+    def settle_batch(
+        self, tasks: TaskStoreAPI, items: list[Settlement], owner: str, n: int
+    ) -> SettledBatch:
+        """A worker's batch commit (``TaskStore.settle_batch``: outcomes, the next claim of
+        up to ``n``) that also writes its replies claimed by the publisher and carries the
+        marks of the confirmations waiting."""
+        publisher = self.publisher
+        confirmed, self._confirmed = self._confirmed, []
+        try:
+            batch = tasks.settle_batch(
+                items, owner, n, publish_as=publisher.owner,
+                publish_lease_s=publisher.outbox.policy.lease_s, sent=sent_marks(confirmed),
+            )  # fmt: skip
+        except BaseException:
+            self._confirmed = confirmed + self._confirmed  # not written: still to mark
+            raise
+        if confirmed:
+            self._marked(confirmed, batch.marks)
+        return batch
+
+    def publish(self, rows: list[OutboxRow]) -> None:
+        """Publish rows a commit wrote claimed for the publisher; the confirmed ones wait
+        for their marks, the others go back in line with backoff, or ``dead``."""
+        publisher = self.publisher
+        pubs = publisher.publish(rows)
+        confirmed_at = self._clock.now()
+        done = publisher.confirmed(rows, pubs)
+        if not self._confirmed:
+            self.confirmed_at = time.monotonic()
+        self._confirmed += [(row, pub, confirmed_at) for row, pub in done]
+        if len(done) < len(rows):
+            unreachable = [p for p in pubs if p.transient]
+            if unreachable:
+                self._paused_until = time.monotonic() + PUBLISH_PAUSE_S
+                publisher.log.warning(
+                    "publishing %d replies failed (left to the dispatcher for %.1f s): %s",
+                    len(unreachable),
+                    PUBLISH_PAUSE_S,
+                    unreachable[0].detail,
+                )
+            try:
+                publisher.settle_failures(rows, pubs)
+            except TransientError as exc:
+                publisher.log.warning(
+                    "replies not put back in line; they return at lease expiry: %s", exc
+                )
+
+    def mark_sent(self) -> bool:
+        """Mark the confirmed publications sent now, in one transaction of their own;
+        returns whether a mark-sent transaction committed."""
+        if not self._confirmed:
+            return False
+        confirmed, self._confirmed = self._confirmed, []
+        publisher = self.publisher
+        try:
+            refused = publisher.outbox.mark_sent_marks(publisher.owner, sent_marks(confirmed))
+        except TransientError as exc:
+            # Published and recorded in Redis: when the lease runs out the dispatcher takes
+            # them back, its publication finds the records and marks them sent.
+            publisher.log.warning("%d replies not marked sent: %s", len(confirmed), exc)
+            return False
+        self._marked(confirmed, refused)
+        return True

@@ -1,0 +1,114 @@
+"""A worker's settings (``WorkerConfig``) and counters (``WorkerStats``); see ``worker``."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from pydantic import Field
+
+from broker_adapter.config import ConfigModel
+from broker_adapter.protocol.keys import DEFAULT_PREFIX, KeyPrefix
+from broker_adapter.redis.client import RedisUrl
+from broker_adapter.stages.publish import DEFAULT_RECORD_TTL_S
+
+DEFAULT_BATCH = 128
+DEFAULT_BATCH_WINDOW_S = 0.05
+DEFAULT_CALL_TIMEOUT_S = 60.0
+DEFAULT_IDLE_POLL_S = 0.05
+DEFAULT_WAKE_POLL_S = 0.001
+DEFAULT_GRACE_S = 10.0
+DEFAULT_APPROVAL_TIMEOUT_S = 3600.0
+
+
+class WorkerConfig(ConfigModel):
+    """One worker's settings.
+
+    Attributes:
+        owner: the name written as the lease owner; unique per running worker.
+        batch: the most tasks one claim takes (one transaction). Claims are sized so that
+            a batch's handlers take about ``batch_window_s`` (from the running average of
+            this worker's handler times): fast handlers are claimed ``batch`` at a time,
+            handlers slower than the window one at a time. The first claim takes at most
+            ``worker.INITIAL_CLAIM``. Every claimed task's lease is renewed until its commit.
+        batch_window_s: how long a batch may keep outcomes before committing them. The
+            outcomes of a batch commit together (one transaction, one fsync) after its
+            last handler, or before the next handler starts once the oldest uncommitted
+            outcome is this old, seconds.
+        call_timeout_s: per handler call; capped by the time left to the task's deadline.
+        renew_every_s: lease renewal interval; ``None`` means a third of the store's lease.
+        idle_poll_s: the longest pause between two looks for work when idle, seconds. A
+            look is a read (``TaskStore.has_work``: no write lock, no fsync); a claim
+            follows only when it finds something.
+        wake_poll_s: the pause between looks for ``loop.ALERT_AFTER_WORK_S`` after the last
+            work, seconds; after that it doubles with every empty look, up to
+            ``idle_poll_s``.
+        grace_s: on stop, how long the running handler may still take.
+        redis_url: the Redis of the reply streams. With it the worker publishes the replies
+            of its own batches right after their commit (see ``Worker``); without it (or
+            ``None``) they wait in the outbox for the dispatcher.
+        prefix: the key prefix (see ``keys``), as the dispatcher's.
+        record_ttl_s: how long its publication records live (the dispatcher's
+            ``DispatcherConfig.record_window_s``).
+        metrics_dir: with it, the worker's counters and handler times go to
+            prometheus-client's multiprocess files there (``app.metrics.WorkerMetrics``,
+            made by the worker pool); ``None`` (default): no metrics, nothing imported.
+        handler_name: the ``handler`` label of its handler duration histogram.
+        approval_timeout_s: for a handler whose effect ``requires_approval``
+            (``effects.side_effect``): how long a task waits in ``waiting_approval`` for a
+            valid approval record before it ends ``failed`` (never past its deadline).
+    """
+
+    owner: str = Field(min_length=1, max_length=128)
+    batch: int = Field(default=DEFAULT_BATCH, ge=1, le=1000)
+    batch_window_s: float = Field(default=DEFAULT_BATCH_WINDOW_S, ge=0)
+    call_timeout_s: float = Field(default=DEFAULT_CALL_TIMEOUT_S, gt=0)
+    renew_every_s: float | None = Field(default=None, gt=0)
+    idle_poll_s: float = Field(default=DEFAULT_IDLE_POLL_S, gt=0)
+    wake_poll_s: float = Field(default=DEFAULT_WAKE_POLL_S, gt=0)
+    grace_s: float = Field(default=DEFAULT_GRACE_S, ge=0)
+    redis_url: RedisUrl | None = None
+    prefix: KeyPrefix = DEFAULT_PREFIX
+    record_ttl_s: float = Field(default=DEFAULT_RECORD_TTL_S, gt=0)
+    metrics_dir: str | None = None
+    handler_name: str = "handler"
+    approval_timeout_s: float = Field(default=DEFAULT_APPROVAL_TIMEOUT_S, gt=0)
+
+
+@dataclass
+class WorkerStats:
+    """Counters of one worker, since it was built.
+
+    Attributes:
+        claimed: tasks this worker claimed, or the ingest claimed for it (``handed``).
+        handed: of ``claimed``, those the ingest's accept transaction claimed for it.
+        done: committed ``done``.
+        retried: committed a retryable failure (back to ``pending``).
+        failed: committed ``failed``.
+        stale_commits: commits the store refused (fence, owner, lease, deadline), and claimed
+            tasks not started because a renewal found their lease lost meanwhile.
+        cancelled: tasks found cancelled; nothing committed.
+        timeouts: calls abandoned (call timeout, or still running past the stop grace).
+        expired: tasks whose deadline passed before their handler could start.
+        renewals: successful lease renewals.
+        store_errors: commits that failed on a transient store error (left to lease expiry).
+        unknown: tasks of a declared effect given up after the effect started (timeout,
+            stop, an error asking for a retry): ``unknown``, for the reconcile.
+        waiting_approval: tasks parked for an approval record before their effect.
+    """
+
+    claimed: int = 0
+    handed: int = 0
+    done: int = 0
+    retried: int = 0
+    failed: int = 0
+    stale_commits: int = 0
+    cancelled: int = 0
+    timeouts: int = 0
+    expired: int = 0
+    renewals: int = 0
+    store_errors: int = 0
+    unknown: int = 0
+    waiting_approval: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)

@@ -1,0 +1,504 @@
+"""Effects beyond our transaction: the records and state changes behind ``unknown``,
+reconciliation, compensation and cancel requests (schema migration 7; approvals are
+``approvals.py``).
+
+::
+
+    running ──timeout / lost lease after the effect started──> unknown
+    unknown ──reconcile claim (lease, fence+1)──> unknown, held
+            ──"it happened"──> done (the observed result, with its reply)
+            ──"it did not"──> pending (retry) | failed (no attempt left) | expired (deadline)
+            ──"still unknown"──> unknown (backs off; after the limit: waits for an operator)
+
+A task's attempt marks its effect as started (``mark_effect_started``: the fence of that
+attempt in ``effect_fence``) before the effect; a lease that runs out on an attempt so marked
+sends the task to ``unknown`` instead of back to ``pending`` (``unknown_from_lapsed_claims``,
+for the store's lease take-back). An ``unknown`` task is held under a lease and a fence like
+any claim (``claim_unknown``); its deadline does not end it (it bounds new attempts, not
+finding out what one did). Every reconcile outcome, automatic or an operator's, is written
+to ``reconcile_log`` in the transaction that acts on it. A compensation has one record per
+(task, kind): it is begun at most once, so it runs at most once; one begun and never ended
+(a crash) stays ``started`` for an operator.
+
+No handler, network or Redis call runs inside these transactions (``docs/RULES.md`` rule 9):
+each method is one short transaction; the reconcile and compensation functions run between
+them.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from broker_adapter.errors import FencedError, StaleError, TaskCancelled
+from broker_adapter.protocol.bounds import check_result
+from broker_adapter.protocol.canonical import canonical_json
+from broker_adapter.store.housekeeping import unknown_from_lapsed_in
+from broker_adapter.store.lifecycle import to_terminal
+from broker_adapter.store.tasks import ClaimedTask, TaskState, TaskStore, UnknownTask
+
+ReconcileOutcome = Literal["done", "not-done", "unknown"]
+CompensationOutcome = Literal["done", "failed"]
+
+
+@dataclass(frozen=True)
+class ReconcileClaim:
+    """An ``unknown`` task held for one reconcile: the task as a claim (its ``fence`` is
+    the reconcile's) and how many reconciles found nothing before."""
+
+    task: ClaimedTask
+    tries: int
+
+
+@dataclass(frozen=True)
+class ReconcileRecord:
+    task_id: str
+    outcome: str
+    by_whom: str
+    at: float
+    fence: int
+    observed: Any
+    note: str | None
+
+
+@dataclass(frozen=True)
+class CompensationRecord:
+    task_id: str
+    kind: str
+    by_whom: str
+    fence: int
+    what: str
+    started_at: float
+    outcome: str
+    detail: str | None
+    ended_at: float | None
+
+
+_CLAIM_COLUMNS = (
+    "task_id, principal, message_id, kind, payload, attempts, max_attempts, fence, deadline,"
+    " hops, correlation_id, parent_id, traceparent, lease_until, reconcile_tries"
+)
+
+
+class EffectsStore:
+    """The effect records on the database of ``tasks``, with its clock and policy.
+
+    Args:
+        tasks: the task store (its terminal writes make the replies).
+    """
+
+    def __init__(self, tasks: TaskStore) -> None:
+        self.tasks = tasks
+        self.db = tasks.db
+        self.clock = tasks.clock
+
+    # -- cancel requests ------------------------------------------------------------------
+
+    def request_cancel(self, task_id: str, reason: str = "cancelled") -> TaskState:
+        """Cancel a task: a running one gets ``cancel_requested_at`` (its handler sees it
+        at its next check and its outcome says what was done); any other live one is
+        cancelled at once (``TaskStore.cancel``).
+
+        Returns:
+            ``RUNNING`` when the request was recorded (or already was), else the state
+            ``TaskStore.cancel`` left.
+
+        Raises:
+            UnknownTask: no such task.
+        """
+        now = self.clock.now()
+        with self.db.write("cancel_request") as c:
+            row = c.execute("SELECT state FROM tasks WHERE task_id = ?", (task_id,)).fetchone()
+            if row is None:
+                raise UnknownTask(task_id)
+            if row["state"] == TaskState.RUNNING:
+                c.execute(
+                    "UPDATE tasks SET cancel_requested_at = coalesce(cancel_requested_at, ?),"
+                    " updated_at = ? WHERE task_id = ?",
+                    (now, now, task_id),
+                )
+                return TaskState.RUNNING
+        return self.tasks.cancel(task_id, reason)
+
+    def end_requested_cancel(self, task_id: str, owner: str, fence: int, what: str) -> bool:
+        """The holder of a running task whose cancel was requested stopped it: ``cancelled``
+        with its reply, ``what`` saying what was known to have happened. Returns False if
+        the caller no longer holds it (cancelled outright, or the claim moved on)."""
+        now = self.clock.now()
+        with self.db.write("cancel_request") as c:
+            row = c.execute(
+                "SELECT cancel_requested_at FROM tasks WHERE task_id = ? AND state = 'running'"
+                " AND owner = ? AND fence = ? AND cancel_requested_at IS NOT NULL",
+                (task_id, owner, fence),
+            ).fetchone()
+            if row is None:
+                return False
+            error = f"cancel requested {now - row[0]:.3f} s before the handler stopped; {what}"
+            to_terminal(c, task_id, TaskState.CANCELLED, now, error=error)
+        return True
+
+    def cancel_requested(self, task_id: str) -> float | None:
+        """When a cancel of the running task was requested, or ``None``."""
+        row = self.db.fetch_one(
+            "SELECT cancel_requested_at FROM tasks WHERE task_id = ?", (task_id,)
+        )
+        return None if row is None or row[0] is None else float(row[0])
+
+    # -- entering unknown -----------------------------------------------------------------
+
+    def mark_effect_started(self, task_id: str, owner: str, fence: int) -> None:
+        """Record, before the effect, that this attempt starts an effect it cannot take
+        back: from now on its timeout or lost lease sends the task to ``unknown``. A cancel
+        requested before is seen here: the effect must not start.
+
+        Raises:
+            TaskCancelled: a cancel was requested (or made); nothing was written.
+            StaleError: the caller does not hold the task; nothing was written.
+        """
+        now = self.clock.now()
+        with self.db.write("effect_started") as c:
+            hit = c.execute(
+                "UPDATE tasks SET effect_fence = fence, effect_started_at = ?, updated_at = ?"
+                " WHERE task_id = ? AND state = 'running' AND owner = ? AND fence = ?"
+                " AND lease_until > ? AND cancel_requested_at IS NULL",
+                (now, now, task_id, owner, fence, now),
+            ).rowcount
+        if not hit:
+            refusal = self.tasks.refusal(task_id, owner, fence)
+            if refusal is None and self.cancel_requested(task_id) is not None:
+                refusal = TaskCancelled(task_id)
+            raise refusal or StaleError(task_id, "lease_expired")
+
+    def to_unknown(self, task_id: str, owner: str, fence: int, reason: str) -> None:
+        """The holder gives up a task whose effect may have happened (a timeout, an error
+        that asks for a retry): ``unknown``, to be reconciled.
+
+        Raises:
+            StaleError: the caller does not hold the task; nothing was written.
+        """
+        now = self.clock.now()
+        with self.db.write("to_unknown") as c:
+            hit = c.execute(
+                "UPDATE tasks SET state = 'unknown', owner = NULL, lease_until = NULL,"
+                " not_before = ?, error = ?, reconcile_tries = 0, operator_since = NULL,"
+                " updated_at = ? WHERE task_id = ? AND state = 'running' AND owner = ?"
+                " AND fence = ? AND lease_until > ?",
+                (now, reason, now, task_id, owner, fence, now),
+            ).rowcount
+        if not hit:
+            raise self.tasks.refusal(task_id, owner, fence) or StaleError(task_id, "lease_expired")
+
+    @staticmethod
+    def unknown_from_lapsed_claims(c: sqlite3.Connection, now: float) -> int:
+        """``housekeeping.unknown_from_lapsed_in``: the store's take-back of leases and
+        deadlines runs it first in its transaction (``reconcile_in``); here for callers
+        holding a transaction of their own. Returns how many went to ``unknown``."""
+        return unknown_from_lapsed_in(c, now)
+
+    def take_back_lapsed(self) -> int:
+        """``unknown_from_lapsed_claims`` in a transaction of its own."""
+        with self.db.write("unknown_lapsed") as c:
+            return self.unknown_from_lapsed_claims(c, self.clock.now())
+
+    # -- reconcile ------------------------------------------------------------------------
+
+    def claim_unknown(self, owner: str, n: int, lease_s: float) -> list[ReconcileClaim]:
+        """Hold up to ``n`` ``unknown`` tasks due for a reconcile (oldest due first; none
+        waiting for an operator): owner, lease, fence + 1. The attempt count is left alone.
+        While held, a task is not due (``not_before`` is its lease's end), so a reconciler
+        that dies frees it when its lease runs out."""
+        if n < 1:
+            return []
+        now = self.clock.now()
+        until = now + lease_s
+        with self.db.write("claim_unknown") as c:
+            rows = c.execute(
+                "UPDATE tasks SET owner = ?, lease_until = ?, not_before = ?, fence = fence + 1,"
+                " updated_at = ? WHERE task_id IN (SELECT task_id FROM tasks INDEXED BY"
+                " tasks_unknown WHERE state = 'unknown' AND not_before <= ?"
+                " AND operator_since IS NULL ORDER BY not_before LIMIT ?)"
+                f" RETURNING {_CLAIM_COLUMNS}",
+                (owner, until, until, now, now, n),
+            ).fetchall()
+        return [
+            ReconcileClaim(TaskStore._claimed_task(r, owner, until), int(r["reconcile_tries"]))
+            for r in rows
+        ]
+
+    def resolve_done(
+        self, task_id: str, owner: str, fence: int, observed: Any, *, note: str | None = None
+    ) -> str:
+        """The reconcile found the effect happened: ``done`` with ``observed`` as the result.
+
+        Returns:
+            the reply id.
+
+        Raises:
+            StaleError: the caller does not hold the reconcile; nothing was written.
+            ValueError: ``observed`` is not a JSON value within the result bounds.
+        """
+        encoded = check_result(observed).decode("utf-8")
+        now = self.clock.now()
+        with self.db.write("reconcile_done") as c:
+            self._unknown_holder(c, task_id, owner, fence, now)
+            return self._done_in(c, task_id, owner, fence, encoded, note, now)
+
+    def resolve_not_done(
+        self, task_id: str, owner: str, fence: int, *, observed: Any = None,
+        note: str | None = None,
+    ) -> TaskState:  # fmt: skip
+        """The reconcile found the effect did not happen: the task may run again.
+
+        Returns:
+            ``PENDING`` (due now), or ``FAILED`` when no attempt is left, or ``EXPIRED``
+            when its deadline has passed (both with their reply).
+
+        Raises:
+            StaleError: the caller does not hold the reconcile; nothing was written.
+        """
+        now = self.clock.now()
+        with self.db.write("reconcile_not_done") as c:
+            row = self._unknown_holder(c, task_id, owner, fence, now)
+            return self._not_done_in(c, row, owner, fence, observed, note, now)
+
+    def resolve_unknown(
+        self, task_id: str, owner: str, fence: int, retry_at: float | None, *,
+        observed: Any = None, note: str | None = None,
+    ) -> None:  # fmt: skip
+        """The reconcile could not tell: the task stays ``unknown``, one try more, due again
+        at ``retry_at``, or, with ``None``, waiting for an operator.
+
+        Raises:
+            StaleError: the caller does not hold the reconcile; nothing was written.
+        """
+        now = self.clock.now()
+        with self.db.write("reconcile_unknown") as c:
+            self._unknown_holder(c, task_id, owner, fence, now)
+            self._log(c, task_id, "unknown", owner, fence, observed, note, now)
+            c.execute(
+                "UPDATE tasks SET owner = NULL, lease_until = NULL, not_before = ?,"
+                " reconcile_tries = reconcile_tries + 1, operator_since = ?, updated_at = ?"
+                " WHERE task_id = ?",
+                (now if retry_at is None else retry_at, now if retry_at is None else None,
+                 now, task_id),
+            )  # fmt: skip
+
+    def operator_resolve(
+        self, task_id: str, outcome: Literal["done", "not-done"], by: str, *,
+        observed: Any = None, note: str | None = None,
+    ) -> TaskState:  # fmt: skip
+        """An operator's answer for an ``unknown`` task (``broker-adapter reconcile``),
+        audited under ``by``. It raises the fence, so a reconcile in flight is refused.
+
+        Returns:
+            the task's state afterwards.
+
+        Raises:
+            UnknownTask: no such task.
+            StaleError: the task is not ``unknown``; nothing was written.
+            ValueError: ``observed`` is not a JSON value within the result bounds.
+        """
+        encoded = check_result(observed).decode("utf-8") if outcome == "done" else None
+        now = self.clock.now()
+        with self.db.write("reconcile_operator") as c:
+            row = c.execute(
+                "UPDATE tasks SET fence = fence + 1, owner = ?, lease_until = NULL,"
+                " updated_at = ? WHERE task_id = ? AND state = 'unknown'"
+                " RETURNING task_id, fence, attempts, max_attempts, deadline",
+                (by, now, task_id),
+            ).fetchone()
+            if row is None:
+                state = c.execute("SELECT state FROM tasks WHERE task_id = ?", (task_id,))
+                found = state.fetchone()
+                if found is None:
+                    raise UnknownTask(task_id)
+                raise StaleError(task_id, "not_unknown", f"state is {found[0]}")
+            fence = int(row["fence"])
+            if encoded is not None:
+                self._done_in(c, task_id, by, fence, encoded, note, now)
+                return TaskState.DONE
+            return self._not_done_in(c, row, by, fence, observed, note, now)
+
+    def reconcile_log(self, task_id: str) -> list[ReconcileRecord]:
+        """The reconcile audit of one task, oldest first."""
+        with self.db.read() as c:
+            rows = c.execute(
+                "SELECT task_id, outcome, by_whom, at, fence, observed, note FROM reconcile_log"
+                " WHERE task_id = ? ORDER BY at, rowid",
+                (task_id,),
+            ).fetchall()
+        return [ReconcileRecord(**{**dict(r), "observed": _loads(r["observed"])}) for r in rows]
+
+    def _unknown_holder(
+        self, c: sqlite3.Connection, task_id: str, owner: str, fence: int, now: float
+    ) -> sqlite3.Row:
+        """Rule 10 for a reconcile: the task is ``unknown``, held by ``owner`` under
+        ``fence``, the lease not run out (the deadline does not count here)."""
+        row: sqlite3.Row | None = c.execute(
+            "SELECT task_id, state, owner, fence, lease_until, attempts, max_attempts, deadline"
+            " FROM tasks WHERE task_id = ?",
+            (task_id,),
+        ).fetchone()
+        if row is None:
+            raise UnknownTask(task_id)
+        if row["fence"] != fence:
+            raise FencedError(task_id, fence, row["fence"])
+        if row["state"] == TaskState.CANCELLED:
+            raise TaskCancelled(task_id)
+        if row["state"] != TaskState.UNKNOWN:
+            raise StaleError(task_id, "not_unknown", f"state is {row['state']}")
+        if row["owner"] != owner:
+            raise StaleError(task_id, "owner", f"held by {row['owner']}")
+        if row["lease_until"] is None or row["lease_until"] <= now:
+            raise StaleError(task_id, "lease_expired")
+        return row
+
+    def _done_in(
+        self, c: sqlite3.Connection, task_id: str, by: str, fence: int, encoded: str,
+        note: str | None, now: float,
+    ) -> str:  # fmt: skip
+        self._log(c, task_id, "done", by, fence, encoded, note, now, raw=True)
+        effects = _reply_member(c, task_id, "done", by, note)
+        return to_terminal(c, task_id, TaskState.DONE, now, result=encoded, effects=effects)
+
+    def _not_done_in(
+        self, c: sqlite3.Connection, row: sqlite3.Row, by: str, fence: int, observed: Any,
+        note: str | None, now: float,
+    ) -> TaskState:  # fmt: skip
+        task_id = row["task_id"]
+        self._log(c, task_id, "not-done", by, fence, observed, note, now)
+        effects = _reply_member(c, task_id, "not-done", by, note)
+        if row["deadline"] <= now:
+            error = "deadline reached; the reconcile found the effect not done"
+            to_terminal(c, task_id, TaskState.EXPIRED, now, error=error, effects=effects)
+            return TaskState.EXPIRED
+        if row["attempts"] >= row["max_attempts"]:
+            error = (
+                "the reconcile found the effect not done; attempts exhausted "
+                f"({row['attempts']}/{row['max_attempts']})"
+            )
+            to_terminal(c, task_id, TaskState.FAILED, now, error=error, effects=effects)
+            return TaskState.FAILED
+        c.execute(
+            "UPDATE tasks SET state = 'pending', owner = NULL, lease_until = NULL,"
+            " not_before = ?, operator_since = NULL, error = ?, updated_at = ?"
+            " WHERE task_id = ?",
+            (now, "the reconcile found the effect not done: retried", now, task_id),
+        )
+        return TaskState.PENDING
+
+    @staticmethod
+    def _log(
+        c: sqlite3.Connection, task_id: str, outcome: ReconcileOutcome, by: str, fence: int,
+        observed: Any, note: str | None, now: float, *, raw: bool = False,
+    ) -> None:  # fmt: skip
+        text = observed if raw else None if observed is None else canonical_json(observed).decode()
+        c.execute(
+            "INSERT INTO reconcile_log (task_id, outcome, by_whom, at, fence, observed, note)"
+            " VALUES (?, ?, ?, ?, ?, ?, ?)",
+            (task_id, outcome, by, now, fence, text, note),
+        )
+
+    # -- compensation ---------------------------------------------------------------------
+
+    def begin_compensation(
+        self, task_id: str, kind: str, owner: str, fence: int, what: str
+    ) -> bool:
+        """Take the one record of compensation ``kind`` for ``task_id``, as the holder of
+        its reconcile. Returns True when this call made it (run the compensation, then
+        ``end_compensation``), False when one was begun before (never run it again).
+
+        Raises:
+            StaleError: the caller does not hold the reconcile; nothing was written.
+        """
+        now = self.clock.now()
+        with self.db.write("compensation_begin") as c:
+            self._unknown_holder(c, task_id, owner, fence, now)
+            return bool(
+                c.execute(
+                    "INSERT OR IGNORE INTO compensations (task_id, kind, by_whom, fence, what,"
+                    " started_at, outcome) VALUES (?, ?, ?, ?, ?, ?, 'started')",
+                    (task_id, kind, owner, fence, what, now),
+                ).rowcount
+            )
+
+    def end_compensation(
+        self, task_id: str, kind: str, outcome: CompensationOutcome, detail: str | None = None
+    ) -> bool:
+        """Record how a begun compensation ended. Returns False if it was not ``started``
+        (never begun, or ended already)."""
+        now = self.clock.now()
+        with self.db.write("compensation_end") as c:
+            return bool(
+                c.execute(
+                    "UPDATE compensations SET outcome = ?, detail = ?, ended_at = ?"
+                    " WHERE task_id = ? AND kind = ? AND outcome = 'started'",
+                    (outcome, detail, now, task_id, kind),
+                ).rowcount
+            )
+
+    def compensations(self, task_id: str) -> list[CompensationRecord]:
+        with self.db.read() as c:
+            rows = c.execute(
+                "SELECT task_id, kind, by_whom, fence, what, started_at, outcome, detail,"
+                " ended_at FROM compensations WHERE task_id = ? ORDER BY started_at, kind",
+                (task_id,),
+            ).fetchall()
+        return [CompensationRecord(**dict(r)) for r in rows]
+
+    # -- counts ---------------------------------------------------------------------------
+
+    def counts(self) -> dict[str, int]:
+        """For ``status`` and metrics: ``effect_counts``."""
+        with self.db.read() as c:
+            return effect_counts(c)
+
+
+def effect_counts(c: sqlite3.Connection) -> dict[str, int]:
+    """``unknown`` tasks, those ``awaiting_operator``, reconciles by outcome
+    (``reconciled_<outcome>``) and compensations by outcome (``compensations_<outcome>``),
+    read in the caller's read transaction (``report.snapshot``)."""
+    unknown, operator = c.execute(
+        "SELECT count(*), count(operator_since) FROM tasks WHERE state = 'unknown'"
+    ).fetchone()
+    out = {"unknown": unknown, "awaiting_operator": operator}
+    for outcome in ("done", "not-done", "unknown"):
+        out[f"reconciled_{outcome}"] = 0
+    logged = c.execute("SELECT outcome, count(*) FROM reconcile_log GROUP BY outcome")
+    out.update({f"reconciled_{o}": n for o, n in logged.fetchall()})
+    for outcome in ("started", "done", "failed"):
+        out[f"compensations_{outcome}"] = 0
+    comp = c.execute("SELECT outcome, count(*) FROM compensations GROUP BY outcome")
+    out.update({f"compensations_{o}": n for o, n in comp.fetchall()})
+    return out
+
+
+def _reply_member(
+    c: sqlite3.Connection, task_id: str, outcome: str, by: str, note: str | None
+) -> dict[str, Any]:
+    """The reply body's ``effects`` member for a task a reconcile ends: how it was
+    reconciled (``outcome``, ``by``, ``note``, and ``tries`` that found nothing before) and
+    its compensations (``docs/PROTOCOL.md`` section 11)."""
+    tries = c.execute("SELECT count(*) FROM reconcile_log WHERE task_id = ? AND outcome ="
+                      " 'unknown'", (task_id,)).fetchone()[0]  # fmt: skip
+    member: dict[str, Any] = {
+        "reconciled": {"outcome": outcome, "by": by, "note": note, "tries": tries},
+    }
+    rows = c.execute(
+        "SELECT kind, outcome, by_whom, what, detail FROM compensations WHERE task_id = ?"
+        " ORDER BY started_at, kind",
+        (task_id,),
+    ).fetchall()
+    if rows:
+        member["compensations"] = [
+            {"kind": r["kind"], "outcome": r["outcome"], "by": r["by_whom"], "what": r["what"],
+             "detail": r["detail"]}
+            for r in rows
+        ]  # fmt: skip
+    return member
+
+
+def _loads(text: str | None) -> Any:
+    return None if text is None else json.loads(text)

@@ -1,0 +1,71 @@
+"""``broker-adapter run`` with a handler whose effect requires approval: the task waits
+(``waiting_approval``, in ``status``), a forged approval in its payload counts for nothing,
+``broker-adapter approve`` lets the adapter's reconcile thread release it, and the effect
+reaches the fake target (its own process) once."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.support.cli import cli_env, count_rows, wait_for
+from tests.support.fake_target import FakeTarget
+from tests.support.redis_server import RedisServer
+
+pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "broker_adapter", *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60, env=cli_env())  # fmt: skip
+
+
+def test_run_holds_an_unapproved_effect_until_an_operator_approves_it(
+    redis_server: RedisServer, tmp_path: Path, prefix: str
+) -> None:
+    keyring = tmp_path / "keyring.json"
+    keyring.write_text(json.dumps({"alice": {"k1": "alice-secret: a test key of 32 bytes+"}}))
+    keyring.chmod(0o600)
+    db = tmp_path / "adapter.db"
+    with FakeTarget(tmp_path / "target", idempotent=False) as target:
+        payload = {"target": target.url, "server": "web1", "human_approved": True}
+        sent = _cli("publish", "--redis", redis_server.url, "--principal", "alice",
+                    "--keyring", str(keyring), "--prefix", prefix, "--id", "restart-1",
+                    "--payload", json.dumps(payload))  # fmt: skip
+        assert sent.returncode == 0, sent.stderr
+        run = subprocess.Popen(
+            [sys.executable, "-m", "broker_adapter", "run", "--redis", redis_server.url,
+             "--db", str(db), "--handler", "tests.support.effect_handlers:approved",
+             "--workers", "1", "--keyring", str(keyring), "--prefix", prefix],
+            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            env=cli_env(),
+        )  # fmt: skip
+        try:
+            waiting = "SELECT count(*) FROM tasks WHERE state = 'waiting_approval'"
+            wait_for(lambda: db.exists() and count_rows(db, waiting) == 1, "the task to wait")
+            status = _cli("status", "--db", str(db), "--json")
+            assert status.returncode == 0, status.stderr
+            report = json.loads(status.stdout)
+            assert report["processing"]["waiting_approval"] == 1
+            assert report["effects"]["waiting_approval"] == 1
+            assert target.effects() == []  # the payload's "human_approved" means nothing
+            granted = _cli("approve", "--db", str(db), "apply", "--target", "web1", "--scope",
+                           "restart", "--expires-in", "600", "--by", "alice")  # fmt: skip
+            assert granted.returncode == 0, granted.stderr
+            done = "SELECT count(*) FROM tasks WHERE state = 'done'"
+            wait_for(lambda: count_rows(db, done) == 1, "the approved task to run")
+        finally:
+            run.send_signal(signal.SIGTERM)
+            code = run.wait(timeout=60)
+            output = run.stdout.read() if run.stdout else ""
+            if run.stdout:
+                run.stdout.close()
+        assert code == 0, output
+        assert len(target.effects()) == 1
