@@ -12,7 +12,12 @@ from pathlib import Path
 import psycopg
 import pytest
 
+from broker_adapter.client.publisher import Publisher
+from broker_adapter.protocol.keys import Keys
+from broker_adapter.protocol.signing import Keyring
+from broker_adapter.redis.client import connect
 from tests.support.cli import cli_env, wait_for
+from tests.support.ingest_script import envelope, real_deadline
 from tests.support.redis_server import RedisServer
 
 pytestmark = pytest.mark.integration
@@ -136,3 +141,48 @@ def test_the_operator_commands_work_on_a_postgres_database(pg_url: str) -> None:
     backup = _cli("backup", "--db", pg_url, "--out", "/nonexistent/x.db")
     assert backup.returncode != 0
     assert "needs a SQLite file" in backup.stderr
+
+
+TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+
+
+def test_run_on_postgres_answers_a_request_in_the_trace_it_was_sent_in(
+    redis_server: RedisServer, keyring: Path, prefix: str, pg_url: str
+) -> None:
+    """A request sent in a trace is answered in it (the task keeps its ``traceparent``,
+    migration 2, and the reply body carries it), with the hand-off on as on SQLite."""
+    publisher = Publisher(connect(redis_server.url), Keys(prefix), "alice", Keyring.load(keyring))
+    publisher.publish(envelope("traced", deadline=real_deadline()), traceparent=TRACEPARENT)
+    publisher.publish(envelope("plain", deadline=real_deadline()))
+    run = _start_run(redis_server.url, pg_url, keyring, prefix, "host-a")
+    try:
+        wait_for(
+            lambda: _count(pg_url, "SELECT count(*) FROM outbox WHERE state = 'sent'") == 2,
+            "both replies sent",
+            timeout_s=60,
+        )
+    finally:
+        assert _stop(run) == 0
+    with psycopg.connect(pg_url) as conn:
+        kept = dict(conn.execute("SELECT message_id, traceparent FROM tasks").fetchall())
+        bodies = {
+            mid: json.loads(bytes(body))
+            for mid, body in conn.execute("SELECT message_id, body FROM outbox").fetchall()
+        }
+    assert kept == {"traced": TRACEPARENT, "plain": None}
+    assert bodies["traced"]["status"] == bodies["plain"]["status"] == "done"
+    assert bodies["traced"]["traceparent"] == TRACEPARENT
+    assert "traceparent" not in bodies["plain"]
+
+
+def test_run_on_postgres_refuses_a_handler_declaring_a_side_effect(
+    redis_server: RedisServer, keyring: Path, prefix: str, pg_url: str
+) -> None:
+    """Effects, approvals and reconciles are the SQLite store's for now: a configuration
+    error (exit 2) before anything starts, not a silent gap."""
+    handler = "tests.support.effect_handlers:irreversible"
+    res = _cli("run", "--redis", redis_server.url, "--db", pg_url, "--keyring", str(keyring),
+               "--prefix", prefix, "--handler", handler)  # fmt: skip
+    assert res.returncode == 2, res.stderr
+    assert "effects need the SQLite store for now" in res.stderr
+    assert _count(pg_url, "SELECT count(*) FROM tasks") == 0

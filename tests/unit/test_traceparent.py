@@ -4,6 +4,7 @@ part of the fingerprint, kept with the task and carried into every reply of the 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from typing import Any
 
 import fakeredis
@@ -19,7 +20,16 @@ from broker_adapter.stages import tracing
 from broker_adapter.store import Outcome
 from broker_adapter.store.tasks import Settlement
 from tests.support.ingest_script import KEYRING
-from tests.support.store_script import LEASE_S, MAX_HOPS, T0, Stores, envelope, item
+from tests.support.store_script import (
+    LEASE_S,
+    MAX_HOPS,
+    T0,
+    Stores,
+    envelope,
+    item,
+    open_any,
+    stores,
+)
 
 TP = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 OTHER = "00-4bf92f3577b34da6a3ce929d0e0e4736-b7ad6b7169203331-00"
@@ -95,6 +105,13 @@ def test_traceparent_is_checked_after_the_other_members() -> None:
 
 
 # -- kept with the task, carried into the reply -----------------------------------------------
+
+
+@pytest.fixture
+def s(store_target: str, clock: FakeClock) -> Iterator[Stores]:
+    """The stores on SQLite and on PostgreSQL: the traceparent's path is each backend's."""
+    with open_any(store_target) as db:
+        yield stores(db, clock)
 
 
 def _bodies(s: Stores) -> dict[str, dict[str, Any]]:
