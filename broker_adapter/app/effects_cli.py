@@ -66,6 +66,19 @@ def _who(by: str) -> str:
     return f"{by.strip()} (os user {user})"
 
 
+def _sqlite_db(target: str) -> str:
+    """``target`` when it is a SQLite path; a ``postgresql://`` URL is refused (effects and
+    approvals are the SQLite store's for now), never taken for a file name."""
+    from broker_adapter.store.backends import is_postgres_url
+
+    if is_postgres_url(target):
+        raise ConfigError(
+            "effects need the SQLite store for now: approvals and reconciles cannot be kept"
+            " in a postgresql:// database"
+        )
+    return target
+
+
 def cmd_reconcile(args: argparse.Namespace) -> int:
     from broker_adapter.store import TaskStore, open_database
     from broker_adapter.store.effects import EffectsStore
@@ -74,7 +87,7 @@ def cmd_reconcile(args: argparse.Namespace) -> int:
         observed = json.loads(args.result)
     except ValueError as exc:
         raise ConfigError(f"--result is not JSON: {exc}") from None
-    with open_database(args.db) as db:
+    with open_database(_sqlite_db(args.db)) as db:
         state = EffectsStore(TaskStore(db)).operator_resolve(
             args.task_id, args.outcome, _who(args.by), observed=observed, note=args.note
         )
@@ -88,7 +101,7 @@ def cmd_approve(args: argparse.Namespace) -> int:
 
     if args.expires_in <= 0:
         raise ConfigError("--expires-in must be above 0")
-    with open_database(args.db) as db:
+    with open_database(_sqlite_db(args.db)) as db:
         store = ApprovalStore(TaskStore(db))
         try:
             approval_id = store.grant_approval(args.action, args.target, args.scope,
@@ -104,7 +117,7 @@ def cmd_revoke(args: argparse.Namespace) -> int:
     from broker_adapter.store import TaskStore, open_database
     from broker_adapter.store.approvals import ApprovalStore
 
-    with open_database(args.db) as db:
+    with open_database(_sqlite_db(args.db)) as db:
         revoked = ApprovalStore(TaskStore(db)).revoke_approval(args.approval_id, _who(args.by))
     print(json.dumps({"approval_id": args.approval_id, "revoked": revoked}, sort_keys=True))
     return 0 if revoked else 1

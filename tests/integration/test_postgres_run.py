@@ -164,7 +164,9 @@ def test_run_on_postgres_answers_a_request_in_the_trace_it_was_sent_in(
     finally:
         assert _stop(run) == 0
     with psycopg.connect(pg_url) as conn:
-        kept = dict(conn.execute("SELECT message_id, traceparent FROM tasks").fetchall())
+        kept: dict[str, str | None] = dict(
+            conn.execute("SELECT message_id, traceparent FROM tasks").fetchall()
+        )
         bodies = {
             mid: json.loads(bytes(body))
             for mid, body in conn.execute("SELECT message_id, body FROM outbox").fetchall()
@@ -186,3 +188,17 @@ def test_run_on_postgres_refuses_a_handler_declaring_a_side_effect(
     assert res.returncode == 2, res.stderr
     assert "effects need the SQLite store for now" in res.stderr
     assert _count(pg_url, "SELECT count(*) FROM tasks") == 0
+
+
+def test_the_effect_commands_refuse_a_postgres_database(pg_url: str) -> None:
+    """``approve``, ``revoke`` and ``reconcile`` keep their records in SQLite only: a URL is
+    a configuration error, never a file of that name."""
+    for args in (
+        ("approve", "restart", "--target", "web1", "--scope", "prod", "--expires-in", "60"),
+        ("revoke", "a-1"),
+        ("reconcile", "t-1", "--outcome", "done"),
+    ):
+        res = _cli(*args, "--db", pg_url, "--by", "alice")
+        assert res.returncode == 2, (args, res.stderr)
+        assert "effects need the SQLite store for now" in res.stderr
+    assert not any(ROOT.glob("postgresql:*"))
