@@ -14,6 +14,7 @@ from broker_adapter.store.lifecycle import TaskState
 from broker_adapter.store.outbox import PublisherClaim
 from broker_adapter.store.postgres.db import Conn, free_text
 from broker_adapter.store.postgres.outbox import enqueue_encoded
+from broker_adapter.store.transitions import Reconciled
 
 
 def write_reply(
@@ -77,7 +78,7 @@ def to_terminal(
     return write_reply(c, task_id, state, result, error, now, row, encoded, claim)
 
 
-def reconcile_in(c: Conn, now: float) -> dict[str, int]:
+def reconcile_in(c: Conn, now: float, taken: list[Reconciled] | None = None) -> dict[str, int]:
     """Apply ``now`` in the caller's transaction: live tasks past their deadline end
     ``expired``; running tasks whose lease ran out go back to ``pending``, or end
     ``failed`` on their last attempt. Rows another transaction holds locked are skipped
@@ -85,7 +86,9 @@ def reconcile_in(c: Conn, now: float) -> dict[str, int]:
     claim sees them again.
 
     Returns:
-        counts by what happened: ``expired``, ``requeued``, ``exhausted``.
+        counts by what happened: ``expired``, ``requeued``, ``exhausted``; each task is
+        added to ``taken`` (``transitions.reconciled`` logs them once the transaction
+        committed).
     """
     counts = {"expired": 0, "requeued": 0, "exhausted": 0}
     for r in c.execute(
@@ -95,6 +98,8 @@ def reconcile_in(c: Conn, now: float) -> dict[str, int]:
     ).fetchall():
         to_terminal(c, r["task_id"], TaskState.EXPIRED, now, error="deadline reached")
         counts["expired"] += 1
+        if taken is not None:
+            taken.append((r["task_id"], "expired", "expired", None, None))
     for r in c.execute(
         "SELECT task_id, attempts, max_attempts, owner FROM tasks"
         " WHERE state = 'running' AND lease_until <= %s FOR UPDATE SKIP LOCKED",
@@ -107,6 +112,8 @@ def reconcile_in(c: Conn, now: float) -> dict[str, int]:
                 f"({r['attempts']}/{r['max_attempts']})",
             )  # fmt: skip
             counts["exhausted"] += 1
+            if taken is not None:
+                taken.append((r["task_id"], "failed", "failed", r["owner"], r["attempts"]))
         else:
             c.execute(
                 "UPDATE tasks SET state = 'pending', owner = NULL, lease_until = NULL,"
@@ -114,4 +121,6 @@ def reconcile_in(c: Conn, now: float) -> dict[str, int]:
                 (now, f"lease of {r['owner']} expired", now, r["task_id"]),
             )
             counts["requeued"] += 1
+            if taken is not None:
+                taken.append((r["task_id"], "lease_expired", "pending", r["owner"], r["attempts"]))
     return counts

@@ -88,6 +88,8 @@ def settle(
         if enqueue_many(c, replies, now, claim) != len(replies):  # the unique indexes
             raise BrokerAdapterError("a task of this batch was finished twice")
         rows = store._claim_in(c, owner, n, now) if n >= 1 else []
+    if n >= 1:
+        store._log_reconciled()
     replies_claimed = [] if claim is None else _in_item_order(claim.rows, items)
     return SettledBatch(out, store._claimed(rows, owner, now), replies_claimed, marks)
 

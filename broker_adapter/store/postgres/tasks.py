@@ -84,6 +84,8 @@ class PgTaskStore:
         self._conflict_id_key = db.meta(CONFLICT_ID_KEY)
         #: Expired leases this store took back (the ``ba_lease_takeovers_total`` metric).
         self.lease_takeovers = 0
+        #: What the last reconcile took back, logged once its transaction committed.
+        self._reconciled: list[transitions.Reconciled] = []
 
     def conflict_reply_id(self, principal: str, message_id: str, fingerprint: str) -> str:
         return conflict_reply_id(self._conflict_id_key, principal, message_id, fingerprint)
@@ -113,6 +115,7 @@ class PgTaskStore:
                 else []
                 for owner, n in claim_for
             ]
+        self._log_reconciled()
         transitions.accepted(items, results)
         return Intake(results, claimed)
 
@@ -126,6 +129,7 @@ class PgTaskStore:
         now = self.clock.now()
         with self.db.write("claim") as c:
             rows = self._claim_in(c, owner, n, now)
+        self._log_reconciled()
         return self._claimed(rows, owner, now)
 
     def _claim_in(self, c: Conn, owner: str, n: int, now: float) -> list[Row]:
@@ -300,10 +304,18 @@ class PgTaskStore:
     def reconcile(self) -> dict[str, int]:
         """Apply the clock: expire deadlines, take back expired leases."""
         with self.db.write("reconcile") as c:
-            return self._reconcile(c, self.clock.now())
+            counts = self._reconcile(c, self.clock.now())
+        self._log_reconciled()
+        return counts
+
+    def _log_reconciled(self) -> None:
+        taken, self._reconciled = self._reconciled, []
+        transitions.reconciled(taken)
 
     def _reconcile(self, c: Conn, now: float) -> dict[str, int]:
-        counts = reconcile_in(c, now)
+        taken: list[transitions.Reconciled] = []  # logged once the caller's transaction commits
+        self._reconciled = taken
+        counts = reconcile_in(c, now, taken)
         self.lease_takeovers += counts["requeued"] + counts["exhausted"]
         return counts
 
