@@ -45,7 +45,7 @@ from broker_adapter.protocol.keys import Keys
 from broker_adapter.protocol.reply import BadReply, Reply
 from broker_adapter.protocol.signing import Keyring
 from broker_adapter.redis.client import connect, connect_async
-from broker_adapter.stages.effects import side_effect
+from broker_adapter.stages.effects import Observation, side_effect
 from broker_adapter.stages.receiver import Receiver, ReceiverConfig, effect_key
 from broker_adapter.stages.task import Task
 from broker_adapter.store import ReceiptStore, open_database
@@ -68,6 +68,7 @@ __all__ = [
     "GroupMissingError",
     "Keyring",
     "Keys",
+    "Observation",
     "Publisher",
     "ReceiptStore",
     "Receiver",

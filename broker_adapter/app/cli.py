@@ -9,27 +9,32 @@ runtime failure.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
-import signal
 import sys
-import threading
-import time
 from collections.abc import Callable, Sequence
-from pathlib import Path
-from types import FrameType
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from broker_adapter import __version__
+from broker_adapter.app.commands import (
+    cmd_backup,
+    cmd_cancel,
+    cmd_dead_letters,
+    cmd_demo,
+    cmd_publish,
+    cmd_receipts,
+    cmd_receive,
+    cmd_run,
+    cmd_status,
+)
 from broker_adapter.app.effects_cli import COMMANDS as EFFECT_COMMANDS
 from broker_adapter.app.effects_cli import add_commands as add_effect_commands
 from broker_adapter.config import DEFAULT_LEASE_S
-from broker_adapter.errors import BrokerAdapterError, ConfigError, TransientError
+from broker_adapter.errors import BrokerAdapterError, ConfigError
 from broker_adapter.store.retention import DEFAULT_RETENTION_S
 
 if TYPE_CHECKING:
-    from broker_adapter.stages.receiver import Receiver
+    pass
 
 log = logging.getLogger("broker_adapter.app.cli")
 
@@ -307,244 +312,6 @@ def build_parser() -> argparse.ArgumentParser:
     add_effect_commands(sub, _option, _add_db)
     sub.add_parser("demo", help="run the end-to-end demo on an embedded default")
     return parser
-
-
-def _print_json(obj: Any) -> None:
-    print(json.dumps(obj, sort_keys=True, default=str))
-
-
-def _install_stop() -> threading.Event:
-    stop = threading.Event()
-
-    def on_signal(signum: int, frame: FrameType | None) -> None:
-        stop.set()
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
-    return stop
-
-
-# -- commands ---------------------------------------------------------------------------
-
-
-def cmd_run(args: argparse.Namespace) -> int:
-    from broker_adapter.app.adapter import Adapter, AdapterConfig
-
-    fields: dict[str, Any] = {
-        "redis_url": args.redis,
-        "db_path": args.db,  # a SQLite file, or a postgresql:// URL (RunConfig decides)
-        "handler": args.handler,
-        "app_dir": Path(args.app_dir),
-        "workers": args.workers,
-        "keyring_path": Path(args.keyring) if args.keyring else None,
-        "mode": args.mode,
-        "acl_principals": tuple(args.acl_principals),
-        "partitions": args.partitions,
-        "prefix": args.prefix,
-        "lease_s": args.lease,
-        "grace_s": args.grace,
-        "claim_min_idle_ms": args.claim_min_idle_ms,
-        "rate_limit": args.rate_limit,
-        "rate_burst": args.rate_burst,
-        "max_open_tasks": args.max_open_tasks,
-        "retention_s": args.retention,
-        "metrics_port": args.metrics_port,
-        "metrics_host": args.metrics_host,
-    }
-    if args.name:
-        fields["name"] = args.name
-    config = AdapterConfig(**fields)
-    stop = _install_stop()
-    return Adapter(config).run(stop)
-
-
-def cmd_publish(args: argparse.Namespace) -> int:
-    from broker_adapter.client.publisher import Publisher
-    from broker_adapter.errors import EnvelopeError
-    from broker_adapter.protocol.canonical import loads_strict
-    from broker_adapter.protocol.envelope import Envelope
-    from broker_adapter.protocol.keys import Keys
-    from broker_adapter.protocol.signing import Keyring
-    from broker_adapter.redis.client import connect
-
-    try:
-        payload = loads_strict(args.payload)
-    except ValueError as exc:
-        raise ConfigError(f"--payload is not valid JSON: {exc}") from None
-    keyring = Keyring.load(args.keyring)
-    try:
-        envelope = Envelope.build(
-            message_id=args.message_id,
-            sender=args.principal,
-            payload=payload,
-            deadline=time.time() + args.deadline_in,
-            max_attempts=args.max_attempts,
-            **({"correlation_id": args.correlation_id} if args.correlation_id else {}),
-        )
-    except EnvelopeError as exc:  # built from the flags: a usage error
-        raise ConfigError(f"the envelope is refused: {exc}") from None
-    publisher = Publisher(connect(args.redis), Keys(args.prefix), args.principal, keyring,
-                          key_id=args.key_id, partitions=args.partitions)  # fmt: skip
-    entry_id = publisher.publish(envelope)
-    _print_json(
-        {
-            "stream": publisher.stream,
-            "entry_id": entry_id,
-            "principal": args.principal,
-            "message_id": args.message_id,
-            "fingerprint": envelope.fingerprint(),
-        }
-    )
-    return 0
-
-
-def cmd_receive(args: argparse.Namespace) -> int:
-    from broker_adapter.app.metrics import Observed
-    from broker_adapter.app.serving import serve_metrics
-    from broker_adapter.protocol.signing import Keyring
-    from broker_adapter.redis.client import connect
-    from broker_adapter.stages.receiver import Receiver, ReceiverConfig, record_effect
-    from broker_adapter.store.backends import is_postgres_url, open_store, receipt_store
-
-    consumer = args.consumer or f"receive-{args.principal}"
-    config = ReceiverConfig(
-        prefix=args.prefix, principal=args.principal, consumer=consumer,
-        retention_s=args.retention,
-    )  # fmt: skip
-    keyring = Keyring.load(args.keyring)
-    db = open_store(args.db)  # a SQLite file, or a postgresql:// URL
-    receiver = Receiver(
-        config, connect(args.redis), receipt_store(db), record_effect, keyring=keyring
-    )
-    stop = _install_stop()
-    on_postgres = is_postgres_url(args.db)
-    observed = Observed(db_path=args.db if on_postgres else Path(args.db), redis_url=args.redis)
-    observed.add_receiver(receiver)
-    try:
-        with serve_metrics(observed, args.metrics_host, args.metrics_port, worker_files=False):
-            _receive_until(receiver, stop, args.until_idle)
-    finally:
-        db.close()
-    return 0
-
-
-def _receive_until(receiver: Receiver, stop: threading.Event, until_idle: float | None) -> None:
-    """Run ``receiver`` until ``stop``, or until ``until_idle`` seconds passed without a
-    reply applied, whether Redis answered empty or not at all (retried every second, said
-    once per outage).
-
-    Raises:
-        TransientError: the idle time ran out while the last read failed.
-    """
-    idle_since = time.monotonic()
-    applied = 0
-    failure: TransientError | None = None
-    while not stop.is_set():
-        idle_s = time.monotonic() - idle_since
-        if until_idle is not None and idle_s >= until_idle:
-            if failure is not None:
-                raise TransientError(
-                    f"no reply applied for {until_idle:g} s (--until-idle) and the last read"
-                    f" failed: {failure}"
-                )
-            return
-        try:
-            n = receiver.step()
-        except TransientError as exc:
-            if failure is None:
-                log.warning("retrying every 1 s: %s", exc)
-            failure = exc
-            left_s = 1.0 if until_idle is None else until_idle - idle_s
-            stop.wait(max(0.0, min(1.0, left_s)))
-            continue
-        failure = None
-        applied += n
-        if n:
-            idle_since = time.monotonic()
-            log.info("received %d replies", applied)
-
-
-def cmd_receipts(args: argparse.Namespace) -> int:
-    from broker_adapter.store.backends import open_store, receipt_store
-
-    db = open_store(args.db, read_only=True)  # a SQLite file or a postgresql:// URL
-    for r in receipt_store(db).list():
-        reply = r.reply()
-        row = {
-            "reply_id": r.reply_id,
-            "message_id": r.message_id,
-            "task_id": r.task_id,
-            "status": r.status,
-            "result": reply.get("result"),
-            "error": reply.get("error"),
-            "effects": r.effects,
-        }
-        if args.json:
-            _print_json(row)
-        else:
-            print(f"{r.reply_id}  {r.message_id}  {r.status}  effects={r.effects}")
-    db.close()
-    return 0
-
-
-def cmd_backup(args: argparse.Namespace) -> int:
-    from broker_adapter.store.backup import snapshot
-
-    _print_json(snapshot(args.db, args.out))
-    return 0
-
-
-def cmd_status(args: argparse.Namespace) -> int:
-    from broker_adapter.app.ops import collect_status, format_status, watch_status
-    from broker_adapter.store.backends import is_postgres_url
-
-    db = args.db if is_postgres_url(args.db) else Path(args.db)
-    if args.watch:
-        if args.interval <= 0:
-            raise ConfigError("--interval must be above 0")
-        return watch_status(db, args.redis, args.prefix, args.interval,
-                            as_json=args.json)  # fmt: skip
-    report = collect_status(db, args.redis, args.prefix)
-    if args.json:
-        _print_json(report)
-    else:
-        print(format_status(report))
-    return 0
-
-
-def cmd_cancel(args: argparse.Namespace) -> int:
-    from broker_adapter.store import TaskStore
-    from broker_adapter.store.backends import open_store, task_store
-    from broker_adapter.store.effects import EffectsStore
-
-    db = open_store(args.db)  # a SQLite file or a postgresql:// URL
-    tasks = task_store(db)
-    if isinstance(tasks, TaskStore):
-        # A running task gets a cancel request (its handler sees it at its next check; its
-        # lease is no longer renewed after the grace); any other live task is cancelled now.
-        state = EffectsStore(tasks).request_cancel(args.task_id, args.reason)
-    else:  # PostgreSQL: no cancel requests yet (effects are SQLite's); cancelled outright
-        state = tasks.cancel(args.task_id, args.reason)
-    out = {"task_id": args.task_id, "state": state.value}
-    if state == "running":
-        out["cancel_requested"] = True
-    _print_json(out)
-    db.close()
-    return 0
-
-
-def cmd_dead_letters(args: argparse.Namespace) -> int:
-    from broker_adapter.app.ops import dead_letters_command
-
-    return dead_letters_command(args)
-
-
-def cmd_demo(args: argparse.Namespace) -> int:
-    from broker_adapter.app.demo import run_demo
-
-    if not args.verbose:  # the report tells the story; the adapter's own log would repeat it
-        logging.getLogger("broker_adapter").setLevel(logging.ERROR)
-    return run_demo()
 
 
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
