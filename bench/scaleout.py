@@ -27,6 +27,7 @@ PostgreSQL setups create a throwaway database ``ba_bench_<random>`` on ``--pg-ho
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import json
 import os
@@ -114,13 +115,21 @@ def stop_cluster(cluster: RedisCluster) -> None:
         node.stop()
 
 
+@functools.cache
 def postgres_support() -> str | None:
-    """None when this build's ``broker-adapter run`` takes ``--db postgresql://...``, else
+    """None when this build's ``broker-adapter run`` takes ``--db postgresql://...`` (the
+    store's ``backends`` module is importable, or ``run --help`` names the scheme), else
     why not."""
     try:
         found = importlib.util.find_spec("broker_adapter.store.backends") is not None
     except ModuleNotFoundError:
         found = False
+    if not found:  # or the CLI names the scheme its --db takes
+        help_text = subprocess.run(
+            [sys.executable, "-m", "broker_adapter", "run", "--help"], cwd=ROOT,
+            env=common.python_env(), capture_output=True, text=True, timeout=60, check=False,
+        ).stdout  # fmt: skip
+        found = "postgresql://" in help_text
     if not found:
         return PG_MISSING
     if shutil.which("psql") is None:
@@ -357,9 +366,10 @@ def one_rep(
 def print_table(res: dict[str, Any]) -> None:
     floor = common.median(r["roundtrip"] for r in res["floor_redis"])
     base = common.median(r["rate"] for r in res["runs"]["sqlite-1"])
-    print(f"\n{'setup':<62} {'msgs/s':>9} {'vs baseline':>12}")
+    floors = ", ".join(common.fmt_rate(r["roundtrip"]) for r in res["floor_redis"])
+    print(f"\n{'setup':<62} {'msgs/s':>9} {'vs baseline':>12}  repetitions")
     print(f"{'floor: redis-py pipelined XADD + XREADGROUP + XACK':<62} "
-          f"{common.fmt_rate(floor):>9} {'':>12}")  # fmt: skip
+          f"{common.fmt_rate(floor):>9} {'':>12}  {floors}")  # fmt: skip
     for key, label in rows(res["cluster_partitions"]):
         runs = res["runs"][key]
         if not runs:
@@ -367,7 +377,8 @@ def print_table(res: dict[str, Any]) -> None:
             continue
         rate = common.median(r["rate"] for r in runs)
         ratio = common.fmt_ratio(common.ratio(rate, base))
-        print(f"{label:<62} {common.fmt_rate(rate):>9} {ratio:>12}")
+        each = ", ".join(common.fmt_rate(r["rate"]) for r in runs)
+        print(f"{label:<62} {common.fmt_rate(rate):>9} {ratio:>12}  {each}")
     print(f"\nmedians of {res['reps']} repetition(s) of {res['n']:,} messages; "
           f"{res['workers']} workers per adapter; results in {res['json']}")  # fmt: skip
 
