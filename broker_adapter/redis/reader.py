@@ -207,10 +207,14 @@ class GroupReader:
 
     # -- reading --------------------------------------------------------------------------
 
-    def read(self) -> list[StreamEntry]:
+    def read(self, *, block: bool = True) -> list[StreamEntry]:
         """The next batch: own pending entries first (after start or an error), then new ones.
 
         Poison and deleted entries are dead-lettered here and not returned.
+
+        Args:
+            block: wait up to ``block_ms`` for new entries; ``False`` returns at once (a
+                caller reading several streams in turn blocks only when all were empty).
 
         Raises:
             RedisUnavailable: the read failed; call again (it will replay pending first).
@@ -223,7 +227,7 @@ class GroupReader:
         if not self._group_ready:
             self.ensure_group()
         try:
-            batch = self._read_once()
+            batch = self._read_once(block)
         except GroupMissingError:
             self._recreate_group()
             return []
@@ -232,7 +236,7 @@ class GroupReader:
             raise
         return self._screen(batch)
 
-    def _read_once(self) -> list[StreamEntry]:
+    def _read_once(self, block: bool = True) -> list[StreamEntry]:
         cfg = self.config
         if self._replaying:
             with translated():
@@ -245,7 +249,9 @@ class GroupReader:
             return self._with_deliveries(entries)
         with translated():
             (reply,) = exchange(
-                self.client, [self._xreadgroup(">", block_ms=cfg.block_ms)], raw=True
+                self.client,
+                [self._xreadgroup(">", block_ms=cfg.block_ms if block else None)],
+                raw=True,
             )
         entries = reply_entries(reply)
         self.stats.read += len(entries)

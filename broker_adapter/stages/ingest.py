@@ -202,6 +202,8 @@ class Ingestor:
         ]
         self._next_take_over = float("-inf")
         self._next_trim = self.clock.now() + config.trim_every_s
+        #: the last ``step`` handled nothing: the next one may block on its reads
+        self._idle_round = True
 
     @property
     def readers(self) -> list[GroupReader]:
@@ -227,13 +229,17 @@ class Ingestor:
             TransientError: Redis or SQLite failed; call again (the reader replays first).
         """
         handled = 0
+        # Several streams (partitions, ACL principals) are read in turn; a read blocks only
+        # when the previous round found all of them empty, so that traffic on one stream
+        # never waits out the blocking reads of the idle others.
+        block = self._idle_round or len(self._sources) == 1
         for source in self._sources:
             try:
                 if source.held is not None:
                     good, items = source.held
                     handled += self._commit(source, good, items, peek=peek)
                     continue
-                entries = source.reader.read()
+                entries = source.reader.read(block=block)
                 if entries:
                     crashpoints.hit("ingest.after_read")
                     if peek:
@@ -248,6 +254,7 @@ class Ingestor:
                 raise
             finally:
                 self._sync_stats()
+        self._idle_round = handled == 0
         return handled
 
     def take_over(self) -> int:

@@ -763,3 +763,36 @@ def test_ingest_busy_store_holds_the_batch_and_spends_no_delivery_count(
     pending = client.xpending_range(Keys(prefix).inbound(), INGEST_GROUP, "-", "+", 10)
     assert pending == []
     db.close()
+
+
+def test_partitions_block_only_after_a_round_that_found_every_stream_empty(
+    redis_server: RedisServer, prefix: str, tasks: TaskStore, keyring: Keyring
+) -> None:
+    """With several inbound streams read in turn, traffic on one of them must not wait out
+    a blocking read on each idle one: after a round that handled entries every read is
+    non-blocking; only a round that found nothing lets the next one block."""
+    client = connect(redis_server.url)
+    pub = Publisher(client, Keys(prefix), "alice", keyring, partitions=4)
+    ingestor = _ingestor(client, prefix, tasks, keyring, FakeClock(1_800_000_000.0),
+                         partitions=4, block_ms=400)  # fmt: skip
+    blocking: list[list[bool]] = []
+    for reader in ingestor.readers:
+        original = reader.read
+
+        def read(*, block: bool = True, _original: Any = original) -> Any:
+            blocking[-1].append(block)
+            return _original(block=block)
+
+        reader.read = read  # type: ignore[method-assign]
+    handled: list[int] = []
+    for i in range(8):
+        if i in (2, 3, 4):
+            pub.publish(envelope(f"busy-{i}"))  # all of alice's traffic on one partition
+        blocking.append([])
+        handled.append(ingestor.step(peek=False))
+    assert sum(handled) == 3
+    assert len(task_counts(tasks)) == 3
+    assert blocking[0] == [True] * 4  # nothing was handled before the first round
+    for before, reads in zip(handled, blocking[1:], strict=False):
+        assert reads == [before == 0] * 4, (handled, blocking)
+    assert any(h > 0 for h in handled[:-1])  # a busy round was followed by a fast one
