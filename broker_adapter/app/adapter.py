@@ -49,8 +49,12 @@ from broker_adapter.stages.handlers import load_handler
 from broker_adapter.stages.handoff import Handoff
 from broker_adapter.stages.ingest import Ingestor
 from broker_adapter.stages.ingest_config import IngestConfig
-from broker_adapter.stages.worker import EFFECTS_NEED_SQLITE, WorkerConfig
-from broker_adapter.stages.worker_config import DEFAULT_CALL_TIMEOUT_S, DEFAULT_GRACE_S
+from broker_adapter.stages.worker import WorkerConfig
+from broker_adapter.stages.worker_config import (
+    DEFAULT_CALL_TIMEOUT_S,
+    DEFAULT_GRACE_S,
+    EFFECTS_NEED_SQLITE,
+)
 from broker_adapter.store import TaskStore, open_database
 from broker_adapter.store.approvals import ApprovalStore
 from broker_adapter.store.backends import (

@@ -1,48 +1,30 @@
 """The worker: claims tasks, runs their handlers under a renewed lease, commits each outcome.
 
-Invariants kept (``docs/RULES.md``):
+Rules kept (``docs/RULES.md``): 9, no handler runs inside a transaction (claims, renewals
+and commits are short transactions of their own; the handler runs between them on a call
+thread); 10, every commit presents the claim's owner and fence, and a refused (stale) one
+is counted, logged and dropped, never retried or forced; 11, cancellation is checked before
+the start (``task_start``), at every renewal and at the commit, and a cancelled task's
+outcome is dropped (its effect, if any, stays).
 
-* 9: no handler runs inside a SQLite transaction. ``claim``, ``renew``, ``finish`` and
-  ``fail`` each run their own short transaction in the store; the handler runs between them
-  on a thread of its own, and the lease keeper's renewals are separate transactions too.
-* 10: every commit presents the claim's owner and fence. A refused (stale) commit is
-  counted (``stale_commits``), logged and dropped; it is never retried or forced.
-* 11: cancellation is checked before the handler starts, at every renewal and again just
-  before the commit. A cancelled task's outcome is dropped: the store already wrote
-  ``cancelled`` and its one reply. An effect the handler already caused stays. The check
-  before the start (``TaskStore.refusal``) also finds a claim that moved on (fence, owner,
-  lease): a worker frozen past its lease does not start the rest of its batch.
+Batches: a claim takes up to ``WorkerConfig.batch`` tasks, sized by the running average of
+handler times to about ``batch_window_s``. The handlers run back to back on one call
+thread (``calls.CallRun``) while this thread supervises their timeouts; their outcomes
+(``outcomes.settlement``) commit together in one ``TaskStore.settle_batch`` (each fenced on
+its own), which in ``run`` also claims the next batch. Every claimed task's lease is kept
+from claim to commit (``lease.Leases``). Idle, ``run`` waits on the ingest's hand-off
+(``loop.IdleWait``) or follows the idle policy (``loop.IdlePolicy``).
 
-Batches: a claim takes up to ``WorkerConfig.batch`` tasks in one transaction, sized by the
-running average of handler times so that a batch takes about ``batch_window_s`` (slow
-handlers: one at a time). The handlers run back to back on one call thread
-(``calls.CallRun``) while the worker's thread supervises their timeouts; their outcomes
-(``outcomes.settlement``) commit together in one transaction (``TaskStore.settle_batch``:
-each fenced on its own), at the end of the batch or once the oldest is ``batch_window_s``
-old, and in ``run`` that transaction also claims the next batch. Every claimed task's lease
-is kept from its claim until its commit (``lease.Leases``). When idle, ``run`` waits on its
-hand-off from the ingest (``loop.IdleWait``) or looks for work by the idle policy
-(``loop.IdlePolicy``).
+Replies (with ``WorkerConfig.redis_url``): the commit writes each reply already claimed by
+this worker's publisher (rules 13, 14), published right after it (``publish.OwnReplies``);
+their sent marks ride on the next commit or a small transaction of their own. A kill in
+between leaves rows ``sending`` that the dispatcher takes back after the publisher lease.
 
-Replies (with ``WorkerConfig.redis_url``): the batch's commit writes each terminal reply
-already claimed by the worker's publisher identity (``docs/RULES.md`` rules 13, 14), and the
-worker publishes them right after the commit (``publish.OwnReplies``: the dispatcher's
-``ReplyPublisher``, its script and crash points); the marks of the confirmed ones ride on
-the next batch's commit when it follows soon, else on a small transaction of their own.
-A kill between the commit and the mark leaves rows ``sending`` that the dispatcher takes
-back after the publisher lease (its script finds what was already published).
-
-Crash: the worker keeps nothing durable of its own. Killed after the claim
-(``worker.after_claim``) or after the handler's effect (``worker.after_effect``), its task
-stays ``running`` until the lease expires; the next claim takes it back with attempts+1 and
-fence+1, and a handler that keys its external effect by ``Task.idempotency_key`` applies it
-once. A handler declared with ``effects.side_effect`` (``effect_gate``) is never retried
-blindly once its effect started: a timeout, a crash or a lost lease after the start sends
-the task to ``unknown`` for its reconcile, and an effect that ``requires_approval`` runs
-only with a valid approval record, checked right before the call. A worker frozen past its
-lease wakes up as a zombie whose commit the fence refuses.
-Killed after the commit (``worker.after_finish``), the terminal state and its reply are
-already durable together.
+Crash: nothing durable is kept here. Killed after the claim (``worker.after_claim``) or the
+effect (``worker.after_effect``), a task stays ``running`` until its lease expires, then
+runs again with attempts+1 and fence+1 (an effect keyed by ``Task.idempotency_key`` applies
+once); a declared side effect (``effect_gate``) goes to ``unknown`` instead. Killed after
+the commit (``worker.after_finish``), state and reply are durable together.
 """
 
 from __future__ import annotations
@@ -51,7 +33,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 from broker_adapter import crashpoints
 from broker_adapter.clock import Clock
@@ -75,10 +57,16 @@ from broker_adapter.stages.publish import (
     ReplyPublisher,
 )
 from broker_adapter.stages.task import Task
+from broker_adapter.stages.task_start import TaskStart
+from broker_adapter.stages.worker_config import (
+    EFFECTS_NEED_SQLITE,
+    HANDLER_TIME_WEIGHT,
+    INITIAL_CLAIM,
+    WorkerMetricsSink,
+)
 from broker_adapter.stages.worker_config import WorkerConfig as WorkerConfig
 from broker_adapter.stages.worker_config import WorkerStats as WorkerStats
 from broker_adapter.store import transitions
-from broker_adapter.store.effects import EffectsStore
 from broker_adapter.store.interface import OutboxAPI, TaskStoreAPI
 from broker_adapter.store.outbox import OutboxPolicy, OutboxRow, OutboxStore
 from broker_adapter.store.tasks import (
@@ -90,27 +78,6 @@ from broker_adapter.store.tasks import (
 
 if TYPE_CHECKING:
     from broker_adapter.redis.client import Redis
-
-
-class WorkerMetricsSink(Protocol):
-    """Where a worker's handler times and counters go (``app.metrics.WorkerMetrics``)."""
-
-    def observe_call(self, elapsed_s: float) -> None: ...
-
-    def sync(self, stats: WorkerStats, publish: DispatcherStats, takeovers: int) -> None: ...
-
-
-#: Why a worker on a store other than SQLite's refuses a handler declaring a side effect:
-#: effects, approvals, reconciles and running-task cancel requests (``store.effects``,
-#: ``store.approvals``) are SQLite's only for now.
-EFFECTS_NEED_SQLITE = (
-    "effects need the SQLite store for now: a handler declaring @side_effect cannot run on"
-    " a postgresql:// database"
-)
-#: The first claim of a worker takes at most this many tasks (no handler time known yet).
-INITIAL_CLAIM = 4
-#: Weight of the newest handler time in the running average that sizes claims.
-HANDLER_TIME_WEIGHT = 0.2
 
 
 @dataclass
@@ -216,8 +183,6 @@ class Worker:
         #: The last commit also claimed, and found nothing ready.
         self._found_none = False
         self.metrics = metrics
-        #: Ends requested cancels (made when one is first needed).
-        self._cancels: EffectsStore | None = None
         spec = effect_spec(self.handler)
         #: Approvals and effect marks of a declared side effect; ``None`` for an ordinary
         #: handler (its only cost: this check per task).
@@ -228,6 +193,8 @@ class Worker:
             self.effects = EffectGate(
                 tasks, spec, self.leases, config.approval_timeout_s, self.stats, self.log
             )
+        self._start = TaskStart(tasks, self.leases, self.clock, self.stats, self.log,
+                                config.call_timeout_s, self.effects)  # fmt: skip
 
     @property
     def owner(self) -> str:
@@ -439,8 +406,7 @@ class Worker:
 
     def _prepare(self, task: Task) -> float | None:
         """Before one claimed task's handler (on the call thread): its timeout, or ``None``
-        when it is not to run (cancelled, lease lost while it waited its turn, or its
-        deadline passed first).
+        when it is not to run (``task_start.TaskStart.prepare``).
 
         Raises:
             StopRun: stopping, and the drain deadline has passed: the rest is not started.
@@ -450,48 +416,7 @@ class Worker:
         # They share one drain deadline, ``grace_s`` after the stop was first seen.
         if self._stopping() and self._drain_deadline() <= time.monotonic():
             raise StopRun
-        claimed = task.claimed
-        crashpoints.hit("worker.after_claim")
-        if task.cancelled():
-            self.leases.release(claimed.task_id)
-            if task.stop_reason == "lease_lost":  # a renewal was refused while it waited
-                self.stats.stale_commits += 1
-                transitions.claim_transition("stale", claimed, None, detail=str(task.lease_lost))
-                self.log.warning(
-                    "task %s lost its lease before its handler started: %s",
-                    claimed.task_id,
-                    task.lease_lost,
-                )
-                return None
-            self.stats.cancelled += 1
-            self._end_cancel(claimed, "its handler had not started")
-            transitions.claim_transition("cancelled", claimed, "cancelled", detail="not started")
-            return None
-        time_left_s = claimed.deadline - self.clock.now()
-        if time_left_s <= 0:
-            # Reconcile moves it to ``expired`` with its reply; running it would be refused.
-            self.leases.release(claimed.task_id)
-            self.tasks.reconcile()
-            self.stats.expired += 1
-            transitions.claim_transition("expired", claimed, "expired", detail="not started")
-            return None
-        if self.effects is not None and not self.effects.before_call(task):
-            return None  # parked for its approval, or refused: the handler does not run
-        return min(self.config.call_timeout_s, time_left_s)
-
-    def _end_cancel(self, claimed: ClaimedTask, what: str) -> None:
-        """End a running task whose cancel was requested (``EffectsStore.request_cancel``)
-        as ``cancelled``, its reply saying ``what`` happened; nothing when it was cancelled
-        outright (``TaskStore.cancel``: already terminal)."""
-        if not isinstance(self.tasks, TaskStore):
-            return  # no cancel requests there (see ``EFFECTS_NEED_SQLITE``): cancelled outright
-        if self._cancels is None:
-            self._cancels = EffectsStore(self.tasks)
-        try:
-            self._cancels.end_requested_cancel(claimed.task_id, claimed.owner, claimed.fence,
-                                               what)  # fmt: skip
-        except TransientError as exc:  # the lease lapses: the take-back ends it cancelled
-            self.log.warning("ending the cancel of %s failed: %s", claimed.task_id, exc)
+        return self._start.prepare(task)
 
     @staticmethod
     def _after_call() -> None:
@@ -536,7 +461,7 @@ class Worker:
                 # Stopped on a cancel (requested: ended here, with what is known; made
                 # outright: already ``cancelled``). A result it returned is still committed:
                 # the store refuses it if the task was cancelled outright.
-                self._end_cancel(claimed, stopped_how(r.task, r.outcome))
+                self._start.end_cancel(claimed, stopped_how(r.task, r.outcome))
                 note_cancelled(claimed, self.stats, self.log)
                 continue
             grace_s = self.config.grace_s

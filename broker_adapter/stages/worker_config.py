@@ -1,15 +1,17 @@
-"""A worker's settings (``WorkerConfig``) and counters (``WorkerStats``); see ``worker``."""
+"""A worker's settings (``WorkerConfig``), counters (``WorkerStats``), the sink its metrics
+go to and its fixed constants; see ``worker``."""
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import Protocol
 
 from pydantic import Field
 
 from broker_adapter.config import ConfigModel
 from broker_adapter.protocol.keys import DEFAULT_PREFIX, KeyPrefix
 from broker_adapter.redis.client import RedisUrl
-from broker_adapter.stages.publish import DEFAULT_RECORD_TTL_S
+from broker_adapter.stages.publish import DEFAULT_RECORD_TTL_S, DispatcherStats
 
 DEFAULT_BATCH = 128
 DEFAULT_BATCH_WINDOW_S = 0.05
@@ -29,7 +31,7 @@ class WorkerConfig(ConfigModel):
             a batch's handlers take about ``batch_window_s`` (from the running average of
             this worker's handler times): fast handlers are claimed ``batch`` at a time,
             handlers slower than the window one at a time. The first claim takes at most
-            ``worker.INITIAL_CLAIM``. Every claimed task's lease is renewed until its commit.
+            ``INITIAL_CLAIM``. Every claimed task's lease is renewed until its commit.
         batch_window_s: how long a batch may keep outcomes before committing them. The
             outcomes of a batch commit together (one transaction, one fsync) after its
             last handler, or before the next handler starts once the oldest uncommitted
@@ -112,3 +114,24 @@ class WorkerStats:
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
+
+
+class WorkerMetricsSink(Protocol):
+    """Where a worker's handler times and counters go (``app.metrics.WorkerMetrics``)."""
+
+    def observe_call(self, elapsed_s: float) -> None: ...
+
+    def sync(self, stats: WorkerStats, publish: DispatcherStats, takeovers: int) -> None: ...
+
+
+#: Why a worker on a store other than SQLite's refuses a handler declaring a side effect:
+#: effects, approvals, reconciles and running-task cancel requests (``store.effects``,
+#: ``store.approvals``) are SQLite's only for now.
+EFFECTS_NEED_SQLITE = (
+    "effects need the SQLite store for now: a handler declaring @side_effect cannot run on"
+    " a postgresql:// database"
+)
+#: The first claim of a worker takes at most this many tasks (no handler time known yet).
+INITIAL_CLAIM = 4
+#: Weight of the newest handler time in the running average that sizes claims.
+HANDLER_TIME_WEIGHT = 0.2

@@ -53,7 +53,7 @@ def snapshot(db: PgDatabase, now: float) -> dict[str, Any]:
 
 def _effect_counts(c: Conn, now: float) -> dict[str, int]:
     """``store.effects.effect_counts`` and ``store.approvals.approval_counts``, one shape
-    (zeros while effects are SQLite's only: ``stages.worker.EFFECTS_NEED_SQLITE``)."""
+    (zeros while effects are SQLite's only: ``stages.worker_config.EFFECTS_NEED_SQLITE``)."""
     row = c.execute(
         "SELECT (SELECT count(*) FROM tasks WHERE state = 'unknown') AS unknown,"
         " (SELECT count(operator_since) FROM tasks WHERE state = 'unknown') AS operator,"
