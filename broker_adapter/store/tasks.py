@@ -21,15 +21,11 @@ import json
 import random
 import sqlite3
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
-from pydantic import Field
-
-from broker_adapter.backoff import Backoff
 from broker_adapter.clock import Clock, SystemClock
-from broker_adapter.config import DEFAULT_LEASE_S, ConfigModel
-from broker_adapter.errors import BrokerAdapterError, StaleError, TaskCancelled
+from broker_adapter.config import DEFAULT_LEASE_S
+from broker_adapter.errors import StaleError, TaskCancelled
 from broker_adapter.protocol.bounds import check_result
 from broker_adapter.protocol.reply import reply_id_for
 from broker_adapter.store import inbox, settle, transitions
@@ -49,13 +45,13 @@ from broker_adapter.store.lifecycle import LIVE_STATES, TERMINAL_STATES, TaskSta
 from broker_adapter.store.migrations import CONFLICT_ID_KEY
 from broker_adapter.store.outbox import SentMark
 from broker_adapter.store.retention import (
-    DEFAULT_RETENTION_S,
     PURGE_BATCH,
     PurgeBatch,
     purge_requests,
     whole_pass,
 )
 from broker_adapter.store.settle import FailOutcome, SettledBatch, Settlement, SettleResult
+from broker_adapter.store.task_types import ClaimedTask, TaskPolicy, TaskRow, UnknownTask
 
 __all__ = [
     "LIVE_STATES",
@@ -81,91 +77,7 @@ __all__ = [
 ]
 
 
-class TaskPolicy(ConfigModel):
-    """Limits of the task state machine.
-
-    Attributes:
-        lease_s: lease granted by ``claim`` and ``renew``.
-        max_hops: envelopes with more hops are accepted straight into ``hop_limit``.
-        retention_s: how long an inbox record dedupes its (principal, message_id); past it,
-            once the task is terminal and its deadline has passed, a reused id is a new
-            request. It also bounds deadlines: one further ahead than this is refused, so
-            that no request outlives the record that makes its replay a duplicate.
-        backoff: delay before a retryable failure runs again.
-        max_chain_tasks: the chain budget: requests naming a ``correlation_id`` under which
-            this many tasks were stored already (within the retention window, by any
-            sender, with or without ``parent_id``) are accepted straight into
-            ``hop_limit``.
-        cancel_grace_s: a running task whose cancel was requested (``broker-adapter cancel``)
-            keeps its lease this long for its handler to stop; then renewals are refused and
-            the lapsed lease ends the task ``cancelled`` (``unknown`` if its effect started).
-
-    Raises:
-        ConfigError: a lease or retention not above 0, or a negative ``max_hops``.
-    """
-
-    lease_s: float = Field(default=DEFAULT_LEASE_S, gt=0)
-    max_hops: int = Field(default=16, ge=0)
-    retention_s: float = Field(default=DEFAULT_RETENTION_S, gt=0)
-    backoff: Backoff = Field(default_factory=Backoff)
-    max_chain_tasks: int = Field(default=1000, ge=1)
-    cancel_grace_s: float = Field(default=30.0, ge=0)
-
-
-@dataclass(frozen=True)
-class ClaimedTask:
-    """A task handed to one worker, with the fence that worker must present."""
-
-    task_id: str
-    principal: str
-    message_id: str
-    kind: str
-    payload: dict[str, Any]
-    attempt: int
-    max_attempts: int
-    fence: int
-    owner: str
-    lease_until: float
-    deadline: float
-    hops: int
-    correlation_id: str | None
-    parent_id: str | None
-    #: The request's W3C trace context, if it was sent with one (``Envelope.traceparent``).
-    traceparent: str | None = None
-
-    @property
-    def idempotency_key(self) -> str:
-        """Stable across attempts, fences and tasks of one request: key external effects
-        by this. See ``idempotency_key_for``."""
-        return idempotency_key_for(self.principal, self.message_id)
-
-
-@dataclass(frozen=True)
-class TaskRow:
-    task_id: str
-    principal: str
-    message_id: str
-    state: str
-    attempts: int
-    max_attempts: int
-    fence: int
-    owner: str | None
-    lease_until: float | None
-    deadline: float
-    not_before: float
-    created_at: float
-    finished_at: float | None
-    result: str | None
-    error: str | None
-
-
 _TASK_COLUMNS = ", ".join(TaskRow.__dataclass_fields__)
-
-
-class UnknownTask(BrokerAdapterError, KeyError):
-    def __init__(self, task_id: str) -> None:
-        self.task_id = task_id
-        super().__init__(f"no task {task_id!r}")
 
 
 class TaskStore:
