@@ -35,6 +35,7 @@ from broker_adapter import crashpoints
 from broker_adapter.errors import ConfigError, StoreBusy, StoreError
 from broker_adapter.store.gate import WriteGate
 from broker_adapter.store.migrations import SCHEMA_VERSION, apply_migrations
+from broker_adapter.store.sql import SQLITE, Dialect, SqliteConnection
 
 Synchronous = Literal["FULL", "NORMAL", "EXTRA"]
 DEFAULT_BUSY_TIMEOUT_MS = 10_000
@@ -117,6 +118,7 @@ class Database:
                 timeout=busy_timeout_ms / 1000,
                 check_same_thread=False,
                 uri=read_only,
+                factory=SqliteConnection,
             )
         except sqlite3.Error as exc:
             raise StoreError(f"cannot open database {self.path}: {exc}") from exc
@@ -220,8 +222,13 @@ class Database:
         finally:
             c.execute(f"PRAGMA busy_timeout = {self._busy_timeout_ms}")
 
+    @property
+    def dialect(self) -> Dialect:
+        """SQLite's (``store.sql``)."""
+        return SQLITE
+
     @contextmanager
-    def write(self, op: str, *, foreign_keys: bool = True) -> Iterator[sqlite3.Connection]:
+    def write(self, op: str, *, foreign_keys: bool = True) -> Iterator[SqliteConnection]:
         """Run one write transaction (``BEGIN IMMEDIATE`` ... ``COMMIT``).
 
         Args:
@@ -275,7 +282,7 @@ class Database:
         crashpoints.hit(f"store.{op}.after_commit")
 
     @contextmanager
-    def read(self) -> Iterator[sqlite3.Connection]:
+    def read(self) -> Iterator[SqliteConnection]:
         """A consistent read snapshot (a deferred transaction that never writes)."""
         self._check_owner()
         with self._lock:

@@ -105,7 +105,7 @@ class Stores:
         a test that sets a row up by hand does; its rows as tuples."""
         if isinstance(self.db, PgDatabase):
             with self.db.write("accept") as c:
-                cur = c.cursor(row_factory=tuple_row)
+                cur = c.raw.cursor(row_factory=tuple_row)
                 cur.execute(statement.replace("?", "%s"), params)
                 return cur.fetchall() if cur.description else []
         with self.db.write("accept") as c:

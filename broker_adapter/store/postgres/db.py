@@ -23,9 +23,9 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
-from typing import Any, Final
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager
+from typing import Any, ClassVar, Final
 
 import psycopg
 from psycopg import errors as pg_errors
@@ -41,6 +41,7 @@ from broker_adapter.store.postgres.schema import (
     current_version,
     migrate,
 )
+from broker_adapter.store.sql import POSTGRES, Dialect, pg_sql
 
 log = logging.getLogger("broker_adapter.store")
 
@@ -59,7 +60,36 @@ _SESSION = (
 )
 
 Row = dict[str, Any]
-Conn = psycopg.Connection[Row]
+RawConn = psycopg.Connection[Row]
+
+
+class Conn:
+    """A pooled connection inside one transaction, as the store modules use it: portable
+    SQL (``store.sql``: ``?`` placeholders) through ``execute``/``executemany``, and the
+    driver's own connection as ``raw`` for what only PostgreSQL says (arrays, advisory
+    locks)."""
+
+    dialect: ClassVar[Dialect] = POSTGRES
+    __slots__ = ("raw",)
+
+    def __init__(self, raw: RawConn) -> None:
+        self.raw = raw
+
+    def execute(self, sql: str, parameters: Sequence[Any] = (), /) -> psycopg.Cursor[Row]:
+        return self.raw.execute(pg_sql(sql), parameters)
+
+    def executemany(self, sql: str, parameters: Iterable[Sequence[Any]], /) -> psycopg.Cursor[Row]:
+        cur = self.raw.cursor()
+        cur.executemany(pg_sql(sql), parameters)
+        return cur
+
+    def cursor(self) -> psycopg.Cursor[Row]:
+        return self.raw.cursor()
+
+    def transaction(self) -> AbstractContextManager[Any]:
+        """A SAVEPOINT inside the open transaction (psycopg's nested ``transaction()``)."""
+        return self.raw.transaction()
+
 
 #: Server errors that mean "nothing was committed, try again".
 _TRANSIENT = (
@@ -110,7 +140,7 @@ class PgDatabase:
             conn.execute(session)
             conn.commit()
 
-        self.pool: ConnectionPool[Conn] = ConnectionPool(
+        self.pool: ConnectionPool[RawConn] = ConnectionPool(
             url,
             min_size=1,
             max_size=max(1, pool_max),
@@ -157,8 +187,13 @@ class PgDatabase:
             " a command that writes it (run, receive) migrates it"
         )
 
+    @property
+    def dialect(self) -> Dialect:
+        """PostgreSQL's (``store.sql``)."""
+        return POSTGRES
+
     @contextmanager
-    def _connection(self) -> Iterator[Conn]:
+    def _connection(self) -> Iterator[RawConn]:
         """A pooled connection, errors translated (``StoreBusy`` / ``StoreError``)."""
         if os.getpid() != self._pid:
             raise StoreError("a PostgreSQL pool was used after fork(); open a new one in the child")
@@ -185,7 +220,7 @@ class PgDatabase:
         # psycopg's transaction block: BEGIN now, COMMIT at its end, ROLLBACK on an
         # exception; a ``conn.transaction()`` inside it is a SAVEPOINT.
         with self._connection() as conn, conn.transaction():
-            yield conn
+            yield Conn(conn)
             crashpoints.hit(f"store.{op}.before_commit")
         crashpoints.hit(f"store.{op}.after_commit")
 
@@ -195,7 +230,7 @@ class PgDatabase:
         with self._connection() as conn:
             try:
                 conn.execute("SET TRANSACTION READ ONLY")
-                yield conn
+                yield Conn(conn)
             finally:
                 if not conn.closed:
                     conn.rollback()
@@ -203,7 +238,7 @@ class PgDatabase:
     def fetch_one(self, sql: str, params: Sequence[Any] = ()) -> Row | None:
         """The first row of ONE read statement, on its own."""
         with self._connection() as conn:
-            row = conn.execute(sql, params).fetchone()
+            row = conn.execute(pg_sql(sql), params).fetchone()
             conn.rollback()
         return row
 
