@@ -30,6 +30,7 @@ from broker_adapter.protocol.bounds import check_result
 from broker_adapter.protocol.reply import reply_id_for
 from broker_adapter.store import transitions
 from broker_adapter.store.fencing import TASK_HELD_STATE, held_params, held_sql, refusal
+from broker_adapter.store.housekeeping import reconcile_in
 from broker_adapter.store.inbox import (
     AcceptItem,
     AcceptResult,
@@ -38,12 +39,11 @@ from broker_adapter.store.inbox import (
     conflict_reply_id,
     new_task_ids,
 )
-from broker_adapter.store.lifecycle import TERMINAL_STATES, TaskState
+from broker_adapter.store.lifecycle import TERMINAL_STATES, TaskState, to_terminal
 from broker_adapter.store.outbox import SentMark
 from broker_adapter.store.postgres import settle
 from broker_adapter.store.postgres.db import Conn, PgDatabase, Row
 from broker_adapter.store.postgres.inbox import accept_in
-from broker_adapter.store.postgres.lifecycle import reconcile_in, to_terminal
 from broker_adapter.store.postgres.retention import purge_requests
 from broker_adapter.store.postgres.schema import CONFLICT_ID_KEY
 from broker_adapter.store.retention import PURGE_BATCH, PurgeBatch, whole_pass
