@@ -4,6 +4,7 @@ cancel requests (schema migration 7), on a real SQLite file and a FakeClock."""
 from __future__ import annotations
 
 import sqlite3
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,13 +22,22 @@ from tests.support.store_script import (
     Stores,
     dump,
     item,
+    open_any,
     reply_body,
     running,
+    stores,
     task_row,
 )
 
 RECONCILE_LEASE_S = 20.0
 DEADLINE_S = 600.0  # store_script's envelopes: T0 + 600
+
+
+@pytest.fixture
+def s(store_target: str, clock: FakeClock) -> Iterator[Stores]:
+    """The stores on SQLite and on PostgreSQL (``store_target``)."""
+    with open_any(store_target) as db:
+        yield stores(db, clock)
 
 
 def unknown(s: Stores, fx: EffectsStore, mid: str = "m1", **over: Any) -> str:
