@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import hmac
 import os
-import sqlite3
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -30,6 +29,7 @@ from broker_adapter.store import transitions
 from broker_adapter.store.db import in_lists
 from broker_adapter.store.lifecycle import TERMINAL_STATES, TaskState, write_reply
 from broker_adapter.store.outbox import enqueue
+from broker_adapter.store.sql import SqliteConnection
 
 if TYPE_CHECKING:
     from broker_adapter.store.tasks import TaskStore
@@ -149,11 +149,11 @@ class _AcceptBatch:
     tasks: list[tuple[Any, ...]] = field(default_factory=list)
     inbox: list[tuple[Any, ...]] = field(default_factory=list)
     duplicates: list[tuple[str, str]] = field(default_factory=list)
-    then: list[Callable[[sqlite3.Connection], object]] = field(default_factory=list)
+    then: list[Callable[[SqliteConnection], object]] = field(default_factory=list)
     chain_adds: dict[str, int] = field(default_factory=dict)
     now: float = 0.0
 
-    def write(self, c: sqlite3.Connection) -> None:
+    def write(self, c: SqliteConnection) -> None:
         if self.tasks:
             c.executemany(_INSERT_TASK, self.tasks)
             c.executemany(_UPSERT_INBOX, self.inbox)
@@ -230,7 +230,7 @@ def accept_and_claim(
 
 
 def _prefetch(
-    c: sqlite3.Connection, items: Sequence[AcceptItem]
+    c: SqliteConnection, items: Sequence[AcceptItem]
 ) -> dict[tuple[str, str], Mapping[str, Any]]:
     """The inbox records of a whole batch, looked up in a few queries, not one per item.
 
@@ -254,7 +254,7 @@ def _prefetch(
     return known
 
 
-def _parent_hops(c: sqlite3.Connection, items: Sequence[AcceptItem]) -> dict[str, int]:
+def _parent_hops(c: SqliteConnection, items: Sequence[AcceptItem]) -> dict[str, int]:
     """The hops of every task named as a parent in the batch, in a few queries."""
     parents = list({i.envelope.parent_id for i in items} - {None})
     hops: dict[str, int] = {}
@@ -264,7 +264,7 @@ def _parent_hops(c: sqlite3.Connection, items: Sequence[AcceptItem]) -> dict[str
     return hops
 
 
-def _chain_counts(c: sqlite3.Connection, items: Sequence[AcceptItem]) -> dict[str, int]:
+def _chain_counts(c: SqliteConnection, items: Sequence[AcceptItem]) -> dict[str, int]:
     """The tasks stored so far under every ``correlation_id`` the batch names (none named:
     no query)."""
     named = list({i.envelope.correlation_id for i in items} - {None})
@@ -382,7 +382,7 @@ def _known(
         detail, fingerprint, row["fingerprint"], traceparent=env.traceparent,
     )  # fmt: skip
 
-    def write(c: sqlite3.Connection) -> None:
+    def write(c: SqliteConnection) -> None:
         c.execute(
             "UPDATE inbox SET conflicts = conflicts + 1 WHERE principal = ? AND message_id = ?",
             key,

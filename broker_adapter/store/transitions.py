@@ -157,7 +157,8 @@ def accepted(items: Sequence[AcceptItem], results: Sequence[AcceptResult]) -> No
 def reconciled(taken_back: Iterable[Reconciled]) -> None:
     """The transitions the clock made: ``(task_id, transition, state, owner, attempts)``
     for a deadline reached (``expired``), a lease run out (``lease_expired``, back to
-    pending) or run out on the last attempt (``failed``)."""
+    pending) or run out on the last attempt (``failed``), an attempt whose effect started
+    (``unknown``), and a requested cancel whose handler did not end (``cancelled``)."""
     if not enabled():
         return
     for task_id, transition, state, owner, attempts in taken_back:
@@ -176,6 +177,8 @@ _CLOCK_DETAIL = {
     "expired": "deadline reached",
     "lease_expired": "the holder's lease ran out",
     "failed": "the holder's lease ran out on the last attempt",
+    "unknown": "the holder's lease or deadline ran out after its effect started",
+    "cancelled": "cancel requested; the handler did not end within the grace",
 }
 
 

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import psycopg
 import pytest
@@ -17,6 +18,7 @@ from broker_adapter.protocol.keys import Keys
 from broker_adapter.protocol.signing import Keyring
 from broker_adapter.redis.client import connect
 from tests.support.cli import cli_env, wait_for
+from tests.support.fake_target import FakeTarget
 from tests.support.ingest_script import envelope, real_deadline
 from tests.support.redis_server import RedisServer
 
@@ -177,28 +179,138 @@ def test_run_on_postgres_answers_a_request_in_the_trace_it_was_sent_in(
     assert "traceparent" not in bodies["plain"]
 
 
-def test_run_on_postgres_refuses_a_handler_declaring_a_side_effect(
+def _start_effects_run(
+    redis_url: str, db: str, keyring: Path, prefix: str, name: str, handler: str
+) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "broker_adapter", "run", "--redis", redis_url, "--db", db,
+         "--handler", f"tests.support.effect_handlers:{handler}", "--workers", "1",
+         "--keyring", str(keyring), "--prefix", prefix, "--name", name, "--lease", "2",
+         "--claim-min-idle-ms", "1000"],
+        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, text=True, env=cli_env(),
+    )  # fmt: skip
+
+
+def _reply_of(url: str, message_id: str) -> dict[str, Any]:
+    with psycopg.connect(url) as conn:
+        row = conn.execute(
+            "SELECT body FROM outbox WHERE message_id = %s AND state = 'sent'", (message_id,)
+        ).fetchone()
+    assert row is not None
+    body: dict[str, Any] = json.loads(bytes(row[0]))
+    return body
+
+
+def test_run_on_postgres_reconciles_an_effect_whose_answer_was_lost_once(
+    redis_server: RedisServer, keyring: Path, prefix: str, pg_url: str, tmp_path: Path
+) -> None:
+    """A host dies after its handler's effect reached the target, before the answer: the
+    other host takes the lapsed lease back to ``unknown`` (not ``pending``: a retry could
+    repeat the effect), its reconcile thread asks the target, finds the effect and ends the
+    task ``done`` with what it found. The effect happened once; the reply says how."""
+    with FakeTarget(tmp_path / "target", idempotent=False) as target:
+        payload = {"target": target.url, "value": 1, "hang_after": True}
+        sent = _cli("publish", "--redis", redis_server.url, "--principal", "alice",
+                    "--keyring", str(keyring), "--prefix", prefix, "--id", "apply-1",
+                    "--payload", json.dumps(payload))  # fmt: skip
+        assert sent.returncode == 0, sent.stderr
+        a = _start_effects_run(redis_server.url, pg_url, keyring, prefix, "host-a",
+                               "irreversible")  # fmt: skip
+        try:
+            wait_for(lambda: len(target.effects()) == 1, "the effect to reach the target")
+            started = "SELECT count(*) FROM tasks WHERE effect_fence = fence AND state = 'running'"
+            assert _count(pg_url, started) == 1
+        finally:
+            a.kill()  # host A dies with the effect's answer
+            a.wait(timeout=30)
+        b = _start_effects_run(redis_server.url, pg_url, keyring, prefix, "host-b",
+                               "irreversible")  # fmt: skip
+        try:
+            wait_for(
+                lambda: _count(pg_url, "SELECT count(*) FROM outbox WHERE state = 'sent'") == 1,
+                "the reconciled task's reply sent",
+                timeout_s=60,
+            )
+        finally:
+            assert _stop(b) == 0
+        effects = target.effects()
+    assert len(effects) == 1  # reconciled, never run again
+    assert _count(pg_url, "SELECT count(*) FROM tasks WHERE state = 'done'") == 1
+    assert _count(pg_url, "SELECT count(*) FROM reconcile_log WHERE outcome = 'done'") == 1
+    assert _count(pg_url, "SELECT count(*) FROM reconcile_log") == 1
+    body = _reply_of(pg_url, "apply-1")
+    assert body["status"] == "done"
+    assert body["result"] == {"effect_ids": [effects[0]["effect_id"]]}
+    assert body["effects"]["reconciled"]["outcome"] == "done"
+    status = _cli("status", "--db", pg_url, "--json")
+    assert status.returncode == 0, status.stderr
+    assert json.loads(status.stdout)["effects"]["reconciled_done"] == 1
+
+
+def test_a_cancel_of_a_running_task_on_postgres_is_a_request_its_handler_sees(
     redis_server: RedisServer, keyring: Path, prefix: str, pg_url: str
 ) -> None:
-    """Effects, approvals and reconciles are the SQLite store's for now: a configuration
-    error (exit 2) before anything starts, not a silent gap."""
-    handler = "tests.support.effect_handlers:irreversible"
-    res = _cli("run", "--redis", redis_server.url, "--db", pg_url, "--keyring", str(keyring),
-               "--prefix", prefix, "--handler", handler)  # fmt: skip
-    assert res.returncode == 2, res.stderr
-    assert "effects need the SQLite store for now" in res.stderr
-    assert _count(pg_url, "SELECT count(*) FROM tasks") == 0
+    """``broker-adapter cancel`` of a running task on PostgreSQL records a request: the
+    handler sees it at its next check and stops, and the task ends ``cancelled`` with a
+    reply saying what was done."""
+    sent = _cli("publish", "--redis", redis_server.url, "--principal", "alice", "--keyring",
+                str(keyring), "--prefix", prefix, "--id", "long-1", "--payload", "{}")  # fmt: skip
+    assert sent.returncode == 0, sent.stderr
+    run = _start_effects_run(redis_server.url, pg_url, keyring, prefix, "host-a", "cancellable")
+    try:
+        running = "SELECT count(*) FROM tasks WHERE state = 'running'"
+        wait_for(lambda: _count(pg_url, running) == 1, "the handler to run")
+        with psycopg.connect(pg_url) as conn:
+            row = conn.execute("SELECT task_id FROM tasks").fetchone()
+        assert row is not None
+        cancelled = _cli("cancel", "--db", pg_url, row[0], "--reason", "operator")
+        assert cancelled.returncode == 0, cancelled.stderr
+        assert json.loads(cancelled.stdout) == {
+            "task_id": row[0], "state": "running", "cancel_requested": True,
+        }  # fmt: skip
+        wait_for(
+            lambda: _count(pg_url, "SELECT count(*) FROM outbox WHERE state = 'sent'") == 1,
+            "the cancelled task's reply sent",
+            timeout_s=60,
+        )
+    finally:
+        assert _stop(run) == 0
+    body = _reply_of(pg_url, "long-1")
+    assert body["status"] == "cancelled"
+    assert body["error"].startswith("cancel requested ")
+    assert "RuntimeError: stopped on its cancel" in body["error"]
+    assert _count(pg_url, "SELECT count(*) FROM tasks WHERE state = 'cancelled'") == 1
 
 
-def test_the_effect_commands_refuse_a_postgres_database(pg_url: str) -> None:
-    """``approve``, ``revoke`` and ``reconcile`` keep their records in SQLite only: a URL is
-    a configuration error, never a file of that name."""
-    for args in (
-        ("approve", "restart", "--target", "web1", "--scope", "prod", "--expires-in", "60"),
-        ("revoke", "a-1"),
-        ("reconcile", "t-1", "--outcome", "done"),
-    ):
-        res = _cli(*args, "--db", pg_url, "--by", "alice")
-        assert res.returncode == 2, (args, res.stderr)
-        assert "effects need the SQLite store for now" in res.stderr
+def test_the_effect_commands_work_on_a_postgres_database(pg_url: str) -> None:
+    """``approve``, ``revoke`` and ``reconcile`` keep their records in the PostgreSQL
+    database a URL names, never in a file of that name."""
+    from broker_adapter.clock import FakeClock
+    from broker_adapter.store.effects import EffectsStore
+    from tests.support.store_script import item, open_any, stores
+
+    granted = _cli("approve", "restart", "--target", "web1", "--scope", "prod",
+                   "--expires-in", "60", "--db", pg_url, "--by", "alice")  # fmt: skip
+    assert granted.returncode == 0, granted.stderr
+    approval_id = json.loads(granted.stdout)["approval_id"]
+    revoked = _cli("revoke", approval_id, "--db", pg_url, "--by", "alice")
+    assert (revoked.returncode, json.loads(revoked.stdout)["revoked"]) == (0, True)
+    with open_any(pg_url) as db:
+        s = stores(db, FakeClock())
+        s.tasks.accept([item("m1")])
+        (task,) = s.tasks.claim("w1")
+        fx = EffectsStore(s.tasks)
+        fx.mark_effect_started(task.task_id, "w1", task.fence)
+        fx.to_unknown(task.task_id, "w1", task.fence, "timed out")
+    answered = _cli("reconcile", task.task_id, "--outcome", "done", "--result", '{"ok": 1}',
+                    "--db", pg_url, "--by", "alice")  # fmt: skip
+    assert answered.returncode == 0, answered.stderr
+    assert json.loads(answered.stdout) == {"task_id": task.task_id, "state": "done"}
+    with psycopg.connect(pg_url) as conn:
+        rows = conn.execute("SELECT approver, revoked_by FROM approvals").fetchall()
+        logged = conn.execute("SELECT outcome, by_whom FROM reconcile_log").fetchall()
+    ((by, revoked_by),), ((outcome, who),) = rows, logged
+    assert by.startswith("alice (os user ")
+    assert revoked_by.startswith("alice (os user ")
+    assert (outcome, who.split(" ")[0]) == ("done", "alice")
     assert not any(ROOT.glob("postgresql:*"))

@@ -5,9 +5,12 @@ payload's ``"target"`` URL, for the side-effect tests of the worker (in its own 
   dedupes): a rerun after a crash applies it once.
 * ``irreversible``: declared ``@side_effect("apply", reconcile=..., compensate=...)``; with
   ``"twice": true`` in its payload its HTTP client "retries" a lost answer, so a target
-  that does not dedupe applies the effect twice.
+  that does not dedupe applies the effect twice; with ``"hang_after": true`` it never
+  returns once the effect is applied (its worker is killed there: the answer is lost).
 * ``approved``: an irreversible effect that ``requires_approval`` on the payload's
   ``"server"`` in scope ``"restart"``.
+* ``cancellable``: an ordinary handler that runs until its task's cancel is seen (asking
+  ``Task.cancelled()``), then raises.
 * ``fenced``: an ordinary handler whose write is fenced at the target (its task id and
   fence); with ``"freeze_first": true`` its first attempt SIGSTOPs its own process right
   before the write (a worker frozen mid-handler: a zombie once it is resumed).
@@ -57,6 +60,8 @@ def _apply(task: Task) -> dict[str, Any]:
             if not type(exc).__module__.startswith("http"):
                 raise
     answer = client.apply(task.payload.get("value"), key=key)
+    if task.payload.get("hang_after"):
+        task.wait_cancelled(None)  # until its worker is killed
     return {"effect_id": answer["effect_id"]}
 
 
@@ -73,6 +78,12 @@ def irreversible(task: Task) -> dict[str, Any]:
              approval=lambda t: (str(t.payload["server"]), "restart"))  # fmt: skip
 def approved(task: Task) -> dict[str, Any]:
     return _apply(task)
+
+
+def cancellable(task: Task) -> None:
+    while not task.cancelled():  # asks the store: a requested cancel is seen here
+        task.wait_cancelled(0.05)
+    raise RuntimeError("stopped on its cancel")
 
 
 def fenced(task: Task) -> dict[str, Any]:

@@ -8,7 +8,7 @@ import pytest
 from broker_adapter.clock import FakeClock
 from broker_adapter.store.db import Database
 from broker_adapter.store.effects import EffectsStore
-from tests.support.store_script import T0, SqliteStores, stores
+from tests.support.store_script import T0, SqliteStores, Stores, stores
 
 
 @pytest.fixture
@@ -25,6 +25,6 @@ def s(db: Database, clock: FakeClock) -> SqliteStores:
 
 
 @pytest.fixture
-def fx(s: SqliteStores) -> EffectsStore:
+def fx(s: Stores) -> EffectsStore:
     """The effects and approvals store on the test's task store."""
     return EffectsStore(s.tasks)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 
 from broker_adapter.clock import FakeClock
@@ -9,13 +11,20 @@ from broker_adapter.errors import StaleError
 from broker_adapter.store import TaskState
 from broker_adapter.store.approvals import ApprovalStore
 from broker_adapter.store.effects import EffectsStore
-from tests.support.store_script import T0, SqliteStores, reply_body, running, task_row
+from tests.support.store_script import T0, Stores, open_any, reply_body, running, stores, task_row
 
 DEADLINE_S = 600.0  # store_script's envelopes: T0 + 600
 
 
 @pytest.fixture
-def ap(s: SqliteStores) -> ApprovalStore:
+def s(store_target: str, clock: FakeClock) -> Iterator[Stores]:
+    """The stores on SQLite and on PostgreSQL (``store_target``)."""
+    with open_any(store_target) as db:
+        yield stores(db, clock)
+
+
+@pytest.fixture
+def ap(s: Stores) -> ApprovalStore:
     return ApprovalStore(s.tasks)
 
 
@@ -50,7 +59,7 @@ def test_valid_approval_matches_exactly_and_not_when_expired_or_revoked(
 
 
 def test_a_waiting_task_runs_after_its_approval_and_gets_its_attempt_back(
-    s: SqliteStores, ap: ApprovalStore, clock: FakeClock
+    s: Stores, ap: ApprovalStore, clock: FakeClock
 ) -> None:
     task_id, fence = running(s, max_attempts=1)
     until = ap.wait_for_approval(task_id, "w1", fence, "restart", "web1", "prod", 120)
@@ -68,7 +77,7 @@ def test_a_waiting_task_runs_after_its_approval_and_gets_its_attempt_back(
 
 
 def test_a_wait_past_its_approval_timeout_ends_failed_with_its_reply(
-    s: SqliteStores, ap: ApprovalStore, clock: FakeClock
+    s: Stores, ap: ApprovalStore, clock: FakeClock
 ) -> None:
     task_id, fence = running(s)
     approval_id = ap.grant_approval("restart", "web1", "prod", "alice", T0 + 3600)
@@ -83,7 +92,7 @@ def test_a_wait_past_its_approval_timeout_ends_failed_with_its_reply(
     assert body["error"].startswith("approval_timeout")
 
 
-def test_an_approval_wait_never_outlasts_the_deadline(s: SqliteStores, ap: ApprovalStore) -> None:
+def test_an_approval_wait_never_outlasts_the_deadline(s: Stores, ap: ApprovalStore) -> None:
     task_id, fence = running(s)
     until = ap.wait_for_approval(task_id, "w1", fence, "a", "t", "s", 10 * DEADLINE_S)
     assert until == T0 + DEADLINE_S
@@ -91,7 +100,7 @@ def test_an_approval_wait_never_outlasts_the_deadline(s: SqliteStores, ap: Appro
         ap.wait_for_approval(task_id, "w1", fence, "a", "t", "s", 10)
 
 
-def test_the_wait_of_a_cancelled_task_is_dropped(s: SqliteStores, ap: ApprovalStore) -> None:
+def test_the_wait_of_a_cancelled_task_is_dropped(s: Stores, ap: ApprovalStore) -> None:
     task_id, fence = running(s)
     ap.wait_for_approval(task_id, "w1", fence, "a", "t", "s", 60)
     assert EffectsStore(s.tasks).request_cancel(task_id) is TaskState.CANCELLED

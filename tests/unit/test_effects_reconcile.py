@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import random
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -31,13 +32,20 @@ from broker_adapter.stages.effects import (
 from broker_adapter.store import ClaimedTask
 from broker_adapter.store.approvals import ApprovalStore
 from broker_adapter.store.effects import EffectsStore
-from tests.support.store_script import T0, SqliteStores, dump, item, task_state
+from tests.support.store_script import T0, Stores, dump, item, open_any, stores, task_state
 
 POLICY = ReconcilePolicy(lease_s=20.0, batch=8, max_tries=3,
                          backoff=Backoff(base_s=10.0, cap_s=40.0))  # fmt: skip
 
 
-def unknown_task(s: SqliteStores, fx: EffectsStore, mid: str = "m1", **over: Any) -> str:
+@pytest.fixture
+def s(store_target: str, clock: FakeClock) -> Iterator[Stores]:
+    """The stores on SQLite and on PostgreSQL (``store_target``)."""
+    with open_any(store_target) as db:
+        yield stores(db, clock)
+
+
+def unknown_task(s: Stores, fx: EffectsStore, mid: str = "m1", **over: Any) -> str:
     """A task whose worker timed out after its effect started."""
     s.tasks.accept([item(mid, **over)])
     (task,) = s.tasks.claim("w1")
@@ -46,7 +54,7 @@ def unknown_task(s: SqliteStores, fx: EffectsStore, mid: str = "m1", **over: Any
     return task.task_id
 
 
-def result_of(s: SqliteStores, task_id: str) -> Any:
+def result_of(s: Stores, task_id: str) -> Any:
     (found,) = [r for r in dump(s.db)["outbox"] if r["task_id"] == task_id]
     return json.loads(found["body"])["result"]
 
@@ -116,7 +124,7 @@ def test_an_observation_says_one_of_three_things(outcome: str, applied: Any) -> 
         Observation(outcome, applied=applied)  # type: ignore[arg-type]
 
 
-def test_a_reconcile_that_answers_nonsense_knows_nothing(s: SqliteStores, fx: EffectsStore) -> None:
+def test_a_reconcile_that_answers_nonsense_knows_nothing(s: Stores, fx: EffectsStore) -> None:
     task_id = unknown_task(s, fx)
     spec = EffectSpec("restart", reconcile=lambda task, key: "yes")  # type: ignore[arg-type,return-value]
     reconciler = Reconciler(fx, spec, "r1", POLICY)
@@ -156,7 +164,7 @@ def test_side_effect_declares_and_checks() -> None:
 
 
 def test_found_effect_is_done_with_the_observed_result_without_a_second_call(
-    s: SqliteStores, fx: EffectsStore
+    s: Stores, fx: EffectsStore
 ) -> None:
     target = Target()
     spec = EffectSpec("restart", reconcile=target.reconcile)
@@ -173,7 +181,7 @@ def test_found_effect_is_done_with_the_observed_result_without_a_second_call(
     assert [r.by_whom for r in fx.reconcile_log(task_id)] == ["r1"]
 
 
-def test_nothing_found_is_retried(s: SqliteStores, fx: EffectsStore) -> None:
+def test_nothing_found_is_retried(s: Stores, fx: EffectsStore) -> None:
     target = Target()
     task_id = unknown_task(s, fx)
     reconciler = Reconciler(fx, EffectSpec("restart", reconcile=target.reconcile), "r1", POLICY)
@@ -185,7 +193,7 @@ def test_nothing_found_is_retried(s: SqliteStores, fx: EffectsStore) -> None:
 
 
 def test_still_unknown_backs_off_then_waits_for_an_operator(
-    s: SqliteStores, fx: EffectsStore, clock: FakeClock
+    s: Stores, fx: EffectsStore, clock: FakeClock
 ) -> None:
     def broken(task: ClaimedTask, key: str) -> Observation:
         raise ConnectionError("target down")
@@ -207,9 +215,7 @@ def test_still_unknown_backs_off_then_waits_for_an_operator(
     assert fx.operator_resolve(task_id, "not-done", "alice").value == "pending"
 
 
-def test_without_a_reconcile_function_an_operator_decides(
-    s: SqliteStores, fx: EffectsStore
-) -> None:
+def test_without_a_reconcile_function_an_operator_decides(s: Stores, fx: EffectsStore) -> None:
     task_id = unknown_task(s, fx)
     reconciler = Reconciler(fx, EffectSpec("restart"), "r1", POLICY)
     reconciler.run_once()
@@ -219,7 +225,7 @@ def test_without_a_reconcile_function_an_operator_decides(
 
 
 def test_a_duplicate_is_compensated_once_even_across_reconcilers(
-    s: SqliteStores, fx: EffectsStore, clock: FakeClock
+    s: Stores, fx: EffectsStore, clock: FakeClock
 ) -> None:
     target = Target()
     spec = EffectSpec("charge", reconcile=target.reconcile, compensate=target.compensate)
@@ -242,7 +248,7 @@ def test_a_duplicate_is_compensated_once_even_across_reconcilers(
     assert (record.by_whom, record.outcome, record.detail) == ("r1", "done", '{"undone":1}')
 
 
-def test_a_failing_compensation_is_recorded_failed(s: SqliteStores, fx: EffectsStore) -> None:
+def test_a_failing_compensation_is_recorded_failed(s: Stores, fx: EffectsStore) -> None:
     target = Target()
 
     def refuses(task: ClaimedTask, seen: Observation) -> Any:
@@ -260,7 +266,7 @@ def test_a_failing_compensation_is_recorded_failed(s: SqliteStores, fx: EffectsS
 # -- approvals ------------------------------------------------------------------------------
 
 
-def test_a_forged_approval_in_the_payload_counts_for_nothing(s: SqliteStores) -> None:
+def test_a_forged_approval_in_the_payload_counts_for_nothing(s: Stores) -> None:
     ap = ApprovalStore(s.tasks)
     spec = EffectSpec("restart", requires_approval=True,
                       approval=lambda t: (str(t.payload["server"]), "prod"))  # fmt: skip
@@ -277,7 +283,7 @@ def test_a_forged_approval_in_the_payload_counts_for_nothing(s: SqliteStores) ->
     assert found.approver == "alice"
 
 
-def _claim_view(s: SqliteStores, task_id: str) -> ClaimedTask:
+def _claim_view(s: Stores, task_id: str) -> ClaimedTask:
     """A claim-shaped view of a stored task (what a reconcile function gets)."""
     row = s.tasks.get(task_id)
     assert row is not None

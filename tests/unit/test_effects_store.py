@@ -4,6 +4,7 @@ cancel requests (schema migration 7), on a real SQLite file and a FakeClock."""
 from __future__ import annotations
 
 import sqlite3
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,13 +22,22 @@ from tests.support.store_script import (
     Stores,
     dump,
     item,
+    open_any,
     reply_body,
     running,
+    stores,
     task_row,
 )
 
 RECONCILE_LEASE_S = 20.0
 DEADLINE_S = 600.0  # store_script's envelopes: T0 + 600
+
+
+@pytest.fixture
+def s(store_target: str, clock: FakeClock) -> Iterator[Stores]:
+    """The stores on SQLite and on PostgreSQL (``store_target``)."""
+    with open_any(store_target) as db:
+        yield stores(db, clock)
 
 
 def unknown(s: Stores, fx: EffectsStore, mid: str = "m1", **over: Any) -> str:
@@ -90,6 +100,27 @@ def test_cancel_of_a_running_task_is_a_request_the_others_cancel_at_once(
     assert fx.cancel_requested(pending.task_id) is None
     with pytest.raises(UnknownTask):
         fx.request_cancel("nope")
+
+
+def test_a_requested_cancel_is_seen_by_its_holder_and_renewed_only_during_the_grace(
+    s: Stores, fx: EffectsStore, clock: FakeClock
+) -> None:
+    task_id, fence = running(s)
+    assert s.tasks.refusal(task_id, "w1", fence) is None
+    assert fx.request_cancel(task_id) is TaskState.RUNNING
+    assert isinstance(s.tasks.refusal(task_id, "w1", fence), TaskCancelled)  # its next check
+    grace = s.tasks.policy.cancel_grace_s
+    clock.advance(grace - 1)
+    s.tasks.renew(task_id, "w1", fence)  # the handler may still be stopping
+    clock.advance(1)
+    with pytest.raises(TaskCancelled):
+        s.tasks.renew(task_id, "w1", fence)
+    assert not fx.end_requested_cancel(task_id, "w2", fence, "not its holder")
+    assert fx.end_requested_cancel(task_id, "w1", fence, "it stopped before its effect")
+    body = reply_body(s, task_id)
+    assert (body["status"], task_row(s, task_id)["state"]) == ("cancelled", "cancelled")
+    assert body["error"].startswith(f"cancel requested {grace:.3f} s before the handler")
+    assert not fx.end_requested_cancel(task_id, "w1", fence, "again")
 
 
 # -- entering unknown -----------------------------------------------------------------------

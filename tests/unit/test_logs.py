@@ -18,6 +18,7 @@ from broker_adapter.protocol.envelope import Envelope
 from broker_adapter.stages.worker import Worker, WorkerConfig
 from broker_adapter.store import AcceptItem, TaskStore
 from broker_adapter.store.backends import task_store
+from broker_adapter.store.effects import EffectsStore
 from broker_adapter.store.postgres import PgTaskStore
 from broker_adapter.store.tasks import TaskPolicy, reply_id_for
 from tests.support import handlers as sample
@@ -140,6 +141,30 @@ def test_a_handler_exception_is_logged_with_its_traceback_and_ids(
     assert "ValueError" in line["exc"]
     (failed,) = [x for x in _lines(caplog) if x["transition"] == "failed"]
     assert (failed["task_id"], failed["state"], failed["attempt"]) == (res.task_id, "failed", 1)
+
+
+def test_the_take_backs_of_effects_and_cancel_requests_are_logged(
+    tasks: TaskStore | PgTaskStore, clock: FakeClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A lapsed lease after an effect started (``unknown``) and after a requested cancel
+    (``cancelled``): each taken back once, each logged with why."""
+    caplog.set_level(logging.INFO, logger="broker_adapter")
+    fx = EffectsStore(tasks)
+    tasks.accept([_item(clock, "m1", {"v": 1}), _item(clock, "m2", {"v": 2})])
+    started, requested = tasks.claim("w1", 2)
+    fx.mark_effect_started(started.task_id, "w1", started.fence)
+    fx.request_cancel(requested.task_id)
+    clock.advance(LEASE_S + 1)
+    assert tasks.reconcile() == {"expired": 0, "requeued": 0, "exhausted": 0, "unknown": 1,
+                                 "cancelled": 1}  # fmt: skip
+    got = {x["task_id"]: (x["transition"], x["state"], x["detail"]) for x in _lines(caplog)
+           if x["transition"] in ("unknown", "cancelled")}  # fmt: skip
+    assert got == {
+        started.task_id: ("unknown", "unknown",
+                          "the holder's lease or deadline ran out after its effect started"),
+        requested.task_id: ("cancelled", "cancelled",
+                            "cancel requested; the handler did not end within the grace"),
+    }  # fmt: skip
 
 
 def test_routine_transitions_cost_no_record_at_info(

@@ -17,10 +17,12 @@ import pytest
 
 from broker_adapter import crashpoints
 from broker_adapter.clock import FakeClock
-from broker_adapter.errors import TaskCancelled
+from broker_adapter.errors import FencedError, TaskCancelled
 from broker_adapter.protocol.canonical import canonical_json, sha256_hex
 from broker_adapter.protocol.reply import Reply
-from broker_adapter.store import Outcome, ReceiptOutcome
+from broker_adapter.store import Outcome, ReceiptOutcome, TaskState
+from broker_adapter.store.approvals import ApprovalStore
+from broker_adapter.store.effects import EffectsStore
 from broker_adapter.store.postgres import PgDatabase
 from broker_adapter.store.receipts import ReceiptItem
 from broker_adapter.store.tasks import Settlement
@@ -172,3 +174,94 @@ def test_two_receivers_applying_one_reply_run_its_effect_once(
     assert (first.outcome, second.outcome) == (ReceiptOutcome.APPLIED, ReceiptOutcome.DUPLICATE)
     assert calls == ["held"]
     assert len(dump(a.db)["effects"]) == 1
+
+
+# -- effects: reconciles and approval waits, several processes ------------------------------
+
+RECONCILE_LEASE_S = 20.0
+
+
+def unknown_tasks(s: Stores, n: int) -> list[str]:
+    """``n`` tasks whose worker timed out after their effect started, oldest first."""
+    fx = EffectsStore(s.tasks)
+    ids = []
+    for i in range(n):
+        s.tasks.accept([item(f"m{i}")])
+        (task,) = s.tasks.claim("w1", 1)
+        fx.mark_effect_started(task.task_id, "w1", task.fence)
+        fx.to_unknown(task.task_id, "w1", task.fence, "timed out")
+        ids.append(task.task_id)
+    return ids
+
+
+def test_two_reconcilers_claiming_at_once_take_each_unknown_task_once(
+    two: tuple[Stores, Stores], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two adapters' reconcile threads claim at once: neither waits for the other's rows,
+    neither gets them (``claim_unknown`` skips what another reconciler is taking)."""
+    a, b = two
+    ids = unknown_tasks(a, 3)
+    held = Held(monkeypatch, "claim_unknown")
+    held.start(lambda: EffectsStore(a.tasks).claim_unknown("ra", 1, RECONCILE_LEASE_S))
+    got_b = EffectsStore(b.tasks).claim_unknown("rb", 5, RECONCILE_LEASE_S)  # not blocked
+    (got_a,) = held.release()
+    assert got_a.task.task_id == ids[0]  # the oldest due, taken by the held one
+    assert sorted(c.task.task_id for c in got_b) == sorted(ids[1:])
+    assert EffectsStore(b.tasks).claim_unknown("rb", 5, RECONCILE_LEASE_S) == []
+    owners = {r["task_id"]: r["owner"] for r in dump(a.db)["tasks"]}
+    assert owners == {ids[0]: "ra", ids[1]: "rb", ids[2]: "rb"}
+
+
+def test_a_reconcile_answer_waits_for_an_operator_answer_and_is_then_fenced(
+    two: tuple[Stores, Stores], pg_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An operator answers "not done" while the reconciler holding the task finds it done:
+    the reconciler's check waits on the row lock, then sees the operator's fence and
+    writes nothing. The task is pending again, with no reply."""
+    a, b = two
+    (task_id,) = unknown_tasks(a, 1)
+    (claim,) = EffectsStore(a.tasks).claim_unknown("ra", 1, RECONCILE_LEASE_S)
+    held = Held(monkeypatch, "reconcile_operator")
+    held.start(lambda: EffectsStore(b.tasks).operator_resolve(task_id, "not-done", "alice"))
+    fx = EffectsStore(a.tasks)
+    thread, out = in_thread(
+        lambda: _raised(lambda: fx.resolve_done(task_id, "ra", claim.task.fence, 1))
+    )
+    wait_for(lambda: waiting_on_a_lock(pg_url), "the reconcile answer to wait on the operator's")
+    assert held.release() is TaskState.PENDING
+    thread.join(HOLD_S)
+    (refusal,) = out
+    assert isinstance(refusal, FencedError)
+    d = dump(a.db)
+    assert (d["tasks"][0]["state"], d["outbox"]) == ("pending", [])
+    assert [r.by_whom for r in fx.reconcile_log(task_id)] == ["alice"]
+
+
+def test_two_releases_of_one_approval_wait_release_it_once(
+    two: tuple[Stores, Stores], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two adapters release approval waits at once: the second skips the wait the first is
+    releasing, so a task it sent back to ``pending`` (and a worker may have claimed since)
+    is never set again."""
+    a, b = two
+    a.tasks.accept([item("m1")])
+    (task,) = a.tasks.claim("w1", 1)
+    ApprovalStore(a.tasks).wait_for_approval(task.task_id, "w1", task.fence, "restart", "web1",
+                                             "prod", 120)  # fmt: skip
+    ApprovalStore(a.tasks).grant_approval("restart", "web1", "prod", "alice", T0 + 60)
+    held = Held(monkeypatch, "approval_release")
+    held.start(lambda: ApprovalStore(a.tasks).release_waits())
+    second = ApprovalStore(b.tasks).release_waits()  # not blocked: the held wait is skipped
+    assert held.release()["released"] == 1
+    assert second == {"released": 0, "timed_out": 0, "dropped": 0}
+    d = dump(a.db)
+    assert d["tasks"][0]["state"] == "pending"
+    assert ApprovalStore(b.tasks).release_waits()["released"] == 0
+
+
+def _raised(op: Callable[[], Any]) -> Any:
+    """What ``op`` returned, or the exception it raised."""
+    try:
+        return op()
+    except Exception as exc:  # noqa: BLE001 - the test inspects it
+        return exc

@@ -26,10 +26,9 @@ from typing import TYPE_CHECKING, Any
 from broker_adapter.errors import EnvelopeError
 from broker_adapter.protocol.reply import CONFLICT_STATUS, conflict_body, reply_id_for
 from broker_adapter.store.inbox import AcceptItem, AcceptResult, Outcome, _forgotten, _hops
-from broker_adapter.store.lifecycle import TaskState
+from broker_adapter.store.lifecycle import TaskState, write_reply
+from broker_adapter.store.outbox import enqueue
 from broker_adapter.store.postgres.db import Conn
-from broker_adapter.store.postgres.lifecycle import write_reply
-from broker_adapter.store.postgres.outbox import enqueue
 
 if TYPE_CHECKING:
     from broker_adapter.store.postgres.tasks import PgTaskStore

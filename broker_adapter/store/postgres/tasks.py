@@ -25,11 +25,12 @@ from typing import Any
 
 from broker_adapter.clock import Clock, SystemClock
 from broker_adapter.config import DEFAULT_LEASE_S
-from broker_adapter.errors import StaleError
+from broker_adapter.errors import StaleError, TaskCancelled
 from broker_adapter.protocol.bounds import check_result
 from broker_adapter.protocol.reply import reply_id_for
 from broker_adapter.store import transitions
 from broker_adapter.store.fencing import TASK_HELD_STATE, held_params, held_sql, refusal
+from broker_adapter.store.housekeeping import reconcile_in
 from broker_adapter.store.inbox import (
     AcceptItem,
     AcceptResult,
@@ -38,12 +39,11 @@ from broker_adapter.store.inbox import (
     conflict_reply_id,
     new_task_ids,
 )
-from broker_adapter.store.lifecycle import TERMINAL_STATES, TaskState
+from broker_adapter.store.lifecycle import TERMINAL_STATES, TaskState, to_terminal
 from broker_adapter.store.outbox import SentMark
 from broker_adapter.store.postgres import settle
 from broker_adapter.store.postgres.db import Conn, PgDatabase, Row
 from broker_adapter.store.postgres.inbox import accept_in
-from broker_adapter.store.postgres.lifecycle import reconcile_in, to_terminal
 from broker_adapter.store.postgres.retention import purge_requests
 from broker_adapter.store.postgres.schema import CONFLICT_ID_KEY
 from broker_adapter.store.retention import PURGE_BATCH, PurgeBatch, whole_pass
@@ -192,7 +192,7 @@ class PgTaskStore:
         row = c.execute(
             f"UPDATE tasks SET {sets} WHERE task_id = %s AND {TASK_HELD}"
             " RETURNING state, owner, fence, lease_until, deadline, attempts, max_attempts,"
-            " principal, message_id, correlation_id, traceparent",
+            " principal, message_id, correlation_id, traceparent, cancel_requested_at",
             (*params, task_id, *held_params(fence, owner, now, deadline=True)),
         ).fetchone()
         if row is None:
@@ -213,12 +213,17 @@ class PgTaskStore:
         return why or StaleError(task_id, "lease_expired")  # the clock moved on meanwhile
 
     def renew(self, task_id: str, owner: str, fence: int) -> float:
-        """Extend the lease by ``policy.lease_s`` (fenced); returns the new ``lease_until``."""
+        """Extend the lease by ``policy.lease_s`` (fenced); returns the new ``lease_until``.
+        A task whose cancel was requested (``EffectsStore.request_cancel``) is renewed
+        during ``policy.cancel_grace_s``, then refused ``TaskCancelled`` (nothing written)."""
         now = self.clock.now()
         lease_until = now + self.policy.lease_s
         with self.db.write("renew") as c:
-            self._hold(c, task_id, owner, fence, "lease_until = %s, updated_at = %s",
-                       (lease_until, now))  # fmt: skip
+            row = self._hold(c, task_id, owner, fence, "lease_until = %s, updated_at = %s",
+                             (lease_until, now))  # fmt: skip
+            requested = row["cancel_requested_at"]
+            if requested is not None and now >= requested + self.policy.cancel_grace_s:
+                raise TaskCancelled(task_id)  # the grace is over: the renewal rolls back
         return lease_until
 
     def finish(self, task_id: str, owner: str, fence: int, result: Any) -> str:
@@ -284,16 +289,21 @@ class PgTaskStore:
 
     def refusal(self, task_id: str, owner: str, fence: int) -> StaleError | None:
         """Whether ``owner`` still holds ``task_id`` under ``fence`` (one read), the
-        deadline left to the caller."""
+        deadline left to the caller; a running task whose cancel was requested is refused
+        ``TaskCancelled`` (``TaskStore.refusal``)."""
         row = self.db.fetch_one(
-            "SELECT state, owner, fence, lease_until, deadline FROM tasks WHERE task_id = %s",
+            "SELECT state, owner, fence, lease_until, deadline, cancel_requested_at FROM tasks"
+            " WHERE task_id = %s",
             (task_id,),
         )
         if row is None:
             return StaleError(task_id, "not_running", "no such task")
-        return refusal(
+        refused = refusal(
             row, task_id, owner, fence, self.clock.now(), state=TASK_HELD_STATE, deadline=False
         )
+        if refused is None and row["cancel_requested_at"] is not None:
+            return TaskCancelled(task_id)  # requested (``EffectsStore.request_cancel``)
+        return refused
 
     def is_cancelled(self, task_id: str) -> bool:
         row = self.db.fetch_one("SELECT state FROM tasks WHERE task_id = %s", (task_id,))
