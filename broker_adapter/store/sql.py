@@ -16,6 +16,10 @@ What differs is named by the connection's ``dialect``:
 * ``skip_locked``: the same for a claim that must not wait on rows another transaction is
   taking (``FOR UPDATE SKIP LOCKED``): two workers never take the same row and never queue
   behind each other.
+* ``key_lock``: a statement that takes a transaction-scoped lock on one 64-bit key, for
+  writers that must serialise on something that is not a row yet (two accepts of one
+  request identity on two hosts): PostgreSQL's ``pg_advisory_xact_lock``; SQLite needs
+  none (``None``), its one writer is serial already.
 * ``text``: a free-text value (an error, a reason) as the database can hold it: PostgreSQL
   refuses a NUL character in ``text``, which becomes U+FFFD; SQLite keeps it.
 
@@ -40,6 +44,7 @@ class Dialect:
     name: Literal["sqlite", "postgresql"]
     for_update: str
     skip_locked: str
+    key_lock: str | None
     nul_free_text: bool
 
     def text(self, value: str | None) -> str | None:
@@ -49,10 +54,10 @@ class Dialect:
         return value.replace("\x00", "\ufffd")
 
 
-SQLITE: Final = Dialect("sqlite", for_update="", skip_locked="", nul_free_text=False)
+SQLITE: Final = Dialect("sqlite", for_update="", skip_locked="", key_lock=None, nul_free_text=False)
 POSTGRES: Final = Dialect(
     "postgresql", for_update=" FOR UPDATE", skip_locked=" FOR UPDATE SKIP LOCKED",
-    nul_free_text=True,
+    key_lock="SELECT pg_advisory_xact_lock(?)", nul_free_text=True,
 )  # fmt: skip
 
 

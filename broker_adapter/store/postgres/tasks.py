@@ -11,7 +11,7 @@ Concurrency, where SQLite had one writer at a time:
   its UPDATE: the check and the row lock are one statement, so nothing can change the row
   between them. When it matches nothing, a read of the row gives the precise refusal and
   nothing was written.
-* ``accept`` locks the identities of its batch first (``inbox.accept_in``).
+* ``accept`` locks the identities of its batch first (``store.inbox.accept_in``).
 
 A terminal state and its reply are written in one transaction (``lifecycle``).
 """
@@ -28,21 +28,13 @@ from broker_adapter.config import DEFAULT_LEASE_S
 from broker_adapter.errors import StaleError
 from broker_adapter.protocol.bounds import check_result
 from broker_adapter.protocol.reply import reply_id_for
-from broker_adapter.store import transitions
+from broker_adapter.store import inbox, transitions
 from broker_adapter.store.fencing import TASK_HELD_STATE, held_params, held_sql, refusal
-from broker_adapter.store.inbox import (
-    AcceptItem,
-    AcceptResult,
-    Intake,
-    Outcome,
-    conflict_reply_id,
-    new_task_ids,
-)
+from broker_adapter.store.inbox import AcceptItem, AcceptResult, Intake, conflict_reply_id
 from broker_adapter.store.lifecycle import TERMINAL_STATES, TaskState
 from broker_adapter.store.outbox import SentMark
 from broker_adapter.store.postgres import settle
 from broker_adapter.store.postgres.db import Conn, PgDatabase, Row
-from broker_adapter.store.postgres.inbox import accept_in
 from broker_adapter.store.postgres.lifecycle import reconcile_in, to_terminal
 from broker_adapter.store.postgres.retention import purge_requests
 from broker_adapter.store.postgres.schema import CONFLICT_ID_KEY
@@ -99,25 +91,9 @@ class PgTaskStore:
     def accept_and_claim(
         self, items: Sequence[AcceptItem], claim_for: Sequence[tuple[str, int]]
     ) -> Intake:
-        """``accept``, and in the same transaction a ``claim`` for each ``(owner, n)``."""
-        now = self.clock.now()
-        if not items:
-            return Intake([], [[] for _ in claim_for])
-        fingerprints = [item.envelope.fingerprint() for item in items]
-        payloads = [item.envelope.payload_json() for item in items]
-        ids = new_task_ids(len(items))
-        with self.db.write("accept") as c:
-            results = accept_in(self, c, items, now, fingerprints, payloads, ids)
-            stored = any(r.outcome is Outcome.STORED for r in results)
-            claimed = [
-                [(r["task_id"], r["fence"]) for r in self._claim_in(c, owner, n, now)]
-                if stored and n >= 1
-                else []
-                for owner, n in claim_for
-            ]
-        self._log_reconciled()
-        transitions.accepted(items, results)
-        return Intake(results, claimed)
+        """``accept``, and in the same transaction a ``claim`` for each ``(owner, n)``
+        (``inbox.accept_and_claim``)."""
+        return inbox.accept_and_claim(self, items, claim_for)
 
     # -- workers --------------------------------------------------------------------------
 
