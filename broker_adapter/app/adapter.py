@@ -50,12 +50,7 @@ from broker_adapter.stages.handoff import Handoff
 from broker_adapter.stages.ingest import Ingestor
 from broker_adapter.stages.ingest_config import IngestConfig
 from broker_adapter.stages.worker import WorkerConfig
-from broker_adapter.stages.worker_config import (
-    DEFAULT_CALL_TIMEOUT_S,
-    DEFAULT_GRACE_S,
-    EFFECTS_NEED_SQLITE,
-)
-from broker_adapter.store import TaskStore, open_database
+from broker_adapter.stages.worker_config import DEFAULT_CALL_TIMEOUT_S, DEFAULT_GRACE_S
 from broker_adapter.store.approvals import ApprovalStore
 from broker_adapter.store.backends import (
     is_postgres_url,
@@ -205,8 +200,6 @@ class Adapter:
         self.effect: EffectSpec | None = effect_spec(
             load_handler(config.handler, app_dir=config.app_dir)
         )
-        if self.effect is not None and config.on_postgres:
-            raise ConfigError(f"handler {config.handler}: {EFFECTS_NEED_SQLITE}")
         self.policy = TaskPolicy(lease_s=config.lease_s, retention_s=config.retention_s)
         # Create and migrate once, up front (a bad path or a newer schema fails here); a
         # database that another writer keeps locked is waited for in ``run``.
@@ -354,9 +347,9 @@ class Adapter:
         reconcile holds its task under a lease and a fence, and its function is called with
         a timeout, outside any transaction."""
         assert self.effect is not None
-        db = open_database(self.config.db_path, gate=gate)
+        db = open_store(self.config.db_path, gate=gate)
         try:
-            tasks = TaskStore(db, SystemClock(), self.policy)
+            tasks = task_store(db, SystemClock(), self.policy)
             owner = f"{self.config.name}-reconciler-{os.getpid()}"
             reconciler = Reconciler(EffectsStore(tasks), self.effect, owner)
             run_reconciles(stop, reconciler, ApprovalStore(tasks), self.log)

@@ -229,18 +229,13 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_cancel(args: argparse.Namespace) -> int:
-    from broker_adapter.store import TaskStore
     from broker_adapter.store.backends import open_store, task_store
     from broker_adapter.store.effects import EffectsStore
 
     db = open_store(args.db)  # a SQLite file or a postgresql:// URL
-    tasks = task_store(db)
-    if isinstance(tasks, TaskStore):
-        # A running task gets a cancel request (its handler sees it at its next check; its
-        # lease is no longer renewed after the grace); any other live task is cancelled now.
-        state = EffectsStore(tasks).request_cancel(args.task_id, args.reason)
-    else:  # PostgreSQL: no cancel requests yet (effects are SQLite's); cancelled outright
-        state = tasks.cancel(args.task_id, args.reason)
+    # A running task gets a cancel request (its handler sees it at its next check; its
+    # lease is no longer renewed after the grace); any other live task is cancelled now.
+    state = EffectsStore(task_store(db)).request_cancel(args.task_id, args.reason)
     out = {"task_id": args.task_id, "state": state.value}
     if state == "running":
         out["cancel_requested"] = True

@@ -1,7 +1,8 @@
 """The operator's commands for effects beyond our transaction: ``reconcile`` (an operator's
 answer for an ``unknown`` task), ``approve`` and ``revoke`` (approval records).
 
-Who may use them: whoever can write the adapter's database file. That is the authority the
+Who may use them: whoever can write the adapter's database (its SQLite file, or its
+PostgreSQL database: ``--db`` names either). That is the authority the
 whole adapter already trusts (a writer of the file can mark any task done), so a signature
 checked by the same processes that read the file would add nothing against that writer;
 what the records keep out is the agents, who reach the adapter only through signed stream
@@ -26,7 +27,7 @@ Option = Callable[..., None]
 def add_commands(sub: Any, option: Option, add_db: Callable[[Any, str], None]) -> None:
     """Add ``reconcile``, ``approve`` and ``revoke`` to the CLI's subcommands."""
     rec = sub.add_parser("reconcile", help="an operator's answer for an unknown task (audited)")
-    add_db(rec, "the adapter's SQLite database file (must exist)")
+    add_db(rec, "the adapter's database: a SQLite file (must exist) or a postgresql:// URL")
     rec.add_argument("task_id", help="the unknown task")
     rec.add_argument("--outcome", required=True, choices=("done", "not-done"),
                      help="done: the effect happened; not-done: it did not (a retry may"
@@ -37,7 +38,7 @@ def add_commands(sub: Any, option: Option, add_db: Callable[[Any, str], None]) -
     rec.add_argument("--note", default=None, help="kept in the reconcile record")
 
     app = sub.add_parser("approve", help="record an approval of an action on a target")
-    add_db(app, "the adapter's SQLite database file (must exist)")
+    add_db(app, "the adapter's database: a SQLite file (must exist) or a postgresql:// URL")
     app.add_argument("action", help="the action's name, as its handler declares it")
     app.add_argument("--target", required=True, help="what the action may act on")
     app.add_argument("--scope", required=True, help="within which scope")
@@ -46,7 +47,7 @@ def add_commands(sub: Any, option: Option, add_db: Callable[[Any, str], None]) -
     _add_by(app, option)
 
     rev = sub.add_parser("revoke", help="revoke an approval record")
-    add_db(rev, "the adapter's SQLite database file (must exist)")
+    add_db(rev, "the adapter's database: a SQLite file (must exist) or a postgresql:// URL")
     rev.add_argument("approval_id", help="the approval (as approve printed it)")
     _add_by(rev, option)
 
@@ -66,29 +67,16 @@ def _who(by: str) -> str:
     return f"{by.strip()} (os user {user})"
 
 
-def _sqlite_db(target: str) -> str:
-    """``target`` when it is a SQLite path; a ``postgresql://`` URL is refused (effects and
-    approvals are the SQLite store's for now), never taken for a file name."""
-    from broker_adapter.store.backends import is_postgres_url
-
-    if is_postgres_url(target):
-        raise ConfigError(
-            "effects need the SQLite store for now: approvals and reconciles cannot be kept"
-            " in a postgresql:// database"
-        )
-    return target
-
-
 def cmd_reconcile(args: argparse.Namespace) -> int:
-    from broker_adapter.store import TaskStore, open_database
+    from broker_adapter.store.backends import open_store, task_store
     from broker_adapter.store.effects import EffectsStore
 
     try:
         observed = json.loads(args.result)
     except ValueError as exc:
         raise ConfigError(f"--result is not JSON: {exc}") from None
-    with open_database(_sqlite_db(args.db)) as db:
-        state = EffectsStore(TaskStore(db)).operator_resolve(
+    with open_store(args.db) as db:
+        state = EffectsStore(task_store(db)).operator_resolve(
             args.task_id, args.outcome, _who(args.by), observed=observed, note=args.note
         )
     print(json.dumps({"task_id": args.task_id, "state": state.value}, sort_keys=True))
@@ -96,13 +84,13 @@ def cmd_reconcile(args: argparse.Namespace) -> int:
 
 
 def cmd_approve(args: argparse.Namespace) -> int:
-    from broker_adapter.store import TaskStore, open_database
     from broker_adapter.store.approvals import ApprovalStore
+    from broker_adapter.store.backends import open_store, task_store
 
     if args.expires_in <= 0:
         raise ConfigError("--expires-in must be above 0")
-    with open_database(_sqlite_db(args.db)) as db:
-        store = ApprovalStore(TaskStore(db))
+    with open_store(args.db) as db:
+        store = ApprovalStore(task_store(db))
         try:
             approval_id = store.grant_approval(args.action, args.target, args.scope,
                                                _who(args.by),
@@ -114,11 +102,11 @@ def cmd_approve(args: argparse.Namespace) -> int:
 
 
 def cmd_revoke(args: argparse.Namespace) -> int:
-    from broker_adapter.store import TaskStore, open_database
     from broker_adapter.store.approvals import ApprovalStore
+    from broker_adapter.store.backends import open_store, task_store
 
-    with open_database(_sqlite_db(args.db)) as db:
-        revoked = ApprovalStore(TaskStore(db)).revoke_approval(args.approval_id, _who(args.by))
+    with open_store(args.db) as db:
+        revoked = ApprovalStore(task_store(db)).revoke_approval(args.approval_id, _who(args.by))
     print(json.dumps({"approval_id": args.approval_id, "revoked": revoked}, sort_keys=True))
     return 0 if revoked else 1
 

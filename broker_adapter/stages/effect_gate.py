@@ -38,8 +38,7 @@ from broker_adapter.stages.task import Task, TaskControl
 from broker_adapter.stages.worker_config import WorkerStats
 from broker_adapter.store import transitions
 from broker_adapter.store.approvals import ApprovalStore
-from broker_adapter.store.effects import EffectsStore
-from broker_adapter.store.tasks import TaskStore
+from broker_adapter.store.effects import EffectsStore, EffectTasks
 
 
 def call_end(task: Task, outcome: CallOutcome) -> CallEnd:
@@ -85,7 +84,7 @@ class EffectGate:
     """
 
     def __init__(
-        self, tasks: TaskStore, spec: EffectSpec, leases: Leases, approval_timeout_s: float,
+        self, tasks: EffectTasks, spec: EffectSpec, leases: Leases, approval_timeout_s: float,
         stats: WorkerStats, log: logging.Logger,
     ) -> None:  # fmt: skip
         self.tasks = tasks

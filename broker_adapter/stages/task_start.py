@@ -23,7 +23,7 @@ from broker_adapter.stages.worker_config import WorkerStats
 from broker_adapter.store import transitions
 from broker_adapter.store.effects import EffectsStore
 from broker_adapter.store.interface import TaskStoreAPI
-from broker_adapter.store.tasks import ClaimedTask, TaskStore
+from broker_adapter.store.tasks import ClaimedTask
 
 
 class TaskStart:
@@ -86,8 +86,6 @@ class TaskStart:
         """End a running task whose cancel was requested (``EffectsStore.request_cancel``)
         as ``cancelled``, its reply saying ``what`` happened; nothing when it was cancelled
         outright (``TaskStore.cancel``: already terminal)."""
-        if not isinstance(self.tasks, TaskStore):
-            return  # no cancel requests there (see ``EFFECTS_NEED_SQLITE``): cancelled outright
         if self._cancels is None:
             self._cancels = EffectsStore(self.tasks)
         try:

@@ -59,7 +59,6 @@ from broker_adapter.stages.publish import (
 from broker_adapter.stages.task import Task
 from broker_adapter.stages.task_start import TaskStart
 from broker_adapter.stages.worker_config import (
-    EFFECTS_NEED_SQLITE,
     HANDLER_TIME_WEIGHT,
     INITIAL_CLAIM,
     WorkerMetricsSink,
@@ -188,8 +187,6 @@ class Worker:
         #: handler (its only cost: this check per task).
         self.effects: EffectGate | None = None
         if spec is not None:
-            if not isinstance(tasks, TaskStore):
-                raise ConfigError(EFFECTS_NEED_SQLITE)
             self.effects = EffectGate(
                 tasks, spec, self.leases, config.approval_timeout_s, self.stats, self.log
             )

@@ -124,13 +124,6 @@ class WorkerMetricsSink(Protocol):
     def sync(self, stats: WorkerStats, publish: DispatcherStats, takeovers: int) -> None: ...
 
 
-#: Why a worker on a store other than SQLite's refuses a handler declaring a side effect:
-#: effects, approvals, reconciles and running-task cancel requests (``store.effects``,
-#: ``store.approvals``) are SQLite's only for now.
-EFFECTS_NEED_SQLITE = (
-    "effects need the SQLite store for now: a handler declaring @side_effect cannot run on"
-    " a postgresql:// database"
-)
 #: The first claim of a worker takes at most this many tasks (no handler time known yet).
 INITIAL_CLAIM = 4
 #: Weight of the newest handler time in the running average that sizes claims.

@@ -13,17 +13,19 @@ authenticated (the CLI, an API): nothing in a task's payload can make or stand f
 without one it parks the task (``wait_for_approval``), and ``release_waits`` sends it back
 to ``pending`` once a record exists, or ends it when its wait is over. Each method is one
 short transaction with no handler, network or Redis call in it (``docs/RULES.md`` rule 9).
+Both stores keep them (``store.sql``); ``release_waits`` locks the waits it acts on and skips
+those another process is releasing (``dialect.skip_locked``).
 """
 
 from __future__ import annotations
 
 import os
-import sqlite3
 from dataclasses import dataclass
 
 from broker_adapter.errors import StaleError
-from broker_adapter.store.lifecycle import to_terminal
-from broker_adapter.store.tasks import TaskState, TaskStore
+from broker_adapter.store.effects import EffectTasks
+from broker_adapter.store.lifecycle import TaskState, to_terminal
+from broker_adapter.store.sql import Conn
 
 
 @dataclass(frozen=True)
@@ -46,10 +48,10 @@ class ApprovalStore:
     """The approval records and waits on the database of ``tasks``.
 
     Args:
-        tasks: the task store (its clock; its terminal writes make the replies).
+        tasks: the task store, either backend's (its database and clock).
     """
 
-    def __init__(self, tasks: TaskStore) -> None:
+    def __init__(self, tasks: EffectTasks) -> None:
         self.tasks = tasks
         self.db = tasks.db
         self.clock = tasks.clock
@@ -136,8 +138,10 @@ class ApprovalStore:
                 )
             until = min(now + timeout_s, float(row["deadline"]))
             c.execute(
-                "INSERT OR REPLACE INTO approval_waits (task_id, action, target, scope, since,"
-                " until) VALUES (?, ?, ?, ?, ?, ?)",
+                "INSERT INTO approval_waits (task_id, action, target, scope, since, until)"
+                " VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (task_id) DO UPDATE SET"
+                " action = excluded.action, target = excluded.target, scope = excluded.scope,"
+                " since = excluded.since, until = excluded.until",
                 (task_id, action, target, scope, now, until),
             )
         return until
@@ -158,7 +162,8 @@ class ApprovalStore:
                 " EXISTS (SELECT 1 FROM approvals a WHERE a.action = w.action"
                 " AND a.target = w.target AND a.scope = w.scope AND a.expires_at > ?"
                 " AND a.granted_at <= ? AND a.revoked_at IS NULL) AS approved"
-                " FROM approval_waits w JOIN tasks t ON t.task_id = w.task_id",
+                " FROM approval_waits w JOIN tasks t ON t.task_id = w.task_id"
+                f"{c.dialect.skip_locked}",
                 (now, now),
             ).fetchall()
             for r in rows:
@@ -190,15 +195,15 @@ class ApprovalStore:
             return approval_counts(c, self.clock.now())
 
 
-def approval_counts(c: sqlite3.Connection, now: float) -> dict[str, int]:
+def approval_counts(c: Conn, now: float) -> dict[str, int]:
     """``waiting_approval`` (tasks waiting) and approvals ``approvals_valid``,
     ``approvals_expired``, ``approvals_revoked``, read in the caller's read transaction."""
-    waiting = c.execute("SELECT count(*) FROM approval_waits").fetchone()[0]
-    valid, expired, revoked = c.execute(
-        "SELECT count(*) FILTER (WHERE revoked_at IS NULL AND expires_at > ?),"
-        " count(*) FILTER (WHERE revoked_at IS NULL AND expires_at <= ?),"
-        " count(revoked_at) FROM approvals",
+    waiting = c.execute("SELECT count(*) AS n FROM approval_waits").fetchone()["n"]
+    row = c.execute(
+        "SELECT count(*) FILTER (WHERE revoked_at IS NULL AND expires_at > ?) AS valid,"
+        " count(*) FILTER (WHERE revoked_at IS NULL AND expires_at <= ?) AS expired,"
+        " count(revoked_at) AS revoked FROM approvals",
         (now, now),
     ).fetchone()
-    return {"waiting_approval": waiting, "approvals_valid": valid,
-            "approvals_expired": expired, "approvals_revoked": revoked}  # fmt: skip
+    return {"waiting_approval": waiting, "approvals_valid": row["valid"],
+            "approvals_expired": row["expired"], "approvals_revoked": row["revoked"]}  # fmt: skip

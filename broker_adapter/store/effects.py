@@ -23,20 +23,27 @@ to ``reconcile_log`` in the transaction that acts on it. A compensation has one 
 No handler, network or Redis call runs inside these transactions (``docs/RULES.md`` rule 9):
 each method is one short transaction; the reconcile and compensation functions run between
 them.
+
+Both stores keep these records (``store.sql``: one SQL text). Where a method reads a row and
+then writes it, the read takes the row's lock (``dialect.for_update``), and the reconcile
+claim skips the rows another reconciler is taking (``dialect.skip_locked``), so several
+processes on one PostgreSQL database never take one task twice nor act on a row that moved
+under them; on SQLite, one writer at a time, both clauses are empty.
 """
 
 from __future__ import annotations
 
 import json
-import sqlite3
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
+from broker_adapter.clock import Clock
 from broker_adapter.errors import FencedError, StaleError, TaskCancelled
 from broker_adapter.protocol.bounds import check_result
 from broker_adapter.protocol.canonical import canonical_json
-from broker_adapter.store.housekeeping import unknown_from_lapsed_in
+from broker_adapter.store.housekeeping import indexed_by, unknown_from_lapsed_in
 from broker_adapter.store.lifecycle import to_terminal
+from broker_adapter.store.sql import Conn, Db
 from broker_adapter.store.tasks import ClaimedTask, TaskState, TaskStore, UnknownTask
 
 ReconcileOutcome = Literal["done", "not-done", "unknown"]
@@ -82,14 +89,27 @@ _CLAIM_COLUMNS = (
 )
 
 
+class EffectTasks(Protocol):
+    """What the effect and approval records need of a task store, either backend's
+    (``TaskStore``, ``PgTaskStore``): its database, its clock, and its answers for a
+    refused holder and a cancel."""
+
+    @property
+    def db(self) -> Db: ...
+    @property
+    def clock(self) -> Clock: ...
+    def refusal(self, task_id: str, owner: str, fence: int) -> StaleError | None: ...
+    def cancel(self, task_id: str, reason: str = "cancelled") -> TaskState: ...
+
+
 class EffectsStore:
-    """The effect records on the database of ``tasks``, with its clock and policy.
+    """The effect records on the database of ``tasks``, with its clock.
 
     Args:
-        tasks: the task store (its terminal writes make the replies).
+        tasks: the task store, either backend's.
     """
 
-    def __init__(self, tasks: TaskStore) -> None:
+    def __init__(self, tasks: EffectTasks) -> None:
         self.tasks = tasks
         self.db = tasks.db
         self.clock = tasks.clock
@@ -110,7 +130,9 @@ class EffectsStore:
         """
         now = self.clock.now()
         with self.db.write("cancel_request") as c:
-            row = c.execute("SELECT state FROM tasks WHERE task_id = ?", (task_id,)).fetchone()
+            row = c.execute(
+                f"SELECT state FROM tasks WHERE task_id = ?{c.dialect.for_update}", (task_id,)
+            ).fetchone()
             if row is None:
                 raise UnknownTask(task_id)
             if row["state"] == TaskState.RUNNING:
@@ -130,12 +152,14 @@ class EffectsStore:
         with self.db.write("cancel_request") as c:
             row = c.execute(
                 "SELECT cancel_requested_at FROM tasks WHERE task_id = ? AND state = 'running'"
-                " AND owner = ? AND fence = ? AND cancel_requested_at IS NOT NULL",
+                f" AND owner = ? AND fence = ? AND cancel_requested_at IS NOT NULL"
+                f"{c.dialect.for_update}",
                 (task_id, owner, fence),
             ).fetchone()
             if row is None:
                 return False
-            error = f"cancel requested {now - row[0]:.3f} s before the handler stopped; {what}"
+            since = row["cancel_requested_at"]
+            error = f"cancel requested {now - since:.3f} s before the handler stopped; {what}"
             to_terminal(c, task_id, TaskState.CANCELLED, now, error=error)
         return True
 
@@ -144,7 +168,9 @@ class EffectsStore:
         row = self.db.fetch_one(
             "SELECT cancel_requested_at FROM tasks WHERE task_id = ?", (task_id,)
         )
-        return None if row is None or row[0] is None else float(row[0])
+        if row is None or row["cancel_requested_at"] is None:
+            return None
+        return float(row["cancel_requested_at"])
 
     # -- entering unknown -----------------------------------------------------------------
 
@@ -185,13 +211,13 @@ class EffectsStore:
                 " not_before = ?, error = ?, reconcile_tries = 0, operator_since = NULL,"
                 " updated_at = ? WHERE task_id = ? AND state = 'running' AND owner = ?"
                 " AND fence = ? AND lease_until > ?",
-                (now, reason, now, task_id, owner, fence, now),
+                (now, self.db.dialect.text(reason), now, task_id, owner, fence, now),
             ).rowcount
         if not hit:
             raise self.tasks.refusal(task_id, owner, fence) or StaleError(task_id, "lease_expired")
 
     @staticmethod
-    def unknown_from_lapsed_claims(c: sqlite3.Connection, now: float) -> int:
+    def unknown_from_lapsed_claims(c: Conn, now: float) -> int:
         """``housekeeping.unknown_from_lapsed_in``: the store's take-back of leases and
         deadlines runs it first in its transaction (``reconcile_in``); here for callers
         holding a transaction of their own. Returns how many went to ``unknown``."""
@@ -216,10 +242,10 @@ class EffectsStore:
         with self.db.write("claim_unknown") as c:
             rows = c.execute(
                 "UPDATE tasks SET owner = ?, lease_until = ?, not_before = ?, fence = fence + 1,"
-                " updated_at = ? WHERE task_id IN (SELECT task_id FROM tasks INDEXED BY"
-                " tasks_unknown WHERE state = 'unknown' AND not_before <= ?"
-                " AND operator_since IS NULL ORDER BY not_before LIMIT ?)"
-                f" RETURNING {_CLAIM_COLUMNS}",
+                " updated_at = ? WHERE task_id IN (SELECT task_id FROM tasks"
+                f"{indexed_by(c.dialect, 'tasks_unknown')} WHERE state = 'unknown'"
+                " AND not_before <= ? AND operator_since IS NULL ORDER BY not_before LIMIT ?"
+                f"{c.dialect.skip_locked}) RETURNING {_CLAIM_COLUMNS}",
                 (owner, until, until, now, now, n),
             ).fetchall()
         return [
@@ -314,7 +340,7 @@ class EffectsStore:
                 found = state.fetchone()
                 if found is None:
                     raise UnknownTask(task_id)
-                raise StaleError(task_id, "not_unknown", f"state is {found[0]}")
+                raise StaleError(task_id, "not_unknown", f"state is {found['state']}")
             fence = int(row["fence"])
             if encoded is not None:
                 self._done_in(c, task_id, by, fence, encoded, note, now)
@@ -326,19 +352,18 @@ class EffectsStore:
         with self.db.read() as c:
             rows = c.execute(
                 "SELECT task_id, outcome, by_whom, at, fence, observed, note FROM reconcile_log"
-                " WHERE task_id = ? ORDER BY at, rowid",
+                " WHERE task_id = ? ORDER BY at, fence",
                 (task_id,),
             ).fetchall()
         return [ReconcileRecord(**{**dict(r), "observed": _loads(r["observed"])}) for r in rows]
 
-    def _unknown_holder(
-        self, c: sqlite3.Connection, task_id: str, owner: str, fence: int, now: float
-    ) -> sqlite3.Row:
+    def _unknown_holder(self, c: Conn, task_id: str, owner: str, fence: int, now: float) -> Any:
         """Rule 10 for a reconcile: the task is ``unknown``, held by ``owner`` under
-        ``fence``, the lease not run out (the deadline does not count here)."""
-        row: sqlite3.Row | None = c.execute(
+        ``fence``, the lease not run out (the deadline does not count here). The row stays
+        locked for the caller's writes (``for_update``)."""
+        row = c.execute(
             "SELECT task_id, state, owner, fence, lease_until, attempts, max_attempts, deadline"
-            " FROM tasks WHERE task_id = ?",
+            f" FROM tasks WHERE task_id = ?{c.dialect.for_update}",
             (task_id,),
         ).fetchone()
         if row is None:
@@ -356,7 +381,7 @@ class EffectsStore:
         return row
 
     def _done_in(
-        self, c: sqlite3.Connection, task_id: str, by: str, fence: int, encoded: str,
+        self, c: Conn, task_id: str, by: str, fence: int, encoded: str,
         note: str | None, now: float,
     ) -> str:  # fmt: skip
         self._log(c, task_id, "done", by, fence, encoded, note, now, raw=True)
@@ -364,7 +389,7 @@ class EffectsStore:
         return to_terminal(c, task_id, TaskState.DONE, now, result=encoded, effects=effects)
 
     def _not_done_in(
-        self, c: sqlite3.Connection, row: sqlite3.Row, by: str, fence: int, observed: Any,
+        self, c: Conn, row: Any, by: str, fence: int, observed: Any,
         note: str | None, now: float,
     ) -> TaskState:  # fmt: skip
         task_id = row["task_id"]
@@ -391,14 +416,14 @@ class EffectsStore:
 
     @staticmethod
     def _log(
-        c: sqlite3.Connection, task_id: str, outcome: ReconcileOutcome, by: str, fence: int,
+        c: Conn, task_id: str, outcome: ReconcileOutcome, by: str, fence: int,
         observed: Any, note: str | None, now: float, *, raw: bool = False,
     ) -> None:  # fmt: skip
         text = observed if raw else None if observed is None else canonical_json(observed).decode()
         c.execute(
             "INSERT INTO reconcile_log (task_id, outcome, by_whom, at, fence, observed, note)"
             " VALUES (?, ?, ?, ?, ?, ?, ?)",
-            (task_id, outcome, by, now, fence, text, note),
+            (task_id, outcome, by, now, fence, text, c.dialect.text(note)),
         )
 
     # -- compensation ---------------------------------------------------------------------
@@ -418,9 +443,10 @@ class EffectsStore:
             self._unknown_holder(c, task_id, owner, fence, now)
             return bool(
                 c.execute(
-                    "INSERT OR IGNORE INTO compensations (task_id, kind, by_whom, fence, what,"
-                    " started_at, outcome) VALUES (?, ?, ?, ?, ?, ?, 'started')",
-                    (task_id, kind, owner, fence, what, now),
+                    "INSERT INTO compensations (task_id, kind, by_whom, fence, what,"
+                    " started_at, outcome) VALUES (?, ?, ?, ?, ?, ?, 'started')"
+                    " ON CONFLICT DO NOTHING",
+                    (task_id, kind, owner, fence, c.dialect.text(what), now),
                 ).rowcount
             )
 
@@ -435,7 +461,7 @@ class EffectsStore:
                 c.execute(
                     "UPDATE compensations SET outcome = ?, detail = ?, ended_at = ?"
                     " WHERE task_id = ? AND kind = ? AND outcome = 'started'",
-                    (outcome, detail, now, task_id, kind),
+                    (outcome, c.dialect.text(detail), now, task_id, kind),
                 ).rowcount
             )
 
@@ -456,33 +482,31 @@ class EffectsStore:
             return effect_counts(c)
 
 
-def effect_counts(c: sqlite3.Connection) -> dict[str, int]:
+def effect_counts(c: Conn) -> dict[str, int]:
     """``unknown`` tasks, those ``awaiting_operator``, reconciles by outcome
     (``reconciled_<outcome>``) and compensations by outcome (``compensations_<outcome>``),
     read in the caller's read transaction (``report.snapshot``)."""
-    unknown, operator = c.execute(
-        "SELECT count(*), count(operator_since) FROM tasks WHERE state = 'unknown'"
+    row = c.execute(
+        "SELECT count(*) AS n, count(operator_since) AS waiting FROM tasks WHERE state = 'unknown'"
     ).fetchone()
-    out = {"unknown": unknown, "awaiting_operator": operator}
+    out = {"unknown": row["n"], "awaiting_operator": row["waiting"]}
     for outcome in ("done", "not-done", "unknown"):
         out[f"reconciled_{outcome}"] = 0
-    logged = c.execute("SELECT outcome, count(*) FROM reconcile_log GROUP BY outcome")
-    out.update({f"reconciled_{o}": n for o, n in logged.fetchall()})
+    logged = c.execute("SELECT outcome, count(*) AS n FROM reconcile_log GROUP BY outcome")
+    out.update({f"reconciled_{r['outcome']}": r["n"] for r in logged.fetchall()})
     for outcome in ("started", "done", "failed"):
         out[f"compensations_{outcome}"] = 0
-    comp = c.execute("SELECT outcome, count(*) FROM compensations GROUP BY outcome")
-    out.update({f"compensations_{o}": n for o, n in comp.fetchall()})
+    comp = c.execute("SELECT outcome, count(*) AS n FROM compensations GROUP BY outcome")
+    out.update({f"compensations_{r['outcome']}": r["n"] for r in comp.fetchall()})
     return out
 
 
-def _reply_member(
-    c: sqlite3.Connection, task_id: str, outcome: str, by: str, note: str | None
-) -> dict[str, Any]:
+def _reply_member(c: Conn, task_id: str, outcome: str, by: str, note: str | None) -> dict[str, Any]:
     """The reply body's ``effects`` member for a task a reconcile ends: how it was
     reconciled (``outcome``, ``by``, ``note``, and ``tries`` that found nothing before) and
     its compensations (``docs/PROTOCOL.md`` section 11)."""
-    tries = c.execute("SELECT count(*) FROM reconcile_log WHERE task_id = ? AND outcome ="
-                      " 'unknown'", (task_id,)).fetchone()[0]  # fmt: skip
+    tries = c.execute("SELECT count(*) AS n FROM reconcile_log WHERE task_id = ? AND outcome ="
+                      " 'unknown'", (task_id,)).fetchone()["n"]  # fmt: skip
     member: dict[str, Any] = {
         "reconciled": {"outcome": outcome, "by": by, "note": note, "tries": tries},
     }

@@ -26,12 +26,16 @@ from broker_adapter.store.outbox import OutboxPolicy, OutboxRow, SentMark
 from broker_adapter.store.receipts import AppliedItem, Effect, Receipt, ReceiptItem
 from broker_adapter.store.retention import PurgeBatch
 from broker_adapter.store.settle import SettledBatch, Settlement
+from broker_adapter.store.sql import Db
 from broker_adapter.store.tasks import ClaimedTask, TaskPolicy, TaskRow
 
 
 class TaskStoreAPI(Protocol):
-    """The inbox and the task state machine (``tasks.TaskStore``)."""
+    """The inbox and the task state machine (``tasks.TaskStore``); its ``db`` is what the
+    effect and approval records are kept on (``effects.EffectTasks``)."""
 
+    @property
+    def db(self) -> Db: ...
     @property
     def clock(self) -> Clock: ...
     @property

@@ -16,12 +16,12 @@
 Every arrow into a terminal state (``to_terminal``; an accept that stores a task terminal
 at once writes only its reply, ``write_reply``) writes the task's reply into the outbox in
 the same transaction. The unique index on the outbox's ``task_id`` makes a second terminal
-reply impossible.
+reply impossible. Both stores run these functions (``store.sql``: portable SQL on the
+caller's ``Conn``).
 """
 
 from __future__ import annotations
 
-import sqlite3
 from collections.abc import Mapping
 from enum import StrEnum
 from typing import Any
@@ -29,6 +29,7 @@ from typing import Any
 from broker_adapter.errors import StaleError
 from broker_adapter.protocol.reply import encode_body, reply_id_for, terminal_body
 from broker_adapter.store.outbox import PublisherClaim, enqueue_encoded
+from broker_adapter.store.sql import Conn
 
 
 class TaskState(StrEnum):
@@ -53,20 +54,20 @@ LIVE_STATES = frozenset({TaskState.PENDING, TaskState.RUNNING, TaskState.WAITING
 ReplyKey = tuple[str, str, str | None, int, int]
 
 
-def reply_key(row: sqlite3.Row | Mapping[str, Any]) -> ReplyKey:
+def reply_key(row: Any) -> ReplyKey:
     """The ``ReplyKey`` of a task row."""
     return (row["principal"], row["message_id"], row["correlation_id"], row["attempts"],
             row["fence"])  # fmt: skip
 
 
 def write_reply(
-    c: sqlite3.Connection,
+    c: Conn,
     task_id: str,
     state: TaskState,
     result: str | None,
     error: str | None,
     now: float,
-    t: sqlite3.Row | Mapping[str, Any] | None = None,
+    t: Any = None,
     encoded: tuple[bytes, str] | None = None,
     claim: PublisherClaim | None = None,
     effects: Mapping[str, Any] | None = None,
@@ -74,8 +75,9 @@ def write_reply(
     """Write the terminal reply of ``task_id`` into the outbox (the caller's transaction).
 
     Args:
-        t: the task's ``principal``, ``message_id``, ``correlation_id``, ``attempts`` and
-            ``fence``, if already read in this transaction (spares a lookup).
+        t: the task's ``principal``, ``message_id``, ``correlation_id``, ``attempts``,
+            ``fence`` and ``traceparent`` (a row or a mapping), if already read in this
+            transaction (spares a lookup).
         encoded: the body from ``encode_body``, if built before the transaction from them.
         claim: write the reply already claimed by that publisher (``enqueue_encoded``).
 
@@ -108,14 +110,14 @@ def write_reply(
 
 
 def to_terminal(
-    c: sqlite3.Connection,
+    c: Conn,
     task_id: str,
     state: TaskState,
     now: float,
     *,
     result: str | None = None,
     error: str | None = None,
-    row: sqlite3.Row | Mapping[str, Any] | None = None,
+    row: Any = None,
     encoded: tuple[bytes, str] | None = None,
     claim: PublisherClaim | None = None,
     effects: Mapping[str, Any] | None = None,
@@ -124,6 +126,6 @@ def to_terminal(
     c.execute(
         "UPDATE tasks SET state = ?, owner = NULL, lease_until = NULL, updated_at = ?,"
         " finished_at = ?, result = ?, error = ? WHERE task_id = ?",
-        (state.value, now, now, result, error, task_id),
+        (state.value, now, now, result, c.dialect.text(error), task_id),
     )
     return write_reply(c, task_id, state, result, error, now, row, encoded, claim, effects)

@@ -21,7 +21,7 @@ import builtins
 import random
 import sqlite3
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from pydantic import Field
@@ -33,6 +33,7 @@ from broker_adapter.errors import BrokerAdapterError, StaleError
 from broker_adapter.protocol.reply import encode_body
 from broker_adapter.store.db import Database
 from broker_adapter.store.fencing import REPLY_HELD, REPLY_HELD_STATE, held_params, refusal
+from broker_adapter.store.sql import Conn
 
 OUTBOX_STATES = ("pending", "sending", "sent", "dead")
 
@@ -91,7 +92,7 @@ class UnknownReply(BrokerAdapterError, KeyError):
 
 
 def enqueue(
-    conn: sqlite3.Connection,
+    conn: Conn,
     *,
     reply_id: str,
     task_id: str | None,
@@ -101,7 +102,8 @@ def enqueue(
     body: dict[str, Any],
     now: float,
 ) -> bool:
-    """Insert a reply inside the caller's open transaction. Returns False if it existed."""
+    """Insert a reply inside the caller's open transaction (either store's: ``store.sql``).
+    Returns False if it existed."""
     data, content_hash = encode_body(body)
     return enqueue_encoded(
         conn, reply_id=reply_id, task_id=task_id, principal=principal, message_id=message_id,
@@ -110,7 +112,7 @@ def enqueue(
 
 
 def enqueue_encoded(
-    conn: sqlite3.Connection,
+    conn: Conn,
     *,
     reply_id: str,
     task_id: str | None,
@@ -127,27 +129,30 @@ def enqueue_encoded(
 
     With ``claim`` the row is written already claimed by that publisher (``sending``, its
     owner and lease, attempts 1, fence 1: what ``OutboxStore.claim`` would set) and is
-    appended to ``claim.rows``; nobody else takes it before the lease runs out.
+    appended to ``claim.rows``; nobody else takes it before the lease runs out. A reply id,
+    or a task's one reply, already there is skipped (``ON CONFLICT DO NOTHING``).
     """
     if claim is None:
         cur = conn.execute(
-            "INSERT OR IGNORE INTO outbox (reply_id, task_id, principal, message_id, status,"
+            "INSERT INTO outbox (reply_id, task_id, principal, message_id, status,"
             " body, content_hash, state, not_before, created_at)"
-            " VALUES (?, ?, ?, ?, ?, ?, ?, 'pending', ?, ?)",
+            " VALUES (?, ?, ?, ?, ?, ?, ?, 'pending', ?, ?) ON CONFLICT DO NOTHING",
             (reply_id, task_id, principal, message_id, status, data, content_hash, now, now),
         )
         return cur.rowcount == 1
     row = conn.execute(
-        "INSERT OR IGNORE INTO outbox (reply_id, task_id, principal, message_id, status, body,"
+        "INSERT INTO outbox (reply_id, task_id, principal, message_id, status, body,"
         " content_hash, state, owner, lease_until, attempts, fence, not_before, created_at)"
         " VALUES (?, ?, ?, ?, ?, ?, ?, 'sending', ?, ?, 1, 1, ?, ?)"
-        f" RETURNING {_COLUMNS}",
+        f" ON CONFLICT DO NOTHING RETURNING {_COLUMNS}",
         (reply_id, task_id, principal, message_id, status, data, content_hash, claim.owner,
          claim.lease_until, now, now),
     ).fetchone()  # fmt: skip
     if row is None:
         return False
-    claim.rows.append(OutboxRow.from_row(row))
+    written = OutboxRow.from_row(row)
+    # The body as ``bytes`` (a driver may hand ``bytea`` back as another buffer type).
+    claim.rows.append(written if type(written.body) is bytes else replace(written, body=data))
     return True
 
 

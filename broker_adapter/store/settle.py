@@ -31,6 +31,7 @@ from broker_adapter.protocol.reply import encode_body, terminal_body
 from broker_adapter.store.fencing import TASK_HELD, held_params
 from broker_adapter.store.lifecycle import ReplyKey, TaskState, reply_key, to_terminal, write_reply
 from broker_adapter.store.outbox import OutboxRow, PublisherClaim, SentMark, mark_sent_in
+from broker_adapter.store.sql import SqliteConnection
 
 if TYPE_CHECKING:
     from broker_adapter.store.tasks import ClaimedTask, TaskStore
@@ -166,7 +167,7 @@ def settle(
 
 
 def _mark_done(
-    store: TaskStore, c: sqlite3.Connection, item: Settlement, now: float,
+    store: TaskStore, c: SqliteConnection, item: Settlement, now: float,
     out: list[SettleResult],
 ) -> sqlite3.Row | None:  # fmt: skip
     """Mark one item ``done`` (``_MARK_DONE``, the holder check its WHERE clause). When it
@@ -188,7 +189,7 @@ def _mark_done(
 
 
 def _done_reply_write(
-    c: sqlite3.Connection,
+    c: SqliteConnection,
     item: Settlement,
     row: sqlite3.Row,
     body: tuple[ReplyKey, tuple[bytes, str]] | None,
@@ -206,7 +207,7 @@ def _done_reply_write(
 
 
 def _fail_row(
-    store: TaskStore, c: sqlite3.Connection, row: sqlite3.Row, task_id: str, error: str,
+    store: TaskStore, c: SqliteConnection, row: sqlite3.Row, task_id: str, error: str,
     retryable: bool, now: float, claim: PublisherClaim | None = None,
 ) -> FailOutcome:  # fmt: skip
     if retryable and row["attempts"] < row["max_attempts"]:

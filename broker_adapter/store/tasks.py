@@ -51,6 +51,7 @@ from broker_adapter.store.retention import (
     whole_pass,
 )
 from broker_adapter.store.settle import FailOutcome, SettledBatch, Settlement, SettleResult
+from broker_adapter.store.sql import SqliteConnection
 from broker_adapter.store.task_types import ClaimedTask, TaskPolicy, TaskRow, UnknownTask
 
 __all__ = [
@@ -148,7 +149,7 @@ class TaskStore:
         self._log_reconciled()
         return self._claimed(rows, owner, now)
 
-    def _claim_in(self, c: sqlite3.Connection, owner: str, n: int, now: float) -> list[sqlite3.Row]:
+    def _claim_in(self, c: SqliteConnection, owner: str, n: int, now: float) -> list[sqlite3.Row]:
         """``claim``'s writes inside the caller's transaction; rows in claim order."""
         self._reconcile(c, now)
         ids = [
@@ -227,7 +228,7 @@ class TaskStore:
             traceparent=r["traceparent"],
         )
 
-    def _holder(self, c: sqlite3.Connection, task_id: str, owner: str, fence: int) -> sqlite3.Row:
+    def _holder(self, c: SqliteConnection, task_id: str, owner: str, fence: int) -> sqlite3.Row:
         """Check rule 10 (``fencing.refusal``); raise ``StaleError`` (and roll back) if any
         part fails. Returns the row (what ``lifecycle.write_reply`` and a failure need)."""
         row: sqlite3.Row | None = c.execute(
@@ -409,7 +410,7 @@ class TaskStore:
         taken, self._reconciled = self._reconciled, []
         transitions.reconciled(taken)
 
-    def _reconcile(self, c: sqlite3.Connection, now: float) -> dict[str, int]:
+    def _reconcile(self, c: SqliteConnection, now: float) -> dict[str, int]:
         taken: list[transitions.Reconciled] = []  # logged once the caller's transaction commits
         self._reconciled = taken
         counts = reconcile_in(c, now, taken)

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from broker_adapter.store.postgres.db import Conn, PgDatabase
+from broker_adapter.store.approvals import approval_counts
+from broker_adapter.store.effects import effect_counts
+from broker_adapter.store.postgres.db import PgDatabase
 from broker_adapter.store.report import TERMINAL_NAMES, shape
 
 
@@ -41,7 +43,7 @@ def snapshot(db: PgDatabase, now: float) -> dict[str, Any]:
         receipts = c.execute(
             "SELECT count(*) AS n, coalesce(sum(effects), 0) AS e FROM receipts"
         ).fetchone()
-        effects = _effect_counts(c, now)
+        effects = {**effect_counts(c), **approval_counts(c, now)}
     # Aggregates without GROUP BY: one row each, always.
     assert inbox and leases and ready and oldest and receipts  # noqa: PT018
     return shape(
@@ -49,33 +51,6 @@ def snapshot(db: PgDatabase, now: float) -> dict[str, Any]:
         (leases["live"], leases["expired"]), ready["n"], outbox, oldest["t"],
         (receipts["n"], int(receipts["e"])), effects,
     )  # fmt: skip
-
-
-def _effect_counts(c: Conn, now: float) -> dict[str, int]:
-    """``store.effects.effect_counts`` and ``store.approvals.approval_counts``, one shape
-    (zeros while effects are SQLite's only: ``stages.worker_config.EFFECTS_NEED_SQLITE``)."""
-    row = c.execute(
-        "SELECT (SELECT count(*) FROM tasks WHERE state = 'unknown') AS unknown,"
-        " (SELECT count(operator_since) FROM tasks WHERE state = 'unknown') AS operator,"
-        " (SELECT count(*) FROM approval_waits) AS waiting,"
-        " (SELECT count(*) FROM approvals WHERE revoked_at IS NULL AND expires_at > %s) AS valid,"
-        " (SELECT count(*) FROM approvals WHERE revoked_at IS NULL AND expires_at <= %s)"
-        "   AS expired,"
-        " (SELECT count(revoked_at) FROM approvals) AS revoked",
-        (now, now),
-    ).fetchone()
-    assert row is not None
-    out = {"unknown": row["unknown"], "awaiting_operator": row["operator"]}
-    for outcome in ("done", "not-done", "unknown"):
-        out[f"reconciled_{outcome}"] = 0
-    for r in c.execute("SELECT outcome, count(*) AS n FROM reconcile_log GROUP BY outcome"):
-        out[f"reconciled_{r['outcome']}"] = r["n"]
-    for outcome in ("started", "done", "failed"):
-        out[f"compensations_{outcome}"] = 0
-    for r in c.execute("SELECT outcome, count(*) AS n FROM compensations GROUP BY outcome"):
-        out[f"compensations_{r['outcome']}"] = r["n"]
-    return {**out, "waiting_approval": row["waiting"], "approvals_valid": row["valid"],
-            "approvals_expired": row["expired"], "approvals_revoked": row["revoked"]}  # fmt: skip
 
 
 __all__ = ["TERMINAL_NAMES", "snapshot"]

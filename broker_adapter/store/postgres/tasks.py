@@ -30,12 +30,12 @@ from broker_adapter.protocol.bounds import check_result
 from broker_adapter.protocol.reply import reply_id_for
 from broker_adapter.store import inbox, transitions
 from broker_adapter.store.fencing import TASK_HELD_STATE, held_params, held_sql, refusal
+from broker_adapter.store.housekeeping import reconcile_in
 from broker_adapter.store.inbox import AcceptItem, AcceptResult, Intake, conflict_reply_id
-from broker_adapter.store.lifecycle import TERMINAL_STATES, TaskState
+from broker_adapter.store.lifecycle import TERMINAL_STATES, TaskState, to_terminal
 from broker_adapter.store.outbox import SentMark
 from broker_adapter.store.postgres import settle
 from broker_adapter.store.postgres.db import Conn, PgDatabase, Row
-from broker_adapter.store.postgres.lifecycle import reconcile_in, to_terminal
 from broker_adapter.store.postgres.retention import purge_requests
 from broker_adapter.store.postgres.schema import CONFLICT_ID_KEY
 from broker_adapter.store.retention import PURGE_BATCH, PurgeBatch, whole_pass
