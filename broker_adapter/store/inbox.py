@@ -38,7 +38,7 @@ if TYPE_CHECKING:
 
 
 class AcceptingStore(Protocol):
-    """What intake needs of a task store (``tasks.TaskStore``, ``postgres.PgTaskStore``)."""
+    """What intake needs of a task store (``tasks.TaskStore``)."""
 
     @property
     def clock(self) -> Clock: ...

@@ -18,7 +18,6 @@ from broker_adapter.protocol.envelope import Envelope
 from broker_adapter.stages.worker import Worker, WorkerConfig
 from broker_adapter.store import AcceptItem, TaskStore
 from broker_adapter.store.backends import task_store
-from broker_adapter.store.postgres import PgTaskStore
 from broker_adapter.store.tasks import TaskPolicy, reply_id_for
 from tests.support import handlers as sample
 from tests.support.store_script import open_any
@@ -28,7 +27,7 @@ LEASE_S = 30.0
 
 
 @pytest.fixture
-def tasks(store_target: str, clock: FakeClock) -> Iterator[TaskStore | PgTaskStore]:
+def tasks(store_target: str, clock: FakeClock) -> Iterator[TaskStore]:
     """The task store on SQLite and on PostgreSQL: each backend logs the same lines."""
     with open_any(store_target) as db:
         yield task_store(db, clock, TaskPolicy(lease_s=LEASE_S), rng=random.Random(3))
@@ -88,7 +87,7 @@ def test_log_format_is_a_flag_and_a_variable_of_run_and_receive(
 
 
 def test_every_transition_of_a_task_is_one_line_with_its_ids(
-    tasks: TaskStore | PgTaskStore, clock: FakeClock, caplog: pytest.LogCaptureFixture
+    tasks: TaskStore, clock: FakeClock, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.DEBUG, logger="broker_adapter")
     (ok,) = tasks.accept([_item(clock, "m-ok", {"secret": MARKER})])
@@ -124,7 +123,7 @@ def test_every_transition_of_a_task_is_one_line_with_its_ids(
 
 
 def test_a_handler_exception_is_logged_with_its_traceback_and_ids(
-    tasks: TaskStore | PgTaskStore, clock: FakeClock, caplog: pytest.LogCaptureFixture
+    tasks: TaskStore, clock: FakeClock, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.INFO, logger="broker_adapter")
     (res,) = tasks.accept([_item(clock, "m-bad", {"v": 1}, attempts=1)])
@@ -143,7 +142,7 @@ def test_a_handler_exception_is_logged_with_its_traceback_and_ids(
 
 
 def test_routine_transitions_cost_no_record_at_info(
-    tasks: TaskStore | PgTaskStore, clock: FakeClock, caplog: pytest.LogCaptureFixture
+    tasks: TaskStore, clock: FakeClock, caplog: pytest.LogCaptureFixture
 ) -> None:
     """At the CLI's default level the happy path writes no transition line; leaving it
     (a duplicate, a conflict, a lease run out, a cancel) does."""
