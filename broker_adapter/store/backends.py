@@ -35,7 +35,6 @@ if TYPE_CHECKING:
         PgDatabase,
         PgOutboxStore,
         PgReceiptStore,
-        PgTaskStore,
     )
 
 #: URL schemes that select the PostgreSQL backend.
@@ -83,13 +82,10 @@ def task_store(
     clock: Clock | None = None,
     policy: TaskPolicy | None = None,
     rng: random.Random | None = None,
-) -> TaskStore | PgTaskStore:
-    """The inbox and task state machine on ``db``, whichever backend it is."""
-    if isinstance(db, Database):
-        return TaskStore(db, clock, policy, rng)
-    from broker_adapter.store.postgres import PgTaskStore
-
-    return PgTaskStore(db, clock, policy, rng)
+) -> TaskStore:
+    """The inbox and task state machine on ``db``, whichever backend it is (one class for
+    both: ``store.sql``)."""
+    return TaskStore(db, clock, policy, rng)
 
 
 def outbox_store(

@@ -91,7 +91,7 @@ _CLAIM_COLUMNS = (
 
 class EffectTasks(Protocol):
     """What the effect and approval records need of a task store, either backend's
-    (``TaskStore``, ``PgTaskStore``): its database, its clock, and its answers for a
+    (``TaskStore``, on either database): its database, its clock, and its answers for a
     refused holder and a cancel."""
 
     @property

@@ -13,13 +13,14 @@ workers in the same transaction (the hand-off).
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import os
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 from broker_adapter.errors import EnvelopeError
 from broker_adapter.protocol.canonical import sha256_hex
@@ -29,10 +30,26 @@ from broker_adapter.store import transitions
 from broker_adapter.store.db import in_lists
 from broker_adapter.store.lifecycle import TERMINAL_STATES, TaskState, write_reply
 from broker_adapter.store.outbox import enqueue
-from broker_adapter.store.sql import SqliteConnection
+from broker_adapter.store.sql import Conn, Db
 
 if TYPE_CHECKING:
-    from broker_adapter.store.tasks import TaskStore
+    from broker_adapter.clock import Clock
+    from broker_adapter.store.task_types import TaskPolicy
+
+
+class AcceptingStore(Protocol):
+    """What intake needs of a task store (``tasks.TaskStore``)."""
+
+    @property
+    def clock(self) -> Clock: ...
+    @property
+    def policy(self) -> TaskPolicy: ...
+    @property
+    def db(self) -> Db: ...
+
+    def conflict_reply_id(self, principal: str, message_id: str, fingerprint: str) -> str: ...
+    def _claim_in(self, c: Any, owner: str, n: int, now: float) -> list[Any]: ...
+    def _log_reconciled(self) -> None: ...
 
 
 class Outcome(StrEnum):
@@ -149,20 +166,20 @@ class _AcceptBatch:
     tasks: list[tuple[Any, ...]] = field(default_factory=list)
     inbox: list[tuple[Any, ...]] = field(default_factory=list)
     duplicates: list[tuple[str, str]] = field(default_factory=list)
-    then: list[Callable[[SqliteConnection], object]] = field(default_factory=list)
+    then: list[Callable[[Conn], object]] = field(default_factory=list)
     chain_adds: dict[str, int] = field(default_factory=dict)
     now: float = 0.0
 
-    def write(self, c: SqliteConnection) -> None:
+    def write(self, c: Conn) -> None:
         if self.tasks:
             c.executemany(_INSERT_TASK, self.tasks)
             c.executemany(_UPSERT_INBOX, self.inbox)
         if self.chain_adds:
             c.executemany(
                 "INSERT INTO chains (chain_id, tasks, updated_at) VALUES (?, ?, ?)"
-                " ON CONFLICT (chain_id) DO UPDATE SET tasks = tasks + excluded.tasks,"
+                " ON CONFLICT (chain_id) DO UPDATE SET tasks = chains.tasks + excluded.tasks,"
                 " updated_at = excluded.updated_at",
-                [(cid, n, self.now) for cid, n in self.chain_adds.items()],
+                [(cid, n, self.now) for cid, n in sorted(self.chain_adds.items())],
             )
         if self.duplicates:
             c.executemany(
@@ -185,7 +202,7 @@ def _hops(env: Envelope, parent_hops: Mapping[str, int]) -> int:
 
 
 def accept_and_claim(
-    store: TaskStore, items: Sequence[AcceptItem], claim_for: Sequence[tuple[str, int]]
+    store: AcceptingStore, items: Sequence[AcceptItem], claim_for: Sequence[tuple[str, int]]
 ) -> Intake:
     """``TaskStore.accept``, and in the same transaction a ``claim`` of up to ``n`` ready tasks
     for each ``(owner, n)`` of ``claim_for``, in that order: the ingest hands new tasks
@@ -205,18 +222,7 @@ def accept_and_claim(
     payloads = [item.envelope.payload_json() for item in items]
     ids = new_task_ids(len(items))
     with store.db.write("accept") as c:
-        batch = _AcceptBatch(
-            known=_prefetch(c, items),
-            parent_hops=_parent_hops(c, items),
-            chains=_chain_counts(c, items),
-            ids=iter(ids),
-            now=now,
-        )
-        results = [
-            _accept_one(store, batch, item, now, fingerprint, payload)
-            for item, fingerprint, payload in zip(items, fingerprints, payloads, strict=True)
-        ]
-        batch.write(c)
+        results = accept_in(store, c, items, now, fingerprints, payloads, ids)
         stored = any(r.outcome is Outcome.STORED for r in results)
         claimed = [
             [(r["task_id"], r["fence"]) for r in store._claim_in(c, owner, n, now)]
@@ -229,9 +235,57 @@ def accept_and_claim(
     return Intake(results, claimed)
 
 
-def _prefetch(
-    c: SqliteConnection, items: Sequence[AcceptItem]
-) -> dict[tuple[str, str], Mapping[str, Any]]:
+def accept_in(
+    store: AcceptingStore, c: Conn, items: Sequence[AcceptItem], now: float,
+    fingerprints: Sequence[str], payloads: Sequence[str], ids: Sequence[str],
+) -> list[AcceptResult]:  # fmt: skip
+    """Read the batch's inbox records, decide every item and write the decisions, in the
+    caller's transaction.
+
+    Where several processes write the database at once (PostgreSQL), two transactions
+    could both find no record for one identity and both store a task. So where the
+    dialect has a ``key_lock``, the transaction first takes one per identity of the batch
+    (``identity_lock``) and per chain it names (``chain_lock``: two hosts never both spend a
+    chain's last task), in one sorted order (two batches never wait on each other in a
+    cycle): a second accept of the same identity waits for the first to commit, then reads
+    its record and answers ``duplicate`` or ``conflict``, as SQLite's one writer does. The
+    inbox's primary key stays the last word: an insert it refuses aborts the transaction,
+    never a second record.
+    """
+    if c.dialect.key_lock is not None:
+        chains = {i.envelope.correlation_id for i in items} - {None}
+        keys = sorted({identity_lock(i.principal, i.envelope.message_id) for i in items}
+                      | {chain_lock(cid) for cid in chains if cid is not None})  # fmt: skip
+        c.executemany(c.dialect.key_lock, [(k,) for k in keys])
+    batch = _AcceptBatch(
+        known=_prefetch(c, items),
+        parent_hops=_parent_hops(c, items),
+        chains=_chain_counts(c, items),
+        ids=iter(ids),
+        now=now,
+    )
+    results = [
+        _accept_one(store, batch, item, now, fingerprint, payload)
+        for item, fingerprint, payload in zip(items, fingerprints, payloads, strict=True)
+    ]
+    batch.write(c)
+    return results
+
+
+def identity_lock(principal: str, message_id: str) -> int:
+    """The lock key of one request identity: 64 bits of its SHA-256, signed (a collision
+    only makes two identities wait on each other)."""
+    digest = hashlib.sha256(f"{principal}\0{message_id}".encode()).digest()
+    return int.from_bytes(digest[:8], "big", signed=True)
+
+
+def chain_lock(chain_id: str) -> int:
+    """The lock key of one chain budget (``correlation_id``)."""
+    digest = hashlib.sha256(f"chain\0{chain_id}".encode()).digest()
+    return int.from_bytes(digest[:8], "big", signed=True)
+
+
+def _prefetch(c: Conn, items: Sequence[AcceptItem]) -> dict[tuple[str, str], Mapping[str, Any]]:
     """The inbox records of a whole batch, looked up in a few queries, not one per item.
 
     One query per principal and chunk, ``principal = ? AND message_id IN (...)``: a
@@ -254,29 +308,31 @@ def _prefetch(
     return known
 
 
-def _parent_hops(c: SqliteConnection, items: Sequence[AcceptItem]) -> dict[str, int]:
+def _parent_hops(c: Conn, items: Sequence[AcceptItem]) -> dict[str, int]:
     """The hops of every task named as a parent in the batch, in a few queries."""
     parents = list({i.envelope.parent_id for i in items} - {None})
     hops: dict[str, int] = {}
     for chunk, marks in in_lists(parents):
-        rows = c.execute(f"SELECT task_id, hops FROM tasks WHERE task_id IN ({marks})", chunk)
-        hops.update((row[0], int(row[1])) for row in rows)
+        sql = f"SELECT task_id, hops FROM tasks WHERE task_id IN ({marks})"
+        rows = c.execute(sql, chunk).fetchall()
+        hops.update((row["task_id"], int(row["hops"])) for row in rows)
     return hops
 
 
-def _chain_counts(c: SqliteConnection, items: Sequence[AcceptItem]) -> dict[str, int]:
+def _chain_counts(c: Conn, items: Sequence[AcceptItem]) -> dict[str, int]:
     """The tasks stored so far under every ``correlation_id`` the batch names (none named:
     no query)."""
     named = list({i.envelope.correlation_id for i in items} - {None})
     counts: dict[str, int] = {}
     for chunk, marks in in_lists(named):
-        rows = c.execute(f"SELECT chain_id, tasks FROM chains WHERE chain_id IN ({marks})", chunk)
-        counts.update((row[0], int(row[1])) for row in rows)
+        sql = f"SELECT chain_id, tasks FROM chains WHERE chain_id IN ({marks})"
+        rows = c.execute(sql, chunk).fetchall()
+        counts.update((row["chain_id"], int(row["tasks"])) for row in rows)
     return counts
 
 
 def _accept_one(
-    store: TaskStore,
+    store: AcceptingStore,
     batch: _AcceptBatch,
     item: AcceptItem,
     now: float,
@@ -363,7 +419,7 @@ def _forgotten(retention_s: float, row: Mapping[str, Any], now: float) -> bool:
 
 
 def _known(
-    store: TaskStore,
+    store: AcceptingStore,
     batch: _AcceptBatch,
     item: AcceptItem,
     row: Mapping[str, Any],
@@ -382,7 +438,7 @@ def _known(
         detail, fingerprint, row["fingerprint"], traceparent=env.traceparent,
     )  # fmt: skip
 
-    def write(c: SqliteConnection) -> None:
+    def write(c: Conn) -> None:
         c.execute(
             "UPDATE inbox SET conflicts = conflicts + 1 WHERE principal = ? AND message_id = ?",
             key,

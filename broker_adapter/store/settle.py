@@ -19,11 +19,10 @@ through the outbox's own functions (``enqueue_encoded`` with a ``PublisherClaim`
 
 from __future__ import annotations
 
-import sqlite3
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import TYPE_CHECKING, Final, Literal
+from typing import TYPE_CHECKING, Any, Final, Literal
 
 from broker_adapter.config import DEFAULT_LEASE_S
 from broker_adapter.errors import BrokerAdapterError, StaleError
@@ -31,7 +30,7 @@ from broker_adapter.protocol.reply import encode_body, terminal_body
 from broker_adapter.store.fencing import TASK_HELD, held_params
 from broker_adapter.store.lifecycle import ReplyKey, TaskState, reply_key, to_terminal, write_reply
 from broker_adapter.store.outbox import OutboxRow, PublisherClaim, SentMark, mark_sent_in
-from broker_adapter.store.sql import SqliteConnection
+from broker_adapter.store.sql import Conn
 
 if TYPE_CHECKING:
     from broker_adapter.store.tasks import ClaimedTask, TaskStore
@@ -167,14 +166,14 @@ def settle(
 
 
 def _mark_done(
-    store: TaskStore, c: SqliteConnection, item: Settlement, now: float,
+    store: TaskStore, c: Conn, item: Settlement, now: float,
     out: list[SettleResult],
-) -> sqlite3.Row | None:  # fmt: skip
+) -> Any:  # fmt: skip
     """Mark one item ``done`` (``_MARK_DONE``, the holder check its WHERE clause). When it
     matches nothing, nothing was written and the holder check's precise refusal is
     appended to ``out``; returns the row the reply is built from otherwise."""
     check_at = store.clock.now()
-    row: sqlite3.Row | None = c.execute(
+    row: Any = c.execute(
         _MARK_DONE,
         (now, now, item.result, item.task_id,
          *held_params(item.fence, item.owner, check_at, deadline=True)),
@@ -189,9 +188,9 @@ def _mark_done(
 
 
 def _done_reply_write(
-    c: SqliteConnection,
+    c: Conn,
     item: Settlement,
-    row: sqlite3.Row,
+    row: Any,
     body: tuple[ReplyKey, tuple[bytes, str]] | None,
     now: float,
     claim: PublisherClaim | None = None,
@@ -207,7 +206,7 @@ def _done_reply_write(
 
 
 def _fail_row(
-    store: TaskStore, c: SqliteConnection, row: sqlite3.Row, task_id: str, error: str,
+    store: TaskStore, c: Conn, row: Any, task_id: str, error: str,
     retryable: bool, now: float, claim: PublisherClaim | None = None,
 ) -> FailOutcome:  # fmt: skip
     if retryable and row["attempts"] < row["max_attempts"]:
@@ -216,7 +215,7 @@ def _fail_row(
             c.execute(
                 "UPDATE tasks SET state = 'pending', owner = NULL, lease_until = NULL,"
                 " not_before = ?, error = ?, updated_at = ? WHERE task_id = ?",
-                (not_before, error, now, task_id),
+                (not_before, c.dialect.text(error), now, task_id),
             )
             return FailOutcome.RETRY
         error = f"{error} (no retry: the deadline comes first)"

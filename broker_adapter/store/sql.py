@@ -16,6 +16,13 @@ What differs is named by the connection's ``dialect``:
 * ``skip_locked``: the same for a claim that must not wait on rows another transaction is
   taking (``FOR UPDATE SKIP LOCKED``): two workers never take the same row and never queue
   behind each other.
+* ``key_lock``: a statement that takes a transaction-scoped lock on one 64-bit key, for
+  writers that must serialise on something that is not a row yet (two accepts of one
+  request identity on two hosts): PostgreSQL's ``pg_advisory_xact_lock``; SQLite needs
+  none (``None``), its one writer is serial already.
+* ``indexed_by(index)`` / ``unindexed(column)``: SQLite's planner hints (``INDEXED BY``,
+  a unary ``+`` that keeps a column's index out of a plan) on the hot statements whose plan
+  must not change with the data; PostgreSQL plans without them (empty, and the bare name).
 * ``text``: a free-text value (an error, a reason) as the database can hold it: PostgreSQL
   refuses a NUL character in ``text``, which becomes U+FFFD; SQLite keeps it.
 
@@ -40,7 +47,17 @@ class Dialect:
     name: Literal["sqlite", "postgresql"]
     for_update: str
     skip_locked: str
+    key_lock: str | None
     nul_free_text: bool
+    index_hints: bool
+
+    def indexed_by(self, index: str) -> str:
+        """`` INDEXED BY <index>`` where the engine takes the hint, else nothing."""
+        return f" INDEXED BY {index}" if self.index_hints else ""
+
+    def unindexed(self, column: str) -> str:
+        """``column`` as an expression no index serves (``+column``) where that is a hint."""
+        return f"+{column}" if self.index_hints else column
 
     def text(self, value: str | None) -> str | None:
         """``value`` as a free-text column of this engine can hold it."""
@@ -49,10 +66,13 @@ class Dialect:
         return value.replace("\x00", "\ufffd")
 
 
-SQLITE: Final = Dialect("sqlite", for_update="", skip_locked="", nul_free_text=False)
+SQLITE: Final = Dialect(
+    "sqlite", for_update="", skip_locked="", key_lock=None, nul_free_text=False,
+    index_hints=True,
+)  # fmt: skip
 POSTGRES: Final = Dialect(
     "postgresql", for_update=" FOR UPDATE", skip_locked=" FOR UPDATE SKIP LOCKED",
-    nul_free_text=True,
+    key_lock="SELECT pg_advisory_xact_lock(?)", nul_free_text=True, index_hints=False,
 )  # fmt: skip
 
 

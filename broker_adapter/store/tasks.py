@@ -19,9 +19,8 @@ from __future__ import annotations
 
 import json
 import random
-import sqlite3
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from broker_adapter.clock import Clock, SystemClock
 from broker_adapter.config import DEFAULT_LEASE_S
@@ -51,8 +50,11 @@ from broker_adapter.store.retention import (
     whole_pass,
 )
 from broker_adapter.store.settle import FailOutcome, SettledBatch, Settlement, SettleResult
-from broker_adapter.store.sql import SqliteConnection
+from broker_adapter.store.sql import Conn
 from broker_adapter.store.task_types import ClaimedTask, TaskPolicy, TaskRow, UnknownTask
+
+if TYPE_CHECKING:
+    from broker_adapter.store.postgres.db import PgDatabase
 
 __all__ = [
     "LIVE_STATES",
@@ -82,7 +84,8 @@ _TASK_COLUMNS = ", ".join(TaskRow.__dataclass_fields__)
 
 
 class TaskStore:
-    """The inbox and the task state machine on one ``Database``.
+    """The inbox and the task state machine on one database: a SQLite ``Database`` or a
+    ``PgDatabase`` that several processes share (the same statements, ``store.sql``).
 
     Args:
         db: the database (one per process).
@@ -93,12 +96,12 @@ class TaskStore:
 
     def __init__(
         self,
-        db: Database,
+        db: Database | PgDatabase,
         clock: Clock | None = None,
         policy: TaskPolicy | None = None,
         rng: random.Random | None = None,
     ) -> None:
-        self.db = db
+        self.db: Database | PgDatabase = db
         self.clock = clock or SystemClock()
         self.policy = policy or TaskPolicy()
         self.rng = rng or random.Random()
@@ -149,26 +152,33 @@ class TaskStore:
         self._log_reconciled()
         return self._claimed(rows, owner, now)
 
-    def _claim_in(self, c: SqliteConnection, owner: str, n: int, now: float) -> list[sqlite3.Row]:
-        """``claim``'s writes inside the caller's transaction; rows in claim order."""
+    def _claim_in(self, c: Conn, owner: str, n: int, now: float) -> list[Any]:
+        """``claim``'s writes inside the caller's transaction; rows in claim order.
+
+        The oldest ready tasks are picked first, locked where several processes claim at
+        once (``skip_locked``: two workers on two hosts never take one task and never wait
+        on each other's rows), then taken in one UPDATE."""
         self._reconcile(c, now)
+        d = c.dialect
         ids = [
-            r[0]
+            r["task_id"]
             for r in c.execute(
-                "SELECT task_id FROM tasks INDEXED BY tasks_ready"
-                " WHERE state = 'pending' AND not_before <= ? ORDER BY not_before LIMIT ?",
+                f"SELECT task_id FROM tasks{d.indexed_by('tasks_ready')}"
+                " WHERE state = 'pending' AND not_before <= ? ORDER BY not_before LIMIT ?"
+                + d.skip_locked,
                 (now, n),
-            )
+            ).fetchall()
         ]
         if not ids:
             return []
         # One statement for the whole batch; RETURNING order is unspecified, so the rows are
-        # put back in claim order (oldest not_before first). ``+state`` keeps the planner on
-        # the primary key whatever index on ``state`` a database may carry.
+        # put back in claim order (oldest not_before first). ``+state`` keeps SQLite's
+        # planner on the primary key whatever index on ``state`` a database may carry.
         rows = c.execute(
             "UPDATE tasks SET state = 'running', owner = ?, lease_until = ?,"
             " attempts = attempts + 1, fence = fence + 1, updated_at = ?"
-            f" WHERE task_id IN ({', '.join('?' * len(ids))}) AND +state = 'pending'"
+            f" WHERE task_id IN ({', '.join('?' * len(ids))})"
+            f" AND {d.unindexed('state')} = 'pending'"
             " RETURNING task_id, principal, message_id, kind, payload, attempts,"
             " max_attempts, fence, deadline, hops, correlation_id, parent_id, traceparent",
             (owner, now + self.policy.lease_s, now, *ids),
@@ -184,7 +194,7 @@ class TaskStore:
         if not handles:
             return []
         fences = dict(handles)
-        by_id: dict[str, sqlite3.Row] = {}
+        by_id: dict[str, Any] = {}
         with self.db.read() as c:
             for chunk, marks in in_lists(list(fences)):
                 for r in c.execute(
@@ -193,7 +203,7 @@ class TaskStore:
                     f" traceparent, lease_until FROM tasks WHERE task_id IN ({marks})"
                     " AND state = 'running' AND owner = ?",
                     (*chunk, owner),
-                ):
+                ).fetchall():
                     if fences[r["task_id"]] == r["fence"]:
                         by_id[r["task_id"]] = r
         return [
@@ -202,14 +212,14 @@ class TaskStore:
             if task_id in by_id
         ]
 
-    def _claimed(self, rows: list[sqlite3.Row], owner: str, now: float) -> list[ClaimedTask]:
+    def _claimed(self, rows: list[Any], owner: str, now: float) -> list[ClaimedTask]:
         """The claims of ``_claim_in``'s rows (built after COMMIT: decoding payloads need not
         hold the write lock)."""
         lease_until = now + self.policy.lease_s
         return [self._claimed_task(r, owner, lease_until) for r in rows]
 
     @staticmethod
-    def _claimed_task(r: sqlite3.Row, owner: str, lease_until: float) -> ClaimedTask:
+    def _claimed_task(r: Any, owner: str, lease_until: float) -> ClaimedTask:
         return ClaimedTask(
             task_id=r["task_id"],
             principal=r["principal"],
@@ -228,13 +238,15 @@ class TaskStore:
             traceparent=r["traceparent"],
         )
 
-    def _holder(self, c: SqliteConnection, task_id: str, owner: str, fence: int) -> sqlite3.Row:
+    def _holder(self, c: Conn, task_id: str, owner: str, fence: int) -> Any:
         """Check rule 10 (``fencing.refusal``); raise ``StaleError`` (and roll back) if any
-        part fails. Returns the row (what ``lifecycle.write_reply`` and a failure need)."""
-        row: sqlite3.Row | None = c.execute(
+        part fails. Returns the row (what ``lifecycle.write_reply`` and a failure need),
+        locked for the rest of the transaction where writers run at once (``for_update``):
+        what was checked cannot change before the caller writes."""
+        row = c.execute(
             "SELECT state, owner, fence, lease_until, deadline, attempts, max_attempts,"
             " principal, message_id, correlation_id, traceparent, cancel_requested_at"
-            " FROM tasks WHERE task_id = ?",
+            " FROM tasks WHERE task_id = ?" + c.dialect.for_update,
             (task_id,),
         ).fetchone()
         if row is None:
@@ -336,14 +348,15 @@ class TaskStore:
         """Whether a claim would find something now: a ready pending task or an expired
         lease. A read (no write lock, no fsync): idle workers ask this before claiming."""
         now = self.clock.now()
+        d = self.db.dialect
         row = self.db.fetch_one(
-            "SELECT EXISTS (SELECT 1 FROM tasks INDEXED BY tasks_ready"
+            f"SELECT EXISTS (SELECT 1 FROM tasks{d.indexed_by('tasks_ready')}"
             " WHERE state = 'pending' AND not_before <= ?)"
-            " OR EXISTS (SELECT 1 FROM tasks INDEXED BY tasks_leases"
-            " WHERE state = 'running' AND lease_until <= ?)",
+            f" OR EXISTS (SELECT 1 FROM tasks{d.indexed_by('tasks_leases')}"
+            " WHERE state = 'running' AND lease_until <= ?) AS work",
             (now, now),
         )
-        return row is not None and bool(row[0])
+        return row is not None and bool(row["work"])
 
     def cancel(self, task_id: str, reason: str = "cancelled") -> TaskState:
         """Cancel a live task durably (with its reply). A running handler is fenced out:
@@ -357,7 +370,9 @@ class TaskStore:
         """
         now = self.clock.now()
         with self.db.write("cancel") as c:
-            row = c.execute("SELECT state FROM tasks WHERE task_id = ?", (task_id,)).fetchone()
+            row = c.execute(
+                "SELECT state FROM tasks WHERE task_id = ?" + c.dialect.for_update, (task_id,)
+            ).fetchone()
             if row is None:
                 raise UnknownTask(task_id)
             state = TaskState(row["state"])
@@ -392,7 +407,7 @@ class TaskStore:
 
     def is_cancelled(self, task_id: str) -> bool:
         row = self.db.fetch_one("SELECT state FROM tasks WHERE task_id = ?", (task_id,))
-        return row is not None and row[0] == TaskState.CANCELLED
+        return row is not None and row["state"] == TaskState.CANCELLED
 
     def reconcile(self) -> dict[str, int]:
         """Apply the clock: expire deadlines, take back expired leases
@@ -410,7 +425,7 @@ class TaskStore:
         taken, self._reconciled = self._reconciled, []
         transitions.reconciled(taken)
 
-    def _reconcile(self, c: SqliteConnection, now: float) -> dict[str, int]:
+    def _reconcile(self, c: Conn, now: float) -> dict[str, int]:
         taken: list[transitions.Reconciled] = []  # logged once the caller's transaction commits
         self._reconciled = taken
         counts = reconcile_in(c, now, taken)
@@ -452,14 +467,15 @@ class TaskStore:
         quota (``limits``): one pass over the live tasks' partial index."""
         with self.db.read() as c:
             rows = c.execute(
-                "SELECT principal, count(*) FROM tasks INDEXED BY tasks_live_deadline"
+                f"SELECT principal, count(*) AS n FROM tasks"
+                f"{c.dialect.indexed_by('tasks_live_deadline')}"
                 " WHERE state IN ('pending', 'running') GROUP BY principal"
             ).fetchall()
-        return {r[0]: r[1] for r in rows}
+        return {r["principal"]: r["n"] for r in rows}
 
     def counts(self) -> dict[str, int]:
         with self.db.read() as c:
-            rows = c.execute("SELECT state, count(*) FROM tasks GROUP BY state").fetchall()
+            rows = c.execute("SELECT state, count(*) AS n FROM tasks GROUP BY state").fetchall()
         out = {s.value: 0 for s in TaskState}
-        out.update({r[0]: r[1] for r in rows})
+        out.update({r["state"]: r["n"] for r in rows})
         return out

@@ -178,7 +178,7 @@ def test_an_ordinary_handler_is_untouched_by_the_effect_machinery(
     assert state(tasks, task_id) == "done"
     marked = tasks.db.fetch_one("SELECT effect_fence FROM tasks WHERE task_id = ?", (task_id,))
     assert marked is not None
-    assert marked[0] is None
+    assert marked["effect_fence"] is None
 
 
 def test_a_handler_marks_its_effect_started_per_call(

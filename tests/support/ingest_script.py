@@ -29,7 +29,6 @@ from broker_adapter.stages.ingest import Ingestor
 from broker_adapter.stages.ingest_config import IngestConfig
 from broker_adapter.store import TaskStore
 from broker_adapter.store.backends import open_store, task_store
-from broker_adapter.store.postgres import PgTaskStore
 from tests.support.store_script import dump
 
 KEYRING: dict[str, dict[str, str]] = {
@@ -112,7 +111,7 @@ def age_pending(client: redis.Redis, stream: str, consumer: str, idle_ms: int = 
     return len(ids)
 
 
-def task_counts(tasks: TaskStore | PgTaskStore) -> dict[tuple[str, str], int]:
+def task_counts(tasks: TaskStore) -> dict[tuple[str, str], int]:
     """Tasks per (principal, message_id), straight from the table (either backend)."""
     counts: dict[tuple[str, str], int] = {}
     for row in dump(tasks.db)["tasks"]:

@@ -49,7 +49,6 @@ from broker_adapter.store.postgres import (
     PgDatabase,
     PgOutboxStore,
     PgReceiptStore,
-    PgTaskStore,
 )
 from broker_adapter.store.postgres.outbox import enqueue as pg_enqueue
 from broker_adapter.store.tasks import TaskPolicy
@@ -86,7 +85,7 @@ AnyDatabase = Database | PgDatabase
 @dataclass(frozen=True)
 class Stores:
     db: AnyDatabase
-    tasks: TaskStore | PgTaskStore
+    tasks: TaskStore
     outbox: OutboxStore | PgOutboxStore
     receipts: ReceiptStore | PgReceiptStore
 
@@ -144,7 +143,7 @@ def stores(db: AnyDatabase, clock: FakeClock, seed: int = 0) -> Stores:
     if isinstance(db, PgDatabase):
         return Stores(
             db=db,
-            tasks=PgTaskStore(db, clock, task_policy(), random.Random(seed)),
+            tasks=TaskStore(db, clock, task_policy(), random.Random(seed)),
             outbox=PgOutboxStore(db, clock, outbox_policy(), random.Random(seed + 1)),
             receipts=PgReceiptStore(db, clock),
         )

@@ -16,7 +16,6 @@ from broker_adapter.protocol.envelope import Envelope
 from broker_adapter.stages.task import Task
 from broker_adapter.store import AcceptItem, Outcome, TaskStore
 from broker_adapter.store.backends import task_store
-from broker_adapter.store.postgres import PgTaskStore
 from broker_adapter.store.tasks import TaskPolicy
 from tests.support.store_script import T0, dump, envelope, open_any
 
@@ -24,25 +23,25 @@ BUDGET = 3
 
 
 @pytest.fixture
-def tasks(store_target: str) -> Iterator[TaskStore | PgTaskStore]:
+def tasks(store_target: str) -> Iterator[TaskStore]:
     """The budget on SQLite and on PostgreSQL (its ``chains`` table, migration 2 there)."""
     with open_any(store_target) as db:
         yield task_store(db, FakeClock(T0), TaskPolicy(max_chain_tasks=BUDGET))
 
 
-def accept(tasks: TaskStore | PgTaskStore, principal: str, env: Envelope) -> Any:
+def accept(tasks: TaskStore, principal: str, env: Envelope) -> Any:
     (result,) = tasks.accept([AcceptItem(principal, env)])
     return result
 
 
-def reply_of(tasks: TaskStore | PgTaskStore, task_id: str) -> dict[str, Any]:
+def reply_of(tasks: TaskStore, task_id: str) -> dict[str, Any]:
     (row,) = [r for r in dump(tasks.db)["outbox"] if r["task_id"] == task_id]
     body: dict[str, Any] = json.loads(row["body"])
     return body
 
 
 def test_requests_naming_a_correlation_id_share_its_budget_whoever_sends_them(
-    tasks: TaskStore | PgTaskStore,
+    tasks: TaskStore,
 ) -> None:
     outcomes = [
         accept(tasks, p, envelope(f"m{i}", sender=p, correlation_id="chain-1")).outcome
@@ -61,7 +60,7 @@ def test_requests_naming_a_correlation_id_share_its_budget_whoever_sends_them(
 
 
 def test_a_resend_of_a_stored_request_does_not_spend_the_budget(
-    tasks: TaskStore | PgTaskStore,
+    tasks: TaskStore,
 ) -> None:
     first = envelope("m1", correlation_id="c")
     for _ in range(BUDGET + 2):
@@ -71,7 +70,7 @@ def test_a_resend_of_a_stored_request_does_not_spend_the_budget(
 
 
 def test_a_chain_that_drops_its_parent_id_but_keeps_its_correlation_id_is_still_stopped(
-    tasks: TaskStore | PgTaskStore,
+    tasks: TaskStore,
 ) -> None:
     root = accept(tasks, "alice", envelope("root"))
     (claimed,) = tasks.claim("w1")
@@ -89,7 +88,7 @@ def test_a_chain_that_drops_its_parent_id_but_keeps_its_correlation_id_is_still_
     assert outcomes == [Outcome.STORED] * BUDGET + [Outcome.HOP_LIMIT]
 
 
-def test_the_deadline_and_hop_checks_come_before_the_budget(tasks: TaskStore | PgTaskStore) -> None:
+def test_the_deadline_and_hop_checks_come_before_the_budget(tasks: TaskStore) -> None:
     past = accept(tasks, "alice", envelope("old", correlation_id="c", deadline=T0 - 1))
     assert past.outcome is Outcome.EXPIRED
     stored = [accept(tasks, "alice", envelope(f"m{i}", correlation_id="c")) for i in range(3)]

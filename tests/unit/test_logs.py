@@ -19,7 +19,6 @@ from broker_adapter.stages.worker import Worker, WorkerConfig
 from broker_adapter.store import AcceptItem, TaskStore
 from broker_adapter.store.backends import task_store
 from broker_adapter.store.effects import EffectsStore
-from broker_adapter.store.postgres import PgTaskStore
 from broker_adapter.store.tasks import TaskPolicy, reply_id_for
 from tests.support import handlers as sample
 from tests.support.store_script import open_any
@@ -29,7 +28,7 @@ LEASE_S = 30.0
 
 
 @pytest.fixture
-def tasks(store_target: str, clock: FakeClock) -> Iterator[TaskStore | PgTaskStore]:
+def tasks(store_target: str, clock: FakeClock) -> Iterator[TaskStore]:
     """The task store on SQLite and on PostgreSQL: each backend logs the same lines."""
     with open_any(store_target) as db:
         yield task_store(db, clock, TaskPolicy(lease_s=LEASE_S), rng=random.Random(3))
@@ -89,7 +88,7 @@ def test_log_format_is_a_flag_and_a_variable_of_run_and_receive(
 
 
 def test_every_transition_of_a_task_is_one_line_with_its_ids(
-    tasks: TaskStore | PgTaskStore, clock: FakeClock, caplog: pytest.LogCaptureFixture
+    tasks: TaskStore, clock: FakeClock, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.DEBUG, logger="broker_adapter")
     (ok,) = tasks.accept([_item(clock, "m-ok", {"secret": MARKER})])
@@ -125,7 +124,7 @@ def test_every_transition_of_a_task_is_one_line_with_its_ids(
 
 
 def test_a_handler_exception_is_logged_with_its_traceback_and_ids(
-    tasks: TaskStore | PgTaskStore, clock: FakeClock, caplog: pytest.LogCaptureFixture
+    tasks: TaskStore, clock: FakeClock, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.INFO, logger="broker_adapter")
     (res,) = tasks.accept([_item(clock, "m-bad", {"v": 1}, attempts=1)])
@@ -144,7 +143,7 @@ def test_a_handler_exception_is_logged_with_its_traceback_and_ids(
 
 
 def test_the_take_backs_of_effects_and_cancel_requests_are_logged(
-    tasks: TaskStore | PgTaskStore, clock: FakeClock, caplog: pytest.LogCaptureFixture
+    tasks: TaskStore, clock: FakeClock, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A lapsed lease after an effect started (``unknown``) and after a requested cancel
     (``cancelled``): each taken back once, each logged with why."""
@@ -168,7 +167,7 @@ def test_the_take_backs_of_effects_and_cancel_requests_are_logged(
 
 
 def test_routine_transitions_cost_no_record_at_info(
-    tasks: TaskStore | PgTaskStore, clock: FakeClock, caplog: pytest.LogCaptureFixture
+    tasks: TaskStore, clock: FakeClock, caplog: pytest.LogCaptureFixture
 ) -> None:
     """At the CLI's default level the happy path writes no transition line; leaving it
     (a duplicate, a conflict, a lease run out, a cancel) does."""

@@ -9,6 +9,5 @@ from broker_adapter.store.backends import is_postgres_url
 from broker_adapter.store.postgres.db import PgDatabase
 from broker_adapter.store.postgres.outbox import PgOutboxStore
 from broker_adapter.store.postgres.receipts import PgReceiptStore
-from broker_adapter.store.postgres.tasks import PgTaskStore
 
-__all__ = ["PgDatabase", "PgOutboxStore", "PgReceiptStore", "PgTaskStore", "is_postgres_url"]
+__all__ = ["PgDatabase", "PgOutboxStore", "PgReceiptStore", "is_postgres_url"]
