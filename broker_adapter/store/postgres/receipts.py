@@ -19,7 +19,6 @@ from broker_adapter.clock import Clock, SystemClock
 from broker_adapter.protocol.canonical import canonical_json
 from broker_adapter.protocol.reply import Reply
 from broker_adapter.store.postgres.db import Conn, PgDatabase, Row
-from broker_adapter.store.postgres.retention import purge_receipts
 from broker_adapter.store.receipts import (
     AppliedItem,
     Effect,
@@ -27,7 +26,7 @@ from broker_adapter.store.receipts import (
     ReceiptItem,
     ReceiptOutcome,
 )
-from broker_adapter.store.retention import PURGE_BATCH, PurgeBatch, whole_pass
+from broker_adapter.store.retention import PURGE_BATCH, PurgeBatch, purge_receipts, whole_pass
 
 _COLUMNS = ", ".join(Receipt.__dataclass_fields__)
 

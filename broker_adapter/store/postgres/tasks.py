@@ -44,9 +44,8 @@ from broker_adapter.store.postgres import settle
 from broker_adapter.store.postgres.db import Conn, PgDatabase, Row
 from broker_adapter.store.postgres.inbox import accept_in
 from broker_adapter.store.postgres.lifecycle import reconcile_in, to_terminal
-from broker_adapter.store.postgres.retention import purge_requests
 from broker_adapter.store.postgres.schema import CONFLICT_ID_KEY
-from broker_adapter.store.retention import PURGE_BATCH, PurgeBatch, whole_pass
+from broker_adapter.store.retention import PURGE_BATCH, PurgeBatch, purge_requests, whole_pass
 from broker_adapter.store.settle import FailOutcome, SettledBatch, Settlement
 from broker_adapter.store.tasks import ClaimedTask, TaskPolicy, TaskRow, UnknownTask
 
