@@ -34,7 +34,6 @@ if TYPE_CHECKING:
     from broker_adapter.store.postgres import (
         PgDatabase,
         PgOutboxStore,
-        PgReceiptStore,
         PgTaskStore,
     )
 
@@ -123,12 +122,6 @@ def probe(url: str, timeout_s: float) -> str | None:
     return pg_probe(url, timeout_s)
 
 
-def receipt_store(
-    db: Database | PgDatabase, clock: Clock | None = None
-) -> ReceiptStore | PgReceiptStore:
-    """The receiver's receipts on ``db``, whichever backend it is."""
-    if isinstance(db, Database):
-        return ReceiptStore(db, clock)
-    from broker_adapter.store.postgres import PgReceiptStore
-
-    return PgReceiptStore(db, clock)
+def receipt_store(db: Database | PgDatabase, clock: Clock | None = None) -> ReceiptStore:
+    """The receiver's receipts on ``db``, whichever backend it is (one text for both)."""
+    return ReceiptStore(db, clock)
