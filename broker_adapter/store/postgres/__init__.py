@@ -2,9 +2,9 @@
 adapter processes (on several hosts) share. ``--db postgresql://...`` selects it.
 
 Needs the ``postgres`` extra (psycopg 3 and psycopg-pool). Only ``broker_adapter.store``
-imports database drivers. The receipts and the retention purge are one text for both
-stores (``store.receipts``, ``store.retention``): ``PgReceiptStore`` is
-``store.receipts.ReceiptStore``, under the name callers know.
+imports database drivers. The receipts, the retention purge and the status snapshot are one
+text for both stores (``store.receipts``, ``store.retention``, ``store.report``):
+``PgReceiptStore`` is ``store.receipts.ReceiptStore``, under the name callers know.
 """
 
 from broker_adapter.store.backends import is_postgres_url
