@@ -18,23 +18,22 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Final
 from urllib.parse import urlsplit, urlunsplit
 
 from broker_adapter.clock import Clock
 from broker_adapter.errors import ConfigError
-from broker_adapter.store import report
 from broker_adapter.store.db import Database, open_database
 from broker_adapter.store.gate import WriteGate
 from broker_adapter.store.outbox import OutboxPolicy, OutboxStore
 from broker_adapter.store.receipts import ReceiptStore
+from broker_adapter.store.report import snapshot as snapshot  # one text for both backends
 from broker_adapter.store.tasks import TaskPolicy, TaskStore
 
 if TYPE_CHECKING:
     from broker_adapter.store.postgres import (
         PgDatabase,
         PgOutboxStore,
-        PgReceiptStore,
     )
 
 #: URL schemes that select the PostgreSQL backend.
@@ -102,15 +101,6 @@ def outbox_store(
     return PgOutboxStore(db, clock, policy, rng)
 
 
-def snapshot(db: Database | PgDatabase, now: float) -> dict[str, Any]:
-    """``store.report.snapshot`` of ``db``, whichever backend it is."""
-    if isinstance(db, Database):
-        return report.snapshot(db, now)
-    from broker_adapter.store.postgres import report as pg_report
-
-    return pg_report.snapshot(db, now)
-
-
 def probe(url: str, timeout_s: float) -> str | None:
     """Why the PostgreSQL database at ``url`` cannot be written now (unreachable within
     ``timeout_s``, or a standby in recovery), or None: a readiness check."""
@@ -119,12 +109,6 @@ def probe(url: str, timeout_s: float) -> str | None:
     return pg_probe(url, timeout_s)
 
 
-def receipt_store(
-    db: Database | PgDatabase, clock: Clock | None = None
-) -> ReceiptStore | PgReceiptStore:
-    """The receiver's receipts on ``db``, whichever backend it is."""
-    if isinstance(db, Database):
-        return ReceiptStore(db, clock)
-    from broker_adapter.store.postgres import PgReceiptStore
-
-    return PgReceiptStore(db, clock)
+def receipt_store(db: Database | PgDatabase, clock: Clock | None = None) -> ReceiptStore:
+    """The receiver's receipts on ``db``, whichever backend it is (one text for both)."""
+    return ReceiptStore(db, clock)

@@ -1,10 +1,23 @@
 """Receiver-side receipts: each reply applied once, its effect committed with its receipt.
 
 ``apply`` runs in ONE transaction: look up the reply id; if new, run the caller's effect on
-the same connection and insert the receipt; commit. A crash before COMMIT leaves neither
+the same connection and keep the receipt; commit. A crash before COMMIT leaves neither
 the receipt nor the effect, so the redelivered reply applies cleanly; a crash after it
 leaves both, so the redelivery is recognised as a duplicate and the effect is skipped.
 The same reply id with another content hash is refused and nothing is written.
+
+One text for both stores (``store.sql``). What differs is how a new reply id is held
+while its effect runs:
+
+* SQLite runs one writer at a time (``BEGIN IMMEDIATE``): the lookup in the transaction
+  decides, and the receipt is inserted whole, effect result included, after the effect
+  (one ``INSERT`` per reply).
+* PostgreSQL lets two receivers (on two hosts) be handed the same reply at once, and a
+  row that is not there yet cannot be locked. So the receipt is inserted FIRST, with
+  ``ON CONFLICT DO NOTHING`` on its primary key: the one insert that wins runs the
+  effect and then writes its result; the other waits for the winner's COMMIT, finds the
+  row, and answers ``duplicate`` (same content hash) or ``conflict`` without running
+  anything. A receipt never changes once committed, so the lookups need no row lock.
 
 The effect callback runs inside the transaction by design: it must be a local database
 write, quick and free of network calls. Effects that leave this database (HTTP, e-mail,
@@ -15,17 +28,18 @@ from __future__ import annotations
 
 import builtins
 import json
-import sqlite3
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Any
 
 from broker_adapter.clock import Clock, SystemClock
+from broker_adapter.errors import StoreBusy
 from broker_adapter.protocol.canonical import canonical_json
 from broker_adapter.protocol.reply import Reply
-from broker_adapter.store.db import Database, in_lists
+from broker_adapter.store.db import in_lists
 from broker_adapter.store.retention import PURGE_BATCH, PurgeBatch, purge_receipts, whole_pass
+from broker_adapter.store.sql import Conn, Db, marks
 
 
 class ReceiptOutcome(StrEnum):
@@ -53,24 +67,35 @@ class Receipt:
         return value
 
 
-_COLUMNS = ", ".join(Receipt.__dataclass_fields__)
+_NAMES = tuple(Receipt.__dataclass_fields__)
+_COLUMNS = ", ".join(_NAMES)
+_SELECT = f"SELECT {_COLUMNS} FROM receipts"
+_INSERT = f"INSERT INTO receipts ({_COLUMNS}) VALUES ({marks(len(_NAMES))})"
+
+
+def _receipt(row: Any) -> Receipt:
+    """A receipt from its row (SQLite's ``Row`` or PostgreSQL's dict, read by name)."""
+    values = dict(row)
+    values["body"] = bytes(values["body"])
+    return Receipt(**values)
+
 
 #: effect(conn, reply) -> JSON value kept as the receipt's ``effect_result``; ``reply`` is
-#: the parsed body (``protocol.reply.Reply``).
-#: The connection is the open transaction's: a ``sqlite3.Connection`` here, a psycopg
-#: ``Connection`` for the PostgreSQL store (``store.postgres.receipts``).
+#: the parsed body (``protocol.reply.Reply``). The connection is the open transaction's
+#: (``store.sql.Conn``: ``?`` placeholders): SQLite's ``Database.write`` connection, or
+#: PostgreSQL's ``store.postgres.db.Conn``.
 Effect = Callable[[Any, Reply], Any]
 
 
 class ReceiptStore:
-    """Receipts of replies applied by one receiver.
+    """Receipts of replies applied by one receiver, on either store.
 
     Args:
-        db: the receiver's database.
+        db: the receiver's database (``store.db.Database`` or ``store.postgres.PgDatabase``).
         clock: time source.
     """
 
-    def __init__(self, db: Database, clock: Clock | None = None) -> None:
+    def __init__(self, db: Db, clock: Clock | None = None) -> None:
         self.db = db
         self.clock = clock or SystemClock()
 
@@ -109,16 +134,13 @@ class ReceiptStore:
             return self._apply_in(c, item, effect, self.clock.now())
 
     def get(self, reply_id: str) -> Receipt | None:
-        with self.db.read() as c:
-            row = c.execute(
-                f"SELECT {_COLUMNS} FROM receipts WHERE reply_id = ?", (reply_id,)
-            ).fetchone()
-        return Receipt(**dict(row)) if row else None
+        row = self.db.fetch_one(f"{_SELECT} WHERE reply_id = ?", (reply_id,))
+        return None if row is None else _receipt(row)
 
-    def list(self) -> list[Receipt]:
+    def list(self) -> builtins.list[Receipt]:
         with self.db.read() as c:
-            rows = c.execute(f"SELECT {_COLUMNS} FROM receipts ORDER BY received_at").fetchall()
-        return [Receipt(**dict(r)) for r in rows]
+            rows = c.execute(f"{_SELECT} ORDER BY received_at").fetchall()
+        return [_receipt(r) for r in rows]
 
     def purge_batch(self, cutoff: float, after: int = 0, limit: int = PURGE_BATCH) -> PurgeBatch:
         """Forget at most ``limit`` receipts applied at or before ``cutoff`` (a time on this
@@ -181,60 +203,94 @@ class ReceiptStore:
         return out
 
     @staticmethod
-    def _prefetch(c: sqlite3.Connection, items: Sequence[ReceiptItem]) -> dict[str, Receipt]:
+    def _prefetch(c: Conn, items: Sequence[ReceiptItem]) -> dict[str, Receipt]:
         """The receipts already kept for a batch's reply ids (primary-key searches)."""
         ids = list({item.reply_id for item in items})
         known: dict[str, Receipt] = {}
-        for chunk, marks in in_lists(ids):
-            rows = c.execute(f"SELECT {_COLUMNS} FROM receipts WHERE reply_id IN ({marks})", chunk)
-            for row in rows:
-                known[row["reply_id"]] = Receipt(**dict(row))
+        for chunk, places in in_lists(ids):
+            for row in c.execute(f"{_SELECT} WHERE reply_id IN ({places})", chunk).fetchall():
+                known[row["reply_id"]] = _receipt(row)
         return known
 
     def _apply_in(
         self,
-        c: sqlite3.Connection,
+        c: Conn,
         item: ReceiptItem,
         effect: Effect | None,
         now: float,
         known: dict[str, Receipt] | None = None,
     ) -> tuple[ReceiptOutcome, Receipt]:
-        """Apply one reply in the open transaction. ``known``, when given, holds every
-        receipt of the batch's reply ids (``_prefetch``) and learns the new ones."""
+        """Apply one reply in the open transaction (see the module docstring for the two
+        engines' ways). ``known``, when given, holds every receipt of the batch's reply
+        ids (``_prefetch``) and learns the new ones."""
         if known is None:
-            row = c.execute(
-                f"SELECT {_COLUMNS} FROM receipts WHERE reply_id = ?", (item.reply_id,)
-            ).fetchone()
-            earlier = None if row is None else Receipt(**dict(row))
+            row = c.execute(f"{_SELECT} WHERE reply_id = ?", (item.reply_id,)).fetchone()
+            earlier = None if row is None else _receipt(row)
         else:
             earlier = known.get(item.reply_id)
         if earlier is not None:
-            same = earlier.content_hash == item.content_hash
-            return (ReceiptOutcome.DUPLICATE if same else ReceiptOutcome.CONFLICT), earlier
+            return _seen(earlier, item), earlier
         reply = item.reply if item.reply is not None else Reply.from_mapping(json.loads(item.body))
-        effect_result = None
-        if effect is not None:
-            effect_result = canonical_json(effect(c, reply)).decode("utf-8")
-        receipt = Receipt(
-            reply_id=item.reply_id,
-            content_hash=item.content_hash,
-            principal=item.principal,
-            message_id=reply.message_id,
-            task_id=reply.task_id,
-            status=reply.status,
-            body=item.body,
-            entry_id=item.entry_id,
-            received_at=now,
-            effects=1 if effect is not None else 0,
-            effect_result=effect_result,
-        )
-        c.execute(
-            f"INSERT INTO receipts ({_COLUMNS}) VALUES ({', '.join('?' * 11)})",
-            tuple(getattr(receipt, n) for n in Receipt.__dataclass_fields__),
-        )
+        effects, outcome = (1 if effect is not None else 0), ReceiptOutcome.APPLIED
+        if c.dialect.name == "sqlite":  # the only writer: the lookup decided
+            result = None if effect is None else _result(effect(c, reply))
+            receipt = _new(item, reply, now, effects, result)
+            c.execute(_INSERT, tuple(getattr(receipt, n) for n in _NAMES))
+        else:  # hold the reply id first; a concurrent holder's COMMIT is waited for
+            receipt = _new(item, reply, now, effects, None)
+            claim = c.execute(
+                f"{_INSERT} ON CONFLICT (reply_id) DO NOTHING",
+                tuple(getattr(receipt, n) for n in _NAMES),
+            )
+            if claim.rowcount == 0:  # another receiver's, committed: nothing of ours runs
+                receipt = self._committed(c, item.reply_id)
+                outcome = _seen(receipt, item)
+            elif effect is not None:
+                receipt = replace(receipt, effect_result=_result(effect(c, reply)))
+                c.execute(
+                    "UPDATE receipts SET effect_result = ? WHERE reply_id = ?",
+                    (receipt.effect_result, item.reply_id),
+                )
         if known is not None:
             known[item.reply_id] = receipt
-        return ReceiptOutcome.APPLIED, receipt
+        return outcome, receipt
+
+    @staticmethod
+    def _committed(c: Conn, reply_id: str) -> Receipt:
+        """The receipt another transaction committed while ours tried to insert it."""
+        row = c.execute(f"{_SELECT} WHERE reply_id = ?", (reply_id,)).fetchone()
+        if row is None:  # it was purged in between: try the whole batch again
+            raise StoreBusy(f"receipt {reply_id!r} came and went during the transaction")
+        return _receipt(row)
+
+
+def _seen(earlier: Receipt, item: ReceiptItem) -> ReceiptOutcome:
+    """What a reply whose id has a receipt already is: the same one again, or not."""
+    same = earlier.content_hash == item.content_hash
+    return ReceiptOutcome.DUPLICATE if same else ReceiptOutcome.CONFLICT
+
+
+def _result(value: Any) -> str:
+    """An effect's return value as the receipt keeps it: canonical JSON (a value that is
+    not JSON raises, and so rolls the reply back)."""
+    return canonical_json(value).decode("utf-8")
+
+
+def _new(item: ReceiptItem, reply: Reply, now: float, effects: int, result: str | None) -> Receipt:
+    """The receipt of a reply applied now."""
+    return Receipt(
+        reply_id=item.reply_id,
+        content_hash=item.content_hash,
+        principal=item.principal,
+        message_id=reply.message_id,
+        task_id=reply.task_id,
+        status=reply.status,
+        body=item.body,
+        entry_id=item.entry_id,
+        received_at=now,
+        effects=effects,
+        effect_result=result,
+    )
 
 
 @dataclass(frozen=True)

@@ -1,45 +1,60 @@
-"""Read-only snapshots of the database for ``status`` and monitoring (no writes)."""
+"""Read-only snapshots of the database for ``status`` and monitoring (no writes), one text
+for both stores (``store.sql``): counts read by column name, from one read transaction
+that sees one moment (SQLite's read snapshot; PostgreSQL's REPEATABLE READ)."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from broker_adapter.store.approvals import approval_counts
-from broker_adapter.store.db import Database
 from broker_adapter.store.effects import effect_counts
+from broker_adapter.store.sql import Conn, Db
 
 
-def snapshot(db: Database, now: float) -> dict[str, Any]:
+def snapshot(db: Db, now: float) -> dict[str, Any]:
     """The four stages, counted from one consistent read.
 
     Returns:
         ``received`` (inbox), ``processing`` (pending/running and leases), ``terminal``
         (tasks by terminal state), ``delivery`` (outbox by state, oldest unsent age) and
-        ``effects`` (unknown outcomes, reconciles, compensations, approvals:
-        ``effects.effect_counts``, ``approvals.approval_counts``).
+        ``effects`` (unknown outcomes, reconciles, compensations: ``effects.effect_counts``;
+        approvals: ``approvals.approval_counts``).
     """
     with db.read() as c:
+        if c.dialect.name == "postgresql":  # first in the transaction: all counts, one moment
+            c.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
         inbox = c.execute(
-            "SELECT count(*), coalesce(sum(duplicates), 0), coalesce(sum(conflicts), 0) FROM inbox"
+            "SELECT count(*) AS n, coalesce(sum(duplicates), 0) AS d,"
+            " coalesce(sum(conflicts), 0) AS c FROM inbox"
         ).fetchone()
-        states = dict(c.execute("SELECT state, count(*) FROM tasks GROUP BY state").fetchall())
+        states = _by(c, "SELECT state AS k, count(*) AS n FROM tasks GROUP BY state")
         leases = c.execute(
-            "SELECT coalesce(sum(lease_until > ?), 0), coalesce(sum(lease_until <= ?), 0)"
+            "SELECT count(*) FILTER (WHERE lease_until > ?) AS live,"
+            " count(*) FILTER (WHERE lease_until <= ?) AS expired"
             " FROM tasks WHERE state = 'running'",
             (now, now),
         ).fetchone()
         ready = c.execute(
-            "SELECT count(*) FROM tasks WHERE state = 'pending' AND not_before <= ?", (now,)
-        ).fetchone()[0]
-        outbox = dict(c.execute("SELECT state, count(*) FROM outbox GROUP BY state").fetchall())
+            "SELECT count(*) AS n FROM tasks WHERE state = 'pending' AND not_before <= ?", (now,)
+        ).fetchone()
+        outbox = _by(c, "SELECT state AS k, count(*) AS n FROM outbox GROUP BY state")
         oldest = c.execute(
-            "SELECT min(created_at) FROM outbox WHERE state IN ('pending', 'sending')"
-        ).fetchone()[0]
-        receipts = c.execute("SELECT count(*), coalesce(sum(effects), 0) FROM receipts").fetchone()
+            "SELECT min(created_at) AS t FROM outbox WHERE state IN ('pending', 'sending')"
+        ).fetchone()
+        receipts = c.execute(
+            "SELECT count(*) AS n, coalesce(sum(effects), 0) AS e FROM receipts"
+        ).fetchone()
         effects = {**effect_counts(c), **approval_counts(c, now)}
     return shape(
-        now, tuple(inbox), states, tuple(leases), ready, outbox, oldest, tuple(receipts), effects
-    )
+        now, (inbox["n"], int(inbox["d"]), int(inbox["c"])), states,
+        (leases["live"], leases["expired"]), ready["n"], outbox, oldest["t"],
+        (receipts["n"], int(receipts["e"])), effects,
+    )  # fmt: skip
+
+
+def _by(c: Conn, sql: str) -> dict[str, int]:
+    """A ``SELECT k, n ... GROUP BY`` as a dict."""
+    return {r["k"]: r["n"] for r in c.execute(sql).fetchall()}
 
 
 #: The terminal states ``snapshot`` counts under ``terminal``.

@@ -20,13 +20,17 @@ past the window. On the receiver's side a receipt goes once applied ``retention_
 (``ReceiptStore.purge_batch``; the receiver also keeps those of entries still pending in
 its group).
 
-Batches. Candidates are found by a read (no write lock) that walks the tasks table in
-rowid order, i.e. oldest first, from a cursor the caller carries through a pass, and stops
-at the first row accepted inside the window; the write transaction then deletes at most
-``PURGE_BATCH`` requests by primary key and index, a few milliseconds of write lock. Rows
-that must stay (a dead reply) are walked past once per pass, not deleted. A pass is a loop
-of batches; ``PurgeSchedule`` spaces the batches so that live writers take the lock in
-between, and the passes ``PURGE_EVERY_S`` apart.
+Batches. One text for both stores (``store.sql``; ``_Engine`` names the few words each
+says its own way). Candidates are found by a read (no write lock) that walks the tasks
+table oldest first (SQLite's rowid, PostgreSQL's ``seq``), from a cursor the caller
+carries through a pass, and stops at the first row accepted inside the window; the write
+transaction then deletes at most ``PURGE_BATCH`` requests by primary key and index, a few
+milliseconds of write lock. On PostgreSQL, where several processes write at once, it
+takes each candidate's row locks as it re-checks the rule (``FOR UPDATE SKIP LOCKED``: a
+row another transaction holds is left for the next pass). Rows that must stay (a dead
+reply) are walked past once per pass, not deleted. A pass is a loop of batches;
+``PurgeSchedule`` spaces the batches so that live writers take the lock in between, and
+the passes ``PURGE_EVERY_S`` apart.
 
 File size. SQLite puts the pages a DELETE frees on the file's freelist and the next
 inserts take them from there, so a database whose rows come and go at the same rate stops
@@ -34,6 +38,7 @@ growing at the size of one window of rows; ``auto_vacuum`` is left off (turning 
 an existing file takes a full ``VACUUM``, and returning pages to the OS only to grow again
 costs writes for nothing). An operator who wants the space of a burst back runs
 ``broker-adapter backup`` (``VACUUM INTO``, compact) or ``VACUUM`` while stopped.
+PostgreSQL's autovacuum reclaims the deleted rows' space for new ones.
 """
 
 from __future__ import annotations
@@ -43,11 +48,14 @@ import math
 import threading
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
+from typing import Any
 
 from broker_adapter.clock import Clock
 from broker_adapter.errors import BrokerAdapterError
 from broker_adapter.store.db import Database, in_lists
+from broker_adapter.store.sql import Conn, Db
 
 #: The published dedupe window, seconds: 7 days.
 DEFAULT_RETENTION_S = 7 * 24 * 3600.0
@@ -65,14 +73,39 @@ PURGE_PAUSE_FACTOR = 1.0
 
 TERMINAL_SQL = "('done', 'failed', 'cancelled', 'expired', 'hop_limit')"
 
-#: The rule of a purgeable request, on ``tasks t`` joined with its reply ``outbox o``, with
-#: the parameters of ``_rule_params``. The one place it is written: the candidate read and
-#: the deleting transaction both use it. ``+o.state`` keeps the planner off the index on
-#: the outbox's state, which would walk every sent reply instead of the batch's.
-PURGEABLE_SQL = (
-    f"t.state IN {TERMINAL_SQL} AND t.deadline <= ? AND t.created_at <= ?"
-    " AND +o.state = 'sent' AND o.sent_at <= ?"
-)
+
+@dataclass(frozen=True)
+class _Engine:
+    """What the purge says its engine's own way (the rest is ``store.sql``'s portable SQL).
+
+    Attributes:
+        seq: the column that numbers a table's rows oldest first, the pass's cursor:
+            SQLite's ``rowid``, PostgreSQL's ``seq`` identity (``tasks``, ``receipts``).
+        plain: in front of ``o.state``: SQLite's ``+`` keeps its planner off the index on
+            the outbox's state, which would walk every sent reply instead of the batch's.
+        answers: how the conflict answers are found: SQLite is told the partial index
+            ``outbox_answers``; PostgreSQL's planner picks it.
+    """
+
+    seq: str
+    plain: str
+    answers: str
+
+
+_ENGINES = {
+    "sqlite": _Engine("rowid", "+", " INDEXED BY outbox_answers"),
+    "postgresql": _Engine("seq", "", ""),
+}
+
+
+def purgeable_sql(plain: str = "") -> str:
+    """The rule of a purgeable request, on ``tasks t`` joined with its reply ``outbox o``,
+    with the parameters of ``_rule_params``. The one place it is written: the candidate
+    read and the deleting transaction both use it (``plain``: ``_Engine.plain``)."""
+    return (
+        f"t.state IN {TERMINAL_SQL} AND t.deadline <= ? AND t.created_at <= ?"
+        f" AND {plain}o.state = 'sent' AND o.sent_at <= ?"
+    )
 
 
 def _rule_params(now: float, cutoff: float) -> tuple[float, float, float]:
@@ -80,71 +113,70 @@ def _rule_params(now: float, cutoff: float) -> tuple[float, float, float]:
 
 
 def purge_requests(
-    db: Database, now: float, retention_s: float, after: int = 0, limit: int = PURGE_BATCH
+    db: Db, now: float, retention_s: float, after: int = 0, limit: int = PURGE_BATCH
 ) -> PurgeBatch:
     """Delete at most ``limit`` purgeable requests (see the module docstring) whose task
-    row comes after rowid ``after``, and up to ``limit`` conflict answers past the window,
-    in one transaction.
+    row comes after cursor ``after`` (``_Engine.seq``), and up to ``limit`` conflict
+    answers past the window, in one transaction.
 
-    The candidates are read first, outside the write lock; the deleting transaction
-    checks each again (``PURGEABLE_SQL``: a reply put back in line by a data-loss resend
-    since the read is no longer sent, and stays) and deletes the request's inbox record,
-    reply and task together, so that no crash leaves a task without its record, or a
-    record without its task.
+    The candidates are read first, outside the writing transaction; the deleting
+    transaction checks each again (the rule: a reply put back in line by a data-loss
+    resend since the read is no longer sent, and stays), taking its rows' locks on
+    PostgreSQL (``skip_locked``: a row another transaction holds is left for the next
+    pass), and deletes the request's inbox record, reply and task together, so that no
+    crash leaves a task without its record, or a record without its task.
     """
     cutoff = now - retention_s
     rule = _rule_params(now, cutoff)
+    engine = _ENGINES[db.dialect.name]
+    purgeable = purgeable_sql(engine.plain)
     with db.read() as c:
         rows = c.execute(
-            "SELECT t.rowid, t.task_id, t.principal, t.message_id,"
-            f" coalesce({PURGEABLE_SQL}, 0), t.created_at > ?"
+            f"SELECT t.{engine.seq} AS seq, t.task_id, coalesce({purgeable}, false)"
+            " AS purgeable, t.created_at > ? AS inside"
             " FROM tasks t LEFT JOIN outbox o ON o.task_id = t.task_id"
-            " WHERE t.rowid > ? ORDER BY t.rowid LIMIT ?",
+            f" WHERE t.{engine.seq} > ? ORDER BY t.{engine.seq} LIMIT ?",
             (*rule, cutoff, after, SCAN_ROWS),
         ).fetchall()
         answers = [
-            r[0]
+            r["reply_id"]
             for r in c.execute(
-                "SELECT reply_id FROM outbox INDEXED BY outbox_answers WHERE task_id IS NULL"
+                f"SELECT reply_id FROM outbox{engine.answers} WHERE task_id IS NULL"
                 " AND created_at <= ? AND state = 'sent' AND sent_at <= ?"
                 " ORDER BY created_at LIMIT ?",
                 (cutoff, cutoff, limit),
-            )
+            ).fetchall()
         ]
     found: list[str] = []
     cursor, more = after, len(rows) == SCAN_ROWS
-    for rowid, task_id, _principal, _message_id, purgeable, inside in rows:
-        if inside:  # accepted inside the window: so is everything after it
+    for row in rows:
+        if row["inside"]:  # accepted inside the window: so is everything after it
             more = False
             break
-        cursor = rowid
-        if purgeable:
-            found.append(task_id)
+        cursor = row["seq"]
+        if row["purgeable"]:
+            found.append(row["task_id"])
             if len(found) >= limit:
                 more = True
                 break
     more = more or len(answers) >= limit
     if not found and not answers:
         return PurgeBatch(after=cursor, more=more)
-    # Children first, then the task: the foreign keys hold by construction, and their check
-    # of each deleted task would scan the inbox, which has no index on ``task_id``.
-    with db.write("purge", foreign_keys=False) as c:
+    with _purging(db) as c:
         held = timed_lock()
-        confirmed: list[tuple[str, str, str]] = []
+        confirmed: list[Any] = []
         for chunk, marks in in_lists(found):
             confirmed += c.execute(
                 "SELECT t.task_id, t.principal, t.message_id FROM tasks t"
                 f" JOIN outbox o ON o.task_id = t.task_id WHERE t.task_id IN ({marks})"
-                f" AND {PURGEABLE_SQL}",
+                f" AND {purgeable}{c.dialect.skip_locked}",
                 (*chunk, *rule),
             ).fetchall()
-        records = 0
-        for task_id, principal, message_id in confirmed:
-            records += c.execute(
-                "DELETE FROM inbox WHERE principal = ? AND message_id = ? AND task_id = ?",
-                (principal, message_id, task_id),
-            ).rowcount
-        ids = [r[0] for r in confirmed]
+        ids = [r["task_id"] for r in confirmed]
+        records = c.executemany(
+            "DELETE FROM inbox WHERE principal = ? AND message_id = ? AND task_id = ?",
+            [(r["principal"], r["message_id"], r["task_id"]) for r in confirmed],
+        ).rowcount if confirmed else 0  # fmt: skip
         replies = 0
         for chunk, marks in in_lists(ids):
             replies += c.execute(f"DELETE FROM outbox WHERE task_id IN ({marks})", chunk).rowcount
@@ -171,25 +203,35 @@ def purge_requests(
 _EFFECT_RECORDS = ("reconcile_log", "compensations", "approval_waits")
 
 
-def purge_receipts(
-    db: Database, cutoff: float, after: int = 0, limit: int = PURGE_BATCH
-) -> PurgeBatch:
-    """Delete at most ``limit`` receipts applied at or before ``cutoff`` whose rowid comes
-    after ``after``, oldest first, in one transaction (a receipt never changes once
-    written: the read's choice holds)."""
+def _purging(db: Db) -> AbstractContextManager[Conn]:
+    """The deleting transaction. Children go first, then the task, so the foreign keys
+    hold by construction: SQLite's check of each deleted task would scan the inbox, which
+    has no index on ``task_id`` there, so it is turned off for the transaction;
+    PostgreSQL checks by its index ``inbox_task``."""
+    if isinstance(db, Database):
+        return db.write("purge", foreign_keys=False)
+    return db.write("purge")
+
+
+def purge_receipts(db: Db, cutoff: float, after: int = 0, limit: int = PURGE_BATCH) -> PurgeBatch:
+    """Delete at most ``limit`` receipts applied at or before ``cutoff`` whose row comes
+    after cursor ``after`` (``_Engine.seq``), oldest first, in one transaction (a receipt
+    never changes once written: the read's choice holds)."""
+    seq = _ENGINES[db.dialect.name].seq
     with db.read() as c:
         rows = c.execute(
-            "SELECT rowid, received_at > ? FROM receipts WHERE rowid > ? ORDER BY rowid LIMIT ?",
+            f"SELECT {seq} AS seq, received_at > ? AS inside FROM receipts WHERE {seq} > ?"
+            f" ORDER BY {seq} LIMIT ?",
             (cutoff, after, limit),
         ).fetchall()
     found: list[int] = []
     cursor, more = after, len(rows) == limit
-    for rowid, inside in rows:
-        if inside:
+    for row in rows:
+        if row["inside"]:
             more = False
             break
-        cursor = rowid
-        found.append(rowid)
+        cursor = row["seq"]
+        found.append(row["seq"])
     if not found:
         return PurgeBatch(after=cursor, more=more)
     with db.write("purge") as c:
@@ -197,7 +239,7 @@ def purge_receipts(
         removed = 0
         for chunk, marks in in_lists(found):
             removed += c.execute(
-                f"DELETE FROM receipts WHERE rowid IN ({marks}) AND received_at <= ?",
+                f"DELETE FROM receipts WHERE {seq} IN ({marks}) AND received_at <= ?",
                 (*chunk, cutoff),
             ).rowcount
         work = held()

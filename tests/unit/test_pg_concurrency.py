@@ -265,3 +265,39 @@ def _raised(op: Callable[[], Any]) -> Any:
         return op()
     except Exception as exc:  # noqa: BLE001 - the test inspects it
         return exc
+
+
+def test_a_reply_id_held_by_one_receiver_with_other_content_is_a_conflict_for_the_other(
+    two: tuple[Stores, Stores], pg_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same reply id with another body at once: the second receiver waits on the
+    first's insert, then refuses its own (conflict), keeping the first's receipt; it never
+    runs its effect."""
+    a, b = two
+    create_effects_table(a.db)
+    first_body = canonical_json({"v": 1, "reply_id": "r-1", "task_id": "t1", "status": "done"})
+    other_body = canonical_json({"v": 1, "reply_id": "r-1", "task_id": "t1", "status": "failed"})
+    calls: list[str] = []
+
+    def effect(conn: Any, value: Reply) -> Any:
+        calls.append(str(value.status))
+        conn.execute("INSERT INTO effects (reply_id, status) VALUES (?, ?)", ("r-1", value.status))
+        return None
+
+    def apply(s: Stores, body: bytes) -> Any:
+        return s.receipts.apply(reply_id="r-1", content_hash=sha256_hex(body), principal="alice",
+                                body=body, effect=effect)  # fmt: skip
+
+    held = Held(monkeypatch, "receipt")
+    held.start(lambda: apply(a, first_body))
+    thread, out = in_thread(lambda: apply(b, other_body))
+    wait_for(lambda: waiting_on_a_lock(pg_url), "the second receiver to wait on the first")
+    first_outcome, first = held.release()
+    thread.join(HOLD_S)
+    ((second_outcome, second),) = out
+    assert (first_outcome, second_outcome) == (ReceiptOutcome.APPLIED, ReceiptOutcome.CONFLICT)
+    assert second == first
+    assert second.content_hash == sha256_hex(first_body)
+    assert calls == ["done"]
+    assert dump(a.db)["effects"] == [{"reply_id": "r-1", "status": "done"}]
+    assert b.receipts.get("r-1") == first

@@ -8,7 +8,7 @@ import pytest
 from broker_adapter import crashpoints
 from broker_adapter.errors import ConfigError, StoreError
 from broker_adapter.store.backends import is_postgres_url, probe, snapshot
-from broker_adapter.store.db import open_database
+from broker_adapter.store.db import Database, open_database
 from broker_adapter.store.postgres.db import PgDatabase
 from broker_adapter.store.postgres.schema import CONFLICT_ID_KEY, MIGRATIONS, SCHEMA_VERSION
 
@@ -120,3 +120,40 @@ def test_pg_snapshot_counts_like_the_sqlite_one(store_target: str) -> None:
     assert report["processing"]["running"] == report["processing"]["live_leases"] == 1
     assert report["processing"]["ready"] == 1
     assert report["delivery"]["oldest_unsent_age_s"] is None
+
+
+def test_snapshot_counts_the_effect_records_and_approvals_alike(store_target: str) -> None:
+    from tests.support.store_script import T0, open_any
+
+    with open_any(store_target) as db:
+        with db.write("test") as c:
+            c.execute("INSERT INTO reconcile_log (task_id, outcome, by_whom, at, fence) VALUES"
+                      " ('t1', 'not-done', 'r', 1, 1), ('t2', 'done', 'r', 1, 1),"
+                      " ('t3', 'done', 'r', 1, 1)")  # fmt: skip
+            c.execute("INSERT INTO compensations (task_id, kind, by_whom, fence, what,"
+                      " started_at, outcome) VALUES ('t2', 'duplicate', 'r', 1, 'x', 1,"
+                      " 'done')")  # fmt: skip
+            c.execute(
+                "INSERT INTO approvals (approval_id, action, target, scope, approver,"
+                " granted_at, expires_at, revoked_at) VALUES (?, 'a', 't', 's', 'alice', ?, ?, ?)",
+                ("ap1", T0 - 10, T0 + 600, None),
+            )
+            c.execute(
+                "INSERT INTO approvals (approval_id, action, target, scope, approver,"
+                " granted_at, expires_at, revoked_at) VALUES (?, 'a', 't', 's', 'alice', ?, ?, ?)",
+                ("ap2", T0 - 10, T0 - 1, T0 - 5),
+            )
+        effects = snapshot(db, T0)["effects"]
+        if isinstance(db, Database):  # the effect and approval stores count the same
+            from broker_adapter.store.approvals import approval_counts
+            from broker_adapter.store.effects import effect_counts
+
+            with db.read() as c:
+                assert effects == {**effect_counts(c), **approval_counts(c, T0)}
+    assert effects == {
+        "unknown": 0, "awaiting_operator": 0,
+        "reconciled_done": 2, "reconciled_not-done": 1, "reconciled_unknown": 0,
+        "compensations_started": 0, "compensations_done": 1, "compensations_failed": 0,
+        "waiting_approval": 0, "approvals_valid": 1, "approvals_expired": 0,
+        "approvals_revoked": 1,
+    }  # fmt: skip
