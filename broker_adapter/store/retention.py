@@ -20,7 +20,7 @@ past the window. On the receiver's side a receipt goes once applied ``retention_
 (``ReceiptStore.purge_batch``; the receiver also keeps those of entries still pending in
 its group).
 
-Batches. One text for both stores (``store.sql``; ``_Engine`` names the few words each
+Batches. One text for both stores (``store.sql``: the dialect names the few words each
 says its own way). Candidates are found by a read (no write lock) that walks the tasks
 table oldest first (SQLite's rowid, PostgreSQL's ``seq``), from a cursor the caller
 carries through a pass, and stops at the first row accepted inside the window; the write
@@ -55,7 +55,7 @@ from typing import Any
 from broker_adapter.clock import Clock
 from broker_adapter.errors import BrokerAdapterError
 from broker_adapter.store.db import Database, in_lists
-from broker_adapter.store.sql import Conn, Db
+from broker_adapter.store.sql import Conn, Db, Dialect
 
 #: The published dedupe window, seconds: 7 days.
 DEFAULT_RETENTION_S = 7 * 24 * 3600.0
@@ -74,37 +74,15 @@ PURGE_PAUSE_FACTOR = 1.0
 TERMINAL_SQL = "('done', 'failed', 'cancelled', 'expired', 'hop_limit')"
 
 
-@dataclass(frozen=True)
-class _Engine:
-    """What the purge says its engine's own way (the rest is ``store.sql``'s portable SQL).
-
-    Attributes:
-        seq: the column that numbers a table's rows oldest first, the pass's cursor:
-            SQLite's ``rowid``, PostgreSQL's ``seq`` identity (``tasks``, ``receipts``).
-        plain: in front of ``o.state``: SQLite's ``+`` keeps its planner off the index on
-            the outbox's state, which would walk every sent reply instead of the batch's.
-        answers: how the conflict answers are found: SQLite is told the partial index
-            ``outbox_answers``; PostgreSQL's planner picks it.
-    """
-
-    seq: str
-    plain: str
-    answers: str
-
-
-_ENGINES = {
-    "sqlite": _Engine("rowid", "+", " INDEXED BY outbox_answers"),
-    "postgresql": _Engine("seq", "", ""),
-}
-
-
-def purgeable_sql(plain: str = "") -> str:
+def purgeable_sql(d: Dialect) -> str:
     """The rule of a purgeable request, on ``tasks t`` joined with its reply ``outbox o``,
     with the parameters of ``_rule_params``. The one place it is written: the candidate
-    read and the deleting transaction both use it (``plain``: ``_Engine.plain``)."""
+    read and the deleting transaction both use it. ``o.state`` is kept off SQLite's index on
+    the outbox's state (``Dialect.unindexed``), which would walk every sent reply instead of
+    the batch's."""
     return (
         f"t.state IN {TERMINAL_SQL} AND t.deadline <= ? AND t.created_at <= ?"
-        f" AND {plain}o.state = 'sent' AND o.sent_at <= ?"
+        f" AND {d.unindexed('o.state')} = 'sent' AND o.sent_at <= ?"
     )
 
 
@@ -116,7 +94,7 @@ def purge_requests(
     db: Db, now: float, retention_s: float, after: int = 0, limit: int = PURGE_BATCH
 ) -> PurgeBatch:
     """Delete at most ``limit`` purgeable requests (see the module docstring) whose task
-    row comes after cursor ``after`` (``_Engine.seq``), and up to ``limit`` conflict
+    row comes after cursor ``after`` (``Dialect.rowid``), and up to ``limit`` conflict
     answers past the window, in one transaction.
 
     The candidates are read first, outside the writing transaction; the deleting
@@ -128,20 +106,20 @@ def purge_requests(
     """
     cutoff = now - retention_s
     rule = _rule_params(now, cutoff)
-    engine = _ENGINES[db.dialect.name]
-    purgeable = purgeable_sql(engine.plain)
+    d = db.dialect
+    purgeable = purgeable_sql(d)
     with db.read() as c:
         rows = c.execute(
-            f"SELECT t.{engine.seq} AS seq, t.task_id, coalesce({purgeable}, false)"
+            f"SELECT t.{d.rowid} AS seq, t.task_id, coalesce({purgeable}, false)"
             " AS purgeable, t.created_at > ? AS inside"
             " FROM tasks t LEFT JOIN outbox o ON o.task_id = t.task_id"
-            f" WHERE t.{engine.seq} > ? ORDER BY t.{engine.seq} LIMIT ?",
+            f" WHERE t.{d.rowid} > ? ORDER BY t.{d.rowid} LIMIT ?",
             (*rule, cutoff, after, SCAN_ROWS),
         ).fetchall()
         answers = [
             r["reply_id"]
             for r in c.execute(
-                f"SELECT reply_id FROM outbox{engine.answers} WHERE task_id IS NULL"
+                f"SELECT reply_id FROM outbox{d.indexed_by('outbox_answers')} WHERE task_id IS NULL"
                 " AND created_at <= ? AND state = 'sent' AND sent_at <= ?"
                 " ORDER BY created_at LIMIT ?",
                 (cutoff, cutoff, limit),
@@ -215,9 +193,9 @@ def _purging(db: Db) -> AbstractContextManager[Conn]:
 
 def purge_receipts(db: Db, cutoff: float, after: int = 0, limit: int = PURGE_BATCH) -> PurgeBatch:
     """Delete at most ``limit`` receipts applied at or before ``cutoff`` whose row comes
-    after cursor ``after`` (``_Engine.seq``), oldest first, in one transaction (a receipt
+    after cursor ``after`` (``Dialect.rowid``), oldest first, in one transaction (a receipt
     never changes once written: the read's choice holds)."""
-    seq = _ENGINES[db.dialect.name].seq
+    seq = db.dialect.rowid
     with db.read() as c:
         rows = c.execute(
             f"SELECT {seq} AS seq, received_at > ? AS inside FROM receipts WHERE {seq} > ?"

@@ -23,6 +23,8 @@ What differs is named by the connection's ``dialect``:
 * ``indexed_by(index)`` / ``unindexed(column)``: SQLite's planner hints (``INDEXED BY``,
   a unary ``+`` that keeps a column's index out of a plan) on the hot statements whose plan
   must not change with the data; PostgreSQL plans without them (empty, and the bare name).
+* ``rowid``: the column that numbers a table's rows oldest first (``tasks``, ``receipts``),
+  the cursor of a purge pass: SQLite's ``rowid``, PostgreSQL's ``seq`` identity.
 * ``text``: a free-text value (an error, a reason) as the database can hold it: PostgreSQL
   refuses a NUL character in ``text``, which becomes U+FFFD; SQLite keeps it.
 
@@ -50,6 +52,7 @@ class Dialect:
     key_lock: str | None
     nul_free_text: bool
     index_hints: bool
+    rowid: str
 
     def indexed_by(self, index: str) -> str:
         """`` INDEXED BY <index>`` where the engine takes the hint, else nothing."""
@@ -68,11 +71,12 @@ class Dialect:
 
 SQLITE: Final = Dialect(
     "sqlite", for_update="", skip_locked="", key_lock=None, nul_free_text=False,
-    index_hints=True,
+    index_hints=True, rowid="rowid",
 )  # fmt: skip
 POSTGRES: Final = Dialect(
     "postgresql", for_update=" FOR UPDATE", skip_locked=" FOR UPDATE SKIP LOCKED",
     key_lock="SELECT pg_advisory_xact_lock(?)", nul_free_text=True, index_hints=False,
+    rowid="seq",
 )  # fmt: skip
 
 
