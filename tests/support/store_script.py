@@ -47,7 +47,6 @@ from broker_adapter.store.backends import open_store
 from broker_adapter.store.outbox import OutboxPolicy, enqueue
 from broker_adapter.store.postgres import (
     PgDatabase,
-    PgOutboxStore,
     PgReceiptStore,
     PgTaskStore,
 )
@@ -87,7 +86,7 @@ AnyDatabase = Database | PgDatabase
 class Stores:
     db: AnyDatabase
     tasks: TaskStore | PgTaskStore
-    outbox: OutboxStore | PgOutboxStore
+    outbox: OutboxStore
     receipts: ReceiptStore | PgReceiptStore
 
     @property
@@ -128,7 +127,6 @@ class SqliteStores(Stores):
 
     db: Database
     tasks: TaskStore
-    outbox: OutboxStore
     receipts: ReceiptStore
 
 
@@ -145,7 +143,7 @@ def stores(db: AnyDatabase, clock: FakeClock, seed: int = 0) -> Stores:
         return Stores(
             db=db,
             tasks=PgTaskStore(db, clock, task_policy(), random.Random(seed)),
-            outbox=PgOutboxStore(db, clock, outbox_policy(), random.Random(seed + 1)),
+            outbox=OutboxStore(db, clock, outbox_policy(), random.Random(seed + 1)),
             receipts=PgReceiptStore(db, clock),
         )
     return SqliteStores(

@@ -6,8 +6,8 @@ imports database drivers.
 """
 
 from broker_adapter.store.backends import is_postgres_url
+from broker_adapter.store.outbox import OutboxStore as PgOutboxStore  # one class, both stores
 from broker_adapter.store.postgres.db import PgDatabase
-from broker_adapter.store.postgres.outbox import PgOutboxStore
 from broker_adapter.store.postgres.receipts import PgReceiptStore
 from broker_adapter.store.postgres.tasks import PgTaskStore
 

@@ -18,10 +18,10 @@ from broker_adapter.config import DEFAULT_LEASE_S
 from broker_adapter.errors import BrokerAdapterError, StaleError
 from broker_adapter.protocol.reply import encode_body, reply_id_for, terminal_body
 from broker_adapter.store.lifecycle import TaskState, reply_key
-from broker_adapter.store.outbox import OutboxRow, PublisherClaim, SentMark
+from broker_adapter.store.outbox import OutboxRow, PublisherClaim, SentMark, mark_sent_in
 from broker_adapter.store.postgres.db import Conn, Row, free_text
 from broker_adapter.store.postgres.lifecycle import to_terminal
-from broker_adapter.store.postgres.outbox import ReplySpec, enqueue_many, mark_sent_in
+from broker_adapter.store.postgres.outbox import ReplySpec, enqueue_many
 from broker_adapter.store.settle import (
     FailOutcome,
     SettledBatch,
