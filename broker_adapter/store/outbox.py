@@ -213,20 +213,25 @@ def _held(c: Conn, sql: str, params: Sequence[Any], reply_id: str, owner: str, f
     return found
 
 
+#: Mark sent, fenced: the rows of one fence, ``(reply_id, entry_id, sent_at)`` each (its
+#: ``VALUES`` list, columns ``column1``..``column3`` on both engines), held by one owner.
 _MARK_SENT = (
     "UPDATE outbox SET state = 'sent', owner = NULL, lease_until = NULL,"
-    " entry_id = ?, sent_at = ?, last_error = NULL WHERE reply_id = ? AND " + REPLY_HELD
+    " entry_id = v.column2, sent_at = v.column3, last_error = NULL FROM (VALUES {rows}) AS v"
+    " WHERE reply_id = v.column1 AND " + REPLY_HELD + " RETURNING reply_id"
 )
+#: Rows per ``_MARK_SENT`` statement (3 parameters each: within SQLite's limit).
+_MARK_SENT_CHUNK = 256
 
 
 def mark_sent_in(
     c: Conn, owner: str, items: Sequence[SentMark], now: float
 ) -> builtins.list[StaleError | None]:
     """Record confirmed publications inside the caller's transaction, each fenced on its
-    own: the holder check (``fencing.REPLY_HELD``) is the WHERE clause of its update; a row
-    it refuses wrote nothing and gets ``holder_refusal``'s precise refusal (as does a
-    second mark of one reply). The one way a reply is marked sent. SQLite runs the updates
-    one by one; PostgreSQL sends them in one pipeline (``postgres.outbox.run_each``).
+    own: the holder check (``fencing.REPLY_HELD``) is the WHERE clause of the update, one
+    statement for the items of one fence (a batch's usually share it); an item it left
+    alone wrote nothing and gets ``holder_refusal``'s precise refusal (as does a second
+    mark of one reply). The one way a reply is marked sent.
 
     Returns:
         one entry per item, in order: ``None`` when marked sent, else the ``StaleError``.
@@ -234,17 +239,25 @@ def mark_sent_in(
     Raises:
         UnknownReply: an item names no reply (the transaction is to be abandoned).
     """
-    params = [(entry_id, sent_at, reply_id, *held_params(fence, owner, now, deadline=False))
-              for reply_id, fence, entry_id, sent_at in items]  # fmt: skip
-    if c.dialect.name == "sqlite":
-        done = [c.execute(_MARK_SENT, p).rowcount == 1 for p in params]
-    else:
-        from broker_adapter.store.postgres.outbox import run_each
-
-        done = run_each(c, _MARK_SENT + " RETURNING reply_id", params)
+    first: dict[str, int] = {}
+    by_fence: dict[int, builtins.list[SentMark]] = {}
+    for i, mark in enumerate(items):
+        if first.setdefault(mark[0], i) == i:
+            by_fence.setdefault(mark[1], []).append(mark)
+    marked: set[str] = set()
+    for fence, group in by_fence.items():
+        for start in range(0, len(group), _MARK_SENT_CHUNK):
+            chunk = group[start : start + _MARK_SENT_CHUNK]
+            values = [v for reply_id, _, entry_id, sent_at in chunk
+                      for v in (reply_id, entry_id, sent_at)]  # fmt: skip
+            rows = c.execute(
+                _MARK_SENT.format(rows=", ".join(["(?, ?, ?)"] * len(chunk))),
+                (*values, *held_params(fence, owner, now, deadline=False)),
+            ).fetchall()
+            marked.update(r["reply_id"] for r in rows)
     out: builtins.list[StaleError | None] = []
-    for marked, (reply_id, fence, _, _) in zip(done, items, strict=True):
-        if marked:
+    for i, (reply_id, fence, _, _) in enumerate(items):
+        if first[reply_id] == i and reply_id in marked:
             out.append(None)
             continue
         why = holder_refusal(c, reply_id, owner, fence, now)

@@ -1,8 +1,7 @@
 """What only PostgreSQL says of the outbox (``store.outbox`` is the one implementation):
 its inserts (``ON CONFLICT DO NOTHING`` for SQLite's ``INSERT OR IGNORE``; the unique
-indexes, reply id and one reply per task, decide), a settled batch's replies in ONE
-statement (``enqueue_many``, arrays through ``unnest``), and a fenced statement run once
-per row in ONE pipeline (``run_each``, for ``outbox.mark_sent_in``).
+indexes, reply id and one reply per task, decide), and a settled batch's replies in ONE
+statement (``enqueue_many``, arrays through ``unnest``).
 """
 
 from __future__ import annotations
@@ -11,7 +10,6 @@ from collections.abc import Sequence
 from typing import Any
 
 from broker_adapter.protocol.reply import encode_body
-from broker_adapter.store import sql
 from broker_adapter.store.outbox import OutboxRow, PublisherClaim
 from broker_adapter.store.postgres.db import Conn
 
@@ -93,18 +91,3 @@ def enqueue_many(
     ).fetchall()
     claim.rows.extend(OutboxRow.from_row(r) for r in rows)
     return len(rows)
-
-
-def run_each(c: sql.Conn, statement: str, params: Sequence[Sequence[Any]]) -> list[bool]:
-    """Run ``statement`` (portable SQL ending in ``RETURNING``) once per parameter row, the
-    rows sent in ONE pipeline (one round trip, not one per row): whether each returned a
-    row."""
-    if not params:
-        return []
-    assert isinstance(c, Conn), "a PostgreSQL transaction"
-    cur = c.raw.cursor()
-    cur.executemany(sql.pg_sql(statement), params, returning=True)
-    out = [cur.fetchone() is not None]
-    while cur.nextset():
-        out.append(cur.fetchone() is not None)
-    return out
