@@ -33,7 +33,6 @@ from broker_adapter.store.tasks import TaskPolicy, TaskStore
 if TYPE_CHECKING:
     from broker_adapter.store.postgres import (
         PgDatabase,
-        PgOutboxStore,
     )
 
 #: URL schemes that select the PostgreSQL backend.
@@ -92,13 +91,9 @@ def outbox_store(
     clock: Clock | None = None,
     policy: OutboxPolicy | None = None,
     rng: random.Random | None = None,
-) -> OutboxStore | PgOutboxStore:
-    """The outbox's publisher side on ``db``, whichever backend it is."""
-    if isinstance(db, Database):
-        return OutboxStore(db, clock, policy, rng)
-    from broker_adapter.store.postgres import PgOutboxStore
-
-    return PgOutboxStore(db, clock, policy, rng)
+) -> OutboxStore:
+    """The outbox's publisher side on ``db``, whichever backend it is (one class for both)."""
+    return OutboxStore(db, clock, policy, rng)
 
 
 def probe(url: str, timeout_s: float) -> str | None:

@@ -1,5 +1,7 @@
 """The transactional outbox: replies written with their task's terminal state, published later.
 
+One implementation for both stores, written against ``store.sql.Conn``.
+
 A reply row is inserted inside the same transaction that makes its task terminal
 (``enqueue`` takes the caller's connection), so a terminal task without its reply, or a
 reply without its terminal task, cannot be observed. The unique index on ``task_id`` makes
@@ -13,6 +15,13 @@ only for the current holder (``fencing``). A confirmed publication is recorded o
 time, so every resend carries the same reply id and the same bytes. ``dead`` means "no
 trusted confirmation", not "not delivered": ``replay`` puts such a row back in line after
 the operator checked Redis.
+
+Several publishers may write at once (PostgreSQL, several hosts), so no write relies on a
+single writer: a claim picks its rows with ``dialect.skip_locked`` (two dispatchers never
+take the same row, nor wait on each other's); every fenced write checks the holder
+(``fencing.REPLY_HELD``) in the WHERE clause of the statement that takes the row, and when
+that matches nothing a read of the row says why (``holder_refusal``) and nothing was
+written. The statements are the same on SQLite, where they cost what a read-then-write did.
 """
 
 from __future__ import annotations
@@ -20,7 +29,7 @@ from __future__ import annotations
 import builtins
 import random
 import sqlite3
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -31,9 +40,8 @@ from broker_adapter.clock import Clock, SystemClock
 from broker_adapter.config import DEFAULT_LEASE_S, ConfigModel
 from broker_adapter.errors import BrokerAdapterError, StaleError
 from broker_adapter.protocol.reply import encode_body
-from broker_adapter.store.db import Database
 from broker_adapter.store.fencing import REPLY_HELD, REPLY_HELD_STATE, held_params, refusal
-from broker_adapter.store.sql import Conn
+from broker_adapter.store.sql import Conn, Db, Dialect, marks
 
 OUTBOX_STATES = ("pending", "sending", "sent", "dead")
 
@@ -78,8 +86,11 @@ class OutboxRow:
     replayed_at: float | None = None
 
     @classmethod
-    def from_row(cls, row: sqlite3.Row) -> OutboxRow:
-        return cls(**{name: row[name] for name in cls.__dataclass_fields__})
+    def from_row(cls, row: sqlite3.Row | Mapping[str, Any]) -> OutboxRow:
+        values = {name: row[name] for name in cls.__dataclass_fields__}
+        if not isinstance(values["body"], bytes):  # a driver's buffer (``bytea``)
+            values["body"] = bytes(values["body"])
+        return cls(**values)
 
 
 _COLUMNS = ", ".join(OutboxRow.__dataclass_fields__)
@@ -175,72 +186,97 @@ class PublisherClaim:
 SentMark = tuple[str, int, str, float]
 
 
-def holder_check(
-    c: sqlite3.Connection, reply_id: str, owner: str, fence: int, now: float
-) -> sqlite3.Row:
-    """Raise ``StaleError`` unless ``owner`` holds ``reply_id`` under ``fence`` at ``now``
-    (``fencing.refusal``: state ``sending``, lease unexpired); the row's state, owner,
-    fence, lease, attempts."""
-    row: sqlite3.Row | None = c.execute(
-        "SELECT state, owner, fence, lease_until, attempts FROM outbox WHERE reply_id = ?",
-        (reply_id,),
+def _indexed(dialect: Dialect, index: str) -> str:
+    """SQLite's planner hint for ``index`` (PostgreSQL picks its partial indexes itself)."""
+    return f" INDEXED BY {index}" if dialect.name == "sqlite" else ""
+
+
+def holder_refusal(
+    c: Conn, reply_id: str, owner: str, fence: int, now: float
+) -> StaleError | UnknownReply:
+    """Why a fenced write of ``reply_id`` matched nothing (``UnknownReply`` if no row):
+    ``fencing.refusal`` on the row as it is now."""
+    row = c.execute(
+        "SELECT state, owner, fence, lease_until FROM outbox WHERE reply_id = ?", (reply_id,)
     ).fetchone()
     if row is None:
-        raise UnknownReply(reply_id)
-    refused = refusal(row, reply_id, owner, fence, now, state=REPLY_HELD_STATE, deadline=False)
-    if refused is not None:
-        raise refused
-    return row
+        return UnknownReply(reply_id)
+    why = refusal(row, reply_id, owner, fence, now, state=REPLY_HELD_STATE, deadline=False)
+    return why or StaleError(reply_id, "lease_expired")  # the clock moved on meanwhile
 
 
+def _held(c: Conn, sql: str, params: Sequence[Any], reply_id: str, owner: str, fence: int,
+          now: float) -> Any:  # fmt: skip
+    """The row of ONE fenced statement on ``reply_id`` (``sql`` ends in the holder check,
+    ``REPLY_HELD``, and returns a row); raises the precise refusal when it matched nothing,
+    having written nothing."""
+    row = c.execute(sql, (*params, reply_id, *held_params(fence, owner, now, deadline=False)))
+    found = row.fetchone()
+    if found is None:
+        raise holder_refusal(c, reply_id, owner, fence, now)
+    return found
+
+
+#: Mark sent, fenced: the rows of one fence, ``(reply_id, entry_id, sent_at)`` each (its
+#: ``VALUES`` list, columns ``column1``..``column3`` on both engines), held by one owner.
 _MARK_SENT = (
     "UPDATE outbox SET state = 'sent', owner = NULL, lease_until = NULL,"
-    " entry_id = ?, sent_at = ?, last_error = NULL WHERE reply_id = ? AND " + REPLY_HELD
+    " entry_id = v.column2, sent_at = v.column3, last_error = NULL FROM (VALUES {rows}) AS v"
+    " WHERE reply_id = v.column1 AND " + REPLY_HELD + " RETURNING reply_id"
 )
+#: Rows per ``_MARK_SENT`` statement (3 parameters each: within SQLite's limit).
+_MARK_SENT_CHUNK = 256
 
 
 def mark_sent_in(
-    c: sqlite3.Connection, owner: str, items: Sequence[SentMark], now: float
+    c: Conn, owner: str, items: Sequence[SentMark], now: float
 ) -> builtins.list[StaleError | None]:
     """Record confirmed publications inside the caller's transaction, each fenced on its
-    own: the holder check (``fencing.REPLY_HELD``) is the WHERE clause of the update (one
-    statement per row); a row it refuses wrote nothing and gets ``holder_check``'s precise
-    refusal. The one way a reply is marked sent.
+    own: the holder check (``fencing.REPLY_HELD``) is the WHERE clause of the update, one
+    statement for the items of one fence (a batch's usually share it); an item it left
+    alone wrote nothing and gets ``holder_refusal``'s precise refusal (as does a second
+    mark of one reply). The one way a reply is marked sent.
 
     Returns:
         one entry per item, in order: ``None`` when marked sent, else the ``StaleError``.
+
+    Raises:
+        UnknownReply: an item names no reply (the transaction is to be abandoned).
     """
+    first: dict[str, int] = {}
+    by_fence: dict[int, builtins.list[SentMark]] = {}
+    for i, mark in enumerate(items):
+        if first.setdefault(mark[0], i) == i:
+            by_fence.setdefault(mark[1], []).append(mark)
+    marked: set[str] = set()
+    for fence, group in by_fence.items():
+        for start in range(0, len(group), _MARK_SENT_CHUNK):
+            chunk = group[start : start + _MARK_SENT_CHUNK]
+            values = [v for reply_id, _, entry_id, sent_at in chunk
+                      for v in (reply_id, entry_id, sent_at)]  # fmt: skip
+            rows = c.execute(
+                _MARK_SENT.format(rows=", ".join(["(?, ?, ?)"] * len(chunk))),
+                (*values, *held_params(fence, owner, now, deadline=False)),
+            ).fetchall()
+            marked.update(r["reply_id"] for r in rows)
     out: builtins.list[StaleError | None] = []
-    for reply_id, fence, entry_id, sent_at in items:
-        cur = c.execute(
-            _MARK_SENT,
-            (entry_id, sent_at, reply_id, *held_params(fence, owner, now, deadline=False)),
-        )
-        if cur.rowcount == 1:
+    for i, (reply_id, fence, _, _) in enumerate(items):
+        if first[reply_id] == i and reply_id in marked:
             out.append(None)
             continue
-        try:
-            holder_check(c, reply_id, owner, fence, now)
-            out.append(StaleError(reply_id, "lease_expired"))  # unreachable: same checks
-        except StaleError as exc:
-            out.append(exc)
+        why = holder_refusal(c, reply_id, owner, fence, now)
+        if isinstance(why, UnknownReply):
+            raise why
+        out.append(why)
     return out
 
 
-def _require_dead(c: sqlite3.Connection, reply_id: str) -> None:
-    """Raise unless ``reply_id`` exists and is ``dead`` (the operator paths start there)."""
-    row = c.execute("SELECT state FROM outbox WHERE reply_id = ?", (reply_id,)).fetchone()
-    if row is None:
-        raise UnknownReply(reply_id)
-    if row["state"] != "dead":
-        raise StaleError(reply_id, "not_dead", f"state is {row['state']}")
-
-
 class OutboxStore:
-    """Publisher-side access to the outbox.
+    """Publisher-side access to the outbox, on either store.
 
     Args:
-        db: the database (one per process).
+        db: the database (one per process): ``store.db.Database`` or
+            ``store.postgres.PgDatabase``.
         clock: time source.
         policy: lease, attempt budget and backoff.
         rng: randomness for jitter (inject a seeded one in tests).
@@ -248,7 +284,7 @@ class OutboxStore:
 
     def __init__(
         self,
-        db: Database,
+        db: Db,
         clock: Clock | None = None,
         policy: OutboxPolicy | None = None,
         rng: random.Random | None = None,
@@ -269,59 +305,56 @@ class OutboxStore:
         with self.db.write("outbox_claim") as c:
             return self._claim_in(c, owner, n, now)
 
-    def _claim_in(
-        self, c: sqlite3.Connection, owner: str, n: int, now: float
-    ) -> builtins.list[OutboxRow]:
-        """``claim``'s writes inside the caller's transaction."""
+    def _claim_in(self, c: Conn, owner: str, n: int, now: float) -> builtins.list[OutboxRow]:
+        """``claim``'s writes inside the caller's transaction. Both reads skip the rows
+        another transaction is taking (``skip_locked``) and lock the rows they return."""
+        d = c.dialect
         # A publisher that died holding the row spent an attempt too: past the budget the
         # row is dead (kept, with the reason), not claimed forever.
         c.execute(
-            "UPDATE outbox INDEXED BY outbox_leases SET owner = NULL, lease_until = NULL,"
+            "UPDATE outbox SET owner = NULL, lease_until = NULL,"
             " state = CASE WHEN attempts >= ? THEN 'dead' ELSE 'pending' END,"
             " last_error = CASE WHEN attempts >= ?"
             "   THEN 'publisher lease expired on the last attempt' ELSE last_error END"
-            " WHERE state = 'sending' AND lease_until <= ?",
+            f" WHERE reply_id IN (SELECT reply_id FROM outbox{_indexed(d, 'outbox_leases')}"
+            f" WHERE state = 'sending' AND lease_until <= ?{d.skip_locked})",
             (self.policy.max_attempts, self.policy.max_attempts, now),
         )
         ids = [
-            r[0]
+            r["reply_id"]
             for r in c.execute(
-                "SELECT reply_id FROM outbox INDEXED BY outbox_ready"
+                f"SELECT reply_id FROM outbox{_indexed(d, 'outbox_ready')}"
                 " WHERE state = 'pending' AND not_before <= ?"
-                " ORDER BY not_before, created_at LIMIT ?",
+                f" ORDER BY not_before, created_at LIMIT ?{d.skip_locked}",
                 (now, n),
-            )
+            ).fetchall()
         ]
         if not ids:
             return []
-        # One statement for the batch; RETURNING order is unspecified: re-sorted below.
-        # ``+state`` keeps the planner on the primary key, not on ``outbox_state``.
+        # One statement for the batch (its rows are this transaction's: locked, or the
+        # single writer's); RETURNING order is unspecified: re-sorted below.
         found = c.execute(
             "UPDATE outbox SET state = 'sending', owner = ?, lease_until = ?,"
             " attempts = attempts + 1, fence = fence + 1"
-            f" WHERE reply_id IN ({', '.join('?' * len(ids))}) AND +state = 'pending'"
-            f" RETURNING {_COLUMNS}",
+            f" WHERE reply_id IN ({marks(len(ids))}) RETURNING {_COLUMNS}",
             (owner, now + self.policy.lease_s, *ids),
         ).fetchall()
         by_id = {r["reply_id"]: r for r in found}
         return [OutboxRow.from_row(by_id[i]) for i in ids if i in by_id]
 
     def has_ready(self) -> bool:
-        """Whether ``claim`` would find a row now (ready, or a publisher lease run out). A
+        """Whether ``claim`` would find a row now (ready, or a publisher lease run out). One
         read (no write lock, no fsync): an idle dispatcher asks this before claiming."""
         now = self.clock.now()
-        with self.db.read() as c:
-            row = c.execute(
-                "SELECT EXISTS (SELECT 1 FROM outbox INDEXED BY outbox_ready"
-                " WHERE state = 'pending' AND not_before <= ?)"
-                " OR EXISTS (SELECT 1 FROM outbox INDEXED BY outbox_leases"
-                " WHERE state = 'sending' AND lease_until <= ?)",
-                (now, now),
-            ).fetchone()
-        return bool(row[0])
-
-    def _holder(self, c: sqlite3.Connection, reply_id: str, owner: str, fence: int) -> sqlite3.Row:
-        return holder_check(c, reply_id, owner, fence, self.clock.now())
+        d = self.db.dialect
+        row = self.db.fetch_one(
+            f"SELECT EXISTS (SELECT 1 FROM outbox{_indexed(d, 'outbox_ready')}"
+            " WHERE state = 'pending' AND not_before <= ?)"
+            f" OR EXISTS (SELECT 1 FROM outbox{_indexed(d, 'outbox_leases')}"
+            " WHERE state = 'sending' AND lease_until <= ?) AS ready",
+            (now, now),
+        )
+        return row is not None and bool(row["ready"])
 
     def mark_sent(self, reply_id: str, owner: str, fence: int, entry_id: str) -> None:
         """Record one confirmed publication (``mark_sent_marks`` of one, sent now).
@@ -341,7 +374,11 @@ class OutboxStore:
         """
         now = self.clock.now()
         with self.db.write("reply_retry") as c:
-            row = self._holder(c, reply_id, owner, fence)
+            # The fenced read takes the row (``for_update``): the backoff needs its attempts.
+            row = _held(
+                c, f"SELECT attempts FROM outbox WHERE reply_id = ? AND {REPLY_HELD}"
+                f"{c.dialect.for_update}", (), reply_id, owner, fence, now,
+            )  # fmt: skip
             if row["attempts"] >= self.policy.max_attempts:
                 state, not_before = "dead", now
             else:
@@ -350,19 +387,19 @@ class OutboxStore:
             c.execute(
                 "UPDATE outbox SET state = ?, owner = NULL, lease_until = NULL, not_before = ?,"
                 " last_error = ? WHERE reply_id = ? AND fence = ?",
-                (state, not_before, error, reply_id, fence),
+                (state, not_before, c.dialect.text(error), reply_id, fence),
             )
         return state
 
     def mark_dead(self, reply_id: str, owner: str, fence: int, error: str) -> None:
         """A permanent failure (e.g. a content conflict in Redis): ``dead`` at once, fenced."""
+        now = self.clock.now()
         with self.db.write("reply_dead") as c:
-            self._holder(c, reply_id, owner, fence)
-            c.execute(
-                "UPDATE outbox SET state = 'dead', owner = NULL, lease_until = NULL,"
-                " last_error = ? WHERE reply_id = ? AND fence = ?",
-                (error, reply_id, fence),
-            )
+            _held(
+                c, "UPDATE outbox SET state = 'dead', owner = NULL, lease_until = NULL,"
+                f" last_error = ? WHERE reply_id = ? AND {REPLY_HELD} RETURNING reply_id",
+                (c.dialect.text(error),), reply_id, owner, fence, now,
+            )  # fmt: skip
 
     def replay(self, reply_id: str, by: str) -> OutboxRow:
         """Put a ``dead`` reply back in line under the same reply id, recording who and when.
@@ -383,15 +420,22 @@ class OutboxStore:
         self, reply_id: str, by: str, assignments: str, params: tuple[Any, ...]
     ) -> OutboxRow:
         """The operator paths out of ``dead``: apply ``assignments`` and count a replay
-        (``replays``, ``replayed_by``, ``replayed_at``), in one transaction."""
+        (``replays``, ``replayed_by``, ``replayed_at``), in one conditional UPDATE; a row
+        it matched not is read to say why."""
         now = self.clock.now()
         with self.db.write("reply_replay") as c:
-            _require_dead(c, reply_id)
             new = c.execute(
                 f"UPDATE outbox SET {assignments}, replays = replays + 1, replayed_by = ?,"
-                f" replayed_at = ? WHERE reply_id = ? RETURNING {_COLUMNS}",
+                f" replayed_at = ? WHERE reply_id = ? AND state = 'dead' RETURNING {_COLUMNS}",
                 (*params, by, now, reply_id),
             ).fetchone()
+            if new is None:
+                row = c.execute(
+                    "SELECT state FROM outbox WHERE reply_id = ?", (reply_id,)
+                ).fetchone()
+                if row is None:
+                    raise UnknownReply(reply_id)
+                raise StaleError(reply_id, "not_dead", f"state is {row['state']}")
         return OutboxRow.from_row(new)
 
     def requeue_sent(self, since: float | None = None, until: float | None = None) -> int:
@@ -404,21 +448,21 @@ class OutboxStore:
         Returns:
             how many rows were put back. The receiver dedupes the resends.
         """
-        now = self.clock.now()
         low = since if since is not None else float("-inf")
         high = until if until is not None else float("inf")
         with self.db.write("reply_retry") as c:
-            cur = c.execute(
-                "UPDATE outbox SET state = 'pending', not_before = ?, attempts = 0"
-                " WHERE state = 'sent' AND sent_at >= ? AND sent_at <= ?",
-                (now, low, high),
-            )
-            return cur.rowcount
+            return self._requeue_sent_in(c, low, high)
+
+    def _requeue_sent_in(self, c: Conn, low: float, high: float) -> int:
+        cur = c.execute(
+            "UPDATE outbox SET state = 'pending', not_before = ?, attempts = 0"
+            " WHERE state = 'sent' AND sent_at >= ? AND sent_at <= ?",
+            (self.clock.now(), low, high),
+        )
+        return cur.rowcount
 
     def get(self, reply_id: str) -> OutboxRow | None:
-        with self.db.read() as c:
-            row = c.execute(f"SELECT {_COLUMNS} FROM outbox WHERE reply_id = ?", (reply_id,))
-            found = row.fetchone()
+        found = self.db.fetch_one(f"SELECT {_COLUMNS} FROM outbox WHERE reply_id = ?", (reply_id,))
         return OutboxRow.from_row(found) if found else None
 
     def list(self, state: str | None = None, limit: int = 1000) -> list[OutboxRow]:
@@ -433,17 +477,18 @@ class OutboxStore:
 
     def counts(self) -> dict[str, int]:
         with self.db.read() as c:
-            rows = c.execute("SELECT state, count(*) FROM outbox GROUP BY state").fetchall()
+            rows = c.execute("SELECT state, count(*) AS n FROM outbox GROUP BY state").fetchall()
         out = dict.fromkeys(OUTBOX_STATES, 0)
-        out.update({r[0]: r[1] for r in rows})
+        out.update({r["state"]: r["n"] for r in rows})
         return out
 
     def oldest_unsent_age(self) -> float | None:
-        with self.db.read() as c:
-            row = c.execute(
-                "SELECT min(created_at) FROM outbox WHERE state IN ('pending', 'sending')"
-            ).fetchone()
-        return None if row[0] is None else max(0.0, self.clock.now() - row[0])
+        row = self.db.fetch_one(
+            "SELECT min(created_at) AS oldest FROM outbox WHERE state IN ('pending', 'sending')"
+        )
+        if row is None or row["oldest"] is None:
+            return None
+        return max(0.0, self.clock.now() - float(row["oldest"]))
 
     # -- added for the reply dispatcher (broker_adapter.stages.dispatcher) ------------------------
 
@@ -453,8 +498,8 @@ class OutboxStore:
         """Record a batch of confirmed publications (fenced per row) and claim up to ``n``
         more rows (like ``claim``; none when ``n`` is 0) in ONE transaction.
 
-        A row the caller no longer holds is refused at its holder check, before anything of
-        it is written, and reported; the others commit together (one fsync for the batch).
+        A row the caller no longer holds is refused by its fenced update, which writes
+        nothing, and reported; the others commit together (one fsync for the batch).
 
         Args:
             owner: the dispatcher that claimed the rows (and claims the next ones).
@@ -468,8 +513,8 @@ class OutboxStore:
         if not items and n < 1:
             return [], []
         now = self.clock.now()
-        marks = [(reply_id, fence, entry_id, now) for reply_id, fence, entry_id in items]
-        return self._mark_sent(owner, marks, n, now)
+        sent = [(reply_id, fence, entry_id, now) for reply_id, fence, entry_id in items]
+        return self._mark_sent(owner, sent, n, now)
 
     def mark_sent_marks(
         self, owner: str, marks: Sequence[SentMark]
@@ -481,11 +526,11 @@ class OutboxStore:
         return self._mark_sent(owner, marks, 0, self.clock.now())[0]
 
     def _mark_sent(
-        self, owner: str, marks: Sequence[SentMark], n: int, now: float
+        self, owner: str, sent: Sequence[SentMark], n: int, now: float
     ) -> tuple[builtins.list[StaleError | None], builtins.list[OutboxRow]]:
         """The ``mark_sent`` transaction: ``mark_sent_in``, then a claim of up to ``n``."""
         with self.db.write("mark_sent") as c:
-            out = mark_sent_in(c, owner, marks, now)
+            out = mark_sent_in(c, owner, sent, now)
             claimed = self._claim_in(c, owner, n, now) if n >= 1 else []
         return out, claimed
 
@@ -518,16 +563,11 @@ class OutboxStore:
             how many rows were put back. The publication records in Redis make a resend of
             a reply that did survive a no-op.
         """
-        now = self.clock.now()
         with self.db.write("reply_retry") as c:
-            last = c.execute(
-                "SELECT max(sent_at) FROM outbox WHERE state = 'sent' AND sent_at < ?",
+            got = c.execute(
+                "SELECT max(sent_at) AS last FROM outbox WHERE state = 'sent' AND sent_at < ?",
                 (restart_at,),
-            ).fetchone()[0]
+            ).fetchone()
+            last = None if got is None else got["last"]
             since = (restart_at if last is None else float(last)) - window_s
-            cur = c.execute(
-                "UPDATE outbox SET state = 'pending', not_before = ?, attempts = 0"
-                " WHERE state = 'sent' AND sent_at >= ? AND sent_at <= ?",
-                (now, since, restart_at + window_s),
-            )
-            return cur.rowcount
+            return self._requeue_sent_in(c, since, restart_at + window_s)

@@ -45,12 +45,7 @@ from broker_adapter.store import (
 )
 from broker_adapter.store.backends import open_store
 from broker_adapter.store.outbox import OutboxPolicy, enqueue
-from broker_adapter.store.postgres import (
-    PgDatabase,
-    PgOutboxStore,
-    PgReceiptStore,
-)
-from broker_adapter.store.postgres.outbox import enqueue as pg_enqueue
+from broker_adapter.store.postgres import PgDatabase
 from broker_adapter.store.tasks import TaskPolicy
 
 T0 = 1_800_000_000.0
@@ -86,17 +81,15 @@ AnyDatabase = Database | PgDatabase
 class Stores:
     db: AnyDatabase
     tasks: TaskStore
-    outbox: OutboxStore | PgOutboxStore
-    receipts: ReceiptStore | PgReceiptStore
+    outbox: OutboxStore
+    receipts: ReceiptStore
 
     @property
     def backend(self) -> str:
         return "postgresql" if isinstance(self.db, PgDatabase) else "sqlite"
 
     def enqueue(self, c: Any, **reply: Any) -> bool:
-        """The backend's ``outbox.enqueue`` in transaction ``c`` of ``db``."""
-        if isinstance(self.db, PgDatabase):
-            return pg_enqueue(c, **reply)
+        """``outbox.enqueue`` in transaction ``c`` of ``db``."""
         return enqueue(c, **reply)
 
     def sql(self, statement: str, params: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
@@ -127,7 +120,6 @@ class SqliteStores(Stores):
 
     db: Database
     tasks: TaskStore
-    outbox: OutboxStore
     receipts: ReceiptStore
 
 
@@ -144,8 +136,8 @@ def stores(db: AnyDatabase, clock: FakeClock, seed: int = 0) -> Stores:
         return Stores(
             db=db,
             tasks=TaskStore(db, clock, task_policy(), random.Random(seed)),
-            outbox=PgOutboxStore(db, clock, outbox_policy(), random.Random(seed + 1)),
-            receipts=PgReceiptStore(db, clock),
+            outbox=OutboxStore(db, clock, outbox_policy(), random.Random(seed + 1)),
+            receipts=ReceiptStore(db, clock),
         )
     return SqliteStores(
         db=db,

@@ -159,6 +159,33 @@ def test_outbox_fenced_write_is_refused_and_writes_nothing_when_stale(
     assert dump(s.db) == before
 
 
+def test_outbox_mark_sent_marks_fences_each_row_of_a_batch_on_its_own(
+    s: Stores, clock: FakeClock
+) -> None:
+    """One batch, rows of two fences, a second mark of one reply and a stale one: each
+    row is marked or refused as if it were alone, in the order given."""
+    for mid in ("m1", "m2", "m3"):
+        finished(s, mid)
+    one, stale, again = s.outbox.claim("d1", 3)
+    s.outbox.retry(again.reply_id, "d1", again.fence, "boom")
+    clock.advance(OUTBOX_BACKOFF.cap_s)
+    (again,) = s.outbox.claim("d1", 1)
+    assert again.fence == 2
+    results = s.outbox.mark_sent_marks("d1", [
+        (one.reply_id, one.fence, "1-0", clock.now()),
+        (again.reply_id, again.fence, "2-0", clock.now()),
+        (one.reply_id, one.fence, "3-0", clock.now()),
+        (stale.reply_id, stale.fence + 1, "4-0", clock.now()),
+    ])  # fmt: skip
+    assert results[:2] == [None, None]
+    assert isinstance(results[2], StaleError)
+    assert results[2].reason == "not_sending"
+    assert isinstance(results[3], FencedError)
+    assert (row(s, one.reply_id).state, row(s, one.reply_id).entry_id) == ("sent", "1-0")
+    assert (row(s, again.reply_id).state, row(s, again.reply_id).entry_id) == ("sent", "2-0")
+    assert (row(s, stale.reply_id).state, row(s, stale.reply_id).entry_id) == ("sending", None)
+
+
 def test_outbox_fenced_write_raises_unknown_reply_when_no_such_row(s: Stores) -> None:
     with pytest.raises(UnknownReply):
         s.outbox.mark_sent("nope", "d1", 1, "1-0")

@@ -27,7 +27,15 @@ from broker_adapter.store.postgres import PgDatabase
 from broker_adapter.store.receipts import ReceiptItem
 from broker_adapter.store.tasks import Settlement
 from tests.support.cli import wait_for
-from tests.support.store_script import T0, Stores, create_effects_table, dump, item, stores
+from tests.support.store_script import (
+    OUTBOX_LEASE_S,
+    T0,
+    Stores,
+    create_effects_table,
+    dump,
+    item,
+    stores,
+)
 
 HOLD_S = 30.0
 
@@ -126,6 +134,79 @@ def test_a_claim_skips_the_rows_another_session_is_claiming(
     assert b.tasks.claim("wb", 5) == []
     owners = sorted(r["owner"] for r in dump(a.db)["tasks"])
     assert owners == ["wa", "wb"]
+
+
+def replies(s: Stores, *message_ids: str) -> None:
+    """Pending replies in ``s``'s outbox, one per message id (reply id ``r-<id>``)."""
+    with s.db.write("accept") as c:
+        for mid in message_ids:
+            body = {"m": mid}
+            assert s.enqueue(c, reply_id=f"r-{mid}", task_id=None, principal="alice",
+                             message_id=mid, status="conflict", body=body, now=T0)  # fmt: skip
+
+
+def test_an_outbox_claim_skips_the_replies_another_session_is_claiming(
+    two: tuple[Stores, Stores], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two dispatchers claim at once: neither waits for the other, neither gets the other's."""
+    a, b = two
+    replies(a, "m1", "m2")
+    held = Held(monkeypatch, "outbox_claim")
+    held.start(lambda: a.outbox.claim("da", 1))
+    got_b = b.outbox.claim("db", 5)  # not blocked: the held row is skipped
+    (got_a,) = held.release()
+    assert len(got_b) == 1
+    assert got_a.reply_id != got_b[0].reply_id
+    assert b.outbox.claim("db", 5) == []
+    assert sorted(r["owner"] for r in dump(a.db)["outbox"]) == ["da", "db"]
+
+
+def test_a_fenced_mark_sent_waits_for_a_takeover_and_is_then_refused(
+    two: tuple[Stores, Stores], pg_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A dispatcher whose lease ran out (by the other's clock) records its publication
+    while another takes the reply back: the mark waits on the row, then re-checks it as the
+    takeover left it (a newer fence) and writes nothing."""
+    a, b = two
+    later = stores(b.db, FakeClock(T0 + OUTBOX_LEASE_S + 1), seed=2)
+    replies(a, "m1")
+    (mine,) = a.outbox.claim("da", 1)
+    held = Held(monkeypatch, "outbox_claim")
+    held.start(lambda: later.outbox.claim("db", 1))
+
+    def mark() -> Exception | None:
+        try:
+            a.outbox.mark_sent(mine.reply_id, "da", mine.fence, "1-0")
+        except FencedError as exc:
+            return exc
+        return None
+
+    thread, out = in_thread(mark)
+    wait_for(lambda: waiting_on_a_lock(pg_url), "the mark to wait on the takeover")
+    (taken,) = held.release()
+    thread.join(HOLD_S)
+    (refused,) = out
+    assert isinstance(refused, FencedError)
+    assert taken.fence == mine.fence + 1
+    (r,) = dump(a.db)["outbox"]
+    assert (r["state"], r["owner"], r["fence"], r["entry_id"]) == ("sending", "db", 2, None)
+
+
+def test_a_claim_skips_a_reply_being_marked_sent(
+    two: tuple[Stores, Stores], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The takeover comes second: its claim skips the row the mark holds (no wait), and
+    the publication the first dispatcher confirmed is recorded."""
+    a, b = two
+    later = stores(b.db, FakeClock(T0 + OUTBOX_LEASE_S + 1), seed=2)
+    replies(a, "m1")
+    (mine,) = a.outbox.claim("da", 1)
+    held = Held(monkeypatch, "mark_sent")
+    held.start(lambda: a.outbox.mark_sent(mine.reply_id, "da", mine.fence, "1-0"))
+    assert later.outbox.claim("db", 1) == []  # not blocked: the held row is skipped
+    held.release()
+    (r,) = dump(a.db)["outbox"]
+    assert (r["state"], r["owner"], r["fence"], r["entry_id"]) == ("sent", None, 1, "1-0")
 
 
 def test_a_fenced_commit_waits_for_a_cancel_and_is_then_refused(
