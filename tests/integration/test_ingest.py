@@ -201,6 +201,7 @@ def test_ingest_conflict_expired_and_hop_limit_get_replies_not_dead_letters(
     assert replies == {"c1": "conflict", "late": "expired", "loop": "hop_limit"}
     with tasks.db.read() as c:  # the first request stands, untouched by the conflict
         row = c.execute("SELECT payload FROM tasks WHERE message_id = 'c1'").fetchone()
+    assert row is not None
     assert json.loads(row["payload"]) == envelope("c1").payload
     assert task_counts(tasks) == {("alice", "c1"): 1, ("alice", "late"): 1, ("alice", "loop"): 1}
 
