@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from broker_adapter.protocol.canonical import canonical_json
 from broker_adapter.protocol.keys import Keys
+from broker_adapter.protocol.reply import Reply
 from broker_adapter.protocol.signing import Keyring
 from broker_adapter.redis.client import connect
 from broker_adapter.stages.dispatcher import Dispatcher, DispatcherConfig
@@ -48,9 +49,9 @@ PRINCIPAL = "bench"
 KEYRING = Keyring({PRINCIPAL: {"k1": "a benchmark secret of reasonable length, 32+ bytes"}})
 
 
-def effect(conn: sqlite3.Connection, reply: dict[str, Any]) -> None:
+def effect(conn: sqlite3.Connection, reply: Reply) -> None:
     conn.execute("CREATE TABLE IF NOT EXISTS effects (reply_id TEXT NOT NULL, status TEXT)")
-    conn.execute("INSERT INTO effects VALUES (?, ?)", (reply["reply_id"], reply["status"]))
+    conn.execute("INSERT INTO effects VALUES (?, ?)", (reply.reply_id, reply.status))
 
 
 def fill_outbox(db: Database, n: int, now: float) -> bytes:
