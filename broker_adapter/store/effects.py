@@ -152,7 +152,7 @@ class EffectsStore:
         with self.db.write("cancel_request") as c:
             row = c.execute(
                 "SELECT cancel_requested_at FROM tasks WHERE task_id = ? AND state = 'running'"
-                f" AND owner = ? AND fence = ? AND cancel_requested_at IS NOT NULL"
+                " AND owner = ? AND fence = ? AND cancel_requested_at IS NOT NULL"
                 f"{c.dialect.for_update}",
                 (task_id, owner, fence),
             ).fetchone()
