@@ -75,7 +75,7 @@ import redis
 
 from broker_adapter import crashpoints
 from broker_adapter.protocol.canonical import sha256_hex
-from broker_adapter.protocol.keys import INGEST_GROUP, RECEIVER_GROUP, Keys
+from broker_adapter.protocol.keys import INGEST_GROUP, RECEIVER_GROUP, Keys, partition_of
 from broker_adapter.redis.client import text
 from broker_adapter.store.tasks import reply_id_for
 from tests.chaos.cluster import Cluster, Component
@@ -263,6 +263,10 @@ class Nemesis:
         self.max_packages = max_packages
         self.keyring = keyring
         self.inbound = self.keys.inbound_partitions(partitions)
+        #: The partitions the agents publish to (``replay`` copies from these).
+        self.published_to = sorted(
+            {self.keys.inbound_partition(partition_of(p, partitions)) for p in principals}
+        )
         self.prng = random.Random(rng.getrandbits(64))  # per started package (see ``run``)
         self.active: list[Fault] = []
         self._deck: list[str] = []
@@ -740,7 +744,8 @@ class Nemesis:
         or the oldest (whose tasks are terminal by now). Entries the harness made bad
         (``chaos_key``) are left alone: only real requests are replayed."""
         admin = self.admin()
-        stream = self.prng.choice(self.inbound) if len(self.inbound) > 1 else self.inbound[0]
+        streams = self.published_to
+        stream = self.prng.choice(streams) if len(streams) > 1 else streams[0]
         late = self.prng.random() < 0.5
         page: Any = (
             admin.xrange(stream, count=REPLAY_LATE)

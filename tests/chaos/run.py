@@ -20,7 +20,8 @@ Topology and store (``--topology``, ``--store``):
   masters with AOF always, one replica of the master of ``{in}`` that never takes over)
   and no proxy (a cluster client follows MOVED to the nodes' own addresses, so no proxy
   can sit in front of it). The agents publish over ``--partitions`` inbound partition
-  streams (default 3 here), which the adapters read, spread over the masters. Durable
+  streams (default 6 here: the three agents' partitions are on the three masters),
+  which the adapters read. Durable
   only; the nemesis swaps the proxy's ``net`` faults for ``client-kill`` and ``redis-kill``
   for ``master-kill`` (``nemesis.packages_for``).
 * ``--store postgresql``: the adapters share one throwaway PostgreSQL database
@@ -90,8 +91,10 @@ ROOT = Path(__file__).resolve().parents[2]
 READY_TIMEOUT_S = 60.0
 DRAIN_POLL_S = 0.5
 MODES = {"durable": "always", "everysec": "everysec", "ephemeral": None}
-#: Inbound partitions of a cluster run unless ``--partitions`` says otherwise.
-CLUSTER_PARTITIONS = 3
+#: Inbound partitions of a cluster run unless ``--partitions`` says otherwise: with six,
+#: the agents p1, p2, p3 publish to ``{in#3}``, ``{in#4}`` and ``{in#1}``, one on each master
+#: of the three (``partition_of``; the other three partitions stay empty but are read).
+CLUSTER_PARTITIONS = 6
 
 
 @dataclass(frozen=True)
@@ -579,6 +582,7 @@ class Run:
             for h in self._histories:
                 h.close()
         assert final is not None
+        work = self.work_by_adapter()
         events = merge(sorted((self.out / "history").glob("*.jsonl")))
         write_merged(events, self.out / "history.jsonl")
         model = HistoryModel.from_events(events)
@@ -589,11 +593,13 @@ class Run:
             f"topology={cfg.topology} store={cfg.store} partitions={cfg.partitions} "
             f"planted={cfg.planted} scenario={cfg.scenario} wall={seconds:.1f}s\n"
             + format_summary(result)
+            + f"\nwork by adapter (effect calls)  {work}"
         )
         doc = {
             "profile": asdict(prof), "seed": cfg.seed, "mode": cfg.mode, "planted": cfg.planted,
             "scenario": cfg.scenario, "wall_s": round(seconds, 3), "history_events": len(events),
             "topology": cfg.topology, "store": cfg.store, "partitions": cfg.partitions,
+            "work_by_adapter": work,
             "adapter_db": str(self.adapter_db) if cfg.keep or cfg.store == "sqlite" else None,
             "check": result.as_json(),
         }  # fmt: skip
@@ -602,6 +608,19 @@ class Run:
         )
         (self.out / "summary.txt").write_text(summary + "\n")
         return RunResult(result, self.out, seconds, summary)
+
+    def work_by_adapter(self) -> dict[str, int]:
+        """Handler calls that applied an effect, by the adapter whose worker made them (the
+        attempt ledger's ``owner``, ``<name>-w<i>-<pid>``): which processes did the work."""
+        rows = store_rows(
+            self.effects_db,
+            "SELECT owner, count(*) AS n FROM attempts WHERE event = 'effect' GROUP BY owner",
+        )
+        work: dict[str, int] = {}
+        for r in rows:
+            name = str(r["owner"]).rsplit("-", 2)[0]
+            work[name] = work.get(name, 0) + int(r["n"])
+        return dict(sorted(work.items()))
 
     def _run_nemesis(self) -> None:
         cfg, prof = self.config, self.config.profile

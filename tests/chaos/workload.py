@@ -456,6 +456,10 @@ class Canceller(threading.Thread):
                     if db is None:
                         db = open_store(self.db_path)
                     self._cancel(task_store(db), key, principal, message_id)
+                except BrokerAdapterError as exc:  # the store is down: this cancel is lost
+                    self.history.log(
+                        INFO, "cancel", key=key, value={"state": "error"}, error=str(exc)
+                    )
                 finally:
                     with self._lock:
                         self.inflight -= 1

@@ -250,11 +250,17 @@ def cluster_supported(workdir: Path) -> bool:
         probe.stop()
 
 
-def start_cluster(workdir: Path) -> RedisCluster:
-    """A started cluster, or a skip when this machine's Redis cannot run one."""
+def require_cluster(workdir: Path) -> None:
+    """Skip the calling test when this machine's Redis cannot run a cluster (no
+    redis-server, no redis-cli, or no cluster support)."""
     require_binary()
     if not cluster_supported(workdir):
         pytest.skip("redis-server without cluster support (or no redis-cli)")
+
+
+def start_cluster(workdir: Path) -> RedisCluster:
+    """A started cluster, or a skip when this machine's Redis cannot run one."""
+    require_cluster(workdir)
     cluster = RedisCluster(workdir)
     try:
         cluster.start()
