@@ -31,6 +31,7 @@ from pydantic import Field, field_validator, model_validator
 from broker_adapter.app.metrics import Observed, stages_down
 from broker_adapter.app.pool import WorkerPool
 from broker_adapter.app.serving import serve_metrics
+from broker_adapter.backoff import call_until_stopped
 from broker_adapter.clock import SystemClock
 from broker_adapter.config import DEFAULT_CLAIM_MIN_IDLE_MS, DEFAULT_LEASE_S, ConfigModel
 from broker_adapter.errors import (
@@ -42,7 +43,7 @@ from broker_adapter.errors import (
 )
 from broker_adapter.protocol.keys import DEFAULT_PREFIX, MAX_PARTITIONS, KeyPrefix, Keys, Principal
 from broker_adapter.protocol.signing import Keyring
-from broker_adapter.redis.client import RedisUrl, connect
+from broker_adapter.redis.client import Redis, RedisUrl, connect
 from broker_adapter.stages.dispatcher import Dispatcher, DispatcherConfig
 from broker_adapter.stages.effects import EffectSpec, Reconciler, effect_spec, run_reconciles
 from broker_adapter.stages.handlers import load_handler
@@ -285,6 +286,13 @@ class Adapter:
         thread.start()
         return thread
 
+    def _connect(self, stop: threading.Event) -> Redis | None:
+        """A stage's Redis client, or ``None`` once ``stop`` is set. A single server's
+        client connects at its first command, a cluster's reads the slot map when it is
+        made: with its seed node down (restarting) that fails at once, so it is retried
+        with the stages' backoff, as their loops retry any command."""
+        return call_until_stopped(stop, lambda: connect(self.config.redis_url))
+
     def _ingest(
         self, stop: threading.Event, handoff: Handoff | None, gate: WriteGate | None
     ) -> None:
@@ -303,7 +311,9 @@ class Adapter:
                 max_open_tasks=cfg.max_open_tasks,
                 retention_s=cfg.retention_s,
             )
-            client = connect(cfg.redis_url)
+            client = self._connect(stop)
+            if client is None:
+                return  # stopped before Redis could be reached
             tasks = task_store(db, SystemClock(), self.policy)
             ingestor = Ingestor(
                 ingest_cfg, client, tasks, self.keyring, logger=self.log, handoff=handoff
@@ -317,7 +327,9 @@ class Adapter:
         cfg = self.config
         db = open_store(cfg.db_path, gate=gate)
         try:
-            client = connect(cfg.redis_url)
+            client = self._connect(stop)
+            if client is None:
+                return  # stopped before Redis could be reached
             outbox = outbox_store(db, SystemClock())
             dispatch_cfg = self._dispatcher_config()
             dispatcher = Dispatcher(
