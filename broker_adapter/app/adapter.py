@@ -24,7 +24,7 @@ import threading
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -65,10 +65,14 @@ from broker_adapter.store.backends import (
     redacted_url,
     task_store,
 )
+from broker_adapter.store.db import Database
 from broker_adapter.store.effects import EffectsStore
 from broker_adapter.store.gate import WriteGate
 from broker_adapter.store.retention import DEFAULT_RETENTION_S, PurgeSchedule, run_purges
 from broker_adapter.store.tasks import TaskPolicy
+
+if TYPE_CHECKING:
+    from broker_adapter.store.postgres import PgDatabase
 
 log = logging.getLogger("broker_adapter.app.adapter")
 
@@ -286,6 +290,12 @@ class Adapter:
         thread.start()
         return thread
 
+    def _open(self, stop: threading.Event, gate: WriteGate | None) -> Database | PgDatabase | None:
+        """A stage's own store, or ``None`` once ``stop`` is set: opening it is retried
+        with the stages' backoff while it is busy or its connection was lost
+        (``StoreBusy``), as their loops retry any transaction."""
+        return call_until_stopped(stop, lambda: open_store(self.config.db_path, gate=gate))
+
     def _connect(self, stop: threading.Event) -> Redis | None:
         """A stage's Redis client, or ``None`` once ``stop`` is set. A single server's
         client connects at its first command, a cluster's reads the slot map when it is
@@ -297,7 +307,9 @@ class Adapter:
         self, stop: threading.Event, handoff: Handoff | None, gate: WriteGate | None
     ) -> None:
         cfg = self.config
-        db = open_store(cfg.db_path, gate=gate)
+        db = self._open(stop, gate)
+        if db is None:
+            return  # stopped before the database could be opened
         try:
             ingest_cfg = IngestConfig(
                 prefix=cfg.prefix,
@@ -324,8 +336,9 @@ class Adapter:
             db.close()
 
     def _dispatch(self, stop: threading.Event, gate: WriteGate | None) -> None:
-        cfg = self.config
-        db = open_store(cfg.db_path, gate=gate)
+        db = self._open(stop, gate)
+        if db is None:
+            return  # stopped before the database could be opened
         try:
             client = self._connect(stop)
             if client is None:
@@ -352,7 +365,9 @@ class Adapter:
     def _purge(self, stop: threading.Event, gate: WriteGate | None) -> None:
         """Forget requests past the retention window, in small batches between the live
         writers' transactions (``store.retention``), on a connection of its own."""
-        db = open_store(self.config.db_path, gate=gate)
+        db = self._open(stop, gate)
+        if db is None:
+            return  # stopped before the database could be opened
         try:
             clock = SystemClock()
             tasks = task_store(db, clock, self.policy)
