@@ -24,7 +24,7 @@ import threading
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, TypeVar
 
 from pydantic import Field, field_validator, model_validator
 
@@ -75,6 +75,7 @@ if TYPE_CHECKING:
     from broker_adapter.store.postgres import PgDatabase
 
 log = logging.getLogger("broker_adapter.app.adapter")
+S = TypeVar("S")
 
 DEFAULT_WORKERS = 2
 SUPERVISE_EVERY_S = 0.5
@@ -290,11 +291,26 @@ class Adapter:
         thread.start()
         return thread
 
-    def _open(self, stop: threading.Event, gate: WriteGate | None) -> Database | PgDatabase | None:
-        """A stage's own store, or ``None`` once ``stop`` is set: opening it is retried
-        with the stages' backoff while it is busy or its connection was lost
-        (``StoreBusy``), as their loops retry any transaction."""
-        return call_until_stopped(stop, lambda: open_store(self.config.db_path, gate=gate))
+    def _store(
+        self,
+        stop: threading.Event,
+        gate: WriteGate | None,
+        make: Callable[[Database | PgDatabase], S],
+    ) -> S | None:
+        """A stage's own store (``make`` of a database of its own; the caller closes its
+        ``db``), or ``None`` once ``stop`` is set. Opening the database and the store's first
+        read are retried with the stages' backoff while it is busy or its connection was
+        lost (``StoreBusy``), as their loops retry any transaction."""
+
+        def attempt() -> S:
+            db = open_store(self.config.db_path, gate=gate)
+            try:
+                return make(db)
+            except BaseException:
+                db.close()
+                raise
+
+        return call_until_stopped(stop, attempt)
 
     def _connect(self, stop: threading.Event) -> Redis | None:
         """A stage's Redis client, or ``None`` once ``stop`` is set. A single server's
@@ -307,8 +323,8 @@ class Adapter:
         self, stop: threading.Event, handoff: Handoff | None, gate: WriteGate | None
     ) -> None:
         cfg = self.config
-        db = self._open(stop, gate)
-        if db is None:
+        tasks = self._store(stop, gate, lambda db: task_store(db, SystemClock(), self.policy))
+        if tasks is None:
             return  # stopped before the database could be opened
         try:
             ingest_cfg = IngestConfig(
@@ -326,24 +342,22 @@ class Adapter:
             client = self._connect(stop)
             if client is None:
                 return  # stopped before Redis could be reached
-            tasks = task_store(db, SystemClock(), self.policy)
             ingestor = Ingestor(
                 ingest_cfg, client, tasks, self.keyring, logger=self.log, handoff=handoff
             )
             self.observed.add_ingestor(ingestor)
             ingestor.run(stop)
         finally:
-            db.close()
+            tasks.db.close()
 
     def _dispatch(self, stop: threading.Event, gate: WriteGate | None) -> None:
-        db = self._open(stop, gate)
-        if db is None:
+        outbox = self._store(stop, gate, lambda db: outbox_store(db, SystemClock()))
+        if outbox is None:
             return  # stopped before the database could be opened
         try:
             client = self._connect(stop)
             if client is None:
                 return  # stopped before Redis could be reached
-            outbox = outbox_store(db, SystemClock())
             dispatch_cfg = self._dispatcher_config()
             dispatcher = Dispatcher(
                 dispatch_cfg, client, outbox, keyring=self.keyring, logger=self.log
@@ -360,20 +374,19 @@ class Adapter:
             dispatcher.run(stop)
         finally:
             self._first_look.set()
-            db.close()
+            outbox.db.close()
 
     def _purge(self, stop: threading.Event, gate: WriteGate | None) -> None:
         """Forget requests past the retention window, in small batches between the live
         writers' transactions (``store.retention``), on a connection of its own."""
-        db = self._open(stop, gate)
-        if db is None:
+        clock = SystemClock()
+        tasks = self._store(stop, gate, lambda db: task_store(db, clock, self.policy))
+        if tasks is None:
             return  # stopped before the database could be opened
         try:
-            clock = SystemClock()
-            tasks = task_store(db, clock, self.policy)
             run_purges(stop, tasks.purge_batch, PurgeSchedule(clock, self.log))
         finally:
-            db.close()
+            tasks.db.close()
 
     def _reconcile(self, stop: threading.Event, gate: WriteGate | None) -> None:
         """For a handler that declared a side effect: release approval waits and reconcile

@@ -103,11 +103,20 @@ def test_a_stage_retries_opening_its_store_and_connecting_while_they_fail_transi
         return opened[-1]
 
     monkeypatch.setattr("broker_adapter.app.adapter.open_store", flaky_open)
-    db = runner._open(stop, None)
-    assert db is not None
-    assert db is opened[0]
+    reads = [StoreBusy("the store's first read, on a killed session")]
+
+    def first_read(db: Database) -> Database:
+        if reads:
+            raise reads.pop()
+        return db
+
+    store = runner._store(stop, None, first_read)  # type: ignore[arg-type]
+    assert store is not None
+    assert store is opened[-1]
     assert not failures
-    db.close()
+    assert not reads
+    assert len(opened) == 2  # the database of the failed first read was closed, not reused
+    store.close()
     unreachable = [RedisUnavailable("redis cluster unreachable: seed node down")] * 2
 
     def flaky_connect(url: str) -> str:
@@ -120,7 +129,7 @@ def test_a_stage_retries_opening_its_store_and_connecting_while_they_fail_transi
     stopped = threading.Event()
     stopped.set()
     failures.append(StoreBusy("still down"))
-    assert runner._open(stopped, None) is None
+    assert runner._store(stopped, None, lambda db: db) is None
 
 
 # -- read-only opens (status, receipts) ------------------------------------------------------
