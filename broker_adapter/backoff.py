@@ -1,6 +1,6 @@
 """Backing off: capped exponential backoff with jitter, shared by task retries and reply
 publication (``Backoff``), and the retry policy of the loops that talk to Redis or SQLite
-(``retrying``, ``run_until_stopped``).
+(``retrying``, ``run_until_stopped``, ``call_until_stopped``).
 """
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ import logging
 import random
 import threading
 from collections.abc import Callable
+from typing import TypeVar
 
 import tenacity
 from pydantic import Field
@@ -17,6 +18,7 @@ from broker_adapter.config import ConfigModel
 from broker_adapter.errors import TransientError
 
 log = logging.getLogger("broker_adapter.backoff")
+T = TypeVar("T")
 
 
 class Backoff(ConfigModel):
@@ -115,3 +117,33 @@ def run_until_stopped(
             if not stop.is_set():  # pragma: no cover - the policy never gives up
                 raise
             log.info("stopping during a backoff")
+
+
+def call_until_stopped(
+    stop: threading.Event,
+    call: Callable[[], T],
+    *,
+    sleep: Callable[[float], object] | None = None,
+) -> T | None:
+    """``call()``, retried on ``TransientError`` with the ``retrying`` policy until it
+    returns or ``stop`` is set: a stage's set-up that needs a server which may be down
+    for a moment (a Redis Cluster client reads the slot map when it is made).
+
+    Args:
+        stop: set it to give up (a backoff in progress ends at once).
+        call: what to do; its result is returned.
+        sleep: how a backoff waits (``stop.wait``).
+
+    Returns:
+        What ``call`` returned, or ``None`` when ``stop`` was set before it succeeded.
+
+    Raises:
+        BrokerAdapterError: a failure that is not transient.
+    """
+    policy = retrying().copy(stop=tenacity.stop_when_event_set(stop), sleep=sleep or stop.wait)
+    try:
+        return policy(call)
+    except TransientError:
+        if stop.is_set():
+            return None
+        raise  # pragma: no cover - the policy gives up only when stopped

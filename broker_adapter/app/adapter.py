@@ -24,13 +24,14 @@ import threading
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal, TypeVar
 
 from pydantic import Field, field_validator, model_validator
 
 from broker_adapter.app.metrics import Observed, stages_down
 from broker_adapter.app.pool import WorkerPool
 from broker_adapter.app.serving import serve_metrics
+from broker_adapter.backoff import call_until_stopped
 from broker_adapter.clock import SystemClock
 from broker_adapter.config import DEFAULT_CLAIM_MIN_IDLE_MS, DEFAULT_LEASE_S, ConfigModel
 from broker_adapter.errors import (
@@ -42,7 +43,7 @@ from broker_adapter.errors import (
 )
 from broker_adapter.protocol.keys import DEFAULT_PREFIX, MAX_PARTITIONS, KeyPrefix, Keys, Principal
 from broker_adapter.protocol.signing import Keyring
-from broker_adapter.redis.client import RedisUrl, connect
+from broker_adapter.redis.client import Redis, RedisUrl, connect
 from broker_adapter.stages.dispatcher import Dispatcher, DispatcherConfig
 from broker_adapter.stages.effects import EffectSpec, Reconciler, effect_spec, run_reconciles
 from broker_adapter.stages.handlers import load_handler
@@ -59,12 +60,17 @@ from broker_adapter.store.backends import (
     redacted_url,
     task_store,
 )
+from broker_adapter.store.db import Database
 from broker_adapter.store.effects import EffectsStore
 from broker_adapter.store.gate import WriteGate
 from broker_adapter.store.retention import DEFAULT_RETENTION_S, PurgeSchedule, run_purges
 from broker_adapter.store.tasks import TaskPolicy
 
+if TYPE_CHECKING:
+    from broker_adapter.store.postgres import PgDatabase
+
 log = logging.getLogger("broker_adapter.app.adapter")
+S = TypeVar("S")
 
 DEFAULT_WORKERS = 2
 SUPERVISE_EVERY_S = 0.5
@@ -278,11 +284,41 @@ class Adapter:
         thread.start()
         return thread
 
+    def _store(
+        self,
+        stop: threading.Event,
+        gate: WriteGate | None,
+        make: Callable[[Database | PgDatabase], S],
+    ) -> S | None:
+        """A stage's own store (``make`` of a database of its own; the caller closes its
+        ``db``), or ``None`` once ``stop`` is set. Opening the database and the store's first
+        read are retried with the stages' backoff while it is busy or its connection was
+        lost (``StoreBusy``), as their loops retry any transaction."""
+
+        def attempt() -> S:
+            db = open_store(self.config.db_path, gate=gate)
+            try:
+                return make(db)
+            except BaseException:
+                db.close()
+                raise
+
+        return call_until_stopped(stop, attempt)
+
+    def _connect(self, stop: threading.Event) -> Redis | None:
+        """A stage's Redis client, or ``None`` once ``stop`` is set. A single server's
+        client connects at its first command, a cluster's reads the slot map when it is
+        made: with its seed node down (restarting) that fails at once, so it is retried
+        with the stages' backoff, as their loops retry any command."""
+        return call_until_stopped(stop, lambda: connect(self.config.redis_url))
+
     def _ingest(
         self, stop: threading.Event, handoff: Handoff | None, gate: WriteGate | None
     ) -> None:
         cfg = self.config
-        db = open_store(cfg.db_path, gate=gate)
+        tasks = self._store(stop, gate, lambda db: task_store(db, SystemClock(), self.policy))
+        if tasks is None:
+            return  # stopped before the database could be opened
         try:
             ingest_cfg = IngestConfig(
                 prefix=cfg.prefix,
@@ -296,22 +332,25 @@ class Adapter:
                 max_open_tasks=cfg.max_open_tasks,
                 retention_s=cfg.retention_s,
             )
-            client = connect(cfg.redis_url)
-            tasks = task_store(db, SystemClock(), self.policy)
+            client = self._connect(stop)
+            if client is None:
+                return  # stopped before Redis could be reached
             ingestor = Ingestor(
                 ingest_cfg, client, tasks, self.keyring, logger=self.log, handoff=handoff
             )
             self.observed.add_ingestor(ingestor)
             ingestor.run(stop)
         finally:
-            db.close()
+            tasks.db.close()
 
     def _dispatch(self, stop: threading.Event, gate: WriteGate | None) -> None:
-        cfg = self.config
-        db = open_store(cfg.db_path, gate=gate)
+        outbox = self._store(stop, gate, lambda db: outbox_store(db, SystemClock()))
+        if outbox is None:
+            return  # stopped before the database could be opened
         try:
-            client = connect(cfg.redis_url)
-            outbox = outbox_store(db, SystemClock())
+            client = self._connect(stop)
+            if client is None:
+                return  # stopped before Redis could be reached
             dispatch_cfg = self._dispatcher_config()
             dispatcher = Dispatcher(
                 dispatch_cfg, client, outbox, keyring=self.keyring, logger=self.log
@@ -328,18 +367,19 @@ class Adapter:
             dispatcher.run(stop)
         finally:
             self._first_look.set()
-            db.close()
+            outbox.db.close()
 
     def _purge(self, stop: threading.Event, gate: WriteGate | None) -> None:
         """Forget requests past the retention window, in small batches between the live
         writers' transactions (``store.retention``), on a connection of its own."""
-        db = open_store(self.config.db_path, gate=gate)
+        clock = SystemClock()
+        tasks = self._store(stop, gate, lambda db: task_store(db, clock, self.policy))
+        if tasks is None:
+            return  # stopped before the database could be opened
         try:
-            clock = SystemClock()
-            tasks = task_store(db, clock, self.policy)
             run_purges(stop, tasks.purge_batch, PurgeSchedule(clock, self.log))
         finally:
-            db.close()
+            tasks.db.close()
 
     def _reconcile(self, stop: threading.Event, gate: WriteGate | None) -> None:
         """For a handler that declared a side effect: release approval waits and reconcile

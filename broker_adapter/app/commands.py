@@ -117,6 +117,7 @@ def cmd_publish(args: argparse.Namespace) -> int:
 def cmd_receive(args: argparse.Namespace) -> int:
     from broker_adapter.app.metrics import Observed
     from broker_adapter.app.serving import serve_metrics
+    from broker_adapter.backoff import call_until_stopped
     from broker_adapter.protocol.signing import Keyring
     from broker_adapter.redis.client import connect
     from broker_adapter.stages.receiver import Receiver, ReceiverConfig, record_effect
@@ -128,11 +129,18 @@ def cmd_receive(args: argparse.Namespace) -> int:
         retention_s=args.retention,
     )  # fmt: skip
     keyring = Keyring.load(args.keyring)
-    db = open_store(args.db)  # a SQLite file, or a postgresql:// URL
-    receiver = Receiver(
-        config, connect(args.redis), receipt_store(db), record_effect, keyring=keyring
-    )
     stop = _install_stop()
+    # A cluster's client reads the slot map when it is made: while its seed node is down
+    # (restarting) a receiver that runs until stopped waits for it, as for any outage.
+    client = (
+        connect(args.redis)
+        if args.until_idle is not None
+        else call_until_stopped(stop, lambda: connect(args.redis))
+    )
+    if client is None:
+        return 0  # stopped before Redis could be reached
+    db = open_store(args.db)  # a SQLite file, or a postgresql:// URL
+    receiver = Receiver(config, client, receipt_store(db), record_effect, keyring=keyring)
     on_postgres = is_postgres_url(args.db)
     observed = Observed(db_path=args.db if on_postgres else Path(args.db), redis_url=args.redis)
     observed.add_receiver(receiver)

@@ -100,7 +100,8 @@ def connect_cluster(url: str, options: dict[str, Any]) -> RedisCluster:
 
     Raises:
         RedisUnavailable: no node answered: unlike a single Redis's client, a cluster's
-            reads the slot map when it is made, so the cluster must be up at start.
+            reads the slot map when it is made, so its seed node must answer then (the
+            adapter's stages and ``receive`` retry it: ``backoff.call_until_stopped``).
     """
     try:
         return RedisCluster.from_url(node_url(url), retry=Retry(NoBackoff(), 0), **options)

@@ -1,4 +1,5 @@
-"""The processes under test: redis-server, the proxy, adapters and receivers, and a
+"""The processes under test: redis-server (one, behind the proxy, or a local Redis
+Cluster of three masters and a replica, without one), adapters and receivers, and a
 supervisor that notices deaths, tells expected from unexpected ones and restarts.
 
 Every adapter and receiver runs in a session of its own (``start_new_session``), so the
@@ -24,9 +25,12 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+import redis as redis_py
 
+from broker_adapter.redis.client import connect
 from tests.chaos.history import INFO, History
 from tests.chaos.proxy import ChaosProxy
+from tests.support.redis_cluster import RedisCluster
 from tests.support.redis_server import RedisServer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -172,15 +176,21 @@ class Cluster:
     """Redis, the proxy and the components of one run.
 
     Args:
-        redis: the redis-server (started by the caller).
-        proxy: the loopback proxy in front of it.
+        redis: the redis-server, or the Redis Cluster (started by the caller).
+        proxy: the loopback proxy in front of a single server; ``None`` for a cluster
+            (its clients follow MOVED to the nodes' own addresses: no proxy can sit
+            in front of it).
         history: where the supervisor logs (``proc`` ``supervisor``).
         pause_resume_s: how long a component that stopped itself at a pause point stays
             stopped before the supervisor resumes it (past the lease).
     """
 
     def __init__(
-        self, redis: RedisServer, proxy: ChaosProxy, history: History, pause_resume_s: float
+        self,
+        redis: RedisServer | RedisCluster,
+        proxy: ChaosProxy | None,
+        history: History,
+        pause_resume_s: float,
     ) -> None:
         self.redis = redis
         self.proxy = proxy
@@ -284,17 +294,42 @@ class Cluster:
 
     # -- redis --------------------------------------------------------------------------------
 
-    def kill_redis(self) -> None:
+    @property
+    def is_redis_cluster(self) -> bool:
+        return isinstance(self.redis, RedisCluster)
+
+    def nodes(self) -> list[RedisServer]:
+        """Every redis-server of the run: the one server, or the cluster's nodes."""
+        if isinstance(self.redis, RedisCluster):
+            return list(self.redis.nodes)
+        return [self.redis]
+
+    def masters(self) -> list[RedisServer]:
+        """The servers that own slots (the one server, or the cluster's masters)."""
+        if isinstance(self.redis, RedisCluster):
+            return list(self.redis.masters)
+        return [self.redis]
+
+    def admin(self) -> redis_py.Redis:
+        """A direct (not proxied) client for administrative commands: a cluster client
+        for a cluster (commands go to the node owning their key)."""
+        if isinstance(self.redis, RedisCluster):
+            return connect(self.redis.url, socket_timeout_s=5.0)
+        return redis_py.Redis(port=self.redis.port, socket_timeout=5)
+
+    def kill_redis(self, node: RedisServer | None = None) -> None:
+        """SIGKILL the one server, or ``node`` of the cluster."""
         with self.lock:
-            self.redis.kill()
+            (node or self.masters()[0]).kill()
             self.redis_down = True
 
     def start_redis(self, *, wipe: bool = False) -> None:
+        """Start every server that is down (all of them again, emptied, with ``wipe``)."""
         with self.lock:
-            if self.redis.proc is not None and self.redis.proc.poll() is None and not wipe:
-                self.redis_down = False
-                return
-            self.redis.restart(wipe=wipe)
+            for node in self.nodes():
+                if node.proc is not None and node.proc.poll() is None and not wipe:
+                    continue
+                node.restart(wipe=wipe)
             self.redis_down = False
 
     # -- end of run ---------------------------------------------------------------------------

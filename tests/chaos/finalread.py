@@ -1,10 +1,13 @@
 """Final reads: the ground truth the checker judges, taken after every component stopped.
 
 Everything comes from the stores themselves, never from logs: the
-adapter's SQLite tables (tasks, inbox, outbox), the receivers' receipts and effect ledgers,
-the handler's effects database, and from Redis the inbound and reply streams, their
-dead-letter streams, pending lists and undelivered entries. SQLite files are opened
-read-only; Redis is read with XRANGE / XPENDING / XINFO only.
+adapter's tables (tasks, inbox, outbox) in its SQLite file or PostgreSQL database, the
+receivers' receipts and effect ledgers, the handler's effects database, and from Redis the
+inbound and reply streams, their dead-letter streams, pending lists and undelivered
+entries. SQLite files are opened read-only (``mode=ro``), a PostgreSQL database in a
+read-only session (``default_transaction_read_only``); both answer the same SQL (the two
+schemas name their tables and columns alike), through ``open_ro``. Redis is read with
+XRANGE / XPENDING / XINFO only.
 """
 
 from __future__ import annotations
@@ -12,8 +15,8 @@ from __future__ import annotations
 import json
 import sqlite3
 from collections import Counter
-from collections.abc import Iterator
-from contextlib import closing
+from collections.abc import Iterator, Sequence
+from contextlib import closing, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,27 +44,93 @@ CHAOS_FORGED_FIELD = b"chaos_forged"
 FORGED_STATUS = "forged"
 
 
+#: The adapter's database: a SQLite file, or a ``postgresql://`` URL.
+StoreTarget = Path | str
+
+
+def is_postgres(target: StoreTarget) -> bool:
+    return isinstance(target, str) and target.startswith(("postgresql://", "postgres://"))
+
+
+def _store_errors() -> tuple[type[Exception], ...]:
+    try:
+        import psycopg
+    except ImportError:
+        return (sqlite3.Error,)
+    return (sqlite3.Error, psycopg.Error)
+
+
+#: What reading a store may raise (a table not made yet, a busy or a killed session).
+STORE_ERRORS = _store_errors()
+
+
+class _PgReader:
+    """A read-only PostgreSQL session that takes the portable SQL (``?`` placeholders) and
+    gives rows by column name, like ``sqlite3.Row``."""
+
+    def __init__(self, url: str) -> None:
+        import psycopg
+        from psycopg.rows import dict_row
+
+        self.conn = psycopg.connect(url, autocommit=True, row_factory=dict_row, connect_timeout=10)
+        self.conn.execute("SET default_transaction_read_only = on")
+
+    def execute(self, sql: str, params: Sequence[Any] = ()) -> Any:
+        from broker_adapter.store.sql import pg_sql
+
+        return self.conn.execute(pg_sql(sql), tuple(params))
+
+    def close(self) -> None:
+        self.conn.close()
+
+
+@contextmanager
+def open_ro(target: StoreTarget, timeout_s: float = 30.0) -> Iterator[Any]:
+    """A read-only connection to a store (SQLite file or PostgreSQL URL): ``execute(sql,
+    params)`` with ``?`` placeholders, rows readable by column name."""
+    conn: Any = _PgReader(str(target)) if is_postgres(target) else _ro(Path(target), timeout_s)
+    try:
+        yield conn
+    finally:
+        conn.close()
+
+
+def store_rows(target: StoreTarget, sql: str, params: Sequence[Any] = ()) -> list[Any]:
+    """The rows of one read-only query of a store; none while it cannot be read (not made
+    yet, busy, its session killed)."""
+    if not is_postgres(target) and not Path(target).exists():
+        return []
+    try:
+        with open_ro(target, timeout_s=10.0) as c:
+            return list(c.execute(sql, params).fetchall())
+    except STORE_ERRORS:
+        return []
+
+
 @dataclass(frozen=True)
 class Sources:
     """Where a run keeps its state.
 
     Attributes:
-        adapter_db: the adapter's SQLite file (shared by every adapter process).
+        adapter_db: the adapter's database, shared by every adapter process: a SQLite
+            file or a ``postgresql://`` URL.
         receiver_dbs: principal -> that principal's receiver database.
         effects_db: the chaos handler's effects database.
         prefix: the Redis key prefix.
         principals: every agent principal.
+        partitions: the inbound partition streams (1: the shared stream alone).
     """
 
-    adapter_db: Path
+    adapter_db: StoreTarget
     receiver_dbs: dict[str, Path]
     effects_db: Path
     prefix: str
     principals: tuple[str, ...]
+    partitions: int = 1
 
 
-def _ro(path: Path) -> sqlite3.Connection:
-    conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=30.0)
+def _ro(path: Path, timeout_s: float = 30.0) -> sqlite3.Connection:
+    conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=timeout_s)
     conn.row_factory = sqlite3.Row
     return conn
 
@@ -86,11 +155,11 @@ def _int_or_none(value: Any) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
-def read_adapter(path: Path, final: FinalState) -> None:
-    """Tasks, inbox and outbox of the adapter database."""
-    if not path.exists():
+def read_adapter(target: StoreTarget, final: FinalState) -> None:
+    """Tasks, inbox and outbox of the adapter database (SQLite or PostgreSQL)."""
+    if not is_postgres(target) and not Path(target).exists():
         return
-    with closing(_ro(path)) as c:
+    with open_ro(target) as c:
         for r in c.execute(
             "SELECT task_id, principal, message_id, state, fence, attempts, max_attempts,"
             " fingerprint, owner, lease_until, result, error, created_at, finished_at FROM tasks"
@@ -107,7 +176,13 @@ def read_adapter(path: Path, final: FinalState) -> None:
         for r in c.execute(
             "SELECT principal, message_id, fingerprint, task_id, duplicates, conflicts FROM inbox"
         ):
-            final.inbox.append(InboxRec(*tuple(r)))
+            final.inbox.append(
+                InboxRec(
+                    principal=r["principal"], message_id=r["message_id"],
+                    fingerprint=r["fingerprint"], task_id=r["task_id"],
+                    duplicates=r["duplicates"], conflicts=r["conflicts"],
+                )
+            )  # fmt: skip
         for r in c.execute(
             "SELECT reply_id, task_id, principal, message_id, status, state, content_hash, body,"
             " attempts, last_error FROM outbox"
@@ -252,18 +327,23 @@ def dead_letter(stream: str, entry_id: str, fields: dict[bytes, bytes]) -> DeadL
 
 
 def read_redis(
-    client: redis.Redis, prefix: str, principals: tuple[str, ...], final: FinalState
+    client: redis.Redis,
+    prefix: str,
+    principals: tuple[str, ...],
+    final: FinalState,
+    partitions: int = 1,
 ) -> None:
-    """Streams, dead letters, pending lists and undelivered entries. Entries the harness
-    planted on the reply streams (``chaos_forged``) are counted apart from the copies."""
+    """Streams, dead letters, pending lists and undelivered entries (of every inbound
+    partition). Entries the harness planted on the reply streams (``chaos_forged``) are
+    counted apart from the copies."""
     keys = Keys(prefix)
-    inbound = keys.inbound()
-    pending, undelivered = group_state(client, inbound, INGEST_GROUP)
-    final.pending[f"{inbound} {INGEST_GROUP}"] = pending
-    final.undelivered[f"{inbound} {INGEST_GROUP}"] = undelivered
-    dead = keys.inbound_dead()
-    for eid, fields in xrange_all(client, dead):
-        final.dead_letters.append(dead_letter(dead, eid, fields))
+    for inbound in keys.inbound_partitions(partitions):
+        pending, undelivered = group_state(client, inbound, INGEST_GROUP)
+        final.pending[f"{inbound} {INGEST_GROUP}"] = pending
+        final.undelivered[f"{inbound} {INGEST_GROUP}"] = undelivered
+        dead = keys.dead_for(inbound)
+        for eid, fields in xrange_all(client, dead):
+            final.dead_letters.append(dead_letter(dead, eid, fields))
     copies: Counter[str] = Counter()
     for p in principals:
         stream = keys.replies(p)
@@ -288,8 +368,10 @@ def read_final(sources: Sources, client: redis.Redis) -> FinalState:
     for principal, path in sources.receiver_dbs.items():
         read_receiver(principal, path, final)
     read_effects(sources.effects_db, final)
-    read_redis(client, sources.prefix, sources.principals, final)
-    dbs = {"adapter": sources.adapter_db, "effects": sources.effects_db}
+    read_redis(client, sources.prefix, sources.principals, final, sources.partitions)
+    dbs: dict[str, Path] = {"effects": sources.effects_db}
+    if not is_postgres(sources.adapter_db):  # the SQLite checks are for SQLite files
+        dbs["adapter"] = Path(sources.adapter_db)
     dbs.update({f"receiver-{p}": path for p, path in sources.receiver_dbs.items()})
     for name, path in dbs.items():
         verdict, wal = sqlite_health(path)

@@ -27,6 +27,16 @@ Packages (the kind is the ``fault`` field of the history event):
 * ``idle-skew``: ``XCLAIM ... IDLE 3600000 JUSTID`` on every pending entry of every group;
 * ``storm``: ``XGROUP SETID <replies> ba-receiver 0`` and agents re-publish recent keys;
 * ``sqlite-busy``: another connection holds ``BEGIN IMMEDIATE`` on the adapter database;
+* ``pg-terminate`` (PostgreSQL store, instead of ``sqlite-busy``): ``pg_terminate_backend``
+  of every session the adapters (and the canceller's store) hold on the run's database
+  (``application_name = 'broker_adapter'``), mid-transaction or idle in their pools;
+* ``client-kill`` (Redis Cluster, instead of ``net``, which needs the proxy): ``CLIENT
+  KILL TYPE normal`` on one master or on every node: each client's connections drop;
+* ``master-kill`` (Redis Cluster, instead of ``redis-kill``): SIGKILL one master (AOF
+  always), restart it on its port after an outage that may outlast the cluster's node
+  timeout (every node then answers CLUSTERDOWN until it is back); its replica, if it is
+  the replicated one, never takes over (``cluster-replica-no-failover``), so nothing it
+  acknowledged is lost;
 * ``forge-reply``: 2-5 forged replies on the reply streams (``hostile.FORGERY_SHAPES``:
   unsigned, a wrong secret, another principal's key; dealt from a deck of their own),
   under invented reply ids or the real ``r-<task id>`` of a task not answered yet (read
@@ -37,6 +47,10 @@ Packages (the kind is the ``fault`` field of the history event):
 * ``replay``: byte-identical copies of 2-6 real inbound entries appended again, picked from
   the newest 20 (their tasks may still run) or the oldest 200 of the stream (long
   terminal); history ``replay``.
+
+``packages_for`` says which packages a Redis mode, a topology (``single``: one server
+behind the proxy; ``cluster``: a local Redis Cluster, no proxy) and a store (``sqlite``,
+``postgresql``) allow.
 
 The hostile packages open a fault window for the period but excuse nothing: the checker
 judges exits, dead letters and receipts the same inside and outside it.
@@ -53,7 +67,6 @@ import signal
 import sqlite3
 import threading
 from collections.abc import Callable, Mapping
-from contextlib import closing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -62,11 +75,11 @@ import redis
 
 from broker_adapter import crashpoints
 from broker_adapter.protocol.canonical import sha256_hex
-from broker_adapter.protocol.keys import INGEST_GROUP, RECEIVER_GROUP, Keys
+from broker_adapter.protocol.keys import INGEST_GROUP, RECEIVER_GROUP, Keys, partition_of
 from broker_adapter.redis.client import text
 from broker_adapter.store.tasks import reply_id_for
 from tests.chaos.cluster import Cluster, Component
-from tests.chaos.finalread import CHAOS_KEY_FIELD
+from tests.chaos.finalread import CHAOS_KEY_FIELD, StoreTarget, store_rows
 from tests.chaos.history import INFO, INVOKE, OK, History
 from tests.chaos.hostile import (
     FORGERY_SHAPES,
@@ -115,16 +128,40 @@ COMMON_PACKAGES = (
 REPLAY_SOON, REPLAY_LATE = 20, 200
 SKEW_IDLE_MS = 3_600_000
 BUSY_HOLD_MAX_S = 3.0
+TOPOLOGIES = ("single", "cluster")
+STORES = ("sqlite", "postgresql")
+#: What stands in for a package on a Redis Cluster: no proxy can sit in front of one
+#: (its clients follow MOVED to the nodes' own addresses), and a kill is one master's.
+CLUSTER_SWAPS = {"net": "client-kill", "redis-kill": "master-kill"}
+#: What stands in for a package on a PostgreSQL store (no SQLite file to lock).
+POSTGRES_SWAPS = {"sqlite-busy": "pg-terminate"}
+#: The session name of every store connection of the adapters (``store.postgres.db``).
+PG_APPLICATION = "broker_adapter"
+MASTER_DOWN_S = (0.3, 2.5)
 
 
-def packages_for(mode: str) -> tuple[str, ...]:
-    """The packages a Redis mode allows: a kill is a wipe without persistence, and only
-    ``everysec`` may lose an acknowledged write's tail."""
+def packages_for(mode: str, topology: str = "single", store: str = "sqlite") -> tuple[str, ...]:
+    """The packages a Redis mode, topology and store allow: a kill is a wipe without
+    persistence, and only ``everysec`` may lose an acknowledged write's tail; a cluster
+    (AOF always only) swaps the proxy's faults and the server kill for its own
+    (``CLUSTER_SWAPS``), a PostgreSQL store the SQLite lock for its own
+    (``POSTGRES_SWAPS``)."""
+    if topology not in TOPOLOGIES or store not in STORES:
+        raise ValueError(f"topology {topology!r} or store {store!r} unknown")
     if mode == "ephemeral":
-        return (*COMMON_PACKAGES, "redis-wipe")
-    if mode == "everysec":
-        return (*COMMON_PACKAGES, "redis-kill", "redis-tail-loss")
-    return (*COMMON_PACKAGES, "redis-kill")
+        names: tuple[str, ...] = (*COMMON_PACKAGES, "redis-wipe")
+    elif mode == "everysec":
+        names = (*COMMON_PACKAGES, "redis-kill", "redis-tail-loss")
+    else:
+        names = (*COMMON_PACKAGES, "redis-kill")
+    swaps: dict[str, str] = {}
+    if topology == "cluster":
+        if mode != "durable":
+            raise ValueError("a Redis Cluster run is durable (AOF always) only")
+        swaps.update(CLUSTER_SWAPS)
+    if store == "postgresql":
+        swaps.update(POSTGRES_SWAPS)
+    return tuple(swaps.get(n, n) for n in names)
 
 
 def newest_incr_aof(redis_dir: Path) -> Path | None:
@@ -180,7 +217,8 @@ class Nemesis:
         packages: the enabled packages.
         mode: ``durable``, ``everysec`` or ``ephemeral``.
         lease_s: the adapters' lease (pauses outlast it).
-        adapter_db: the adapter database (``sqlite-busy``).
+        adapter_db: the adapter database: a SQLite file (``sqlite-busy``) or a PostgreSQL
+            URL (``pg-terminate``).
         prefix: the Redis key prefix.
         principals: every agent principal (reply streams).
         period_s: bounds of one period, seconds.
@@ -188,6 +226,7 @@ class Nemesis:
         max_packages: most packages started in one period.
         keyring: every principal's keys (``forge-reply`` and ``poison-reply`` sign with
             them, wrongly or not); without it those two packages do nothing.
+        partitions: the inbound partition streams (``replay``, ``idle-skew``).
     """
 
     def __init__(
@@ -200,13 +239,14 @@ class Nemesis:
         *,
         mode: str,
         lease_s: float,
-        adapter_db: Path,
+        adapter_db: StoreTarget,
         prefix: str,
         principals: tuple[str, ...],
         period_s: tuple[float, float] = (2.0, 4.0),
         quiet_p: float = 0.25,
         max_packages: int = 3,
         keyring: Mapping[str, Mapping[str, str]] | None = None,
+        partitions: int = 1,
     ) -> None:
         self.cluster = cluster
         self.workload = workload
@@ -222,6 +262,11 @@ class Nemesis:
         self.quiet_p = quiet_p
         self.max_packages = max_packages
         self.keyring = keyring
+        self.inbound = self.keys.inbound_partitions(partitions)
+        #: The partitions the agents publish to (``replay`` copies from these).
+        self.published_to = sorted(
+            {self.keys.inbound_partition(partition_of(p, partitions)) for p in principals}
+        )
         self.prng = random.Random(rng.getrandbits(64))  # per started package (see ``run``)
         self.active: list[Fault] = []
         self._deck: list[str] = []
@@ -234,7 +279,7 @@ class Nemesis:
     def admin(self) -> redis.Redis:
         """A direct (not proxied) client for administrative commands."""
         if self._admin is None:
-            self._admin = redis.Redis(port=self.cluster.redis.port, socket_timeout=5)
+            self._admin = self.cluster.admin()
         return self._admin
 
     def close(self) -> None:
@@ -321,10 +366,12 @@ class Nemesis:
         self.stop()
         self.stop_active()
         self._busy_release.set()
-        self.cluster.proxy.heal()
+        if self.cluster.proxy is not None:
+            self.cluster.proxy.heal()
         self.cluster.start_redis()
-        with contextlib.suppress(redis.RedisError):
-            self.admin().execute_command("CLIENT", "UNPAUSE")  # type: ignore[no-untyped-call]
+        for node in self.cluster.nodes():
+            with contextlib.suppress(redis.RedisError), node.client(socket_timeout=5) as c:
+                c.execute_command("CLIENT", "UNPAUSE")
         self.cluster.heal_processes()
         self.close()
         self.history.log(INFO, "heal", proc="run")
@@ -343,11 +390,14 @@ class Nemesis:
             "redis-kill": lambda: self.redis_kill(wipe=False),
             "redis-wipe": lambda: self.redis_kill(wipe=True),
             "redis-tail-loss": self.redis_tail_loss,
+            "master-kill": self.master_kill,
             "net": self.net,
+            "client-kill": self.client_kill,
             "client-pause": self.client_pause,
             "idle-skew": self.idle_skew,
             "storm": self.storm,
             "sqlite-busy": self.sqlite_busy,
+            "pg-terminate": self.pg_terminate,
             "forge-reply": lambda: self.hostile_replies("forge-reply", FORGERY_SHAPES),
             "poison-reply": lambda: self.hostile_replies("poison-reply", REPLY_POISON_SHAPES),
             "replay": self.replay,
@@ -445,11 +495,23 @@ class Nemesis:
         self.end(f)
         return None
 
+    def master_kill(self) -> Fault | None:
+        """SIGKILL one cluster master and restart it (AOF always) after a short outage."""
+        node = self.prng.choice(self.cluster.masters())
+        down_s = self.prng.uniform(*MASTER_DOWN_S)
+        f = self.begin("master-kill", f"redis:{node.port}", down_s=round(down_s, 3))
+        self.cluster.kill_redis(node)
+        self._stop.wait(down_s)
+        self.cluster.start_redis()
+        self.end(f)
+        return None
+
     def redis_tail_loss(self) -> Fault | None:
         """Power loss under ``appendfsync everysec``: SIGKILL, then cut the AOF at a command
         boundary among the commands appended since this fault started (so only writes
         acknowledged inside the logged window can be lost), then restart."""
-        aof = newest_incr_aof(self.cluster.redis.workdir)
+        server = self.cluster.masters()[0]
+        aof = newest_incr_aof(server.workdir)
         if aof is None:
             return None
         f = self.begin("redis-tail-loss", "redis")
@@ -467,6 +529,8 @@ class Nemesis:
 
     def net(self) -> Fault | None:
         proxy = self.cluster.proxy
+        if proxy is None:  # a cluster has no proxy (``packages_for`` leaves ``net`` out)
+            return None
         mode = self.prng.choice(NET_MODES)
         extra: dict[str, Any] = {}
         if mode == "reset":
@@ -493,21 +557,40 @@ class Nemesis:
         f.stop = stop
         return f
 
+    def client_kill(self) -> Fault | None:
+        """``CLIENT KILL TYPE normal`` on one master, or on every node: the clients'
+        connections to it drop (the harness's own command connection is skipped)."""
+        nodes = self.cluster.nodes()
+        if self.prng.random() < 0.6:
+            nodes = [self.prng.choice(self.cluster.masters())]
+        killed = 0
+        for node in nodes:
+            with node.client(socket_timeout=5) as c:
+                killed += int(c.execute_command("CLIENT", "KILL", "TYPE", "normal"))
+        target = f"redis:{nodes[0].port}" if len(nodes) == 1 else "redis:all"
+        self.instant("client-kill", target, connections=killed)
+        return None
+
     def client_pause(self) -> Fault | None:
+        """``CLIENT PAUSE`` the server (a cluster: one master, which holds its slots)."""
         ms = self.prng.randint(300, 2500)
         how = self.prng.choice(("ALL", "WRITE"))
-        self.admin().execute_command("CLIENT", "PAUSE", ms, how)  # type: ignore[no-untyped-call]
-        f = self.begin("client-pause", "redis", ms=ms, how=how)
+        masters = self.cluster.masters()
+        node = self.prng.choice(masters) if len(masters) > 1 else masters[0]
+        with node.client(socket_timeout=5) as c:
+            c.execute_command("CLIENT", "PAUSE", ms, how)
+        target = f"redis:{node.port}" if len(masters) > 1 else "redis"
+        f = self.begin("client-pause", target, ms=ms, how=how)
 
         def stop() -> None:
-            with contextlib.suppress(redis.RedisError):
-                self.admin().execute_command("CLIENT", "UNPAUSE")  # type: ignore[no-untyped-call]
+            with contextlib.suppress(redis.RedisError), node.client(socket_timeout=5) as c:
+                c.execute_command("CLIENT", "UNPAUSE")
 
         f.stop = stop
         return f
 
     def _groups(self) -> list[tuple[str, str]]:
-        groups = [(self.keys.inbound(), INGEST_GROUP)]
+        groups = [(stream, INGEST_GROUP) for stream in self.inbound]
         groups += [(self.keys.replies(p), RECEIVER_GROUP) for p in self.principals]
         return groups
 
@@ -577,18 +660,25 @@ class Nemesis:
         f.stop = stop
         return f
 
+    def pg_terminate(self) -> Fault | None:
+        """Terminate every session the adapters hold on the PostgreSQL database."""
+        import psycopg
+
+        with psycopg.connect(str(self.adapter_db), autocommit=True, connect_timeout=5) as c:
+            rows = c.execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
+                " WHERE datname = current_database() AND application_name = %s"
+                " AND pid <> pg_backend_pid()",
+                (PG_APPLICATION,),
+            ).fetchall()
+        self.instant("pg-terminate", "adapter-db", sessions=sum(1 for (ok,) in rows if ok))
+        return None
+
     # -- hostile entries --------------------------------------------------------------------
 
     def _adapter_rows(self, sql: str, args: tuple[Any, ...]) -> list[Any]:
         """Rows of a read-only query of the adapter database (none if it cannot be read)."""
-        if not self.adapter_db.exists():
-            return []
-        try:
-            uri = f"file:{self.adapter_db}?mode=ro"
-            with closing(sqlite3.connect(uri, uri=True, timeout=5.0)) as conn:
-                return conn.execute(sql, args).fetchall()
-        except sqlite3.Error:
-            return []
+        return store_rows(self.adapter_db, sql, args)
 
     def hostile_replies(self, fault: str, shapes: Mapping[str, tuple[str, ...]]) -> Fault | None:
         """Plant 2-5 entries of ``shapes`` on the reply streams; see the module docstring."""
@@ -610,7 +700,8 @@ class Nemesis:
                 self.prng.shuffle(deck)
             shape = deck.pop()
             if unanswered and self.prng.random() < 0.7:
-                task_id, message_id = map(str, self.prng.choice(unanswered))
+                row = self.prng.choice(unanswered)
+                task_id, message_id = str(row["task_id"]), str(row["message_id"])
                 target = "real"
             else:
                 task_id, message_id = f"{self.prng.getrandbits(128):032x}", "m-forged"
@@ -653,7 +744,8 @@ class Nemesis:
         or the oldest (whose tasks are terminal by now). Entries the harness made bad
         (``chaos_key``) are left alone: only real requests are replayed."""
         admin = self.admin()
-        stream = self.keys.inbound()
+        streams = self.published_to
+        stream = self.prng.choice(streams) if len(streams) > 1 else streams[0]
         late = self.prng.random() < 0.5
         page: Any = (
             admin.xrange(stream, count=REPLAY_LATE)
@@ -678,7 +770,7 @@ class Nemesis:
                 "SELECT state FROM tasks WHERE principal = ? AND message_id = ?",
                 (env["sender"], env["message_id"]),
             )
-            value = {"source": source, "state": str(rows[0][0]) if rows else None}
+            value = {"source": source, "state": str(rows[0]["state"]) if rows else None}
             self.history.log(INVOKE, "replay", key=key, value=value, proc="nemesis")
             try:
                 entry_id = admin.execute_command(  # type: ignore[no-untyped-call]

@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from types import FrameType
 from typing import Any
 
+from broker_adapter.backoff import call_until_stopped
 from broker_adapter.errors import TransientError
 from broker_adapter.protocol.reply import Reply
 from broker_adapter.protocol.signing import Keyring
@@ -84,7 +85,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         take_over_interval_s=args.take_over_interval_s,
     )
     keyring = Keyring.load(args.keyring)
-    receiver = Receiver(config, connect(args.redis), ReceiptStore(db), effect, keyring=keyring)
+    client = call_until_stopped(stop, lambda: connect(args.redis))  # a cluster: its seed
+    if client is None:
+        db.close()
+        return 0
+    receiver = Receiver(config, client, ReceiptStore(db), effect, keyring=keyring)
     try:
         while not stop.is_set():
             try:

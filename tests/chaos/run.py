@@ -13,6 +13,26 @@
 5. Write ``history.jsonl`` (merged), ``result.json``, the component logs and the Redis data
    directory into ``--out``; print the summary; exit 1 on any violation.
 
+Topology and store (``--topology``, ``--store``):
+
+* ``--topology single`` (default): one redis-server behind the proxy, as above.
+* ``--topology cluster``: a local Redis Cluster (``tests.support.redis_cluster``: three
+  masters with AOF always, one replica of the master of ``{in}`` that never takes over)
+  and no proxy (a cluster client follows MOVED to the nodes' own addresses, so no proxy
+  can sit in front of it). The agents publish over ``--partitions`` inbound partition
+  streams (default 6 here: the three agents' partitions are on the three masters),
+  which the adapters read. Durable
+  only; the nemesis swaps the proxy's ``net`` faults for ``client-kill`` and ``redis-kill``
+  for ``master-kill`` (``nemesis.packages_for``).
+* ``--store postgresql``: the adapters share one throwaway PostgreSQL database
+  (``tests.support.postgres``: created at the start on ``BA_TEST_POSTGRES``'s server,
+  dropped at the end unless ``--keep``) instead of the SQLite file; ``sqlite-busy`` becomes
+  ``pg-terminate``. The receivers keep their SQLite receipt files, the handler its SQLite
+  effects database (the ground truth, not the store under test).
+
+With ``--topology cluster --store postgresql`` the two adapters stand in for two hosts:
+two processes with their own ``--name``, nothing shared but Redis and PostgreSQL.
+
 Everything random comes from ``--seed``: the plan of every agent, the fault schedule, the
 choice of targets. Timing is real (leases of 1-2 s), so a replay with the same seed runs the
 same plan and the same schedule, not the same interleaving.
@@ -25,12 +45,10 @@ import json
 import os
 import random
 import signal
-import sqlite3
 import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
-from contextlib import closing
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from types import FrameType
@@ -40,12 +58,20 @@ import redis
 from broker_adapter.protocol.keys import INGEST_GROUP, RECEIVER_GROUP, Keys
 from tests.chaos.checker import CheckConfig, CheckResult, check, format_summary
 from tests.chaos.cluster import Cluster, Component
-from tests.chaos.finalread import Sources, group_state, read_final
+from tests.chaos.finalread import (
+    STORE_ERRORS,
+    Sources,
+    StoreTarget,
+    group_state,
+    open_ro,
+    read_final,
+    store_rows,
+)
 from tests.chaos.handler import ENV_EFFECTS_DB, init_db
 from tests.chaos.history import History, merge, write_merged
 from tests.chaos.hostile import FORGERY_SHAPES
 from tests.chaos.model import HistoryModel
-from tests.chaos.nemesis import Nemesis, packages_for
+from tests.chaos.nemesis import STORES, TOPOLOGIES, Nemesis, packages_for
 from tests.chaos.planted import BUGS
 from tests.chaos.planted import ENV as PLANTED_ENV
 from tests.chaos.proxy import ChaosProxy
@@ -57,12 +83,18 @@ from tests.chaos.workload import (
     Workload,
     make_keyring,
 )
+from tests.support.postgres import ThrowawayDatabase
+from tests.support.redis_cluster import RedisCluster
 from tests.support.redis_server import RedisServer
 
 ROOT = Path(__file__).resolve().parents[2]
 READY_TIMEOUT_S = 60.0
 DRAIN_POLL_S = 0.5
 MODES = {"durable": "always", "everysec": "everysec", "ephemeral": None}
+#: Inbound partitions of a cluster run unless ``--partitions`` says otherwise: with six,
+#: the agents p1, p2, p3 publish to ``{in#3}``, ``{in#4}`` and ``{in#1}``, one on each master
+#: of the three (``partition_of``; the other three partitions stay empty but are read).
+CLUSTER_PARTITIONS = 6
 
 
 @dataclass(frozen=True)
@@ -119,6 +151,10 @@ class AdapterConfig:
         mode: ``durable``, ``everysec`` or ``ephemeral``.
         planted: a bug from ``planted.BUGS`` to run the adapters with, or ``None``.
         scenario: ``None`` for the random nemesis, or a scripted one (``SCENARIOS``).
+        topology: ``single`` (one server behind the proxy) or ``cluster``.
+        store: ``sqlite`` (one file) or ``postgresql`` (a throwaway database).
+        partitions: inbound partition streams the agents publish to and the adapters read.
+        keep: keep the PostgreSQL database at the end (its URL is in ``result.json``).
     """
 
     profile: Profile
@@ -127,6 +163,10 @@ class AdapterConfig:
     mode: str = "durable"
     planted: str | None = None
     scenario: str | None = None
+    topology: str = "single"
+    store: str = "sqlite"
+    partitions: int = 1
+    keep: bool = False
 
 
 @dataclass
@@ -245,14 +285,21 @@ class Run:
         self.rng = random.Random(config.seed)
         self.prefix = f"chaos{config.seed % 100000}"
         self.principals = tuple(f"p{i + 1}" for i in range(prof.agents))
-        self.adapter_db = self.out / "adapter.db"
+        self.adapter_db: StoreTarget = self.out / "adapter.db"
+        self.pg: ThrowawayDatabase | None = None
         self.effects_db = self.out / "effects.db"
         self.receiver_dbs = {p: self.out / f"receiver-{p}.db" for p in self.principals}
         self.keyring_path = self.out / "keyring.json"
         self.stop_event = threading.Event()
         self._histories: list[History] = []
         self.history = self._history("run")
-        self.redis = RedisServer(self.out / "redis", appendfsync=MODES[config.mode])
+        self.redis: RedisServer | RedisCluster
+        if config.topology == "cluster":
+            if config.mode != "durable":
+                raise ValueError("a cluster run is durable (AOF always) only")
+            self.redis = RedisCluster(self.out / "redis", appendfsync="always", failover=False)
+        else:
+            self.redis = RedisServer(self.out / "redis", appendfsync=MODES[config.mode])
         self.proxy: ChaosProxy | None = None
         self._cluster: Cluster | None = None
         self._nemesis: Nemesis | None = None
@@ -286,7 +333,10 @@ class Run:
         return False
 
     def admin(self) -> redis.Redis:
-        return redis.Redis(port=self.redis.port, socket_timeout=5)
+        return self.cluster.admin()
+
+    def inbound(self) -> list[str]:
+        return Keys(self.prefix).inbound_partitions(self.config.partitions)
 
     # -- setup ------------------------------------------------------------------------------
 
@@ -298,7 +348,7 @@ class Run:
             env[PLANTED_ENV] = self.config.planted
         return env
 
-    def _components(self, proxy_url: str) -> list[Component]:
+    def _components(self, redis_url: str) -> list[Component]:
         prof = self.config.profile
         env = self._base_env()
         comps: list[Component] = []
@@ -308,32 +358,34 @@ class Run:
         for i in range(prof.adapters):
             name = f"a{i + 1}"
             args = [
-                *entry, "run", "--redis", proxy_url, "--db", str(self.adapter_db),
+                *entry, "run", "--redis", redis_url, "--db", str(self.adapter_db),
                 "--handler", "tests.chaos.handler:handle", "--workers", str(prof.workers),
                 "--keyring", str(self.keyring_path), "--prefix", self.prefix,
                 "--lease", str(prof.lease_s), "--claim-min-idle-ms", str(prof.claim_min_idle_ms),
                 "--name", name, "--grace", "2",
             ]  # fmt: skip
+            if self.config.partitions > 1:
+                args += ["--partitions", str(self.config.partitions)]
             comps.append(Component(name, "adapter", args, env, self.out / "logs" / f"{name}.log"))
         for i, p in enumerate(self.principals):
             name = f"recv-{p}"
             db = str(self.receiver_dbs[p])
             if i == 0:
                 args = [
-                    *entry, "receive", "--redis", proxy_url,
+                    *entry, "receive", "--redis", redis_url,
                     "--db", db, "--prefix", self.prefix, "--principal", p, "--consumer", name,
                     "--keyring", str(self.keyring_path),
                 ]  # fmt: skip
             else:
                 args = [
-                    sys.executable, "-m", "tests.chaos.receiver", "--redis", proxy_url,
+                    sys.executable, "-m", "tests.chaos.receiver", "--redis", redis_url,
                     "--db", db, "--prefix", self.prefix, "--principal", p, "--consumer", name,
                     "--keyring", str(self.keyring_path),
                 ]  # fmt: skip
             comps.append(Component(name, "receiver", args, env, self.out / "logs" / f"{name}.log"))
         return comps
 
-    def _agents(self, proxy_url: str, keyring: dict[str, dict[str, str]]) -> None:
+    def _agents(self, redis_url: str, keyring: dict[str, dict[str, str]]) -> None:
         prof = self.config.profile
         per_agent = max(1, prof.messages // prof.agents)
         rng = random.Random(f"cancel-{self.config.seed}")
@@ -348,8 +400,9 @@ class Run:
                 peers={q: per_agent for q in self.principals if q != p},
             )  # fmt: skip
             self.workload.agents.append(
-                Agent(cfg, self.config.seed, proxy_url, self.prefix, keyring,
-                      self._history(f"agent-{p}"), canceller, self.stop_event)
+                Agent(cfg, self.config.seed, redis_url, self.prefix, keyring,
+                      self._history(f"agent-{p}"), canceller, self.stop_event,
+                      partitions=self.config.partitions)
             )  # fmt: skip
 
     def _wait_ready(self) -> None:
@@ -357,11 +410,14 @@ class Run:
         admin = self.admin()
 
         def groups_exist() -> bool:
-            try:
-                names = {g["name"] for g in admin.xinfo_groups(keys.inbound())}
-            except redis.ResponseError:
-                return False
-            return INGEST_GROUP.encode() in names or INGEST_GROUP in names
+            for stream in keys.inbound_partitions(self.config.partitions):
+                try:
+                    names = {g["name"] for g in admin.xinfo_groups(stream)}
+                except redis.RedisError:
+                    return False
+                if INGEST_GROUP.encode() not in names and INGEST_GROUP not in names:
+                    return False
+            return True
 
         try:
             if not self.wait_until(groups_exist, READY_TIMEOUT_S):
@@ -371,19 +427,13 @@ class Run:
 
     def running_tasks(self, min_fence: int = 0) -> int:
         return self._count(
-            f"SELECT count(*) FROM tasks WHERE state = 'running' AND fence >= {int(min_fence)}"
+            f"SELECT count(*) AS n FROM tasks WHERE state = 'running' AND fence >= {int(min_fence)}"
         )
 
     def _count(self, sql: str) -> int:
-        if not self.adapter_db.exists():
-            return 0
-        try:
-            with closing(
-                sqlite3.connect(f"file:{self.adapter_db}?mode=ro", uri=True, timeout=10)
-            ) as c:
-                return int(c.execute(sql).fetchone()[0])
-        except sqlite3.Error:
-            return 0
+        """``SELECT count(*) AS n ...`` of the adapter database; 0 while unreadable."""
+        rows = store_rows(self.adapter_db, sql)
+        return int(rows[0]["n"]) if rows else 0
 
     # -- drain ------------------------------------------------------------------------------
 
@@ -391,14 +441,14 @@ class Run:
         """Whether nothing is left to do; the second value says what is still going on."""
         if not self.workload.done():
             return False, "workload"
-        if self._count("SELECT count(*) FROM tasks WHERE state IN ('pending', 'running')"):
+        if self._count("SELECT count(*) AS n FROM tasks WHERE state IN ('pending', 'running')"):
             return False, "live tasks"
-        if self._count("SELECT count(*) FROM outbox WHERE state IN ('pending', 'sending')"):
+        if self._count("SELECT count(*) AS n FROM outbox WHERE state IN ('pending', 'sending')"):
             return False, "unsent replies"
         keys = Keys(self.prefix)
         admin = self.admin()
         try:
-            groups = [(keys.inbound(), INGEST_GROUP)]
+            groups = [(stream, INGEST_GROUP) for stream in self.inbound()]
             groups += [(keys.replies(p), RECEIVER_GROUP) for p in self.principals]
             for stream, group in groups:
                 pending, undelivered = group_state(admin, stream, group)
@@ -410,25 +460,21 @@ class Run:
             admin.close()
         sent: dict[str, set[str]] = {p: set() for p in self.principals}
         try:
-            with closing(
-                sqlite3.connect(f"file:{self.adapter_db}?mode=ro", uri=True, timeout=10)
-            ) as c:
-                for rid, p in c.execute(
-                    "SELECT reply_id, principal FROM outbox WHERE state = 'sent'"
-                ):
-                    sent.setdefault(p, set()).add(rid)
+            with open_ro(self.adapter_db, timeout_s=10) as c:
+                for r in c.execute("SELECT reply_id, principal FROM outbox WHERE state = 'sent'"):
+                    sent.setdefault(r["principal"], set()).add(r["reply_id"])
             for p, rids in sent.items():
                 path = self.receiver_dbs.get(p)
                 if not rids:
                     continue
                 if path is None or not path.exists():
                     return False, f"receiver {p}: no database"
-                with closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=10)) as c:
-                    got = {r[0] for r in c.execute("SELECT reply_id FROM receipts")}
+                with open_ro(path, timeout_s=10) as c:
+                    got = {r["reply_id"] for r in c.execute("SELECT reply_id FROM receipts")}
                 if rids - got:
                     return False, f"receiver {p}: {len(rids - got)} replies not received"
-        except sqlite3.Error as exc:
-            return False, f"sqlite: {exc}"
+        except STORE_ERRORS as exc:
+            return False, f"store: {exc}"
         return True, "drained"
 
     def drain(self) -> bool:
@@ -459,7 +505,8 @@ class Run:
         self.history.log(
             "info", "config",
             value={"profile": asdict(prof), "seed": cfg.seed, "mode": cfg.mode,
-                   "planted": cfg.planted, "scenario": cfg.scenario, "prefix": self.prefix},
+                   "planted": cfg.planted, "scenario": cfg.scenario, "prefix": self.prefix,
+                   "topology": cfg.topology, "store": cfg.store, "partitions": cfg.partitions},
         )  # fmt: skip
         keyring = make_keyring(list(self.principals), cfg.seed)
         self.keyring_path.write_text(json.dumps(keyring))
@@ -467,13 +514,20 @@ class Run:
         init_db(self.effects_db)
         final = None
         try:
+            if cfg.store == "postgresql":
+                self.pg = ThrowawayDatabase()
+                self.adapter_db = self.pg.url
             self.redis.start()
-            self.proxy = ChaosProxy(self.redis.port)
-            self.proxy.start()
+            if isinstance(self.redis, RedisCluster):
+                redis_url = self.redis.url
+            else:
+                self.proxy = ChaosProxy(self.redis.port)
+                self.proxy.start()
+                redis_url = self.proxy.url
             self._cluster = Cluster(
                 self.redis, self.proxy, self._history("supervisor"), prof.lease_s + 1.5
             )
-            comps = self._components(self.proxy.url)
+            comps = self._components(redis_url)
             held = SCENARIOS[cfg.scenario].held if cfg.scenario else ()
             for comp in comps:
                 self.cluster.add(comp)
@@ -483,14 +537,16 @@ class Run:
                     comp.start()
             self.cluster.start_supervisor()
             self._wait_ready()
-            self._agents(self.proxy.url, keyring)
-            packages = prof.packages if prof.packages is not None else packages_for(cfg.mode)
+            self._agents(redis_url, keyring)
+            packages = prof.packages
+            if packages is None:
+                packages = packages_for(cfg.mode, cfg.topology, cfg.store)
             self._nemesis = Nemesis(
                 self.cluster, self.workload, self._history("nemesis"),
                 random.Random(f"nemesis-{cfg.seed}"), packages, mode=cfg.mode,
                 lease_s=prof.lease_s, adapter_db=self.adapter_db, prefix=self.prefix,
                 principals=self.principals, period_s=prof.period_s, quiet_p=prof.quiet_p,
-                max_packages=prof.max_packages, keyring=keyring,
+                max_packages=prof.max_packages, keyring=keyring, partitions=cfg.partitions,
             )  # fmt: skip
             self.workload.start()
             self._run_nemesis()
@@ -507,7 +563,7 @@ class Run:
             try:
                 final = read_final(
                     Sources(self.adapter_db, self.receiver_dbs, self.effects_db, self.prefix,
-                            self.principals),
+                            self.principals, cfg.partitions),
                     admin,
                 )  # fmt: skip
             finally:
@@ -521,9 +577,12 @@ class Run:
             if self.proxy is not None:
                 self.proxy.stop()
             self.redis.stop()
+            if self.pg is not None and not cfg.keep:
+                self.pg.drop()
             for h in self._histories:
                 h.close()
         assert final is not None
+        work = self.work_by_adapter()
         events = merge(sorted((self.out / "history").glob("*.jsonl")))
         write_merged(events, self.out / "history.jsonl")
         model = HistoryModel.from_events(events)
@@ -531,12 +590,17 @@ class Run:
         seconds = time.monotonic() - t0
         summary = (
             f"chaos run: profile={prof.name} seed={cfg.seed} mode={cfg.mode} "
+            f"topology={cfg.topology} store={cfg.store} partitions={cfg.partitions} "
             f"planted={cfg.planted} scenario={cfg.scenario} wall={seconds:.1f}s\n"
             + format_summary(result)
+            + f"\nwork by adapter (effect calls)  {work}"
         )
         doc = {
             "profile": asdict(prof), "seed": cfg.seed, "mode": cfg.mode, "planted": cfg.planted,
             "scenario": cfg.scenario, "wall_s": round(seconds, 3), "history_events": len(events),
+            "topology": cfg.topology, "store": cfg.store, "partitions": cfg.partitions,
+            "work_by_adapter": work,
+            "adapter_db": str(self.adapter_db) if cfg.keep or cfg.store == "sqlite" else None,
             "check": result.as_json(),
         }  # fmt: skip
         (self.out / "result.json").write_text(
@@ -544,6 +608,19 @@ class Run:
         )
         (self.out / "summary.txt").write_text(summary + "\n")
         return RunResult(result, self.out, seconds, summary)
+
+    def work_by_adapter(self) -> dict[str, int]:
+        """Handler calls that applied an effect, by the adapter whose worker made them (the
+        attempt ledger's ``owner``, ``<name>-w<i>-<pid>``): which processes did the work."""
+        rows = store_rows(
+            self.effects_db,
+            "SELECT owner, count(*) AS n FROM attempts WHERE event = 'effect' GROUP BY owner",
+        )
+        work: dict[str, int] = {}
+        for r in rows:
+            name = str(r["owner"]).rsplit("-", 2)[0]
+            work[name] = work.get(name, 0) + int(r["n"])
+        return dict(sorted(work.items()))
 
     def _run_nemesis(self) -> None:
         cfg, prof = self.config, self.config.profile
@@ -585,6 +662,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--duration", type=float, default=None, help="override, seconds")
     parser.add_argument("--planted", choices=BUGS, default=None, help="run a planted bug")
     parser.add_argument("--scenario", choices=sorted(SCENARIOS), default=None)
+    parser.add_argument("--topology", choices=TOPOLOGIES, default="single",
+                        help="single: one redis-server behind the proxy; cluster: a local"
+                        " 3-master Redis Cluster (durable, no proxy)")  # fmt: skip
+    parser.add_argument("--store", choices=STORES, default="sqlite",
+                        help="the adapters' database: one SQLite file or a throwaway"
+                        " PostgreSQL database")  # fmt: skip
+    parser.add_argument("--partitions", type=int, default=None,
+                        help=f"inbound partitions (1, cluster: {CLUSTER_PARTITIONS})")  # fmt: skip
+    parser.add_argument("--keep", action="store_true", help="keep the PostgreSQL database")
     args = parser.parse_args(argv)
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
@@ -595,7 +681,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     prof = profile_for(name, messages=args.messages, duration_s=args.duration)
     config = AdapterConfig(
         profile=prof, seed=args.seed, out=args.out, mode=args.redis_mode, planted=args.planted,
-        scenario=args.scenario,
+        scenario=args.scenario, topology=args.topology, store=args.store, keep=args.keep,
+        partitions=args.partitions or (CLUSTER_PARTITIONS if args.topology == "cluster" else 1),
     )  # fmt: skip
     result = run_chaos(config)
     print(result.summary)

@@ -31,7 +31,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import redis
 
@@ -42,11 +42,15 @@ from broker_adapter.protocol.envelope import Envelope
 from broker_adapter.protocol.keys import Keys
 from broker_adapter.protocol.signing import Keyring, signature
 from broker_adapter.redis.client import connect
-from broker_adapter.store import TaskStore, open_database
+from broker_adapter.store.backends import open_store, task_store
 from tests.chaos.finalread import CHAOS_KEY_FIELD
 from tests.chaos.history import FAIL, INFO, INVOKE, OK, History
 from tests.chaos.hostile import INBOUND_SHAPES, Pairs, flat, inbound_poison
 from tests.chaos.model import REJECT_CLASS, TASK_CLASS
+
+if TYPE_CHECKING:
+    from broker_adapter.store import TaskStore
+    from broker_adapter.store.postgres import PgTaskStore
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -126,6 +130,7 @@ class Agent(threading.Thread):
         history: where it logs (``proc`` is ``agent-<principal>``).
         canceller: receives the ``cancel`` tasks once published.
         stop: set to stop early.
+        partitions: the inbound partition streams (its principal's is the one it uses).
     """
 
     def __init__(
@@ -138,6 +143,8 @@ class Agent(threading.Thread):
         history: History,
         canceller: Canceller | None,
         stop: threading.Event,
+        *,
+        partitions: int = 1,
     ) -> None:
         super().__init__(name=f"agent-{config.principal}", daemon=True)
         self.config = config
@@ -150,7 +157,9 @@ class Agent(threading.Thread):
         self.keyring_data = keyring
         self.kid, self.secret = next(iter(keyring[config.principal].items()))
         self.client = connect(redis_url, socket_timeout_s=PUBLISH_TIMEOUT_S)
-        self.publisher = Publisher(self.client, self.keys, config.principal, Keyring(keyring))
+        self.publisher = Publisher(
+            self.client, self.keys, config.principal, Keyring(keyring), partitions=partitions
+        )
         self.history = history
         self.canceller = canceller
         self.stop_event = stop
@@ -358,7 +367,7 @@ class Agent(threading.Thread):
                    "claims": claims, "fingerprint": fingerprint},
         )  # fmt: skip
         try:
-            entry_id = self._xadd_raw(self.keys.inbound(), fields)
+            entry_id = self._xadd_raw(self.publisher.stream, fields)  # its own partition
         except redis.RedisError as exc:
             self.history.log(INFO, "publish", key=key, error=str(exc))
             return
@@ -399,7 +408,7 @@ class Canceller(threading.Thread):
     connection of its own or through ``python -m broker_adapter cancel``.
 
     Args:
-        db_path: the adapter's database.
+        db_path: the adapter's database (a SQLite file or a ``postgresql://`` URL).
         history: where it logs (``proc`` ``canceller``).
         rng: picks the path (store or CLI).
         stop: set to stop; queued cancels are then dropped.
@@ -407,7 +416,7 @@ class Canceller(threading.Thread):
 
     def __init__(
         self,
-        db_path: Path,
+        db_path: Path | str,
         history: History,
         rng: random.Random,
         stop: threading.Event,
@@ -445,8 +454,12 @@ class Canceller(threading.Thread):
                     if self.stop_event.wait(max(0.0, due - time.monotonic())):
                         return
                     if db is None:
-                        db = open_database(self.db_path)
-                    self._cancel(TaskStore(db), key, principal, message_id)
+                        db = open_store(self.db_path)
+                    self._cancel(task_store(db), key, principal, message_id)
+                except BrokerAdapterError as exc:  # the store is down: this cancel is lost
+                    self.history.log(
+                        INFO, "cancel", key=key, value={"state": "error"}, error=str(exc)
+                    )
                 finally:
                     with self._lock:
                         self.inflight -= 1
@@ -454,7 +467,9 @@ class Canceller(threading.Thread):
             if db is not None:
                 db.close()
 
-    def _cancel(self, store: TaskStore, key: str, principal: str, message_id: str) -> None:
+    def _cancel(
+        self, store: TaskStore | PgTaskStore, key: str, principal: str, message_id: str
+    ) -> None:
         task_id = None
         deadline = time.monotonic() + 10.0
         while task_id is None and time.monotonic() < deadline:

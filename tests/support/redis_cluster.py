@@ -30,14 +30,21 @@ REPLICATED_SLOT = key_slot(b"in")
 
 
 class ClusterNode(RedisServer):
-    """One cluster-enabled redis-server (no persistence: the replica is the copy)."""
+    """One cluster-enabled redis-server: no persistence by default (the replica is the
+    copy); with ``appendfsync`` an AOF, so a killed node restarts with what it had
+    acknowledged. ``failover=False`` makes a replica that never takes its master over
+    (``cluster-replica-no-failover``)."""
 
-    def __init__(self, workdir: Path) -> None:
-        super().__init__(workdir, appendfsync=None)
+    def __init__(
+        self, workdir: Path, appendfsync: str | None = None, *, failover: bool = True
+    ) -> None:
+        super().__init__(workdir, appendfsync=appendfsync)
+        self.failover = failover
 
     def args(self) -> list[str]:
         return [
             *super().args(),
+            "--cluster-replica-no-failover", "no" if self.failover else "yes",
             "--cluster-enabled", "yes",
             "--cluster-config-file", str(self.workdir / "nodes.conf"),
             "--cluster-node-timeout", str(NODE_TIMEOUT_MS),
@@ -73,11 +80,20 @@ def wait_until(what: str, check: Callable[[], bool], timeout_s: float = 30.0) ->
 
 class RedisCluster:
     """Three masters (``masters``) and one replica (``replica``) of the master owning
-    ``REPLICATED_SLOT`` (``replicated_master``)."""
+    ``REPLICATED_SLOT`` (``replicated_master``).
 
-    def __init__(self, workdir: Path) -> None:
-        self.masters = [ClusterNode(workdir / f"m{i}") for i in range(3)]
-        self.replica = ClusterNode(workdir / "r0")
+    Args:
+        workdir: one directory per node under it.
+        appendfsync: every node's AOF policy (``None``: no persistence).
+        failover: whether the replica takes a dead master over (``False``: a killed master
+            is only ever restarted, and keeps its slots).
+    """
+
+    def __init__(
+        self, workdir: Path, appendfsync: str | None = None, *, failover: bool = True
+    ) -> None:
+        self.masters = [ClusterNode(workdir / f"m{i}", appendfsync) for i in range(3)]
+        self.replica = ClusterNode(workdir / "r0", appendfsync, failover=failover)
         self.replicated_master = self.masters[0]
 
     @property
@@ -234,11 +250,17 @@ def cluster_supported(workdir: Path) -> bool:
         probe.stop()
 
 
-def start_cluster(workdir: Path) -> RedisCluster:
-    """A started cluster, or a skip when this machine's Redis cannot run one."""
+def require_cluster(workdir: Path) -> None:
+    """Skip the calling test when this machine's Redis cannot run a cluster (no
+    redis-server, no redis-cli, or no cluster support)."""
     require_binary()
     if not cluster_supported(workdir):
         pytest.skip("redis-server without cluster support (or no redis-cli)")
+
+
+def start_cluster(workdir: Path) -> RedisCluster:
+    """A started cluster, or a skip when this machine's Redis cannot run one."""
+    require_cluster(workdir)
     cluster = RedisCluster(workdir)
     try:
         cluster.start()

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from broker_adapter.app.adapter import Adapter, AdapterConfig
-from broker_adapter.errors import ConfigError, StoreBusy, StoreError
+from broker_adapter.errors import ConfigError, RedisUnavailable, StoreBusy, StoreError
 from broker_adapter.store import open_database
 from broker_adapter.store.db import Database
 from tests.support.ingest_script import write_keyring
@@ -76,6 +76,60 @@ def test_the_runner_waits_for_a_locked_database_and_a_stop_ends_the_wait(
     assert len(calls) == 3  # tried again after each of the first two pauses
     assert waits[0] is not None
     assert waits[1] == 2 * waits[0]
+
+
+def test_a_stage_retries_opening_its_store_and_connecting_while_they_fail_transiently(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stage's own store (a PostgreSQL session killed as it opens) and its Redis client
+    (a cluster whose seed node is restarting) are retried, not the end of the stage; a
+    stop ends the wait with nothing opened."""
+    path = tmp_path / "adapter.db"
+    write_keyring(tmp_path / "keyring.json")
+    config = AdapterConfig(
+        redis_url="redis://127.0.0.1:1/0", db_path=path, handler="broker_adapter.examples:echo",
+        keyring_path=tmp_path / "keyring.json",
+    )  # fmt: skip
+    runner = Adapter(config)
+    stop = threading.Event()
+    monkeypatch.setattr(stop, "wait", lambda timeout=None: False)  # backoffs take no time
+    failures = [StoreBusy("terminating connection due to administrator command")] * 2
+    opened: list[Database] = []
+
+    def flaky_open(*args: object, **kwargs: object) -> Database:
+        if failures:
+            raise failures.pop()
+        opened.append(open_database(path))
+        return opened[-1]
+
+    monkeypatch.setattr("broker_adapter.app.adapter.open_store", flaky_open)
+    reads = [StoreBusy("the store's first read, on a killed session")]
+
+    def first_read(db: Database) -> Database:
+        if reads:
+            raise reads.pop()
+        return db
+
+    store = runner._store(stop, None, first_read)  # type: ignore[arg-type]
+    assert store is not None
+    assert store is opened[-1]
+    assert not failures
+    assert not reads
+    assert len(opened) == 2  # the database of the failed first read was closed, not reused
+    store.close()
+    unreachable = [RedisUnavailable("redis cluster unreachable: seed node down")] * 2
+
+    def flaky_connect(url: str) -> str:
+        if unreachable:
+            raise unreachable.pop()
+        return "client"
+
+    monkeypatch.setattr("broker_adapter.app.adapter.connect", flaky_connect)
+    assert runner._connect(stop) == "client"  # type: ignore[comparison-overlap]
+    stopped = threading.Event()
+    stopped.set()
+    failures.append(StoreBusy("still down"))
+    assert runner._store(stopped, None, lambda db: db) is None
 
 
 # -- read-only opens (status, receipts) ------------------------------------------------------
