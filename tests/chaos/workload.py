@@ -50,7 +50,6 @@ from tests.chaos.model import REJECT_CLASS, TASK_CLASS
 
 if TYPE_CHECKING:
     from broker_adapter.store import TaskStore
-    from broker_adapter.store.postgres import PgTaskStore
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -468,7 +467,7 @@ class Canceller(threading.Thread):
                 db.close()
 
     def _cancel(
-        self, store: TaskStore | PgTaskStore, key: str, principal: str, message_id: str
+        self, store: TaskStore, key: str, principal: str, message_id: str
     ) -> None:
         task_id = None
         deadline = time.monotonic() + 10.0
