@@ -84,20 +84,16 @@ def child_publish(args: argparse.Namespace) -> int:
 # -- the servers -----------------------------------------------------------------------------
 
 
-class PersistentClusterNode(ClusterNode):
-    """A cluster node with the single server's persistence (AOF, ``appendfsync always``),
-    so the cluster rows pay for the same fsyncs as the baseline."""
-
-    def __init__(self, workdir: Path) -> None:
-        RedisServer.__init__(self, workdir, appendfsync=common.DEFAULT_APPENDFSYNC)
-
-
 def start_cluster(workdir: Path) -> RedisCluster | str:
     """Three masters, no replica; or why there is no cluster on this machine."""
     if not cluster_supported(workdir):
         return "n/a: redis-server without cluster support (or no redis-cli)"
     cluster = RedisCluster(workdir)
-    cluster.masters = [PersistentClusterNode(workdir / f"m{i}") for i in range(3)]
+    # The single server's persistence (AOF, ``appendfsync always``), so the cluster rows
+    # pay for the same fsyncs as the baseline.
+    cluster.masters = [
+        ClusterNode(workdir / f"m{i}", appendfsync=common.DEFAULT_APPENDFSYNC) for i in range(3)
+    ]
     try:
         for node in cluster.masters:
             node.start()

@@ -41,7 +41,7 @@ from broker_adapter.clock import Clock
 from broker_adapter.errors import FencedError, StaleError, TaskCancelled
 from broker_adapter.protocol.bounds import check_result
 from broker_adapter.protocol.canonical import canonical_json
-from broker_adapter.store.housekeeping import indexed_by, unknown_from_lapsed_in
+from broker_adapter.store.housekeeping import unknown_from_lapsed_in
 from broker_adapter.store.lifecycle import to_terminal
 from broker_adapter.store.sql import Conn, Db
 from broker_adapter.store.tasks import ClaimedTask, TaskState, TaskStore, UnknownTask
@@ -243,7 +243,7 @@ class EffectsStore:
             rows = c.execute(
                 "UPDATE tasks SET owner = ?, lease_until = ?, not_before = ?, fence = fence + 1,"
                 " updated_at = ? WHERE task_id IN (SELECT task_id FROM tasks"
-                f"{indexed_by(c.dialect, 'tasks_unknown')} WHERE state = 'unknown'"
+                f"{c.dialect.indexed_by('tasks_unknown')} WHERE state = 'unknown'"
                 " AND not_before <= ? AND operator_since IS NULL ORDER BY not_before LIMIT ?"
                 f"{c.dialect.skip_locked}) RETURNING {_CLAIM_COLUMNS}",
                 (owner, until, until, now, now, n),

@@ -13,7 +13,7 @@ old requests is ``retention``'s (``TaskStore.purge_batch``).
 Both stores run it (``store.sql``). On PostgreSQL several processes take back at once: each
 selection skips the rows another transaction holds locked (``dialect.skip_locked``: that one
 is settling or taking them back already, and the next claim sees them again); SQLite has one
-writer at a time, and keeps its index hints (``indexed_by``) on its hot path."""
+writer at a time, and keeps its index hints (``Dialect.indexed_by``) on its hot path."""
 
 from __future__ import annotations
 
@@ -22,12 +22,6 @@ import functools
 from broker_adapter.store.lifecycle import TaskState, to_terminal
 from broker_adapter.store.sql import Conn, Dialect
 from broker_adapter.store.transitions import Reconciled
-
-
-def indexed_by(dialect: Dialect, index: str) -> str:
-    """SQLite's ``INDEXED BY`` hint for ``index`` (the plan of a hot statement held fixed);
-    nothing on PostgreSQL, whose planner takes no hints."""
-    return f" INDEXED BY {index}" if dialect.name == "sqlite" else ""
 
 
 def reconcile_in(c: Conn, now: float, taken: list[Reconciled] | None = None) -> dict[str, int]:
@@ -107,7 +101,7 @@ _LAPSED_DEADLINE = (
 def _statements(dialect: Dialect) -> tuple[str, str, tuple[str, str]]:
     """The take-back's statements in ``dialect`` (made once): the live tasks past their
     deadline, the running ones whose lease ran out, and ``unknown_from_lapsed_in``'s two."""
-    hint = functools.partial(indexed_by, dialect)
+    hint = dialect.indexed_by
     lock = dialect.skip_locked
     expired = (
         f"SELECT task_id FROM tasks{hint('tasks_live_deadline')}"

@@ -28,7 +28,7 @@ from typing import Any
 
 from broker_adapter.errors import StaleError
 from broker_adapter.protocol.reply import encode_body, reply_id_for, terminal_body
-from broker_adapter.store.outbox import PublisherClaim, enqueue_encoded
+from broker_adapter.store.outbox import PublisherClaim, ReplySpec, enqueue_many
 from broker_adapter.store.sql import Conn
 
 
@@ -79,7 +79,7 @@ def write_reply(
             ``fence`` and ``traceparent`` (a row or a mapping), if already read in this
             transaction (spares a lookup).
         encoded: the body from ``encode_body``, if built before the transaction from them.
-        claim: write the reply already claimed by that publisher (``enqueue_encoded``).
+        claim: write the reply already claimed by that publisher (``enqueue_many``).
 
     Returns:
         the reply id.
@@ -91,7 +91,25 @@ def write_reply(
             (task_id,),
         ).fetchone()
         assert t is not None
-    reply_id = reply_id_for(task_id)
+    spec = reply_spec(task_id, state, result, error, now, t, encoded, effects)
+    if enqueue_many(c, [spec], now, claim) != 1:
+        # the unique index makes this unreachable unless a bug re-terminates
+        raise StaleError(task_id, "already_terminal", "a terminal reply already exists")
+    return spec[0]
+
+
+def reply_spec(
+    task_id: str,
+    state: TaskState,
+    result: str | None,
+    error: str | None,
+    now: float,
+    t: Any,
+    encoded: tuple[bytes, str] | None = None,
+    effects: Mapping[str, Any] | None = None,
+) -> ReplySpec:
+    """The outbox row of ``task_id``'s terminal reply (``outbox.enqueue_many``), from the
+    task's ``t`` (``write_reply``); ``encoded``: its body if built already."""
     if encoded is None:
         encoded = encode_body(
             terminal_body(task_id, state.value, t["principal"], t["message_id"],
@@ -99,14 +117,8 @@ def write_reply(
                           traceparent=t["traceparent"], effects=effects)
         )  # fmt: skip
     data, content_hash = encoded
-    inserted = enqueue_encoded(
-        c, reply_id=reply_id, task_id=task_id, principal=t["principal"],
-        message_id=t["message_id"], status=state.value, data=data,
-        content_hash=content_hash, now=now, claim=claim,
-    )  # fmt: skip
-    if not inserted:  # the unique index makes this unreachable unless a bug re-terminates
-        raise StaleError(task_id, "already_terminal", "a terminal reply already exists")
-    return reply_id
+    return (reply_id_for(task_id), task_id, t["principal"], t["message_id"], state.value,
+            data, content_hash)  # fmt: skip
 
 
 def to_terminal(

@@ -41,7 +41,7 @@ from broker_adapter.config import DEFAULT_LEASE_S, ConfigModel
 from broker_adapter.errors import BrokerAdapterError, StaleError
 from broker_adapter.protocol.reply import encode_body
 from broker_adapter.store.fencing import REPLY_HELD, REPLY_HELD_STATE, held_params, refusal
-from broker_adapter.store.sql import Conn, Db, Dialect, marks
+from broker_adapter.store.sql import Conn, Db, marks
 
 OUTBOX_STATES = ("pending", "sending", "sent", "dead")
 
@@ -116,55 +116,61 @@ def enqueue(
     """Insert a reply inside the caller's open transaction (either store's: ``store.sql``).
     Returns False if it existed."""
     data, content_hash = encode_body(body)
-    return enqueue_encoded(
-        conn, reply_id=reply_id, task_id=task_id, principal=principal, message_id=message_id,
-        status=status, data=data, content_hash=content_hash, now=now,
-    )  # fmt: skip
+    spec = (reply_id, task_id, principal, message_id, status, data, content_hash)
+    return enqueue_many(conn, [spec], now) == 1
 
 
-def enqueue_encoded(
-    conn: Conn,
-    *,
-    reply_id: str,
-    task_id: str | None,
-    principal: str,
-    message_id: str,
-    status: str,
-    data: bytes,
-    content_hash: str,
-    now: float,
-    claim: PublisherClaim | None = None,
-) -> bool:
-    """``enqueue`` for a body already encoded by ``encode_body`` (outside the transaction,
-    so the write lock is not held while JSON is encoded and hashed).
+#: One reply for ``enqueue_many``: reply id, task id, principal, message id, status, the
+#: body's bytes and their hash.
+ReplySpec = tuple[str, str | None, str, str, str, bytes, str]
+#: Replies per INSERT of ``enqueue_many`` (at most 11 parameters each: within SQLite's
+#: limit on bound parameters).
+_ENQUEUE_CHUNK = 64
+_INSERT_NAMES = "reply_id, task_id, principal, message_id, status, body, content_hash"
 
-    With ``claim`` the row is written already claimed by that publisher (``sending``, its
-    owner and lease, attempts 1, fence 1: what ``OutboxStore.claim`` would set) and is
-    appended to ``claim.rows``; nobody else takes it before the lease runs out. A reply id,
-    or a task's one reply, already there is skipped (``ON CONFLICT DO NOTHING``).
+
+def enqueue_many(
+    conn: Conn, replies: Sequence[ReplySpec], now: float, claim: PublisherClaim | None = None
+) -> int:
+    """Insert replies inside the caller's open transaction, a batch in one statement (a
+    settled batch's replies: one round trip on PostgreSQL, not one per reply). A reply id,
+    or a task's one reply, already there is skipped (``ON CONFLICT DO NOTHING``: the unique
+    indexes decide). Returns how many were inserted.
+
+    With ``claim`` the rows are written already claimed by that publisher (``sending``, its
+    owner and lease, attempts 1, fence 1: what ``OutboxStore.claim`` would set) and are
+    appended to ``claim.rows`` in the order of ``replies``; nobody else takes them before
+    the lease runs out.
     """
-    if claim is None:
-        cur = conn.execute(
-            "INSERT INTO outbox (reply_id, task_id, principal, message_id, status,"
-            " body, content_hash, state, not_before, created_at)"
-            " VALUES (?, ?, ?, ?, ?, ?, ?, 'pending', ?, ?) ON CONFLICT DO NOTHING",
-            (reply_id, task_id, principal, message_id, status, data, content_hash, now, now),
-        )
-        return cur.rowcount == 1
-    row = conn.execute(
-        "INSERT INTO outbox (reply_id, task_id, principal, message_id, status, body,"
-        " content_hash, state, owner, lease_until, attempts, fence, not_before, created_at)"
-        " VALUES (?, ?, ?, ?, ?, ?, ?, 'sending', ?, ?, 1, 1, ?, ?)"
-        f" ON CONFLICT DO NOTHING RETURNING {_COLUMNS}",
-        (reply_id, task_id, principal, message_id, status, data, content_hash, claim.owner,
-         claim.lease_until, now, now),
-    ).fetchone()  # fmt: skip
-    if row is None:
-        return False
-    written = OutboxRow.from_row(row)
-    # The body as ``bytes`` (a driver may hand ``bytea`` back as another buffer type).
-    claim.rows.append(written if type(written.body) is bytes else replace(written, body=data))
-    return True
+    inserted = 0
+    for start in range(0, len(replies), _ENQUEUE_CHUNK):
+        chunk = replies[start : start + _ENQUEUE_CHUNK]
+        if claim is None:
+            cur = conn.execute(
+                f"INSERT INTO outbox ({_INSERT_NAMES}, state, not_before, created_at) VALUES "
+                + ", ".join(["(?, ?, ?, ?, ?, ?, ?, 'pending', ?, ?)"] * len(chunk))
+                + " ON CONFLICT DO NOTHING",
+                [v for spec in chunk for v in (*spec, now, now)],
+            )
+            inserted += cur.rowcount
+            continue
+        rows = conn.execute(
+            f"INSERT INTO outbox ({_INSERT_NAMES}, state, owner, lease_until, attempts, fence,"
+            " not_before, created_at) VALUES "
+            + ", ".join(["(?, ?, ?, ?, ?, ?, ?, 'sending', ?, ?, 1, 1, ?, ?)"] * len(chunk))
+            + f" ON CONFLICT DO NOTHING RETURNING {_COLUMNS}",
+            [v for spec in chunk for v in (*spec, claim.owner, claim.lease_until, now, now)],
+        ).fetchall()
+        data = {spec[0]: spec[5] for spec in chunk}
+        written = {r["reply_id"]: OutboxRow.from_row(r) for r in rows}
+        for reply_id in (spec[0] for spec in chunk):
+            row = written.get(reply_id)
+            if row is not None:
+                # The body as ``bytes`` (a driver may hand ``bytea`` back as another type).
+                body_ok = type(row.body) is bytes
+                claim.rows.append(row if body_ok else replace(row, body=data[reply_id]))
+        inserted += len(rows)
+    return inserted
 
 
 @dataclass
@@ -174,7 +180,7 @@ class PublisherClaim:
     Attributes:
         owner: the publisher's name on the rows.
         lease_until: its lease on them (after it, the dispatcher takes them back).
-        rows: filled by ``enqueue_encoded``: the rows written, to publish after the commit.
+        rows: filled by ``enqueue_many``: the rows written, to publish after the commit.
     """
 
     owner: str
@@ -184,11 +190,6 @@ class PublisherClaim:
 
 #: One confirmed publication to record: ``(reply_id, fence, entry_id, sent_at)``.
 SentMark = tuple[str, int, str, float]
-
-
-def _indexed(dialect: Dialect, index: str) -> str:
-    """SQLite's planner hint for ``index`` (PostgreSQL picks its partial indexes itself)."""
-    return f" INDEXED BY {index}" if dialect.name == "sqlite" else ""
 
 
 def holder_refusal(
@@ -316,14 +317,14 @@ class OutboxStore:
             " state = CASE WHEN attempts >= ? THEN 'dead' ELSE 'pending' END,"
             " last_error = CASE WHEN attempts >= ?"
             "   THEN 'publisher lease expired on the last attempt' ELSE last_error END"
-            f" WHERE reply_id IN (SELECT reply_id FROM outbox{_indexed(d, 'outbox_leases')}"
+            f" WHERE reply_id IN (SELECT reply_id FROM outbox{d.indexed_by('outbox_leases')}"
             f" WHERE state = 'sending' AND lease_until <= ?{d.skip_locked})",
             (self.policy.max_attempts, self.policy.max_attempts, now),
         )
         ids = [
             r["reply_id"]
             for r in c.execute(
-                f"SELECT reply_id FROM outbox{_indexed(d, 'outbox_ready')}"
+                f"SELECT reply_id FROM outbox{d.indexed_by('outbox_ready')}"
                 " WHERE state = 'pending' AND not_before <= ?"
                 f" ORDER BY not_before, created_at LIMIT ?{d.skip_locked}",
                 (now, n),
@@ -348,9 +349,9 @@ class OutboxStore:
         now = self.clock.now()
         d = self.db.dialect
         row = self.db.fetch_one(
-            f"SELECT EXISTS (SELECT 1 FROM outbox{_indexed(d, 'outbox_ready')}"
+            f"SELECT EXISTS (SELECT 1 FROM outbox{d.indexed_by('outbox_ready')}"
             " WHERE state = 'pending' AND not_before <= ?)"
-            f" OR EXISTS (SELECT 1 FROM outbox{_indexed(d, 'outbox_leases')}"
+            f" OR EXISTS (SELECT 1 FROM outbox{d.indexed_by('outbox_leases')}"
             " WHERE state = 'sending' AND lease_until <= ?) AS ready",
             (now, now),
         )

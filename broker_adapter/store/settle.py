@@ -13,12 +13,13 @@ its reply. Retries never extend the absolute deadline.
 
 For a worker that publishes its own replies, the same transaction writes the new replies
 already claimed by that publisher and marks its earlier confirmed publications sent, both
-through the outbox's own functions (``enqueue_encoded`` with a ``PublisherClaim``,
+through the outbox's own functions (``enqueue_many`` with a ``PublisherClaim``,
 ``mark_sent_in``).
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -26,10 +27,17 @@ from typing import TYPE_CHECKING, Any, Final, Literal
 
 from broker_adapter.config import DEFAULT_LEASE_S
 from broker_adapter.errors import BrokerAdapterError, StaleError
-from broker_adapter.protocol.reply import encode_body, terminal_body
+from broker_adapter.protocol.reply import encode_body, reply_id_for, terminal_body
 from broker_adapter.store.fencing import TASK_HELD, held_params
-from broker_adapter.store.lifecycle import ReplyKey, TaskState, reply_key, to_terminal, write_reply
-from broker_adapter.store.outbox import OutboxRow, PublisherClaim, SentMark, mark_sent_in
+from broker_adapter.store.lifecycle import ReplyKey, TaskState, reply_key, reply_spec, to_terminal
+from broker_adapter.store.outbox import (
+    OutboxRow,
+    PublisherClaim,
+    ReplySpec,
+    SentMark,
+    enqueue_many,
+    mark_sent_in,
+)
 from broker_adapter.store.sql import Conn
 
 if TYPE_CHECKING:
@@ -85,13 +93,17 @@ class SettledBatch:
     marks: list[StaleError | None] = field(default_factory=list)
 
 
-#: Mark one task done, fenced: the holder check is the WHERE clause of the state change.
+#: Mark tasks done, fenced: the holder check is the WHERE clause of the state change, for
+#: the rows of ``(task_id, result)`` given in ``{rows}`` that share one fence and owner.
 _MARK_DONE = (
     "UPDATE tasks SET state = 'done', owner = NULL, lease_until = NULL, updated_at = ?,"
-    " finished_at = ?, result = ?, error = NULL WHERE task_id = ? AND "
+    " finished_at = ?, result = v.column2, error = NULL FROM (VALUES {rows}) AS v"
+    " WHERE task_id = v.column1 AND "
     + TASK_HELD
-    + " RETURNING principal, message_id, correlation_id, attempts, fence, traceparent"
+    + " RETURNING task_id, principal, message_id, correlation_id, attempts, fence, traceparent"
 )
+#: Rows per ``_MARK_DONE`` statement (2 parameters each: within SQLite's limit).
+_MARK_DONE_CHUNK = 256
 
 
 def settle(
@@ -139,17 +151,32 @@ def settle(
     bodies = [_done_reply(item, now) for item in items]
     claim = None if publish_as is None else PublisherClaim(publish_as, now + publish_lease_s)
     marks: list[StaleError | None] = []
+    # A task named once in the batch (the rule) is marked done with the batch's others in
+    # one statement; one named twice (a bug's, or a test's) goes item by item in batch
+    # order, so the two stores end it alike.
+    named = Counter(item.task_id for item in items)
+    together = [i for i in items if i.result is not None and named[i.task_id] == 1]
+    replies: list[ReplySpec] = []
     with store.db.write(op) as c:
         if sent:
             assert publish_as is not None
             marks = mark_sent_in(c, publish_as, sent, store.clock.now())
+        done = _mark_done(store, c, together, now)
         for item, body in zip(items, bodies, strict=True):
             # A refusal (StaleError) comes from the holder check, before this item wrote
             # anything; an error after its first write aborts the whole transaction.
             if item.result is not None:
-                row = _mark_done(store, c, item, now, out)
-                if row is not None:
-                    out.append(_done_reply_write(c, item, row, body, now, claim))
+                if named[item.task_id] > 1:
+                    done.update(_mark_done(store, c, [item], now))
+                row = done.pop(item.task_id, None)
+                if row is None:
+                    out.append(_refusal(store, c, item))
+                    continue
+                encoded = body[1] if body is not None and body[0] == reply_key(row) else None
+                replies.append(
+                    reply_spec(item.task_id, TaskState.DONE, item.result, None, now, row, encoded)
+                )
+                out.append(replies[-1][0])
                 continue
             try:
                 row = store._holder(c, item.task_id, item.owner, item.fence)
@@ -158,51 +185,51 @@ def settle(
                 continue
             error = item.error or ""
             out.append(_fail_row(store, c, row, item.task_id, error, item.retryable, now, claim))
+        if enqueue_many(c, replies, now, claim) != len(replies):  # the unique indexes
+            raise BrokerAdapterError("a task of this batch was finished twice")
         rows = store._claim_in(c, owner, n, now) if n >= 1 else []
     if n >= 1:
         store._log_reconciled()
-    replies = [] if claim is None else claim.rows
-    return SettledBatch(out, store._claimed(rows, owner, now), replies, marks)
+    written = [] if claim is None else _in_item_order(claim.rows, items)
+    return SettledBatch(out, store._claimed(rows, owner, now), written, marks)
 
 
 def _mark_done(
-    store: TaskStore, c: Conn, item: Settlement, now: float,
-    out: list[SettleResult],
-) -> Any:  # fmt: skip
-    """Mark one item ``done`` (``_MARK_DONE``, the holder check its WHERE clause). When it
-    matches nothing, nothing was written and the holder check's precise refusal is
-    appended to ``out``; returns the row the reply is built from otherwise."""
+    store: TaskStore, c: Conn, items: Sequence[Settlement], now: float
+) -> dict[str, Any]:
+    """Mark the successes ``items`` done (``_MARK_DONE``: one statement per fence and
+    owner they share, usually one), each fenced: the rows it changed, by task id (what
+    their replies are built from). An item it left alone wrote nothing."""
+    groups: dict[tuple[int, str], list[Settlement]] = {}
+    for item in items:
+        groups.setdefault((item.fence, item.owner), []).append(item)
     check_at = store.clock.now()
-    row: Any = c.execute(
-        _MARK_DONE,
-        (now, now, item.result, item.task_id,
-         *held_params(item.fence, item.owner, check_at, deadline=True)),
-    ).fetchone()  # fmt: skip
-    if row is None:
-        try:
-            store._holder(c, item.task_id, item.owner, item.fence)
-            out.append(StaleError(item.task_id, "lease_expired"))  # the clock moved on
-        except StaleError as exc:
-            out.append(exc)
-    return row
+    done: dict[str, Any] = {}
+    for (fence, owner), group in groups.items():
+        for start in range(0, len(group), _MARK_DONE_CHUNK):
+            chunk = group[start : start + _MARK_DONE_CHUNK]
+            rows = c.execute(
+                _MARK_DONE.format(rows=", ".join(["(?, ?)"] * len(chunk))),
+                (now, now, *(v for i in chunk for v in (i.task_id, i.result)),
+                 *held_params(fence, owner, check_at, deadline=True)),
+            ).fetchall()  # fmt: skip
+            done.update((r["task_id"], r) for r in rows)
+    return done
 
 
-def _done_reply_write(
-    c: Conn,
-    item: Settlement,
-    row: Any,
-    body: tuple[ReplyKey, tuple[bytes, str]] | None,
-    now: float,
-    claim: PublisherClaim | None = None,
-) -> str:
-    """The reply of an item ``_mark_done`` marked done (same transaction)."""
-    encoded = body[1] if body is not None and body[0] == reply_key(row) else None
+def _refusal(store: TaskStore, c: Conn, item: Settlement) -> StaleError:
+    """Why ``_mark_done`` left ``item`` alone: the holder check's precise refusal."""
     try:
-        return write_reply(
-            c, item.task_id, TaskState.DONE, item.result, None, now, row, encoded, claim
-        )
-    except StaleError as exc:  # a second terminal reply: a bug, never a refusal
-        raise BrokerAdapterError(f"task {item.task_id} was finished twice: {exc}") from exc
+        store._holder(c, item.task_id, item.owner, item.fence)
+    except StaleError as exc:
+        return exc
+    return StaleError(item.task_id, "lease_expired")  # the clock moved on meanwhile
+
+
+def _in_item_order(rows: list[OutboxRow], items: Sequence[Settlement]) -> list[OutboxRow]:
+    """The replies written claimed, in the order of the items that ended their tasks."""
+    order = {reply_id_for(item.task_id): i for i, item in reversed(list(enumerate(items)))}
+    return sorted(rows, key=lambda r: order.get(r.reply_id, len(items)))
 
 
 def _fail_row(
