@@ -388,19 +388,6 @@ def _writers_of(path: Path) -> threading.Lock:
         return lock
 
 
-#: Values per ``IN (...)`` list in the lookups that take a batch's ids (bound parameters).
-IN_LIST_CHUNK = 500
-
-
-def in_lists(values: Sequence[Any]) -> Iterator[tuple[Sequence[Any], str]]:
-    """``values`` in chunks of at most ``IN_LIST_CHUNK``, each with its ``?, ?, ...``
-    placeholders, for ``... IN (<placeholders>)`` lookups that stay within SQLite's limit
-    on bound parameters."""
-    for start in range(0, len(values), IN_LIST_CHUNK):
-        chunk = values[start : start + IN_LIST_CHUNK]
-        yield chunk, ", ".join("?" * len(chunk))
-
-
 def _is_busy(exc: sqlite3.OperationalError) -> bool:
     text = str(exc).lower()
     return "locked" in text or "busy" in text

@@ -27,10 +27,9 @@ from broker_adapter.protocol.canonical import sha256_hex
 from broker_adapter.protocol.envelope import Envelope
 from broker_adapter.protocol.reply import CONFLICT_STATUS, conflict_body, reply_id_for
 from broker_adapter.store import transitions
-from broker_adapter.store.db import in_lists
 from broker_adapter.store.lifecycle import TERMINAL_STATES, TaskState, write_reply
 from broker_adapter.store.outbox import enqueue
-from broker_adapter.store.sql import Conn, Db
+from broker_adapter.store.sql import Conn, Db, in_lists
 
 if TYPE_CHECKING:
     from broker_adapter.clock import Clock

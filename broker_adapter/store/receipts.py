@@ -37,9 +37,8 @@ from broker_adapter.clock import Clock, SystemClock
 from broker_adapter.errors import StoreBusy
 from broker_adapter.protocol.canonical import canonical_json
 from broker_adapter.protocol.reply import Reply
-from broker_adapter.store.db import in_lists
 from broker_adapter.store.retention import PURGE_BATCH, PurgeBatch, purge_receipts, whole_pass
-from broker_adapter.store.sql import Conn, Db, marks
+from broker_adapter.store.sql import Conn, Db, in_lists, marks
 
 
 class ReceiptOutcome(StrEnum):

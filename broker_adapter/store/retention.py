@@ -54,8 +54,8 @@ from typing import Any
 
 from broker_adapter.clock import Clock
 from broker_adapter.errors import BrokerAdapterError
-from broker_adapter.store.db import Database, in_lists
-from broker_adapter.store.sql import Conn, Db, Dialect
+from broker_adapter.store.db import Database
+from broker_adapter.store.sql import Conn, Db, Dialect, in_lists
 
 #: The published dedupe window, seconds: 7 days.
 DEFAULT_RETENTION_S = 7 * 24 * 3600.0

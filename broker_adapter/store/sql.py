@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import functools
 import sqlite3
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, ClassVar, Final, Literal, Protocol
@@ -125,3 +125,16 @@ def pg_sql(sql: str) -> str:
 def marks(n: int) -> str:
     """``n`` placeholders for an ``IN (...)`` list or a VALUES row: ``?, ?, ?``."""
     return ", ".join("?" * n)
+
+
+#: Values per ``IN (...)`` list in the lookups that take a batch's ids (bound parameters).
+IN_LIST_CHUNK: Final = 500
+
+
+def in_lists(values: Sequence[Any]) -> Iterator[tuple[Sequence[Any], str]]:
+    """``values`` in chunks of at most ``IN_LIST_CHUNK``, each with its ``marks``, for
+    ``... IN (<placeholders>)`` lookups that stay within SQLite's limit on bound
+    parameters."""
+    for start in range(0, len(values), IN_LIST_CHUNK):
+        chunk = values[start : start + IN_LIST_CHUNK]
+        yield chunk, marks(len(chunk))

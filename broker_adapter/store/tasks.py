@@ -28,7 +28,7 @@ from broker_adapter.errors import StaleError, TaskCancelled
 from broker_adapter.protocol.bounds import check_result
 from broker_adapter.protocol.reply import reply_id_for
 from broker_adapter.store import inbox, settle, transitions
-from broker_adapter.store.db import Database, in_lists
+from broker_adapter.store.db import Database
 from broker_adapter.store.fencing import TASK_HELD_STATE, refusal
 from broker_adapter.store.housekeeping import reconcile_in
 from broker_adapter.store.inbox import (
@@ -50,7 +50,7 @@ from broker_adapter.store.retention import (
     whole_pass,
 )
 from broker_adapter.store.settle import FailOutcome, SettledBatch, Settlement, SettleResult
-from broker_adapter.store.sql import Conn
+from broker_adapter.store.sql import Conn, in_lists, marks
 from broker_adapter.store.task_types import ClaimedTask, TaskPolicy, TaskRow, UnknownTask
 
 if TYPE_CHECKING:
@@ -177,7 +177,7 @@ class TaskStore:
         rows = c.execute(
             "UPDATE tasks SET state = 'running', owner = ?, lease_until = ?,"
             " attempts = attempts + 1, fence = fence + 1, updated_at = ?"
-            f" WHERE task_id IN ({', '.join('?' * len(ids))})"
+            f" WHERE task_id IN ({marks(len(ids))})"
             f" AND {d.unindexed('state')} = 'pending'"
             " RETURNING task_id, principal, message_id, kind, payload, attempts,"
             " max_attempts, fence, deadline, hops, correlation_id, parent_id, traceparent",
@@ -196,11 +196,11 @@ class TaskStore:
         fences = dict(handles)
         by_id: dict[str, Any] = {}
         with self.db.read() as c:
-            for chunk, marks in in_lists(list(fences)):
+            for chunk, placeholders in in_lists(list(fences)):
                 for r in c.execute(
                     "SELECT task_id, principal, message_id, kind, payload, attempts,"
                     " max_attempts, fence, deadline, hops, correlation_id, parent_id,"
-                    f" traceparent, lease_until FROM tasks WHERE task_id IN ({marks})"
+                    f" traceparent, lease_until FROM tasks WHERE task_id IN ({placeholders})"
                     " AND state = 'running' AND owner = ?",
                     (*chunk, owner),
                 ).fetchall():

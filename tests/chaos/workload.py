@@ -466,9 +466,7 @@ class Canceller(threading.Thread):
             if db is not None:
                 db.close()
 
-    def _cancel(
-        self, store: TaskStore, key: str, principal: str, message_id: str
-    ) -> None:
+    def _cancel(self, store: TaskStore, key: str, principal: str, message_id: str) -> None:
         task_id = None
         deadline = time.monotonic() + 10.0
         while task_id is None and time.monotonic() < deadline:
