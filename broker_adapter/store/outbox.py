@@ -30,7 +30,7 @@ import builtins
 import random
 import sqlite3
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from pydantic import Field
@@ -161,14 +161,8 @@ def enqueue_many(
             + f" ON CONFLICT DO NOTHING RETURNING {_COLUMNS}",
             [v for spec in chunk for v in (*spec, claim.owner, claim.lease_until, now, now)],
         ).fetchall()
-        data = {spec[0]: spec[5] for spec in chunk}
         written = {r["reply_id"]: OutboxRow.from_row(r) for r in rows}
-        for reply_id in (spec[0] for spec in chunk):
-            row = written.get(reply_id)
-            if row is not None:
-                # The body as ``bytes`` (a driver may hand ``bytea`` back as another type).
-                body_ok = type(row.body) is bytes
-                claim.rows.append(row if body_ok else replace(row, body=data[reply_id]))
+        claim.rows.extend(written[spec[0]] for spec in chunk if spec[0] in written)
         inserted += len(rows)
     return inserted
 
