@@ -1,6 +1,8 @@
 """The transactional outbox: replies written with their task's terminal state, published later.
 
-One implementation for both stores, written against ``store.sql.Conn``.
+One implementation for both stores, written against ``store.sql.Conn``. What it holds and
+hands out (``OutboxRow``, ``OutboxPolicy``, ``PublisherClaim``, ...) is ``outbox_types``'s,
+imported from here as well.
 
 A reply row is inserted inside the same transaction that makes its task terminal
 (``enqueue`` takes the caller's connection), so a terminal task without its reply, or a
@@ -28,78 +30,40 @@ from __future__ import annotations
 
 import builtins
 import random
-import sqlite3
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 from typing import Any
 
-from pydantic import Field
-
-from broker_adapter.backoff import Backoff
 from broker_adapter.clock import Clock, SystemClock
-from broker_adapter.config import DEFAULT_LEASE_S, ConfigModel
-from broker_adapter.errors import BrokerAdapterError, StaleError
+from broker_adapter.errors import StaleError
 from broker_adapter.protocol.reply import encode_body
 from broker_adapter.store.fencing import REPLY_HELD, REPLY_HELD_STATE, held_params, refusal
+from broker_adapter.store.outbox_types import (
+    OUTBOX_STATES,
+    OutboxPolicy,
+    OutboxRow,
+    PublisherClaim,
+    ReplySpec,
+    SentMark,
+    UnknownReply,
+)
 from broker_adapter.store.sql import Conn, Db, marks
 
-OUTBOX_STATES = ("pending", "sending", "sent", "dead")
-
-
-class OutboxPolicy(ConfigModel):
-    """Publication limits.
-
-    Attributes:
-        lease_s: how long a dispatcher holds a claimed reply before another may take it.
-        max_attempts: publication attempts before the row goes ``dead``.
-        backoff: delay between attempts.
-
-    Raises:
-        ConfigError: a lease not above 0, or fewer than one attempt.
-    """
-
-    lease_s: float = Field(default=DEFAULT_LEASE_S, gt=0)
-    max_attempts: int = Field(default=20, ge=1)
-    backoff: Backoff = Field(default_factory=lambda: Backoff(base_s=0.5, cap_s=30.0))
-
-
-@dataclass(frozen=True)
-class OutboxRow:
-    reply_id: str
-    task_id: str | None
-    principal: str
-    message_id: str
-    status: str
-    body: bytes
-    content_hash: str
-    state: str
-    attempts: int
-    fence: int
-    owner: str | None
-    lease_until: float | None
-    last_error: str | None
-    entry_id: str | None
-    created_at: float
-    sent_at: float | None
-    replays: int
-    replayed_by: str | None
-    replayed_at: float | None = None
-
-    @classmethod
-    def from_row(cls, row: sqlite3.Row | Mapping[str, Any]) -> OutboxRow:
-        values = {name: row[name] for name in cls.__dataclass_fields__}
-        if not isinstance(values["body"], bytes):  # a driver's buffer (``bytea``)
-            values["body"] = bytes(values["body"])
-        return cls(**values)
-
+__all__ = [
+    "OUTBOX_STATES",
+    "OutboxPolicy",
+    "OutboxRow",
+    "OutboxStore",
+    "PublisherClaim",
+    "ReplySpec",
+    "SentMark",
+    "UnknownReply",
+    "enqueue",
+    "enqueue_many",
+    "holder_refusal",
+    "mark_sent_in",
+]
 
 _COLUMNS = ", ".join(OutboxRow.__dataclass_fields__)
-
-
-class UnknownReply(BrokerAdapterError, KeyError):
-    def __init__(self, reply_id: str) -> None:
-        self.reply_id = reply_id
-        super().__init__(f"no reply {reply_id!r} in the outbox")
 
 
 def enqueue(
@@ -120,9 +84,6 @@ def enqueue(
     return enqueue_many(conn, [spec], now) == 1
 
 
-#: One reply for ``enqueue_many``: reply id, task id, principal, message id, status, the
-#: body's bytes and their hash.
-ReplySpec = tuple[str, str | None, str, str, str, bytes, str]
 #: Replies per INSERT of ``enqueue_many`` (at most 11 parameters each: within SQLite's
 #: limit on bound parameters).
 _ENQUEUE_CHUNK = 64
@@ -165,25 +126,6 @@ def enqueue_many(
         claim.rows.extend(written[spec[0]] for spec in chunk if spec[0] in written)
         inserted += len(rows)
     return inserted
-
-
-@dataclass
-class PublisherClaim:
-    """Replies to write already claimed by one publisher, inside a terminal transaction.
-
-    Attributes:
-        owner: the publisher's name on the rows.
-        lease_until: its lease on them (after it, the dispatcher takes them back).
-        rows: filled by ``enqueue_many``: the rows written, to publish after the commit.
-    """
-
-    owner: str
-    lease_until: float
-    rows: builtins.list[OutboxRow] = field(default_factory=list)
-
-
-#: One confirmed publication to record: ``(reply_id, fence, entry_id, sent_at)``.
-SentMark = tuple[str, int, str, float]
 
 
 def holder_refusal(
