@@ -16,21 +16,22 @@ A write whose SQL form matched nothing asks ``refusal`` why, on the row as it is
 from __future__ import annotations
 
 import sqlite3
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
 from broker_adapter.errors import FencedError, StaleError, TaskCancelled
+from broker_adapter.store.sql import Conn, marks
 
 #: The state a worker holds a task in, and a publisher a reply row in.
 TASK_HELD_STATE: Final = "running"
 REPLY_HELD_STATE: Final = "sending"
 
 
-def held_sql(state: str, *, deadline: bool, mark: str = "?") -> str:
-    """The rule as a WHERE clause fragment; parameters from ``held_params``. ``mark``: the
-    driver's placeholder (``?`` for sqlite3, ``%s`` for psycopg)."""
-    sql = f"fence = {mark} AND state = '{state}' AND owner = {mark} AND lease_until > {mark}"
-    return sql + f" AND deadline > {mark}" if deadline else sql
+def held_sql(state: str, *, deadline: bool) -> str:
+    """The rule as a WHERE clause fragment (``store.sql``'s placeholders); parameters from
+    ``held_params``."""
+    sql = f"fence = ? AND state = '{state}' AND owner = ? AND lease_until > ?"
+    return sql + " AND deadline > ?" if deadline else sql
 
 
 #: Held by (fence, owner) at now: a task (deadline included) and a reply row.
@@ -41,6 +42,37 @@ REPLY_HELD: Final = held_sql(REPLY_HELD_STATE, deadline=False)
 def held_params(fence: int, owner: str, now: float, *, deadline: bool) -> tuple[Any, ...]:
     """The parameters of ``held_sql`` / ``TASK_HELD`` / ``REPLY_HELD``, in order."""
     return (fence, owner, now, now) if deadline else (fence, owner, now)
+
+
+#: Rows per statement of ``update_held`` (a few parameters each: within SQLite's limit on
+#: bound parameters).
+HELD_UPDATE_CHUNK: Final = 256
+
+
+def update_held(
+    c: Conn,
+    template: str,
+    rows: Mapping[tuple[int, str], Sequence[Sequence[Any]]],
+    now: float,
+    *,
+    deadline: bool,
+    before: Sequence[Any] = (),
+) -> list[Any]:
+    """A fenced batch write: ``template`` is an ``UPDATE ... FROM (VALUES {rows}) AS v``
+    whose WHERE clause ends with the rule (``TASK_HELD`` / ``REPLY_HELD``); it runs once
+    per holder ``(fence, owner)`` of ``rows`` and chunk of that holder's value rows, its
+    parameters ``before`` (the SET clause's), the value rows, then the rule's at ``now``.
+    A row whose holder no longer holds it is left alone. Returns what the statements
+    returned (their ``RETURNING`` rows)."""
+    out: list[Any] = []
+    for (fence, owner), values in rows.items():
+        for start in range(0, len(values), HELD_UPDATE_CHUNK):
+            chunk = values[start : start + HELD_UPDATE_CHUNK]
+            sql = template.format(rows=", ".join(f"({marks(len(v))})" for v in chunk))
+            params = (*before, *(x for v in chunk for x in v),
+                      *held_params(fence, owner, now, deadline=deadline))  # fmt: skip
+            out.extend(c.execute(sql, params).fetchall())
+    return out
 
 
 def refusal(

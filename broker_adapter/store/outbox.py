@@ -36,7 +36,13 @@ from typing import Any
 from broker_adapter.clock import Clock, SystemClock
 from broker_adapter.errors import StaleError
 from broker_adapter.protocol.reply import encode_body
-from broker_adapter.store.fencing import REPLY_HELD, REPLY_HELD_STATE, held_params, refusal
+from broker_adapter.store.fencing import (
+    REPLY_HELD,
+    REPLY_HELD_STATE,
+    held_params,
+    refusal,
+    update_held,
+)
 from broker_adapter.store.outbox_types import (
     OUTBOX_STATES,
     OutboxPolicy,
@@ -155,14 +161,13 @@ def _held(c: Conn, sql: str, params: Sequence[Any], reply_id: str, owner: str, f
 
 
 #: Mark sent, fenced: the rows of one fence, ``(reply_id, entry_id, sent_at)`` each (its
-#: ``VALUES`` list, columns ``column1``..``column3`` on both engines), held by one owner.
+#: ``VALUES`` list, columns ``column1``..``column3`` on both engines), held by one owner
+#: (``fencing.update_held``).
 _MARK_SENT = (
     "UPDATE outbox SET state = 'sent', owner = NULL, lease_until = NULL,"
     " entry_id = v.column2, sent_at = v.column3, last_error = NULL FROM (VALUES {rows}) AS v"
     " WHERE reply_id = v.column1 AND " + REPLY_HELD + " RETURNING reply_id"
 )
-#: Rows per ``_MARK_SENT`` statement (3 parameters each: within SQLite's limit).
-_MARK_SENT_CHUNK = 256
 
 
 def mark_sent_in(
@@ -181,21 +186,12 @@ def mark_sent_in(
         UnknownReply: an item names no reply (the transaction is to be abandoned).
     """
     first: dict[str, int] = {}
-    by_fence: dict[int, builtins.list[SentMark]] = {}
-    for i, mark in enumerate(items):
-        if first.setdefault(mark[0], i) == i:
-            by_fence.setdefault(mark[1], []).append(mark)
-    marked: set[str] = set()
-    for fence, group in by_fence.items():
-        for start in range(0, len(group), _MARK_SENT_CHUNK):
-            chunk = group[start : start + _MARK_SENT_CHUNK]
-            values = [v for reply_id, _, entry_id, sent_at in chunk
-                      for v in (reply_id, entry_id, sent_at)]  # fmt: skip
-            rows = c.execute(
-                _MARK_SENT.format(rows=", ".join(["(?, ?, ?)"] * len(chunk))),
-                (*values, *held_params(fence, owner, now, deadline=False)),
-            ).fetchall()
-            marked.update(r["reply_id"] for r in rows)
+    by_holder: dict[tuple[int, str], builtins.list[tuple[str, str, float]]] = {}
+    for i, (reply_id, fence, entry_id, sent_at) in enumerate(items):
+        if first.setdefault(reply_id, i) == i:
+            by_holder.setdefault((fence, owner), []).append((reply_id, entry_id, sent_at))
+    rows = update_held(c, _MARK_SENT, by_holder, now, deadline=False)
+    marked = {r["reply_id"] for r in rows}
     out: builtins.list[StaleError | None] = []
     for i, (reply_id, fence, _, _) in enumerate(items):
         if first[reply_id] == i and reply_id in marked:

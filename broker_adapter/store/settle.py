@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Final, Literal
 from broker_adapter.config import DEFAULT_LEASE_S
 from broker_adapter.errors import BrokerAdapterError, StaleError
 from broker_adapter.protocol.reply import encode_body, reply_id_for, terminal_body
-from broker_adapter.store.fencing import TASK_HELD, held_params
+from broker_adapter.store.fencing import TASK_HELD, update_held
 from broker_adapter.store.lifecycle import ReplyKey, TaskState, reply_key, reply_spec, to_terminal
 from broker_adapter.store.outbox import (
     OutboxRow,
@@ -94,7 +94,8 @@ class SettledBatch:
 
 
 #: Mark tasks done, fenced: the holder check is the WHERE clause of the state change, for
-#: the rows of ``(task_id, result)`` given in ``{rows}`` that share one fence and owner.
+#: the rows of ``(task_id, result)`` given in ``{rows}`` that share one fence and owner
+#: (``fencing.update_held``).
 _MARK_DONE = (
     "UPDATE tasks SET state = 'done', owner = NULL, lease_until = NULL, updated_at = ?,"
     " finished_at = ?, result = v.column2, error = NULL FROM (VALUES {rows}) AS v"
@@ -102,8 +103,6 @@ _MARK_DONE = (
     + TASK_HELD
     + " RETURNING task_id, principal, message_id, correlation_id, attempts, fence, traceparent"
 )
-#: Rows per ``_MARK_DONE`` statement (2 parameters each: within SQLite's limit).
-_MARK_DONE_CHUNK = 256
 
 
 def settle(
@@ -200,21 +199,12 @@ def _mark_done(
     """Mark the successes ``items`` done (``_MARK_DONE``: one statement per fence and
     owner they share, usually one), each fenced: the rows it changed, by task id (what
     their replies are built from). An item it left alone wrote nothing."""
-    groups: dict[tuple[int, str], list[Settlement]] = {}
+    by_holder: dict[tuple[int, str], list[tuple[str, str | None]]] = {}
     for item in items:
-        groups.setdefault((item.fence, item.owner), []).append(item)
-    check_at = store.clock.now()
-    done: dict[str, Any] = {}
-    for (fence, owner), group in groups.items():
-        for start in range(0, len(group), _MARK_DONE_CHUNK):
-            chunk = group[start : start + _MARK_DONE_CHUNK]
-            rows = c.execute(
-                _MARK_DONE.format(rows=", ".join(["(?, ?)"] * len(chunk))),
-                (now, now, *(v for i in chunk for v in (i.task_id, i.result)),
-                 *held_params(fence, owner, check_at, deadline=True)),
-            ).fetchall()  # fmt: skip
-            done.update((r["task_id"], r) for r in rows)
-    return done
+        by_holder.setdefault((item.fence, item.owner), []).append((item.task_id, item.result))
+    rows = update_held(c, _MARK_DONE, by_holder, store.clock.now(), deadline=True,
+                       before=(now, now))  # fmt: skip
+    return {r["task_id"]: r for r in rows}
 
 
 def _refusal(store: TaskStore, c: Conn, item: Settlement) -> StaleError:
