@@ -52,14 +52,9 @@ from broker_adapter.stages.ingest import Ingestor
 from broker_adapter.stages.ingest_config import IngestConfig
 from broker_adapter.stages.worker import WorkerConfig
 from broker_adapter.stages.worker_config import DEFAULT_CALL_TIMEOUT_S, DEFAULT_GRACE_S
+from broker_adapter.store import OutboxStore, TaskStore
 from broker_adapter.store.approvals import ApprovalStore
-from broker_adapter.store.backends import (
-    is_postgres_url,
-    open_store,
-    outbox_store,
-    redacted_url,
-    task_store,
-)
+from broker_adapter.store.backends import is_postgres_url, open_store, redacted_url
 from broker_adapter.store.db import Database
 from broker_adapter.store.effects import EffectsStore
 from broker_adapter.store.gate import WriteGate
@@ -316,7 +311,7 @@ class Adapter:
         self, stop: threading.Event, handoff: Handoff | None, gate: WriteGate | None
     ) -> None:
         cfg = self.config
-        tasks = self._store(stop, gate, lambda db: task_store(db, SystemClock(), self.policy))
+        tasks = self._store(stop, gate, lambda db: TaskStore(db, SystemClock(), self.policy))
         if tasks is None:
             return  # stopped before the database could be opened
         try:
@@ -344,7 +339,7 @@ class Adapter:
             tasks.db.close()
 
     def _dispatch(self, stop: threading.Event, gate: WriteGate | None) -> None:
-        outbox = self._store(stop, gate, lambda db: outbox_store(db, SystemClock()))
+        outbox = self._store(stop, gate, lambda db: OutboxStore(db, SystemClock()))
         if outbox is None:
             return  # stopped before the database could be opened
         try:
@@ -373,7 +368,7 @@ class Adapter:
         """Forget requests past the retention window, in small batches between the live
         writers' transactions (``store.retention``), on a connection of its own."""
         clock = SystemClock()
-        tasks = self._store(stop, gate, lambda db: task_store(db, clock, self.policy))
+        tasks = self._store(stop, gate, lambda db: TaskStore(db, clock, self.policy))
         if tasks is None:
             return  # stopped before the database could be opened
         try:
@@ -389,7 +384,7 @@ class Adapter:
         assert self.effect is not None
         db = open_store(self.config.db_path, gate=gate)
         try:
-            tasks = task_store(db, SystemClock(), self.policy)
+            tasks = TaskStore(db, SystemClock(), self.policy)
             owner = f"{self.config.name}-reconciler-{os.getpid()}"
             reconciler = Reconciler(EffectsStore(tasks), self.effect, owner)
             run_reconciles(stop, reconciler, ApprovalStore(tasks), self.log)

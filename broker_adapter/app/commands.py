@@ -121,7 +121,8 @@ def cmd_receive(args: argparse.Namespace) -> int:
     from broker_adapter.protocol.signing import Keyring
     from broker_adapter.redis.client import connect
     from broker_adapter.stages.receiver import Receiver, ReceiverConfig, record_effect
-    from broker_adapter.store.backends import is_postgres_url, open_store, receipt_store
+    from broker_adapter.store import ReceiptStore
+    from broker_adapter.store.backends import is_postgres_url, open_store
 
     consumer = args.consumer or f"receive-{args.principal}"
     config = ReceiverConfig(
@@ -140,7 +141,7 @@ def cmd_receive(args: argparse.Namespace) -> int:
     if client is None:
         return 0  # stopped before Redis could be reached
     db = open_store(args.db)  # a SQLite file, or a postgresql:// URL
-    receiver = Receiver(config, client, receipt_store(db), record_effect, keyring=keyring)
+    receiver = Receiver(config, client, ReceiptStore(db), record_effect, keyring=keyring)
     on_postgres = is_postgres_url(args.db)
     observed = Observed(db_path=args.db if on_postgres else Path(args.db), redis_url=args.redis)
     observed.add_receiver(receiver)
@@ -189,10 +190,11 @@ def _receive_until(receiver: Receiver, stop: threading.Event, until_idle: float 
 
 
 def cmd_receipts(args: argparse.Namespace) -> int:
-    from broker_adapter.store.backends import open_store, receipt_store
+    from broker_adapter.store import ReceiptStore
+    from broker_adapter.store.backends import open_store
 
     db = open_store(args.db, read_only=True)  # a SQLite file or a postgresql:// URL
-    for r in receipt_store(db).list():
+    for r in ReceiptStore(db).list():
         reply = r.reply()
         row = {
             "reply_id": r.reply_id,
@@ -237,13 +239,14 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_cancel(args: argparse.Namespace) -> int:
-    from broker_adapter.store.backends import open_store, task_store
+    from broker_adapter.store import TaskStore
+    from broker_adapter.store.backends import open_store
     from broker_adapter.store.effects import EffectsStore
 
     db = open_store(args.db)  # a SQLite file or a postgresql:// URL
     # A running task gets a cancel request (its handler sees it at its next check; its
     # lease is no longer renewed after the grace); any other live task is cancelled now.
-    state = EffectsStore(task_store(db)).request_cancel(args.task_id, args.reason)
+    state = EffectsStore(TaskStore(db)).request_cancel(args.task_id, args.reason)
     out = {"task_id": args.task_id, "state": state.value}
     if state == "running":
         out["cancel_requested"] = True

@@ -68,7 +68,8 @@ def _who(by: str) -> str:
 
 
 def cmd_reconcile(args: argparse.Namespace) -> int:
-    from broker_adapter.store.backends import open_store, task_store
+    from broker_adapter.store import TaskStore
+    from broker_adapter.store.backends import open_store
     from broker_adapter.store.effects import EffectsStore
 
     try:
@@ -76,7 +77,7 @@ def cmd_reconcile(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise ConfigError(f"--result is not JSON: {exc}") from None
     with open_store(args.db) as db:
-        state = EffectsStore(task_store(db)).operator_resolve(
+        state = EffectsStore(TaskStore(db)).operator_resolve(
             args.task_id, args.outcome, _who(args.by), observed=observed, note=args.note
         )
     print(json.dumps({"task_id": args.task_id, "state": state.value}, sort_keys=True))
@@ -84,13 +85,14 @@ def cmd_reconcile(args: argparse.Namespace) -> int:
 
 
 def cmd_approve(args: argparse.Namespace) -> int:
+    from broker_adapter.store import TaskStore
     from broker_adapter.store.approvals import ApprovalStore
-    from broker_adapter.store.backends import open_store, task_store
+    from broker_adapter.store.backends import open_store
 
     if args.expires_in <= 0:
         raise ConfigError("--expires-in must be above 0")
     with open_store(args.db) as db:
-        store = ApprovalStore(task_store(db))
+        store = ApprovalStore(TaskStore(db))
         try:
             approval_id = store.grant_approval(args.action, args.target, args.scope,
                                                _who(args.by),
@@ -102,11 +104,12 @@ def cmd_approve(args: argparse.Namespace) -> int:
 
 
 def cmd_revoke(args: argparse.Namespace) -> int:
+    from broker_adapter.store import TaskStore
     from broker_adapter.store.approvals import ApprovalStore
-    from broker_adapter.store.backends import open_store, task_store
+    from broker_adapter.store.backends import open_store
 
     with open_store(args.db) as db:
-        revoked = ApprovalStore(task_store(db)).revoke_approval(args.approval_id, _who(args.by))
+        revoked = ApprovalStore(TaskStore(db)).revoke_approval(args.approval_id, _who(args.by))
     print(json.dumps({"approval_id": args.approval_id, "revoked": revoked}, sort_keys=True))
     return 0 if revoked else 1
 

@@ -248,7 +248,8 @@ def _stage_families(out: Families, observed: Observed) -> None:
 
 
 def _database_families(out: Families, db_path: Path | str) -> None:
-    from broker_adapter.store.backends import open_store, snapshot
+    from broker_adapter.store.backends import open_store
+    from broker_adapter.store.report import snapshot
 
     db = open_store(db_path, read_only=True)  # a SQLite file or a postgresql:// URL
     try:

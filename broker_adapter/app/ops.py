@@ -15,8 +15,10 @@ from typing import Any, TextIO
 from broker_adapter.protocol.deadletter import DeadLetter
 from broker_adapter.protocol.keys import INGEST_GROUP, Keys
 from broker_adapter.redis.client import call, connect, text
-from broker_adapter.store.backends import open_store, outbox_store, snapshot
+from broker_adapter.store import OutboxStore
+from broker_adapter.store.backends import open_store
 from broker_adapter.store.interface import OutboxAPI
+from broker_adapter.store.report import snapshot
 
 
 def _dead_streams(client: Any, prefix: str) -> list[str]:
@@ -193,7 +195,7 @@ def dead_letters_command(args: argparse.Namespace) -> int:
     from broker_adapter.errors import ConfigError
 
     db = open_store(args.db, read_only=args.dl_command != "replay")  # SQLite or postgresql://
-    outbox = outbox_store(db)
+    outbox = OutboxStore(db)
     client: Any = connect(args.redis) if args.redis else None
     out: list[dict[str, Any]] = []
     try:

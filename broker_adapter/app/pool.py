@@ -38,7 +38,8 @@ from broker_adapter.protocol.signing import Keyring
 from broker_adapter.stages.handlers import load_handler
 from broker_adapter.stages.handoff import Handoff, HandoffEndpoint
 from broker_adapter.stages.worker import Worker, WorkerConfig
-from broker_adapter.store.backends import is_postgres_url, open_store, outbox_store, task_store
+from broker_adapter.store import OutboxStore, TaskStore
+from broker_adapter.store.backends import is_postgres_url, open_store
 from broker_adapter.store.gate import WriteGate
 from broker_adapter.store.tasks import TaskPolicy
 
@@ -269,11 +270,11 @@ def _child_main(
             metrics = WorkerMetrics(Path(config.metrics_dir), config.handler_name)
         worker = Worker(
             config,
-            task_store(db, policy=policy),
+            TaskStore(db, policy=policy),
             load_handler(handler_spec, app_dir=app_dir),
             handoff=handoff,
             keyring=keyring,
-            outbox=outbox_store(db),
+            outbox=OutboxStore(db),
             metrics=metrics,
         )
         ready.set()

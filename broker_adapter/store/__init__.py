@@ -1,7 +1,8 @@
-"""SQLite persistence: the inbox, the task state machine, the outbox and reply receipts.
+"""Persistence on a SQLite file or a PostgreSQL database: the inbox, the task state
+machine, the outbox and reply receipts, one text for both (``sql``).
 
-Only this package imports ``sqlite3``; it never imports redis. ``interface`` names what
-the stages ask of a store (``typing.Protocol``s a second backend implements).
+Only this package imports ``sqlite3`` and ``psycopg``; it never imports redis.
+``interface`` names what the stages ask of a store (``typing.Protocol``s).
 """
 
 from broker_adapter.store.db import Database, open_database

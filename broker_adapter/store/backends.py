@@ -5,7 +5,8 @@ The PostgreSQL backend (``store.postgres``) needs the ``postgres`` extra (psycop
 psycopg-pool); it is imported only when a URL names it, so a SQLite-only installation
 never needs the driver.
 
-What applies to one backend only:
+The store's classes (``TaskStore``, ``OutboxStore``, ``ReceiptStore``, ...) take either
+database (``store.sql``). What applies to one backend only:
 
 * ``WriteGate`` (``store.gate``) queues the writers of one SQLite file across the
   processes of a pool; PostgreSQL arbitrates row by row, so ``gate`` is ignored for it.
@@ -16,24 +17,16 @@ What applies to one backend only:
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 from typing import TYPE_CHECKING, Final
 from urllib.parse import urlsplit, urlunsplit
 
-from broker_adapter.clock import Clock
 from broker_adapter.errors import ConfigError
 from broker_adapter.store.db import Database, open_database
 from broker_adapter.store.gate import WriteGate
-from broker_adapter.store.outbox import OutboxPolicy, OutboxStore
-from broker_adapter.store.receipts import ReceiptStore
-from broker_adapter.store.report import snapshot as snapshot  # one text for both backends
-from broker_adapter.store.tasks import TaskPolicy, TaskStore
 
 if TYPE_CHECKING:
-    from broker_adapter.store.postgres import (
-        PgDatabase,
-    )
+    from broker_adapter.store.postgres import PgDatabase
 
 #: URL schemes that select the PostgreSQL backend.
 POSTGRES_SCHEMES: Final = ("postgresql://", "postgres://")
@@ -75,35 +68,9 @@ def open_store(
     return open_database(target, gate=gate, read_only=read_only)
 
 
-def task_store(
-    db: Database | PgDatabase,
-    clock: Clock | None = None,
-    policy: TaskPolicy | None = None,
-    rng: random.Random | None = None,
-) -> TaskStore:
-    """The inbox and task state machine on ``db``, whichever backend it is (one class for
-    both: ``store.sql``)."""
-    return TaskStore(db, clock, policy, rng)
-
-
-def outbox_store(
-    db: Database | PgDatabase,
-    clock: Clock | None = None,
-    policy: OutboxPolicy | None = None,
-    rng: random.Random | None = None,
-) -> OutboxStore:
-    """The outbox's publisher side on ``db``, whichever backend it is (one class for both)."""
-    return OutboxStore(db, clock, policy, rng)
-
-
 def probe(url: str, timeout_s: float) -> str | None:
     """Why the PostgreSQL database at ``url`` cannot be written now (unreachable within
     ``timeout_s``, or a standby in recovery), or None: a readiness check."""
     from broker_adapter.store.postgres.db import probe as pg_probe
 
     return pg_probe(url, timeout_s)
-
-
-def receipt_store(db: Database | PgDatabase, clock: Clock | None = None) -> ReceiptStore:
-    """The receiver's receipts on ``db``, whichever backend it is (one text for both)."""
-    return ReceiptStore(db, clock)

@@ -42,7 +42,8 @@ from broker_adapter.protocol.envelope import Envelope
 from broker_adapter.protocol.keys import Keys
 from broker_adapter.protocol.signing import Keyring, signature
 from broker_adapter.redis.client import connect
-from broker_adapter.store.backends import open_store, task_store
+from broker_adapter.store import TaskStore
+from broker_adapter.store.backends import open_store
 from tests.chaos.finalread import CHAOS_KEY_FIELD
 from tests.chaos.history import FAIL, INFO, INVOKE, OK, History
 from tests.chaos.hostile import INBOUND_SHAPES, Pairs, flat, inbound_poison
@@ -454,7 +455,7 @@ class Canceller(threading.Thread):
                         return
                     if db is None:
                         db = open_store(self.db_path)
-                    self._cancel(task_store(db), key, principal, message_id)
+                    self._cancel(TaskStore(db), key, principal, message_id)
                 except BrokerAdapterError as exc:  # the store is down: this cancel is lost
                     self.history.log(
                         INFO, "cancel", key=key, value={"state": "error"}, error=str(exc)

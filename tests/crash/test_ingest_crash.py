@@ -22,8 +22,7 @@ from broker_adapter.protocol.envelope import Envelope
 from broker_adapter.protocol.keys import INGEST_GROUP, Keys
 from broker_adapter.protocol.signing import Keyring, signature
 from broker_adapter.redis.client import connect, text
-from broker_adapter.store import Database
-from broker_adapter.store.backends import task_store
+from broker_adapter.store import Database, TaskStore
 from tests.support import ingest_script
 from tests.support.ingest_script import (
     KEYRING,
@@ -138,7 +137,7 @@ def test_ingest_crash_then_restart_stores_each_request_once(
 
     db = open_any(store_target)
     try:
-        assert task_counts(task_store(db)) == dict.fromkeys(expected, 1)
+        assert task_counts(TaskStore(db)) == dict.fromkeys(expected, 1)
         if isinstance(db, Database):
             assert db.integrity_check() == "ok"
     finally:

@@ -17,7 +17,7 @@ import pytest
 from broker_adapter.clock import FakeClock
 from broker_adapter.errors import RedisUnavailable
 from broker_adapter.protocol.keys import Keys
-from broker_adapter.store.backends import outbox_store
+from broker_adapter.store import OutboxStore
 from broker_adapter.store.outbox import OutboxPolicy
 from tests.support.postgres import STORE_BACKENDS, ThrowawayDatabase
 from tests.support.redis_server import RedisServer
@@ -74,7 +74,7 @@ class Scene:
         assert effect_counts(self.rx_path) == dict.fromkeys(self.reply_ids, 1)
         assert client.xpending(stream, "ba-receiver")["pending"] == 0
         with open_any(self.agent_path) as db:
-            rows = outbox_store(db, self.clock).list()
+            rows = OutboxStore(db, self.clock).list()
         assert {r.reply_id: r.state for r in rows} == dict.fromkeys(self.reply_ids, "sent")
 
 
@@ -103,7 +103,7 @@ def scene(redis_server: RedisServer, prefix: str, databases: tuple[str, str]) ->
 
 def _outbox_states(scene: Scene) -> dict[str, str]:
     with open_any(scene.agent_path) as db:
-        return {r.reply_id: r.state for r in outbox_store(db, scene.clock).list()}
+        return {r.reply_id: r.state for r in OutboxStore(db, scene.clock).list()}
 
 
 def _stream_len(scene: Scene) -> int:

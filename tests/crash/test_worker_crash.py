@@ -28,8 +28,7 @@ from broker_adapter.clock import FakeClock
 from broker_adapter.errors import ConfigError
 from broker_adapter.protocol.envelope import Envelope
 from broker_adapter.stages.worker import WorkerConfig
-from broker_adapter.store import AcceptItem
-from broker_adapter.store.backends import outbox_store, task_store
+from broker_adapter.store import AcceptItem, OutboxStore, TaskStore
 from broker_adapter.store.tasks import TaskRow, idempotency_key_for
 from tests.support.handlers import effects, init_effects_db, ledger
 from tests.support.store_script import open_any
@@ -67,7 +66,7 @@ class Setup:
                 )
                 for i in range(n)
             ]
-            results = task_store(db, clock).accept(items)
+            results = TaskStore(db, clock).accept(items)
         ids = [r.task_id for r in results]
         assert all(isinstance(i, str) for i in ids)
         return [str(i) for i in ids]
@@ -79,14 +78,14 @@ class Setup:
 
     def task(self, task_id: str) -> TaskRow:
         with open_any(self.db_path) as db:
-            row = task_store(db).get(task_id)
+            row = TaskStore(db).get(task_id)
         assert row is not None
         return row
 
     def replies(self) -> dict[str, list[dict[str, Any]]]:
         """Reply bodies by task id."""
         with open_any(self.db_path) as db:
-            rows = outbox_store(db).list(limit=100_000)
+            rows = OutboxStore(db).list(limit=100_000)
         out: dict[str, list[dict[str, Any]]] = {}
         for row in rows:
             out.setdefault(str(row.task_id), []).append(json.loads(row.body))
@@ -94,7 +93,7 @@ class Setup:
 
     def counts(self) -> dict[str, int]:
         with open_any(self.db_path) as db:
-            return task_store(db).counts()
+            return TaskStore(db).counts()
 
 
 @pytest.fixture

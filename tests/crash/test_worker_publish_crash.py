@@ -22,8 +22,7 @@ from broker_adapter.protocol.envelope import Envelope
 from broker_adapter.protocol.keys import Keys
 from broker_adapter.redis.client import connect
 from broker_adapter.stages.dispatcher import Dispatcher, DispatcherConfig
-from broker_adapter.store import AcceptItem
-from broker_adapter.store.backends import outbox_store, task_store
+from broker_adapter.store import AcceptItem, OutboxStore, TaskStore
 from broker_adapter.store.outbox import OutboxPolicy, OutboxRow
 from tests.support.redis_server import RedisServer
 from tests.support.replies_script import entries_per_reply, reply_keyring
@@ -40,7 +39,7 @@ PUB_LEASE_S = OutboxPolicy().lease_s
 
 def _submit(db_path: str) -> list[str]:
     with open_any(db_path) as db:
-        results = task_store(db, FakeClock(T0)).accept(
+        results = TaskStore(db, FakeClock(T0)).accept(
             [
                 AcceptItem(
                     P,
@@ -71,7 +70,7 @@ def _drain(
 
 def _rows(db_path: str) -> list[OutboxRow]:
     with open_any(db_path) as db:
-        return outbox_store(db, FakeClock(T0)).list()
+        return OutboxStore(db, FakeClock(T0)).list()
 
 
 def _dispatcher(db_path: str, server: RedisServer, prefix: str, now: float) -> int:
@@ -80,7 +79,7 @@ def _dispatcher(db_path: str, server: RedisServer, prefix: str, now: float) -> i
         d = Dispatcher(
             DispatcherConfig(prefix=prefix, owner="d1"),
             connect(server.url),
-            outbox_store(db, FakeClock(now)),
+            OutboxStore(db, FakeClock(now)),
             keyring=reply_keyring(),
         )
         return d.step()
@@ -98,7 +97,7 @@ def _assert_exactly_once(db_path: str, server: RedisServer, prefix: str, ids: li
     stream = Keys(prefix).replies(P)
     assert entries_per_reply(server.client(), stream) == {r.reply_id: 1 for r in rows}
     with open_any(db_path) as db:
-        assert task_store(db).counts()["done"] == N
+        assert TaskStore(db).counts()["done"] == N
 
 
 @pytest.fixture

@@ -28,7 +28,7 @@ from broker_adapter.redis.client import connect, text
 from broker_adapter.stages.ingest import Ingestor
 from broker_adapter.stages.ingest_config import IngestConfig
 from broker_adapter.store import TaskStore
-from broker_adapter.store.backends import open_store, task_store
+from broker_adapter.store.backends import open_store
 from tests.support.store_script import dump
 
 KEYRING: dict[str, dict[str, str]] = {
@@ -143,7 +143,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         claim_min_idle_ms=args.claim_min_idle_ms,
         trim_keep_s=0,
     )
-    ingestor = Ingestor(config, client, task_store(db), Keyring.load(args.keyring))
+    ingestor = Ingestor(config, client, TaskStore(db), Keyring.load(args.keyring))
     stream = Keys(args.prefix).inbound()
     deadline = time.monotonic() + args.timeout_s
     print("ready", flush=True)

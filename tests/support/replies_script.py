@@ -28,16 +28,10 @@ from broker_adapter.protocol.signing import Keyring
 from broker_adapter.redis.client import connect
 from broker_adapter.stages.dispatcher import Dispatcher, DispatcherConfig
 from broker_adapter.stages.receiver import Receiver, ReceiverConfig
-from broker_adapter.store import AcceptItem
-from broker_adapter.store.backends import (
-    is_postgres_url,
-    open_store,
-    outbox_store,
-    receipt_store,
-    task_store,
-)
+from broker_adapter.store import AcceptItem, OutboxStore, ReceiptStore, TaskStore
+from broker_adapter.store.backends import is_postgres_url, open_store
 from broker_adapter.store.db import Database
-from broker_adapter.store.outbox import OutboxPolicy, OutboxStore
+from broker_adapter.store.outbox import OutboxPolicy
 from broker_adapter.store.postgres import PgDatabase
 from tests.support.backends import Backend
 
@@ -103,7 +97,7 @@ def make_replies(
     db: Database | PgDatabase, clock: FakeClock, principal: str, n: int, *, first: int = 0
 ) -> list[str]:
     """Accept ``n`` tasks from ``principal``, run them to ``done``: ``n`` outbox replies."""
-    tasks = task_store(db, clock)
+    tasks = TaskStore(db, clock)
     items = [
         AcceptItem(
             principal,
@@ -143,7 +137,7 @@ def dispatcher_for(
 ) -> Dispatcher:
     """A dispatcher on ``redis_at`` (a URL or a client) signing with ``reply_keyring``."""
     return Dispatcher(
-        DispatcherConfig(prefix=prefix, owner=owner), _client(redis_at), outbox_store(db, clock),
+        DispatcherConfig(prefix=prefix, owner=owner), _client(redis_at), OutboxStore(db, clock),
         keyring=reply_keyring(),
     )  # fmt: skip
 
@@ -182,7 +176,7 @@ def receiver_for(
         prefix=prefix, principal=principal, consumer=consumer, block_ms=20, **cfg
     )
     return Receiver(
-        config, _client(redis_at), receipt_store(db, clock), record_effect,
+        config, _client(redis_at), ReceiptStore(db, clock), record_effect,
         keyring=reply_keyring(), clock=clock,
     )  # fmt: skip
 

@@ -26,7 +26,8 @@ from types import FrameType
 from broker_adapter.app.pool import WorkerPool
 from broker_adapter.clock import FakeClock
 from broker_adapter.stages.worker import Worker, WorkerConfig
-from broker_adapter.store.backends import open_store, outbox_store, task_store
+from broker_adapter.store import OutboxStore, TaskStore
+from broker_adapter.store.backends import open_store
 from broker_adapter.store.tasks import TaskPolicy
 from tests.support.replies_script import reply_keyring
 
@@ -59,7 +60,7 @@ def drain(args: argparse.Namespace) -> int:
     clock = FakeClock(args.now) if args.now is not None else None
     db = open_store(args.db)  # a SQLite file or a postgresql:// URL
     try:
-        tasks = task_store(db, clock, TaskPolicy(lease_s=args.lease_s))
+        tasks = TaskStore(db, clock, TaskPolicy(lease_s=args.lease_s))
         config = WorkerConfig(
             owner=args.owner,
             batch=args.batch,
@@ -69,9 +70,7 @@ def drain(args: argparse.Namespace) -> int:
             prefix=args.prefix,
         )
         keyring = reply_keyring() if args.redis_url is not None else None
-        worker = Worker(
-            config, tasks, args.handler, keyring=keyring, outbox=outbox_store(db, clock)
-        )
+        worker = Worker(config, tasks, args.handler, keyring=keyring, outbox=OutboxStore(db, clock))
         _say("READY")
         total = 0
         while args.max_tasks is None or total < args.max_tasks:

@@ -15,7 +15,6 @@ from broker_adapter.clock import FakeClock
 from broker_adapter.protocol.envelope import Envelope
 from broker_adapter.stages.task import Task
 from broker_adapter.store import AcceptItem, Outcome, TaskStore
-from broker_adapter.store.backends import task_store
 from broker_adapter.store.tasks import TaskPolicy
 from tests.support.store_script import T0, dump, envelope, open_any
 
@@ -26,7 +25,7 @@ BUDGET = 3
 def tasks(store_target: str) -> Iterator[TaskStore]:
     """The budget on SQLite and on PostgreSQL (its ``chains`` table, migration 2 there)."""
     with open_any(store_target) as db:
-        yield task_store(db, FakeClock(T0), TaskPolicy(max_chain_tasks=BUDGET))
+        yield TaskStore(db, FakeClock(T0), TaskPolicy(max_chain_tasks=BUDGET))
 
 
 def accept(tasks: TaskStore, principal: str, env: Envelope) -> Any:

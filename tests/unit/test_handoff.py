@@ -17,7 +17,6 @@ from broker_adapter.stages.handlers import Task
 from broker_adapter.stages.handoff import CLAIM, LOOK, Handed, Handoff, HandoffEndpoint
 from broker_adapter.stages.worker import Worker, WorkerConfig
 from broker_adapter.store import AcceptItem, TaskStore
-from broker_adapter.store.backends import task_store
 from broker_adapter.store.db import Database
 from broker_adapter.store.tasks import TaskPolicy
 from tests.support.handoff_script import ScriptedWait
@@ -288,7 +287,7 @@ def test_a_failed_accept_still_answers_the_taken_worker(
 
 def test_handed_leaves_out_a_task_that_moved_on(store_target: str, clock: FakeClock) -> None:
     db = open_any(store_target)
-    store = task_store(db, clock, TaskPolicy(lease_s=30))
+    store = TaskStore(db, clock, TaskPolicy(lease_s=30))
     intake = store.accept_and_claim([_item(0, clock)], [("w0", 1)])
     handles = intake.claimed[0]
     assert len(handles) == 1
@@ -301,7 +300,7 @@ def test_handed_leaves_out_a_task_that_moved_on(store_target: str, clock: FakeCl
 
 def test_accept_and_claim_claims_in_the_order_asked(store_target: str, clock: FakeClock) -> None:
     with open_any(store_target) as db:
-        store = task_store(db, clock)
+        store = TaskStore(db, clock)
         intake = store.accept_and_claim(
             [_item(i, clock) for i in range(3)], [("w0", 2), ("w1", 2), ("w2", 1)]
         )

@@ -17,7 +17,6 @@ from broker_adapter.clock import FakeClock
 from broker_adapter.protocol.envelope import Envelope
 from broker_adapter.stages.worker import Worker, WorkerConfig
 from broker_adapter.store import AcceptItem, TaskStore
-from broker_adapter.store.backends import task_store
 from broker_adapter.store.effects import EffectsStore
 from broker_adapter.store.tasks import TaskPolicy, reply_id_for
 from tests.support import handlers as sample
@@ -31,7 +30,7 @@ LEASE_S = 30.0
 def tasks(store_target: str, clock: FakeClock) -> Iterator[TaskStore]:
     """The task store on SQLite and on PostgreSQL: each backend logs the same lines."""
     with open_any(store_target) as db:
-        yield task_store(db, clock, TaskPolicy(lease_s=LEASE_S), rng=random.Random(3))
+        yield TaskStore(db, clock, TaskPolicy(lease_s=LEASE_S), rng=random.Random(3))
 
 
 def _item(clock: FakeClock, message_id: str, payload: dict[str, Any], attempts: int = 3) -> Any:

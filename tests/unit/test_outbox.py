@@ -10,8 +10,7 @@ import pytest
 from broker_adapter.clock import FakeClock
 from broker_adapter.errors import FencedError, StaleError
 from broker_adapter.protocol.canonical import canonical_json, sha256_hex
-from broker_adapter.store import OutboxRow
-from broker_adapter.store.backends import outbox_store
+from broker_adapter.store import OutboxRow, OutboxStore
 from broker_adapter.store.outbox import UnknownReply
 from tests.support.store_script import (
     OUTBOX_BACKOFF,
@@ -307,7 +306,7 @@ def test_outbox_claim_marks_dead_a_row_whose_publishers_keep_dying(
 
     db = open_any(store_target)
     tasks = stores(db, clock).tasks
-    outbox = outbox_store(db, clock, OutboxPolicy(lease_s=5, max_attempts=2))
+    outbox = OutboxStore(db, clock, OutboxPolicy(lease_s=5, max_attempts=2))
     env = Envelope.build(message_id="m", sender="a", payload={}, deadline=clock.now() + 1)
     tasks.accept([AcceptItem("a", env)])
     clock.advance(2)

@@ -7,10 +7,11 @@ import pytest
 
 from broker_adapter import crashpoints
 from broker_adapter.errors import ConfigError, StoreError
-from broker_adapter.store.backends import is_postgres_url, probe, snapshot
+from broker_adapter.store.backends import is_postgres_url, probe
 from broker_adapter.store.db import Database, open_database
 from broker_adapter.store.postgres.db import PgDatabase
 from broker_adapter.store.postgres.schema import CONFLICT_ID_KEY, MIGRATIONS, SCHEMA_VERSION
+from broker_adapter.store.report import snapshot
 
 
 def versions(url: str) -> list[int]:

@@ -14,8 +14,7 @@ import pytest
 
 from broker_adapter.clock import FakeClock
 from broker_adapter.errors import StoreBusy
-from broker_adapter.store import Outcome, open_database
-from broker_adapter.store.backends import task_store
+from broker_adapter.store import Outcome, TaskStore, open_database
 from broker_adapter.store.retention import (
     PURGE_EVERY_S,
     PURGE_PAUSE_FACTOR,
@@ -163,7 +162,7 @@ def _accepted_inside_window(s: Stores) -> str:
 
 def _deadline_ahead(s: Stores) -> str:
     # accepted under a longer window, before deadlines were bounded by this one
-    longer = task_store(s.db, s.tasks.clock, TaskPolicy(retention_s=20 * RETENTION_S))
+    longer = TaskStore(s.db, s.tasks.clock, TaskPolicy(retention_s=20 * RETENTION_S))
     (res,) = longer.accept([item("kept", deadline=T0 + RETENTION_S + 10)])
     assert res.task_id is not None
     sent(s, finished(s, [res.task_id]))

@@ -33,13 +33,12 @@ from broker_adapter.store import (
     FailOutcome,
     Outcome,
     TaskState,
+    TaskStore,
     open_database,
 )
-from broker_adapter.store.backends import task_store
 from broker_adapter.store.migrations import CONFLICT_ID_KEY, MIGRATIONS, SCHEMA_VERSION
 from broker_adapter.store.tasks import (
     TaskPolicy,
-    TaskStore,
     UnknownTask,
     conflict_reply_id,
     reply_id_for,
@@ -191,7 +190,7 @@ def test_conflict_reply_id_needs_the_databases_key(s: Stores, tmp_path: Path) ->
     public = sha256_hex(f"alice\0m1\0{fingerprint}".encode())  # the former id
     assert res.reply_id != f"c-{public[:32]}"
     with reopen(s.db) as again:
-        assert task_store(again).conflict_reply_id("alice", "m1", fingerprint) == res.reply_id
+        assert TaskStore(again).conflict_reply_id("alice", "m1", fingerprint) == res.reply_id
     with open_database(tmp_path / "other.db") as other:
         assert TaskStore(other).conflict_reply_id("alice", "m1", fingerprint) != res.reply_id
 
@@ -286,7 +285,7 @@ def _accept_with_long_window(s: Stores, mid: str, deadline: float) -> str:
     """Accept ``mid`` through a store with a window 20 times longer on the same file: a
     record from before the window was shortened (or before it bounded deadlines), whose
     deadline lies beyond the current window."""
-    longer = task_store(s.db, s.tasks.clock, TaskPolicy(retention_s=20 * RETENTION_S))
+    longer = TaskStore(s.db, s.tasks.clock, TaskPolicy(retention_s=20 * RETENTION_S))
     (res,) = longer.accept([item(mid, deadline=deadline)])
     assert res.outcome is Outcome.STORED, res
     assert res.task_id is not None
@@ -1107,7 +1106,7 @@ def test_tasks_accept_counts_hops_from_the_parent_task_not_the_body(
     store_target: str, clock: FakeClock
 ) -> None:
     db = open_any(store_target)
-    tasks = task_store(db, clock, TaskPolicy(max_hops=2))
+    tasks = TaskStore(db, clock, TaskPolicy(max_hops=2))
     deadline = clock.now() + 60
     parent = Envelope.build(message_id="p", sender="a", payload={}, deadline=deadline)
     (root,) = tasks.accept([AcceptItem("a", parent)])
