@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck layers bench chaos chaos-long clean
+.PHONY: demo test lint typecheck layers dist bench chaos chaos-long clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -19,7 +19,14 @@ test: $(STAMP)
 	$(PY) -m ruff check broker_adapter tests
 	$(PY) -m mypy
 	$(VENV)/bin/lint-imports
+	$(MAKE) --no-print-directory dist
 	$(PY) -m pytest -q
+
+# The wheel and sdist people install, checked as a registry would check them.
+dist: $(STAMP)
+	rm -rf dist
+	$(PY) -m build --no-isolation --sdist --wheel --outdir dist . >/dev/null
+	$(PY) -m twine check --strict dist/*
 
 lint: $(STAMP)
 	$(PY) -m ruff check broker_adapter tests
@@ -44,4 +51,4 @@ chaos-long: $(STAMP)
 	$(PY) -m tests.chaos.run --profile long --seed $(SEED) --redis-mode $(MODE) --out $(or $(OUT),/tmp/broker-adapter-chaos-long-$(SEED))
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) dist build .pytest_cache .mypy_cache .ruff_cache

@@ -1,5 +1,5 @@
 """A throwaway Redis for the demo and quick experiments: a private ``redis-server`` when the
-binary is installed, otherwise fakeredis's in-process TCP server (dev extra).
+binary is installed, otherwise fakeredis's in-process TCP server (the ``demo`` extra).
 
 Loopback only, a free port, its own temporary directory; ``close()`` removes everything.
 Not for production: the fake server keeps nothing on disk and is single-process.
@@ -7,25 +7,14 @@ Not for production: the fake server keeps nothing on disk and is single-process.
 
 from __future__ import annotations
 
-import shutil
-import socket
-import subprocess
-import tempfile
 import threading
 import time
-from pathlib import Path
 
 from broker_adapter.errors import ConfigError
 from broker_adapter.redis.client import connect
+from broker_adapter.redis.server import RedisServer, binary_available, free_port
 
 READY_TIMEOUT_S = 10.0
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 class EmbeddedRedis:
@@ -35,8 +24,7 @@ class EmbeddedRedis:
         self.url = ""
         self.kind = ""
         self.version = ""
-        self._dir: Path | None = None
-        self._proc: subprocess.Popen[bytes] | None = None
+        self._server: RedisServer | None = None
         self._fake: object | None = None
 
     @classmethod
@@ -47,34 +35,30 @@ class EmbeddedRedis:
             ConfigError: neither is available, or the server did not come up.
         """
         self = cls()
-        if shutil.which("redis-server"):
+        if binary_available():
             self._start_binary()
         else:
             self._start_fake()
         return self
 
     def _start_binary(self) -> None:
-        self._dir = Path(tempfile.mkdtemp(prefix="ba-redis-"))
-        port = _free_port()
-        self._proc = subprocess.Popen(
-            ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--dir", str(self._dir),
-             "--save", "", "--appendonly", "yes", "--appendfsync", "always",
-             "--logfile", str(self._dir / "redis.log")],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )  # fmt: skip
-        self.url = f"redis://127.0.0.1:{port}/0"
+        server = RedisServer()
+        server.start(timeout_s=READY_TIMEOUT_S)
+        self._server = server
+        self.url = server.url
         self.kind = "redis-server (throwaway, AOF always)"
-        self._wait_ready()
+        self.version = server.version()
 
     def _start_fake(self) -> None:
         try:
             from fakeredis import TcpFakeServer
         except ImportError as exc:
             raise ConfigError(
-                "no redis-server on the PATH and fakeredis is not installed "
-                "(pip install 'broker_adapter[dev]', or pass a Redis URL)"
+                "the demo needs a Redis: install redis-server (Debian/Ubuntu: apt-get install "
+                "redis-server; macOS: brew install redis), or the in-process stand-in with "
+                "pip install 'broker_adapter[demo]'"
             ) from exc
-        port = _free_port()
+        port = free_port()
         server = TcpFakeServer(("127.0.0.1", port), server_type="redis")
         threading.Thread(target=server.serve_forever, name="fakeredis", daemon=True).start()
         self._fake = server
@@ -108,15 +92,13 @@ class EmbeddedRedis:
             return "(fakeredis)"
 
     def close(self) -> None:
-        if self._proc is not None and self._proc.poll() is None:
-            self._proc.kill()
-            self._proc.wait(timeout=10)
+        if self._server is not None:
+            self._server.kill()
+            self._server.stop()
         if self._fake is not None:
             shutdown = getattr(self._fake, "shutdown", None)
             if callable(shutdown):
                 shutdown()
-        if self._dir is not None:
-            shutil.rmtree(self._dir, ignore_errors=True)
 
     def __enter__(self) -> EmbeddedRedis:
         return self

@@ -30,6 +30,15 @@ from broker_adapter.redis import cluster
 from broker_adapter.redis.client import text
 from broker_adapter.redis.entry import StreamEntry
 
+#: The redis-py major versions this file was checked against; pyproject.toml bounds the
+#: dependency to them, and a test fails loudly on any other.
+TESTED_REDIS_MAJORS = (5, 6, 7, 8)
+
+
+def redis_py_major() -> int:
+    """The installed redis-py's major version."""
+    return int(str(redis.__version__).split(".", 1)[0])
+
 
 def exchange(
     client: redis.Redis,

@@ -21,6 +21,7 @@ import pytest
 import redis
 from redis.crc import key_slot
 
+from broker_adapter.errors import ConfigError
 from tests.support.redis_server import REDIS_BINARY, RedisServer, require_binary
 
 NODE_TIMEOUT_MS = 1000
@@ -241,7 +242,7 @@ def cluster_supported(workdir: Path) -> bool:
     probe = ClusterNode(workdir / "probe")
     try:
         probe.start(timeout_s=5.0)
-    except RuntimeError:
+    except ConfigError:
         return False
     try:
         with probe.client(socket_timeout=2) as c:

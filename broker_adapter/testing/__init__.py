@@ -1,0 +1,21 @@
+"""Helpers for the tests of applications built on broker_adapter.
+
+- ``RedisServer``: a private ``redis-server`` on a free loopback port with a data directory
+  of its own (never a Redis you did not start).
+- ``RunningAdapter``: a real ``broker-adapter run`` process, ready when its group exists.
+- ``write_keyring``: a keyring file with fresh secrets, mode 0600, as ``Keyring.load`` and
+  ``broker-adapter run --keyring`` want it.
+- The pytest plugin (``broker_adapter.testing.pytest_plugin``, loaded by pytest on its own
+  once broker_adapter is installed) gives the fixtures ``ba_redis_server``, ``ba_redis_url``,
+  ``ba_prefix``, ``ba_keyring`` and ``ba_adapter``; docs/AGENTS.md shows them in a test.
+
+Nothing here is imported by ``import broker_adapter``: it is for tests.
+"""
+
+from __future__ import annotations
+
+from broker_adapter.redis.server import RedisServer, binary_available, free_port
+from broker_adapter.testing.adapter import RunningAdapter
+from broker_adapter.testing.keyrings import write_keyring
+
+__all__ = ["RedisServer", "RunningAdapter", "binary_available", "free_port", "write_keyring"]
