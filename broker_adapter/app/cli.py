@@ -328,7 +328,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_effect_commands(sub, _option, _add_db)
     _add_console(sub)
-    sub.add_parser("demo", help="run the end-to-end demo on an embedded default")
+    demo = sub.add_parser("demo", help="run the end-to-end demo on an embedded default")
+    demo.add_argument("--keep", metavar="DIR", help="keep the demo's databases in DIR and"
+                      " print how to open the web console on them")  # fmt: skip
     return parser
 
 

@@ -283,4 +283,4 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     if not args.verbose:  # the report tells the story; the adapter's own log would repeat it
         logging.getLogger("broker_adapter").setLevel(logging.ERROR)
-    return run_demo()
+    return run_demo(Path(args.keep) if args.keep else None)

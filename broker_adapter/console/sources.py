@@ -12,9 +12,11 @@ import json
 import re
 from collections import Counter
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
 from broker_adapter.app.ops import dead_letter_entries
+from broker_adapter.errors import ConfigError
 from broker_adapter.store.backends import is_postgres_url, open_store, redacted_url
 from broker_adapter.store.db import Database
 
@@ -45,8 +47,12 @@ def open_stores(targets: list[str]) -> list[Store]:
     """Open every ``--db`` (a SQLite file or a postgresql:// URL), in order.
 
     Raises:
-        ConfigError: a target cannot be opened (what ``open_store`` raises).
+        ConfigError: a SQLite file that does not exist (none is created), or what
+            ``open_store`` raises.
     """
+    for target in targets:
+        if not is_postgres_url(target) and not Path(target).is_file():
+            raise ConfigError(f"--db {target}: no such database file (start its adapter first)")
     stores: list[Store] = []
     try:
         for target in targets:
