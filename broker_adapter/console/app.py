@@ -271,13 +271,18 @@ class _Console:
 
     async def pipeline(self, request: Request, operator: Operator, ctx: _Ctx) -> Response:
         now = self.config.now()
-        view = await run_in_threadpool(q.pipeline, ctx.store.db, now)
+        group = request.query_params.get("group") or q.PIPELINE_GROUPS[0]
+        if group not in q.PIPELINE_GROUPS:
+            raise _Refused(400, f"the pipeline groups by one of {', '.join(q.PIPELINE_GROUPS)}")
+        view = await run_in_threadpool(q.pipeline, ctx.store.db, now, group)
         letters, by_reason = await self._letters()
         return self.render(
             "pipeline.html",
             ctx=ctx,
             operator=operator,
             view=view,
+            group=group,
+            groups=q.PIPELINE_GROUPS,
             by_reason=by_reason,
             letters=len(letters),
             refresh=self.config.refresh_s,

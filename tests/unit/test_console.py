@@ -388,6 +388,7 @@ def test_the_pipeline_shows_the_stages_per_principal(client: TestClient, s: Stor
     page = client.get("/", headers=_bearer(ALICE))
     assert page.status_code == 200
     assert '<meta http-equiv="refresh"' in page.text
+    assert client.get("/", params={"group": "payload"}, headers=_bearer(ALICE)).status_code == 400
     assert "bob" in page.text
     assert task.task_id in page.text
 
