@@ -196,6 +196,11 @@ class _Console:
                 return self.render(
                     "message.html", exc.status, operator=operator, title="Refused", message=str(exc)
                 )
+            except BrokerAdapterError as exc:  # the store or Redis not answering now
+                log.warning("console: %s: %s", request.url.path, exc)
+                return self.render(
+                    "message.html", 503, operator=operator, title="Not answering", message=str(exc)
+                )
 
         return endpoint
 

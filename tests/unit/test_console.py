@@ -8,7 +8,7 @@ import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import fakeredis
 import pytest
@@ -21,7 +21,7 @@ from broker_adapter.clock import FakeClock
 from broker_adapter.console.app import ConsoleConfig, create_app
 from broker_adapter.console.auth import COOKIE, Csrf, Tokens
 from broker_adapter.console.sources import REDACTED, Store
-from broker_adapter.errors import ConfigError
+from broker_adapter.errors import ConfigError, StoreBusy
 from broker_adapter.store import console_queries as q
 from broker_adapter.store.approvals import ApprovalStore
 from broker_adapter.store.effects import EffectsStore
@@ -411,3 +411,25 @@ def test_search_by_each_field(client: TestClient, s: Stores) -> None:
     assert client.get("/tasks", params={"state": "nope"}, headers=_bearer(ALICE)).status_code == 400
     assert client.get("/tasks/none-such", headers=_bearer(ALICE)).status_code == 404
     assert client.get("/", params={"db": "1"}, headers=_bearer(ALICE)).status_code == 404
+
+
+class _StoreAway:
+    """A store whose every read fails as a busy or unreachable database does."""
+
+    def read(self) -> Any:
+        raise StoreBusy("database is locked")
+
+
+def test_a_store_that_does_not_answer_is_a_503_page_not_a_crash() -> None:
+    away = cast(Any, _StoreAway())
+    config = ConsoleConfig(
+        stores=[Store("away", away)],
+        client=fakeredis.FakeRedis(),
+        prefix=PREFIX,
+        tokens=_tokens(),
+    )
+    with TestClient(create_app(config)) as tc:
+        for path in ("/", "/tasks", "/decisions", "/tasks/t1"):
+            res = tc.get(path, headers=_bearer(ALICE))
+            assert res.status_code == 503, path
+            assert "database is locked" in res.text
