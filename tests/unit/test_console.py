@@ -433,3 +433,27 @@ def test_a_store_that_does_not_answer_is_a_503_page_not_a_crash() -> None:
             res = tc.get(path, headers=_bearer(ALICE))
             assert res.status_code == 503, path
             assert "database is locked" in res.text
+
+
+def test_the_console_command_refuses_a_readable_tokens_file_a_missing_store_and_a_bad_port(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from broker_adapter.app.cli import main
+    from broker_adapter.store import open_database
+
+    open_database(tmp_path / "adapter.db").close()
+    tokens = tmp_path / "tokens.json"
+    tokens.write_text(json.dumps({"alice": ALICE}))
+    base = ["console", "--redis", "redis://127.0.0.1:1/0", "--tokens", str(tokens)]
+    for mode, db, port, why in (
+        (0o640, "adapter.db", "8470", "chmod 600"),
+        (0o600, "missing.db", "8470", "no such database file"),
+        (0o600, "adapter.db", "0", "not a TCP port"),
+        (0o600, "adapter.db", "65536", "not a TCP port"),
+    ):
+        tokens.chmod(mode)
+        code = main([*base, "--db", str(tmp_path / db), "--port", port])
+        err = capsys.readouterr().err
+        assert code == 2, err
+        assert why in err
+    assert not (tmp_path / "missing.db").exists()  # nothing was created
