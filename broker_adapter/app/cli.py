@@ -30,6 +30,7 @@ from broker_adapter.app.commands import (
 from broker_adapter.app.effects_cli import COMMANDS as EFFECT_COMMANDS
 from broker_adapter.app.effects_cli import add_commands as add_effect_commands
 from broker_adapter.config import DEFAULT_LEASE_S
+from broker_adapter.console.serve import cmd_console
 from broker_adapter.errors import BrokerAdapterError, ConfigError
 from broker_adapter.store.retention import DEFAULT_RETENTION_S
 
@@ -245,6 +246,22 @@ def _add_receive(sub: argparse._SubParsersAction[_Parser]) -> None:
     _add_log_format(rcv)
 
 
+def _add_console(sub: argparse._SubParsersAction[_Parser]) -> None:
+    con = sub.add_parser("console", help="serve the web console (needs the 'console' extra;"
+                         " docs/CONSOLE.md)")  # fmt: skip
+    con.add_argument("--db", action="append", required=True, metavar="DB",
+                     help="an adapter's database: a SQLite file or a postgresql:// URL"
+                     " (repeat the flag to list several adapters' stores)")  # fmt: skip
+    _add_redis(con)
+    _add_prefix(con)
+    con.add_argument("--port", type=int, default=8470, help="the port [default: 8470]")
+    con.add_argument("--host", default="127.0.0.1",
+                     help="the address to bind [default: 127.0.0.1]")  # fmt: skip
+    con.add_argument("--tokens", required=True, metavar="FILE",
+                     help='operator tokens, a JSON object {"name": "token", ...}, mode 0600'
+                     " (the name is what the audit records)")  # fmt: skip
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The whole command line. Every option of ``run``, ``publish`` and ``receive`` also
     reads a ``BA_*`` variable (``_option``)."""
@@ -310,7 +327,10 @@ def build_parser() -> argparse.ArgumentParser:
                     default=os.environ.get("USER", "operator"))  # fmt: skip
 
     add_effect_commands(sub, _option, _add_db)
-    sub.add_parser("demo", help="run the end-to-end demo on an embedded default")
+    _add_console(sub)
+    demo = sub.add_parser("demo", help="run the end-to-end demo on an embedded default")
+    demo.add_argument("--keep", metavar="DIR", help="keep the demo's databases in DIR and"
+                      " print how to open the web console on them")  # fmt: skip
     return parser
 
 
@@ -324,6 +344,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "cancel": cmd_cancel,
     "dead-letters": cmd_dead_letters,
     "demo": cmd_demo,
+    "console": cmd_console,
     **EFFECT_COMMANDS,
 }
 

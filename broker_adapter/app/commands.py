@@ -21,6 +21,8 @@ from broker_adapter.errors import ConfigError, TransientError
 
 if TYPE_CHECKING:
     from broker_adapter.stages.receiver import Receiver
+    from broker_adapter.store.db import Database
+    from broker_adapter.store.postgres import PgDatabase
 
 log = logging.getLogger("broker_adapter.app.cli")
 
@@ -238,20 +240,35 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_cancel(args: argparse.Namespace) -> int:
+def cancel_task(db: Database | PgDatabase, task_id: str, reason: str) -> dict[str, Any]:
+    """Cancel a task durably: ``cancel``'s and the console's. A running task gets a cancel
+    request (its handler sees it at its next check; its lease is no longer renewed after
+    the grace); any other live task is cancelled now.
+
+    Returns:
+        ``task_id``, ``state`` and, for a running task, ``cancel_requested``.
+
+    Raises:
+        UnknownTask: no such task.
+    """
     from broker_adapter.store import TaskStore
-    from broker_adapter.store.backends import open_store
     from broker_adapter.store.effects import EffectsStore
 
-    db = open_store(args.db)  # a SQLite file or a postgresql:// URL
-    # A running task gets a cancel request (its handler sees it at its next check; its
-    # lease is no longer renewed after the grace); any other live task is cancelled now.
-    state = EffectsStore(TaskStore(db)).request_cancel(args.task_id, args.reason)
-    out = {"task_id": args.task_id, "state": state.value}
+    state = EffectsStore(TaskStore(db)).request_cancel(task_id, reason)
+    out: dict[str, Any] = {"task_id": task_id, "state": state.value}
     if state == "running":
         out["cancel_requested"] = True
-    _print_json(out)
-    db.close()
+    return out
+
+
+def cmd_cancel(args: argparse.Namespace) -> int:
+    from broker_adapter.store.backends import open_store
+
+    db = open_store(args.db)  # a SQLite file or a postgresql:// URL
+    try:
+        _print_json(cancel_task(db, args.task_id, args.reason))
+    finally:
+        db.close()
     return 0
 
 
@@ -266,4 +283,4 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     if not args.verbose:  # the report tells the story; the adapter's own log would repeat it
         logging.getLogger("broker_adapter").setLevel(logging.ERROR)
-    return run_demo()
+    return run_demo(Path(args.keep) if args.keep else None)

@@ -201,12 +201,24 @@ def _say(text: str = "") -> None:
     print(text, flush=True)
 
 
-def run_demo() -> int:
-    """Run the story and print the report. Returns 0 when every check held."""
+def run_demo(keep: Path | None = None) -> int:
+    """Run the story and print the report. Returns 0 when every check held.
+
+    Args:
+        keep: a directory to keep the demo's databases in, for the web console.
+    """
+    from broker_adapter.app.demo_console import check_keep, console_hint, keep_for_console
+
+    if keep is not None:
+        check_keep(keep)
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="ba-demo-") as tmp, EmbeddedRedis.start() as redis:
         ok = _story(Path(tmp), redis)
-    _say(f"\n{'PASS' if ok else 'FAIL'} in {time.monotonic() - started:.1f} s")
+        if keep is not None:
+            keep_for_console(Path(tmp), keep)
+    _say(f"\n{'PASS' if ok else 'FAIL'} in {time.monotonic() - started:.1f} s\n")
+    for line in console_hint(keep, PREFIX):
+        _say(line)
     return 0 if ok else 1
 
 

@@ -17,9 +17,14 @@ import argparse
 import getpass
 import json
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from broker_adapter.errors import ConfigError
+
+if TYPE_CHECKING:
+    from broker_adapter.store.db import Database
+    from broker_adapter.store.lifecycle import TaskState
+    from broker_adapter.store.postgres import PgDatabase
 
 Option = Callable[..., None]
 
@@ -67,38 +72,68 @@ def _who(by: str) -> str:
     return f"{by.strip()} (os user {user})"
 
 
-def cmd_reconcile(args: argparse.Namespace) -> int:
+def resolve_unknown(
+    db: Database | PgDatabase, task_id: str, outcome: Literal["done", "not-done"], who: str, *,
+    result: str = "null", note: str | None = None,
+) -> TaskState:  # fmt: skip
+    """An operator's answer for an ``unknown`` task, audited under ``who``: ``reconcile``'s
+    and the console's. ``result`` is the observed result as JSON text (with ``done``).
+
+    Raises:
+        ConfigError: ``result`` is not JSON.
+        UnknownTask, StaleError, ValueError: as ``EffectsStore.operator_resolve``.
+    """
     from broker_adapter.store import TaskStore
-    from broker_adapter.store.backends import open_store
     from broker_adapter.store.effects import EffectsStore
 
     try:
-        observed = json.loads(args.result)
+        observed = json.loads(result)
     except ValueError as exc:
         raise ConfigError(f"--result is not JSON: {exc}") from None
+    return EffectsStore(TaskStore(db)).operator_resolve(
+        task_id, outcome, who, observed=observed, note=note
+    )
+
+
+def grant_approval(
+    db: Database | PgDatabase, action: str, target: str, scope: str, who: str, expires_in: float
+) -> str:
+    """Record ``who``'s approval of ``action`` on ``target`` in ``scope`` for
+    ``expires_in`` seconds: ``approve``'s and the console's. Returns the approval's id.
+
+    Raises:
+        ConfigError: ``expires_in`` is not above 0, or a field is empty.
+    """
+    from broker_adapter.store import TaskStore
+    from broker_adapter.store.approvals import ApprovalStore
+
+    if not expires_in > 0:
+        raise ConfigError("--expires-in must be above 0")
+    store = ApprovalStore(TaskStore(db))
+    try:
+        return store.grant_approval(action, target, scope, who, store.clock.now() + expires_in)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def cmd_reconcile(args: argparse.Namespace) -> int:
+    from broker_adapter.store.backends import open_store
+
     with open_store(args.db) as db:
-        state = EffectsStore(TaskStore(db)).operator_resolve(
-            args.task_id, args.outcome, _who(args.by), observed=observed, note=args.note
-        )
+        state = resolve_unknown(db, args.task_id, args.outcome, _who(args.by),
+                                result=args.result, note=args.note)  # fmt: skip
     print(json.dumps({"task_id": args.task_id, "state": state.value}, sort_keys=True))
     return 0
 
 
 def cmd_approve(args: argparse.Namespace) -> int:
-    from broker_adapter.store import TaskStore
-    from broker_adapter.store.approvals import ApprovalStore
     from broker_adapter.store.backends import open_store
 
     if args.expires_in <= 0:
         raise ConfigError("--expires-in must be above 0")
     with open_store(args.db) as db:
-        store = ApprovalStore(TaskStore(db))
-        try:
-            approval_id = store.grant_approval(args.action, args.target, args.scope,
-                                               _who(args.by),
-                                               store.clock.now() + args.expires_in)  # fmt: skip
-        except ValueError as exc:
-            raise ConfigError(str(exc)) from None
+        approval_id = grant_approval(db, args.action, args.target, args.scope, _who(args.by),
+                                     args.expires_in)  # fmt: skip
     print(json.dumps({"approval_id": approval_id}, sort_keys=True))
     return 0
 

@@ -202,9 +202,7 @@ def dead_letters_command(args: argparse.Namespace) -> int:
         if args.dl_command == "list":
             out = [_reply_view(r) for r in outbox.list(state="dead")]
             if client is not None:
-                for stream in _dead_streams(client, args.prefix):
-                    for eid, fields in call(partial(client.xrange, stream)):
-                        out.append(_entry_view(stream, text(eid), fields))
+                out.extend(dead_letter_entries(client, args.prefix))
         elif args.dl_command == "show":
             row = outbox.get(args.id)
             if row is not None:
@@ -216,7 +214,7 @@ def dead_letters_command(args: argparse.Namespace) -> int:
             if not out:
                 raise ConfigError(f"no dead reply or dead-letter entry {args.id!r}")
         else:
-            out = [_replay(args, outbox, client)]
+            out = [replay_dead_letter(outbox, client, args.prefix, args.id, args.by)]
     finally:
         db.close()
     for item in out:
@@ -245,43 +243,69 @@ def _line(item: dict[str, Any]) -> str:
     )
 
 
-def _replay(args: argparse.Namespace, outbox: OutboxAPI, client: Any) -> dict[str, Any]:
+def dead_letter_entries(
+    client: Any, prefix: str, limit: int | None = None
+) -> list[dict[str, Any]]:
+    """The dead-letter entries of every dead-letter stream under ``prefix`` (Redis), each
+    as ``dead-letters list`` shows it; with ``limit``, at most that many per stream, the
+    newest."""
+    out: list[dict[str, Any]] = []
+    for stream in _dead_streams(client, prefix):
+        if limit is None:
+            entries = call(partial(client.xrange, stream))
+        else:
+            entries = list(reversed(call(partial(client.xrevrange, stream, count=limit))))
+        out.extend(_entry_view(stream, text(eid), fields) for eid, fields in entries)
+    return out
+
+
+def replay_dead_letter(
+    outbox: OutboxAPI, client: Any, prefix: str, item_id: str, by: str
+) -> dict[str, Any]:
+    """``dead-letters replay``'s and the console's: publish a dead reply again (through
+    the fenced replay, recorded under ``by``), or put a dead-letter entry back on the
+    stream it came from (in one MULTI: added there, deleted from the dead-letter stream).
+
+    Raises:
+        ConfigError: no such dead reply or entry, a reply without ``client``, or an entry
+            that does not hold its original as it was.
+    """
     from broker_adapter.errors import ConfigError
 
-    row = outbox.get(args.id)
+    row = outbox.get(item_id)
     if row is not None:
         if client is None:
             raise ConfigError("replaying a reply needs --redis (it checks Redis first)")
         from broker_adapter.stages.replay import Replayer
 
-        result = Replayer(client, outbox, Keys(args.prefix)).replay(args.id, by=args.by)
-        return {"type": "reply", "reply_id": args.id, "replay": str(result),
+        result = Replayer(client, outbox, Keys(prefix)).replay(item_id, by=by)
+        return {"type": "reply", "reply_id": item_id, "replay": str(result),
                 "outcome": result.outcome.value}  # fmt: skip
     if client is None:
-        raise ConfigError(f"no dead reply {args.id!r} in the database (entries need --redis)")
-    keys = Keys(args.prefix)
-    for stream in _dead_streams(client, args.prefix):
-        entries = call(partial(client.xrange, stream, args.id, args.id))
+        raise ConfigError(f"no dead reply {item_id!r} in the database (entries need --redis)")
+    keys = Keys(prefix)
+    for stream in _dead_streams(client, prefix):
+        entries = call(partial(client.xrange, stream, item_id, item_id))
         if not entries:
             continue
         letter = DeadLetter.parse(entries[0][1])
         source = letter.source
         if not source or keys.dead_for(source) != stream:
-            raise ConfigError(f"dead-letter entry {args.id} does not name its source stream")
+            raise ConfigError(f"dead-letter entry {item_id} does not name its source stream")
         if not letter.complete:
             # Only part of the original was copied, or a repeated name would collapse: a
             # replay would not give back the same entry (it is still in its stream).
             raise ConfigError(
-                f"dead-letter entry {args.id} does not hold its original as it was; the "
+                f"dead-letter entry {item_id} does not hold its original as it was; the "
                 f"original is {letter.source_entry_id or '?'} in {source}"
             )
         original = letter.original
         if not original:
-            raise ConfigError(f"dead-letter entry {args.id} kept no original fields to replay")
+            raise ConfigError(f"dead-letter entry {item_id} kept no original fields to replay")
         pipe = client.pipeline(transaction=True)
         pipe.xadd(source, original)
-        pipe.xdel(stream, args.id)
+        pipe.xdel(stream, item_id)
         new_id, _ = call(pipe.execute)
-        return {"type": "entry", "stream": stream, "entry_id": args.id, "replayed_to": source,
+        return {"type": "entry", "stream": stream, "entry_id": item_id, "replayed_to": source,
                 "new_entry_id": text(new_id)}  # fmt: skip
-    raise ConfigError(f"no dead reply or dead-letter entry {args.id!r}")
+    raise ConfigError(f"no dead reply or dead-letter entry {item_id!r}")

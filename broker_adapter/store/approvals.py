@@ -148,7 +148,8 @@ class ApprovalStore:
 
     def release_waits(self) -> dict[str, int]:
         """Apply approvals and the clock to the waiting tasks, in one transaction: a task
-        with a valid approval goes back to ``pending`` (due now), one past its wait ends
+        with a valid approval goes back to ``pending`` (due now) and the approval that
+        released it is kept (``approval_releases``, for the audit), one past its wait ends
         ``failed`` with its reply; a wait whose task is no longer waiting (cancelled) goes.
 
         Returns:
@@ -159,9 +160,10 @@ class ApprovalStore:
         with self.db.write("approval_release") as c:
             rows = c.execute(
                 "SELECT w.task_id, w.action, w.target, w.scope, w.until, t.state,"
-                " EXISTS (SELECT 1 FROM approvals a WHERE a.action = w.action"
+                " (SELECT a.approval_id FROM approvals a WHERE a.action = w.action"
                 " AND a.target = w.target AND a.scope = w.scope AND a.expires_at > ?"
-                " AND a.granted_at <= ? AND a.revoked_at IS NULL) AS approved"
+                " AND a.granted_at <= ? AND a.revoked_at IS NULL"
+                " ORDER BY a.expires_at DESC LIMIT 1) AS approved"
                 " FROM approval_waits w JOIN tasks t ON t.task_id = w.task_id"
                 f"{c.dialect.skip_locked}",
                 (now, now),
@@ -175,6 +177,11 @@ class ApprovalStore:
                         "UPDATE tasks SET state = 'pending', not_before = ?, updated_at = ?"
                         " WHERE task_id = ?",
                         (now, now, task_id),
+                    )
+                    c.execute(
+                        "INSERT INTO approval_releases (task_id, approval_id, released_at)"
+                        " VALUES (?, ?, ?) ON CONFLICT DO NOTHING",
+                        (task_id, r["approved"], now),
                     )
                     counts["released"] += 1
                 elif r["until"] <= now:

@@ -23,8 +23,8 @@ from broker_adapter.protocol.envelope import content_fingerprint
 # outbox    replies waiting to be published; exactly one per terminal task.
 # receipts  the receiver side: one row per reply id applied, with its content hash.
 # meta      named values of this database, made once (the conflict-answer id key).
-# approvals, approval_waits, reconcile_log, compensations: effects beyond our
-#           transaction (effects.py, approvals.py).
+# approvals, approval_waits, approval_releases, reconcile_log, compensations: effects
+#           beyond our transaction (effects.py, approvals.py).
 # chains    tasks stored per correlation_id, for the chain budget (inbox.py).
 MIGRATIONS: tuple[str | Callable[[sqlite3.Connection], None], ...] = (
     """
@@ -160,6 +160,16 @@ MIGRATIONS: tuple[str | Callable[[sqlite3.Connection], None], ...] = (
         updated_at REAL NOT NULL
     ) WITHOUT ROWID;
     CREATE INDEX IF NOT EXISTS chains_updated ON chains (updated_at);
+    """,
+    # 10: which approval released a waiting task, and when (``approvals.release_waits``):
+    # the wait row goes when the task is released, this one says who approved it.
+    """
+    CREATE TABLE IF NOT EXISTS approval_releases (
+        task_id     TEXT NOT NULL,
+        approval_id TEXT NOT NULL,
+        released_at REAL NOT NULL,
+        PRIMARY KEY (task_id, approval_id)
+    ) WITHOUT ROWID;
     """,
 )
 SCHEMA_VERSION = len(MIGRATIONS)

@@ -177,8 +177,8 @@ def purge_requests(
     return PurgeBatch(len(ids), records, replies, 0, cursor, more, held(), work)
 
 
-#: A task's effect records (schema migration 7), purged with it.
-_EFFECT_RECORDS = ("reconcile_log", "compensations", "approval_waits")
+#: A task's effect records (schema migrations 7 and 10), purged with it.
+_EFFECT_RECORDS = ("reconcile_log", "compensations", "approval_waits", "approval_releases")
 
 
 def _purging(db: Db) -> AbstractContextManager[Conn]:

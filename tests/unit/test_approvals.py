@@ -106,3 +106,19 @@ def test_the_wait_of_a_cancelled_task_is_dropped(s: Stores, ap: ApprovalStore) -
     assert EffectsStore(s.tasks).request_cancel(task_id) is TaskState.CANCELLED
     assert ap.release_waits()["dropped"] == 1
     assert ap.counts()["waiting_approval"] == 0
+
+
+def test_a_release_keeps_which_approval_released_the_task(
+    s: Stores, ap: ApprovalStore, clock: FakeClock
+) -> None:
+    task_id, fence = running(s)
+    ap.wait_for_approval(task_id, "w1", fence, "restart", "web1", "prod", 120)
+    short = ap.grant_approval("restart", "web1", "prod", "alice", T0 + 60)
+    longest = ap.grant_approval("restart", "web1", "prod", "bob", T0 + 600)
+    clock.advance(1)
+    assert ap.release_waits()["released"] == 1
+    with s.db.read() as c:
+        rows = c.execute("SELECT task_id, approval_id, released_at FROM approval_releases")
+        found = [(r["task_id"], r["approval_id"], r["released_at"]) for r in rows.fetchall()]
+    assert found == [(task_id, longest, T0 + 1)]  # the one that lasts longest, as checked
+    assert short != longest

@@ -503,12 +503,14 @@ def test_a_purged_task_takes_its_effect_records_and_old_approvals_go(
             c.execute("INSERT INTO approval_waits (task_id, action, target, scope, since,"
                       " until) VALUES (?, 'restart', 'web1', 'prod', ?, ?)",
                       (tid, T0, T0 + 1))  # fmt: skip
+            c.execute("INSERT INTO approval_releases (task_id, approval_id, released_at)"
+                      " VALUES (?, ?, ?)", (tid, old, T0))  # fmt: skip
     clock.set(T0 + RETENTION_S + 1)
     fresh = approvals.grant_approval("restart", "web2", "prod", "alice", clock.now() + 60)
     assert sq.tasks.purge() == 1
     d = dump(sq.db)
     with sq.db.read() as c:
-        for table in ("reconcile_log", "compensations", "approval_waits"):
+        for table in ("reconcile_log", "compensations", "approval_waits", "approval_releases"):
             left = [r[0] for r in c.execute(f"SELECT task_id FROM {table}").fetchall()]
             assert left == [kept], table
         ids = [r[0] for r in c.execute("SELECT approval_id FROM approvals").fetchall()]
