@@ -29,6 +29,9 @@ from broker_adapter.app.commands import (
 )
 from broker_adapter.app.effects_cli import COMMANDS as EFFECT_COMMANDS
 from broker_adapter.app.effects_cli import add_commands as add_effect_commands
+from broker_adapter.app.streams_cli import COMMANDS as STREAM_COMMANDS
+from broker_adapter.app.streams_cli import add_commands as add_stream_commands
+from broker_adapter.app.streams_cli import os_user
 from broker_adapter.config import DEFAULT_LEASE_S
 from broker_adapter.errors import BrokerAdapterError, ConfigError
 from broker_adapter.store.retention import DEFAULT_RETENTION_S
@@ -307,9 +310,10 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("id", help="a reply id (dead reply) or a dead-letter entry id")
         if name == "replay":
             _option(p, "--by", "who replays (kept with the replay)",
-                    default=os.environ.get("USER", "operator"))  # fmt: skip
+                    default=os_user())  # fmt: skip
 
     add_effect_commands(sub, _option, _add_db)
+    add_stream_commands(sub, _add_redis, _add_prefix)
     sub.add_parser("demo", help="run the end-to-end demo on an embedded default")
     return parser
 
@@ -325,6 +329,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "dead-letters": cmd_dead_letters,
     "demo": cmd_demo,
     **EFFECT_COMMANDS,
+    **STREAM_COMMANDS,
 }
 
 

@@ -314,6 +314,7 @@ class Ingestor:
                 self.stats.trim_failures += 1
                 continue
             trimmed, dead = done
+            self.stats.future_ids += bool(trimmed.future_id)
             self.stats.trimmed += trimmed.trimmed
             self.stats.dead_letters_trimmed += dead
             removed += trimmed.trimmed + dead
@@ -414,11 +415,12 @@ class Ingestor:
             if refusal is not None:
                 # Nothing was written for it (NOT_TASK: results never become tasks by
                 # themselves; REFUSED: a deadline beyond the retention window).
-                reader.dead_letter(
+                reader.dead_letters.write(
                     entry,
                     refusal.reason,
                     refusal.detail,
                     extra={deadletter.FIELD: refusal.field, deadletter.PRINCIPAL: item.principal},
+                    trusted=True,  # authenticated and admitted: the whole entry is copied
                 )
                 continue
             name = _OUTCOME_COUNTER.get(result.outcome)
