@@ -43,18 +43,20 @@ DEAD_LETTER = "ba_dead_letter"
 #: ``ba_dead_letter``: KEYS[1] the source stream, KEYS[2] its dead-letter stream; ARGV[1]
 #: the group, ARGV[2] the entry id (``0-0``: acknowledge nothing), ARGV[3] the dead-letter
 #: stream's cap (entries; ``0``: no cap), ARGV[4..] the dead letter's field/value pairs.
-#: XADDs the dead letter with ``*``, then XACKs the entry; when the dead-letter stream
-#: holds more than the cap, its oldest entries are trimmed to the cap. Returns
-#: ``{dead letter id, entries trimmed by the cap}``.
+#: XADDs the dead letter with ``*`` (and ``MAXLEN <cap>``: the oldest entries beyond the
+#: cap go), then XACKs the entry. Returns ``{dead letter id, entries trimmed by the cap}``.
+#: Commands inside: XLEN, XADD on KEYS[2], XACK on KEYS[1].
 LIBRARY = """#!lua name=broker_adapter
 
 local function dead_letter(keys, args)
-  local dead_id = redis.call('XADD', keys[2], '*', unpack(args, 4))
-  redis.call('XACK', keys[1], args[1], args[2])
-  local cap, trimmed = tonumber(args[3]), 0
-  if cap > 0 and redis.call('XLEN', keys[2]) > cap then
-    trimmed = redis.call('XTRIM', keys[2], 'MAXLEN', cap)
+  local cap, trimmed, dead_id = tonumber(args[3]), 0, nil
+  if cap > 0 then
+    trimmed = math.max(0, redis.call('XLEN', keys[2]) + 1 - cap)
+    dead_id = redis.call('XADD', keys[2], 'MAXLEN', cap, '*', unpack(args, 4))
+  else
+    dead_id = redis.call('XADD', keys[2], '*', unpack(args, 4))
   end
+  redis.call('XACK', keys[1], args[1], args[2])
   return {dead_id, trimmed}
 end
 
