@@ -377,7 +377,7 @@ def test_documented_receiver_cannot_run_code_of_its_own_yet_dead_letters(
     )  # fmt: skip
     assert res.returncode == 0, res.stderr
     assert "audit: functions load by os user" in res.stderr
-    rcv = as_user(acl_server, "alice-receiver")
+    rcv: Any = as_user(acl_server, "alice-receiver")
     busy = "redis.call('SET', KEYS[1], 1) while true do end"
     stream = keys.replies("alice")
     library = f"#!lua name=evil\nredis.register_function('evil', function(k, a) {busy} end)"
@@ -390,7 +390,7 @@ def test_documented_receiver_cannot_run_code_of_its_own_yet_dead_letters(
         lambda: rcv.execute_command("FCALL", "other", 1, keys.replies_dead("alice")),
     ]:
         refused(fn)
-    ops = acl_server.client()
+    ops: Any = acl_server.client()
     assert ops.ping()  # nothing ran: the server answers everyone
     ops.xadd(stream, {"v": "1", "junk": "x" * 20_000})  # not a reply: dead-lettered
     db = open_database(tmp_path / "alice.db")
