@@ -29,6 +29,7 @@ from broker_adapter.app.commands import (
 )
 from broker_adapter.app.effects_cli import COMMANDS as EFFECT_COMMANDS
 from broker_adapter.app.effects_cli import add_commands as add_effect_commands
+from broker_adapter.app.passwords import resolve_redis_url
 from broker_adapter.app.streams_cli import COMMANDS as STREAM_COMMANDS
 from broker_adapter.app.streams_cli import add_commands as add_stream_commands
 from broker_adapter.app.streams_cli import os_user
@@ -107,6 +108,9 @@ def _add_redis(p: argparse.ArgumentParser, required: bool = True) -> None:
     _option(p, "--redis", f"Redis URL (redis://, rediss://, unix://, or a cluster node's"
             f" redis+cluster://): {what}",
             env="BA_REDIS_URL", required=required, metavar="URL")  # fmt: skip
+    _option(p, "--redis-password-file", "a file (mode 0600) whose first line is the Redis"
+            " password, joined to --redis (or set BA_REDIS_PASSWORD): keeps it off the"
+            " command line", env="BA_REDIS_PASSWORD_FILE", metavar="FILE")  # fmt: skip
 
 
 def _add_db(p: argparse.ArgumentParser, what: str) -> None:
@@ -339,6 +343,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     configure(logging.DEBUG if args.verbose else logging.INFO, getattr(args, "log_format", "text"))
     try:
+        if hasattr(args, "redis"):
+            args.redis = resolve_redis_url(args.redis, args.redis_password_file)
         return COMMANDS[args.command](args)
     except ConfigError as exc:
         print(f"broker-adapter: error: {exc}", file=sys.stderr)
