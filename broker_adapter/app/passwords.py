@@ -72,9 +72,8 @@ def with_password(url: str, password: str) -> str:
         )
     parts = urlsplit(url)
     secret = quote(password, safe="")
-    if parts.scheme == "unix":
-        query = f"{parts.query}&password={secret}" if parts.query else f"password={secret}"
-        return urlunsplit(parts._replace(query=query))
+    if parts.scheme == "unix":  # urlunsplit would drop the empty authority of unix:///
+        return f"{url}{'&' if parts.query else '?'}password={secret}"
     host = parts.netloc.rsplit("@", 1)[-1]
     user = quote(parts.username or "", safe="")
     return urlunsplit(parts._replace(netloc=f"{user}:{secret}@{host}"))
