@@ -166,6 +166,7 @@ class Ingestor:
         self.limits = IngressLimits(
             self.clock, rate_limit=config.rate_limit, rate_burst=config.rate_burst,
             max_open_tasks=config.max_open_tasks, open_counts=tasks.open_counts,
+            stored=tasks.stored_message_ids,
         )  # fmt: skip
         # (stream, dead-letter stream, principal bound to it): one per ACL principal, or
         # the signed mode's partitions (one: the shared stream).
