@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from broker_adapter import __version__
+from broker_adapter.app.audit import os_user
 from broker_adapter.app.commands import (
     cmd_backup,
     cmd_cancel,
@@ -32,7 +33,6 @@ from broker_adapter.app.effects_cli import add_commands as add_effect_commands
 from broker_adapter.app.passwords import resolve_redis_url
 from broker_adapter.app.streams_cli import COMMANDS as STREAM_COMMANDS
 from broker_adapter.app.streams_cli import add_commands as add_stream_commands
-from broker_adapter.app.streams_cli import os_user
 from broker_adapter.config import DEFAULT_LEASE_S
 from broker_adapter.errors import BrokerAdapterError, ConfigError
 from broker_adapter.store.retention import DEFAULT_RETENTION_S
@@ -296,6 +296,8 @@ def build_parser() -> argparse.ArgumentParser:
     cancel.add_argument("task_id", help="the task to cancel")
     _option(cancel, "--reason", "kept with the task and sent in its reply",
             default="cancelled by operator")  # fmt: skip
+    _option(cancel, "--by", "who cancels (kept with the reason, with the OS user)",
+            env="BA_OPERATOR", default=os_user(), metavar="NAME")  # fmt: skip
 
     dl = sub.add_parser("dead-letters", help="inspect and replay dead letters")
     dls = dl.add_subparsers(dest="dl_command", required=True, parser_class=_Parser)

@@ -17,6 +17,7 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
+from broker_adapter.app.audit import audit, bounded_seconds, bounded_text, os_user
 from broker_adapter.errors import ConfigError, TransientError
 
 if TYPE_CHECKING:
@@ -226,8 +227,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
     db = args.db if is_postgres_url(args.db) else Path(args.db)
     if args.watch:
-        if args.interval <= 0:
-            raise ConfigError("--interval must be above 0")
+        bounded_seconds("--interval", args.interval, 3600)
         return watch_status(db, args.redis, args.prefix, args.interval,
                             as_json=args.json)  # fmt: skip
     report = collect_status(db, args.redis, args.prefix)
@@ -243,11 +243,15 @@ def cmd_cancel(args: argparse.Namespace) -> int:
     from broker_adapter.store.backends import open_store
     from broker_adapter.store.effects import EffectsStore
 
+    reason = bounded_text("--reason", args.reason)
+    by = f"{bounded_text('--by', args.by)} (os user {os_user()})"
+    audit("cancel", task_id=args.task_id, reason=reason, by=by)
     db = open_store(args.db)  # a SQLite file or a postgresql:// URL
     # A running task gets a cancel request (its handler sees it at its next check; its
     # lease is no longer renewed after the grace); any other live task is cancelled now.
-    state = EffectsStore(TaskStore(db)).request_cancel(args.task_id, args.reason)
-    out = {"task_id": args.task_id, "state": state.value}
+    # Who asked is kept with the reason.
+    state = EffectsStore(TaskStore(db)).request_cancel(args.task_id, f"{reason} [by {by}]")
+    out = {"task_id": args.task_id, "state": state.value, "by": by}
     if state == "running":
         out["cancel_requested"] = True
     _print_json(out)

@@ -12,6 +12,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any, TextIO
 
+from broker_adapter.app.audit import audit, bounded_text, os_user
 from broker_adapter.protocol.deadletter import DeadLetter
 from broker_adapter.protocol.keys import INGEST_GROUP, Keys
 from broker_adapter.redis.client import call, connect, text
@@ -248,13 +249,15 @@ def _line(item: dict[str, Any]) -> str:
 def _replay(args: argparse.Namespace, outbox: OutboxAPI, client: Any) -> dict[str, Any]:
     from broker_adapter.errors import ConfigError
 
+    by = f"{bounded_text('--by', args.by)} (os user {os_user()})"
+    audit("dead-letters replay", id=args.id, by=by)
     row = outbox.get(args.id)
     if row is not None:
         if client is None:
             raise ConfigError("replaying a reply needs --redis (it checks Redis first)")
         from broker_adapter.stages.replay import Replayer
 
-        result = Replayer(client, outbox, Keys(args.prefix)).replay(args.id, by=args.by)
+        result = Replayer(client, outbox, Keys(args.prefix)).replay(args.id, by=by)
         return {"type": "reply", "reply_id": args.id, "replay": str(result),
                 "outcome": result.outcome.value}  # fmt: skip
     if client is None:

@@ -5,7 +5,7 @@ server's clock, see ``broker_adapter.redis.repair``).
 Both run with the Redis user of ``--redis``: ``functions load`` needs ``+function|load``,
 ``streams repair`` the operator's own user (it renames the stream and creates groups: see
 docs/OPERATIONS.md "A stream with ids in the future"). Each is logged with the operating
-system user who ran it (``os_user``).
+system user who ran it (``app.audit``).
 """
 
 from __future__ import annotations
@@ -13,33 +13,15 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
-import pwd
 from collections.abc import Callable
 from typing import Any
 
+from broker_adapter.app.audit import audit
 from broker_adapter.errors import ConfigError
 
 log = logging.getLogger("broker_adapter.app.audit")
 
 Option = Callable[..., None]
-
-
-def os_user() -> str:
-    """The operating-system user running this process, from the password database by the
-    real user id (not ``$USER`` or ``$LOGNAME``, which the caller sets at will);
-    ``uid <n>`` when the id has no entry."""
-    uid = os.getuid()
-    try:
-        return pwd.getpwuid(uid).pw_name
-    except KeyError:
-        return f"uid {uid}"
-
-
-def audit(command: str, **details: object) -> None:
-    """One log line for an operator command: what, with which arguments, by whom."""
-    said = " ".join(f"{k}={json.dumps(v, default=str)}" for k, v in details.items())
-    log.info("audit: %s by os user %s %s", command, os_user(), said)
 
 
 def add_commands(
