@@ -79,7 +79,10 @@ local range_from = '-'
 if from ~= nil then
   if incl then range_from = from else range_from = '(' .. from end
 end
-local items = redis.call('XRANGE', KEYS[1], range_from, '+', 'COUNT', limit + 1)
+local items = {}
+if range_from ~= '(18446744073709551615-18446744073709551615' then  -- nothing after the last id
+  items = redis.call('XRANGE', KEYS[1], range_from, '+', 'COUNT', limit + 1)
+end
 if #items > limit then return {'too_many', #items, ''} end
 for _, item in ipairs(items) do
   if #item[2] > 2 * max_fields then

@@ -165,3 +165,19 @@ def test_the_future_tolerance_edge(redis_server: RedisServer, prefix: str) -> No
         else:
             assert result.future_id == text(got[0][1][-1][0])
             assert result.trimmed == 2  # up to the last delivered one
+
+
+def test_repair_of_a_stream_whose_group_read_the_largest_id(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    client: Any = connect(redis_server.url)
+    stream = Keys(prefix).inbound()
+    client.xadd(stream, {"n": "0"})
+    client.xadd(stream, {"n": "max"}, id=MAX_ID)
+    client.xgroup_create(stream, "g", id="0")
+    got = client.xreadgroup("g", "c", {stream: ">"})
+    client.xack(stream, "g", *[eid for eid, _ in got[0][1]])
+    result = repair_stream(client, stream, server_ms=1)
+    assert (result.moved, result.groups) == (0, {"g": "$"})
+    new_id = text(client.xadd(stream, {"n": "1"}))  # * works again, and the group reads it
+    assert [text(e) for e, _ in client.xreadgroup("g", "c", {stream: ">"})[0][1]] == [new_id]
