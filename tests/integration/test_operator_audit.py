@@ -41,6 +41,7 @@ def test_cancel_records_who_ran_it_with_the_real_os_user(tmp_path: Path) -> None
     tasks = TaskStore(db, SystemClock())
     (result,) = tasks.accept([AcceptItem("alice", envelope("m1", deadline=real_deadline()))])
     task_id = result.task_id
+    assert task_id is not None
     db.close()
     res = _cli("cancel", "--db", str(path), task_id, "--by", "carol")
     assert res.returncode == 0, res.stderr
