@@ -44,6 +44,7 @@ from broker_adapter.errors import (
 from broker_adapter.protocol.keys import DEFAULT_PREFIX, MAX_PARTITIONS, KeyPrefix, Keys, Principal
 from broker_adapter.protocol.signing import Keyring
 from broker_adapter.redis.client import Redis, RedisUrl, connect
+from broker_adapter.redis.functions import load_at_start
 from broker_adapter.stages.dispatcher import Dispatcher, DispatcherConfig
 from broker_adapter.stages.effects import EffectSpec, Reconciler, effect_spec, run_reconciles
 from broker_adapter.stages.handlers import load_handler
@@ -330,6 +331,7 @@ class Adapter:
             client = self._connect(stop)
             if client is None:
                 return  # stopped before Redis could be reached
+            load_at_start(client, self.log)  # ba_dead_letter, for receivers too
             ingestor = Ingestor(
                 ingest_cfg, client, tasks, self.keyring, logger=self.log, handoff=handoff
             )

@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from broker_adapter import __version__
+from broker_adapter.app.audit import os_user
 from broker_adapter.app.commands import (
     cmd_backup,
     cmd_cancel,
@@ -29,6 +30,9 @@ from broker_adapter.app.commands import (
 )
 from broker_adapter.app.effects_cli import COMMANDS as EFFECT_COMMANDS
 from broker_adapter.app.effects_cli import add_commands as add_effect_commands
+from broker_adapter.app.passwords import resolve_redis_url
+from broker_adapter.app.streams_cli import COMMANDS as STREAM_COMMANDS
+from broker_adapter.app.streams_cli import add_commands as add_stream_commands
 from broker_adapter.config import DEFAULT_LEASE_S
 from broker_adapter.console.serve import cmd_console
 from broker_adapter.errors import BrokerAdapterError, ConfigError
@@ -105,6 +109,9 @@ def _add_redis(p: argparse.ArgumentParser, required: bool = True) -> None:
     _option(p, "--redis", f"Redis URL (redis://, rediss://, unix://, or a cluster node's"
             f" redis+cluster://): {what}",
             env="BA_REDIS_URL", required=required, metavar="URL")  # fmt: skip
+    _option(p, "--redis-password-file", "a file (mode 0600) whose first line is the Redis"
+            " password, joined to --redis (or set BA_REDIS_PASSWORD): keeps it off the"
+            " command line", env="BA_REDIS_PASSWORD_FILE", metavar="FILE")  # fmt: skip
 
 
 def _add_db(p: argparse.ArgumentParser, what: str) -> None:
@@ -306,6 +313,8 @@ def build_parser() -> argparse.ArgumentParser:
     cancel.add_argument("task_id", help="the task to cancel")
     _option(cancel, "--reason", "kept with the task and sent in its reply",
             default="cancelled by operator")  # fmt: skip
+    _option(cancel, "--by", "who cancels (kept with the reason, with the OS user)",
+            env="BA_OPERATOR", default=os_user(), metavar="NAME")  # fmt: skip
 
     dl = sub.add_parser("dead-letters", help="inspect and replay dead letters")
     dls = dl.add_subparsers(dest="dl_command", required=True, parser_class=_Parser)
@@ -324,13 +333,14 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("id", help="a reply id (dead reply) or a dead-letter entry id")
         if name == "replay":
             _option(p, "--by", "who replays (kept with the replay)",
-                    default=os.environ.get("USER", "operator"))  # fmt: skip
+                    default=os_user())  # fmt: skip
 
     add_effect_commands(sub, _option, _add_db)
     _add_console(sub)
     demo = sub.add_parser("demo", help="run the end-to-end demo on an embedded default")
     demo.add_argument("--keep", metavar="DIR", help="keep the demo's databases in DIR and"
                       " print how to open the web console on them")  # fmt: skip
+    add_stream_commands(sub, _add_redis, _add_prefix)
     return parser
 
 
@@ -346,6 +356,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "demo": cmd_demo,
     "console": cmd_console,
     **EFFECT_COMMANDS,
+    **STREAM_COMMANDS,
 }
 
 
@@ -355,6 +366,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     configure(logging.DEBUG if args.verbose else logging.INFO, getattr(args, "log_format", "text"))
     try:
+        if hasattr(args, "redis"):
+            args.redis = resolve_redis_url(args.redis, args.redis_password_file)
         return COMMANDS[args.command](args)
     except ConfigError as exc:
         print(f"broker-adapter: error: {exc}", file=sys.stderr)

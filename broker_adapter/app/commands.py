@@ -17,6 +17,7 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
+from broker_adapter.app.audit import audit, bounded_seconds, bounded_text, os_user
 from broker_adapter.errors import ConfigError, TransientError
 
 if TYPE_CHECKING:
@@ -228,8 +229,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
     db = args.db if is_postgres_url(args.db) else Path(args.db)
     if args.watch:
-        if args.interval <= 0:
-            raise ConfigError("--interval must be above 0")
+        bounded_seconds("--interval", args.interval, 3600)
         return watch_status(db, args.redis, args.prefix, args.interval,
                             as_json=args.json)  # fmt: skip
     report = collect_status(db, args.redis, args.prefix)
@@ -240,10 +240,13 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
-def cancel_task(db: Database | PgDatabase, task_id: str, reason: str) -> dict[str, Any]:
+def cancel_task(
+    db: Database | PgDatabase, task_id: str, reason: str, by: str
+) -> dict[str, Any]:
     """Cancel a task durably: ``cancel``'s and the console's. A running task gets a cancel
     request (its handler sees it at its next check; its lease is no longer renewed after
-    the grace); any other live task is cancelled now.
+    the grace); any other live task is cancelled now. Who asked (``by``) is kept with the
+    reason.
 
     Returns:
         ``task_id``, ``state`` and, for a running task, ``cancel_requested``.
@@ -254,8 +257,8 @@ def cancel_task(db: Database | PgDatabase, task_id: str, reason: str) -> dict[st
     from broker_adapter.store import TaskStore
     from broker_adapter.store.effects import EffectsStore
 
-    state = EffectsStore(TaskStore(db)).request_cancel(task_id, reason)
-    out: dict[str, Any] = {"task_id": task_id, "state": state.value}
+    state = EffectsStore(TaskStore(db)).request_cancel(task_id, f"{reason} [by {by}]")
+    out: dict[str, Any] = {"task_id": task_id, "state": state.value, "by": by}
     if state == "running":
         out["cancel_requested"] = True
     return out
@@ -264,9 +267,12 @@ def cancel_task(db: Database | PgDatabase, task_id: str, reason: str) -> dict[st
 def cmd_cancel(args: argparse.Namespace) -> int:
     from broker_adapter.store.backends import open_store
 
+    reason = bounded_text("--reason", args.reason)
+    by = f"{bounded_text('--by', args.by)} (os user {os_user()})"
+    audit("cancel", task_id=args.task_id, reason=reason, by=by)
     db = open_store(args.db)  # a SQLite file or a postgresql:// URL
     try:
-        _print_json(cancel_task(db, args.task_id, args.reason))
+        _print_json(cancel_task(db, args.task_id, reason, by))
     finally:
         db.close()
     return 0

@@ -14,17 +14,20 @@ the command (``by (os user U)``), and every reconcile answer is kept in ``reconc
 from __future__ import annotations
 
 import argparse
-import getpass
 import json
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal
 
+from broker_adapter.app.audit import audit, bounded_seconds, bounded_text, os_user
 from broker_adapter.errors import ConfigError
 
 if TYPE_CHECKING:
     from broker_adapter.store.db import Database
     from broker_adapter.store.lifecycle import TaskState
     from broker_adapter.store.postgres import PgDatabase
+
+#: The longest an approval may last, seconds (a year).
+MAX_APPROVAL_S = 366 * 86_400
 
 Option = Callable[..., None]
 
@@ -63,13 +66,11 @@ def _add_by(p: argparse.ArgumentParser, option: Option) -> None:
 
 
 def _who(by: str) -> str:
+    """``--by`` with the operating-system user who ran the command (``os_user``: the real
+    user id's entry, whatever ``$USER`` says)."""
     if not by.strip():
         raise ConfigError("--by must name who decides")
-    try:
-        user = getpass.getuser()
-    except (KeyError, OSError):
-        user = "unknown"
-    return f"{by.strip()} (os user {user})"
+    return f"{bounded_text('--by', by)} (os user {os_user()})"
 
 
 def resolve_unknown(
@@ -119,6 +120,7 @@ def grant_approval(
 def cmd_reconcile(args: argparse.Namespace) -> int:
     from broker_adapter.store.backends import open_store
 
+    audit("reconcile", task_id=args.task_id, outcome=args.outcome, by=args.by)
     with open_store(args.db) as db:
         state = resolve_unknown(db, args.task_id, args.outcome, _who(args.by),
                                 result=args.result, note=args.note)  # fmt: skip
@@ -129,8 +131,9 @@ def cmd_reconcile(args: argparse.Namespace) -> int:
 def cmd_approve(args: argparse.Namespace) -> int:
     from broker_adapter.store.backends import open_store
 
-    if args.expires_in <= 0:
-        raise ConfigError("--expires-in must be above 0")
+    bounded_seconds("--expires-in", args.expires_in, MAX_APPROVAL_S)
+    audit("approve", action=args.action, target=args.target, scope=args.scope, by=args.by,
+          expires_in=args.expires_in)  # fmt: skip
     with open_store(args.db) as db:
         approval_id = grant_approval(db, args.action, args.target, args.scope, _who(args.by),
                                      args.expires_in)  # fmt: skip
@@ -143,6 +146,7 @@ def cmd_revoke(args: argparse.Namespace) -> int:
     from broker_adapter.store.approvals import ApprovalStore
     from broker_adapter.store.backends import open_store
 
+    audit("revoke", approval_id=args.approval_id, by=args.by)
     with open_store(args.db) as db:
         revoked = ApprovalStore(TaskStore(db)).revoke_approval(args.approval_id, _who(args.by))
     print(json.dumps({"approval_id": args.approval_id, "revoked": revoked}, sort_keys=True))

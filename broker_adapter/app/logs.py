@@ -21,6 +21,7 @@ import json
 import logging
 import sys
 import time
+import unicodedata
 from typing import Any, Literal
 
 LogFormat = Literal["text", "json"]
@@ -40,6 +41,29 @@ def fields_of(record: logging.LogRecord) -> dict[str, Any]:
     return {k: v for k, v in record.__dict__.items() if k not in _STANDARD}
 
 
+#: Unicode format characters (Cf: bidirectional overrides such as U+202E, zero-width
+#: characters) and line/paragraph separators (Zl, Zp): text from input holding them would
+#: reorder or split a log line as a reader sees it, so both formats write them as ``\uXXXX``.
+_INVISIBLE = frozenset({"Cf", "Zl", "Zp"})
+
+
+def escape_invisible(text: str) -> str:
+    """``text`` with every format and line/paragraph separator character written as a JSON
+    escape, ``\\uXXXX`` (a surrogate pair beyond the BMP), so that a JSON line stays valid
+    JSON; ASCII text is returned as it is."""
+    if text.isascii():
+        return text
+    return "".join(_escaped(c) if unicodedata.category(c) in _INVISIBLE else c for c in text)
+
+
+def _escaped(char: str) -> str:
+    code = ord(char)
+    if code <= 0xFFFF:
+        return f"\\u{code:04x}"
+    code -= 0x10000
+    return f"\\u{0xD800 + (code >> 10):04x}\\u{0xDC00 + (code & 0x3FF):04x}"
+
+
 def _plain(value: Any) -> Any:
     return value if isinstance(value, str | int | float | bool) or value is None else str(value)
 
@@ -53,9 +77,9 @@ class TextFormatter(logging.Formatter):
     def formatMessage(self, record: logging.LogRecord) -> str:
         line = super().formatMessage(record)
         extra = fields_of(record)
-        if not extra:
-            return line
-        return line + "".join(f" {k}={_text_value(v)}" for k, v in extra.items())
+        if extra:
+            line += "".join(f" {k}={_text_value(v)}" for k, v in extra.items())
+        return escape_invisible(line)
 
 
 def _text_value(value: Any) -> str:
@@ -83,7 +107,7 @@ class JsonFormatter(logging.Formatter):
             out["exc"] = record.exc_text
         if record.stack_info:
             out["stack"] = self.formatStack(record.stack_info)
-        return json.dumps(out, ensure_ascii=False, default=str)
+        return escape_invisible(json.dumps(out, ensure_ascii=False, default=str))
 
 
 def formatter(log_format: LogFormat) -> logging.Formatter:

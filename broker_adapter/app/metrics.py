@@ -198,6 +198,8 @@ def _reader_families(out: Families, stage: str, reader: GroupReader) -> None:
     out.counter("ba_stream_dead_letter_failures", "Entries acknowledged without a dead"
                 " letter because even a minimal one failed.", s.dead_letter_failures,
                 stage=stage)  # fmt: skip
+    out.counter("ba_dead_letters_capped", "Dead letters trimmed because their stream was at"
+                " its cap.", s.dead_letters_capped, stage=stage)  # fmt: skip
     out.counter("ba_redis_reconnects", "Reads started over after a Redis or store error.",
                 s.reconnects, stage=stage)  # fmt: skip
     out.counter("ba_redis_data_loss_alarms", "Redis data loss seen: a consumer group gone"
@@ -211,10 +213,14 @@ def _publish_families(out: Families, stage: str, s: DispatcherStats) -> None:
                     stage=stage, outcome=outcome)  # fmt: skip
 
 
-def _trim_families(out: Families, stage: str, trimmed: int, dead: int, failures: int) -> None:
+def _trim_families(
+    out: Families, stage: str, trimmed: int, dead: int, failures: int, future: int
+) -> None:
     out.counter("ba_stream_entries_trimmed", "Stream entries trimmed.", trimmed, stage=stage)
     out.counter("ba_dead_letters_trimmed", "Dead letters trimmed by age.", dead, stage=stage)
     out.counter("ba_trim_failures", "Trims that failed (retried).", failures, stage=stage)
+    out.counter("ba_stream_future_ids", "Trims that found a stream read past an id ahead of"
+                " the server clock (poisoned: repair it).", future, stage=stage)  # fmt: skip
 
 
 def _stage_families(out: Families, observed: Observed) -> None:
@@ -223,7 +229,8 @@ def _stage_families(out: Families, observed: Observed) -> None:
         for outcome, attr in _INBOX_OUTCOMES.items():
             out.counter("ba_inbox_entries", "Authenticated entries the inbox took, by outcome.",
                         getattr(i, attr), outcome=outcome)  # fmt: skip
-        _trim_families(out, "ingest", i.trimmed, i.dead_letters_trimmed, i.trim_failures)
+        _trim_families(out, "ingest", i.trimmed, i.dead_letters_trimmed, i.trim_failures,
+                       i.future_ids)  # fmt: skip
         out.counter("ba_lease_takeovers", "Expired task leases taken back (requeued, or"
                     " failed on the last attempt).", ingestor.tasks.lease_takeovers)  # fmt: skip
         for reader in ingestor.readers:
@@ -231,7 +238,8 @@ def _stage_families(out: Families, observed: Observed) -> None:
     for dispatcher in list(observed.dispatchers):
         s = dispatcher.stats
         _publish_families(out, "dispatcher", s)
-        _trim_families(out, "dispatcher", s.trimmed, s.dead_letters_trimmed, s.trim_failures)
+        _trim_families(out, "dispatcher", s.trimmed, s.dead_letters_trimmed, s.trim_failures,
+                       s.future_ids)  # fmt: skip
         out.counter("ba_reply_entries_unread_trimmed", "Replies no group acknowledged, trimmed"
                     " at the retention window (their outbox rows still hold them).",
                     s.unread_trimmed)  # fmt: skip

@@ -12,6 +12,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any, TextIO
 
+from broker_adapter.app.audit import audit, bounded_text, os_user
 from broker_adapter.protocol.deadletter import DeadLetter
 from broker_adapter.protocol.keys import INGEST_GROUP, Keys
 from broker_adapter.redis.client import call, connect, text
@@ -214,7 +215,9 @@ def dead_letters_command(args: argparse.Namespace) -> int:
             if not out:
                 raise ConfigError(f"no dead reply or dead-letter entry {args.id!r}")
         else:
-            out = [replay_dead_letter(outbox, client, args.prefix, args.id, args.by)]
+            by = f"{bounded_text('--by', args.by)} (os user {os_user()})"
+            audit("dead-letters replay", id=args.id, by=by)
+            out = [replay_dead_letter(outbox, client, args.prefix, args.id, by)]
     finally:
         db.close()
     for item in out:

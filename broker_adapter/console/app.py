@@ -413,7 +413,7 @@ class _Console:
         if story is None or story["task"]["state"] != "waiting_approval":
             raise _Refused(409, f"task {task_id!r} is not waiting for an approval")
         out = await run_in_threadpool(
-            cancel_task, ctx.store.db, task_id, f"approval denied by {who}: {reason}"
+            cancel_task, ctx.store.db, task_id, f"approval denied: {reason}", who
         )
         log.info("console: %s denied the approval of task %s: %s", who, task_id, out)
         return self._done(ctx, f"/tasks/{task_id}", f"denied by {operator.name}")
@@ -445,7 +445,7 @@ class _Console:
         reason = request.state.fields.get("reason", "").strip() or "no reason given"
         who = self._who(operator)
         out = await run_in_threadpool(
-            cancel_task, ctx.store.db, task_id, f"cancelled by {who}: {reason}"
+            cancel_task, ctx.store.db, task_id, reason, who
         )
         log.info("console: %s cancelled task %s: %s", who, task_id, out)
         return self._done(ctx, f"/tasks/{task_id}", f"cancel: {out['state']}")

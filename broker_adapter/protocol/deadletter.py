@@ -12,7 +12,11 @@ A dead letter is one entry of the source stream's dead-letter stream (``Keys.dea
 * then a copy of the entry's own fields, each name prefixed ``orig.``, in order and byte
   for byte, up to ``max_fields`` fields and ``max_bytes`` bytes (``copy_original``). Of a
   larger entry what fits is copied and ``dl.truncated`` says so; the entry itself stays in
-  its stream under ``dl.entry_id`` until the stream's trim passes it.
+  its stream under ``dl.entry_id`` until the stream's trim passes it. Of an entry that was
+  not authenticated and admitted, at most ``UNTRUSTED_COPY_BYTES`` are copied.
+
+A dead-letter stream keeps at most a cap of entries (``DEFAULT_DEAD_LETTER_CAP``): writing
+one beyond it trims the oldest.
 
 Every note is made encodable before it is written (``encodable``: a lone surrogate is
 written as ``\\ud800``) and cut to ``DEAD_LETTER_TEXT_MAX_CHARS`` characters. Writing is
@@ -46,6 +50,13 @@ INTERNAL_ERROR = "internal_error"
 _NOT_REPLAYABLE_REASONS = frozenset({"duplicate_field"})
 #: How many characters of a text a dead letter keeps (``dl.detail`` and the other notes).
 DEAD_LETTER_TEXT_MAX_CHARS = 1000
+#: How many bytes of an entry a dead letter copies unless the entry was authenticated and
+#: admitted (unsigned, forged, malformed, oversize, rate-limited entries): a prefix, so that
+#: a flood of large entries costs the dead-letter stream this much per entry at most.
+UNTRUSTED_COPY_BYTES = 16 * 1024
+#: How many entries a dead-letter stream keeps at most by default: the function that
+#: writes a dead letter trims the oldest beyond it (and the writer raises an alarm).
+DEFAULT_DEAD_LETTER_CAP = 10_000
 
 
 def encodable(value: str, limit: int = DEAD_LETTER_TEXT_MAX_CHARS) -> str:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import re
+import unicodedata
 from collections.abc import Callable
 from json.encoder import encode_basestring
 from typing import Any, Literal
@@ -92,7 +93,21 @@ def _check_id(value: str, field: str) -> str:
         )
     if _CONTROL_CHARS.search(value):
         raise EnvelopeError(field, "control_char", "must not contain control characters")
+    if not value.isascii():
+        for char in value:
+            if unicodedata.category(char) in _INVISIBLE_CATEGORIES:
+                raise EnvelopeError(
+                    field, "format_char",
+                    f"must not contain format or line/paragraph separator characters "
+                    f"(U+{ord(char):04X})",
+                )  # fmt: skip
     return value
+
+
+#: Unicode format characters (Cf: bidirectional overrides such as U+202E, zero-width
+#: characters) and the line and paragraph separators (Zl U+2028, Zp U+2029): an id holding
+#: one prints as another id, or breaks a log line.
+_INVISIBLE_CATEGORIES = frozenset({"Cf", "Zl", "Zp"})
 
 
 _FIELDS = (

@@ -174,10 +174,10 @@ def _version(text: str) -> tuple[int, ...]:
 
 
 def command_keys(command: Sequence[Any]) -> Sequence[Any]:
-    """The keys of one command as the hot paths send them (stream commands, EVALSHA and
-    EVAL); other commands are taken to have their key first, or none."""
+    """The keys of one command as the hot paths send them (stream commands, EVALSHA, EVAL
+    and FCALL); other commands are taken to have their key first, or none."""
     name = str(command[0]).upper()
-    if name in ("EVALSHA", "EVAL"):
+    if name in ("EVALSHA", "EVAL", "FCALL", "FCALL_RO"):
         return command[3 : 3 + int(command[2])]
     if name in ("XREADGROUP", "XREAD"):
         upper = [str(a).upper() if isinstance(a, str) else a for a in command]

@@ -1,10 +1,15 @@
 """Writing dead letters for a group reader: the refused entry moves to the dead-letter
-stream with its reason and is acknowledged, in ONE Lua script (``scripts.DEAD_LETTER``:
-atomic, even across an AOF tail loss), so that it is neither looped on nor silently
-dropped. The entry format is ``broker_adapter.protocol.deadletter``'s.
+stream with its reason and is acknowledged, in ONE call of the Redis Function
+``ba_dead_letter`` (``redis.functions``: atomic, even across an AOF tail loss, and callable
+by users that may not run scripts of their own), so that it is neither looped on nor
+silently dropped. The entry format is ``broker_adapter.protocol.deadletter``'s.
 
-The script's argument list is bounded whatever a writer put in the entry: a dead letter
-copies at most ``max_entry_fields`` fields and ``max_entry_bytes`` bytes of it.
+The function's argument list is bounded whatever a writer put in the entry: a dead letter
+copies at most ``max_entry_fields`` fields and ``max_entry_bytes`` bytes of it, and of an
+entry not authenticated and admitted (``trusted=False``, the default) a prefix of
+``UNTRUSTED_COPY_BYTES``. The dead-letter stream is capped (``cap`` entries): the function
+trims the oldest beyond it, and the writer counts them (``stats.dead_letters_capped``) and
+raises an alarm.
 
 Dead-lettering is isolated per entry: a dead letter that fails for any reason but a
 transient one is replaced by a minimal one (reason ``internal_error``, no copied fields),
@@ -23,11 +28,17 @@ from typing import TYPE_CHECKING
 
 from broker_adapter.errors import BrokerAdapterError, TransientError
 from broker_adapter.protocol import deadletter
-from broker_adapter.protocol.deadletter import INTERNAL_ERROR, describe, encodable
+from broker_adapter.protocol.deadletter import (
+    DEFAULT_DEAD_LETTER_CAP,
+    INTERNAL_ERROR,
+    UNTRUSTED_COPY_BYTES,
+    describe,
+    encodable,
+)
 from broker_adapter.redis.client import text, translated
 from broker_adapter.redis.entry import StreamEntry
+from broker_adapter.redis.functions import DEAD_LETTER, fcall_many
 from broker_adapter.redis.internals import exchange
-from broker_adapter.redis.scripts import DEAD_LETTER, eval_many
 
 if TYPE_CHECKING:
     import redis
@@ -49,6 +60,7 @@ class DeadLetterWriter:
         stats: the reader's counters (``dead_lettered``, ``by_reason``,
             ``dead_letter_failures`` move here).
         logger: where alarms go.
+        cap: the most entries the dead-letter stream keeps (0: no cap).
     """
 
     def __init__(
@@ -61,6 +73,7 @@ class DeadLetterWriter:
         config: ReaderConfig,
         stats: ReaderStats,
         logger: logging.Logger,
+        cap: int = DEFAULT_DEAD_LETTER_CAP,
     ) -> None:
         self.client = client
         self.stream = stream
@@ -70,7 +83,7 @@ class DeadLetterWriter:
         self.config = config
         self.stats = stats
         self.log = logger
-        self._script = client.register_script(DEAD_LETTER)
+        self.cap = cap
 
     def write(
         self,
@@ -78,6 +91,8 @@ class DeadLetterWriter:
         reason: str,
         detail: str,
         extra: Mapping[str, str] | None = None,
+        *,
+        trusted: bool = False,
     ) -> str | None:
         """Move ``entry`` to the dead-letter stream with its reason, and XACK it, atomically.
 
@@ -93,6 +108,8 @@ class DeadLetterWriter:
             detail: human-readable explanation (``dl.detail``, cut to 1000 characters).
             extra: more ``dl.*`` fields to record, e.g. ``{"dl.field": "payload"}``. Texts
                 are made encodable (``encodable``): they may come from input.
+            trusted: the entry was authenticated and admitted: the copy may hold up to
+                ``max_entry_bytes`` (else ``UNTRUSTED_COPY_BYTES``).
 
         Returns:
             the dead-letter entry's id, or None when none could be written.
@@ -104,8 +121,9 @@ class DeadLetterWriter:
                 gone, say): a problem of the stream, not of the entry.
         """
         return self.write_fields(
-            entry.entry_id, reason, detail, entry.deliveries, original=entry.flat(), extra=extra
-        )
+            entry.entry_id, reason, detail, entry.deliveries, original=entry.flat(), extra=extra,
+            trusted=trusted,
+        )  # fmt: skip
 
     def write_exception(self, entry: StreamEntry, exc: Exception, doing: str) -> None:
         """Dead-letter ``entry`` as ``internal_error``: handling it raised ``exc`` (a bug, or
@@ -140,15 +158,18 @@ class DeadLetterWriter:
         """
         calls = []
         for e, reason, detail, extra in refused:
-            notes, copy = self._letter(e.entry_id, reason, detail, e.deliveries, e.flat(), extra)
+            notes, copy = self._letter(
+                e.entry_id, reason, detail, e.deliveries, e.flat(), extra, trusted=False
+            )
             calls.append(([self.stream, self.dead_stream], self._argv(e.entry_id, notes, copy)))
-        results = eval_many(self.client, DEAD_LETTER, calls)
+        results = fcall_many(self.client, DEAD_LETTER, calls)
         reasons: dict[str, int] = {}
         written = 0
         for (entry, reason, detail, extra), result in zip(refused, results, strict=True):
             if isinstance(result, BrokerAdapterError):
                 written += self.write(entry, reason, detail, extra) is not None
                 continue
+            self._count_capped(result)
             reasons[reason] = reasons.get(reason, 0) + 1
         for reason, n in reasons.items():
             self.stats.dead_lettered += n
@@ -166,12 +187,15 @@ class DeadLetterWriter:
         original: Sequence[bytes] = (),
         ack: bool = True,
         extra: Mapping[str, str] | None = None,
+        trusted: bool = False,
     ) -> str | None:
         """Dead-letter the entry ``entry_id`` of ``original`` fields (flat pairs; none when
         its payload is gone), with the fallbacks. ``ack=False``: the entry left the pending
-        list already (XAUTOCLAIM's deleted ids)."""
+        list already (XAUTOCLAIM's deleted ids); ``trusted``: as ``write``."""
         try:
-            notes, copy = self._letter(entry_id, reason, detail, deliveries, original, extra)
+            notes, copy = self._letter(
+                entry_id, reason, detail, deliveries, original, extra, trusted=trusted
+            )
             dead_id = self._move(entry_id, notes, copy, ack=ack)
         except TransientError:
             raise
@@ -204,6 +228,8 @@ class DeadLetterWriter:
         deliveries: int,
         original: Sequence[bytes],
         extra: Mapping[str, str] | None,
+        *,
+        trusted: bool,
     ) -> tuple[dict[str, str], list[bytes]]:
         """The ``dl.*`` notes and the bounded ``orig.*`` copy of one dead letter."""
         notes = deadletter.notes(
@@ -211,10 +237,12 @@ class DeadLetterWriter:
             group=self.group, consumer=self.consumer, extra=extra,
         )  # fmt: skip
         cfg = self.config
+        max_bytes = cfg.max_entry_bytes
+        if not trusted:
+            max_bytes = min(max_bytes, UNTRUSTED_COPY_BYTES)
         copy, truncated = deadletter.copy_original(
-            original, max_fields=cfg.max_entry_fields, max_bytes=cfg.max_entry_bytes,
-            source=self.stream,
-        )  # fmt: skip
+            original, max_fields=cfg.max_entry_fields, max_bytes=max_bytes, source=self.stream
+        )
         if truncated:
             notes[deadletter.TRUNCATED] = truncated
         return notes, copy
@@ -222,18 +250,35 @@ class DeadLetterWriter:
     def _argv(
         self, entry_id: str, notes: Mapping[str, str], copy: Sequence[bytes], *, ack: bool = True
     ) -> list[bytes | str]:
-        """The dead-letter script's ARGV: the group, the entry to acknowledge, the fields."""
-        argv: list[bytes | str] = [self.group, entry_id if ack else "0-0"]
+        """The dead-letter function's ARGV: the group, the entry to acknowledge, the cap,
+        the fields."""
+        argv: list[bytes | str] = [self.group, entry_id if ack else "0-0", str(self.cap)]
         argv += deadletter.entry_fields(notes, copy)
         return argv
 
     def _move(
         self, entry_id: str, notes: Mapping[str, str], copy: Sequence[bytes], *, ack: bool
     ) -> str:
-        """Run the dead-letter script for one entry."""
+        """Call the dead-letter function for one entry."""
         argv = self._argv(entry_id, notes, copy, ack=ack)
-        with translated():
-            return text(self._script(keys=[self.stream, self.dead_stream], args=argv))
+        (result,) = fcall_many(self.client, DEAD_LETTER, [([self.stream, self.dead_stream], argv)])
+        if isinstance(result, Exception):
+            raise result
+        self._count_capped(result)
+        return text(result[0])
+
+    def _count_capped(self, result: Sequence[object]) -> None:
+        """Count and report the dead letters the cap trimmed (the function's second
+        result)."""
+        trimmed = int(result[1])  # type: ignore[call-overload]
+        if trimmed:
+            self.stats.dead_letters_capped += trimmed
+            self.log.error(
+                "ALARM: dead-letter stream %s is at its cap of %d entries; its %d oldest "
+                "dead letters were trimmed (read them with `dead-letters list` sooner, or find "
+                "who floods %s)",
+                self.dead_stream, self.cap, trimmed, self.stream,
+            )  # fmt: skip
 
     def _give_up(self, entry_id: str, reason: str, exc: Exception, *, ack: bool) -> None:
         """The last resort when no dead letter can be written: acknowledge the entry alone,

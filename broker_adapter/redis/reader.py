@@ -114,6 +114,8 @@ class ReaderStats:
     reconnects: int = 0
     #: Entries acknowledged without any dead letter because even a minimal one failed.
     dead_letter_failures: int = 0
+    #: Dead letters trimmed because their stream was at its cap.
+    dead_letters_capped: int = 0
     by_reason: dict[str, int] = field(default_factory=dict)
 
 

@@ -1,7 +1,7 @@
-"""Lua scripts of the reader, and running a script many times in one round trip.
+"""Running a Lua script many times in one round trip.
 
-Each script's source is a constant here with a header stating its KEYS and ARGV. Scripts
-run by ``eval_many`` go by EVALSHA (``script_sha``) and are loaded on NOSCRIPT.
+Each script's source is a constant in its own module with a header stating its KEYS and
+ARGV. Scripts run by ``eval_many`` go by EVALSHA (``script_sha``) and are loaded on NOSCRIPT.
 """
 
 from __future__ import annotations
@@ -16,21 +16,6 @@ import redis
 from broker_adapter.errors import BrokerAdapterError
 from broker_adapter.redis.client import translated
 from broker_adapter.redis.internals import exchange
-
-#: Dead-letter one entry: XADD the dead letter to the dead stream and XACK the source
-#: entry, atomically.
-#:
-#: KEYS[1] the source stream, KEYS[2] its dead-letter stream.
-#: ARGV[1] the group, ARGV[2] the entry id (``0-0``: acknowledge nothing, the entry left
-#: the pending list already), ARGV[3..] the dead letter's field/value pairs
-#: (``protocol.deadletter.entry_fields``): a few notes and at most ``max_entry_fields``
-#: copied fields, so ``unpack`` stays bounded.
-#: Returns the dead letter's entry id.
-DEAD_LETTER = """
-local dead_id = redis.call('XADD', KEYS[2], '*', unpack(ARGV, 3))
-redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
-return dead_id
-"""
 
 
 @functools.lru_cache(maxsize=64)

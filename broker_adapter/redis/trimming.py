@@ -30,6 +30,15 @@ Time: entry ids carry the Redis server's clock, the windows are set on the calle
 clock that runs ahead of the server never trims early; one that runs behind keeps entries
 longer by its lag.
 
+Ids ahead of the clock: an ``XADD`` with an explicit id (``9999999999999-0``, or the
+largest id) puts an entry in the future, and every later ``*`` id follows it, so no entry
+after it would ever be older than the keep floor. The script compares the groups'
+last-delivered ids with the server's ``TIME``: when one is more than ``FUTURE_TOLERANCE_MS``
+ahead, the stream is *poisoned*: the keep floor and the expiry (both times) are not applied,
+acknowledged entries are trimmed up to the groups' bound, and the result names the id
+(``TrimResult.future_id``) so that the caller raises the alarm. ``broker-adapter streams
+repair`` (``redis.repair``) moves the live entries to a fresh stream.
+
 Rewinds: a group rewound (``XGROUP SETID ... 0``) after a trim reaches back only to the
 entries the trim kept.
 """
@@ -59,13 +68,19 @@ if TYPE_CHECKING:
 EXPIRED_PER_CALL = 100
 #: A trim stops after this many calls on one stream (it goes on at its next interval).
 MAX_CALLS_PER_TRIM = 100
+#: A group's last-delivered id more than this ahead of the server's clock marks the stream
+#: as poisoned (ms; room for a clock step between a primary and its replica).
+FUTURE_TOLERANCE_MS = 60_000
 
 # KEYS[1] the stream. ARGV[1] keep floor id ("<ms>-0": entries at or above it stay),
 # ARGV[2] expiry id ("<ms>-0", or "" never: unacknowledged entries below it go),
-# ARGV[3] how many expired entries to list (and trim) in this call.
-# Returns {trimmed, more, id1, reply_id1, id2, reply_id2, ...}: ``more`` is 1 when expired
-# entries beyond the listed ones remain. ``read``: the bound is a last-delivered id that
-# every group acknowledged (the entry at it is not listed as expired, only trimmed).
+# ARGV[3] how many expired entries to list (and trim) in this call, ARGV[4] how many ms a
+# last-delivered id may be ahead of the server's TIME before the stream counts as poisoned.
+# Returns {trimmed, more, future, id1, reply_id1, id2, reply_id2, ...}: ``more`` is 1 when
+# expired entries beyond the listed ones remain; ``future`` is the largest last-delivered id
+# ahead of the clock ('' if none): then the keep floor and the expiry are not applied.
+# ``read``: the bound is a last-delivered id that every group acknowledged (the entry at it
+# is not listed as expired, only trimmed).
 TRIM_SCRIPT = """
 local function older(a, b)
   local am, as = string.match(a, '^(%d+)-(%d+)$')
@@ -75,12 +90,17 @@ local function older(a, b)
   if #as ~= #bs then return #as < #bs end
   return as < bs
 end
-if redis.call('EXISTS', KEYS[1]) == 0 then return {0, 0} end
-local bound, read = nil, false
+if redis.call('EXISTS', KEYS[1]) == 0 then return {0, 0, ''} end
+local t = redis.call('TIME')
+local horizon = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) + tonumber(ARGV[4])
+local bound, read, future = nil, false, ''
 for _, g in ipairs(redis.call('XINFO', 'GROUPS', KEYS[1])) do
   local info = {}
   for i = 1, #g, 2 do info[g[i]] = g[i + 1] end
   local b, r = info['last-delivered-id'], true
+  if tonumber(string.match(b, '^(%d+)-')) > horizon and (future == '' or older(future, b)) then
+    future = b
+  end
   if tonumber(info['pending']) > 0 then
     local summary = redis.call('XPENDING', KEYS[1], info['name'])
     if summary[2] then b, r = summary[2], false end
@@ -88,13 +108,13 @@ for _, g in ipairs(redis.call('XINFO', 'GROUPS', KEYS[1])) do
   if bound == nil or older(b, bound) or (b == bound and not r) then bound, read = b, r end
 end
 if bound == nil then
-  if ARGV[2] == '' then return {0, 0} end
+  if ARGV[2] == '' then return {0, 0, ''} end
   bound = '0-0'
 end
 local target = bound
-if older(ARGV[1], target) then target, read = ARGV[1], false end
-local out = {0, 0}
-if ARGV[2] ~= '' then
+if future == '' and older(ARGV[1], target) then target, read = ARGV[1], false end
+local out = {0, 0, future}
+if ARGV[2] ~= '' and future == '' then
   local cut = ARGV[2]
   if older(ARGV[1], cut) then cut = ARGV[1] end
   if older(target, cut) then
@@ -133,11 +153,14 @@ class TrimResult:
         expired: the expired entries removed, as ``(entry id, reply id)`` (the reply id is
             ``""`` for an entry without one, cut to 200 characters).
         complete: False when the trim stopped at ``MAX_CALLS_PER_TRIM`` calls.
+        future_id: a group's last-delivered id ahead of the server's clock (the stream is
+            poisoned: the keep floor was not applied), ``""`` when none.
     """
 
     trimmed: int = 0
     expired: list[tuple[str, str]] = field(default_factory=list)
     complete: bool = True
+    future_id: str = ""
 
 
 def now_ms(client: redis.Redis, clock: Clock) -> float:
@@ -181,10 +204,12 @@ def trim_stream(
     expire = "" if expire_before_ms is None else time_id(expire_before_ms)
     result = TrimResult()
     for _ in range(MAX_CALLS_PER_TRIM):
-        (reply,) = eval_many(client, TRIM_SCRIPT, [([stream], [keep, expire, EXPIRED_PER_CALL])])
+        args: list[str | int] = [keep, expire, EXPIRED_PER_CALL, FUTURE_TOLERANCE_MS]
+        (reply,) = eval_many(client, TRIM_SCRIPT, [([stream], args)])
         if isinstance(reply, Exception):
             raise reply
-        trimmed, more, listed = int(reply[0]), int(reply[1]), reply[2:]
+        trimmed, more, listed = int(reply[0]), int(reply[1]), reply[3:]
+        result.future_id = text(reply[2])
         result.trimmed += trimmed
         result.expired += [
             (text(listed[i]), text(listed[i + 1])) for i in range(0, len(listed) - 1, 2)
@@ -233,4 +258,11 @@ def trim_with_dead_letters(
     except BrokerAdapterError as exc:
         log.error("ALARM: trimming %s failed, will retry: %s", stream, exc)
         return None
+    if result.future_id:
+        log.error(
+            "ALARM: %s holds entries with ids ahead of the server clock (a group has read "
+            "%s): some client chose the id; acknowledged entries are trimmed without the keep "
+            "window. Repair with `broker-adapter streams repair --stream %s`",
+            stream, result.future_id, stream,
+        )  # fmt: skip
     return result, dead

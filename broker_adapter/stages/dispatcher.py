@@ -394,6 +394,7 @@ class Dispatcher:
                 self.stats.trim_failures += 1
                 continue
             result, dead = done
+            self.stats.future_ids += bool(result.future_id)
             if result.expired:
                 self.log.warning(
                     "%s: %d replies no group acknowledged within the retention window "

@@ -166,6 +166,7 @@ class Ingestor:
         self.limits = IngressLimits(
             self.clock, rate_limit=config.rate_limit, rate_burst=config.rate_burst,
             max_open_tasks=config.max_open_tasks, open_counts=tasks.open_counts,
+            stored=tasks.stored_message_ids,
         )  # fmt: skip
         # (stream, dead-letter stream, principal bound to it): one per ACL principal, or
         # the signed mode's partitions (one: the shared stream).
@@ -314,6 +315,7 @@ class Ingestor:
                 self.stats.trim_failures += 1
                 continue
             trimmed, dead = done
+            self.stats.future_ids += bool(trimmed.future_id)
             self.stats.trimmed += trimmed.trimmed
             self.stats.dead_letters_trimmed += dead
             removed += trimmed.trimmed + dead
@@ -414,11 +416,12 @@ class Ingestor:
             if refusal is not None:
                 # Nothing was written for it (NOT_TASK: results never become tasks by
                 # themselves; REFUSED: a deadline beyond the retention window).
-                reader.dead_letter(
+                reader.dead_letters.write(
                     entry,
                     refusal.reason,
                     refusal.detail,
                     extra={deadletter.FIELD: refusal.field, deadletter.PRINCIPAL: item.principal},
+                    trusted=True,  # authenticated and admitted: the whole entry is copied
                 )
                 continue
             name = _OUTCOME_COUNTER.get(result.outcome)

@@ -76,6 +76,7 @@ def screen(
     items: list[AcceptItem] = []
     refused: list[tuple[StreamEntry, str, str, dict[str, str]]] = []
     limits.new_batch()
+    authenticated: list[tuple[StreamEntry, Authenticated]] = []
     for entry in entries:
         try:
             auth = authenticate(entry.fields or {})
@@ -90,7 +91,11 @@ def screen(
         except Exception as exc:  # noqa: BLE001 - this entry's problem, not the batch's
             reader.dead_letter_exception(entry, exc, "authenticating it")
             continue
-        refusal = limits.admit(auth.principal)
+        authenticated.append((entry, auth))
+    known = limits.known([(a.principal, a.envelope.message_id) for _, a in authenticated])
+    for entry, auth in authenticated:
+        stored = (auth.principal, auth.envelope.message_id) in known
+        refusal = None if stored else limits.admit(auth.principal)
         if refusal is not None:  # dead-lettered together below: a flood is cheap to refuse
             refused.append(
                 (entry, *refusal, {deadletter.FIELD: "", deadletter.PRINCIPAL: auth.principal})

@@ -5,8 +5,11 @@ the stream (ACL mode) proved who sent an entry: counting an entry before that wo
 anybody spend another principal's allowance with forged entries.
 
 * **Rate** (``rate_limit`` entries per second, bursts of ``rate_burst``): every
-  authenticated entry takes one token, whatever it turns out to be (new request,
-  duplicate, conflict, not a task); tokens come back at ``rate_limit`` per second up to
+  authenticated entry takes one token (new request, conflict, not a task), except one whose
+  message id the inbox holds already for its principal (``known``: one lookup per batch):
+  anybody who can write the stream can add a captured entry again, and such copies must
+  not spend its principal's budget (they cost the inbox a duplicate answer, no task);
+  tokens come back at ``rate_limit`` per second up to
   ``rate_burst``. The bucket is in memory: a restarted ingest starts every principal
   with a full bucket.
 * **Open tasks** (``max_open_tasks``): a principal with that many tasks not yet terminal
@@ -29,7 +32,7 @@ refills nothing.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -68,6 +71,7 @@ class IngressLimits:
         open_counts: the store's count of open tasks per principal (only principals
             with at least one need be listed); called at most once per batch, and only
             with a quota.
+        stored: which of a principal's message ids the inbox holds (``known``).
     """
 
     def __init__(
@@ -78,6 +82,7 @@ class IngressLimits:
         rate_burst: int | None = None,
         max_open_tasks: int | None = None,
         open_counts: Callable[[], Mapping[str, int]] | None = None,
+        stored: Callable[[str, Sequence[str]], set[str]] | None = None,
     ) -> None:
         if rate_limit is not None and not rate_limit > 0:
             raise ValueError("rate_limit must be above 0")
@@ -91,12 +96,28 @@ class IngressLimits:
         )  # fmt: skip
         self.max_open_tasks = max_open_tasks
         self._open_counts = open_counts
+        self._stored = stored
         self._buckets: dict[str, _Bucket] = {}
         self._open: dict[str, int] | None = None
 
     @property
     def enabled(self) -> bool:
         return self.rate_limit is not None or self.max_open_tasks is not None
+
+    def known(self, ids: Sequence[tuple[str, str]]) -> set[tuple[str, str]]:
+        """Which ``(principal, message_id)`` pairs of a batch the inbox holds already:
+        ``admit`` is not called for them (they spend no token and no quota). Empty when no
+        limit is on or no ``stored`` lookup was given."""
+        if not self.enabled or self._stored is None or not ids:
+            return set()
+        by_principal: dict[str, list[str]] = {}
+        for principal, message_id in ids:
+            by_principal.setdefault(principal, []).append(message_id)
+        return {
+            (principal, m)
+            for principal, message_ids in by_principal.items()
+            for m in self._stored(principal, message_ids)
+        }
 
     def new_batch(self) -> None:
         """Forget the open-task counts: the next ``admit`` reads them from the store."""

@@ -114,6 +114,8 @@ class DispatcherStats:
     unread_trimmed: int = 0
     dead_letters_trimmed: int = 0
     trim_failures: int = 0
+    #: trims that found a group past an id ahead of the server clock (a poisoned stream)
+    future_ids: int = 0
 
 
 class ReplyPublisher:

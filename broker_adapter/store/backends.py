@@ -38,13 +38,19 @@ def is_postgres_url(target: object) -> bool:
 
 
 def redacted_url(url: str) -> str:
-    """``url`` without its password (``user:secret@`` becomes ``user@``): what messages
-    and logs may show."""
+    """``url`` without its password (``user:secret@`` becomes ``user@``, a ``password=``
+    query parameter's value becomes ``***``): what messages and logs may show."""
     parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    host = parts.netloc.rsplit("@", 1)[1]
-    return urlunsplit(parts._replace(netloc=f"{parts.username or ''}@{host}"))
+    if parts.password is not None:
+        host = parts.netloc.rsplit("@", 1)[1]
+        parts = parts._replace(netloc=f"{parts.username or ''}@{host}")
+    if "password" in parts.query.lower():
+        query = "&".join(
+            f"{p.split('=', 1)[0]}=***" if p.split("=", 1)[0].lower() == "password" else p
+            for p in parts.query.split("&")
+        )
+        parts = parts._replace(query=query)
+    return urlunsplit(parts)
 
 
 def open_store(

@@ -462,6 +462,18 @@ class TaskStore:
             ).fetchone()
         return TaskRow(**dict(row)) if row else None
 
+    def stored_message_ids(self, principal: str, message_ids: Sequence[str]) -> set[str]:
+        """Which of ``message_ids`` of ``principal`` the inbox holds already (the ingest's
+        limits charge nothing for a duplicate of a stored request): one indexed lookup per
+        ``IN_LIST_CHUNK`` ids."""
+        found: set[str] = set()
+        with self.db.read() as c:
+            for chunk, places in in_lists(list(dict.fromkeys(message_ids))):
+                sql = "SELECT message_id FROM inbox WHERE principal = ? AND message_id IN "
+                rows = c.execute(f"{sql}({places})", (principal, *chunk)).fetchall()
+                found.update(r["message_id"] for r in rows)
+        return found
+
     def open_counts(self) -> dict[str, int]:
         """Tasks not yet terminal (pending or running) per principal, for the ingest's
         quota (``limits``): one pass over the live tasks' partial index."""

@@ -25,6 +25,12 @@ only the shape is wrong):
 * ``far_deadline``: a deadline 30 days ahead, past the retention window (``too_large``);
 * ``oversize``: a signed envelope with a 300 KB field beside it (``oversize``).
 
+Entry id shapes (``ENTRY_ID_SHAPES``, ``chosen_id``): any inbound poison planted at an id the
+writer chose, as a user with ``+xadd`` can: ``future_id`` (about 11.6 days ahead of the
+server clock: every later ``*`` id follows it; the trim raises its alarm and goes on) and
+``max_id`` (the largest id: every later ``XADD *`` fails until ``broker-adapter streams
+repair``). The entry itself gets its shape's reason as usual.
+
 Reply shapes: forgeries (``FORGERY_SHAPES``: unsigned v1, unsigned v2, a wrong secret,
 another principal's key id, another principal's secret under the right key id) and poison
 (``REPLY_POISON_SHAPES``: ~4,000 / ~10,000 fields, a repeated field, an entry over the
@@ -76,6 +82,12 @@ REPLY_POISON_SHAPES: dict[str, tuple[str, ...]] = {
     "oversize": ("oversize",),
     "deep_body": ("bad_reply",),
 }
+#: Entry id shapes: what a writer that chooses ids plants an entry at.
+ENTRY_ID_SHAPES = ("future_id", "max_id")
+#: The largest stream id.
+MAX_ID = "18446744073709551615-18446744073709551615"
+#: How far ahead of the server clock ``future_id`` is, ms.
+FUTURE_AHEAD_MS = 10**9
 WIDE_FIELDS = {"wide_4k": 4_000, "wide_10k": 10_000}
 DEEP_PAYLOAD_LEVELS = 100
 DEEP_JSON_LEVELS = 50_000
@@ -205,6 +217,16 @@ def reply_entry(
         sig = reply_signature(secret.encode(), kid, principal, reply_id, body)
         pairs += [(b"kid", kid.encode()), (b"sig", sig.encode())]
     return _misshaped(shape, pairs, b"body", REPLY_OVERSIZE_BYTES)
+
+
+def chosen_id(shape: str, server_ms: int) -> str:
+    """The id of an entry of id shape ``shape`` (``ENTRY_ID_SHAPES``), given the server's
+    clock in ms (``TIME``)."""
+    if shape == "future_id":
+        return f"{server_ms + FUTURE_AHEAD_MS}-0"
+    if shape == "max_id":
+        return MAX_ID
+    raise ValueError(f"unknown entry id shape {shape!r}")
 
 
 def flat(pairs: Pairs) -> list[bytes]:

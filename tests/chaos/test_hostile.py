@@ -25,9 +25,11 @@ from tests.chaos.checker import check
 from tests.chaos.finalread import dead_letter, read_receiver, xrange_all
 from tests.chaos.history import Event
 from tests.chaos.hostile import (
+    ENTRY_ID_SHAPES,
     FORGERY_SHAPES,
     INBOUND_SHAPES,
     REPLY_POISON_SHAPES,
+    chosen_id,
     flat,
     forged_body,
     inbound_poison,
@@ -88,6 +90,47 @@ def test_every_inbound_poison_shape_is_dead_lettered_with_its_reason(
     finally:
         db.close()
     assert _dead_reasons(client, keys.inbound_dead()) == expected
+
+
+def test_poison_at_chosen_ids_is_dead_lettered_and_the_stream_repaired(
+    client: Any, prefix: str, tmp_path: Path
+) -> None:
+    """Poison planted at a future id and at the largest id: each gets its shape's reason,
+    the trim raises the alarm and goes on, and after ``repair_stream`` the stream takes
+    ``XADD *`` again and the same ingest reads it."""
+    from broker_adapter.redis.repair import repair_stream
+
+    keys = Keys(prefix)
+    stream = keys.inbound()
+    secret = KEYS["p1"]["p1-k1"]
+    seconds, micros = client.time()
+    now_ms = seconds * 1000 + micros // 1000
+    expected = {}
+    for i, id_shape in enumerate(ENTRY_ID_SHAPES):
+        key = f"p1:id{i:05d}"
+        fields = inbound_poison("dup_field", key=key, principal="p1", ident=key[3:],
+                                kid="p1-k1", secret=secret, deadline_s=3600.0)  # fmt: skip
+        client.execute_command("XADD", stream, chosen_id(id_shape, now_ms), *flat(fields))
+        expected[key] = INBOUND_SHAPES["dup_field"][0]
+    db = open_database(tmp_path / "adapter.db")
+    try:
+        config = IngestConfig(prefix=prefix, consumer="ingest-h-0", block_ms=20)
+        ingestor = Ingestor(config, client, TaskStore(db), Keyring(KEYS))
+        drain(ingestor, client)
+        ingestor.trim()
+        assert ingestor.stats.future_ids == 1  # the alarm
+        assert _dead_reasons(client, keys.inbound_dead()) == expected
+        with pytest.raises(Exception, match="exhausted the last possible ID"):
+            client.xadd(stream, {"x": "1"})
+        repair_stream(client, stream, server_ms=now_ms)
+        key = "p1:id-after"
+        fields = inbound_poison("dup_field", key=key, principal="p1", ident="id-after",
+                                kid="p1-k1", secret=secret, deadline_s=3600.0)  # fmt: skip
+        client.execute_command("XADD", stream, "*", *flat(fields))
+        drain(ingestor, client)
+    finally:
+        db.close()
+    assert _dead_reasons(client, keys.inbound_dead()) == expected | {key: "duplicate_field"}
 
 
 def _receiver(client: Any, prefix: str, path: Path) -> tuple[Receiver, Any]:

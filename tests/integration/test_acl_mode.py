@@ -361,3 +361,49 @@ def test_documented_adapter_user_can_trim_its_streams(acl_server: AclRedisServer
     assert len(trim_stream(adapter, replies, keep_from_ms=now, expire_before_ms=now).expired) == 2
     assert trim_by_age(adapter, keys.inbound_dead("alice"), now) == 2
     assert trim_by_age(adapter, keys.replies_dead("alice"), now) == 2
+
+
+def test_documented_receiver_cannot_run_code_of_its_own_yet_dead_letters(
+    acl_server: AclRedisServer, tmp_path: Path
+) -> None:
+    """A receiver user that could load a script could load one that writes and loops: every
+    client gets BUSY until a Redis restart. The documented one can call the one function of
+    the library (its dead letter) and load or run nothing."""
+    keys = Keys(DOC_PREFIX)
+    res = subprocess.run(
+        [sys.executable, "-m", "broker_adapter", "functions", "load", "--redis",
+         acl_server.url_for("adapter")],
+        cwd=ROOT, capture_output=True, text=True, env=cli_env(), timeout=60,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    assert "audit: functions load by os user" in res.stderr
+    rcv: Any = as_user(acl_server, "alice-receiver")
+    busy = "redis.call('SET', KEYS[1], 1) while true do end"
+    stream = keys.replies("alice")
+    library = f"#!lua name=evil\nredis.register_function('evil', function(k, a) {busy} end)"
+    for fn in [
+        lambda: rcv.script_load(busy),
+        lambda: rcv.eval(busy, 1, keys.replies_dead("alice")),
+        lambda: rcv.evalsha("0" * 40, 1, keys.replies_dead("alice")),
+        lambda: rcv.execute_command("FUNCTION", "LOAD", library),
+        lambda: rcv.execute_command("FUNCTION", "FLUSH"),
+        lambda: rcv.execute_command("FCALL", "other", 1, keys.replies_dead("alice")),
+    ]:
+        refused(fn)
+    ops: Any = acl_server.client()
+    assert ops.ping()  # nothing ran: the server answers everyone
+    ops.xadd(stream, {"v": "1", "junk": "x" * 20_000})  # not a reply: dead-lettered
+    db = open_database(tmp_path / "alice.db")
+    try:
+        receiver = make_receiver(acl_server, "alice", db)
+        deadline = time.monotonic() + 30
+        while not ops.xlen(keys.replies_dead("alice")):
+            assert time.monotonic() < deadline, "the receiver never dead-lettered the entry"
+            receiver.step()
+    finally:
+        db.close()
+        rcv.close()
+    ((_, dead),) = ops.xrange(keys.replies_dead("alice"))
+    assert dead[b"dl.reason"]
+    assert b"dl.truncated" in dead  # an entry nobody authenticated: a bounded prefix
+    assert pending_total(ops, stream, "ba-receiver") == 0

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import redis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -29,6 +30,7 @@ from broker_adapter.protocol.canonical import canonical_json, sha256_hex
 from broker_adapter.protocol.envelope import Envelope
 from broker_adapter.protocol.keys import Keys
 from broker_adapter.protocol.signing import Keyring, signature
+from broker_adapter.redis.client import text
 from broker_adapter.stages.receiver import Receiver
 from broker_adapter.store import open_database
 from tests.support.redis_server import RedisServer, require_binary
@@ -272,3 +274,37 @@ def _xadd(client: Any, stream: str, pairs: list[tuple[bytes, bytes]]) -> str:
         args += [name, value]
     entry_id = client.execute_command(*args)
     return entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
+
+
+# -- ids a writer chose (runs last: it poisons the module's stream, then repairs it) --------
+
+
+def test_max_and_future_ids_are_survived_and_the_stream_repaired(rig: _Rig) -> None:
+    """An entry at an id in the future and one at the largest id, as any user with
+    ``+xadd`` can add them: the adapter keeps running, the largest id stops every later
+    ``XADD *`` until ``broker-adapter streams repair``, and then requests flow again."""
+    stream = rig.keys.inbound()
+    seconds, micros = rig.client.time()
+    future = f"{seconds * 1000 + micros // 1000 + 10**9}-0"  # ~11.6 days ahead
+    rig.client.xadd(stream, dict(_signed(b"{}")), id=future)
+    assert text(rig.client.xinfo_stream(stream)["last-generated-id"]) == future
+    after_future = rig.legit()  # a * id after the future one: in the future too
+    rig.client.xadd(stream, dict(_signed(b"[]")), id="18446744073709551615-18446744073709551615")
+    with pytest.raises(redis.ResponseError, match="exhausted the last possible ID"):
+        rig.legit()
+    res = subprocess.run(
+        [sys.executable, "-m", "broker_adapter", "streams", "repair", "--redis", rig.server.url,
+         "--prefix", PREFIX, "--stream", stream],
+        cwd=ROOT, capture_output=True, text=True, timeout=60,
+        env={k: v for k, v in os.environ.items() if not k.startswith("BA_")},
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    after_repair = rig.legit()
+    deadline = time.monotonic() + WAIT_S
+    while time.monotonic() < deadline:
+        assert rig.alive(), "broker-adapter run exited on a chosen id"
+        if rig.replies_for(after_future) == 1 and rig.replies_for(after_repair) == 1:
+            break
+        time.sleep(0.05)  # polling a condition with an explicit timeout
+    assert (rig.replies_for(after_future), rig.replies_for(after_repair)) == (1, 1)
+    assert rig.alive()

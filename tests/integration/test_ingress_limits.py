@@ -142,3 +142,29 @@ def test_open_task_quota_on_both_sides_of_its_edge(
     assert ("alice", "a4") not in task_counts(tasks)
     assert dead_reasons(client, keys.inbound_dead()) == {("quota_exceeded", "alice"): 2}
     assert ingestor.stats.dead_lettered == {"quota_exceeded": 2}
+
+
+def test_re_adds_of_a_stored_request_spend_no_rate_budget(
+    client: redis.Redis, prefix: str, tasks: TaskStore, clock: FakeClock
+) -> None:
+    """Anybody who may write the stream can add a captured signed entry again without any
+    key: the copies are duplicates of a stored request and must not spend its principal's
+    tokens, so the principal's own new requests still get the whole burst (and no more)."""
+    keys = Keys(prefix)
+    config = IngestConfig(
+        prefix=prefix, consumer="ingest-0", rate_limit=0.001, rate_burst=10, block_ms=20
+    )
+    ingestor = Ingestor(config, client, tasks, KEYRING, clock=clock)
+    publish(client, keys, "alice", ["captured"])
+    drain(ingestor, client)  # stored: one token spent, 9 left
+    ((_, captured),) = cast(list[tuple[bytes, dict[bytes, bytes]]], client.xrange(keys.inbound()))
+    pipe = client.pipeline(transaction=False)
+    for _ in range(30):  # keyless re-adds, in the same batches as alice's new requests
+        pipe.xadd(keys.inbound(), cast(Any, captured))
+    pipe.execute()
+    publish(client, keys, "alice", [f"new{i}" for i in range(10)])  # one more than is left
+    drain(ingestor, client)
+    counts = task_counts(tasks)
+    assert counts == {("alice", "captured"): 1} | {("alice", f"new{i}"): 1 for i in range(9)}
+    assert dead_reasons(client, keys.inbound_dead()) == {("rate_limited", "alice"): 1}
+    assert ingestor.stats.duplicates == 30

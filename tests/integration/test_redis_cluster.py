@@ -268,6 +268,27 @@ def test_one_round_trip_of_scripts_on_several_masters_runs_each_where_its_keys_a
     assert [int(client.get(k)) for k in keys] == [2] * len(keys)  # type: ignore[arg-type]
 
 
+def test_the_function_library_is_loaded_on_every_master_and_dead_letters_anywhere(
+    redis_cluster: RedisCluster,  # noqa: F811
+    prefix: str,
+) -> None:
+    """``functions load`` reaches every master: a dead letter by FCALL runs where its
+    stream's slot is, on each of the three masters, in one round trip."""
+    from broker_adapter.redis.functions import DEAD_LETTER, fcall_many, load_functions
+
+    streams = [f"{prefix}:{{in.p{i}}}:tasks" for i in range(12)]
+    assert len({redis_cluster.owner(_slot(s)).port for s in streams}) == 3
+    client: Any = connect(redis_cluster.url)
+    load_functions(client)
+    for node in client.get_primaries():
+        listed = client.execute_command("FUNCTION", "LIST", target_nodes=node)
+        assert listed, node  # every master has the library
+    calls = [([s, f"{s}:dead"], ["g", "0-0", "0", "dl.reason", "test"]) for s in streams]
+    results = fcall_many(client, DEAD_LETTER, calls)
+    assert all(not isinstance(r, Exception) for r in results), results
+    assert [client.xlen(f"{s}:dead") for s in streams] == [1] * len(streams)
+
+
 def test_cli_run_publish_receive_status_on_the_cluster_with_partitions(
     redis_cluster: RedisCluster,  # noqa: F811
     tmp_path: Path,

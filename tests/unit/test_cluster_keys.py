@@ -14,7 +14,7 @@ from broker_adapter.errors import BrokerAdapterError, ConfigError
 from broker_adapter.protocol.keys import MAX_PARTITIONS, Keys, partition_of
 from broker_adapter.redis import cluster
 from broker_adapter.redis.client import check_redis_url
-from broker_adapter.redis.scripts import DEAD_LETTER
+from broker_adapter.redis.functions import LIBRARY
 from broker_adapter.redis.trimming import TRIM_SCRIPT
 from broker_adapter.stages.publish import PUBLISH_SCRIPT
 
@@ -28,7 +28,7 @@ def _slot(key: str) -> int:
 
 def _keys_used(script: str) -> int:
     """How many KEYS the script reads (its highest ``KEYS[n]``)."""
-    return max(int(n) for n in re.findall(r"KEYS\[(\d+)\]", script))
+    return max(int(n) for n in re.findall(r"(?:KEYS|keys)\[(\d+)\]", script))
 
 
 def _inbound_streams(keys: Keys) -> list[str]:
@@ -51,7 +51,7 @@ def test_each_scripts_keys_hash_to_one_slot(prefix: str) -> None:
     # (script, the key lists its callers pass): GroupReader._move / dead_letter_many,
     # Dispatcher's publish calls, trimming's trim_stream.
     cases = [
-        (DEAD_LETTER, [[s, keys.dead_for(s)] for s in streams]),
+        (LIBRARY, [[s, keys.dead_for(s)] for s in streams]),  # ba_dead_letter, by FCALL
         (PUBLISH_SCRIPT, [[keys.reply_record(p, "r-1"), keys.replies(p)] for p in PRINCIPALS]),
         (TRIM_SCRIPT, [[s] for s in streams] + [[keys.dead_for(s)] for s in streams]),
     ]
@@ -59,9 +59,9 @@ def test_each_scripts_keys_hash_to_one_slot(prefix: str) -> None:
         for key_list in key_lists:
             assert len(key_list) == _keys_used(script)
             assert len({_slot(k) for k in key_list}) == 1, key_list
-            assert cluster.command_slot(("EVALSHA", "sha", len(key_list), *key_list, "arg")) == (
-                _slot(key_list[0])
-            )
+            for call in ("EVALSHA", "FCALL"):
+                command = (call, "sha-or-name", len(key_list), *key_list, "arg")
+                assert cluster.command_slot(command) == _slot(key_list[0])
 
 
 def test_a_streams_dead_letters_share_its_tag_and_the_named_dead_keys_agree() -> None:

@@ -219,7 +219,7 @@ def test_a_cookie_session_needs_its_csrf_token(client: TestClient, s: Stores) ->
     row = s.tasks.get(task_id)
     assert row is not None
     assert row.state == "cancelled"
-    assert "cancelled by alice (console)" in (row.error or "")
+    assert "[by alice (console)]" in (row.error or "")
 
 
 def test_a_read_only_token_sees_the_pages_and_may_not_act(client: TestClient, s: Stores) -> None:
@@ -288,7 +288,7 @@ def test_deny_cancels_the_waiting_task_under_the_operators_name(
     assert row is not None
     assert row.state == "cancelled"
     assert row.error is not None
-    assert "denied by alice (console): not today" in row.error
+    assert "approval denied: not today [by alice (console)]" in row.error
     assert ApprovalStore(s.tasks).counts()["approvals_valid"] == 0
 
 

@@ -196,7 +196,7 @@ VALID_EDGES: list[tuple[str, dict[str, Any]]] = [
     ("message_id_128_bytes_3byte", {"message_id": "€" * 42 + "ab"}),
     ("message_id_128_bytes_4byte", {"message_id": "😀" * 32}),
     ("message_id_space_and_tilde", {"message_id": " ~ "}),
-    ("message_id_non_control_unicode", {"message_id": "a\u00a0b\u2028"}),
+    ("message_id_non_control_unicode", {"message_id": "a\u00a0b\u00e9"}),
     ("sender_1", {"sender": "a"}),
     ("sender_64", {"sender": "a" * PRINCIPAL_MAX_BYTES}),
     ("sender_full_alphabet", {"sender": "AZaz09._-"}),
@@ -337,7 +337,7 @@ def test_envelope_fingerprint_is_the_hash_of_canonical_content() -> None:
     for extra in (
         {},
         {"correlation_id": 'c-\u00e9"q'},
-        {"parent_id": "p\u2028"},
+        {"parent_id": "p\u00a0\u4e2d", "payload": {"q": "p\u2028\u202e"}},
         {"kind": "event"},
     ):
         env = Envelope.build(**fields(**extra))
