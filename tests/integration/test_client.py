@@ -20,6 +20,7 @@ import redis.asyncio
 from broker_adapter import AsyncClient, Client, Keyring, RequestFailed, RequestTimeout
 from broker_adapter.errors import ConfigError
 from broker_adapter.protocol.keys import Keys
+from broker_adapter.redis.client import connect
 from tests.support.cli import cli_env, count_rows, wait_for
 from tests.support.client_adapter import ROOT, running_adapter
 from tests.support.redis_server import RedisServer
@@ -45,7 +46,8 @@ def test_sync_client_request_returns_the_reply_and_a_failure_raises_with_it(
         Client(redis_server.url, "alice", keyring, instance="sync-1", prefix=prefix) as client,
     ):
         reply = client.request(None, {"x": 1}, message_id="sync-ok", timeout_s=60)
-        assert reply.status == "done" and reply.message_id == "sync-ok"
+        assert reply.status == "done"
+        assert reply.message_id == "sync-ok"
         assert reply.result == {"echo": {"x": 1}, "message_id": "sync-ok"}
         with pytest.raises(RequestFailed) as failed:
             client.request(None, {"fail": "no disk"}, key="restart-web", timeout_s=60)
@@ -54,7 +56,8 @@ def test_sync_client_request_returns_the_reply_and_a_failure_raises_with_it(
         assert failed.value.message_id == client.message_id(key="restart-web")
         # the recorded reply of each, by message id
         recorded = client.result("sync-ok")
-        assert recorded is not None and recorded.reply_id == reply.reply_id
+        assert recorded is not None
+        assert recorded.reply_id == reply.reply_id
         assert client.result("never-sent") is None
 
 
@@ -99,7 +102,8 @@ def test_six_instances_of_one_principal_each_get_exactly_their_own_replies(
         assert len(replies) == n, out
         for line in replies:  # its own replies, none timed out
             assert line["status"] == "done", line
-            assert line["echo_of"] == line["key"] and line["key"].startswith(f"{name}-")
+            assert line["echo_of"] == line["key"]
+            assert line["key"].startswith(f"{name}-")
     assert _tasks(db) == 6 * n
 
 
@@ -164,12 +168,11 @@ def test_a_request_whose_publish_acknowledgement_was_lost_makes_one_task_and_one
     keys = Keys(prefix)
     with running_adapter(redis_server.url, db, keyring_path, prefix):
         reply, lost = asyncio.run(_lost_ack_request(redis_server.url, keyring, prefix))
-        assert lost == 1 and reply.status == "done"
+        assert lost == 1
+        assert reply.status == "done"
         wait_for(lambda: count_rows(db, "SELECT count(*) FROM outbox WHERE state = 'sent'"),
                  "the reply marked sent")  # fmt: skip
-    import redis as sync_redis
-
-    r = sync_redis.Redis.from_url(redis_server.url)
+    r: Any = connect(redis_server.url)
     inbound = [f for _, f in r.xrange(keys.inbound())]
     assert len(inbound) >= 2  # the lost one and at least one resend, the same bytes
     assert len({f[b"env"] for f in inbound}) == 1
