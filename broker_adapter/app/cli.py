@@ -29,6 +29,7 @@ from broker_adapter.app.commands import (
 )
 from broker_adapter.app.effects_cli import COMMANDS as EFFECT_COMMANDS
 from broker_adapter.app.effects_cli import add_commands as add_effect_commands
+from broker_adapter.app.tasks_cli import add_task_commands, cmd_result, cmd_tasks
 from broker_adapter.config import DEFAULT_LEASE_S
 from broker_adapter.errors import BrokerAdapterError, ConfigError
 from broker_adapter.store.retention import DEFAULT_RETENTION_S
@@ -286,7 +287,9 @@ def build_parser() -> argparse.ArgumentParser:
         "cancel", help="cancel a task durably (a running one: requested, for its handler to stop)"
     )
     _add_db(cancel, "the adapter's database: a SQLite file, or a postgresql:// URL")
-    cancel.add_argument("task_id", help="the task to cancel")
+    cancel.add_argument("task_id", nargs="?", help="the task to cancel")
+    cancel.add_argument("--message-id", help="name the task by its message id (with --principal)")
+    cancel.add_argument("--principal", help="whose message id")
     _option(cancel, "--reason", "kept with the task and sent in its reply",
             default="cancelled by operator")  # fmt: skip
 
@@ -310,6 +313,7 @@ def build_parser() -> argparse.ArgumentParser:
                     default=os.environ.get("USER", "operator"))  # fmt: skip
 
     add_effect_commands(sub, _option, _add_db)
+    add_task_commands(sub, _option, _add_db, _add_redis, _add_prefix, _add_keyring)
     sub.add_parser("demo", help="run the end-to-end demo on an embedded default")
     return parser
 
@@ -323,6 +327,8 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "status": cmd_status,
     "cancel": cmd_cancel,
     "dead-letters": cmd_dead_letters,
+    "tasks": cmd_tasks,
+    "result": cmd_result,
     "demo": cmd_demo,
     **EFFECT_COMMANDS,
 }

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import shlex
 import signal
 import threading
 import time
@@ -109,6 +110,12 @@ def cmd_publish(args: argparse.Namespace) -> int:
             "principal": args.principal,
             "message_id": args.message_id,
             "fingerprint": envelope.fingerprint(),
+            "deadline": envelope.deadline,
+            "max_attempts": envelope.max_attempts,
+            "key_id": args.key_id or keyring.key_ids(args.principal)[0],
+            "reply_stream": Keys(args.prefix).replies(args.principal),
+            "result": f"broker-adapter result --principal {args.principal} --id"
+            f" {shlex.quote(args.message_id)}",
         }
     )
     return 0
@@ -239,15 +246,17 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_cancel(args: argparse.Namespace) -> int:
+    from broker_adapter.app.tasks_cli import cancel_task_id
     from broker_adapter.store import TaskStore
     from broker_adapter.store.backends import open_store
     from broker_adapter.store.effects import EffectsStore
 
     db = open_store(args.db)  # a SQLite file or a postgresql:// URL
+    task_id = cancel_task_id(args, db)
     # A running task gets a cancel request (its handler sees it at its next check; its
     # lease is no longer renewed after the grace); any other live task is cancelled now.
-    state = EffectsStore(TaskStore(db)).request_cancel(args.task_id, args.reason)
-    out = {"task_id": args.task_id, "state": state.value}
+    state = EffectsStore(TaskStore(db)).request_cancel(task_id, args.reason)
+    out: dict[str, Any] = {"task_id": task_id, "state": state.value}
     if state == "running":
         out["cancel_requested"] = True
     _print_json(out)
