@@ -57,7 +57,7 @@ def test_each_scripts_keys_hash_to_one_slot(prefix: str) -> None:
         # answer's only the first two, the same slot)
         (PUBLISH_SCRIPT, [[keys.reply_record(p, "r-1"), keys.replies(p),
                            keys.reply_result(p, "m:1"), keys.reply_results(p)]
-                          for p in PRINCIPALS]),  # fmt: skip
+                          for p in PRINCIPALS]),
         # the purge deletes records under its ARGV prefix: they share the index's tag
         (PURGE_SCRIPT, [[keys.reply_results(p)] for p in PRINCIPALS]),
         (TRIM_SCRIPT, [[s] for s in streams] + [[keys.dead_for(s)] for s in streams]),
