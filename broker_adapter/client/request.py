@@ -25,7 +25,7 @@ import logging
 import socket
 import threading
 from collections.abc import Coroutine
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from broker_adapter.client.publisher import AsyncPublisher
 from broker_adapter.client.routing import ReplyWatch
@@ -116,6 +116,9 @@ class AsyncClient:
         prefix: the Redis key prefix (the adapter's ``--prefix``).
         key_id: the key to sign with (default the principal's first).
         partitions: the adapter's ``--partitions``.
+        mode: the adapter's ``--mode``: ``signed`` (requests signed, to the shared inbound
+            stream) or ``acl`` (unsigned, to the principal's own stream; the keyring still
+            checks the replies).
         resend_after_s, resend_max_s: the resend schedule while waiting.
         block_ms: how long one read of the reply stream waits.
         clock: stamps the deadlines.
@@ -124,7 +127,8 @@ class AsyncClient:
     def __init__(
         self, redis: str | AsyncRedis, principal: str, keyring: Keyring, *,
         instance: str | None = None, prefix: str = DEFAULT_PREFIX, key_id: str | None = None,
-        partitions: int = 1, resend_after_s: float = DEFAULT_RESEND_AFTER_S,
+        partitions: int = 1, mode: Literal["signed", "acl"] = "signed",
+        resend_after_s: float = DEFAULT_RESEND_AFTER_S,
         resend_max_s: float = DEFAULT_RESEND_MAX_S, block_ms: int = 1000,
         clock: Clock | None = None, logger: logging.Logger | None = None,
     ) -> None:  # fmt: skip
@@ -140,8 +144,9 @@ class AsyncClient:
             if isinstance(redis, str) else redis
         )  # fmt: skip
         self.keys = Keys(prefix)
+        signer = keyring if mode == "signed" else None  # ACL mode: the stream proves who
         self.publisher = AsyncPublisher(
-            self.redis, self.keys, principal, keyring, key_id, partitions=partitions
+            self.redis, self.keys, principal, signer, key_id, partitions=partitions
         )
         self.log = logger or logging.getLogger("broker_adapter.client")
         self.watch = ReplyWatch(
