@@ -35,7 +35,7 @@ def add_task_commands(
     ls.add_argument("--limit", type=int, default=100, help="at most this many [default: 100]")
     show = ts.add_parser("show", help="one task in full, by task id or message id")
     add_db(show, "the adapter's database: a SQLite file (must exist), or a postgresql:// URL")
-    show.add_argument("id", metavar="MESSAGE_ID|TASK_ID")
+    show.add_argument("id", metavar="MESSAGE_ID|TASK_ID", help="a task id, or a message id")
     show.add_argument("--principal", help="the principal of a message id (several may use one)")
 
     res = sub.add_parser(
