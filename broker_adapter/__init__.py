@@ -8,7 +8,7 @@ exactly once.
 
 Everything a user needs is importable from here::
 
-    from broker_adapter import Adapter, AdapterConfig, Envelope, Keyring, Publisher, connect
+    from broker_adapter import Adapter, AdapterConfig, Client, Envelope, Keyring, connect
 
 The sub-packages (``protocol``, ``redis``, ``store``, ``client``, ``stages``, ``app``) are
 the implementation, layered as docs/ARCHITECTURE.md describes; their names may move
@@ -19,6 +19,7 @@ __version__ = "0.1.0"
 
 from broker_adapter.app.adapter import Adapter, AdapterConfig
 from broker_adapter.client.publisher import AsyncPublisher, Publisher
+from broker_adapter.client.request import AsyncClient, Client
 from broker_adapter.clock import Clock, FakeClock, SystemClock
 from broker_adapter.errors import (
     AuthError,
@@ -29,6 +30,13 @@ from broker_adapter.errors import (
     GroupMissingError,
     RedisUnavailable,
     ReplyConflict,
+    RequestCancelled,
+    RequestConflict,
+    RequestError,
+    RequestExpired,
+    RequestFailed,
+    RequestHopLimit,
+    RequestTimeout,
     RetryableError,
     StageError,
     StaleError,
@@ -55,10 +63,12 @@ from broker_adapter.store.tasks import UnknownTask
 __all__ = [
     "Adapter",
     "AdapterConfig",
+    "AsyncClient",
     "AsyncPublisher",
     "AuthError",
     "BadReply",
     "BrokerAdapterError",
+    "Client",
     "Clock",
     "ConfigError",
     "Envelope",
@@ -76,6 +86,13 @@ __all__ = [
     "RedisUnavailable",
     "Reply",
     "ReplyConflict",
+    "RequestCancelled",
+    "RequestConflict",
+    "RequestError",
+    "RequestExpired",
+    "RequestFailed",
+    "RequestHopLimit",
+    "RequestTimeout",
     "RetryableError",
     "SqlFence",
     "StageError",

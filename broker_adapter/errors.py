@@ -6,11 +6,18 @@
 * ``StaleError``: a fenced write was refused; stop and write nothing.
 * ``StageError``: a stage of a running adapter stopped on an unexpected error.
 * ``RetryableError``: raised by a handler (not by the library) to ask for another attempt.
+* ``RequestError``: a request a ``Client`` awaited ended without a result (its ``Reply``
+  says why); ``RequestTimeout``: no reply came in time (the request stays valid).
 
 A duplicate is an outcome (a returned enum value), never an exception.
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from broker_adapter.protocol.reply import Reply
 
 
 class BrokerAdapterError(Exception):
@@ -128,4 +135,58 @@ class ReplyConflict(BrokerAdapterError):
         self.new_hash = new_hash
         super().__init__(
             f"reply {reply_id} conflicts: stored hash {stored_hash[:12]}, got {new_hash[:12]}"
+        )
+
+
+class RequestError(BrokerAdapterError):
+    """A request awaited with ``Client.request`` was answered without a result.
+
+    Attributes:
+        reply: the verified reply (its ``status`` and ``error`` say why).
+        message_id: the request's message id.
+    """
+
+    def __init__(self, reply: Reply) -> None:
+        self.reply = reply
+        self.message_id = reply.message_id
+        super().__init__(
+            f"request {reply.message_id!r} ended {reply.status}: {reply.error or 'no detail'}"
+        )
+
+
+class RequestFailed(RequestError):
+    """The task ended ``failed`` (handler error, attempts spent, refused)."""
+
+
+class RequestExpired(RequestError):
+    """The task's deadline passed before it ended (status ``expired``)."""
+
+
+class RequestHopLimit(RequestError):
+    """The request's chain went past the hop or chain limit (status ``hop_limit``)."""
+
+
+class RequestCancelled(RequestError):
+    """The task was cancelled (by the requester, over the wire, or by an operator)."""
+
+
+class RequestConflict(RequestError):
+    """The message id was used before with other content (status ``conflict``): the reply
+    names the stored task; the request was not run."""
+
+
+class RequestTimeout(BrokerAdapterError, TimeoutError):
+    """No reply came within the request's ``timeout_s``. The request stays valid: its reply
+    can still be collected later with ``Client.result(message_id)``.
+
+    Attributes:
+        message_id: the request's message id.
+    """
+
+    def __init__(self, message_id: str, timeout_s: float) -> None:
+        self.message_id = message_id
+        self.timeout_s = timeout_s
+        super().__init__(
+            f"no reply to request {message_id!r} within {timeout_s:g} s (still valid:"
+            " collect it later with result())"
         )

@@ -18,7 +18,9 @@ acknowledged, replies are in the outbox before they are published.
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import os
+import signal
 import socket
 import threading
 from collections.abc import Callable
@@ -393,13 +395,56 @@ class Adapter:
         finally:
             db.close()
 
+    def run_forever(
+        self, *, log_level: int = logging.INFO, log_format: Literal["text", "json"] = "text"
+    ) -> int:
+        """Run until SIGTERM or SIGINT, then drain (``run``), as ``broker-adapter run`` does:
+        sets up logging to stderr (``app.logs.configure``: a root logger that has handlers
+        already is left alone) and installs the two signal handlers (the previous ones are
+        put back on return). Call it from the main thread of the main module, under
+        ``if __name__ == "__main__":`` (the workers are started with ``spawn``, which
+        imports the main module again in every worker process).
+
+        Returns:
+            the exit code (0 after a clean drain).
+
+        Raises:
+            ConfigError: called in a worker process (the main module has no ``__main__``
+                guard), or not from the main thread, or a stage refused its configuration.
+            StageError: a stage stopped on any other error.
+        """
+        from broker_adapter.app.logs import configure
+
+        if threading.current_thread() is not threading.main_thread():
+            raise ConfigError(
+                "run_forever() installs signal handlers: call it from the main thread"
+                " (or use run(stop) with a stop event of your own)"
+            )
+        configure(log_level, log_format)
+        stop = threading.Event()
+        previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+        for sig in previous:
+            signal.signal(sig, lambda signum, frame: stop.set())
+        try:
+            return self.run(stop)
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
     def run(self, stop: threading.Event) -> int:
         """Run until ``stop`` is set. Returns the exit code (0 after a clean drain).
 
         Raises:
-            ConfigError: a stage refused its configuration (the message names the stage).
+            ConfigError: called in a worker process (the main module that made the adapter
+                has no ``if __name__ == "__main__":`` guard, and ``spawn`` imported it
+                again), or a stage refused its configuration (the message names the stage).
             StageError: a stage stopped on any other error (a runtime failure).
         """
+        if multiprocessing.parent_process() is not None:
+            raise ConfigError(
+                "the adapter was started in a worker process: the main module runs it at"
+                " import time; put the code that runs it under if __name__ == \"__main__\":"
+            )
         cfg = self.config
         self.log.info(
             "broker-adapter running: %d workers, db %s, handler %s", cfg.workers,

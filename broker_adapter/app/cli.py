@@ -33,6 +33,7 @@ from broker_adapter.app.effects_cli import add_commands as add_effect_commands
 from broker_adapter.app.passwords import resolve_redis_url
 from broker_adapter.app.streams_cli import COMMANDS as STREAM_COMMANDS
 from broker_adapter.app.streams_cli import add_commands as add_stream_commands
+from broker_adapter.app.tasks_cli import add_task_commands, cmd_result, cmd_tasks
 from broker_adapter.config import DEFAULT_LEASE_S
 from broker_adapter.console.serve import cmd_console
 from broker_adapter.errors import BrokerAdapterError, ConfigError
@@ -310,7 +311,9 @@ def build_parser() -> argparse.ArgumentParser:
         "cancel", help="cancel a task durably (a running one: requested, for its handler to stop)"
     )
     _add_db(cancel, "the adapter's database: a SQLite file, or a postgresql:// URL")
-    cancel.add_argument("task_id", help="the task to cancel")
+    cancel.add_argument("task_id", nargs="?", help="the task to cancel")
+    cancel.add_argument("--message-id", help="name the task by its message id (with --principal)")
+    cancel.add_argument("--principal", help="whose message id")
     _option(cancel, "--reason", "kept with the task and sent in its reply",
             default="cancelled by operator")  # fmt: skip
     _option(cancel, "--by", "who cancels (kept with the reason, with the OS user)",
@@ -341,6 +344,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--keep", metavar="DIR", help="keep the demo's databases in DIR and"
                       " print how to open the web console on them")  # fmt: skip
     add_stream_commands(sub, _add_redis, _add_prefix)
+    add_task_commands(sub, _option, _add_db, _add_redis, _add_prefix, _add_keyring)
     return parser
 
 
@@ -353,6 +357,8 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "status": cmd_status,
     "cancel": cmd_cancel,
     "dead-letters": cmd_dead_letters,
+    "tasks": cmd_tasks,
+    "result": cmd_result,
     "demo": cmd_demo,
     "console": cmd_console,
     **EFFECT_COMMANDS,

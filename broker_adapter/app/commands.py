@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import shlex
 import signal
 import threading
 import time
@@ -112,6 +113,12 @@ def cmd_publish(args: argparse.Namespace) -> int:
             "principal": args.principal,
             "message_id": args.message_id,
             "fingerprint": envelope.fingerprint(),
+            "deadline": envelope.deadline,
+            "max_attempts": envelope.max_attempts,
+            "key_id": args.key_id or keyring.key_ids(args.principal)[0],
+            "reply_stream": Keys(args.prefix).replies(args.principal),
+            "result": f"broker-adapter result --principal {args.principal} --id"
+            f" {shlex.quote(args.message_id)}",
         }
     )
     return 0
@@ -265,14 +272,16 @@ def cancel_task(
 
 
 def cmd_cancel(args: argparse.Namespace) -> int:
+    from broker_adapter.app.tasks_cli import cancel_task_id
     from broker_adapter.store.backends import open_store
 
     reason = bounded_text("--reason", args.reason)
     by = f"{bounded_text('--by', args.by)} (os user {os_user()})"
-    audit("cancel", task_id=args.task_id, reason=reason, by=by)
     db = open_store(args.db)  # a SQLite file or a postgresql:// URL
     try:
-        _print_json(cancel_task(db, args.task_id, reason, by))
+        task_id = cancel_task_id(args, db)
+        audit("cancel", task_id=task_id, reason=reason, by=by)
+        _print_json(cancel_task(db, task_id, reason, by))
     finally:
         db.close()
     return 0

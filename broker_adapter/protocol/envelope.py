@@ -35,7 +35,7 @@ MAX_ATTEMPTS_LIMIT = 10
 HOPS_LIMIT = 2**31 - 1
 PRINCIPAL_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
 
-Kind = Literal["task", "result", "event"]
+Kind = Literal["task", "result", "event", "cancel"]
 
 
 def content_fingerprint(
@@ -115,7 +115,7 @@ _FIELDS = (
     "correlation_id", "parent_id", "traceparent",
 )  # fmt: skip
 _REQUIRED = frozenset({"message_id", "sender", "payload", "deadline"})
-_KINDS: tuple[Kind, ...] = ("task", "result", "event")
+_KINDS: tuple[Kind, ...] = ("task", "result", "event", "cancel")
 
 
 def _type_error(field: str, expected: str, value: Any) -> EnvelopeError:
@@ -203,7 +203,8 @@ class Envelope:
     Attributes:
         message_id: the sender's stable id for this request (1..128 UTF-8 bytes).
         sender: the principal the sender claims to be (checked against its signature).
-        kind: ``task`` (becomes work), ``result`` or ``event`` (refused as work).
+        kind: ``task`` (becomes work), ``cancel`` (cancels the sender's request named by
+            ``payload["message_id"]``), ``result`` or ``event`` (refused as work).
         payload: a JSON object within the payload bounds.
         deadline: absolute deadline, epoch seconds (an int is kept as a float).
         max_attempts: 1..10.

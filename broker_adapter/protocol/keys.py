@@ -13,6 +13,11 @@ key                             what it holds
 ``{p}:{out.P}:replies``         replies addressed to principal P
 ``{p}:{out.P}:dead``            replies P's receiver refused (content conflicts, poison)
 ``{p}:{out.P}:rid:<reply id>``  publication record: content hash and entry id (TTL 30 min)
+``{p}:{out.P}:res:<message id>``  result record: the signed reply entry of P's request
+                                ``message id`` (a hash; ``result_ttl_s``, docs/PROTOCOL.md
+                                section 12)
+``{p}:{out.P}:results``         index of P's result records (sorted set: message id by the
+                                time its reply was published, ms), what the purge walks
 ``{p}:{meta}:epoch``            set once with NX; its absence means Redis lost its data
 ==============================  =====================================================
 
@@ -108,6 +113,14 @@ class Keys:
 
     def reply_record(self, principal: str, reply_id: str) -> str:
         return f"{self.prefix}:{{{self._out_tag(principal)}}}:rid:{reply_id}"
+
+    def reply_result(self, principal: str, message_id: str) -> str:
+        """The result record of ``principal``'s request ``message_id`` (its signed reply)."""
+        return f"{self.prefix}:{{{self._out_tag(principal)}}}:res:{message_id}"
+
+    def reply_results(self, principal: str) -> str:
+        """The index of ``principal``'s result records (sorted set, score ms)."""
+        return f"{self.prefix}:{{{self._out_tag(principal)}}}:results"
 
     def epoch(self) -> str:
         return f"{self.prefix}:{{meta}}:epoch"

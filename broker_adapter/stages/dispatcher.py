@@ -112,6 +112,7 @@ from broker_adapter.backoff import retrying
 from broker_adapter.clock import Clock
 from broker_adapter.config import ConfigModel
 from broker_adapter.errors import (
+    BrokerAdapterError,
     ConfigError,
     RedisUnavailable,
     TransientError,
@@ -119,6 +120,7 @@ from broker_adapter.errors import (
 from broker_adapter.protocol.deadletter import encodable
 from broker_adapter.protocol.keys import DEFAULT_PREFIX, KeyPrefix, Keys
 from broker_adapter.protocol.signing import Keyring
+from broker_adapter.redis.results import purge_results
 from broker_adapter.redis.trimming import (
     DEFAULT_TRIM_EVERY_S,
     DEFAULT_TRIM_KEEP_S,
@@ -129,6 +131,7 @@ from broker_adapter.stages.loop import IdlePolicy, look
 from broker_adapter.stages.loss import LossWatch, Watch
 from broker_adapter.stages.publish import (
     DEFAULT_RECORD_TTL_S,
+    DEFAULT_RESULT_TTL_S,
     DispatcherStats,
     Publication,
     ReplyPublisher,
@@ -179,6 +182,9 @@ class DispatcherConfig(ConfigModel):
         trim_every_s: how often ``run`` trims the reply and reply dead-letter streams.
         trim_keep_s: acknowledged replies younger than this (or than ``retention_s``, if
             shorter) are kept, seconds.
+        result_ttl_s: how long the result record of a request (its signed reply by message
+            id, ``redis.results``) is kept, seconds (``result_window_s``: no longer than
+            ``retention_s``); ``trim`` purges older ones.
     """
 
     prefix: KeyPrefix = DEFAULT_PREFIX
@@ -191,6 +197,12 @@ class DispatcherConfig(ConfigModel):
     retention_s: float = Field(default=DEFAULT_RETENTION_S, gt=0)
     trim_every_s: float = Field(default=DEFAULT_TRIM_EVERY_S, gt=0)
     trim_keep_s: float = Field(default=DEFAULT_TRIM_KEEP_S, ge=0)
+    result_ttl_s: float = Field(default=DEFAULT_RESULT_TTL_S, gt=0)
+
+    @property
+    def result_window_s(self) -> float:
+        """How long a result record lives: ``min(result_ttl_s, retention_s)``."""
+        return min(self.result_ttl_s, self.retention_s)
 
     @property
     def record_window_s(self) -> float:
@@ -238,7 +250,8 @@ class Dispatcher:
         self.replayer = Replayer(client, outbox, self.keys, self.log)
         self._publisher = None if keyring is None else ReplyPublisher(
             client, outbox, self.keys, config.owner, keyring=keyring,
-            record_ttl_s=config.record_window_s, stats=self.stats, logger=self.log,
+            record_ttl_s=config.record_window_s, result_ttl_s=config.result_ttl_s,
+            stats=self.stats, logger=self.log,
         )  # fmt: skip
         self._keyring = keyring
         self._next_trim = self.clock.now() + config.trim_every_s
@@ -395,6 +408,9 @@ class Dispatcher:
                 continue
             result, dead = done
             self.stats.future_ids += bool(result.future_id)
+            self.stats.results_purged += self._purge_results(
+                principal, now_ms - cfg.result_window_s * 1000
+            )
             if result.expired:
                 self.log.warning(
                     "%s: %d replies no group acknowledged within the retention window "
@@ -409,6 +425,21 @@ class Dispatcher:
         self._next_trim = self.clock.now() + cfg.trim_every_s
         crashpoints.hit("dispatcher.after_trim")
         return removed
+
+    def _purge_results(self, principal: str, before_ms: float) -> int:
+        """Purge ``principal``'s result records older than the result window; a refusal
+        is logged as an alarm (like a failed trim) and tried again at the next trim."""
+        try:
+            return purge_results(
+                self.client, self.keys.reply_results(principal),
+                self.keys.reply_result(principal, ""), before_ms,
+            )  # fmt: skip
+        except TransientError:
+            raise
+        except BrokerAdapterError as exc:
+            self.stats.trim_failures += 1
+            self.log.error("ALARM: purging %s's result records failed: %s", principal, exc)
+            return 0
 
     # -- operator path ------------------------------------------------------------------------
 

@@ -26,7 +26,8 @@ How one batch goes (``step``)::
       dead-lettered together, in one round trip -> ingest.after_dead_letter
     TaskStore.accept(batch)   -> one transaction (store.accept.before/after_commit)
                               -> hit ingest.after_commit
-    dead-letter NOT_TASK and REFUSED outcomes
+    dead-letter NOT_TASK and REFUSED outcomes (a ``cancel`` envelope is applied instead:
+    ``cancels``)
     ONE XACK for the batch    -> hit ingest.after_xack
 
 Trimming (``trim``, every ``trim_every_s`` from ``tick``; ``trimming``). Each inbound stream
@@ -66,7 +67,7 @@ import tenacity
 from broker_adapter import crashpoints
 from broker_adapter.backoff import run_until_stopped
 from broker_adapter.clock import Clock, SystemClock
-from broker_adapter.errors import ConfigError, StoreBusy, TransientError
+from broker_adapter.errors import ConfigError, EnvelopeError, StoreBusy, TransientError
 from broker_adapter.protocol import deadletter
 from broker_adapter.protocol.keys import INGEST_GROUP, Keys
 from broker_adapter.protocol.signing import Authenticated, EntryFields, Keyring
@@ -76,6 +77,7 @@ from broker_adapter.redis.reader import GroupReader, ReaderConfig
 from broker_adapter.redis.trimming import now_ms as trim_now_ms
 from broker_adapter.redis.trimming import trim_with_dead_letters
 from broker_adapter.stages import intake, tracing
+from broker_adapter.stages.cancels import CANCEL_KIND, apply_cancel
 from broker_adapter.stages.ingest_config import IngestConfig, IngestStats
 from broker_adapter.stages.limits import IngressLimits
 from broker_adapter.store.interface import TaskStoreAPI
@@ -91,6 +93,9 @@ TAKE_OVER_MAX_PAGES = 64
 
 log = logging.getLogger("broker_adapter.stages.ingest")
 
+
+#: A cancel the database was too busy to apply: its entry stays pending.
+_NOT_NOW = EnvelopeError("payload", "busy", "the database was busy")
 
 _OUTCOME_COUNTER = {
     Outcome.STORED: "accepted",
@@ -413,6 +418,13 @@ class Ingestor:
         to_ack: list[str] = []
         for entry, item, result in zip(entries, items, results, strict=True):
             refusal = result.refusal
+            if refusal is not None and item.envelope.kind == CANCEL_KIND:
+                refusal = self._cancel(item)  # after the batch's commit, its own transaction
+                if refusal is None:
+                    to_ack.append(entry.entry_id)
+                    continue
+                if refusal is _NOT_NOW:
+                    continue  # stays pending: taken over and applied again later
             if refusal is not None:
                 # Nothing was written for it (NOT_TASK: results never become tasks by
                 # themselves; REFUSED: a deadline beyond the retention window).
@@ -436,6 +448,20 @@ class Ingestor:
                 )
             to_ack.append(entry.entry_id)
         return to_ack
+
+    def _cancel(self, item: AcceptItem) -> EnvelopeError | None:
+        """Apply a ``cancel`` envelope (``cancels.apply_cancel``): ``None`` when done,
+        the refusal to dead-letter, or ``_NOT_NOW`` when the database was busy."""
+        try:
+            task_id, state = apply_cancel(self.tasks, item.principal, item.envelope)
+        except EnvelopeError as exc:
+            return exc
+        except TransientError as exc:
+            self.log.warning("cancel %r not applied yet: %s", item.envelope.message_id, exc)
+            return _NOT_NOW
+        self.log.info("cancel %r of %s: task %s %s", item.envelope.message_id,
+                      item.principal, task_id, state.value)  # fmt: skip
+        return None
 
     def _sync_stats(self) -> None:
         merged: dict[str, int] = {}

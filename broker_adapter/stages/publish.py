@@ -35,6 +35,7 @@ from broker_adapter.errors import (
     TransientError,
 )
 from broker_adapter.protocol.keys import Keys
+from broker_adapter.protocol.reply import CONFLICT_STATUS
 from broker_adapter.protocol.signing import REPLY_WIRE_VERSION, Keyring
 from broker_adapter.redis.client import text
 from broker_adapter.redis.scripts import eval_many
@@ -54,9 +55,16 @@ REPLY_FORMAT_VERSION = REPLY_WIRE_VERSION
 #: After Redis failed a worker's publication, its replies go to the dispatcher this long.
 PUBLISH_PAUSE_S = 1.0
 
-# KEYS[1] publication record, KEYS[2] reply stream (same hash tag).
+#: How long the result record of a request (``keys.reply_result``: its signed reply, what
+#: ``Client.result`` reads) lives at most (the dispatcher also purges it by its clock after
+#: ``DispatcherConfig.result_window_s``).
+DEFAULT_RESULT_TTL_S = 86_400.0
+
+# KEYS[1] publication record, KEYS[2] reply stream (same hash tag); for a terminal reply
+# also KEYS[3] result record, KEYS[4] result index (same hash tag).
 # ARGV[1] content hash, ARGV[2] record TTL ms, ARGV[3] reply id, ARGV[4] body bytes,
-# ARGV[5] entry format version, ARGV[6] key id, ARGV[7] signature.
+# ARGV[5] entry format version, ARGV[6] key id, ARGV[7] signature; with KEYS[3]:
+# ARGV[8] result TTL ms, ARGV[9] publication time ms (the index score), ARGV[10] message id.
 # Returns {0, entry id} new, {1, entry id} published before with the same hash,
 # {2, stored hash} conflict.
 PUBLISH_SCRIPT = """
@@ -71,6 +79,13 @@ end
 local eid = redis.call('XADD', KEYS[2], '*', 'v', ARGV[5], 'reply_id', ARGV[3],
   'hash', ARGV[1], 'body', ARGV[4], 'kid', ARGV[6], 'sig', ARGV[7])
 redis.call('SET', KEYS[1], ARGV[1] .. ' ' .. eid, 'PX', ARGV[2], 'NX')
+if KEYS[3] then
+  redis.call('DEL', KEYS[3])
+  redis.call('HSET', KEYS[3], 'v', ARGV[5], 'reply_id', ARGV[3], 'hash', ARGV[1],
+    'body', ARGV[4], 'kid', ARGV[6], 'sig', ARGV[7])
+  redis.call('PEXPIRE', KEYS[3], ARGV[8])
+  redis.call('ZADD', KEYS[4], ARGV[9], ARGV[10])
+end
 return {0, eid}
 """
 
@@ -116,6 +131,8 @@ class DispatcherStats:
     trim_failures: int = 0
     #: trims that found a group past an id ahead of the server clock (a poisoned stream)
     future_ids: int = 0
+    #: result records past their window, removed by the trim
+    results_purged: int = 0
 
 
 class ReplyPublisher:
@@ -138,6 +155,7 @@ class ReplyPublisher:
         owner: the publisher's name on the rows it holds.
         keyring: signs every entry for the principal it is addressed to.
         record_ttl_s: how long a publication record dedupes its reply id.
+        result_ttl_s: how long the result record of a terminal reply lives at most.
         stats: where outcomes are counted.
         logger: where dead replies and refusals are reported.
     """
@@ -151,9 +169,11 @@ class ReplyPublisher:
         *,
         keyring: Keyring,
         record_ttl_s: float = DEFAULT_RECORD_TTL_S,
+        result_ttl_s: float = DEFAULT_RESULT_TTL_S,
         stats: DispatcherStats | None = None,
         logger: logging.Logger | None = None,
     ) -> None:
+        self.result_ttl_s = result_ttl_s
         self.client = client
         self.outbox = outbox
         self.keys = keys
@@ -180,6 +200,8 @@ class ReplyPublisher:
             return []
         crashpoints.hit("dispatcher.before_xadd")
         ttl_ms = max(1, int(self.record_ttl_s * 1000))
+        result_ms = max(1, int(self.result_ttl_s * 1000))
+        now_ms = int(self.outbox.clock.now() * 1000)
         pubs: list[Publication | None] = []
         signed: list[OutboxRow] = []
         calls: list[tuple[list[str], list[bytes | str | int]]] = []
@@ -193,10 +215,15 @@ class ReplyPublisher:
                 continue
             pubs.append(None)
             signed.append(r)
-            calls.append((
-                [self.keys.reply_record(r.principal, r.reply_id), self.keys.replies(r.principal)],
-                [r.content_hash, ttl_ms, r.reply_id, body, REPLY_FORMAT_VERSION, kid, sig],
-            ))  # fmt: skip
+            keys = [self.keys.reply_record(r.principal, r.reply_id), self.keys.replies(r.principal)]
+            args: list[bytes | str | int] = [
+                r.content_hash, ttl_ms, r.reply_id, body, REPLY_FORMAT_VERSION, kid, sig,
+            ]  # fmt: skip
+            if r.status != CONFLICT_STATUS:  # a request's own reply: its result record too
+                keys += [self.keys.reply_result(r.principal, r.message_id),
+                         self.keys.reply_results(r.principal)]  # fmt: skip
+                args += [result_ms, now_ms, r.message_id]
+            calls.append((keys, args))
         try:
             replies = eval_many(self.client, PUBLISH_SCRIPT, calls) if calls else []
         except RedisUnavailable as exc:

@@ -17,6 +17,7 @@ import pytest
 import redis
 
 from broker_adapter.client.publisher import Publisher
+from broker_adapter.client.request import Client
 from broker_adapter.clock import FakeClock
 from broker_adapter.errors import BrokerAdapterError
 from broker_adapter.protocol.keys import INGEST_GROUP, Keys
@@ -235,6 +236,16 @@ def test_documented_acl_runs_the_whole_pipeline_and_refuses_everything_else(
         (receipt,) = ReceiptStore(agent_db).list()
         assert (receipt.message_id, receipt.status, receipt.effects) == ("a1", "done", 1)
 
+        # a Client of alice in ACL mode: publishes to her stream, tails her replies
+        # without a group and reads her result records, with her agent user's rights only
+        with Client(acl_server.url_for("alice"), "alice", Keyring(KEYRING), mode="acl",
+                    prefix=DOC_PREFIX) as client:  # fmt: skip
+            asked = client.request(None, {"n": 2}, message_id="a2", timeout_s=60)
+            assert (asked.status, asked.message_id) == ("done", "a2")
+            recorded = client.result("a1")
+            assert recorded is not None
+            assert recorded.status == "done"
+
         ops = acl_server.client()
         assert ops.exists(keys.epoch()) == 1  # the dispatcher's first look set it
         adapter = as_user(acl_server, "adapter")
@@ -278,6 +289,13 @@ def test_documented_acl_runs_the_whole_pipeline_and_refuses_everything_else(
             lambda: alice.xrange(keys.replies("bob")),
             lambda: alice.xadd(keys.replies("bob"), fields),
             lambda: alice.xrange(keys.replies("alice")),  # the agent is not its receiver
+            lambda: alice.xreadgroup("ba-receiver", "x", {keys.replies("alice"): ">"}),
+            lambda: alice.xack(keys.replies("alice"), "ba-receiver", "0-1"),
+            lambda: alice.xadd(keys.replies("alice"), fields),  # read-only in the selector
+            lambda: alice.hset(keys.reply_result("alice", "a1"), "v", "2"),
+            lambda: alice.delete(keys.reply_result("alice", "a1")),
+            lambda: alice.hgetall(keys.reply_result("bob", "b1")),
+            lambda: alice.xread({keys.replies("bob"): "0-0"}),
         ]
         for fn in agent_forbidden:
             refused(fn)

@@ -15,6 +15,7 @@ from broker_adapter.protocol.keys import MAX_PARTITIONS, Keys, partition_of
 from broker_adapter.redis import cluster
 from broker_adapter.redis.client import check_redis_url
 from broker_adapter.redis.functions import LIBRARY
+from broker_adapter.redis.results import PURGE_SCRIPT
 from broker_adapter.redis.trimming import TRIM_SCRIPT
 from broker_adapter.stages.publish import PUBLISH_SCRIPT
 
@@ -52,9 +53,17 @@ def test_each_scripts_keys_hash_to_one_slot(prefix: str) -> None:
     # Dispatcher's publish calls, trimming's trim_stream.
     cases = [
         (LIBRARY, [[s, keys.dead_for(s)] for s in streams]),  # ba_dead_letter, by FCALL
-        (PUBLISH_SCRIPT, [[keys.reply_record(p, "r-1"), keys.replies(p)] for p in PRINCIPALS]),
+        # a terminal reply's call names its result record and index too (a conflict
+        # answer's only the first two, the same slot)
+        (PUBLISH_SCRIPT, [[keys.reply_record(p, "r-1"), keys.replies(p),
+                           keys.reply_result(p, "m:1"), keys.reply_results(p)]
+                          for p in PRINCIPALS]),
+        # the purge deletes records under its ARGV prefix: they share the index's tag
+        (PURGE_SCRIPT, [[keys.reply_results(p)] for p in PRINCIPALS]),
         (TRIM_SCRIPT, [[s] for s in streams] + [[keys.dead_for(s)] for s in streams]),
     ]
+    for p in PRINCIPALS:
+        assert _slot(keys.reply_result(p, "any id")) == _slot(keys.reply_results(p))
     for script, key_lists in cases:
         for key_list in key_lists:
             assert len(key_list) == _keys_used(script)
