@@ -42,11 +42,11 @@ from broker_adapter.errors import (
     TransientError,
 )
 from broker_adapter.protocol.keys import Keys
+from broker_adapter.protocol.router import Router
 from broker_adapter.protocol.signing import Keyring
 from broker_adapter.redis.client import connect
 from broker_adapter.stages.calls import CallOutcome, CallRun, RunOutcome, StopRun
 from broker_adapter.stages.effect_gate import EffectGate, stopped_how
-from broker_adapter.stages.effects import effect_spec
 from broker_adapter.stages.handlers import Handler, load_handler
 from broker_adapter.stages.lease import Leases, renew_interval
 from broker_adapter.stages.loop import CLAIM, Handed, IdlePolicy, IdleWait, look
@@ -56,6 +56,7 @@ from broker_adapter.stages.publish import (
     OwnReplies,
     ReplyPublisher,
 )
+from broker_adapter.stages.routing import Routes, TaskLimits
 from broker_adapter.stages.task import Task
 from broker_adapter.stages.task_start import TaskStart
 from broker_adapter.stages.worker_config import (
@@ -90,12 +91,13 @@ class _Ran:
 
 
 class Worker:
-    """Claims tasks from a ``TaskStore`` and runs ``handler`` on each, one after another.
+    """Claims tasks from a ``TaskStore`` and runs their handlers, one after another.
 
     Args:
         config: the worker's settings.
         tasks: the store (its ``policy.lease_s`` sets the default renewal interval).
-        handler: a callable, or a ``"module:callable"`` spec to load.
+        handler: a ``Router`` of named tasks (``routing.Routes`` routes each claimed task),
+            a callable (a router of one), or a ``"module:callable"`` spec to load.
         clock: the time source for deadlines; the store's clock by default.
         logger: where to report; ``broker_adapter.stages.worker`` by default.
         redis_client: the client to publish replies with (a ``streams.connect`` client);
@@ -112,6 +114,8 @@ class Worker:
             ``TaskStore``'s database, with ``outbox_policy``.
         metrics: where handler times and counters go (the pool gives one when
             ``config.metrics_dir`` is set: ``app.metrics.WorkerMetrics``); ``None``: none.
+        limits: the per-task concurrency limits, shared by the lanes of one process
+            (``lanes.Lanes``); ``None``: this worker's own.
 
     Publishing its own replies: see the module's text and ``publish.OwnReplies``.
 
@@ -134,10 +138,12 @@ class Worker:
         handoff: IdleWait | None = None,
         outbox: OutboxAPI | None = None,
         metrics: WorkerMetricsSink | None = None,
+        limits: TaskLimits | None = None,
     ) -> None:
         self.config = config
         self.tasks = tasks
-        self.handler: Handler = load_handler(handler) if isinstance(handler, str) else handler
+        loaded = load_handler(handler) if isinstance(handler, str) else handler
+        router = loaded if isinstance(loaded, Router) else Router.of_handler(loaded)
         self.clock = clock or tasks.clock
         self.log = logger or logging.getLogger(__name__)
         self.renew_every_s = renew_interval(tasks.policy.lease_s, config.renew_every_s)
@@ -182,16 +188,21 @@ class Worker:
         #: The last commit also claimed, and found nothing ready.
         self._found_none = False
         self.metrics = metrics
-        spec = effect_spec(self.handler)
-        #: Approvals and effect marks of a declared side effect; ``None`` for an ordinary
-        #: handler (its only cost: this check per task).
-        self.effects: EffectGate | None = None
-        if spec is not None:
-            self.effects = EffectGate(
+        #: The tasks served, with the approvals and effect marks of each declared side
+        #: effect (``EffectGate``; an ordinary handler's only cost: one check per task).
+        self.routes = Routes(
+            router,
+            lambda spec: EffectGate(
                 tasks, spec, self.leases, config.approval_timeout_s, self.stats, self.log
-            )
+            ),
+            limits,
+        )
+        #: The default handler's gate (``None``: it declares no effect).
+        self.effects: EffectGate | None = self.routes.gate_named(None)
+        #: What the call run calls: the routed task's handler (``Routes.call``).
+        self.handler: Handler = self.routes.call
         self._start = TaskStart(tasks, self.leases, self.clock, self.stats, self.log,
-                                config.call_timeout_s, self.effects)  # fmt: skip
+                                config.call_timeout_s, None)  # fmt: skip
 
     @property
     def owner(self) -> str:
@@ -202,8 +213,8 @@ class Worker:
         (by the running average), between 1 and ``config.batch``; ``INITIAL_CLAIM`` at most
         before any handler ran."""
         cap = self.config.batch
-        if self._handler_s is None:
-            return min(cap, INITIAL_CLAIM)
+        if self._handler_s is None:  # a lane of several starts with one (``lanes``)
+            return min(cap, INITIAL_CLAIM if self.config.concurrency == 1 else 1)
         if self._handler_s <= 0:
             return cap
         return max(1, min(cap, int(self.config.batch_window_s / self._handler_s)))
@@ -413,7 +424,11 @@ class Worker:
         # They share one drain deadline, ``grace_s`` after the stop was first seen.
         if self._stopping() and self._drain_deadline() <= time.monotonic():
             raise StopRun
-        return self._start.prepare(task)
+        spec = self.routes.route(task)
+        if spec is None:  # not routable: its call fails at once, no handler runs
+            return self._start.prepare(task, gate=None)
+        return self._start.prepare(task, gate=self.routes.gate(task),
+                                   call_timeout_s=spec.call_timeout_s)  # fmt: skip
 
     @staticmethod
     def _after_call() -> None:
@@ -452,7 +467,8 @@ class Worker:
             claimed = r.task.claimed
             # Rule 11: the last check before the commit is in the commit's transaction: the
             # store refuses a cancelled task (TaskCancelled) and keeps its ``cancelled``.
-            if self.effects is not None and self.effects.after_call(r.task, r.outcome):
+            gate = self.routes.gate(r.task)
+            if gate is not None and gate.after_call(r.task, r.outcome):
                 continue  # its effect started: ``unknown`` (or nothing left to write)
             if r.task.stop_reason == "cancelled" and not r.outcome.ok:
                 # Stopped on a cancel (requested: ended here, with what is known; made
@@ -465,7 +481,7 @@ class Worker:
             item = settlement(
                 claimed, r.outcome, r.timeout_s, grace_s=grace_s, stats=self.stats, log=self.log
             )
-            items.append((claimed, item))
+            items.append((claimed, self.routes.cap_attempts(claimed, item)))
         n = self.claim_size() if claim_next and not self._stopping() else 0
         try:
             batch = self._settle([item for _, item in items], n)

@@ -20,6 +20,8 @@ DEFAULT_IDLE_POLL_S = 0.05
 DEFAULT_WAKE_POLL_S = 0.001
 DEFAULT_GRACE_S = 10.0
 DEFAULT_APPROVAL_TIMEOUT_S = 3600.0
+#: The most tasks one worker process runs at once (``WorkerConfig.concurrency``).
+MAX_CONCURRENCY = 256
 
 
 class WorkerConfig(ConfigModel):
@@ -55,6 +57,9 @@ class WorkerConfig(ConfigModel):
             prometheus-client's multiprocess files there (``app.metrics.WorkerMetrics``,
             made by the worker pool); ``None`` (default): no metrics, nothing imported.
         handler_name: the ``handler`` label of its handler duration histogram.
+        concurrency: how many tasks this worker's process runs at once: 1, this worker
+            alone; more, this worker is one of that many lanes of the process
+            (``lanes.Lanes``), whose first claim takes one task.
         approval_timeout_s: for a handler whose effect ``requires_approval``
             (``effects.side_effect``): how long a task waits in ``waiting_approval`` for a
             valid approval record before it ends ``failed`` (never past its deadline).
@@ -74,6 +79,7 @@ class WorkerConfig(ConfigModel):
     metrics_dir: str | None = None
     handler_name: str = "handler"
     approval_timeout_s: float = Field(default=DEFAULT_APPROVAL_TIMEOUT_S, gt=0)
+    concurrency: int = Field(default=1, ge=1, le=MAX_CONCURRENCY)
 
 
 @dataclass

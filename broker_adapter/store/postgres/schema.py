@@ -210,10 +210,16 @@ def _v2(conn: psycopg.Connection[Any]) -> None:
     conn.execute(_V2_TABLES)
 
 
+def _v3(conn: psycopg.Connection[Any]) -> None:
+    """Migration 3: ``tasks.task_name`` (SQLite version 10), the envelope's ``task``."""
+    conn.execute("ALTER TABLE tasks ADD COLUMN IF NOT EXISTS task_name text")
+
+
 #: ``(what it does, how)``, one per version, in order.
 MIGRATIONS: Final[tuple[tuple[str, Callable[[psycopg.Connection[Any]], None]], ...]] = (
     ("tasks, inbox, outbox, receipts and meta (the SQLite schema at its version 6)", _v1),
     ("effect columns and tables, tasks.traceparent, chains (SQLite versions 7 to 9)", _v2),
+    ("tasks.task_name (SQLite version 10)", _v3),
 )
 SCHEMA_VERSION: Final = len(MIGRATIONS)
 
