@@ -31,6 +31,7 @@ The HTTP port that serves them, with ``/healthz`` and ``/readyz``, is ``app.serv
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import threading
@@ -445,6 +446,13 @@ class WorkerMetrics:
             buckets=HANDLER_BUCKETS, registry=registry,
         ).labels(handler=handler)  # fmt: skip
         self._seen: dict[str, int] = {}
+
+    def for_lane(self) -> WorkerMetrics:
+        """The same counters for one more lane of this process (``lanes``): its gains are
+        added to them, counted from its own stats."""
+        view = copy.copy(self)
+        view._seen = {}
+        return view
 
     def observe_call(self, elapsed_s: float) -> None:
         self._duration.observe(elapsed_s)

@@ -31,12 +31,15 @@ from multiprocessing.context import SpawnProcess
 from multiprocessing.synchronize import Event as ProcessEvent
 from pathlib import Path
 from types import FrameType
+from typing import Any
 
 from broker_adapter.app.logforward import ChildLogs, forward_to_parent
 from broker_adapter.errors import ConfigError
 from broker_adapter.protocol.signing import Keyring
-from broker_adapter.stages.handlers import load_handler
+from broker_adapter.stages.handlers import load_app
 from broker_adapter.stages.handoff import Handoff, HandoffEndpoint
+from broker_adapter.stages.lanes import Lanes
+from broker_adapter.stages.routing import TaskLimits
 from broker_adapter.stages.worker import Worker, WorkerConfig
 from broker_adapter.store import OutboxStore, TaskStore
 from broker_adapter.store.backends import is_postgres_url, open_store
@@ -55,7 +58,8 @@ class WorkerPool:
     Args:
         n: how many processes.
         db_path: the SQLite database every child opens for itself.
-        handler_spec: ``"module:callable"``, importable in a fresh interpreter.
+        handler_spec: ``"module:callable"`` or ``"module:router"`` (a ``Router``),
+            importable in a fresh interpreter.
         config_factory: the config of child ``i`` (called in this process, ``i`` from 0);
             the owners must differ.
         policy: the store's policy in every child (lease, backoff); the default if ``None``.
@@ -91,7 +95,7 @@ class WorkerPool:
         if n < 1:
             raise ConfigError(f"a worker pool needs at least one process, got {n}")
         self.app_dir = None if app_dir is None else str(Path(app_dir).resolve())
-        load_handler(handler_spec, app_dir=self.app_dir)  # fail here, not once per child
+        load_app(handler_spec, app_dir=self.app_dir)  # fail here, not once per child
         self.configs = [config_factory(i) for i in range(n)]
         owners = [c.owner for c in self.configs]
         if len(set(owners)) != n:
@@ -268,17 +272,25 @@ def _child_main(
             from broker_adapter.app.metrics import WorkerMetrics
 
             metrics = WorkerMetrics(Path(config.metrics_dir), config.handler_name)
-        worker = Worker(
-            config,
-            TaskStore(db, policy=policy),
-            load_handler(handler_spec, app_dir=app_dir),
-            handoff=handoff,
-            keyring=keyring,
-            outbox=OutboxStore(db),
-            metrics=metrics,
-        )
+        router = load_app(handler_spec, app_dir=app_dir)
+
+        def lane(cfg: WorkerConfig, handler: Any, endpoint: Any, limits: TaskLimits) -> Worker:
+            return Worker(
+                cfg,
+                TaskStore(db, policy=policy),
+                handler,
+                handoff=endpoint,
+                keyring=keyring,
+                outbox=OutboxStore(db),
+                metrics=None if metrics is None else metrics.for_lane(),
+                limits=limits,
+            )
+
+        # ``concurrency`` lanes, each a worker of its own, on this process's one database
+        # connection and one event loop (``lanes``).
+        lanes = Lanes(config, router, lane, handoff)
         ready.set()
-        worker.run(stop)
+        lanes.run(stop)
     finally:
         db.close()
 
