@@ -128,7 +128,7 @@ class Worker:
         self,
         config: WorkerConfig,
         tasks: TaskStoreAPI,
-        handler: Handler | str,
+        handler: Router | Handler | str,
         *,
         clock: Clock | None = None,
         logger: logging.Logger | None = None,
