@@ -441,7 +441,7 @@ class Worker:
         for end in ended:
             elapsed = end.outcome.elapsed_s
             if self.metrics is not None:
-                self.metrics.observe_call(elapsed)
+                self.metrics.observe_call(elapsed, end.task.task_name or "")
             avg = self._handler_s
             self._handler_s = (
                 elapsed if avg is None else avg + HANDLER_TIME_WEIGHT * (elapsed - avg)

@@ -412,3 +412,17 @@ def test_each_lane_holds_its_task_under_its_own_lease(
     assert {m: v for m, v in lost.items() if m != "m2"} == {"m0": False, "m1": False, "m3": False}
     assert tasks.counts().get("done", 0) == 3
     assert state_of(db, ids[2])[0] == "running"  # the thief's now
+
+
+def test_status_counts_tasks_by_name_once_one_has_a_name(
+    tasks: TaskStore, clock: FakeClock, db: Database
+) -> None:
+    from broker_adapter.app.ops import collect_status, format_status
+
+    submit(tasks, clock, {}, message_id="plain")
+    assert "by_task" not in collect_status(db.path, None, "ba")
+    submit(tasks, clock, {"server": "web1"}, task="restart", message_id="r1")
+    submit(tasks, clock, {"server": "web1"}, task="restart", message_id="r2")
+    report = collect_status(db.path, None, "ba")
+    assert report["by_task"] == {"": {"pending": 1}, "restart": {"pending": 2}}
+    assert "task        restart: pending 2" in format_status(report)
