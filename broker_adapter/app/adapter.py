@@ -105,8 +105,8 @@ class AdapterConfig(ConfigModel):
         name: this adapter's stable name (consumer and owner names derive from it).
         lease_s: task lease.
         call_timeout_s: per handler call (a task's own ``call_timeout_s`` overrides it).
-        concurrency: tasks each worker process runs at once (``lanes.Lanes``); async
-            handlers share the process's one event loop, sync ones a thread per lane.
+        concurrency: tasks each worker process runs at once (``concurrent_run``); async
+            handlers share the process's one event loop, sync ones a thread per slot.
         backoff_base_s, backoff_cap_s: a retried task's backoff (``backoff.Backoff``).
         grace_s: how long running handlers may finish on stop.
         claim_min_idle_ms: pending entries idle this long are taken over from dead consumers.

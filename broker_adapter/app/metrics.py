@@ -31,7 +31,6 @@ The HTTP port that serves them, with ``/healthz`` and ``/readyz``, is ``app.serv
 
 from __future__ import annotations
 
-import copy
 import logging
 import os
 import threading
@@ -447,13 +446,6 @@ class WorkerMetrics:
         )  # fmt: skip
         self._handler = handler
         self._seen: dict[str, int] = {}
-
-    def for_lane(self) -> WorkerMetrics:
-        """The same counters for one more lane of this process (``lanes``): its gains are
-        added to them, counted from its own stats."""
-        view = copy.copy(self)
-        view._seen = {}
-        return view
 
     def observe_call(self, elapsed_s: float, task: str = "") -> None:
         """One handler call of ``elapsed_s``; ``task``: its task name (``""``: none)."""

@@ -31,15 +31,12 @@ from multiprocessing.context import SpawnProcess
 from multiprocessing.synchronize import Event as ProcessEvent
 from pathlib import Path
 from types import FrameType
-from typing import Any
 
 from broker_adapter.app.logforward import ChildLogs, forward_to_parent
 from broker_adapter.errors import ConfigError
 from broker_adapter.protocol.signing import Keyring
 from broker_adapter.stages.handlers import load_app
 from broker_adapter.stages.handoff import Handoff, HandoffEndpoint
-from broker_adapter.stages.lanes import Lanes
-from broker_adapter.stages.routing import TaskLimits
 from broker_adapter.stages.worker import Worker, WorkerConfig
 from broker_adapter.store import OutboxStore, TaskStore
 from broker_adapter.store.backends import is_postgres_url, open_store
@@ -272,25 +269,17 @@ def _child_main(
             from broker_adapter.app.metrics import WorkerMetrics
 
             metrics = WorkerMetrics(Path(config.metrics_dir), config.handler_name)
-        router = load_app(handler_spec, app_dir=app_dir)
-
-        def lane(cfg: WorkerConfig, handler: Any, endpoint: Any, limits: TaskLimits) -> Worker:
-            return Worker(
-                cfg,
-                TaskStore(db, policy=policy),
-                handler,
-                handoff=endpoint,
-                keyring=keyring,
-                outbox=OutboxStore(db),
-                metrics=None if metrics is None else metrics.for_lane(),
-                limits=limits,
-            )
-
-        # ``concurrency`` lanes, each a worker of its own, on this process's one database
-        # connection and one event loop (``lanes``).
-        lanes = Lanes(config, router, lane, handoff)
+        worker = Worker(
+            config,
+            TaskStore(db, policy=policy),
+            load_app(handler_spec, app_dir=app_dir),
+            handoff=handoff,
+            keyring=keyring,
+            outbox=OutboxStore(db),
+            metrics=metrics,
+        )
         ready.set()
-        lanes.run(stop)
+        worker.run(stop)
     finally:
         db.close()
 

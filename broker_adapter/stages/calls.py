@@ -76,7 +76,7 @@ async def _bounded(awaitable: Awaitable[Any], timeout_s: float) -> Any:
 
 class EventLoopThread:
     """One long-lived asyncio event loop on a daemon thread of its own: every async handler
-    of a worker process runs on it (``process_loop``), however many lanes call them, so
+    of a worker process runs on it (``process_loop``), however many run at once, so
     the clients a handler keeps (HTTP pools, model SDKs) live across calls."""
 
     def __init__(self) -> None:
@@ -170,14 +170,18 @@ class _CallThread:
 _CALLERS = threading.local()
 
 
-def _call_thread() -> _CallThread:
-    """The calling thread's call thread, reserved for one call (a new one if it is busy)."""
-    current: _CallThread | None = getattr(_CALLERS, "thread", None)
+def _call_thread(slot: int = 0) -> _CallThread:
+    """The calling thread's call thread of ``slot``, reserved for one call (a new one if it
+    is busy)."""
+    threads: dict[int, _CallThread] | None = getattr(_CALLERS, "threads", None)
+    if threads is None:
+        threads = _CALLERS.threads = {}
+    current = threads.get(slot)
     if current is not None and current.take():
         return current
     if current is not None:
         current.retire()
-    fresh = _CALLERS.thread = _CallThread()
+    fresh = threads[slot] = _CallThread()
     fresh.take()
     return fresh
 
@@ -242,6 +246,8 @@ class CallRun:
         tasks: the tasks, in order.
         prepare: runs on the call thread before each call (see above).
         after: runs on the call thread right after each call returns.
+        slot: which of the owner thread's call threads to use (``concurrent_run``: one per
+            slot, each reused from run to run).
     """
 
     def __init__(
@@ -250,7 +256,9 @@ class CallRun:
         tasks: list[Task],
         prepare: Callable[[Task], float | None],
         after: Callable[[], None] | None = None,
+        slot: int = 0,
     ) -> None:
+        self._slot = slot
         self._handler = handler
         self._tasks = tasks
         self._prepare = prepare
@@ -273,7 +281,7 @@ class CallRun:
     # -- the call thread ------------------------------------------------------------------
 
     def _spawn(self, gen: int) -> None:
-        runner = _call_thread()
+        runner = _call_thread(self._slot)
 
         def body() -> None:
             try:

@@ -8,8 +8,8 @@ through one call, ``Routes.call``, which raises its ``RouteError`` at once: no h
 and the task ends ``failed`` (never retried) with the error in its reply.
 
 ``Routes.call`` is the handler the worker's ``CallRun`` calls: it waits for a permit of the
-task's concurrency limit (``TaskLimits``, shared by every lane of the worker process; the
-wait counts against the call timeout), calls the handler, sends a returned pydantic model
+task's concurrency limit (``TaskLimits``: per worker; the wait counts against the call
+timeout), calls the handler, sends a returned pydantic model
 as its JSON form, and holds the permit until the call (an async one: its coroutine) ends.
 """
 
@@ -59,7 +59,7 @@ class Routes:
     Args:
         router: the tasks served.
         gate_of: builds the effect gate of a handler's declared effect.
-        limits: the process's concurrency limits (shared by its lanes).
+        limits: the concurrency limits (``None``: new ones, this worker's own).
     """
 
     def __init__(

@@ -46,6 +46,7 @@ from broker_adapter.protocol.router import Router
 from broker_adapter.protocol.signing import Keyring
 from broker_adapter.redis.client import connect
 from broker_adapter.stages.calls import CallOutcome, CallRun, RunOutcome, StopRun
+from broker_adapter.stages.concurrent_run import ConcurrentRun
 from broker_adapter.stages.effect_gate import EffectGate, stopped_how
 from broker_adapter.stages.handlers import Handler, load_handler
 from broker_adapter.stages.lease import Leases, renew_interval
@@ -114,8 +115,8 @@ class Worker:
             ``TaskStore``'s database, with ``outbox_policy``.
         metrics: where handler times and counters go (the pool gives one when
             ``config.metrics_dir`` is set: ``app.metrics.WorkerMetrics``); ``None``: none.
-        limits: the per-task concurrency limits, shared by the lanes of one process
-            (``lanes.Lanes``); ``None``: this worker's own.
+        limits: per-task concurrency limits to share with other workers of this process
+            (``routing.TaskLimits``); ``None``: its own.
 
     Publishing its own replies: see the module's text and ``publish.OwnReplies``.
 
@@ -212,12 +213,14 @@ class Worker:
         """How many tasks the next claim takes: ``batch_window_s`` worth of handler time
         (by the running average), between 1 and ``config.batch``; ``INITIAL_CLAIM`` at most
         before any handler ran."""
-        cap = self.config.batch
-        if self._handler_s is None:  # a lane of several starts with one (``lanes``)
-            return min(cap, INITIAL_CLAIM if self.config.concurrency == 1 else 1)
+        slots = self.config.concurrency  # calls at once: a claim fills each slot
+        cap = max(self.config.batch, slots)
+        if self._handler_s is None:
+            return min(cap, INITIAL_CLAIM if slots == 1 else slots)
         if self._handler_s <= 0:
             return cap
-        return max(1, min(cap, int(self.config.batch_window_s / self._handler_s)))
+        per_slot = max(1, int(self.config.batch_window_s / self._handler_s))
+        return min(cap, slots * per_slot)
 
     def run_once(self, max_tasks: int | None = None) -> int:
         """Claim one batch and process it: run each handler, then commit the outcomes
@@ -257,10 +260,16 @@ class Worker:
             return 0
         ran: list[_Ran] = []
         finished = False
-        # The handlers run back to back on a call thread (``CallRun``); this thread
+        # The handlers run back to back on a call thread (``CallRun``; one per slot with
+        # ``concurrency``: ``ConcurrentRun``); this thread
         # supervises them (timeouts, the stop grace) and commits what ended: at the end of
         # the batch, or once the oldest uncommitted outcome is ``batch_window_s`` old.
-        run = CallRun(self.handler, tasks, self._prepare, after=self._after_call)
+        slots = self.config.concurrency
+        run: CallRun | ConcurrentRun = (
+            CallRun(self.handler, tasks, self._prepare, after=self._after_call)
+            if slots == 1
+            else ConcurrentRun(self.handler, tasks, self._prepare, self._after_call, slots)
+        )
         try:
             while True:
                 ended = run.wait(run.supervise(self._stop, drain_deadline=self._drain_deadline))

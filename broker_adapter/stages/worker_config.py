@@ -57,9 +57,9 @@ class WorkerConfig(ConfigModel):
             prometheus-client's multiprocess files there (``app.metrics.WorkerMetrics``,
             made by the worker pool); ``None`` (default): no metrics, nothing imported.
         handler_name: the ``handler`` label of its handler duration histogram.
-        concurrency: how many tasks this worker's process runs at once: 1, this worker
-            alone; more, this worker is one of that many lanes of the process
-            (``lanes.Lanes``), whose first claim takes one task.
+        concurrency: how many handler calls run at once (``concurrent_run``): a claim
+            takes enough tasks to fill each slot; async handlers wait together on the
+            process's one event loop, sync ones run on a thread per slot.
         approval_timeout_s: for a handler whose effect ``requires_approval``
             (``effects.side_effect``): how long a task waits in ``waiting_approval`` for a
             valid approval record before it ends ``failed`` (never past its deadline).

@@ -19,8 +19,6 @@ from broker_adapter.errors import ConfigError, EnvelopeError, RetryableError
 from broker_adapter.protocol.envelope import TASK_NAME_MAX_BYTES, Envelope
 from broker_adapter.protocol.router import RouteError, Router, validate_payload
 from broker_adapter.stages.handlers import Task
-from broker_adapter.stages.lanes import Lanes, lane_owner
-from broker_adapter.stages.routing import TaskLimits
 from broker_adapter.stages.worker import Worker, WorkerConfig
 from broker_adapter.store import AcceptItem, Database, OutboxStore, TaskStore
 from broker_adapter.store.inbox import Outcome
@@ -304,21 +302,16 @@ def test_retry_after_is_honoured_within_the_deadline(
     assert "the deadline comes first" in reply_of(db, soon)["error"]
 
 
-# -- lanes -----------------------------------------------------------------------------
+# -- concurrency ----------------------------------------------------------------------
 
 
-def lanes_of(tasks: TaskStore, handler: Any, n: int) -> Lanes:
-    config = WorkerConfig(owner="w1", concurrency=n, idle_poll_s=0.01)
-
-    def make(cfg: WorkerConfig, h: Any, handoff: Any, limits: TaskLimits) -> Worker:
-        return Worker(cfg, tasks, h, limits=limits)
-
-    return Lanes(config, handler, make)
+def concurrent(tasks: TaskStore, handler: Any, n: int) -> Worker:
+    return Worker(WorkerConfig(owner="w1", concurrency=n, idle_poll_s=0.01), tasks, handler)
 
 
-def run_until(lanes: Lanes, done: Any) -> None:
+def run_until(worker: Worker, done: Any) -> None:
     stop = threading.Event()
-    runner = threading.Thread(target=lanes.run, args=(stop,))
+    runner = threading.Thread(target=worker.run, args=(stop,))
     runner.start()
     try:
         deadline = time.monotonic() + WAIT_S * 3
@@ -328,6 +321,23 @@ def run_until(lanes: Lanes, done: Any) -> None:
     finally:
         stop.set()
         runner.join(WAIT_S)
+
+
+def test_a_batch_runs_its_async_calls_together(
+    tasks: TaskStore, clock: FakeClock, db: Database
+) -> None:
+    async def waits(task: Task) -> None:
+        await asyncio.sleep(0.5)
+
+    for i in range(8):
+        submit(tasks, clock, {}, message_id=f"m{i}")
+    worker = concurrent(tasks, waits, 8)
+    assert worker.claim_size() == 8  # one task per slot before any call was timed
+    started = time.monotonic()
+    assert worker.run_once() == 8
+    assert time.monotonic() - started < 2.0  # 8 x 0.5 s one after another: 4 s
+    assert tasks.counts()["done"] == 8
+    assert worker.claim_size() == 8  # a slow call: one per slot
 
 
 def test_the_per_task_concurrency_limit_holds_under_load(
@@ -357,13 +367,12 @@ def test_the_per_task_concurrency_limit_holds_under_load(
     for i in range(16):
         submit(tasks, clock, {}, task="limited", message_id=f"l{i}")
         submit(tasks, clock, {}, task="free", message_id=f"f{i}")
-    lanes = lanes_of(tasks, router, 8)
-    run_until(lanes, lambda: tasks.counts().get("done", 0) == 32)
+    run_until(concurrent(tasks, router, 8), lambda: tasks.counts().get("done", 0) == 32)
     assert most["limited"] == 2  # held, and reached
     assert most["free"] > 2  # the other task's calls were not held by it
 
 
-def test_each_lane_holds_its_task_under_its_own_lease(
+def test_each_call_holds_its_task_under_its_own_lease(
     tasks: TaskStore, clock: FakeClock, db: Database
 ) -> None:
     started = threading.Semaphore(0)
@@ -378,25 +387,21 @@ def test_each_lane_holds_its_task_under_its_own_lease(
         return {"owner": task.owner}
 
     ids = [submit(tasks, clock, {}, message_id=f"m{i}") for i in range(4)]
-    lanes = lanes_of(tasks, waits, 4)
+    worker = concurrent(tasks, waits, 4)
     stop = threading.Event()
-    runner = threading.Thread(target=lanes.run, args=(stop,))
+    runner = threading.Thread(target=worker.run, args=(stop,))
     runner.start()
     try:
         for _ in ids:
             assert started.acquire(timeout=WAIT_S)
-        with db.read() as c:
-            rows = c.execute("SELECT owner FROM tasks WHERE state = 'running'").fetchall()
-        owners = {r["owner"] for r in rows}
-        assert owners == {lane_owner("w1", i) for i in range(4)}
+        assert tasks.counts()["running"] == 4
         # Another worker takes one task over (its lease is gone): only that one stops.
         row = db.fetch_one("SELECT task_id, owner FROM tasks WHERE message_id = 'm2'")
         assert row is not None
         with db.write("steal") as c:
             c.execute("UPDATE tasks SET owner = 'thief', fence = fence + 1 WHERE task_id = ?",
                       (row["task_id"],))  # fmt: skip
-        for worker in lanes.workers:
-            worker.renew_leases()
+        assert worker.renew_leases() == 3
         deadline = time.monotonic() + WAIT_S
         while "m2" not in lost and time.monotonic() < deadline:
             time.sleep(0.01)  # polling a condition with an explicit timeout
