@@ -96,9 +96,9 @@ def test_sixteen_async_calls_of_one_second_finish_in_under_three_seconds(
     assert elapsed < 3.0, f"16 calls of 1 s took {elapsed:.2f} s end to end"
     ran = [c for c in calls(calls_file) if c["message_id"].startswith("fast-")]
     assert len([c for c in ran if c["what"] == "end"]) == 16
-    # each under a claim of its own lane: 16 lanes, and each call once
+    # each called once, the two worker processes sharing them (a lease lost by one call
+    # stops only that one: tests/unit/test_router.py)
     assert len({c["message_id"] for c in ran if c["what"] == "start"}) == 16
-    assert len({(c["pid"], c["owner"]) for c in ran}) >= 8
     assert len({c["pid"] for c in ran}) == 2
     done = _rows(db, "SELECT state, attempts FROM tasks WHERE message_id LIKE 'fast-%'")
     assert {(r["state"], r["attempts"]) for r in done} == {("done", 1)}
