@@ -94,6 +94,10 @@ class Routes:
         self._routed[task.task_id] = spec
         return spec
 
+    def forget(self, task: Task) -> None:
+        """Drop what ``route`` decided for ``task``: it is not to run after all."""
+        self._routed.pop(task.task_id, None)
+
     def gate(self, task: Task) -> EffectGate | None:
         """The effect gate of ``task``'s handler, or ``None`` (none declared, or unrouted)."""
         return self.gate_named(task.task_name) if self._gates else None

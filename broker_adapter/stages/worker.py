@@ -265,11 +265,8 @@ class Worker:
         # supervises them (timeouts, the stop grace) and commits what ended: at the end of
         # the batch, or once the oldest uncommitted outcome is ``batch_window_s`` old.
         slots = self.config.concurrency
-        run: CallRun | ConcurrentRun = (
-            CallRun(self.handler, tasks, self._prepare, after=self._after_call)
-            if slots == 1
+        run = CallRun(self.handler, tasks, self._prepare, after=self._after_call) if slots == 1 \
             else ConcurrentRun(self.handler, tasks, self._prepare, self._after_call, slots)
-        )
         try:
             while True:
                 ended = run.wait(run.supervise(self._stop, drain_deadline=self._drain_deadline))
@@ -433,11 +430,13 @@ class Worker:
         # They share one drain deadline, ``grace_s`` after the stop was first seen.
         if self._stopping() and self._drain_deadline() <= time.monotonic():
             raise StopRun
-        spec = self.routes.route(task)
-        if spec is None:  # not routable: its call fails at once, no handler runs
-            return self._start.prepare(task, gate=None)
-        return self._start.prepare(task, gate=self.routes.gate(task),
-                                   call_timeout_s=spec.call_timeout_s)  # fmt: skip
+        spec = self.routes.route(task)  # unroutable (None): its call fails, no handler runs
+        gate = None if spec is None else self.routes.gate(task)
+        limit = None if spec is None else spec.call_timeout_s
+        timeout = self._start.prepare(task, gate=gate, call_timeout_s=limit)
+        if timeout is None:  # not to run: no call takes its route
+            self.routes.forget(task)
+        return timeout
 
     @staticmethod
     def _after_call() -> None:

@@ -262,6 +262,21 @@ def test_a_router_default_serves_envelopes_without_a_name(
     assert reply_of(db, task_id)["result"] == {"slept": 0.0, "attempt": 1}
 
 
+def test_a_task_that_does_not_start_leaves_no_route_behind(
+    tasks: TaskStore, clock: FakeClock, db: Database
+) -> None:
+    calls = Calls()
+    submit(tasks, clock, {"server": "web1"}, task="restart", message_id="late",
+           deadline_in_s=5.0)  # fmt: skip
+    worker = Worker(WorkerConfig(owner="w1"), tasks, two_task_router(calls))
+    (claimed,) = tasks.claim("w1", 1)
+    clock.advance(10.0)  # its deadline passes before it starts
+    task = worker.leases.keep(claimed)
+    assert worker._prepare(task) is None
+    assert worker.routes._routed == {}
+    assert calls.seen == []
+
+
 def test_per_task_timeout_and_attempts(tasks: TaskStore, clock: FakeClock, db: Database) -> None:
     router = Router()
     release = threading.Event()
