@@ -210,9 +210,12 @@ class Adapter:
         self.router = load_app(config.handler, app_dir=config.app_dir)
         #: The side effects the tasks declare (``effects.side_effect``), by task name: with
         #: one, a reconcile thread releases approval waits and reconciles ``unknown`` tasks.
+        #: (``None``: what an envelope without a name goes to, the router's default).
+        routes = {name: self.router.get(name) for name in (None, *self.router.names)}
         self.effects: dict[str | None, EffectSpec] = {
-            t.name: e for t in self.router if (e := effect_spec(t.handler)) is not None
-        }
+            name: e for name, t in routes.items()
+            if t is not None and (e := effect_spec(t.handler)) is not None
+        }  # fmt: skip
         #: The first of them (the one a router of one declares), or ``None``.
         self.effect: EffectSpec | None = next(iter(self.effects.values()), None)
         self.policy = TaskPolicy(

@@ -446,3 +446,20 @@ def test_status_counts_tasks_by_name_once_one_has_a_name(
     report = collect_status(db.path, None, "ba")
     assert report["by_task"] == {"": {"pending": 1}, "restart": {"pending": 2}}
     assert "task        restart: pending 2" in format_status(report)
+
+
+def test_the_reconciler_uses_the_effect_of_each_tasks_own_handler(tasks: TaskStore) -> None:
+    from dataclasses import replace
+
+    from broker_adapter.stages.effects import Reconciler, effect_spec
+    from broker_adapter.store.effects import EffectsStore
+    from broker_adapter.store.tasks import ClaimedTask
+
+    charge = effect_spec(router_app.charge)
+    assert charge is not None
+    other = replace(charge, action="refund")
+    reconciler = Reconciler(EffectsStore(tasks), other, "r1", by_task={"charge": charge})
+    claimed = ClaimedTask("t", "agent-a", "m", "task", {}, 1, 3, 1, "w", 0.0, 1.0, 0, None,
+                          None, task_name="charge")  # fmt: skip
+    assert reconciler.spec_of(claimed) is charge
+    assert reconciler.spec_of(replace(claimed, task_name="other")) is other
