@@ -463,3 +463,21 @@ def test_the_reconciler_uses_the_effect_of_each_tasks_own_handler(tasks: TaskSto
                           None, task_name="charge")  # fmt: skip
     assert reconciler.spec_of(claimed) is charge
     assert reconciler.spec_of(replace(claimed, task_name="other")) is other
+
+
+def test_both_databases_keep_the_task_name_and_refuse_another(store_target: str) -> None:
+    from tests.support.store_script import open_any
+
+    db = open_any(store_target)
+    try:
+        store = TaskStore(db, FakeClock(1_000_000.0))
+        env = Envelope.build(message_id="m1", sender="agent-a", payload={"server": "web1"},
+                             deadline=1_000_600.0, task="restart")  # fmt: skip
+        (stored,) = store.accept([AcceptItem("agent-a", env)])
+        (other,) = store.accept([AcceptItem("agent-a", env.replace(task="resize"))])
+        assert other.outcome is Outcome.CONFLICT
+        (claimed,) = store.claim("w1", 1)
+        assert claimed.task_id == stored.task_id
+        assert claimed.task_name == "restart"
+    finally:
+        db.close()
