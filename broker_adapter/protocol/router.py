@@ -169,10 +169,11 @@ class Router:
     ) -> TaskDef:
         """``task`` without the decorator. Returns the registered ``TaskDef``."""
         try:
-            check_task_name(name)
+            if check_task_name(name) is None:
+                raise ValueError("a task needs a name")
         except ValueError as exc:
             raise ConfigError(f"task name {name!r}: {exc}") from None
-        if not isinstance(name, str) or name in self._tasks:
+        if name in self._tasks:
             raise ConfigError(f"task {name!r} is registered twice")
         if not callable(handler):
             raise ConfigError(f"task {name!r}: the handler is not callable")

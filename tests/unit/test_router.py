@@ -167,6 +167,8 @@ def test_router_registration_is_checked() -> None:
         router.task("restart")(lambda task: None)
     with pytest.raises(ConfigError, match="task name"):
         router.task("re start")(lambda task: None)
+    with pytest.raises(ConfigError, match="needs a name"):
+        router.task(None)(lambda task: None)  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="pydantic model"):
         router.task("x", payload=dict)(lambda task: None)  # type: ignore[arg-type]
     for bad in ({"call_timeout_s": 0}, {"max_attempts": 11}, {"concurrency": 0}):
