@@ -18,7 +18,10 @@ otherwise: the config README.md and docker-compose.yml recommend), then measures
    Celery + Redis broker (``acks_late=True``), each with 2 worker processes, installed into
    ``bench/.venv-peers`` (created here with ``python -m venv`` + pip; never in pyproject).
    Their "effect" is the result their own backend stores; a failed install is n/a;
-5. **memory**: peak RSS of each of our processes over ``--rss-messages`` messages, against
+5. **async handlers** (``async_handlers``): handlers that wait 50 ms on an ``await``,
+   ``--async-concurrency`` (32) at a time per worker process (``run --concurrency``), beside
+   taskiq on the same workload (``--max-async-tasks``), both printed;
+6. **memory**: peak RSS of each of our processes over ``--rss-messages`` messages, against
    its RSS after a warm-up.
 
 Before each phase the server's AOF is compacted (BGREWRITEAOF, waited for) and the page
@@ -51,6 +54,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import async_handlers
 import common
 from common import KEYRING, PRINCIPAL, ROOT
 
@@ -507,7 +511,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--only",
-        choices=["floor", "throughput", "latency", "peers", "rss"],
+        choices=["floor", "throughput", "latency", "peers", "rss", "async"],
         action="append",
         help="run only these parts (repeatable)",
     )
@@ -519,6 +523,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="do not compact the AOF and sync the page cache before each measured phase",
     )
+    parser.add_argument("--async-n", type=int, default=5000,
+                        help="tasks per async-handler run [5000]")  # fmt: skip
+    parser.add_argument("--async-concurrency", type=int, default=32,
+                        help="async handlers at once per worker process [32]")  # fmt: skip
     parser.add_argument("--json", type=Path, default=RESULTS)  # fmt: skip
     args = parser.parse_args(argv)
     if args.role:
@@ -540,7 +548,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.role == "_receive":
         return child_receive(args)
     logging.basicConfig(level=logging.WARNING)
-    parts = set(args.only or ["floor", "throughput", "latency", "peers", "rss"])
+    parts = set(args.only or ["floor", "throughput", "latency", "peers", "rss", "async"])
     if args.no_peers:
         parts.discard("peers")
     res: dict[str, Any] = {
@@ -548,7 +556,7 @@ def main(argv: list[str] | None = None) -> int:
         "machine": common.machine(),
         "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "floor_redis": [], "floor_sqlite": [], "throughput": [], "latency": [],
-        "peers": {}, "rss": None,
+        "peers": {}, "rss": None, "async": [], "async_taskiq": None,
     }  # fmt: skip
     res["config"]["sqlite_synchronous"] = "FULL"
     with tempfile.TemporaryDirectory(prefix="ba-bench-") as tmp:
@@ -589,6 +597,8 @@ def main(argv: list[str] | None = None) -> int:
                     res["peers"][peer] = peer_runs(peer, py, server.url, args)
                     say(f"{peer}: {res['peers'][peer]}")
                     server.client().flushall()
+            if "async" in parts:  # async handlers of 50 ms, ours and taskiq's (async_handlers)
+                run_async_phase(server, quiet, workdir, keyring, args, res)
             if "rss" in parts:
                 quiet()
                 res["rss"] = rss_run(server.url, workdir, keyring, args)
@@ -602,6 +612,37 @@ def main(argv: list[str] | None = None) -> int:
     common.write_json(args.json, res)
     print(f"\nresults: {args.json}")
     return 0
+
+
+def run_async_phase(
+    server: Any, quiet: Any, workdir: Path, keyring: Path, args: argparse.Namespace,
+    res: dict[str, Any],
+) -> None:  # fmt: skip
+    """``async_handlers``: ours ``--reps`` times, then taskiq on the same workload (unless
+    ``--no-peers``); both printed."""
+    n, c = args.async_n, args.async_concurrency
+    for rep in range(1, args.reps + 1):
+        quiet()
+        a = async_handlers.adapter_run(server.url, workdir, keyring, n, args.workers, c)
+        res["async"].append(a)
+        say(f"rep {rep}: async 50 ms handlers, --concurrency {c}: broker_adapter "
+            f"{fmt(a['rate'])} tasks/s ({n:,} in {a['seconds']:.2f} s; ideal "
+            f"{fmt(a['ideal_rate'])})")  # fmt: skip
+    if args.no_peers:
+        return
+    py, why = peers_python()
+    server.client().flushall()
+    quiet()
+    res["async_taskiq"] = (
+        {"error": why} if py is None
+        else async_handlers.taskiq_run(py, server.url, n, args.reps, args.workers, c)
+    )  # fmt: skip
+    server.client().flushall()
+    t = res["async_taskiq"]
+    ours = common.median(r["rate"] for r in res["async"])
+    theirs = "n/a: " + t["error"][:300] if t.get("error") else f"{fmt(t['median'])} tasks/s"
+    say(f"async 50 ms handlers, concurrency {c} x {args.workers} workers: broker_adapter "
+        f"{fmt(ours)} tasks/s, taskiq {theirs}")  # fmt: skip
 
 
 def say(text: str) -> None:

@@ -51,6 +51,7 @@ from broker_adapter.protocol.envelope import Envelope
 from broker_adapter.protocol.idempotency import effect_key as action_key
 from broker_adapter.protocol.keys import Keys
 from broker_adapter.protocol.reply import BadReply, Reply
+from broker_adapter.protocol.router import RouteError, Router, validate_payload
 from broker_adapter.protocol.signing import Keyring
 from broker_adapter.redis.client import connect, connect_async
 from broker_adapter.stages.effects import Observation, side_effect
@@ -94,6 +95,8 @@ __all__ = [
     "RequestHopLimit",
     "RequestTimeout",
     "RetryableError",
+    "RouteError",
+    "Router",
     "SqlFence",
     "StageError",
     "StaleError",
@@ -114,4 +117,5 @@ __all__ = [
     "effect_key",
     "open_database",
     "side_effect",
+    "validate_payload",
 ]

@@ -121,9 +121,18 @@ class RetryableError(BrokerAdapterError):
 
     The store decides whether there is one (attempt budget, backoff, deadline). Any other
     exception class with a class or instance attribute ``retryable = True`` counts too.
+
+    Args:
+        retry_after_s: the earliest the next attempt may start, seconds from now (a target's
+            ``Retry-After``); the backoff's delay when that is longer. Still bounded by the
+            deadline and the attempt budget.
     """
 
     retryable = True
+
+    def __init__(self, *args: object, retry_after_s: float | None = None) -> None:
+        super().__init__(*args)
+        self.retry_after_s: float | None = retry_after_s
 
 
 class ReplyConflict(BrokerAdapterError):

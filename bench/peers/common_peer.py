@@ -27,6 +27,9 @@ def parse(doc: str) -> argparse.Namespace:
     parser.add_argument("--n", type=int, default=20_000)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--task", default="echo", help="echo, or nap (an async 50 ms wait)")
+    parser.add_argument("--max-async-tasks", type=int, default=None,
+                        help="taskiq: tasks each worker process runs at once")  # fmt: skip
     return parser.parse_args()
 
 

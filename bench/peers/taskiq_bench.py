@@ -20,14 +20,16 @@ import redis
 ARGS = cp.parse(__doc__ or "")
 os.environ["PEER_REDIS_URL"] = ARGS.redis
 
-from taskiq_app import broker, echo  # noqa: E402  (reads PEER_REDIS_URL)
+from taskiq_app import broker, echo, nap  # noqa: E402  (reads PEER_REDIS_URL)
+
+TASK = nap if ARGS.task == "nap" else echo
 
 
 async def publish(count: int, tag: str) -> list[str]:
     ids: list[str] = []
     for lo in range(0, count, 100):
         sent = await asyncio.gather(
-            *(echo.kiq(cp.payload(i)) for i in range(lo, min(lo + 100, count)))
+            *(TASK.kiq(cp.payload(i)) for i in range(lo, min(lo + 100, count)))
         )
         ids += [t.task_id for t in sent]
     return ids
@@ -66,7 +68,9 @@ async def run_all() -> list[float]:
             client.flushall()
             proc = cp.start_worker(
                 [sys.executable, "-m", "taskiq", "worker", "taskiq_app:broker",
-                 "--workers", str(ARGS.workers), "--log-level", "WARNING"],
+                 "--workers", str(ARGS.workers), "--log-level", "WARNING",
+                 *(["--max-async-tasks", str(ARGS.max_async_tasks)]
+                   if ARGS.max_async_tasks else [])],
                 ARGS.redis,
             )  # fmt: skip
             try:
@@ -84,7 +88,9 @@ def main() -> int:
     cp.report("taskiq", ARGS, rates, {
         "versions": {p: version(p) for p in ("taskiq", "taskiq-redis", "redis")},
         "config": "RedisStreamBroker + RedisAsyncResultBackend, ack when_saved, "
-                  f"{ARGS.workers} worker processes, async task",
+                  f"{ARGS.workers} worker processes, async task {ARGS.task}"
+                  + (f", --max-async-tasks {ARGS.max_async_tasks}"
+                     if ARGS.max_async_tasks else ""),
         "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     })  # fmt: skip
     return 0

@@ -33,7 +33,7 @@ from pydantic import Field, field_validator, model_validator
 from broker_adapter.app.metrics import Observed, stages_down
 from broker_adapter.app.pool import WorkerPool
 from broker_adapter.app.serving import serve_metrics
-from broker_adapter.backoff import call_until_stopped
+from broker_adapter.backoff import Backoff, call_until_stopped
 from broker_adapter.clock import SystemClock
 from broker_adapter.config import DEFAULT_CLAIM_MIN_IDLE_MS, DEFAULT_LEASE_S, ConfigModel
 from broker_adapter.errors import (
@@ -49,12 +49,16 @@ from broker_adapter.redis.client import Redis, RedisUrl, connect
 from broker_adapter.redis.functions import load_at_start
 from broker_adapter.stages.dispatcher import Dispatcher, DispatcherConfig
 from broker_adapter.stages.effects import EffectSpec, Reconciler, effect_spec, run_reconciles
-from broker_adapter.stages.handlers import load_handler
+from broker_adapter.stages.handlers import load_app
 from broker_adapter.stages.handoff import Handoff
 from broker_adapter.stages.ingest import Ingestor
 from broker_adapter.stages.ingest_config import IngestConfig
 from broker_adapter.stages.worker import WorkerConfig
-from broker_adapter.stages.worker_config import DEFAULT_CALL_TIMEOUT_S, DEFAULT_GRACE_S
+from broker_adapter.stages.worker_config import (
+    DEFAULT_CALL_TIMEOUT_S,
+    DEFAULT_GRACE_S,
+    MAX_CONCURRENCY,
+)
 from broker_adapter.store import OutboxStore, TaskStore
 from broker_adapter.store.approvals import ApprovalStore
 from broker_adapter.store.backends import is_postgres_url, open_store, redacted_url
@@ -89,7 +93,8 @@ class AdapterConfig(ConfigModel):
             several hosts may share; the hand-off gives new tasks to the idle workers of
             this host's pool, the workers of other hosts claim the rest (``SKIP LOCKED``).
             A handler declaring a side effect needs SQLite for now (``ConfigError``).
-        handler: ``module:callable`` run for each task.
+        handler: ``module:callable`` run for each task, or ``module:router``: a ``Router``
+            of named tasks (``run --app``).
         app_dir: put first on the import path (here and in the worker processes) before
             the handler is imported; ``None`` leaves the path as it is.
         workers: worker processes.
@@ -102,7 +107,10 @@ class AdapterConfig(ConfigModel):
         prefix: Redis key prefix.
         name: this adapter's stable name (consumer and owner names derive from it).
         lease_s: task lease.
-        call_timeout_s: per handler call.
+        call_timeout_s: per handler call (a task's own ``call_timeout_s`` overrides it).
+        concurrency: tasks each worker process runs at once (``concurrent_run``); async
+            handlers share the process's one event loop, sync ones a thread per slot.
+        backoff_base_s, backoff_cap_s: a retried task's backoff (``backoff.Backoff``).
         grace_s: how long running handlers may finish on stop.
         claim_min_idle_ms: pending entries idle this long are taken over from dead consumers.
         worker_publish: workers publish their replies right after their commit (the
@@ -132,6 +140,9 @@ class AdapterConfig(ConfigModel):
     name: str = Field(default_factory=lambda: socket.gethostname().split(".")[0] or "adapter")
     lease_s: float = Field(default=DEFAULT_LEASE_S, gt=0)
     call_timeout_s: float = Field(default=DEFAULT_CALL_TIMEOUT_S, gt=0)
+    concurrency: int = Field(default=1, ge=1, le=MAX_CONCURRENCY)
+    backoff_base_s: float = Field(default=1.0, ge=0)
+    backoff_cap_s: float = Field(default=60.0, ge=0)
     grace_s: float = Field(default=DEFAULT_GRACE_S, ge=0)
     claim_min_idle_ms: int = Field(default=DEFAULT_CLAIM_MIN_IDLE_MS, ge=0)
     worker_publish: bool = True
@@ -199,12 +210,22 @@ class Adapter:
             )
         # The pool imports it again (a cached module); importing it here first means a
         # handler that cannot be found is refused before anything starts.
-        #: The handler's declared side effect (``effects.side_effect``), or ``None``: with
+        self.router = load_app(config.handler, app_dir=config.app_dir)
+        #: The side effects the tasks declare (``effects.side_effect``), by task name: with
         #: one, a reconcile thread releases approval waits and reconciles ``unknown`` tasks.
-        self.effect: EffectSpec | None = effect_spec(
-            load_handler(config.handler, app_dir=config.app_dir)
+        #: (``None``: what an envelope without a name goes to, the router's default).
+        routes = {name: self.router.get(name) for name in (None, *self.router.names)}
+        self.effects: dict[str | None, EffectSpec] = {
+            name: e for name, t in routes.items()
+            if t is not None and (e := effect_spec(t.handler)) is not None
+        }  # fmt: skip
+        #: The first of them (the one a router of one declares), or ``None``.
+        self.effect: EffectSpec | None = next(iter(self.effects.values()), None)
+        self.policy = TaskPolicy(
+            lease_s=config.lease_s,
+            retention_s=config.retention_s,
+            backoff=Backoff(base_s=config.backoff_base_s, cap_s=config.backoff_cap_s),
         )
-        self.policy = TaskPolicy(lease_s=config.lease_s, retention_s=config.retention_s)
         # Create and migrate once, up front (a bad path or a newer schema fails here); a
         # database that another writer keeps locked is waited for in ``run``.
         self._db_ready = self._prepare_database()
@@ -241,6 +262,7 @@ class Adapter:
             # unique per incarnation: a leftover of an earlier run never shares an owner name
             owner=f"{self.config.name}-w{i}-{os.getpid()}",
             call_timeout_s=self.config.call_timeout_s,
+            concurrency=self.config.concurrency,
             grace_s=self.config.grace_s,
             redis_url=self.config.redis_url if self.config.worker_publish else None,
             prefix=self.config.prefix,
@@ -390,7 +412,8 @@ class Adapter:
         try:
             tasks = TaskStore(db, SystemClock(), self.policy)
             owner = f"{self.config.name}-reconciler-{os.getpid()}"
-            reconciler = Reconciler(EffectsStore(tasks), self.effect, owner)
+            reconciler = Reconciler(EffectsStore(tasks), self.effect, owner,
+                                    by_task=self.effects)  # fmt: skip
             run_reconciles(stop, reconciler, ApprovalStore(tasks), self.log)
         finally:
             db.close()

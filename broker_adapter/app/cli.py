@@ -26,6 +26,7 @@ from broker_adapter.app.commands import (
     cmd_receipts,
     cmd_receive,
     cmd_run,
+    cmd_schema,
     cmd_status,
 )
 from broker_adapter.app.effects_cli import COMMANDS as EFFECT_COMMANDS
@@ -37,6 +38,7 @@ from broker_adapter.app.tasks_cli import add_task_commands, cmd_result, cmd_task
 from broker_adapter.config import DEFAULT_LEASE_S
 from broker_adapter.console.serve import cmd_console
 from broker_adapter.errors import BrokerAdapterError, ConfigError
+from broker_adapter.stages.worker_config import DEFAULT_CALL_TIMEOUT_S
 from broker_adapter.store.retention import DEFAULT_RETENTION_S
 
 if TYPE_CHECKING:
@@ -168,8 +170,22 @@ def _add_run(sub: argparse._SubParsersAction[_Parser]) -> None:
         " postgresql:// URL for a PostgreSQL database several adapters share",
     )
     _add_prefix(run)
-    _option(run, "--handler", "the handler run for each task, 'package.module:function'",
-            env="BA_HANDLER", required=True, metavar="MOD:FUNC")  # fmt: skip
+    _option(run, "--handler", "the handler run for each task, 'package.module:function'"
+            " (or --app)", env="BA_HANDLER", metavar="MOD:FUNC")  # fmt: skip
+    _option(run, "--app", "a Router of named tasks, 'package.module:router', served in"
+            " place of --handler (docs/ROUTER.md)", env="BA_APP", metavar="MOD:ROUTER")  # fmt: skip
+    _option(run, "--concurrency", "tasks each worker process runs at once; async handlers"
+            " share its one event loop", env="BA_CONCURRENCY", default=1, type=int,
+            metavar="N")  # fmt: skip
+    _option(run, "--call-timeout", "a handler call's timeout, seconds (a task's own"
+            " overrides it; the deadline caps it)", env="BA_CALL_TIMEOUT_S",
+            default=DEFAULT_CALL_TIMEOUT_S, type=float, metavar="S")  # fmt: skip
+    _option(run, "--backoff-base", "a retried task's first backoff, seconds (doubling per"
+            " attempt, half of it random)", env="BA_BACKOFF_BASE_S", default=1.0, type=float,
+            metavar="S")  # fmt: skip
+    _option(run, "--backoff-cap", "the longest backoff, seconds (a RetryableError's"
+            " retry_after_s may ask for longer)", env="BA_BACKOFF_CAP_S", default=60.0,
+            type=float, metavar="S")  # fmt: skip
     _option(run, "--app-dir", "directory put first on the import path to find the handler"
             " (in the worker processes too)", env="BA_APP_DIR", default=".",
             metavar="DIR")  # fmt: skip
@@ -230,6 +246,8 @@ def _add_publish(sub: argparse._SubParsersAction[_Parser]) -> None:
             env="BA_MAX_ATTEMPTS", default=3, type=int, metavar="N")  # fmt: skip
     _option(pub, "--correlation-id", "an id of the caller's, carried into the reply",
             env="BA_CORRELATION_ID", shown="none", metavar="ID")  # fmt: skip
+    _option(pub, "--task", "the task name (the envelope's task member; docs/ROUTER.md)",
+            env="BA_TASK", shown="the adapter's default task", metavar="NAME")  # fmt: skip
 
 
 def _add_receive(sub: argparse._SubParsersAction[_Parser]) -> None:
@@ -338,6 +356,14 @@ def build_parser() -> argparse.ArgumentParser:
             _option(p, "--by", "who replays (kept with the replay)",
                     default=os_user())  # fmt: skip
 
+    sch = sub.add_parser(
+        "schema", help="the JSON Schema of each task's payload and result (tool definitions)"
+    )
+    sch.add_argument("--app", required=True, metavar="MOD:ROUTER",
+                     help="the Router, 'package.module:router' (or a handler)")  # fmt: skip
+    sch.add_argument("--app-dir", default=".", metavar="DIR",
+                     help="directory put first on the import path [default: .]")  # fmt: skip
+
     add_effect_commands(sub, _option, _add_db)
     _add_console(sub)
     demo = sub.add_parser("demo", help="run the end-to-end demo on an embedded default")
@@ -361,6 +387,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "result": cmd_result,
     "demo": cmd_demo,
     "console": cmd_console,
+    "schema": cmd_schema,
     **EFFECT_COMMANDS,
     **STREAM_COMMANDS,
 }

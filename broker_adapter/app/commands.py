@@ -50,10 +50,16 @@ def _install_stop() -> threading.Event:
 def cmd_run(args: argparse.Namespace) -> int:
     from broker_adapter.app.adapter import Adapter, AdapterConfig
 
+    if (args.handler is None) == (args.app is None):
+        raise ConfigError("run needs one of --handler MOD:FUNC or --app MOD:ROUTER")
     fields: dict[str, Any] = {
         "redis_url": args.redis,
         "db_path": args.db,  # a SQLite file, or a postgresql:// URL (AdapterConfig decides)
-        "handler": args.handler,
+        "handler": args.handler or args.app,
+        "concurrency": args.concurrency,
+        "call_timeout_s": args.call_timeout,
+        "backoff_base_s": args.backoff_base,
+        "backoff_cap_s": args.backoff_cap,
         "app_dir": Path(args.app_dir),
         "workers": args.workers,
         "keyring_path": Path(args.keyring) if args.keyring else None,
@@ -78,6 +84,15 @@ def cmd_run(args: argparse.Namespace) -> int:
     return Adapter(config).run(stop)
 
 
+def cmd_schema(args: argparse.Namespace) -> int:
+    """Print the router's tasks with their payload and result JSON Schemas, as JSON."""
+    from broker_adapter.stages.handlers import load_app
+
+    router = load_app(args.app, app_dir=Path(args.app_dir))
+    print(json.dumps({"tasks": router.schemas()}, indent=2, sort_keys=True))
+    return 0
+
+
 def cmd_publish(args: argparse.Namespace) -> int:
     from broker_adapter.client.publisher import Publisher
     from broker_adapter.errors import EnvelopeError
@@ -100,6 +115,7 @@ def cmd_publish(args: argparse.Namespace) -> int:
             deadline=time.time() + args.deadline_in,
             max_attempts=args.max_attempts,
             **({"correlation_id": args.correlation_id} if args.correlation_id else {}),
+            **({"task": args.task} if args.task else {}),
         )
     except EnvelopeError as exc:  # built from the flags: a usage error
         raise ConfigError(f"the envelope is refused: {exc}") from None

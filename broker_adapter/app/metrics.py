@@ -449,13 +449,15 @@ class WorkerMetrics:
         self._takeovers = Counter("ba_lease_takeovers", "Expired task leases taken back.",
                                   registry=registry)  # fmt: skip
         self._duration = Histogram(
-            "ba_handler_duration_seconds", "Handler call time, by handler.", ["handler"],
-            buckets=HANDLER_BUCKETS, registry=registry,
-        ).labels(handler=handler)  # fmt: skip
+            "ba_handler_duration_seconds", "Handler call time, by handler and task name.",
+            ["handler", "task"], buckets=HANDLER_BUCKETS, registry=registry,
+        )  # fmt: skip
+        self._handler = handler
         self._seen: dict[str, int] = {}
 
-    def observe_call(self, elapsed_s: float) -> None:
-        self._duration.observe(elapsed_s)
+    def observe_call(self, elapsed_s: float, task: str = "") -> None:
+        """One handler call of ``elapsed_s``; ``task``: its task name (``""``: none)."""
+        self._duration.labels(handler=self._handler, task=task).observe(elapsed_s)
 
     def sync(self, stats: WorkerStats, publish: DispatcherStats, takeovers: int) -> None:
         """Add what the counters gained since the last sync."""

@@ -19,7 +19,7 @@ from broker_adapter.redis.client import call, connect, text
 from broker_adapter.store import OutboxStore
 from broker_adapter.store.backends import open_store
 from broker_adapter.store.interface import OutboxAPI
-from broker_adapter.store.report import snapshot
+from broker_adapter.store.report import snapshot, task_counts
 
 
 def _dead_streams(client: Any, prefix: str) -> list[str]:
@@ -41,6 +41,9 @@ def collect_status(db_path: Path | str, redis_url: str | None, prefix: str) -> d
     db = open_store(db_path, read_only=True)  # a SQLite file or a postgresql:// URL
     try:
         report: dict[str, Any] = snapshot(db, time.time())
+        by_task = task_counts(db)
+        if by_task:  # only once tasks were sent with a name
+            report["by_task"] = by_task
     finally:
         db.close()
     if redis_url:
@@ -77,6 +80,9 @@ def format_status(report: dict[str, Any]) -> str:
         + "  ".join(f"{k} {d[k]}" for k in ("pending", "sending", "sent", "dead"))
         + f"  oldest unsent {'-' if oldest is None else f'{oldest}s'}",
     ]
+    for name, states in report.get("by_task", {}).items():
+        counts = "  ".join(f"{k} {v}" for k, v in sorted(states.items()))
+        lines.append(f"task        {name or '(default)'}: {counts}")
     fx = report.get("effects")
     if fx and any(fx.values()):  # only once something reached an external effect
         lines.append(

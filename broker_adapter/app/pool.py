@@ -35,7 +35,7 @@ from types import FrameType
 from broker_adapter.app.logforward import ChildLogs, forward_to_parent
 from broker_adapter.errors import ConfigError
 from broker_adapter.protocol.signing import Keyring
-from broker_adapter.stages.handlers import load_handler
+from broker_adapter.stages.handlers import load_app
 from broker_adapter.stages.handoff import Handoff, HandoffEndpoint
 from broker_adapter.stages.worker import Worker, WorkerConfig
 from broker_adapter.store import OutboxStore, TaskStore
@@ -55,7 +55,8 @@ class WorkerPool:
     Args:
         n: how many processes.
         db_path: the SQLite database every child opens for itself.
-        handler_spec: ``"module:callable"``, importable in a fresh interpreter.
+        handler_spec: ``"module:callable"`` or ``"module:router"`` (a ``Router``),
+            importable in a fresh interpreter.
         config_factory: the config of child ``i`` (called in this process, ``i`` from 0);
             the owners must differ.
         policy: the store's policy in every child (lease, backoff); the default if ``None``.
@@ -91,7 +92,7 @@ class WorkerPool:
         if n < 1:
             raise ConfigError(f"a worker pool needs at least one process, got {n}")
         self.app_dir = None if app_dir is None else str(Path(app_dir).resolve())
-        load_handler(handler_spec, app_dir=self.app_dir)  # fail here, not once per child
+        load_app(handler_spec, app_dir=self.app_dir)  # fail here, not once per child
         self.configs = [config_factory(i) for i in range(n)]
         owners = [c.owner for c in self.configs]
         if len(set(owners)) != n:
@@ -271,7 +272,7 @@ def _child_main(
         worker = Worker(
             config,
             TaskStore(db, policy=policy),
-            load_handler(handler_spec, app_dir=app_dir),
+            load_app(handler_spec, app_dir=app_dir),
             handoff=handoff,
             keyring=keyring,
             outbox=OutboxStore(db),

@@ -3,7 +3,8 @@
 Identity is (authenticated principal, ``message_id``); the principal is never taken from the
 body alone (see ``auth``). Two envelopes with the same identity are the *same request* when
 their fingerprints match, and a *conflict* otherwise. The fingerprint covers what the request
-asks for (``kind``, ``payload``, ``correlation_id``, ``parent_id``), not how it is delivered
+asks for (``kind``, ``payload``, ``correlation_id``, ``parent_id``, and ``task`` when the
+request names one), not how it is delivered
 (``deadline``, ``max_attempts``, ``hops``, ``traceparent``), so a resend with a recomputed
 deadline, or sent from another trace, is still a duplicate.
 
@@ -31,6 +32,7 @@ from broker_adapter.protocol.canonical import (
 
 MESSAGE_ID_MAX_BYTES = 128
 PRINCIPAL_MAX_BYTES = 64
+TASK_NAME_MAX_BYTES = 64
 MAX_ATTEMPTS_LIMIT = 10
 HOPS_LIMIT = 2**31 - 1
 PRINCIPAL_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
@@ -39,15 +41,22 @@ Kind = Literal["task", "result", "event", "cancel"]
 
 
 def content_fingerprint(
-    kind: str, payload: bytes, correlation_id: str | None, parent_id: str | None
+    kind: str,
+    payload: bytes,
+    correlation_id: str | None,
+    parent_id: str | None,
+    *,
+    task: str | None = None,
 ) -> str:
     """SHA-256 (hex) of the canonical content of a request: the canonical JSON of
     ``{"correlation_id", "kind", "parent_id", "payload"}`` (nulls kept) with its numbers
-    written by ``canonical_numbers``.
+    written by ``canonical_numbers``, and ``"task"`` after ``payload`` only when the request
+    names one (so a request without it keeps the fingerprint it always had).
 
     Args:
         payload: the payload's canonical JSON bytes (``Envelope.payload_bytes``, or the
             ``payload`` column of a stored task), spliced in rather than encoded again.
+        task: the task name (``Envelope.task``), or ``None``.
     """
     head = (
         '{"correlation_id":' + _json_str_or_null(correlation_id)
@@ -55,7 +64,8 @@ def content_fingerprint(
         + ',"parent_id":' + _json_str_or_null(parent_id)
         + ',"payload":'
     )  # fmt: skip
-    return sha256_hex(head.encode("utf-8") + canonical_numbers(payload) + b"}")
+    tail = b"}" if task is None else (',"task":' + encode_basestring(task) + "}").encode("utf-8")
+    return sha256_hex(head.encode("utf-8") + canonical_numbers(payload) + tail)
 
 
 def _utf8_size(value: str, field: str) -> int:
@@ -80,6 +90,29 @@ def check_principal(value: str, field: str = "sender") -> str:
 
 
 _PRINCIPAL = re.compile(f"[A-Za-z0-9._-]{{1,{PRINCIPAL_MAX_BYTES}}}")
+_TASK_NAME = re.compile(f"[A-Za-z0-9._:-]{{1,{TASK_NAME_MAX_BYTES}}}")
+TASK_NAME_CHARS = PRINCIPAL_CHARS | {":"}
+
+
+def check_task_name(value: Any, field: str = "task") -> str | None:
+    """Validate an optional task name (``None`` passes): 1..64 bytes of letters, digits,
+    ``.``, ``_``, ``-`` and ``:``.
+
+    Raises:
+        EnvelopeError: ``bad_type``, ``bad_length`` or ``bad_chars``.
+    """
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise _type_error(field, "a string", value)
+    if _TASK_NAME.fullmatch(value):
+        return value
+    size = _utf8_size(value, field)
+    if not 1 <= size <= TASK_NAME_MAX_BYTES:
+        raise EnvelopeError(
+            field, "bad_length", f"must be 1..{TASK_NAME_MAX_BYTES} bytes, got {size}"
+        )
+    raise EnvelopeError(field, "bad_chars", "may hold only letters, digits, '.', '_', '-', ':'")
 
 # Unicode category Cc exactly: C0 controls, DEL and the C1 controls (U+0080..U+009F).
 _CONTROL_CHARS = re.compile("[\x00-\x1f\x7f-\x9f]")
@@ -112,7 +145,7 @@ _INVISIBLE_CATEGORIES = frozenset({"Cf", "Zl", "Zp"})
 
 _FIELDS = (
     "message_id", "sender", "kind", "payload", "deadline", "max_attempts", "hops",
-    "correlation_id", "parent_id", "traceparent",
+    "correlation_id", "parent_id", "traceparent", "task",
 )  # fmt: skip
 _REQUIRED = frozenset({"message_id", "sender", "payload", "deadline"})
 _KINDS: tuple[Kind, ...] = ("task", "result", "event", "cancel")
@@ -213,6 +246,8 @@ class Envelope:
         parent_id: the task this request was made on behalf of.
         traceparent: the W3C trace context the request was sent in (``check_traceparent``);
             carried into its reply and the adapter's spans, not part of the fingerprint.
+        task: the name of the task asked for (``check_task_name``), routed by the adapter's
+            ``Router``; ``None``: its default handler. Part of the fingerprint when given.
     """
 
     __slots__ = (*_FIELDS, "_payload_bytes")
@@ -227,6 +262,7 @@ class Envelope:
     correlation_id: str | None
     parent_id: str | None
     traceparent: str | None
+    task: str | None
     _payload_bytes: bytes
 
     def __init__(
@@ -242,6 +278,7 @@ class Envelope:
         correlation_id: str | None = None,
         parent_id: str | None = None,
         traceparent: str | None = None,
+        task: str | None = None,
         _payload_check: Callable[[Any], bytes] = check_payload,
     ) -> None:
         # ``_payload_check`` is internal: ``from_json`` passes the wire fast path. Field
@@ -261,6 +298,7 @@ class Envelope:
         put(self, "correlation_id", _check_optional_id(correlation_id, "correlation_id"))
         put(self, "parent_id", _check_optional_id(parent_id, "parent_id"))
         put(self, "traceparent", check_traceparent(traceparent))
+        put(self, "task", check_task_name(task))
 
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError(f"Envelope is frozen: cannot set {name!r}")
@@ -351,13 +389,16 @@ class Envelope:
         return canonical_json(self.to_dict())
 
     def content(self) -> dict[str, Any]:
-        """The part of the envelope the fingerprint covers."""
-        return {
+        """The part of the envelope the fingerprint covers (``task`` only when given)."""
+        out = {
             "kind": self.kind,
             "payload": self.payload,
             "correlation_id": self.correlation_id,
             "parent_id": self.parent_id,
         }
+        if self.task is not None:
+            out["task"] = self.task
+        return out
 
     def payload_bytes(self) -> bytes:
         """The payload's canonical JSON bytes (encoded once, when the envelope was checked).
@@ -370,7 +411,7 @@ class Envelope:
         """SHA-256 (hex) of the canonical content, ``canonical_json(self.content())`` with
         its floats written the ECMAScript way (``content_fingerprint``)."""
         return content_fingerprint(
-            self.kind, self._payload_bytes, self.correlation_id, self.parent_id
+            self.kind, self._payload_bytes, self.correlation_id, self.parent_id, task=self.task
         )
 
     def payload_json(self) -> str:

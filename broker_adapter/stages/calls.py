@@ -74,6 +74,45 @@ async def _bounded(awaitable: Awaitable[Any], timeout_s: float) -> Any:
     raise _AsyncTimeout
 
 
+class EventLoopThread:
+    """One long-lived asyncio event loop on a daemon thread of its own: every async handler
+    of a worker process runs on it (``process_loop``), however many run at once, so
+    the clients a handler keeps (HTTP pools, model SDKs) live across calls."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(
+            target=self._serve, name="handler-event-loop", daemon=True
+        )
+        self._thread.start()
+
+    def _serve(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.run_forever()
+
+    def run(self, awaitable: Awaitable[Any]) -> Any:
+        """Run ``awaitable`` on the loop and wait for its result (raised as it raised). The
+        caller's context variables go with it (a tracing span, for one)."""
+        return asyncio.run_coroutine_threadsafe(_awaited(awaitable), self.loop).result()
+
+
+async def _awaited(awaitable: Awaitable[Any]) -> Any:
+    return await awaitable
+
+
+_LOOP_LOCK = threading.Lock()
+_PROCESS_LOOP: EventLoopThread | None = None
+
+
+def process_loop() -> EventLoopThread:
+    """This process's event loop for async handlers (started at its first use)."""
+    global _PROCESS_LOOP
+    with _LOOP_LOCK:
+        if _PROCESS_LOOP is None or not _PROCESS_LOOP._thread.is_alive():
+            _PROCESS_LOOP = EventLoopThread()
+        return _PROCESS_LOOP
+
+
 class _CallThread:
     """A daemon thread that runs one caller thread's handler calls, one after another.
 
@@ -131,14 +170,18 @@ class _CallThread:
 _CALLERS = threading.local()
 
 
-def _call_thread() -> _CallThread:
-    """The calling thread's call thread, reserved for one call (a new one if it is busy)."""
-    current: _CallThread | None = getattr(_CALLERS, "thread", None)
+def _call_thread(slot: int = 0) -> _CallThread:
+    """The calling thread's call thread of ``slot``, reserved for one call (a new one if it
+    is busy)."""
+    threads: dict[int, _CallThread] | None = getattr(_CALLERS, "threads", None)
+    if threads is None:
+        threads = _CALLERS.threads = {}
+    current = threads.get(slot)
     if current is not None and current.take():
         return current
     if current is not None:
         current.retire()
-    fresh = _CALLERS.thread = _CallThread()
+    fresh = threads[slot] = _CallThread()
     fresh.take()
     return fresh
 
@@ -189,8 +232,8 @@ class CallRun:
 
     For each task the call thread first asks ``prepare(task)`` for the call's timeout
     (``None``: skip the task; raising ``StopRun``: end the run, leaving the rest not
-    started), calls the handler (an ``async def`` one on a fresh event loop, cancelled at
-    its timeout), calls ``after()``, and records the outcome.
+    started), calls the handler (an ``async def`` one on the process's event loop,
+    ``process_loop``, cancelled at its timeout), calls ``after()``, and records the outcome.
 
     A call that outlives its timeout (an async one: its timeout plus
     ``ASYNC_CANCEL_WAIT_S`` to unwind), or the stop grace once ``stop`` is set, is
@@ -203,6 +246,8 @@ class CallRun:
         tasks: the tasks, in order.
         prepare: runs on the call thread before each call (see above).
         after: runs on the call thread right after each call returns.
+        slot: which of the owner thread's call threads to use (``concurrent_run``: one per
+            slot, each reused from run to run).
     """
 
     def __init__(
@@ -211,7 +256,9 @@ class CallRun:
         tasks: list[Task],
         prepare: Callable[[Task], float | None],
         after: Callable[[], None] | None = None,
+        slot: int = 0,
     ) -> None:
+        self._slot = slot
         self._handler = handler
         self._tasks = tasks
         self._prepare = prepare
@@ -234,7 +281,7 @@ class CallRun:
     # -- the call thread ------------------------------------------------------------------
 
     def _spawn(self, gen: int) -> None:
-        runner = _call_thread()
+        runner = _call_thread(self._slot)
 
         def body() -> None:
             try:
@@ -297,7 +344,7 @@ class CallRun:
             value = self._handler(call.task)
             if inspect.isawaitable(value):
                 call.is_async = True
-                value = asyncio.run(_bounded(value, call.timeout_s))
+                value = process_loop().run(_bounded(value, call.timeout_s))
         except _AsyncTimeout:
             TaskControl(call.task).mark_stopped("timeout")
             return CallOutcome(timed_out=True, elapsed_s=time.monotonic() - call.started)

@@ -33,7 +33,7 @@ from __future__ import annotations
 import logging
 import random
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, Literal, TypeVar
@@ -302,6 +302,8 @@ class Reconciler:
         effects: the store.
         spec: the effect (its reconcile and compensation functions).
         owner: the reconciler's name (its claims and audit records carry it).
+        by_task: the effects of a ``Router``'s tasks, by task name: a task's own is used
+            for it, ``spec`` for a name not in it.
         policy: lease, batch, tries, backoff.
         rng: randomness for the backoff's jitter.
     """
@@ -309,9 +311,11 @@ class Reconciler:
     def __init__(
         self, effects: EffectsStore, spec: EffectSpec, owner: str,
         policy: ReconcilePolicy | None = None, rng: random.Random | None = None,
+        by_task: Mapping[str | None, EffectSpec] | None = None,
     ) -> None:  # fmt: skip
         self.effects = effects
         self.spec = spec
+        self.by_task = dict(by_task or {})
         self.owner = owner
         self.policy = policy or ReconcilePolicy()
         self.rng = rng or random.Random()
@@ -333,9 +337,10 @@ class Reconciler:
     def observe(self, task: ClaimedTask) -> Observation:
         """The reconcile function's answer; one that raises or answers nonsense is
         ``unknown`` (never a guess)."""
-        if self.spec.reconcile is None:
+        spec = self.spec_of(task)
+        if spec.reconcile is None:
             return Observation.still_unknown("no reconcile function: an operator decides")
-        reconcile, key = self.spec.reconcile, self.spec.key(task)
+        reconcile, key = spec.reconcile, spec.key(task)
         timeout_s = min(self.policy.call_timeout_s, self.policy.lease_s)
         ended = call_handler(lambda _t: reconcile(task, key), Task(task), timeout_s)
         if ended.timed_out:
@@ -347,11 +352,15 @@ class Reconciler:
             return Observation.still_unknown(f"reconcile returned {type(seen).__name__}")
         return seen
 
+    def spec_of(self, task: ClaimedTask) -> EffectSpec:
+        """The effect ``task``'s handler declared (``by_task``, else ``spec``)."""
+        return self.by_task.get(task.task_name, self.spec)
+
     def _one(self, claim: ReconcileClaim) -> str:
         task = claim.task
         seen = self.observe(task)
         step = after_reconcile(seen, claim.tries, self.policy, self.effects.clock.now(), self.rng)
-        if self.spec.reconcile is None:
+        if self.spec_of(task).reconcile is None:
             step = Step("operator")
         args = (task.task_id, self.owner, task.fence)
         if step.kind == "done":
@@ -375,17 +384,18 @@ class Reconciler:
         reconcile of the task finds it begun and does not run it again), ended with how it
         went."""
         what = f"the effect was applied {seen.applied} times"
-        if self.spec.compensate is None:
+        compensate = self.spec_of(task).compensate
+        if compensate is None:
             what += "; no compensation registered"
         if not self.effects.begin_compensation(task.task_id, DUPLICATE, self.owner,
                                                task.fence, what):  # fmt: skip
             return
-        if self.spec.compensate is None:
+        if compensate is None:
             self.effects.end_compensation(task.task_id, DUPLICATE, "failed", "none registered")
             return
         self.stats.compensations += 1
         try:
-            detail = self.spec.compensate(task, seen)
+            detail = compensate(task, seen)
         except Exception as exc:  # noqa: BLE001 - recorded as the compensation's outcome
             self.effects.end_compensation(task.task_id, DUPLICATE, "failed", describe_error(exc))
             return

@@ -17,6 +17,7 @@ from typing import Any, cast
 
 from broker_adapter.errors import ConfigError
 from broker_adapter.errors import RetryableError as RetryableError  # its old home, kept
+from broker_adapter.protocol.router import Router, load_router
 from broker_adapter.stages.task import Task as Task  # what handler modules import
 
 #: A handler takes one ``Task`` and returns a JSON value, or an awaitable of one.
@@ -68,6 +69,19 @@ def _searched(app_dir: str | Path | None) -> str:
     return where
 
 
+def load_app(spec: str, *, app_dir: str | Path | None = None) -> Router:
+    """Import the ``Router`` named by ``"package.module:router"`` (``run --app``); a
+    callable there is taken as a router of one (as ``--handler``).
+
+    Raises:
+        ConfigError: as ``load_handler``, or the object is neither a router nor a handler.
+    """
+    obj = _import_object(spec, app_dir, "app")
+    if not isinstance(obj, Router):
+        _check_callable(spec, obj)
+    return load_router(obj, spec)
+
+
 def load_handler(spec: str, *, app_dir: str | Path | None = None) -> Handler:
     """Import the handler named by ``"package.module:callable"``.
 
@@ -86,14 +100,21 @@ def load_handler(spec: str, *, app_dir: str | Path | None = None) -> Handler:
         ConfigError: the spec is malformed, the module is not found or fails to import, the
             attribute is missing, or the object is not callable with one argument.
     """
+    obj = _import_object(spec, app_dir, "handler")
+    _check_callable(spec, obj)
+    return cast(Handler, obj)
+
+
+def _import_object(spec: str, app_dir: str | Path | None, what: str) -> Any:
+    """The object ``"package.module:attr"`` names (``load_handler``'s errors)."""
     module_name, sep, attr_path = spec.strip().partition(":")
     names_ok = all(p.isidentifier() for p in module_name.split(".")) and all(
         p.isidentifier() for p in attr_path.split(".")
     )
     if not sep or not module_name or not attr_path or not names_ok:
         raise ConfigError(
-            f"handler {spec!r} is malformed: expected 'package.module:callable', "
-            "e.g. 'myapp.handlers:summarise'"
+            f"{what} {spec!r} is malformed: expected 'package.module:{_ATTR[what]}', "
+            f"e.g. 'myapp.handlers:{_EXAMPLE[what]}'"
         )
     if app_dir is not None:
         first = os.path.abspath(app_dir)
@@ -105,14 +126,14 @@ def load_handler(spec: str, *, app_dir: str | Path | None = None) -> Handler:
         missing = exc.name or ""
         if module_name == missing or module_name.startswith(missing + "."):
             raise ConfigError(
-                f"handler {spec!r}: module {missing!r} not found {_searched(app_dir)}"
+                f"{what} {spec!r}: module {missing!r} not found {_searched(app_dir)}"
             ) from exc
         raise ConfigError(
-            f"handler {spec!r}: importing {module_name!r} failed: {describe_error(exc)}"
+            f"{what} {spec!r}: importing {module_name!r} failed: {describe_error(exc)}"
         ) from exc
     except Exception as exc:
         raise ConfigError(
-            f"handler {spec!r}: importing {module_name!r} failed: {describe_error(exc)}"
+            f"{what} {spec!r}: importing {module_name!r} failed: {describe_error(exc)}"
         ) from exc
     obj: Any = module
     for part in attr_path.split("."):
@@ -120,14 +141,22 @@ def load_handler(spec: str, *, app_dir: str | Path | None = None) -> Handler:
             obj = getattr(obj, part)
         except AttributeError:
             raise ConfigError(
-                f"handler {spec!r}: module {module_name!r} has no attribute {attr_path!r}"
+                f"{what} {spec!r}: module {module_name!r} has no attribute {attr_path!r}"
             ) from None
+    return obj
+
+
+_ATTR = {"handler": "callable", "app": "router"}
+_EXAMPLE = {"handler": "summarise", "app": "router"}
+
+
+def _check_callable(spec: str, obj: Any) -> None:
     if not callable(obj):
         raise ConfigError(
-            f"handler {spec!r}: {attr_path!r} is a {type(obj).__name__}, not callable"
+            f"handler {spec!r}: {spec.partition(':')[2].strip()!r} is a"
+            f" {type(obj).__name__}, not callable"
         )
     _check_arity(spec, obj)
-    return cast(Handler, obj)
 
 
 def _check_arity(spec: str, obj: Callable[..., Any]) -> None:

@@ -56,6 +56,7 @@ class Task:
         #: effect: ``effects.side_effect``); ``None``: the handler declared none.
         self._start_effect: Callable[[], None] | None = None
         self._effect_started = False
+        self._args: Any = None
 
     # -- what the handler reads -----------------------------------------------------------
 
@@ -78,6 +79,17 @@ class Task:
     @property
     def payload(self) -> dict[str, Any]:
         return self.claimed.payload
+
+    @property
+    def task_name(self) -> str | None:
+        """The task name the request asked for (``Envelope.task``); ``None``: the default."""
+        return self.claimed.task_name
+
+    @property
+    def args(self) -> Any:
+        """The payload validated against the task's model (``Router.task(payload=...)``):
+        an instance of it; ``None`` for a task registered without one."""
+        return self._args
 
     @property
     def attempt(self) -> int:
@@ -270,6 +282,10 @@ class TaskControl:
             reason: ``"timeout"`` (call timeout or deadline) or ``"stopping"`` (shutdown).
         """
         self._task._mark(reason)
+
+    def set_args(self, args: Any) -> None:
+        """The payload, validated against the task's model (``Task.args``)."""
+        self._task._args = args
 
     def allow_effect(self, start: Callable[[], None]) -> None:
         """The handler declared a side effect: ``start`` records its start in the store."""

@@ -12,6 +12,7 @@ left to the deadline.
 from __future__ import annotations
 
 import logging
+from typing import Literal
 
 from broker_adapter import crashpoints
 from broker_adapter.clock import Clock
@@ -49,10 +50,22 @@ class TaskStart:
         #: Ends requested cancels (made when one is first needed).
         self._cancels: EffectsStore | None = None
 
-    def prepare(self, task: Task) -> float | None:
+    def prepare(
+        self,
+        task: Task,
+        *,
+        gate: EffectGate | Literal[False] | None = False,
+        call_timeout_s: float | None = None,
+    ) -> float | None:
         """The handler call's timeout, or ``None`` when the task is not to run (cancelled,
         lease lost while it waited its turn, deadline passed first, or held by its effect's
-        gate)."""
+        gate).
+
+        Args:
+            gate: the effect gate of the task's handler (``False``: ``self.effects``).
+            call_timeout_s: the task's own call timeout (``None``: ``self.call_timeout_s``).
+        """
+        effects = self.effects if gate is False else gate
         claimed = task.claimed
         crashpoints.hit("worker.after_claim")
         if task.cancelled():
@@ -78,9 +91,10 @@ class TaskStart:
             self.stats.expired += 1
             transitions.claim_transition("expired", claimed, "expired", detail="not started")
             return None
-        if self.effects is not None and not self.effects.before_call(task):
+        if effects is not None and not effects.before_call(task):
             return None  # parked for its approval, or refused: the handler does not run
-        return min(self.call_timeout_s, time_left_s)
+        limit = self.call_timeout_s if call_timeout_s is None else call_timeout_s
+        return min(limit, time_left_s)
 
     def end_cancel(self, claimed: ClaimedTask, what: str) -> None:
         """End a running task whose cancel was requested (``EffectsStore.request_cancel``)

@@ -42,11 +42,12 @@ from broker_adapter.errors import (
     TransientError,
 )
 from broker_adapter.protocol.keys import Keys
+from broker_adapter.protocol.router import Router
 from broker_adapter.protocol.signing import Keyring
 from broker_adapter.redis.client import connect
 from broker_adapter.stages.calls import CallOutcome, CallRun, RunOutcome, StopRun
+from broker_adapter.stages.concurrent_run import ConcurrentRun
 from broker_adapter.stages.effect_gate import EffectGate, stopped_how
-from broker_adapter.stages.effects import effect_spec
 from broker_adapter.stages.handlers import Handler, load_handler
 from broker_adapter.stages.lease import Leases, renew_interval
 from broker_adapter.stages.loop import CLAIM, Handed, IdlePolicy, IdleWait, look
@@ -56,6 +57,7 @@ from broker_adapter.stages.publish import (
     OwnReplies,
     ReplyPublisher,
 )
+from broker_adapter.stages.routing import Routes, TaskLimits
 from broker_adapter.stages.task import Task
 from broker_adapter.stages.task_start import TaskStart
 from broker_adapter.stages.worker_config import (
@@ -90,12 +92,13 @@ class _Ran:
 
 
 class Worker:
-    """Claims tasks from a ``TaskStore`` and runs ``handler`` on each, one after another.
+    """Claims tasks from a ``TaskStore`` and runs their handlers, one after another.
 
     Args:
         config: the worker's settings.
         tasks: the store (its ``policy.lease_s`` sets the default renewal interval).
-        handler: a callable, or a ``"module:callable"`` spec to load.
+        handler: a ``Router`` of named tasks (``routing.Routes`` routes each claimed task),
+            a callable (a router of one), or a ``"module:callable"`` spec to load.
         clock: the time source for deadlines; the store's clock by default.
         logger: where to report; ``broker_adapter.stages.worker`` by default.
         redis_client: the client to publish replies with (a ``streams.connect`` client);
@@ -112,6 +115,8 @@ class Worker:
             ``TaskStore``'s database, with ``outbox_policy``.
         metrics: where handler times and counters go (the pool gives one when
             ``config.metrics_dir`` is set: ``app.metrics.WorkerMetrics``); ``None``: none.
+        limits: per-task concurrency limits to share with other workers of this process
+            (``routing.TaskLimits``); ``None``: its own.
 
     Publishing its own replies: see the module's text and ``publish.OwnReplies``.
 
@@ -124,7 +129,7 @@ class Worker:
         self,
         config: WorkerConfig,
         tasks: TaskStoreAPI,
-        handler: Handler | str,
+        handler: Router | Handler | str,
         *,
         clock: Clock | None = None,
         logger: logging.Logger | None = None,
@@ -134,10 +139,12 @@ class Worker:
         handoff: IdleWait | None = None,
         outbox: OutboxAPI | None = None,
         metrics: WorkerMetricsSink | None = None,
+        limits: TaskLimits | None = None,
     ) -> None:
         self.config = config
         self.tasks = tasks
-        self.handler: Handler = load_handler(handler) if isinstance(handler, str) else handler
+        loaded = load_handler(handler) if isinstance(handler, str) else handler
+        router = loaded if isinstance(loaded, Router) else Router.of_handler(loaded)
         self.clock = clock or tasks.clock
         self.log = logger or logging.getLogger(__name__)
         self.renew_every_s = renew_interval(tasks.policy.lease_s, config.renew_every_s)
@@ -182,16 +189,21 @@ class Worker:
         #: The last commit also claimed, and found nothing ready.
         self._found_none = False
         self.metrics = metrics
-        spec = effect_spec(self.handler)
-        #: Approvals and effect marks of a declared side effect; ``None`` for an ordinary
-        #: handler (its only cost: this check per task).
-        self.effects: EffectGate | None = None
-        if spec is not None:
-            self.effects = EffectGate(
+        #: The tasks served, with the approvals and effect marks of each declared side
+        #: effect (``EffectGate``; an ordinary handler's only cost: one check per task).
+        self.routes = Routes(
+            router,
+            lambda spec: EffectGate(
                 tasks, spec, self.leases, config.approval_timeout_s, self.stats, self.log
-            )
+            ),
+            limits,
+        )
+        #: The default handler's gate (``None``: it declares no effect).
+        self.effects: EffectGate | None = self.routes.gate_named(None)
+        #: What the call run calls: the routed task's handler (``Routes.call``).
+        self.handler: Handler = self.routes.call
         self._start = TaskStart(tasks, self.leases, self.clock, self.stats, self.log,
-                                config.call_timeout_s, self.effects)  # fmt: skip
+                                config.call_timeout_s, None)  # fmt: skip
 
     @property
     def owner(self) -> str:
@@ -201,12 +213,14 @@ class Worker:
         """How many tasks the next claim takes: ``batch_window_s`` worth of handler time
         (by the running average), between 1 and ``config.batch``; ``INITIAL_CLAIM`` at most
         before any handler ran."""
-        cap = self.config.batch
+        slots = self.config.concurrency  # calls at once: a claim fills each slot
+        cap = max(self.config.batch, slots)
         if self._handler_s is None:
-            return min(cap, INITIAL_CLAIM)
+            return min(cap, INITIAL_CLAIM if slots == 1 else slots)
         if self._handler_s <= 0:
             return cap
-        return max(1, min(cap, int(self.config.batch_window_s / self._handler_s)))
+        per_slot = max(1, int(self.config.batch_window_s / self._handler_s))
+        return min(cap, slots * per_slot)
 
     def run_once(self, max_tasks: int | None = None) -> int:
         """Claim one batch and process it: run each handler, then commit the outcomes
@@ -246,10 +260,13 @@ class Worker:
             return 0
         ran: list[_Ran] = []
         finished = False
-        # The handlers run back to back on a call thread (``CallRun``); this thread
+        # The handlers run back to back on a call thread (``CallRun``; one per slot with
+        # ``concurrency``: ``ConcurrentRun``); this thread
         # supervises them (timeouts, the stop grace) and commits what ended: at the end of
         # the batch, or once the oldest uncommitted outcome is ``batch_window_s`` old.
-        run = CallRun(self.handler, tasks, self._prepare, after=self._after_call)
+        slots = self.config.concurrency
+        run = CallRun(self.handler, tasks, self._prepare, after=self._after_call) if slots == 1 \
+            else ConcurrentRun(self.handler, tasks, self._prepare, self._after_call, slots)
         try:
             while True:
                 ended = run.wait(run.supervise(self._stop, drain_deadline=self._drain_deadline))
@@ -413,7 +430,13 @@ class Worker:
         # They share one drain deadline, ``grace_s`` after the stop was first seen.
         if self._stopping() and self._drain_deadline() <= time.monotonic():
             raise StopRun
-        return self._start.prepare(task)
+        spec = self.routes.route(task)  # unroutable (None): its call fails, no handler runs
+        gate = None if spec is None else self.routes.gate(task)
+        limit = None if spec is None else spec.call_timeout_s
+        timeout = self._start.prepare(task, gate=gate, call_timeout_s=limit)
+        if timeout is None:  # not to run: no call takes its route
+            self.routes.forget(task)
+        return timeout
 
     @staticmethod
     def _after_call() -> None:
@@ -426,7 +449,7 @@ class Worker:
         for end in ended:
             elapsed = end.outcome.elapsed_s
             if self.metrics is not None:
-                self.metrics.observe_call(elapsed)
+                self.metrics.observe_call(elapsed, end.task.task_name or "")
             avg = self._handler_s
             self._handler_s = (
                 elapsed if avg is None else avg + HANDLER_TIME_WEIGHT * (elapsed - avg)
@@ -452,7 +475,8 @@ class Worker:
             claimed = r.task.claimed
             # Rule 11: the last check before the commit is in the commit's transaction: the
             # store refuses a cancelled task (TaskCancelled) and keeps its ``cancelled``.
-            if self.effects is not None and self.effects.after_call(r.task, r.outcome):
+            gate = self.routes.gate(r.task)
+            if gate is not None and gate.after_call(r.task, r.outcome):
                 continue  # its effect started: ``unknown`` (or nothing left to write)
             if r.task.stop_reason == "cancelled" and not r.outcome.ok:
                 # Stopped on a cancel (requested: ended here, with what is known; made
@@ -465,7 +489,7 @@ class Worker:
             item = settlement(
                 claimed, r.outcome, r.timeout_s, grace_s=grace_s, stats=self.stats, log=self.log
             )
-            items.append((claimed, item))
+            items.append((claimed, self.routes.cap_attempts(claimed, item)))
         n = self.claim_size() if claim_next and not self._stopping() else 0
         try:
             batch = self._settle([item for _, item in items], n)

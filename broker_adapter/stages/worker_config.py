@@ -20,6 +20,8 @@ DEFAULT_IDLE_POLL_S = 0.05
 DEFAULT_WAKE_POLL_S = 0.001
 DEFAULT_GRACE_S = 10.0
 DEFAULT_APPROVAL_TIMEOUT_S = 3600.0
+#: The most tasks one worker process runs at once (``WorkerConfig.concurrency``).
+MAX_CONCURRENCY = 256
 
 
 class WorkerConfig(ConfigModel):
@@ -55,6 +57,9 @@ class WorkerConfig(ConfigModel):
             prometheus-client's multiprocess files there (``app.metrics.WorkerMetrics``,
             made by the worker pool); ``None`` (default): no metrics, nothing imported.
         handler_name: the ``handler`` label of its handler duration histogram.
+        concurrency: how many handler calls run at once (``concurrent_run``): a claim
+            takes enough tasks to fill each slot; async handlers wait together on the
+            process's one event loop, sync ones run on a thread per slot.
         approval_timeout_s: for a handler whose effect ``requires_approval``
             (``effects.side_effect``): how long a task waits in ``waiting_approval`` for a
             valid approval record before it ends ``failed`` (never past its deadline).
@@ -74,6 +79,7 @@ class WorkerConfig(ConfigModel):
     metrics_dir: str | None = None
     handler_name: str = "handler"
     approval_timeout_s: float = Field(default=DEFAULT_APPROVAL_TIMEOUT_S, gt=0)
+    concurrency: int = Field(default=1, ge=1, le=MAX_CONCURRENCY)
 
 
 @dataclass
@@ -119,7 +125,7 @@ class WorkerStats:
 class WorkerMetricsSink(Protocol):
     """Where a worker's handler times and counters go (``app.metrics.WorkerMetrics``)."""
 
-    def observe_call(self, elapsed_s: float) -> None: ...
+    def observe_call(self, elapsed_s: float, task: str = "") -> None: ...
 
     def sync(self, stats: WorkerStats, publish: DispatcherStats, takeovers: int) -> None: ...
 

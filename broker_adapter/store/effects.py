@@ -85,7 +85,7 @@ class CompensationRecord:
 
 _CLAIM_COLUMNS = (
     "task_id, principal, message_id, kind, payload, attempts, max_attempts, fence, deadline,"
-    " hops, correlation_id, parent_id, traceparent, lease_until, reconcile_tries"
+    " hops, correlation_id, parent_id, traceparent, task_name, lease_until, reconcile_tries"
 )
 
 

@@ -136,8 +136,8 @@ def new_task_ids(n: int) -> list[str]:
 _INSERT_TASK = (
     "INSERT INTO tasks (task_id, principal, message_id, kind, payload, fingerprint,"
     " correlation_id, parent_id, state, max_attempts, not_before, deadline, hops,"
-    " created_at, updated_at, finished_at, error, traceparent)"
-    " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+    " created_at, updated_at, finished_at, error, traceparent, task_name)"
+    " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
 )
 # A reused id past the retention window (its task terminal) takes the record over.
 _UPSERT_INBOX = (
@@ -387,7 +387,7 @@ def _accept_one(
             task_id, item.principal, env.message_id, env.kind, payload,
             fingerprint, env.correlation_id, env.parent_id, state.value, env.max_attempts,
             now, env.deadline, hops, now, now,
-            None if state is TaskState.PENDING else now, error, env.traceparent,
+            None if state is TaskState.PENDING else now, error, env.traceparent, env.task,
         )
     )  # fmt: skip
     batch.inbox.append((item.principal, env.message_id, fingerprint, task_id, item.entry_id, now))

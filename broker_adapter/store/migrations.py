@@ -171,6 +171,11 @@ MIGRATIONS: tuple[str | Callable[[sqlite3.Connection], None], ...] = (
         PRIMARY KEY (task_id, approval_id)
     ) WITHOUT ROWID;
     """,
+    # 11: the task name a request asked for (the optional envelope member ``task``), kept
+    # with its task so the worker routes it (``Router``). NULL for every task accepted
+    # before and for requests sent without one (the default handler's); the fingerprints
+    # of those are unchanged, so no stored row is recomputed.
+    lambda c: _add_column(c, "tasks", "task_name", "TEXT"),
 )
 SCHEMA_VERSION = len(MIGRATIONS)
 #: The ``meta`` row holding the key of conflict-answer ids.

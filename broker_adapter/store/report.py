@@ -52,6 +52,20 @@ def snapshot(db: Db, now: float) -> dict[str, Any]:
     )  # fmt: skip
 
 
+def task_counts(db: Db) -> dict[str, dict[str, int]]:
+    """Tasks by name (the envelope's ``task``; ``""`` for none) and state; empty while no
+    task was sent with a name."""
+    with db.read() as c:
+        rows = c.execute(
+            "SELECT coalesce(task_name, '') AS name, state, count(*) AS n FROM tasks"
+            " GROUP BY task_name, state"
+        ).fetchall()
+    out: dict[str, dict[str, int]] = {}
+    for r in rows:
+        out.setdefault(r["name"], {})[r["state"]] = r["n"]
+    return out if any(out) else {}
+
+
 def _by(c: Conn, sql: str) -> dict[str, int]:
     """A ``SELECT k, n ... GROUP BY`` as a dict."""
     return {r["k"]: r["n"] for r in c.execute(sql).fetchall()}

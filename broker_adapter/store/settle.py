@@ -68,6 +68,8 @@ class Settlement:
     error: str | None = None
     retryable: bool = False
     claimed: ClaimedTask | None = None  # lets ``settle`` encode the reply up front
+    #: The earliest a retry may start, seconds from now (``RetryableError.retry_after_s``).
+    retry_after_s: float | None = None
 
 
 #: What ``settle`` did with one item: reply id (done), failure outcome, or the refusal.
@@ -183,7 +185,8 @@ def settle(
                 out.append(exc)
                 continue
             error = item.error or ""
-            out.append(_fail_row(store, c, row, item.task_id, error, item.retryable, now, claim))
+            out.append(_fail_row(store, c, row, item.task_id, error, item.retryable, now, claim,
+                                 item.retry_after_s))  # fmt: skip
         if enqueue_many(c, replies, now, claim) != len(replies):  # the unique indexes
             raise BrokerAdapterError("a task of this batch was finished twice")
         rows = store._claim_in(c, owner, n, now) if n >= 1 else []
@@ -225,9 +228,13 @@ def _in_item_order(rows: list[OutboxRow], items: Sequence[Settlement]) -> list[O
 def _fail_row(
     store: TaskStore, c: Conn, row: Any, task_id: str, error: str,
     retryable: bool, now: float, claim: PublisherClaim | None = None,
+    retry_after_s: float | None = None,
 ) -> FailOutcome:  # fmt: skip
     if retryable and row["attempts"] < row["max_attempts"]:
-        not_before = now + store.policy.backoff.delay(row["attempts"], store.rng)
+        delay = store.policy.backoff.delay(row["attempts"], store.rng)
+        if retry_after_s is not None and retry_after_s > delay:  # the target's Retry-After
+            delay = retry_after_s
+        not_before = now + delay
         if not_before < row["deadline"]:
             c.execute(
                 "UPDATE tasks SET state = 'pending', owner = NULL, lease_until = NULL,"

@@ -68,6 +68,8 @@ class ClaimedTask:
     parent_id: str | None
     #: The request's W3C trace context, if it was sent with one (``Envelope.traceparent``).
     traceparent: str | None = None
+    #: The task name the request asked for (``Envelope.task``); ``None``: the default.
+    task_name: str | None = None
 
     @property
     def idempotency_key(self) -> str:

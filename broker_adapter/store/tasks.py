@@ -180,7 +180,8 @@ class TaskStore:
             f" WHERE task_id IN ({marks(len(ids))})"
             f" AND {d.unindexed('state')} = 'pending'"
             " RETURNING task_id, principal, message_id, kind, payload, attempts,"
-            " max_attempts, fence, deadline, hops, correlation_id, parent_id, traceparent",
+            " max_attempts, fence, deadline, hops, correlation_id, parent_id, traceparent,"
+            " task_name",
             (owner, now + self.policy.lease_s, now, *ids),
         ).fetchall()
         by_id = {r["task_id"]: r for r in rows}
@@ -200,7 +201,8 @@ class TaskStore:
                 for r in c.execute(
                     "SELECT task_id, principal, message_id, kind, payload, attempts,"
                     " max_attempts, fence, deadline, hops, correlation_id, parent_id,"
-                    f" traceparent, lease_until FROM tasks WHERE task_id IN ({placeholders})"
+                    " traceparent, task_name, lease_until"
+                    f" FROM tasks WHERE task_id IN ({placeholders})"
                     " AND state = 'running' AND owner = ?",
                     (*chunk, owner),
                 ).fetchall():
@@ -236,6 +238,7 @@ class TaskStore:
             correlation_id=r["correlation_id"],
             parent_id=r["parent_id"],
             traceparent=r["traceparent"],
+            task_name=r["task_name"],
         )
 
     def _holder(self, c: Conn, task_id: str, owner: str, fence: int) -> Any:

@@ -158,7 +158,7 @@ def test_metrics_count_what_happened_and_readyz_follows_redis(
             'ba_task_outcomes_total{outcome="done"}': n,
             'ba_stale_fence_refusals_total': 0,
             'ba_lease_takeovers_total': 0,
-            f'ba_handler_duration_seconds_count{{handler="{HANDLER}"}}': n,
+            f'ba_handler_duration_seconds_count{{handler="{HANDLER}",task=""}}': n,
             # n answers and the conflict's answer, all sent: nothing unsent, nothing dead
             'ba_outbox_replies{state="sent"}': n + 1,
             'ba_outbox_replies{state="dead"}': 0,

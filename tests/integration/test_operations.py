@@ -94,7 +94,7 @@ def test_counters_health_and_log_of_a_troubled_run(
             'ba_task_outcomes_total{outcome="retry"}': 0,
             "ba_lease_takeovers_total": 1,
             "ba_stale_fence_refusals_total": 0,
-            f'ba_handler_duration_seconds_count{{handler="{HANDLER}"}}': stored,
+            f'ba_handler_duration_seconds_count{{handler="{HANDLER}",task=""}}': stored,
             'ba_outbox_replies{state="sent"}': stored + 1,  # and the conflict's answer
             'ba_outbox_replies{state="dead"}': 0,
             "ba_outbox_oldest_unsent_age_seconds": 0,

@@ -122,9 +122,9 @@ def test_worker_counters_go_through_the_multiprocess_files_and_add_to_this_proce
     assert got["ba_stale_fence_refusals_total"] == 1
     assert got["ba_lease_takeovers_total"] == 2 + 1  # the ingest's store and the worker's
     assert got['ba_reply_publish_total{outcome="published",stage="worker"}'] == 2
-    assert got['ba_handler_duration_seconds_count{handler="pkg.mod:fn"}'] == 1
-    assert got['ba_handler_duration_seconds_bucket{handler="pkg.mod:fn",le="0.001"}'] == 0
-    assert got['ba_handler_duration_seconds_bucket{handler="pkg.mod:fn",le="0.005"}'] == 1
+    assert got['ba_handler_duration_seconds_count{handler="pkg.mod:fn",task=""}'] == 1
+    assert got['ba_handler_duration_seconds_bucket{handler="pkg.mod:fn",le="0.001",task=""}'] == 0
+    assert got['ba_handler_duration_seconds_bucket{handler="pkg.mod:fn",le="0.005",task=""}'] == 1
     assert any(name.endswith(f"_{os.getpid()}.db") for name in os.listdir(tmp_path))
 
 

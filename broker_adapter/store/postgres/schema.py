@@ -210,7 +210,7 @@ def _v2(conn: psycopg.Connection[Any]) -> None:
     conn.execute(_V2_TABLES)
 
 
-def _v3(conn: psycopg.Connection[Any]) -> None:
+def _approval_releases(conn: psycopg.Connection[Any]) -> None:
     """Migration 3: the SQLite schema's version 10 (approval releases)."""
     conn.execute(
         "CREATE TABLE IF NOT EXISTS approval_releases (task_id text NOT NULL,"
@@ -219,11 +219,20 @@ def _v3(conn: psycopg.Connection[Any]) -> None:
     )
 
 
+def _task_name(conn: psycopg.Connection[Any]) -> None:
+    """Migration 4: ``tasks.task_name`` (SQLite version 11), the envelope's ``task``."""
+    conn.execute("ALTER TABLE tasks ADD COLUMN IF NOT EXISTS task_name text")
+
+
 #: ``(what it does, how)``, one per version, in order.
 MIGRATIONS: Final[tuple[tuple[str, Callable[[psycopg.Connection[Any]], None]], ...]] = (
     ("tasks, inbox, outbox, receipts and meta (the SQLite schema at its version 6)", _v1),
     ("effect columns and tables, tasks.traceparent, chains (SQLite versions 7 to 9)", _v2),
-    ("approval_releases: which approval released a waiting task (SQLite version 10)", _v3),
+    (
+        "approval_releases: which approval released a waiting task (SQLite version 10)",
+        _approval_releases,
+    ),
+    ("tasks.task_name (SQLite version 11)", _task_name),
 )
 SCHEMA_VERSION: Final = len(MIGRATIONS)
 
