@@ -31,6 +31,8 @@ from broker_adapter.app.commands import (
 )
 from broker_adapter.app.effects_cli import COMMANDS as EFFECT_COMMANDS
 from broker_adapter.app.effects_cli import add_commands as add_effect_commands
+from broker_adapter.app.mcp_cli import add_command as add_mcp_command
+from broker_adapter.app.mcp_cli import cmd_mcp
 from broker_adapter.app.passwords import resolve_redis_url
 from broker_adapter.app.streams_cli import COMMANDS as STREAM_COMMANDS
 from broker_adapter.app.streams_cli import add_commands as add_stream_commands
@@ -371,6 +373,7 @@ def build_parser() -> argparse.ArgumentParser:
                       " print how to open the web console on them")  # fmt: skip
     add_stream_commands(sub, _add_redis, _add_prefix)
     add_task_commands(sub, _option, _add_db, _add_redis, _add_prefix, _add_keyring)
+    add_mcp_command(sub, sys.modules[__name__])
     return parser
 
 
@@ -388,6 +391,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "demo": cmd_demo,
     "console": cmd_console,
     "schema": cmd_schema,
+    "mcp": cmd_mcp,
     **EFFECT_COMMANDS,
     **STREAM_COMMANDS,
 }

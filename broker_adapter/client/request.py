@@ -27,6 +27,7 @@ import threading
 from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
+from broker_adapter.client.dead_letters import principal_dead_letters
 from broker_adapter.client.publisher import AsyncPublisher
 from broker_adapter.client.routing import ReplyWatch
 from broker_adapter.clock import Clock, SystemClock
@@ -44,6 +45,7 @@ from broker_adapter.errors import (
 from broker_adapter.protocol.envelope import Envelope, check_principal
 from broker_adapter.protocol.keys import DEFAULT_PREFIX, Keys
 from broker_adapter.protocol.reply import BadReply, Reply
+from broker_adapter.protocol.router import RouteError, Router, validate_payload
 from broker_adapter.protocol.signing import Keyring
 from broker_adapter.redis.client import connect_async
 
@@ -86,15 +88,6 @@ def default_instance() -> str:
     return socket.gethostname().split(".")[0] or "instance"
 
 
-def check_task(task: str | None) -> None:
-    """Only ``None`` (the adapter's one handler) until tasks are routed by name."""
-    if task is not None:
-        raise ConfigError(
-            f"task {task!r}: this version routes every request to the adapter's one"
-            " handler; pass task=None"
-        )
-
-
 def outcome(reply: Reply) -> Reply:
     """``reply`` when it is ``done``; else the ``RequestError`` its status calls for."""
     if reply.status == "done":
@@ -122,6 +115,9 @@ class AsyncClient:
         resend_after_s, resend_max_s: the resend schedule while waiting.
         block_ms: how long one read of the reply stream waits.
         clock: stamps the deadlines.
+        router: the adapter's ``Router``, when the caller has it: each payload is validated
+            against its task's model before anything is published (``validate_payload``),
+            so a request the adapter would fail is refused here, with the same errors.
     """
 
     def __init__(
@@ -131,6 +127,7 @@ class AsyncClient:
         resend_after_s: float = DEFAULT_RESEND_AFTER_S,
         resend_max_s: float = DEFAULT_RESEND_MAX_S, block_ms: int = 1000,
         clock: Clock | None = None, logger: logging.Logger | None = None,
+        router: Router | None = None,
     ) -> None:  # fmt: skip
         if not 0 < resend_after_s <= resend_max_s:
             raise ConfigError("resend_after_s must be > 0 and <= resend_max_s")
@@ -144,7 +141,9 @@ class AsyncClient:
             if isinstance(redis, str) else redis
         )  # fmt: skip
         self.keys = Keys(prefix)
+        self.router = router
         signer = keyring if mode == "signed" else None  # ACL mode: the stream proves who
+        self.partitions = partitions
         self.publisher = AsyncPublisher(
             self.redis, self.keys, principal, signer, key_id, partitions=partitions
         )
@@ -177,7 +176,8 @@ class AsyncClient:
         """Publish a request and return its reply.
 
         Args:
-            task: the task's name; ``None`` (the adapter's handler) is the only value yet.
+            task: the task's name (a task of the adapter's ``Router``); ``None``: its
+                default task (the one handler of ``run --handler``).
             payload: the request's JSON object.
             message_id: the request's stable id; or give ``key``.
             key: the caller's own stable key for the request (``message_id_for``).
@@ -196,15 +196,33 @@ class AsyncClient:
                 ``result``).
             ConfigError, EnvelopeError: a bad argument; nothing was sent.
         """
-        check_task(task)
         if timeout_s <= 0:
             raise ConfigError("timeout_s must be > 0")
-        envelope = Envelope(
-            message_id=self.message_id(message_id, key), sender=self.principal,
-            payload=payload, deadline=self.clock.now() + (deadline_s or timeout_s),
+        envelope = self.envelope(
+            task, payload, self.message_id(message_id, key), deadline_s or timeout_s,
             max_attempts=max_attempts, correlation_id=correlation_id, traceparent=traceparent,
         )  # fmt: skip
         return outcome(await self.send(envelope, timeout_s))
+
+    def envelope(
+        self, task: str | None, payload: dict[str, Any], message_id: str, deadline_s: float,
+        *, max_attempts: int = 3, correlation_id: str | None = None,
+        traceparent: str | None = None,
+    ) -> Envelope:  # fmt: skip
+        """A request's envelope from this principal, its deadline ``deadline_s`` from now:
+        fixed here, so every resend of it (``send``) is the same request."""
+        if deadline_s <= 0:
+            raise ConfigError("deadline_s must be > 0")
+        if self.router is not None:
+            try:
+                validate_payload(self.router, task, payload)
+            except RouteError as exc:
+                raise ConfigError(f"not sent: {exc}") from None
+        return Envelope(
+            message_id=message_id, sender=self.principal, payload=payload, task=task,
+            deadline=self.clock.now() + deadline_s, max_attempts=max_attempts,
+            correlation_id=correlation_id, traceparent=traceparent,
+        )  # fmt: skip
 
     async def send(self, envelope: Envelope, timeout_s: float) -> Reply:
         """Publish ``envelope``, resend it unchanged while waiting, return its reply
@@ -274,6 +292,36 @@ class AsyncClient:
             BadReply: the record is not a reply the adapter signed for this principal.
         """
         return await self.watch.lookup(message_id)
+
+    async def wait(self, message_id: str, timeout_s: float) -> Reply:
+        """The reply to this principal's request ``message_id`` (any status), waited for up
+        to ``timeout_s`` without publishing anything.
+
+        Raises:
+            RequestTimeout: no reply within ``timeout_s``.
+        """
+        waiting = await self.watch.register(message_id)
+        try:
+            recorded = await self.watch.lookup(message_id)
+            if recorded is not None:
+                return recorded
+            try:
+                return await asyncio.wait_for(asyncio.shield(waiting), timeout_s)
+            except TimeoutError:
+                raise RequestTimeout(message_id, timeout_s) from None
+        finally:
+            self.watch.release(message_id, waiting)
+
+    async def dead_letters(self, limit: int = 100) -> list[dict[str, Any]]:
+        """Up to ``limit`` of this principal's dead letters, with their reasons
+        (``client.dead_letters.principal_dead_letters``).
+
+        Raises:
+            RedisUnavailable: Redis could not be read.
+        """
+        return await principal_dead_letters(
+            self.redis, self.keys, self.principal, self.partitions, limit
+        )
 
     async def cancel(self, message_id: str, *, deadline_s: float = 300.0) -> str:
         """Ask the adapter to cancel this principal's request ``message_id`` (a signed

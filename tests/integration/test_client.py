@@ -18,7 +18,7 @@ import pytest
 import redis.asyncio
 
 from broker_adapter import AsyncClient, Client, Keyring, RequestFailed, RequestTimeout
-from broker_adapter.errors import ConfigError
+from broker_adapter.errors import ConfigError, EnvelopeError
 from broker_adapter.protocol.keys import Keys
 from broker_adapter.redis.client import connect
 from tests.support.cli import cli_env, count_rows, wait_for
@@ -65,8 +65,8 @@ def test_request_arguments_are_checked_before_anything_is_sent(
     redis_server: RedisServer, keyring: Keyring, prefix: str
 ) -> None:
     with Client(redis_server.url, "alice", keyring, prefix=prefix) as client:
-        with pytest.raises(ConfigError, match="task=None"):
-            client.request("restart", {}, message_id="m")
+        with pytest.raises(EnvelopeError, match="task"):
+            client.request("no spaces allowed", {}, message_id="m")
         with pytest.raises(ConfigError, match="message_id= or key="):
             client.request(None, {})
         with pytest.raises(ConfigError, match="message_id= or key="):

@@ -4,6 +4,7 @@ and the arguments refused before anything is sent."""
 from __future__ import annotations
 
 import pytest
+from pydantic import BaseModel
 
 from broker_adapter import (
     ConfigError,
@@ -18,11 +19,11 @@ from broker_adapter import (
 from broker_adapter.client.request import (
     AsyncClient,
     cancel_message_id,
-    check_task,
     message_id_for,
     outcome,
 )
 from broker_adapter.protocol.reply import Reply
+from broker_adapter.protocol.router import Router
 from broker_adapter.protocol.signing import Keyring
 
 KEYS = Keyring({"alice": {"k1": "alice's secret for the unit tests: 32+ bytes"}})
@@ -74,10 +75,23 @@ def test_derived_message_ids_are_stable_and_scoped_by_principal_and_instance() -
     assert cancel_message_id("m1") == cancel_message_id("m1") != cancel_message_id("m2")
 
 
-def test_only_task_none_is_accepted_until_tasks_are_routed() -> None:
-    check_task(None)
-    with pytest.raises(ConfigError, match="task=None"):
-        check_task("restart")
+def test_a_client_with_the_router_refuses_a_payload_its_task_would_fail() -> None:
+    router = Router()
+
+    class Restart(BaseModel):
+        service: str
+
+    router.add("restart", lambda task: None, payload=Restart)
+    client = AsyncClient("redis://127.0.0.1:1/0", "alice", KEYS, router=router)
+    good = client.envelope("restart", {"service": "web"}, "m1", 60.0)
+    assert good.task == "restart"
+    with pytest.raises(ConfigError, match="service"):
+        client.envelope("restart", {}, "m2", 60.0)
+    with pytest.raises(ConfigError, match="unknown"):
+        client.envelope("stop", {"service": "web"}, "m3", 60.0)
+    assert AsyncClient("redis://127.0.0.1:1/0", "alice", KEYS).envelope(
+        "stop", {}, "m4", 60.0
+    ).task == "stop"  # without the router, the adapter decides
 
 
 def test_client_arguments_are_checked() -> None:
