@@ -2,12 +2,15 @@
 
 - ``RedisServer``: a private ``redis-server`` on a free loopback port with a data directory
   of its own (never a Redis you did not start).
+- ``TaskRunner``: a router's task run in process by the worker's own code, on a fake clock
+  and a store of its own, without Redis.
 - ``RunningAdapter``: a real ``broker-adapter run`` process, ready when its group exists.
 - ``write_keyring``: a keyring file with fresh secrets, mode 0600, as ``Keyring.load`` and
   ``broker-adapter run --keyring`` want it.
 - The pytest plugin (``broker_adapter.testing.pytest_plugin``, loaded by pytest on its own
   once broker_adapter is installed) gives the fixtures ``ba_redis_server``, ``ba_redis_url``,
-  ``ba_prefix``, ``ba_keyring`` and ``ba_adapter``; docs/AGENTS.md shows them in a test.
+  ``ba_prefix``, ``ba_keyring``, ``ba_adapter`` and ``ba_client``; docs/AGENTS.md shows
+  them in a test.
 
 Nothing here is imported by ``import broker_adapter``: it is for tests.
 """
@@ -17,5 +20,13 @@ from __future__ import annotations
 from broker_adapter.redis.server import RedisServer, binary_available, free_port
 from broker_adapter.testing.adapter import RunningAdapter
 from broker_adapter.testing.keyrings import write_keyring
+from broker_adapter.testing.runner import TaskRunner
 
-__all__ = ["RedisServer", "RunningAdapter", "binary_available", "free_port", "write_keyring"]
+__all__ = [
+    "RedisServer",
+    "RunningAdapter",
+    "TaskRunner",
+    "binary_available",
+    "free_port",
+    "write_keyring",
+]

@@ -11,6 +11,7 @@ Every fixture name starts with ``ba_`` so that it cannot shadow one of yours.
 - ``ba_keyring``: a keyring file of the test's own with principals ``agent`` and
   ``adapter`` (``ba_keyring.path`` is the file to pass to ``--keyring``).
 - ``ba_adapter``: a factory of running ``broker-adapter run`` processes on all of the above.
+- ``ba_client``: a ``Client`` of principal ``agent`` on that server and prefix.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from pathlib import Path
 
 import pytest
 
+from broker_adapter.client.request import Client
 from broker_adapter.protocol.signing import Keyring
 from broker_adapter.redis.server import RedisServer, binary_available
 from broker_adapter.testing.adapter import RunningAdapter
@@ -105,3 +107,12 @@ def ba_adapter(
     yield start
     for adapter in started:
         adapter.stop()
+
+
+@pytest.fixture
+def ba_client(ba_redis_url: str, ba_prefix: str, ba_keyring: KeyringFile) -> Iterator[Client]:
+    """A ``Client`` of principal ``agent`` (instance ``test``), closed after the test."""
+    with Client(
+        ba_redis_url, "agent", ba_keyring.keyring, prefix=ba_prefix, instance="test"
+    ) as client:
+        yield client
