@@ -15,8 +15,7 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
-from broker_adapter import Client, Keyring, Task
-from broker_adapter.protocol.router import Router
+from broker_adapter import Client, Keyring, Router, Task
 
 router = Router()
 

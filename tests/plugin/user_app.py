@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, Field
 
-from broker_adapter import RetryableError, Task
-from broker_adapter.protocol.router import Router
+from broker_adapter import RetryableError, Router, Task
 
 router = Router()
 flaky_calls: list[int] = []

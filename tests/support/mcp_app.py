@@ -13,8 +13,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, Field
 
-from broker_adapter.protocol.router import Router
-from broker_adapter.stages.task import Task
+from broker_adapter import Router, Task
 
 router = Router()
 
