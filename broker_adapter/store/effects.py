@@ -41,6 +41,8 @@ from broker_adapter.clock import Clock
 from broker_adapter.errors import FencedError, StaleError, TaskCancelled
 from broker_adapter.protocol.bounds import check_result
 from broker_adapter.protocol.canonical import canonical_json
+from broker_adapter.store.counters import COMPENSATIONS, RECONCILED, TASK_UNKNOWN, count_in
+from broker_adapter.store.evidence import ADAPTER_VERSION, EVIDENCE
 from broker_adapter.store.housekeeping import unknown_from_lapsed_in
 from broker_adapter.store.lifecycle import to_terminal
 from broker_adapter.store.sql import Conn, Db
@@ -174,10 +176,14 @@ class EffectsStore:
 
     # -- entering unknown -----------------------------------------------------------------
 
-    def mark_effect_started(self, task_id: str, owner: str, fence: int) -> None:
+    def mark_effect_started(
+        self, task_id: str, owner: str, fence: int, *, key_digest: str | None = None
+    ) -> None:
         """Record, before the effect, that this attempt starts an effect it cannot take
         back: from now on its timeout or lost lease sends the task to ``unknown``. A cancel
-        requested before is seen here: the effect must not start.
+        requested before is seen here: the effect must not start. The task keeps
+        ``key_digest`` (``evidence.key_digest`` of the effect's key) and this adapter's
+        version.
 
         Raises:
             TaskCancelled: a cancel was requested (or made); nothing was written.
@@ -186,10 +192,11 @@ class EffectsStore:
         now = self.clock.now()
         with self.db.write("effect_started") as c:
             hit = c.execute(
-                "UPDATE tasks SET effect_fence = fence, effect_started_at = ?, updated_at = ?"
+                "UPDATE tasks SET effect_fence = fence, effect_started_at = ?, updated_at = ?,"
+                " effect_key_digest = coalesce(?, effect_key_digest), adapter_version = ?"
                 " WHERE task_id = ? AND state = 'running' AND owner = ? AND fence = ?"
                 " AND lease_until > ? AND cancel_requested_at IS NULL",
-                (now, now, task_id, owner, fence, now),
+                (now, now, key_digest, ADAPTER_VERSION, task_id, owner, fence, now),
             ).rowcount
         if not hit:
             refusal = self.tasks.refusal(task_id, owner, fence)
@@ -213,6 +220,7 @@ class EffectsStore:
                 " AND fence = ? AND lease_until > ?",
                 (now, self.db.dialect.text(reason), now, task_id, owner, fence, now),
             ).rowcount
+            count_in(c, TASK_UNKNOWN, hit)
         if not hit:
             raise self.tasks.refusal(task_id, owner, fence) or StaleError(task_id, "lease_expired")
 
@@ -421,10 +429,12 @@ class EffectsStore:
     ) -> None:  # fmt: skip
         text = observed if raw else None if observed is None else canonical_json(observed).decode()
         c.execute(
-            "INSERT INTO reconcile_log (task_id, outcome, by_whom, at, fence, observed, note)"
-            " VALUES (?, ?, ?, ?, ?, ?, ?)",
-            (task_id, outcome, by, now, fence, text, c.dialect.text(note)),
-        )
+            "INSERT INTO reconcile_log (task_id, outcome, by_whom, at, fence, observed, note,"
+            f" adapter_version, effect_key_digest) VALUES (?, ?, ?, ?, ?, ?, ?, ?, {EVIDENCE})",
+            (task_id, outcome, by, now, fence, text, c.dialect.text(note), ADAPTER_VERSION,
+             task_id),
+        )  # fmt: skip
+        count_in(c, RECONCILED + outcome)
 
     # -- compensation ---------------------------------------------------------------------
 
@@ -441,14 +451,15 @@ class EffectsStore:
         now = self.clock.now()
         with self.db.write("compensation_begin") as c:
             self._unknown_holder(c, task_id, owner, fence, now)
-            return bool(
-                c.execute(
-                    "INSERT INTO compensations (task_id, kind, by_whom, fence, what,"
-                    " started_at, outcome) VALUES (?, ?, ?, ?, ?, ?, 'started')"
-                    " ON CONFLICT DO NOTHING",
-                    (task_id, kind, owner, fence, c.dialect.text(what), now),
-                ).rowcount
-            )
+            made = c.execute(
+                "INSERT INTO compensations (task_id, kind, by_whom, fence, what, started_at,"
+                " outcome, adapter_version, effect_key_digest) VALUES (?, ?, ?, ?, ?, ?,"
+                f" 'started', ?, {EVIDENCE}) ON CONFLICT DO NOTHING",
+                (task_id, kind, owner, fence, c.dialect.text(what), now, ADAPTER_VERSION,
+                 task_id),
+            ).rowcount  # fmt: skip
+            count_in(c, COMPENSATIONS + "started", made)
+            return bool(made)
 
     def end_compensation(
         self, task_id: str, kind: str, outcome: CompensationOutcome, detail: str | None = None
@@ -457,13 +468,13 @@ class EffectsStore:
         (never begun, or ended already)."""
         now = self.clock.now()
         with self.db.write("compensation_end") as c:
-            return bool(
-                c.execute(
-                    "UPDATE compensations SET outcome = ?, detail = ?, ended_at = ?"
-                    " WHERE task_id = ? AND kind = ? AND outcome = 'started'",
-                    (outcome, c.dialect.text(detail), now, task_id, kind),
-                ).rowcount
-            )
+            ended = c.execute(
+                "UPDATE compensations SET outcome = ?, detail = ?, ended_at = ?"
+                " WHERE task_id = ? AND kind = ? AND outcome = 'started'",
+                (outcome, c.dialect.text(detail), now, task_id, kind),
+            ).rowcount
+            count_in(c, COMPENSATIONS + outcome, ended)
+            return bool(ended)
 
     def compensations(self, task_id: str) -> list[CompensationRecord]:
         with self.db.read() as c:

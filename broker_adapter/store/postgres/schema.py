@@ -30,6 +30,7 @@ from typing import Any, Final
 import psycopg
 from psycopg.rows import tuple_row
 
+from broker_adapter.store import outcome_schema
 from broker_adapter.store.migrations import CONFLICT_ID_KEY
 
 #: ``pg_advisory_xact_lock`` key of the migrating transaction (any fixed 64-bit number).
@@ -214,6 +215,8 @@ def _v2(conn: psycopg.Connection[Any]) -> None:
 MIGRATIONS: Final[tuple[tuple[str, Callable[[psycopg.Connection[Any]], None]], ...]] = (
     ("tasks, inbox, outbox, receipts and meta (the SQLite schema at its version 6)", _v1),
     ("effect columns and tables, tasks.traceparent, chains (SQLite versions 7 to 9)", _v2),
+    ("counters, operator_overdue_at, effect evidence (SQLite version 10)",
+     outcome_schema.postgres_migration),  # fmt: skip
 )
 SCHEMA_VERSION: Final = len(MIGRATIONS)
 
