@@ -156,13 +156,20 @@ class EffectGate:
             return False
         retryable = outcome.error is not None and is_retryable(outcome.error)
         decision = after_call(call_end(task, outcome), effect_started=True, retryable=retryable)
+        cancel = task.stop_reason == "cancelled" and not outcome.ok
+        if cancel:
+            decision = AfterCall.UNKNOWN
         if decision is AfterCall.SETTLE:
             return False
         if decision is AfterCall.NOTHING:
             self.stats.stale_commits += 1
             return True
         claimed = task.claimed
-        if outcome.timed_out:
+        if cancel:
+            # Rule 11: the cancel cannot undo what started; the reconcile finds out and
+            # ends it ``cancelled`` (``cancel_reconcile``), undoing a happened effect.
+            reason = "cancel requested after the effect started; the reconcile decides"
+        elif outcome.timed_out:
             reason = "timeout after the effect started"
         elif outcome.stopped:
             reason = "worker stopped after the effect started"
@@ -171,6 +178,9 @@ class EffectGate:
             reason = f"{describe_error(outcome.error)} (after the effect started)"
         try:
             self.effects.to_unknown(claimed.task_id, claimed.owner, claimed.fence, reason)
+        except TaskCancelled:  # cancelled outright meanwhile: nothing left to write
+            self.stats.cancelled += 1
+            return True
         except StaleError as exc:  # its lease lapsed: the store's take-back sends it there
             self.stats.stale_commits += 1
             self.log.warning("task %s: unknown refused: %s", claimed.task_id, exc)

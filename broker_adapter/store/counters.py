@@ -60,3 +60,18 @@ def read_counters(c: Conn) -> dict[str, int]:
     """Every counter's value (the sum of its slots), in the caller's read transaction."""
     rows = c.execute("SELECT name, sum(value) AS n FROM counters GROUP BY name").fetchall()
     return {r["name"]: int(r["n"]) for r in rows}
+
+
+#: The counters ``monotonic_counts`` always reports (0 until first counted).
+KNOWN: Final = (
+    TASK_ATTEMPTS,
+    TASK_UNKNOWN,
+    *(RECONCILED + o for o in ("done", "not-done", "unknown")),
+    *(COMPENSATIONS + o for o in ("started", "done", "failed")),
+    *(OPERATOR_TIMEOUTS + a for a in ("alert", "fail")),
+)
+
+
+def monotonic_counts(c: Conn) -> dict[str, int]:
+    """``read_counters`` with every ``KNOWN`` counter present."""
+    return {**dict.fromkeys(KNOWN, 0), **read_counters(c)}

@@ -41,7 +41,13 @@ from broker_adapter.clock import Clock
 from broker_adapter.errors import FencedError, StaleError, TaskCancelled
 from broker_adapter.protocol.bounds import check_result
 from broker_adapter.protocol.canonical import canonical_json
-from broker_adapter.store.counters import COMPENSATIONS, RECONCILED, TASK_UNKNOWN, count_in
+from broker_adapter.store.counters import (
+    COMPENSATIONS,
+    RECONCILED,
+    TASK_UNKNOWN,
+    count_in,
+    monotonic_counts,
+)
 from broker_adapter.store.evidence import ADAPTER_VERSION, EVIDENCE
 from broker_adapter.store.housekeeping import unknown_from_lapsed_in
 from broker_adapter.store.lifecycle import to_terminal
@@ -120,12 +126,13 @@ class EffectsStore:
 
     def request_cancel(self, task_id: str, reason: str = "cancelled") -> TaskState:
         """Cancel a task: a running one gets ``cancel_requested_at`` (its handler sees it
-        at its next check and its outcome says what was done); any other live one is
-        cancelled at once (``TaskStore.cancel``).
+        at its next check and its outcome says what was done), and so does an ``unknown``
+        one (its reconcile ends it ``cancelled``: ``cancel_reconcile``); any other live one
+        is cancelled at once (``TaskStore.cancel``).
 
         Returns:
-            ``RUNNING`` when the request was recorded (or already was), else the state
-            ``TaskStore.cancel`` left.
+            ``RUNNING`` or ``UNKNOWN`` when the request was recorded (or already was),
+            else the state ``TaskStore.cancel`` left.
 
         Raises:
             UnknownTask: no such task.
@@ -137,13 +144,13 @@ class EffectsStore:
             ).fetchone()
             if row is None:
                 raise UnknownTask(task_id)
-            if row["state"] == TaskState.RUNNING:
+            if row["state"] in (TaskState.RUNNING, TaskState.UNKNOWN):
                 c.execute(
                     "UPDATE tasks SET cancel_requested_at = coalesce(cancel_requested_at, ?),"
                     " updated_at = ? WHERE task_id = ?",
                     (now, now, task_id),
                 )
-                return TaskState.RUNNING
+                return TaskState(row["state"])
         return self.tasks.cancel(task_id, reason)
 
     def end_requested_cancel(self, task_id: str, owner: str, fence: int, what: str) -> bool:
@@ -494,22 +501,15 @@ class EffectsStore:
 
 
 def effect_counts(c: Conn) -> dict[str, int]:
-    """``unknown`` tasks, those ``awaiting_operator``, reconciles by outcome
-    (``reconciled_<outcome>``) and compensations by outcome (``compensations_<outcome>``),
-    read in the caller's read transaction (``report.snapshot``)."""
+    """``unknown`` tasks, those ``awaiting_operator``, and the counters that never fall
+    (``counters.monotonic_counts``: reconciles by outcome, ``reconciled_<outcome>``;
+    compensations begun and ended, ``compensations_<outcome>``; attempts; transitions to
+    ``unknown``; operator timeouts), read in the caller's read transaction
+    (``report.snapshot``)."""
     row = c.execute(
         "SELECT count(*) AS n, count(operator_since) AS waiting FROM tasks WHERE state = 'unknown'"
     ).fetchone()
-    out = {"unknown": row["n"], "awaiting_operator": row["waiting"]}
-    for outcome in ("done", "not-done", "unknown"):
-        out[f"reconciled_{outcome}"] = 0
-    logged = c.execute("SELECT outcome, count(*) AS n FROM reconcile_log GROUP BY outcome")
-    out.update({f"reconciled_{r['outcome']}": r["n"] for r in logged.fetchall()})
-    for outcome in ("started", "done", "failed"):
-        out[f"compensations_{outcome}"] = 0
-    comp = c.execute("SELECT outcome, count(*) AS n FROM compensations GROUP BY outcome")
-    out.update({f"compensations_{r['outcome']}": r["n"] for r in comp.fetchall()})
-    return out
+    return {"unknown": row["n"], "awaiting_operator": row["waiting"], **monotonic_counts(c)}
 
 
 def _reply_member(c: Conn, task_id: str, outcome: str, by: str, note: str | None) -> dict[str, Any]:

@@ -28,9 +28,9 @@ from broker_adapter.errors import StaleError, TaskCancelled
 from broker_adapter.protocol.bounds import check_result
 from broker_adapter.protocol.reply import reply_id_for
 from broker_adapter.store import inbox, settle, transitions
+from broker_adapter.store.counters import TASK_ATTEMPTS, count_in
 from broker_adapter.store.db import Database
 from broker_adapter.store.fencing import TASK_HELD_STATE, refusal
-from broker_adapter.store.counters import TASK_ATTEMPTS, count_in
 from broker_adapter.store.housekeeping import reconcile_in
 from broker_adapter.store.inbox import (
     AcceptItem,

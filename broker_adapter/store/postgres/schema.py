@@ -211,12 +211,16 @@ def _v2(conn: psycopg.Connection[Any]) -> None:
     conn.execute(_V2_TABLES)
 
 
+def _v3(conn: psycopg.Connection[Any]) -> None:
+    """Migration 3: the SQLite schema's version 10 (``outcome_schema``)."""
+    outcome_schema.postgres_migration(conn)
+
+
 #: ``(what it does, how)``, one per version, in order.
 MIGRATIONS: Final[tuple[tuple[str, Callable[[psycopg.Connection[Any]], None]], ...]] = (
     ("tasks, inbox, outbox, receipts and meta (the SQLite schema at its version 6)", _v1),
     ("effect columns and tables, tasks.traceparent, chains (SQLite versions 7 to 9)", _v2),
-    ("counters, operator_overdue_at, effect evidence (SQLite version 10)",
-     outcome_schema.postgres_migration),  # fmt: skip
+    ("counters, overdue operator waits, effect evidence (SQLite 10)", _v3),
 )
 SCHEMA_VERSION: Final = len(MIGRATIONS)
 
