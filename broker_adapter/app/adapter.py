@@ -45,7 +45,13 @@ from broker_adapter.protocol.keys import DEFAULT_PREFIX, MAX_PARTITIONS, KeyPref
 from broker_adapter.protocol.signing import Keyring
 from broker_adapter.redis.client import Redis, RedisUrl, connect
 from broker_adapter.stages.dispatcher import Dispatcher, DispatcherConfig
-from broker_adapter.stages.effects import EffectSpec, Reconciler, effect_spec, run_reconciles
+from broker_adapter.stages.effects import (
+    EffectSpec,
+    ReconcilePolicy,
+    Reconciler,
+    effect_spec,
+    run_reconciles,
+)
 from broker_adapter.stages.handlers import load_handler
 from broker_adapter.stages.handoff import Handoff
 from broker_adapter.stages.ingest import Ingestor
@@ -128,6 +134,8 @@ class AdapterConfig(ConfigModel):
     prefix: KeyPrefix = DEFAULT_PREFIX
     name: str = Field(default_factory=lambda: socket.gethostname().split(".")[0] or "adapter")
     lease_s: float = Field(default=DEFAULT_LEASE_S, gt=0)
+    #: the reconciler's policy (operator timeout and its action, ...), for a declared effect
+    reconcile: ReconcilePolicy = Field(default_factory=ReconcilePolicy)
     call_timeout_s: float = Field(default=DEFAULT_CALL_TIMEOUT_S, gt=0)
     grace_s: float = Field(default=DEFAULT_GRACE_S, ge=0)
     claim_min_idle_ms: int = Field(default=DEFAULT_CLAIM_MIN_IDLE_MS, ge=0)
@@ -386,7 +394,7 @@ class Adapter:
         try:
             tasks = TaskStore(db, SystemClock(), self.policy)
             owner = f"{self.config.name}-reconciler-{os.getpid()}"
-            reconciler = Reconciler(EffectsStore(tasks), self.effect, owner)
+            reconciler = Reconciler(EffectsStore(tasks), self.effect, owner, self.config.reconcile)
             run_reconciles(stop, reconciler, ApprovalStore(tasks), self.log)
         finally:
             db.close()

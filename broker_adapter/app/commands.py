@@ -45,6 +45,7 @@ def _install_stop() -> threading.Event:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from broker_adapter.app.adapter import Adapter, AdapterConfig
+    from broker_adapter.stages.effects import ReconcilePolicy
 
     fields: dict[str, Any] = {
         "redis_url": args.redis,
@@ -66,7 +67,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         "retention_s": args.retention,
         "metrics_port": args.metrics_port,
         "metrics_host": args.metrics_host,
-    }
+        "reconcile": ReconcilePolicy(operator_timeout_s=args.operator_timeout,
+                                     operator_timeout_action=args.operator_timeout_action),
+    }  # fmt: skip
     if args.name:
         fields["name"] = args.name
     config = AdapterConfig(**fields)
