@@ -62,7 +62,8 @@ def settlement(
     raised = outcome.error
     error, retry = describe_error(raised), is_retryable(raised)
     log_failure(log, claimed, error, retry=retry, raised=raised)
-    return fail(error, retry)
+    after = getattr(raised, "retry_after_s", None) if retry else None
+    return fail(error, retry, retry_after_s=after if isinstance(after, float | int) else None)
 
 
 def log_failure(

@@ -68,6 +68,7 @@ class Settlement:
     error: str | None = None
     retryable: bool = False
     claimed: ClaimedTask | None = None  # lets ``settle`` encode the reply up front
+    retry_after_s: float | None = None  # the retry waits at least this (``RetryableError``)
 
 
 #: What ``settle`` did with one item: reply id (done), failure outcome, or the refusal.
@@ -183,7 +184,8 @@ def settle(
                 out.append(exc)
                 continue
             error = item.error or ""
-            out.append(_fail_row(store, c, row, item.task_id, error, item.retryable, now, claim))
+            out.append(_fail_row(store, c, row, item.task_id, error, item.retryable, now, claim,
+                                 item.retry_after_s))  # fmt: skip
         if enqueue_many(c, replies, now, claim) != len(replies):  # the unique indexes
             raise BrokerAdapterError("a task of this batch was finished twice")
         rows = store._claim_in(c, owner, n, now) if n >= 1 else []
@@ -225,9 +227,11 @@ def _in_item_order(rows: list[OutboxRow], items: Sequence[Settlement]) -> list[O
 def _fail_row(
     store: TaskStore, c: Conn, row: Any, task_id: str, error: str,
     retryable: bool, now: float, claim: PublisherClaim | None = None,
+    retry_after_s: float | None = None,
 ) -> FailOutcome:  # fmt: skip
     if retryable and row["attempts"] < row["max_attempts"]:
-        not_before = now + store.policy.backoff.delay(row["attempts"], store.rng)
+        delay = store.policy.backoff.delay(row["attempts"], store.rng)
+        not_before = now + max(delay, retry_after_s or 0.0)  # a target's Retry-After
         if not_before < row["deadline"]:
             c.execute(
                 "UPDATE tasks SET state = 'pending', owner = NULL, lease_until = NULL,"
