@@ -11,21 +11,20 @@ claim's for an attempt, the take-back's or the holder's for a task that goes ``u
 the reconcile's for its record): the count commits with the event, or neither does.
 
 Rows are ``(name, slot, value)``; a counter's value is the sum over its slots. On
-PostgreSQL each increment goes to one of ``SLOTS`` rows chosen at random, so concurrent
-claims on several hosts rarely wait on one row lock; SQLite has one writer at a time and
-uses slot 0. A counter is database-wide: every adapter sharing the database reports the
-same value (aggregate them with ``max``, not ``sum``).
+PostgreSQL each session adds to its own row (the slot is its ``pg_backend_pid()``): two
+transactions in progress are two sessions, so a claim never waits on another host's
+claim for a counter's row lock (the claims skip each other's rows, ``skip_locked``, and
+must not meet here either). The rows are few (one per counter and server process id,
+reused as ids are); SQLite has one writer at a time and uses slot 0. A counter is
+database-wide: every adapter sharing the database reports the same value (aggregate them
+with ``max``, not ``sum``).
 """
 
 from __future__ import annotations
 
-import random
 from typing import Final
 
 from broker_adapter.store.sql import Conn
-
-#: Row locks a counter's increments are spread over on PostgreSQL.
-SLOTS: Final = 8
 
 #: Task attempts, counted when the claim commits (attempts + 1).
 TASK_ATTEMPTS: Final = "task_attempts"
@@ -42,9 +41,10 @@ COMPENSATIONS: Final = "compensations_"
 OPERATOR_TIMEOUTS: Final = "operator_timeouts_"
 
 _UPSERT = (
-    "INSERT INTO counters (name, slot, value) VALUES (?, ?, ?)"
+    "INSERT INTO counters (name, slot, value) VALUES (?, {slot}, ?)"
     " ON CONFLICT (name, slot) DO UPDATE SET value = counters.value + excluded.value"
 )
+_SLOT = {"sqlite": "0", "postgresql": "pg_backend_pid()"}
 
 
 def count_in(c: Conn, name: str, n: int = 1) -> None:
@@ -52,8 +52,7 @@ def count_in(c: Conn, name: str, n: int = 1) -> None:
     ``n`` <= 0: a counter never falls)."""
     if n <= 0:
         return
-    slot = random.randrange(SLOTS) if c.dialect.name == "postgresql" else 0
-    c.execute(_UPSERT, (name, slot, n))
+    c.execute(_UPSERT.format(slot=_SLOT[c.dialect.name]), (name, n))
 
 
 def read_counters(c: Conn) -> dict[str, int]:
