@@ -5,7 +5,9 @@ and PostgreSQL, on a FakeClock; exported by the metrics collector."""
 
 from __future__ import annotations
 
+import sqlite3
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -17,6 +19,9 @@ from broker_adapter.stages.effects import (
     ReconcilePolicy,
     Reconciler,
 )
+from broker_adapter.store import outcome_schema
+from broker_adapter.store.counters import monotonic_counts
+from broker_adapter.store.db import open_database
 from broker_adapter.store.effects import EffectsStore
 from broker_adapter.store.report import snapshot
 from broker_adapter.store.tasks import ClaimedTask, Settlement
@@ -160,3 +165,31 @@ def test_a_refused_transition_counts_nothing(s: Stores, clock: FakeClock) -> Non
     with pytest.raises(StaleError):
         fx.to_unknown(task.task_id, "w1", task.fence + 1, "a zombie's")
     assert counters(s, clock)["task_outcomes_unknown"] == 0
+
+
+def test_the_upgrade_seeds_the_counters_from_the_records_kept(tmp_path: Path) -> None:
+    """A database made before the counters: the migration (``outcome_schema``, run again
+    on a database whose counters table is not there yet) starts them from what its records
+    held, so the exported counters do not fall at the upgrade."""
+    path = tmp_path / "old.db"
+    open_database(path).close()
+    conn = sqlite3.connect(path)
+    with conn:
+        conn.execute("DROP TABLE counters")  # as before the migration
+        conn.execute(
+            "INSERT INTO reconcile_log (task_id, outcome, by_whom, at, fence) VALUES"
+            " ('t1', 'done', 'r', 1, 1), ('t2', 'done', 'r', 1, 1), ('t3', 'not-done', 'r', 1, 1)"
+        )
+        conn.execute(
+            "INSERT INTO compensations (task_id, kind, by_whom, fence, what, started_at,"
+            " outcome) VALUES ('t1', 'duplicate', 'r', 1, 'x', 1, 'done'),"
+            " ('t2', 'duplicate', 'r', 1, 'x', 1, 'started')"
+        )
+        outcome_schema.sqlite_migration(conn)
+        outcome_schema.sqlite_migration(conn)  # idempotent, like every migration
+    conn.close()
+    with open_database(path) as db, db.read() as c:
+        got = monotonic_counts(c)
+    assert (got["reconciled_done"], got["reconciled_not-done"]) == (2, 1)
+    assert (got["compensations_started"], got["compensations_done"]) == (2, 1)
+    assert got["task_attempts"] == 0
