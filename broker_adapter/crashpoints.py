@@ -48,6 +48,8 @@ _STORE_OPS = (
     "reconcile_operator",
     "compensation_begin",
     "compensation_end",
+    "reconcile_cancelled",  # store/cancel_reconcile.py
+    "operator_timeout",  # store/operator_waits.py
     "approval_grant",
     "approval_revoke",
     "approval_wait",

@@ -123,16 +123,22 @@ class RetryableError(BrokerAdapterError):
     exception class with a class or instance attribute ``retryable = True`` counts too.
 
     Args:
-        retry_after_s: the earliest the next attempt may start, seconds from now (a target's
-            ``Retry-After``); the backoff's delay when that is longer. Still bounded by the
-            deadline and the attempt budget.
+        retry_after_s: the earliest the next attempt may start, seconds from now (a
+            target's ``429`` or ``503`` with ``Retry-After``): the retry waits the larger of
+            it and the backoff, and none follows when that lands at or past the deadline or
+            no attempt is left. ``None``: the backoff alone.
+
+    Raises:
+        ValueError: ``retry_after_s`` is negative or not a finite number.
     """
 
     retryable = True
 
     def __init__(self, *args: object, retry_after_s: float | None = None) -> None:
         super().__init__(*args)
-        self.retry_after_s: float | None = retry_after_s
+        if retry_after_s is not None and not 0 <= float(retry_after_s) < float("inf"):
+            raise ValueError(f"retry_after_s must be a finite number >= 0, got {retry_after_s!r}")
+        self.retry_after_s = None if retry_after_s is None else float(retry_after_s)
 
 
 class ReplyConflict(BrokerAdapterError):

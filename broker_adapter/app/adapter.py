@@ -48,7 +48,13 @@ from broker_adapter.protocol.signing import Keyring
 from broker_adapter.redis.client import Redis, RedisUrl, connect
 from broker_adapter.redis.functions import load_at_start
 from broker_adapter.stages.dispatcher import Dispatcher, DispatcherConfig
-from broker_adapter.stages.effects import EffectSpec, Reconciler, effect_spec, run_reconciles
+from broker_adapter.stages.effects import (
+    EffectSpec,
+    ReconcilePolicy,
+    Reconciler,
+    effect_spec,
+    run_reconciles,
+)
 from broker_adapter.stages.handlers import load_app
 from broker_adapter.stages.handoff import Handoff
 from broker_adapter.stages.ingest import Ingestor
@@ -139,6 +145,8 @@ class AdapterConfig(ConfigModel):
     prefix: KeyPrefix = DEFAULT_PREFIX
     name: str = Field(default_factory=lambda: socket.gethostname().split(".")[0] or "adapter")
     lease_s: float = Field(default=DEFAULT_LEASE_S, gt=0)
+    #: the reconciler's policy (operator timeout and its action, ...), for a declared effect
+    reconcile: ReconcilePolicy = Field(default_factory=ReconcilePolicy)
     call_timeout_s: float = Field(default=DEFAULT_CALL_TIMEOUT_S, gt=0)
     concurrency: int = Field(default=1, ge=1, le=MAX_CONCURRENCY)
     backoff_base_s: float = Field(default=1.0, ge=0)
@@ -412,7 +420,7 @@ class Adapter:
         try:
             tasks = TaskStore(db, SystemClock(), self.policy)
             owner = f"{self.config.name}-reconciler-{os.getpid()}"
-            reconciler = Reconciler(EffectsStore(tasks), self.effect, owner,
+            reconciler = Reconciler(EffectsStore(tasks), self.effect, owner, self.config.reconcile,
                                     by_task=self.effects)  # fmt: skip
             run_reconciles(stop, reconciler, ApprovalStore(tasks), self.log)
         finally:

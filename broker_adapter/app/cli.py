@@ -31,6 +31,7 @@ from broker_adapter.app.commands import (
 )
 from broker_adapter.app.effects_cli import COMMANDS as EFFECT_COMMANDS
 from broker_adapter.app.effects_cli import add_commands as add_effect_commands
+from broker_adapter.app.effects_cli import add_run_options as add_effect_run_options
 from broker_adapter.app.mcp_cli import add_command as add_mcp_command
 from broker_adapter.app.mcp_cli import cmd_mcp
 from broker_adapter.app.passwords import resolve_redis_url
@@ -224,6 +225,7 @@ def _add_run(sub: argparse._SubParsersAction[_Parser]) -> None:
     _add_retention(
         run, "requests older than this are forgotten, and deadlines further ahead refused"
     )
+    add_effect_run_options(run, _option)
     _add_metrics(run)
     _add_log_format(run)
 

@@ -49,6 +49,7 @@ def _install_stop() -> threading.Event:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from broker_adapter.app.adapter import Adapter, AdapterConfig
+    from broker_adapter.stages.effects import ReconcilePolicy
 
     if (args.handler is None) == (args.app is None):
         raise ConfigError("run needs one of --handler MOD:FUNC or --app MOD:ROUTER")
@@ -76,7 +77,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         "retention_s": args.retention,
         "metrics_port": args.metrics_port,
         "metrics_host": args.metrics_host,
-    }
+        "reconcile": ReconcilePolicy(operator_timeout_s=args.operator_timeout,
+                                     operator_timeout_action=args.operator_timeout_action),
+    }  # fmt: skip
     if args.name:
         fields["name"] = args.name
     config = AdapterConfig(**fields)

@@ -1,5 +1,9 @@
 """The operator's commands for effects beyond our transaction: ``reconcile`` (an operator's
-answer for an ``unknown`` task), ``approve`` and ``revoke`` (approval records).
+answer for an ``unknown`` task; ``reconcile list``: the tasks whose outcome is unknown,
+those waiting for an operator first; ``reconcile show TASK_ID``: one task's reconcile log
+and compensations, with the effect key's digest and the adapter version of each record),
+``approve`` and ``revoke`` (approval records), and ``run``'s bound on operator waits
+(``--operator-timeout``, ``--operator-timeout-action``).
 
 Who may use them: whoever can write the adapter's database (its SQLite file, or its
 PostgreSQL database: ``--db`` names either). That is the authority the
@@ -18,8 +22,10 @@ import json
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal
 
+from broker_adapter.app import outcome_views
 from broker_adapter.app.audit import audit, bounded_seconds, bounded_text, os_user
 from broker_adapter.errors import ConfigError
+from broker_adapter.stages.effects import DEFAULT_OPERATOR_TIMEOUT_S
 
 if TYPE_CHECKING:
     from broker_adapter.store.db import Database
@@ -32,15 +38,37 @@ MAX_APPROVAL_S = 366 * 86_400
 Option = Callable[..., None]
 
 
+def add_run_options(run: argparse.ArgumentParser, option: Option) -> None:
+    """``run``'s bound on how long a task waits for an operator (``ReconcilePolicy``)."""
+    option(run, "--operator-timeout", "a task whose effect's outcome is unknown waits this"
+           " long for an operator's answer, seconds; then the alert, or the action below",
+           env="BA_OPERATOR_TIMEOUT_S", default=DEFAULT_OPERATOR_TIMEOUT_S, type=float,
+           metavar="S")  # fmt: skip
+    option(run, "--operator-timeout-action", "past --operator-timeout: alert (it keeps"
+           " waiting, marked overdue) or fail (it ends failed, its reply saying the"
+           " effect's outcome is unknown)", env="BA_OPERATOR_TIMEOUT_ACTION",
+           default="alert", choices=("alert", "fail"))  # fmt: skip
+
+
 def add_commands(sub: Any, option: Option, add_db: Callable[[Any, str], None]) -> None:
     """Add ``reconcile``, ``approve`` and ``revoke`` to the CLI's subcommands."""
-    rec = sub.add_parser("reconcile", help="an operator's answer for an unknown task (audited)")
+    rec = sub.add_parser(
+        "reconcile",
+        help="an operator's answer for an unknown task (audited); 'reconcile list' and"
+        " 'reconcile show TASK_ID' show them",
+    )
     add_db(rec, "the adapter's database: a SQLite file (must exist) or a postgresql:// URL")
-    rec.add_argument("task_id", help="the unknown task")
-    rec.add_argument("--outcome", required=True, choices=("done", "not-done"),
+    rec.add_argument("task_id", metavar="TASK_ID|list|show",
+                     help="the unknown task to answer (with --outcome); 'list': the tasks"
+                     " whose outcome is unknown, those waiting for an operator first;"
+                     " 'show TASK_ID': its reconcile log and compensations")  # fmt: skip
+    rec.add_argument("shown", nargs="?", metavar="TASK_ID", help="with 'show': the task")
+    rec.add_argument("--outcome", choices=("done", "not-done"),
                      help="done: the effect happened; not-done: it did not (a retry may"
-                     " follow)")  # fmt: skip
-    _add_by(rec, option)
+                     " follow); required to answer")  # fmt: skip
+    rec.add_argument("--limit", type=int, default=100, metavar="N",
+                     help="with 'list': at most N tasks [default: 100]")  # fmt: skip
+    _add_by(rec, option, required=False)  # not for list and show: checked when answering
     rec.add_argument("--result", default="null", metavar="JSON",
                      help="with done: the task's result, a JSON value [default: null]")  # fmt: skip
     rec.add_argument("--note", default=None, help="kept in the reconcile record")
@@ -60,9 +88,9 @@ def add_commands(sub: Any, option: Option, add_db: Callable[[Any, str], None]) -
     _add_by(rev, option)
 
 
-def _add_by(p: argparse.ArgumentParser, option: Option) -> None:
+def _add_by(p: argparse.ArgumentParser, option: Option, required: bool = True) -> None:
     option(p, "--by", "who decides (kept in the record, with the OS user)", env="BA_OPERATOR",
-           required=True, metavar="NAME")  # fmt: skip
+           required=required, metavar="NAME")  # fmt: skip
 
 
 def _who(by: str) -> str:
@@ -120,6 +148,12 @@ def grant_approval(
 def cmd_reconcile(args: argparse.Namespace) -> int:
     from broker_adapter.store.backends import open_store
 
+    if args.task_id in ("list", "show"):
+        return outcome_views.show_outcomes(args)
+    if args.shown is not None:
+        raise ConfigError(f"unexpected argument {args.shown!r}: answer one task at a time")
+    if args.outcome is None or args.by is None:
+        raise ConfigError("answering a task needs --outcome done|not-done and --by NAME")
     audit("reconcile", task_id=args.task_id, outcome=args.outcome, by=args.by)
     with open_store(args.db) as db:
         state = resolve_unknown(db, args.task_id, args.outcome, _who(args.by),

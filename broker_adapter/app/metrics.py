@@ -285,17 +285,41 @@ def _database_families(out: Families, db_path: Path | str) -> None:
               " (unknown), by whether they wait for an operator.",
               fx["unknown"] - fx["awaiting_operator"], waiting="reconcile")  # fmt: skip
     out.gauge("ba_unknown_outcomes", "", fx["awaiting_operator"], waiting="operator")
+    _outcome_families(out, fx)
+    out.gauge("ba_approvals_waiting", "Tasks waiting for an approval.", fx["waiting_approval"])
+    for state in ("valid", "expired", "revoked"):
+        out.gauge("ba_approvals", "Approval records by state (granted and valid, expired,"
+                  " revoked).", fx[f"approvals_{state}"], state=state)  # fmt: skip
+
+
+def _outcome_families(out: Families, fx: dict[str, Any]) -> None:
+    """Uncertain outcomes. The counters come from the database's ``counters`` table
+    (``store.counters``): they never fall across a purge, and count what commits in any
+    process, a killed worker's attempt included; the same on every adapter sharing one
+    database (aggregate with ``max``)."""
+    out.counter("ba_task_attempts", "Task attempts started, counted when the claim commits"
+                " (database-wide).", fx["task_attempts"])  # fmt: skip
+    out.counter("ba_task_outcomes", "Task outcomes committed by workers.",
+                fx["task_outcomes_unknown"], outcome="unknown")  # fmt: skip
     for outcome in ("done", "not-done", "unknown"):
         out.counter("ba_reconciles", "Reconciles of unknown tasks (automatic or an"
                     " operator's), by what they found.", fx[f"reconciled_{outcome}"],
                     outcome=outcome)  # fmt: skip
     for outcome in ("started", "done", "failed"):
-        out.counter("ba_compensations", "Compensations of duplicate effects, by outcome.",
+        out.counter("ba_compensations", "Compensations begun (started) and ended (done,"
+                    " failed), of duplicates and of cancelled tasks' effects.",
                     fx[f"compensations_{outcome}"], outcome=outcome)  # fmt: skip
-    out.gauge("ba_approvals_waiting", "Tasks waiting for an approval.", fx["waiting_approval"])
-    for state in ("valid", "expired", "revoked"):
-        out.gauge("ba_approvals", "Approval records by state (granted and valid, expired,"
-                  " revoked).", fx[f"approvals_{state}"], state=state)  # fmt: skip
+    out.gauge("ba_compensations_open", "Compensations begun and not ended (a crash half"
+              " way: an operator checks the target).", fx["compensations_open"])  # fmt: skip
+    for action in ("alert", "fail"):
+        out.counter("ba_operator_timeouts", "Operator waits past operator_timeout_s, by the"
+                    " action taken.", fx[f"operator_timeouts_{action}"], action=action)  # fmt: skip
+    out.gauge("ba_operator_waits_overdue", "Tasks waiting for an operator past"
+              " operator_timeout_s.", fx["operator_overdue"])  # fmt: skip
+    out.gauge("ba_unknown_oldest_age_seconds", "Age of the oldest unknown task, since its"
+              " effect started (0: none).", fx["oldest_unknown_age_s"])  # fmt: skip
+    out.gauge("ba_operator_wait_oldest_age_seconds", "Age of the oldest wait for an"
+              " operator (0: none).", fx["oldest_operator_wait_age_s"])  # fmt: skip
 
 
 class ReadinessCheck(Protocol):
@@ -387,9 +411,10 @@ class AdapterCollector:
 
 # -- worker processes -----------------------------------------------------------------------
 
-#: ``WorkerStats`` field -> (counter, its labels). Every field is exported.
-_WORKER_COUNTERS: dict[str, tuple[str, str, dict[str, str]]] = {
-    "claimed": ("ba_task_attempts", "Task attempts started (claims: attempts+1).", {}),
+#: ``WorkerStats`` field -> (counter, its labels), or ``None``: counted by the database in
+#: the transaction that commits it (``_outcome_families``), not from a worker's memory.
+_WORKER_COUNTERS: dict[str, tuple[str, str, dict[str, str]] | None] = {
+    "claimed": None,  # ba_task_attempts_total, at the claim's commit
     "handed": (
         "ba_tasks_handed",
         "Of the attempts, tasks the ingest claimed for an idle worker.",
@@ -400,7 +425,7 @@ _WORKER_COUNTERS: dict[str, tuple[str, str, dict[str, str]]] = {
     "failed": ("ba_task_outcomes", "", {"outcome": "failed"}),
     "cancelled": ("ba_task_outcomes", "", {"outcome": "cancelled"}),
     "expired": ("ba_task_outcomes", "", {"outcome": "expired"}),
-    "unknown": ("ba_task_outcomes", "", {"outcome": "unknown"}),
+    "unknown": None,  # ba_task_outcomes_total{outcome="unknown"}, the take-back's too
     "waiting_approval": ("ba_task_outcomes", "", {"outcome": "waiting_approval"}),
     "stale_commits": (
         "ba_stale_fence_refusals",
@@ -437,7 +462,10 @@ class WorkerMetrics:
         registry = CollectorRegistry()  # private: nothing registers twice in a test process
         counters: dict[str, Any] = {}
         self._counters: dict[str, Any] = {}
-        for attr, (name, doc, labels) in _WORKER_COUNTERS.items():
+        for attr, exported in _WORKER_COUNTERS.items():
+            if exported is None:
+                continue
+            name, doc, labels = exported
             if name not in counters:
                 counters[name] = Counter(name, doc or name, list(labels), registry=registry)
             metric = counters[name]
@@ -462,7 +490,8 @@ class WorkerMetrics:
     def sync(self, stats: WorkerStats, publish: DispatcherStats, takeovers: int) -> None:
         """Add what the counters gained since the last sync."""
         for f in fields(stats):
-            self._add(f.name, getattr(stats, f.name), self._counters[f.name])
+            if f.name in self._counters:
+                self._add(f.name, getattr(stats, f.name), self._counters[f.name])
         for attr, child in self._publish.items():
             self._add(f"publish.{attr}", getattr(publish, attr), child)
         self._add("takeovers", takeovers, self._takeovers)

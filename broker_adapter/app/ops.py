@@ -84,13 +84,16 @@ def format_status(report: dict[str, Any]) -> str:
         counts = "  ".join(f"{k} {v}" for k, v in sorted(states.items()))
         lines.append(f"task        {name or '(default)'}: {counts}")
     fx = report.get("effects")
-    if fx and any(fx.values()):  # only once something reached an external effect
+    # only once something reached an external effect (every claim counts an attempt)
+    if fx and any(v for k, v in fx.items() if k != "task_attempts"):
         lines.append(
-            f"effects     unknown {fx['unknown']} (awaiting operator {fx['awaiting_operator']})"
+            f"effects     unknown {fx['unknown']} (awaiting operator {fx['awaiting_operator']},"
+            f" overdue {fx.get('operator_overdue', 0)}, oldest"
+            f" {fx.get('oldest_unknown_age_s', 0)}s)"
             f"  reconciled done {fx['reconciled_done']} not-done {fx['reconciled_not-done']}"
             f" unknown {fx['reconciled_unknown']}  compensations done"
             f" {fx['compensations_done']} failed {fx['compensations_failed']}"
-            f" started {fx['compensations_started']}"
+            f" started {fx['compensations_started']} open {fx.get('compensations_open', 0)}"
         )
         lines.append(
             f"approvals   waiting {fx['waiting_approval']}  valid {fx['approvals_valid']}"

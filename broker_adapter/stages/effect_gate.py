@@ -39,6 +39,8 @@ from broker_adapter.stages.worker_config import WorkerStats
 from broker_adapter.store import transitions
 from broker_adapter.store.approvals import ApprovalStore
 from broker_adapter.store.effects import EffectsStore, EffectTasks
+from broker_adapter.store.evidence import key_digest
+from broker_adapter.store.tasks import ClaimedTask
 
 
 def call_end(task: Task, outcome: CallOutcome) -> CallEnd:
@@ -113,7 +115,7 @@ class EffectGate:
                                          f" waits until {until:.3f}")  # fmt: skip
             return False
         start = partial(self.effects.mark_effect_started, claimed.task_id, claimed.owner,
-                        claimed.fence)  # fmt: skip
+                        claimed.fence, key_digest=self._key_digest(claimed))  # fmt: skip
         control = TaskControl(task)
         if not spec.irreversible:
             control.allow_effect(start)
@@ -126,6 +128,15 @@ class EffectGate:
             return False
         control.note_effect_started()
         return True
+
+    def _key_digest(self, claimed: ClaimedTask) -> str | None:
+        """The digest of the effect's key for the task's records (``None`` when its
+        arguments cannot make one: the effect's own call reports that)."""
+        try:
+            return key_digest(self.spec.key(claimed))
+        except (ValueError, TypeError, KeyError) as exc:
+            self.log.warning("task %s: no effect key digest: %s", claimed.task_id, exc)
+            return None
 
     def _refused(self, task: Task, exc: StaleError) -> None:
         """The store refused the mark or the wait: a requested cancel ends the task now
@@ -145,13 +156,20 @@ class EffectGate:
             return False
         retryable = outcome.error is not None and is_retryable(outcome.error)
         decision = after_call(call_end(task, outcome), effect_started=True, retryable=retryable)
+        cancel = task.stop_reason == "cancelled" and not outcome.ok
+        if cancel:
+            decision = AfterCall.UNKNOWN
         if decision is AfterCall.SETTLE:
             return False
         if decision is AfterCall.NOTHING:
             self.stats.stale_commits += 1
             return True
         claimed = task.claimed
-        if outcome.timed_out:
+        if cancel:
+            # Rule 11: the cancel cannot undo what started; the reconcile finds out and
+            # ends it ``cancelled`` (``cancel_reconcile``), undoing a happened effect.
+            reason = "cancel requested after the effect started; the reconcile decides"
+        elif outcome.timed_out:
             reason = "timeout after the effect started"
         elif outcome.stopped:
             reason = "worker stopped after the effect started"
@@ -160,6 +178,9 @@ class EffectGate:
             reason = f"{describe_error(outcome.error)} (after the effect started)"
         try:
             self.effects.to_unknown(claimed.task_id, claimed.owner, claimed.fence, reason)
+        except TaskCancelled:  # cancelled outright meanwhile: nothing left to write
+            self.stats.cancelled += 1
+            return True
         except StaleError as exc:  # its lease lapsed: the store's take-back sends it there
             self.stats.stale_commits += 1
             self.log.warning("task %s: unknown refused: %s", claimed.task_id, exc)

@@ -16,7 +16,15 @@ happened (``after_reconcile``):
   once (a duplicate it could not refuse), the compensation runs once, under its own record;
 * it did not: ``pending``, the attempt may run again;
 * still unknown: the task stays ``unknown`` and is asked again later (backoff), and after
-  ``ReconcilePolicy.max_tries`` it waits for an operator (``broker-adapter reconcile``).
+  ``ReconcilePolicy.max_tries`` it waits for an operator (``broker-adapter reconcile``),
+  for ``ReconcilePolicy.operator_timeout_s`` at most: then an alert, or (``fail``) the task
+  ends ``failed``, its reply saying the effect's outcome is unknown
+  (``store.operator_waits``).
+
+A task whose cancel was requested after its effect started goes to ``unknown`` too (the
+cancel cannot undo what happened): its reconcile ends it ``cancelled``, and when the effect
+did happen, the registered ``compensate_cancelled`` undoes it once, under its own record
+(kind ``cancelled``).
 
 An action that ``requires_approval`` runs only while an approval record exists for its
 action, target and scope (``ApprovalStore.valid_approval``, asked right before the effect);
@@ -49,13 +57,20 @@ from broker_adapter.stages.calls import call_handler
 from broker_adapter.stages.handlers import describe_error
 from broker_adapter.stages.task import Task
 from broker_adapter.store.approvals import Approval, ApprovalStore
+from broker_adapter.store.cancel_reconcile import resolve_cancelled
 from broker_adapter.store.effects import EffectsStore, ReconcileClaim
+from broker_adapter.store.operator_waits import OperatorTimeoutAction, OperatorWaits
 from broker_adapter.store.tasks import ClaimedTask
 
 log = logging.getLogger("broker_adapter.effects")
 
+#: ``ReconcilePolicy.operator_timeout_s`` by default: one day.
+DEFAULT_OPERATOR_TIMEOUT_S = 24 * 3600.0
+
 #: The compensation kind for an effect the target applied more than once.
 DUPLICATE = "duplicate"
+#: The compensation kind for the effect of a task whose cancel was requested.
+CANCELLED = "cancelled"
 
 
 @dataclass(frozen=True)
@@ -119,6 +134,8 @@ class EffectSpec:
             call marks it itself when it starts it.
         reconcile: finds out what an ``unknown`` task did (``None``: an operator does).
         compensate: undoes a duplicate, once (``None``: a duplicate is only recorded).
+        compensate_cancelled: undoes the effect of a task cancelled after the effect
+            happened, once (``None``: the effect stays, recorded as not undone).
         requires_approval: run only with a valid approval (``approval`` names it).
         approval: the approval's ``(target, scope)`` for a task.
         arguments: the effect's arguments for its key (default: the whole payload).
@@ -133,6 +150,7 @@ class EffectSpec:
     approval: ApprovalFn | None = None
     arguments: Callable[[ClaimedTask], Any] | None = None
     version: int = EFFECT_KEY_VERSION
+    compensate_cancelled: CompensateFn | None = None
 
     def __post_init__(self) -> None:
         if not self.action:
@@ -169,11 +187,12 @@ def side_effect(
     approval: ApprovalFn | None = None,
     arguments: Callable[[ClaimedTask], Any] | None = None,
     version: int = EFFECT_KEY_VERSION,
+    compensate_cancelled: CompensateFn | None = None,
 ) -> Callable[[H], H]:
     """Declare a handler's external effect (see ``EffectSpec``); the handler is returned
     as it is, with the declaration attached (``effect_spec`` reads it)."""
     spec = EffectSpec(action, irreversible, reconcile, compensate, requires_approval,
-                      approval, arguments, version)  # fmt: skip
+                      approval, arguments, version, compensate_cancelled)  # fmt: skip
 
     def register(handler: H) -> H:
         setattr(handler, _SPEC_ATTR, spec)
@@ -239,6 +258,10 @@ class ReconcilePolicy(ConfigModel):
         call_timeout_s: a reconcile function that has not answered by then knows nothing
             (``unknown``); kept below ``lease_s`` so its answer is written under its lease.
         every_s: the pause between two passes of ``run_reconciles``.
+        operator_timeout_s: how long a task may wait for an operator; past it the
+            reconciler raises the alert (``ba_operator_waits_overdue``) or ends it.
+        operator_timeout_action: ``alert`` (it keeps waiting, marked overdue) or ``fail``
+            (``failed``, its reply saying the effect's outcome is unknown).
     """
 
     lease_s: float = Field(default=60.0, gt=0)
@@ -247,6 +270,8 @@ class ReconcilePolicy(ConfigModel):
     batch: int = Field(default=16, ge=1)
     max_tries: int = Field(default=8, ge=1)
     backoff: Backoff = Field(default_factory=lambda: Backoff(base_s=5.0, cap_s=600.0))
+    operator_timeout_s: float = Field(default=DEFAULT_OPERATOR_TIMEOUT_S, gt=0)
+    operator_timeout_action: OperatorTimeoutAction = "alert"
 
 
 @dataclass(frozen=True)
@@ -292,6 +317,7 @@ class ReconcileStats:
     operator: int = 0
     compensations: int = 0
     stale: int = 0
+    operator_timeouts: int = 0
     outcomes: list[tuple[str, str]] = field(default_factory=list)  # (task_id, step kind)
 
 
@@ -322,7 +348,9 @@ class Reconciler:
         self.stats = ReconcileStats()
 
     def run_once(self) -> int:
-        """Hold a batch of due ``unknown`` tasks and reconcile each. Returns how many."""
+        """Bound the operator waits (``bound_operator_waits``), then hold a batch of due
+        ``unknown`` tasks and reconcile each. Returns how many were reconciled."""
+        self.bound_operator_waits()
         claims = self.effects.claim_unknown(self.owner, self.policy.batch, self.policy.lease_s)
         for claim in claims:
             try:
@@ -333,6 +361,21 @@ class Reconciler:
                 kind = "stale"
             self.stats.outcomes.append((claim.task.task_id, kind))
         return len(claims)
+
+    def bound_operator_waits(self) -> list[str]:
+        """Apply ``operator_timeout_action`` to the tasks waiting for an operator longer
+        than ``operator_timeout_s`` (``OperatorWaits.bound_waits``). Returns their ids."""
+        policy = self.policy
+        bounded = OperatorWaits(self.effects).bound_waits(
+            policy.operator_timeout_s, policy.operator_timeout_action, self.owner
+        )
+        for task_id in bounded:
+            log.warning("task %s waited for an operator over %g s: %s", task_id,
+                        policy.operator_timeout_s,
+                        "alert raised" if policy.operator_timeout_action == "alert"
+                        else "ended failed, its effect's outcome unknown")  # fmt: skip
+        self.stats.operator_timeouts += len(bounded)
+        return bounded
 
     def observe(self, task: ClaimedTask) -> Observation:
         """The reconcile function's answer; one that raises or answers nonsense is
@@ -363,9 +406,19 @@ class Reconciler:
         if self.spec_of(task).reconcile is None:
             step = Step("operator")
         args = (task.task_id, self.owner, task.fence)
+        if step.kind in ("done", "retry") and self.effects.cancel_requested(task.task_id):
+            if seen.outcome == "done":  # the cancel came too late: undo what happened
+                what = f"cancelled; the effect was applied {seen.applied} times"
+                undo = self.spec_of(task).compensate_cancelled
+                self._compensate(task, seen, CANCELLED, undo, what)
+            resolve_cancelled(self.effects, *args, seen.outcome, seen.result, note=seen.note)
+            self.stats.done += seen.outcome == "done"
+            self.stats.not_done += seen.outcome != "done"
+            return "cancelled"
         if step.kind == "done":
             if step.compensate:
-                self._compensate(task, seen)
+                self._compensate(task, seen, DUPLICATE, self.spec_of(task).compensate,
+                                 f"the effect was applied {seen.applied} times")  # fmt: skip
             self.effects.resolve_done(*args, seen.result, note=seen.note)
             self.stats.done += 1
         elif step.kind == "retry":
@@ -379,31 +432,32 @@ class Reconciler:
                 self.stats.unknown += 1
         return step.kind
 
-    def _compensate(self, task: ClaimedTask, seen: Observation) -> None:
-        """Run the compensation of a duplicate once: begun under its record (a second
-        reconcile of the task finds it begun and does not run it again), ended with how it
-        went."""
-        what = f"the effect was applied {seen.applied} times"
-        compensate = self.spec_of(task).compensate
-        if compensate is None:
+    def _compensate(
+        self, task: ClaimedTask, seen: Observation, kind: str, undo: CompensateFn | None,
+        what: str,
+    ) -> None:  # fmt: skip
+        """Run compensation ``kind`` (``DUPLICATE``, ``CANCELLED``) once: begun under its
+        record (a second reconcile of the task finds it begun and does not run it again),
+        ended with how it went."""
+        if undo is None:
             what += "; no compensation registered"
-        if not self.effects.begin_compensation(task.task_id, DUPLICATE, self.owner,
-                                               task.fence, what):  # fmt: skip
+        if not self.effects.begin_compensation(task.task_id, kind, self.owner, task.fence,
+                                               what):  # fmt: skip
             return
-        if compensate is None:
-            self.effects.end_compensation(task.task_id, DUPLICATE, "failed", "none registered")
+        if undo is None:
+            self.effects.end_compensation(task.task_id, kind, "failed", "none registered")
             return
         self.stats.compensations += 1
         try:
-            detail = compensate(task, seen)
+            detail = undo(task, seen)
         except Exception as exc:  # noqa: BLE001 - recorded as the compensation's outcome
-            self.effects.end_compensation(task.task_id, DUPLICATE, "failed", describe_error(exc))
+            self.effects.end_compensation(task.task_id, kind, "failed", describe_error(exc))
             return
         try:
             text = canonical_json(detail).decode("utf-8")
         except ValueError:
             text = repr(detail)
-        self.effects.end_compensation(task.task_id, DUPLICATE, "done", text)
+        self.effects.end_compensation(task.task_id, kind, "done", text)
 
 
 # -- approvals ------------------------------------------------------------------------------

@@ -64,8 +64,7 @@ def settlement(
     log_failure(log, claimed, error, retry=retry, raised=raised)
     after = getattr(raised, "retry_after_s", None) if retry else None
     if isinstance(after, int | float) and not isinstance(after, bool) and after > 0:
-        return Settlement(claimed.task_id, claimed.owner, claimed.fence, None, error, retry,
-                          retry_after_s=float(after))  # fmt: skip
+        return fail(error, retry, retry_after_s=float(after))
     return fail(error, retry)
 
 

@@ -41,6 +41,14 @@ from broker_adapter.clock import Clock
 from broker_adapter.errors import FencedError, StaleError, TaskCancelled
 from broker_adapter.protocol.bounds import check_result
 from broker_adapter.protocol.canonical import canonical_json
+from broker_adapter.store.counters import (
+    COMPENSATIONS,
+    RECONCILED,
+    TASK_UNKNOWN,
+    count_in,
+    monotonic_counts,
+)
+from broker_adapter.store.evidence import ADAPTER_VERSION, EVIDENCE
 from broker_adapter.store.housekeeping import unknown_from_lapsed_in
 from broker_adapter.store.lifecycle import to_terminal
 from broker_adapter.store.sql import Conn, Db
@@ -118,12 +126,13 @@ class EffectsStore:
 
     def request_cancel(self, task_id: str, reason: str = "cancelled") -> TaskState:
         """Cancel a task: a running one gets ``cancel_requested_at`` (its handler sees it
-        at its next check and its outcome says what was done); any other live one is
-        cancelled at once (``TaskStore.cancel``).
+        at its next check and its outcome says what was done), and so does an ``unknown``
+        one (its reconcile ends it ``cancelled``: ``cancel_reconcile``); any other live one
+        is cancelled at once (``TaskStore.cancel``).
 
         Returns:
-            ``RUNNING`` when the request was recorded (or already was), else the state
-            ``TaskStore.cancel`` left.
+            ``RUNNING`` or ``UNKNOWN`` when the request was recorded (or already was),
+            else the state ``TaskStore.cancel`` left.
 
         Raises:
             UnknownTask: no such task.
@@ -135,13 +144,13 @@ class EffectsStore:
             ).fetchone()
             if row is None:
                 raise UnknownTask(task_id)
-            if row["state"] == TaskState.RUNNING:
+            if row["state"] in (TaskState.RUNNING, TaskState.UNKNOWN):
                 c.execute(
                     "UPDATE tasks SET cancel_requested_at = coalesce(cancel_requested_at, ?),"
                     " updated_at = ? WHERE task_id = ?",
                     (now, now, task_id),
                 )
-                return TaskState.RUNNING
+                return TaskState(row["state"])
         return self.tasks.cancel(task_id, reason)
 
     def end_requested_cancel(self, task_id: str, owner: str, fence: int, what: str) -> bool:
@@ -174,10 +183,14 @@ class EffectsStore:
 
     # -- entering unknown -----------------------------------------------------------------
 
-    def mark_effect_started(self, task_id: str, owner: str, fence: int) -> None:
+    def mark_effect_started(
+        self, task_id: str, owner: str, fence: int, *, key_digest: str | None = None
+    ) -> None:
         """Record, before the effect, that this attempt starts an effect it cannot take
         back: from now on its timeout or lost lease sends the task to ``unknown``. A cancel
-        requested before is seen here: the effect must not start.
+        requested before is seen here: the effect must not start. The task keeps
+        ``key_digest`` (``evidence.key_digest`` of the effect's key) and this adapter's
+        version.
 
         Raises:
             TaskCancelled: a cancel was requested (or made); nothing was written.
@@ -186,10 +199,11 @@ class EffectsStore:
         now = self.clock.now()
         with self.db.write("effect_started") as c:
             hit = c.execute(
-                "UPDATE tasks SET effect_fence = fence, effect_started_at = ?, updated_at = ?"
+                "UPDATE tasks SET effect_fence = fence, effect_started_at = ?, updated_at = ?,"
+                " effect_key_digest = coalesce(?, effect_key_digest), adapter_version = ?"
                 " WHERE task_id = ? AND state = 'running' AND owner = ? AND fence = ?"
                 " AND lease_until > ? AND cancel_requested_at IS NULL",
-                (now, now, task_id, owner, fence, now),
+                (now, now, key_digest, ADAPTER_VERSION, task_id, owner, fence, now),
             ).rowcount
         if not hit:
             refusal = self.tasks.refusal(task_id, owner, fence)
@@ -213,6 +227,7 @@ class EffectsStore:
                 " AND fence = ? AND lease_until > ?",
                 (now, self.db.dialect.text(reason), now, task_id, owner, fence, now),
             ).rowcount
+            count_in(c, TASK_UNKNOWN, hit)
         if not hit:
             raise self.tasks.refusal(task_id, owner, fence) or StaleError(task_id, "lease_expired")
 
@@ -421,10 +436,12 @@ class EffectsStore:
     ) -> None:  # fmt: skip
         text = observed if raw else None if observed is None else canonical_json(observed).decode()
         c.execute(
-            "INSERT INTO reconcile_log (task_id, outcome, by_whom, at, fence, observed, note)"
-            " VALUES (?, ?, ?, ?, ?, ?, ?)",
-            (task_id, outcome, by, now, fence, text, c.dialect.text(note)),
-        )
+            "INSERT INTO reconcile_log (task_id, outcome, by_whom, at, fence, observed, note,"
+            f" adapter_version, effect_key_digest) VALUES (?, ?, ?, ?, ?, ?, ?, ?, {EVIDENCE})",
+            (task_id, outcome, by, now, fence, text, c.dialect.text(note), ADAPTER_VERSION,
+             task_id),
+        )  # fmt: skip
+        count_in(c, RECONCILED + outcome)
 
     # -- compensation ---------------------------------------------------------------------
 
@@ -441,14 +458,15 @@ class EffectsStore:
         now = self.clock.now()
         with self.db.write("compensation_begin") as c:
             self._unknown_holder(c, task_id, owner, fence, now)
-            return bool(
-                c.execute(
-                    "INSERT INTO compensations (task_id, kind, by_whom, fence, what,"
-                    " started_at, outcome) VALUES (?, ?, ?, ?, ?, ?, 'started')"
-                    " ON CONFLICT DO NOTHING",
-                    (task_id, kind, owner, fence, c.dialect.text(what), now),
-                ).rowcount
-            )
+            made = c.execute(
+                "INSERT INTO compensations (task_id, kind, by_whom, fence, what, started_at,"
+                " outcome, adapter_version, effect_key_digest) VALUES (?, ?, ?, ?, ?, ?,"
+                f" 'started', ?, {EVIDENCE}) ON CONFLICT DO NOTHING",
+                (task_id, kind, owner, fence, c.dialect.text(what), now, ADAPTER_VERSION,
+                 task_id),
+            ).rowcount  # fmt: skip
+            count_in(c, COMPENSATIONS + "started", made)
+            return bool(made)
 
     def end_compensation(
         self, task_id: str, kind: str, outcome: CompensationOutcome, detail: str | None = None
@@ -457,13 +475,13 @@ class EffectsStore:
         (never begun, or ended already)."""
         now = self.clock.now()
         with self.db.write("compensation_end") as c:
-            return bool(
-                c.execute(
-                    "UPDATE compensations SET outcome = ?, detail = ?, ended_at = ?"
-                    " WHERE task_id = ? AND kind = ? AND outcome = 'started'",
-                    (outcome, c.dialect.text(detail), now, task_id, kind),
-                ).rowcount
-            )
+            ended = c.execute(
+                "UPDATE compensations SET outcome = ?, detail = ?, ended_at = ?"
+                " WHERE task_id = ? AND kind = ? AND outcome = 'started'",
+                (outcome, c.dialect.text(detail), now, task_id, kind),
+            ).rowcount
+            count_in(c, COMPENSATIONS + outcome, ended)
+            return bool(ended)
 
     def compensations(self, task_id: str) -> list[CompensationRecord]:
         with self.db.read() as c:
@@ -483,22 +501,15 @@ class EffectsStore:
 
 
 def effect_counts(c: Conn) -> dict[str, int]:
-    """``unknown`` tasks, those ``awaiting_operator``, reconciles by outcome
-    (``reconciled_<outcome>``) and compensations by outcome (``compensations_<outcome>``),
-    read in the caller's read transaction (``report.snapshot``)."""
+    """``unknown`` tasks, those ``awaiting_operator``, and the counters that never fall
+    (``counters.monotonic_counts``: reconciles by outcome, ``reconciled_<outcome>``;
+    compensations begun and ended, ``compensations_<outcome>``; attempts; transitions to
+    ``unknown``; operator timeouts), read in the caller's read transaction
+    (``report.snapshot``)."""
     row = c.execute(
         "SELECT count(*) AS n, count(operator_since) AS waiting FROM tasks WHERE state = 'unknown'"
     ).fetchone()
-    out = {"unknown": row["n"], "awaiting_operator": row["waiting"]}
-    for outcome in ("done", "not-done", "unknown"):
-        out[f"reconciled_{outcome}"] = 0
-    logged = c.execute("SELECT outcome, count(*) AS n FROM reconcile_log GROUP BY outcome")
-    out.update({f"reconciled_{r['outcome']}": r["n"] for r in logged.fetchall()})
-    for outcome in ("started", "done", "failed"):
-        out[f"compensations_{outcome}"] = 0
-    comp = c.execute("SELECT outcome, count(*) AS n FROM compensations GROUP BY outcome")
-    out.update({f"compensations_{r['outcome']}": r["n"] for r in comp.fetchall()})
-    return out
+    return {"unknown": row["n"], "awaiting_operator": row["waiting"], **monotonic_counts(c)}
 
 
 def _reply_member(c: Conn, task_id: str, outcome: str, by: str, note: str | None) -> dict[str, Any]:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 
+from broker_adapter.store.counters import TASK_UNKNOWN, count_in
 from broker_adapter.store.lifecycle import TaskState, to_terminal
 from broker_adapter.store.sql import Conn, Dialect
 from broker_adapter.store.transitions import Reconciled
@@ -130,4 +131,5 @@ def unknown_from_lapsed_in(c: Conn, now: float, taken: list[Reconciled] | None =
         n += len(rows)
         if taken is not None:
             taken.extend((r["task_id"], "unknown", "unknown", None, r["attempts"]) for r in rows)
+    count_in(c, TASK_UNKNOWN, n)  # the take-back's transitions, committed with them
     return n

@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 
 from broker_adapter.errors import StoreError
 from broker_adapter.protocol.envelope import content_fingerprint
+from broker_adapter.store import outcome_schema
 
 # Schema, one entry per version. Never edit a released entry: append a new one.
 #
@@ -176,6 +177,10 @@ MIGRATIONS: tuple[str | Callable[[sqlite3.Connection], None], ...] = (
     # before and for requests sent without one (the default handler's); the fingerprints
     # of those are unchanged, so no stored row is recomputed.
     lambda c: _add_column(c, "tasks", "task_name", "TEXT"),
+    # 12: bounded uncertain outcomes (``outcome_schema``): the ``counters`` the purge never
+    # touches, when an operator wait passed its bound, and the evidence columns (the effect
+    # key's digest, the adapter version) of tasks, reconcile records and compensations.
+    lambda c: outcome_schema.sqlite_migration(c),
 )
 SCHEMA_VERSION = len(MIGRATIONS)
 #: The ``meta`` row holding the key of conflict-answer ids.

@@ -8,6 +8,7 @@ from typing import Any
 
 from broker_adapter.store.approvals import approval_counts
 from broker_adapter.store.effects import effect_counts
+from broker_adapter.store.operator_waits import outcome_gauges
 from broker_adapter.store.sql import Conn, Db
 
 
@@ -44,7 +45,7 @@ def snapshot(db: Db, now: float) -> dict[str, Any]:
         receipts = c.execute(
             "SELECT count(*) AS n, coalesce(sum(effects), 0) AS e FROM receipts"
         ).fetchone()
-        effects = {**effect_counts(c), **approval_counts(c, now)}
+        effects = {**effect_counts(c), **approval_counts(c, now), **outcome_gauges(c, now)}
     return shape(
         now, (inbox["n"], int(inbox["d"]), int(inbox["c"])), states,
         (leases["live"], leases["expired"]), ready["n"], outbox, oldest["t"],
@@ -78,7 +79,7 @@ TERMINAL_NAMES = ("done", "failed", "cancelled", "expired", "hop_limit")
 def shape(
     now: float, inbox: tuple[Any, ...], states: dict[str, int], leases: tuple[Any, ...],
     ready: int, outbox: dict[str, int], oldest: float | None, receipts: tuple[Any, ...],
-    effects: dict[str, int],
+    effects: dict[str, float],
 ) -> dict[str, Any]:  # fmt: skip
     """The snapshot's dict from its counts (one shape for every backend): ``inbox`` is
     (records, duplicates, conflicts), ``leases`` (live, expired), ``receipts`` (replies,

@@ -68,8 +68,7 @@ class Settlement:
     error: str | None = None
     retryable: bool = False
     claimed: ClaimedTask | None = None  # lets ``settle`` encode the reply up front
-    #: The earliest a retry may start, seconds from now (``RetryableError.retry_after_s``).
-    retry_after_s: float | None = None
+    retry_after_s: float | None = None  # the retry waits at least this (``RetryableError``)
 
 
 #: What ``settle`` did with one item: reply id (done), failure outcome, or the refusal.
@@ -232,9 +231,7 @@ def _fail_row(
 ) -> FailOutcome:  # fmt: skip
     if retryable and row["attempts"] < row["max_attempts"]:
         delay = store.policy.backoff.delay(row["attempts"], store.rng)
-        if retry_after_s is not None and retry_after_s > delay:  # the target's Retry-After
-            delay = retry_after_s
-        not_before = now + delay
+        not_before = now + max(delay, retry_after_s or 0.0)  # a target's Retry-After
         if not_before < row["deadline"]:
             c.execute(
                 "UPDATE tasks SET state = 'pending', owner = NULL, lease_until = NULL,"

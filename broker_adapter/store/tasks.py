@@ -28,6 +28,7 @@ from broker_adapter.errors import StaleError, TaskCancelled
 from broker_adapter.protocol.bounds import check_result
 from broker_adapter.protocol.reply import reply_id_for
 from broker_adapter.store import inbox, settle, transitions
+from broker_adapter.store.counters import TASK_ATTEMPTS, count_in
 from broker_adapter.store.db import Database
 from broker_adapter.store.fencing import TASK_HELD_STATE, refusal
 from broker_adapter.store.housekeeping import reconcile_in
@@ -184,6 +185,7 @@ class TaskStore:
             " task_name",
             (owner, now + self.policy.lease_s, now, *ids),
         ).fetchall()
+        count_in(c, TASK_ATTEMPTS, len(rows))  # with the claim: a killed worker's counts
         by_id = {r["task_id"]: r for r in rows}
         return [by_id[i] for i in ids if i in by_id]
 

@@ -228,6 +228,7 @@ class ChaosProxy:
                     await asyncio.sleep(self._delay_s)
                 if self._blackhole or conn.blackholed:
                     conn.blackholed = True
+                    self.stats["swallowed"] += 1  # a request chunk lost in the blackhole
                     continue
                 match = self._drop_match
                 if match is not None and match in data:

@@ -147,10 +147,16 @@ def test_irreversible_no_dedupe_killed_after_the_start_is_unknown_then_reconcile
     task_id = plain.submit()
     plain.drain(IRREVERSIBLE, "w1", T0, BA_CRASHPOINT="worker.after_effect")
     assert len(plain.target.effects()) == 1
+    counted = collect_status(plain.db_path, None, "ba")["effects"]
+    # the SIGKILLed worker's attempt counted when its claim committed
+    assert (counted["task_attempts"], counted["task_outcomes_unknown"]) == (1, 0)
     stats = plain.drain(IRREVERSIBLE, "w2", AFTER_LEASE)
     assert stats["claimed"] == 0  # not retried blindly
     row = plain.task(task_id)
     assert row.state == "unknown"
+    counted = collect_status(plain.db_path, None, "ba")["effects"]
+    # the take-back to unknown, by w2's claim transaction, counted with it
+    assert (counted["task_attempts"], counted["task_outcomes_unknown"]) == (1, 1)
     reconciler, fx = plain.reconcile(IRREVERSIBLE, AFTER_LEASE)
     assert reconciler.stats.done == 1
     (effect,) = plain.target.effects()  # no second call

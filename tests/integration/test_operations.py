@@ -87,8 +87,8 @@ def test_counters_health_and_log_of_a_troubled_run(
             'ba_tasks{state="failed"}': 1,
             'ba_tasks{state="running"}': 0,
             'ba_tasks{state="pending"}': 0,
-            # the killed worker's attempt died with its uncommitted batch, counts included
-            "ba_task_attempts_total": stored,
+            # counted when each claim committed: the killed worker's attempt too
+            "ba_task_attempts_total": stored + 1,
             'ba_task_outcomes_total{outcome="done"}': N + 1,
             'ba_task_outcomes_total{outcome="failed"}': 1,
             'ba_task_outcomes_total{outcome="retry"}': 0,

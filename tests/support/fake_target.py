@@ -16,6 +16,9 @@ target. Run it with::
   caller cannot know whether it happened).
 * ``GET /effects[?key=K]``: ``{"count": n, "effects": [...]}``, effects not compensated.
 * ``POST /compensate`` with ``{"effect_id": n}``: marks one effect compensated (once).
+* ``POST /throttle`` with ``{"requests": n, "retry_after": s}``: the next ``n`` effect
+  requests are answered ``429 Too Many Requests`` with ``Retry-After: s`` and applied not
+  at all (``GET /effects`` answers ``throttled``: how many were turned away).
 
 It writes its port to ``--port-file`` (atomically) once it listens. ``FakeTarget`` starts
 and stops one from a test; ``FakeTargetClient`` talks to one (also from a handler in
@@ -66,6 +69,9 @@ class _Target:
     def __init__(self, db: Path, idempotent: bool) -> None:
         self.idempotent = idempotent
         self.lock = threading.Lock()
+        self.throttle_left = 0
+        self.retry_after = "0"
+        self.throttled = 0
         self.conn = sqlite3.connect(db, check_same_thread=False, isolation_level=None)
         self.conn.row_factory = sqlite3.Row
         self.conn.execute("PRAGMA journal_mode = WAL")
@@ -111,8 +117,22 @@ class _Target:
                 if key is not None
                 else self.conn.execute(sql + " ORDER BY effect_id")
             ).fetchall()
+            throttled = self.throttled
         effects = [{**dict(r), "what": json.loads(r["what"])} for r in rows]
-        return {"count": len(effects), "effects": effects}
+        return {"count": len(effects), "effects": effects, "throttled": throttled}
+
+    def throttle(self, requests: int, retry_after: str) -> None:
+        with self.lock:
+            self.throttle_left, self.retry_after = requests, retry_after
+
+    def turned_away(self) -> str | None:
+        """The ``Retry-After`` of a request to answer 429, or None to apply it."""
+        with self.lock:
+            if self.throttle_left <= 0:
+                return None
+            self.throttle_left -= 1
+            self.throttled += 1
+            return self.retry_after
 
     def compensate(self, effect_id: int) -> bool:
         with self.lock:
@@ -128,9 +148,13 @@ def _handler(target: _Target) -> type[BaseHTTPRequestHandler]:
         def log_message(self, format: str, *args: Any) -> None:
             pass
 
-        def _answer(self, status: int, body: dict[str, Any]) -> None:
+        def _answer(
+            self, status: int, body: dict[str, Any], headers: dict[str, str] | None = None
+        ) -> None:
             data = json.dumps(body).encode()
             self.send_response(status)
+            for name, value in (headers or {}).items():
+                self.send_header(name, value)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(data)))
             self.end_headers()
@@ -153,7 +177,9 @@ def _handler(target: _Target) -> type[BaseHTTPRequestHandler]:
 
         def do_POST(self) -> None:
             body = self._body()
-            if self.path == "/effects":
+            if self.path == "/effects" and (wait := target.turned_away()) is not None:
+                self._answer(429, {"throttled": True}, {"Retry-After": wait})
+            elif self.path == "/effects":
                 status, answer = target.apply(self.headers.get("Idempotency-Key"), body)
                 if body.get("drop_response"):
                     self.close_connection = True
@@ -162,6 +188,9 @@ def _handler(target: _Target) -> type[BaseHTTPRequestHandler]:
                 self._answer(status, answer)
             elif self.path == "/compensate":
                 self._answer(200, {"compensated": target.compensate(int(body["effect_id"]))})
+            elif self.path == "/throttle":
+                target.throttle(int(body["requests"]), str(body["retry_after"]))
+                self._answer(200, {"ok": True})
             else:
                 self._answer(404, {"error": "no such path"})
 
@@ -185,11 +214,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 class TargetError(Exception):
-    """The fake target answered with an error status (``status``, ``body``)."""
+    """The fake target answered with an error status (``status``, ``body``, and its
+    ``Retry-After`` header as ``retry_after``, or None)."""
 
-    def __init__(self, status: int, body: dict[str, Any]) -> None:
+    def __init__(self, status: int, body: dict[str, Any], retry_after: str | None = None) -> None:
         self.status = status
         self.body = body
+        self.retry_after = retry_after
         super().__init__(f"fake target answered {status}: {body}")
 
 
@@ -212,7 +243,8 @@ class FakeTargetClient:
                 answer: dict[str, Any] = json.loads(response.read())
                 return answer
         except urllib.error.HTTPError as exc:
-            raise TargetError(exc.code, json.loads(exc.read() or b"{}")) from None
+            answer = json.loads(exc.read() or b"{}")
+            raise TargetError(exc.code, answer, exc.headers.get("Retry-After")) from None
 
     def apply(self, what: Any, *, key: str | None = None, fence_key: str | None = None,
               fence: int | None = None, drop_response: bool = False) -> dict[str, Any]:  # fmt: skip
@@ -228,6 +260,14 @@ class FakeTargetClient:
         """The effects applied (and not compensated), all or those of one key."""
         query = "" if key is None else "?" + urllib.parse.urlencode({"key": key})
         return list(self._call("GET", "/effects" + query)["effects"])
+
+    def throttle(self, requests: int, retry_after: str) -> None:
+        """Answer the next ``requests`` effect requests 429 with ``Retry-After``."""
+        self._call("POST", "/throttle", {"requests": requests, "retry_after": retry_after})
+
+    def throttled(self) -> int:
+        """How many effect requests were answered 429."""
+        return int(self._call("GET", "/effects")["throttled"])
 
     def compensate(self, effect_id: int) -> bool:
         return bool(self._call("POST", "/compensate", {"effect_id": effect_id})["compensated"])

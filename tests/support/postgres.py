@@ -7,7 +7,9 @@ default ``postgresql://postgres@127.0.0.1:5432/postgres``), and ``DROP DATABASE 
 (``fresh_schema``: a URL whose ``search_path`` is that schema), so no test sees another's
 rows: a schema is made in milliseconds, a database in about half a second. Without a
 reachable server, or without psycopg installed, ``require_server`` skips the test with the
-reason.
+reason, except under ``CI=true`` (any value of ``CI`` but empty, ``0``, ``false`` or ``no``):
+there it fails the test, so a CI run whose server is missing cannot pass by skipping every
+PostgreSQL test.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import os
 import secrets
 import time
+from collections.abc import Mapping
 from functools import cache
 from urllib.parse import quote, urlsplit, urlunsplit
 
@@ -54,11 +57,22 @@ def unavailable() -> str | None:
     return None
 
 
-def require_server() -> None:
-    """Skip the calling test when no PostgreSQL server is reachable."""
+def in_ci(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether the run is a CI run: ``CI`` set to anything but empty, ``0``, ``false`` or
+    ``no`` (case ignored)."""
+    value = (os.environ if environ is None else environ).get("CI", "")
+    return value.strip().lower() not in ("", "0", "false", "no")
+
+
+def require_server(environ: Mapping[str, str] | None = None) -> None:
+    """Skip the calling test when no PostgreSQL server is reachable; under CI
+    (``in_ci``) fail it instead: there a missing server is a broken run, not a reason."""
     reason = unavailable()
-    if reason is not None:
-        pytest.skip(reason)
+    if reason is None:
+        return
+    if in_ci(environ):
+        pytest.fail(f"CI=true and {reason}: PostgreSQL tests must run in CI", pytrace=False)
+    pytest.skip(reason)
 
 
 class ThrowawayDatabase:

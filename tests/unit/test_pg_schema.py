@@ -124,6 +124,8 @@ def test_pg_snapshot_counts_like_the_sqlite_one(store_target: str) -> None:
 
 
 def test_snapshot_counts_the_effect_records_and_approvals_alike(store_target: str) -> None:
+    from broker_adapter.store.counters import count_in
+    from broker_adapter.store.operator_waits import outcome_gauges
     from tests.support.store_script import T0, open_any
 
     with open_any(store_target) as db:
@@ -134,6 +136,10 @@ def test_snapshot_counts_the_effect_records_and_approvals_alike(store_target: st
             c.execute("INSERT INTO compensations (task_id, kind, by_whom, fence, what,"
                       " started_at, outcome) VALUES ('t2', 'duplicate', 'r', 1, 'x', 1,"
                       " 'done')")  # fmt: skip
+            # what the reconciles' own transactions count with those records
+            for name in ("reconciled_not-done", "reconciled_done", "reconciled_done",
+                         "compensations_started", "compensations_done"):  # fmt: skip
+                count_in(c, name)
             c.execute(
                 "INSERT INTO approvals (approval_id, action, target, scope, approver,"
                 " granted_at, expires_at, revoked_at) VALUES (?, 'a', 't', 's', 'alice', ?, ?, ?)",
@@ -150,11 +156,15 @@ def test_snapshot_counts_the_effect_records_and_approvals_alike(store_target: st
             from broker_adapter.store.effects import effect_counts
 
             with db.read() as c:
-                assert effects == {**effect_counts(c), **approval_counts(c, T0)}
+                assert effects == {
+                    **effect_counts(c), **approval_counts(c, T0), **outcome_gauges(c, T0)
+                }
     assert effects == {
         "unknown": 0, "awaiting_operator": 0,
         "reconciled_done": 2, "reconciled_not-done": 1, "reconciled_unknown": 0,
-        "compensations_started": 0, "compensations_done": 1, "compensations_failed": 0,
+        "compensations_started": 1, "compensations_done": 1, "compensations_failed": 0,
         "waiting_approval": 0, "approvals_valid": 1, "approvals_expired": 0,
-        "approvals_revoked": 1,
+        "approvals_revoked": 1, "task_attempts": 0, "task_outcomes_unknown": 0,
+        "operator_timeouts_alert": 0, "operator_timeouts_fail": 0, "compensations_open": 0,
+        "oldest_unknown_age_s": 0.0, "oldest_operator_wait_age_s": 0.0, "operator_overdue": 0,
     }  # fmt: skip

@@ -30,6 +30,7 @@ from typing import Any, Final
 import psycopg
 from psycopg.rows import tuple_row
 
+from broker_adapter.store import outcome_schema
 from broker_adapter.store.migrations import CONFLICT_ID_KEY
 
 #: ``pg_advisory_xact_lock`` key of the migrating transaction (any fixed 64-bit number).
@@ -224,6 +225,11 @@ def _task_name(conn: psycopg.Connection[Any]) -> None:
     conn.execute("ALTER TABLE tasks ADD COLUMN IF NOT EXISTS task_name text")
 
 
+def _outcomes(conn: psycopg.Connection[Any]) -> None:
+    """Migration 5: the SQLite schema's version 12 (``outcome_schema``)."""
+    outcome_schema.postgres_migration(conn)
+
+
 #: ``(what it does, how)``, one per version, in order.
 MIGRATIONS: Final[tuple[tuple[str, Callable[[psycopg.Connection[Any]], None]], ...]] = (
     ("tasks, inbox, outbox, receipts and meta (the SQLite schema at its version 6)", _v1),
@@ -233,6 +239,7 @@ MIGRATIONS: Final[tuple[tuple[str, Callable[[psycopg.Connection[Any]], None]], .
         _approval_releases,
     ),
     ("tasks.task_name (SQLite version 11)", _task_name),
+    ("counters, overdue operator waits, effect evidence (SQLite version 12)", _outcomes),
 )
 SCHEMA_VERSION: Final = len(MIGRATIONS)
 
