@@ -3,9 +3,10 @@
 Identity is (authenticated principal, ``message_id``); the principal is never taken from the
 body alone (see ``auth``). Two envelopes with the same identity are the *same request* when
 their fingerprints match, and a *conflict* otherwise. The fingerprint covers what the request
-asks for (``kind``, ``payload``, ``correlation_id``, ``parent_id``), not how it is delivered
-(``deadline``, ``max_attempts``, ``hops``, ``traceparent``), so a resend with a recomputed
-deadline, or sent from another trace, is still a duplicate.
+asks for (``kind``, ``payload``, ``correlation_id``, ``parent_id``) and the terms it is asked
+on (``deadline``, ``max_attempts``), not how it is delivered (``hops``, ``traceparent``): a
+resend with another deadline is a changed request, refused as a conflict, while one sent
+from another trace is still a duplicate.
 
 The request's content is written in canonical JSON (``canonical``) and its payload is kept
 within the payload bounds (``bounds``).
@@ -24,6 +25,7 @@ from broker_adapter.protocol.bounds import check_parsed_payload, check_payload
 from broker_adapter.protocol.canonical import (
     canonical_json,
     canonical_numbers,
+    ecmascript_number,
     loads_strict,
     sha256_hex,
 )
@@ -38,19 +40,30 @@ Kind = Literal["task", "result", "event"]
 
 
 def content_fingerprint(
-    kind: str, payload: bytes, correlation_id: str | None, parent_id: str | None
+    kind: str,
+    payload: bytes,
+    correlation_id: str | None,
+    parent_id: str | None,
+    *,
+    deadline: float,
+    max_attempts: int,
 ) -> str:
     """SHA-256 (hex) of the canonical content of a request: the canonical JSON of
-    ``{"correlation_id", "kind", "parent_id", "payload"}`` (nulls kept) with its numbers
-    written by ``canonical_numbers``.
+    ``{"correlation_id", "deadline", "kind", "max_attempts", "parent_id", "payload"}``
+    (nulls kept) with its numbers written by ``canonical_numbers`` (the deadline too: a
+    ``1900000000.0`` and a ``1900000000`` are one deadline).
 
     Args:
         payload: the payload's canonical JSON bytes (``Envelope.payload_bytes``, or the
             ``payload`` column of a stored task), spliced in rather than encoded again.
+        deadline: the absolute deadline (epoch seconds), a member of the request's terms.
+        max_attempts: the attempts the sender allows, a member of its terms too.
     """
     head = (
         '{"correlation_id":' + _json_str_or_null(correlation_id)
+        + ',"deadline":' + ecmascript_number(float(deadline))
         + ',"kind":' + _json_str_or_null(kind)
+        + ',"max_attempts":' + str(int(max_attempts))
         + ',"parent_id":' + _json_str_or_null(parent_id)
         + ',"payload":'
     )  # fmt: skip
@@ -341,6 +354,8 @@ class Envelope:
             "payload": self.payload,
             "correlation_id": self.correlation_id,
             "parent_id": self.parent_id,
+            "deadline": self.deadline,
+            "max_attempts": self.max_attempts,
         }
 
     def payload_bytes(self) -> bytes:
@@ -354,8 +369,9 @@ class Envelope:
         """SHA-256 (hex) of the canonical content, ``canonical_json(self.content())`` with
         its floats written the ECMAScript way (``content_fingerprint``)."""
         return content_fingerprint(
-            self.kind, self._payload_bytes, self.correlation_id, self.parent_id
-        )
+            self.kind, self._payload_bytes, self.correlation_id, self.parent_id,
+            deadline=self.deadline, max_attempts=self.max_attempts,
+        )  # fmt: skip
 
     def payload_json(self) -> str:
         return self._payload_bytes.decode("utf-8")

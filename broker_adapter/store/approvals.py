@@ -23,6 +23,7 @@ import os
 from dataclasses import dataclass
 
 from broker_adapter.errors import StaleError
+from broker_adapter.store.dbclock import read_now, tx_now
 from broker_adapter.store.effects import EffectTasks
 from broker_adapter.store.lifecycle import TaskState, to_terminal
 from broker_adapter.store.sql import Conn
@@ -85,8 +86,8 @@ class ApprovalStore:
     def revoke_approval(self, approval_id: str, by: str) -> bool:
         """Revoke an approval. Returns False if there is none by that id or it was
         revoked already."""
-        now = self.clock.now()
         with self.db.write("approval_revoke") as c:
+            now = tx_now(c, self.clock)
             return bool(
                 c.execute(
                     "UPDATE approvals SET revoked_at = ?, revoked_by = ?"
@@ -101,7 +102,7 @@ class ApprovalStore:
         """An approval of exactly this action, target and scope, granted by ``now``, not
         expired and not revoked (the one that lasts longest), or ``None``. Ask it again
         right before the effect: one revoked or expired meanwhile stops it."""
-        at = self.clock.now() if now is None else now
+        at = read_now(self.db, self.clock) if now is None else now
         row = self.db.fetch_one(
             "SELECT * FROM approvals WHERE action = ? AND target = ? AND scope = ?"
             " AND expires_at > ? AND granted_at <= ? AND revoked_at IS NULL"
@@ -124,8 +125,8 @@ class ApprovalStore:
         Raises:
             StaleError: the caller does not hold the task; nothing was written.
         """
-        now = self.clock.now()
         with self.db.write("approval_wait") as c:
+            now = tx_now(c, self.clock)
             row = c.execute(
                 "UPDATE tasks SET state = 'waiting_approval', owner = NULL, lease_until = NULL,"
                 " attempts = attempts - 1, updated_at = ? WHERE task_id = ? AND state = 'running'"
@@ -154,9 +155,9 @@ class ApprovalStore:
         Returns:
             counts: ``released``, ``timed_out``, ``dropped``.
         """
-        now = self.clock.now()
         counts = {"released": 0, "timed_out": 0, "dropped": 0}
         with self.db.write("approval_release") as c:
+            now = tx_now(c, self.clock)
             rows = c.execute(
                 "SELECT w.task_id, w.action, w.target, w.scope, w.until, t.state,"
                 " EXISTS (SELECT 1 FROM approvals a WHERE a.action = w.action"
@@ -192,7 +193,7 @@ class ApprovalStore:
     def counts(self) -> dict[str, int]:
         """For ``status`` and metrics: ``approval_counts``."""
         with self.db.read() as c:
-            return approval_counts(c, self.clock.now())
+            return approval_counts(c, tx_now(c, self.clock))
 
 
 def approval_counts(c: Conn, now: float) -> dict[str, int]:

@@ -12,6 +12,7 @@ import os
 import re
 import sqlite3
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from broker_adapter.errors import StoreError
 from broker_adapter.protocol.envelope import content_fingerprint
@@ -161,6 +162,11 @@ MIGRATIONS: tuple[str | Callable[[sqlite3.Connection], None], ...] = (
     ) WITHOUT ROWID;
     CREATE INDEX IF NOT EXISTS chains_updated ON chains (updated_at);
     """,
+    # 10: a request's terms (``deadline``, ``max_attempts``) join its fingerprint, so a
+    # resend that changes them is a conflict (every stored fingerprint is recomputed); an
+    # approval is bound to the requesting principal and the digest of the effect's
+    # arguments and version, and counts its uses (``approvals``).
+    lambda c: _bind_terms_and_approvals(c),
 )
 SCHEMA_VERSION = len(MIGRATIONS)
 #: The ``meta`` row holding the key of conflict-answer ids.
@@ -227,30 +233,50 @@ def _rewrite_in_checks(c: sqlite3.Connection, tables: Sequence[str]) -> None:
         c.execute("PRAGMA writable_schema = OFF")
 
 
-def _recompute_fingerprints(c: sqlite3.Connection) -> None:
-    """Recompute the fingerprint of every task whose payload may hold a float, and of the
-    inbox record that points at it, with ``content_fingerprint``.
+def _recompute_fingerprints(c: sqlite3.Connection, *, every: bool = False) -> None:
+    """Recompute the fingerprint of every task whose payload may hold a float (with
+    ``every``: of every task), and of the inbox record that points at it, with
+    ``content_fingerprint``.
 
     A task row keeps everything its fingerprint covers (``kind``, ``payload`` as canonical
-    JSON, ``correlation_id``, ``parent_id``), so every stored fingerprint can be recomputed;
-    a payload without a float (no digit followed by ``.``, ``e`` or ``E``: SQLite's GLOB
-    leaves those rows out) has the same fingerprint either way. What cannot be recomputed
-    is what was sent out: the ``fingerprint`` fields in conflict replies already written
-    keep the old form, and a conflicting resend after the migration gets a new conflict
-    reply id (its id is derived from the fingerprint), hence one more ``conflict`` reply.
+    JSON, ``correlation_id``, ``parent_id``, ``deadline``, ``max_attempts``), so every
+    stored fingerprint can be recomputed; a payload without a float (no digit followed by
+    ``.``, ``e`` or ``E``: SQLite's GLOB leaves those rows out) has the same fingerprint
+    either way. What cannot be recomputed is what was sent out: the ``fingerprint`` fields
+    in conflict replies already written keep the old form, and a conflicting resend after
+    the migration gets a new conflict reply id (its id is derived from the fingerprint),
+    hence one more ``conflict`` reply.
     """
     rows = c.execute(
-        "SELECT task_id, kind, payload, correlation_id, parent_id, fingerprint FROM tasks"
-        " WHERE payload GLOB '*[0-9][.eE]*'"
+        "SELECT task_id, kind, payload, correlation_id, parent_id, deadline, max_attempts,"
+        " fingerprint FROM tasks" + ("" if every else " WHERE payload GLOB '*[0-9][.eE]*'")
     ).fetchall()
-    for task_id, kind, payload, correlation_id, parent_id, old in rows:
-        new = content_fingerprint(kind, payload.encode("utf-8"), correlation_id, parent_id)
+    for task_id, new, old in recomputed_fingerprints(rows):
+        c.execute("UPDATE tasks SET fingerprint = ? WHERE task_id = ?", (new, task_id))
+        c.execute(
+            "UPDATE inbox SET fingerprint = ? WHERE task_id = ? AND fingerprint = ?",
+            (new, task_id, old),
+        )
+
+
+def recomputed_fingerprints(rows: Sequence[Sequence[Any]]) -> list[tuple[str, str, str]]:
+    """``(task_id, new, old)`` for each task row ``(task_id, kind, payload, correlation_id,
+    parent_id, deadline, max_attempts, fingerprint)`` whose fingerprint by
+    ``content_fingerprint`` is not the one stored (both stores' migrations use it)."""
+    out = []
+    for task_id, kind, payload, correlation_id, parent_id, deadline, attempts, old in rows:
+        new = content_fingerprint(
+            kind, payload.encode("utf-8"), correlation_id, parent_id,
+            deadline=deadline, max_attempts=attempts,
+        )  # fmt: skip
         if new != old:
-            c.execute("UPDATE tasks SET fingerprint = ? WHERE task_id = ?", (new, task_id))
-            c.execute(
-                "UPDATE inbox SET fingerprint = ? WHERE task_id = ? AND fingerprint = ?",
-                (new, task_id, old),
-            )
+            out.append((task_id, new, old))
+    return out
+
+
+def _bind_terms_and_approvals(c: sqlite3.Connection) -> None:
+    """Migration 10 (idempotent)."""
+    _recompute_fingerprints(c, every=True)
 
 
 def _split(script: str) -> list[str]:

@@ -29,6 +29,7 @@ from broker_adapter.protocol.bounds import check_result
 from broker_adapter.protocol.reply import reply_id_for
 from broker_adapter.store import inbox, settle, transitions
 from broker_adapter.store.db import Database
+from broker_adapter.store.dbclock import read_now, tx_now
 from broker_adapter.store.fencing import TASK_HELD_STATE, refusal
 from broker_adapter.store.housekeeping import reconcile_in
 from broker_adapter.store.inbox import (
@@ -146,8 +147,8 @@ class TaskStore:
         """
         if n < 1:
             return []
-        now = self.clock.now()
         with self.db.write("claim") as c:
+            now = tx_now(c, self.clock)
             rows = self._claim_in(c, owner, n, now)
         self._log_reconciled()
         return self._claimed(rows, owner, now)
@@ -252,7 +253,8 @@ class TaskStore:
         if row is None:
             raise UnknownTask(task_id)
         refused = refusal(
-            row, task_id, owner, fence, self.clock.now(), state=TASK_HELD_STATE, deadline=True
+            row, task_id, owner, fence, tx_now(c, self.clock), state=TASK_HELD_STATE,
+            deadline=True,
         )
         if refused is not None:
             raise refused
@@ -268,9 +270,9 @@ class TaskStore:
             TaskCancelled: the task was cancelled; stop work.
             StaleError: the lease is lost (fence, owner, expiry, deadline).
         """
-        now = self.clock.now()
-        lease_until = now + self.policy.lease_s
         with self.db.write("renew") as c:
+            now = tx_now(c, self.clock)
+            lease_until = now + self.policy.lease_s
             row = self._holder(c, task_id, owner, fence)
             requested = row["cancel_requested_at"]
             if requested is not None and now >= requested + self.policy.cancel_grace_s:
@@ -347,7 +349,7 @@ class TaskStore:
     def has_work(self) -> bool:
         """Whether a claim would find something now: a ready pending task or an expired
         lease. A read (no write lock, no fsync): idle workers ask this before claiming."""
-        now = self.clock.now()
+        now = read_now(self.db, self.clock)
         d = self.db.dialect
         row = self.db.fetch_one(
             f"SELECT EXISTS (SELECT 1 FROM tasks{d.indexed_by('tasks_ready')}"
@@ -368,8 +370,8 @@ class TaskStore:
         Raises:
             UnknownTask: no such task.
         """
-        now = self.clock.now()
         with self.db.write("cancel") as c:
+            now = tx_now(c, self.clock)
             row = c.execute(
                 "SELECT state FROM tasks WHERE task_id = ?" + c.dialect.for_update, (task_id,)
             ).fetchone()
@@ -399,7 +401,8 @@ class TaskStore:
         if row is None:
             return StaleError(task_id, "not_running", "no such task")
         refused = refusal(
-            row, task_id, owner, fence, self.clock.now(), state=TASK_HELD_STATE, deadline=False
+            row, task_id, owner, fence, read_now(self.db, self.clock), state=TASK_HELD_STATE,
+            deadline=False,
         )
         if refused is None and row["cancel_requested_at"] is not None:
             return TaskCancelled(task_id)  # requested (``EffectsStore.request_cancel``)
@@ -417,7 +420,7 @@ class TaskStore:
             counts by what happened: ``expired``, ``requeued``, ``exhausted``.
         """
         with self.db.write("reconcile") as c:
-            counts = self._reconcile(c, self.clock.now())
+            counts = self._reconcile(c, tx_now(c, self.clock))
         self._log_reconciled()
         return counts
 

@@ -30,7 +30,7 @@ from typing import Any, Final
 import psycopg
 from psycopg.rows import tuple_row
 
-from broker_adapter.store.migrations import CONFLICT_ID_KEY
+from broker_adapter.store.migrations import CONFLICT_ID_KEY, recomputed_fingerprints
 
 #: ``pg_advisory_xact_lock`` key of the migrating transaction (any fixed 64-bit number).
 MIGRATION_LOCK: Final = 0x62615F736368656D  # "ba_schem"
@@ -210,10 +210,26 @@ def _v2(conn: psycopg.Connection[Any]) -> None:
     conn.execute(_V2_TABLES)
 
 
+def _v3(conn: psycopg.Connection[Any]) -> None:
+    """Migration 3: the SQLite schema's version 10 (``migrations._bind_terms_and_approvals``)."""
+    cur = conn.cursor(row_factory=tuple_row)
+    rows = cur.execute(
+        "SELECT task_id, kind, payload, correlation_id, parent_id, deadline, max_attempts,"
+        " fingerprint FROM tasks"
+    ).fetchall()
+    for task_id, new, old in recomputed_fingerprints(rows):
+        cur.execute("UPDATE tasks SET fingerprint = %s WHERE task_id = %s", (new, task_id))
+        cur.execute(
+            "UPDATE inbox SET fingerprint = %s WHERE task_id = %s AND fingerprint = %s",
+            (new, task_id, old),
+        )
+
+
 #: ``(what it does, how)``, one per version, in order.
 MIGRATIONS: Final[tuple[tuple[str, Callable[[psycopg.Connection[Any]], None]], ...]] = (
     ("tasks, inbox, outbox, receipts and meta (the SQLite schema at its version 6)", _v1),
     ("effect columns and tables, tasks.traceparent, chains (SQLite versions 7 to 9)", _v2),
+    ("fingerprints cover deadline and max_attempts; approvals bound (SQLite version 10)", _v3),
 )
 SCHEMA_VERSION: Final = len(MIGRATIONS)
 
