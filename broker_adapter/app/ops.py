@@ -12,11 +12,13 @@ from functools import partial
 from pathlib import Path
 from typing import Any, TextIO
 
+from broker_adapter.clock import SystemClock
 from broker_adapter.protocol.deadletter import DeadLetter
 from broker_adapter.protocol.keys import INGEST_GROUP, Keys
 from broker_adapter.redis.client import call, connect, text
 from broker_adapter.store import OutboxStore
 from broker_adapter.store.backends import open_store
+from broker_adapter.store.dbclock import clock_report, read_now
 from broker_adapter.store.interface import OutboxAPI
 from broker_adapter.store.report import snapshot
 
@@ -39,7 +41,8 @@ def collect_status(db_path: Path | str, redis_url: str | None, prefix: str) -> d
     """
     db = open_store(db_path, read_only=True)  # a SQLite file or a postgresql:// URL
     try:
-        report: dict[str, Any] = snapshot(db, time.time())
+        report: dict[str, Any] = snapshot(db, read_now(db, SystemClock()))
+        report["clock"] = clock_report(db)
     finally:
         db.close()
     if redis_url:
@@ -76,6 +79,9 @@ def format_status(report: dict[str, Any]) -> str:
         + "  ".join(f"{k} {d[k]}" for k in ("pending", "sending", "sent", "dead"))
         + f"  oldest unsent {'-' if oldest is None else f'{oldest}s'}",
     ]
+    clock = report.get("clock")
+    if clock and clock["skew_s"] is not None:
+        lines.append(f"clock       {clock['source']}: this host {clock['skew_s']:+.3f} s")
     fx = report.get("effects")
     if fx and any(fx.values()):  # only once something reached an external effect
         lines.append(

@@ -25,10 +25,16 @@ skew no longer moves a lease, but it still moves what the host alone decides (a 
 
 from __future__ import annotations
 
-from typing import Final
+import logging
+from typing import Any, Final
 
 from broker_adapter.clock import Clock, SystemClock
 from broker_adapter.store.sql import Conn, Db
+
+#: Seconds of skew between a host and the database server above which an adapter warns at
+#: start (and ``BrokerAdapterClockSkew`` fires): leases stay safe, but the deadlines a
+#: host writes and its handlers' time budgets are off by that much.
+SKEW_WARN_S: Final = 5.0
 
 #: The server's time, epoch seconds, as a ``double precision`` (``clock_timestamp()``
 #: moves within a transaction, unlike ``now()``: the time of this statement, not of BEGIN).
@@ -70,3 +76,32 @@ def clock_skew(db: Db, clock: Clock | None = None) -> float | None:
     after = host.now()
     assert row is not None
     return (before + after) / 2 - float(row["now"])
+
+
+def clock_report(db: Db) -> dict[str, Any]:
+    """What ``status`` shows of the clocks: ``source`` (``database server`` or
+    ``process``) and ``skew_s`` (``clock_skew``, rounded to the millisecond; ``None`` on
+    SQLite)."""
+    skew = clock_skew(db)
+    return {
+        "source": "database server" if db.dialect.server_clock else "process",
+        "skew_s": None if skew is None else round(skew, 3),
+    }
+
+
+def report_clock_skew(db: Db, log: logging.Logger) -> float | None:
+    """Measure ``clock_skew`` (at an adapter's start) and log it: a warning above
+    ``SKEW_WARN_S``. Returns it (``None`` on SQLite, where nothing is logged)."""
+    skew = clock_skew(db)
+    if skew is None:
+        return None
+    if abs(skew) > SKEW_WARN_S:
+        log.warning(
+            "this host's clock is %+.3f s from the database server's (over %g s): leases"
+            " are judged by the server's clock, but the deadlines this host writes and its"
+            " handlers' time budgets are off by that much; fix its time service",
+            skew, SKEW_WARN_S,
+        )  # fmt: skip
+    else:
+        log.info("clock: leases judged by the database server's; this host %+.3f s", skew)
+    return skew

@@ -971,8 +971,8 @@ def test_database_migration_recomputes_fingerprints_of_floats(tmp_path: Path) ->
             "m-plain": (plain.fingerprint(), plain.fingerprint()),
         }
         resend = Envelope.from_json(
-            '{"deadline":%d,"message_id":"m-float","payload":{"price":13,"t":1e-7},'
-            '"sender":"alice"}' % (T0 + 600)
+            f'{{"deadline":{int(T0 + 600)},"message_id":"m-float",'
+            '"payload":{"price":13,"t":1e-7},"sender":"alice"}'
         )
         later = TaskStore(db, clock=FakeClock(T0 + 5))
         (again,) = later.accept([AcceptItem("alice", resend)])
