@@ -7,6 +7,7 @@ import json
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -63,11 +64,16 @@ def keyring(tmp_path: Path) -> Path:
     return path
 
 
+#: The deadline of every request ``_publish`` sends: a resend is the same request.
+DEADLINE = time.time() + 3600
+
+
 def _publish(redis_url: str, keyring: Path, prefix: str, ids: range) -> None:
     for i in ids:
         res = _cli("publish", "--redis", redis_url, "--principal", "alice", "--keyring",
                    str(keyring), "--prefix", prefix, "--id", f"m{i}",
-                   "--payload", json.dumps({"i": i}))  # fmt: skip
+                   "--payload", json.dumps({"i": i}),
+                   "--deadline", repr(DEADLINE))  # fmt: skip
         assert res.returncode == 0, res.stderr
 
 
