@@ -89,10 +89,11 @@ def clock_report(db: Db) -> dict[str, Any]:
     }
 
 
-def report_clock_skew(db: Db, log: logging.Logger) -> float | None:
-    """Measure ``clock_skew`` (at an adapter's start) and log it: a warning above
-    ``SKEW_WARN_S``. Returns it (``None`` on SQLite, where nothing is logged)."""
-    skew = clock_skew(db)
+def report_clock_skew(db: Db, log: logging.Logger, clock: Clock | None = None) -> float | None:
+    """Measure ``clock_skew`` of ``clock`` (default: the host's; at an adapter's start) and
+    log it: a warning above ``SKEW_WARN_S``. Returns it (``None`` on SQLite, where nothing
+    is logged)."""
+    skew = clock_skew(db, clock)
     if skew is None:
         return None
     if abs(skew) > SKEW_WARN_S:

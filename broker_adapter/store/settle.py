@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Final, Literal
 from broker_adapter.config import DEFAULT_LEASE_S
 from broker_adapter.errors import BrokerAdapterError, StaleError
 from broker_adapter.protocol.reply import encode_body, reply_id_for, terminal_body
-from broker_adapter.store.dbclock import tx_now
+from broker_adapter.store.dbclock import tx_now, uses_server
 from broker_adapter.store.fencing import TASK_HELD, update_held
 from broker_adapter.store.lifecycle import ReplyKey, TaskState, reply_key, reply_spec, to_terminal
 from broker_adapter.store.outbox import (
@@ -145,13 +145,13 @@ def settle(
     if not items and n < 1 and not sent:
         return SettledBatch(out, [])
     # Replies of successes are encoded and hashed before the transaction (from what the
-    # claim returned), so the write lock is held for the SQL only. Inside, each one is
-    # used only if the row still says the same (it does whenever the fence matches). Their
-    # ``finished_at`` is this host's time (``stamp``); leases, deadlines and backoffs are
-    # judged and set by the transaction's ``now`` (``dbclock.tx_now``: the server's on
-    # PostgreSQL).
+    # claim returned), so SQLite's write lock is held for the SQL only. Inside, each one is
+    # used only if the row still says the same (it does whenever the fence matches). Where
+    # the server's clock is the time (``dbclock``: PostgreSQL, whose writers lock rows, not
+    # the database), they are built inside instead, at the transaction's time.
+    server = uses_server(store.db.dialect.server_clock, store.clock)
     stamp = store.clock.now()
-    bodies = [_done_reply(item, stamp) for item in items]
+    bodies = [None if server else _done_reply(item, stamp) for item in items]
     marks: list[StaleError | None] = []
     # A task named once in the batch (the rule) is marked done with the batch's others in
     # one statement; one named twice (a bug's, or a test's) goes item by item in batch
@@ -161,6 +161,7 @@ def settle(
     replies: list[ReplySpec] = []
     with store.db.write(op) as c:
         now = tx_now(c, store.clock)
+        stamp = now if server else stamp
         claim = None if publish_as is None else PublisherClaim(publish_as, now + publish_lease_s)
         if sent:
             assert publish_as is not None
