@@ -274,9 +274,25 @@ def recomputed_fingerprints(rows: Sequence[Sequence[Any]]) -> list[tuple[str, st
     return out
 
 
+#: Migration 10's columns: ``(table, name, declaration)``.
+BOUND_APPROVAL_COLUMNS = (
+    ("approvals", "principal", "TEXT"),
+    ("approvals", "arguments_digest", "TEXT"),
+    ("approvals", "uses", "INTEGER NOT NULL DEFAULT 1"),
+    ("approvals", "used", "INTEGER NOT NULL DEFAULT 0"),
+    ("approval_waits", "principal", "TEXT"),
+    ("approval_waits", "arguments_digest", "TEXT"),
+    ("approval_waits", "arguments", "TEXT"),
+    ("tasks", "approval_id", "TEXT"),
+)
+
+
 def _bind_terms_and_approvals(c: sqlite3.Connection) -> None:
-    """Migration 10 (idempotent)."""
+    """Migration 10 (idempotent). An approval granted before has no principal or digest:
+    it matches no task (grant it again, bound)."""
     _recompute_fingerprints(c, every=True)
+    for table, name, declaration in BOUND_APPROVAL_COLUMNS:
+        _add_column(c, table, name, declaration)
 
 
 def _split(script: str) -> list[str]:

@@ -30,7 +30,11 @@ from typing import Any, Final
 import psycopg
 from psycopg.rows import tuple_row
 
-from broker_adapter.store.migrations import CONFLICT_ID_KEY, recomputed_fingerprints
+from broker_adapter.store.migrations import (
+    BOUND_APPROVAL_COLUMNS,
+    CONFLICT_ID_KEY,
+    recomputed_fingerprints,
+)
 
 #: ``pg_advisory_xact_lock`` key of the migrating transaction (any fixed 64-bit number).
 MIGRATION_LOCK: Final = 0x62615F736368656D  # "ba_schem"
@@ -213,6 +217,11 @@ def _v2(conn: psycopg.Connection[Any]) -> None:
 def _v3(conn: psycopg.Connection[Any]) -> None:
     """Migration 3: the SQLite schema's version 10 (``migrations._bind_terms_and_approvals``)."""
     cur = conn.cursor(row_factory=tuple_row)
+    for table, name, declaration in BOUND_APPROVAL_COLUMNS:
+        cur.execute(
+            f"ALTER TABLE {table} ADD COLUMN IF NOT EXISTS {name}"
+            f" {declaration.replace('INTEGER', 'integer').replace('TEXT', 'text')}"
+        )
     rows = cur.execute(
         "SELECT task_id, kind, payload, correlation_id, parent_id, deadline, max_attempts,"
         " fingerprint FROM tasks"
