@@ -296,6 +296,7 @@ def test_the_effect_commands_work_on_a_postgres_database(pg_url: str) -> None:
     from tests.support.store_script import item, open_any, stores
 
     granted = _cli("approve", "restart", "--target", "web1", "--scope", "prod",
+                   "--principal", "agent-a", "--arguments", '{"server": "web1"}', "--uses", "2",
                    "--expires-in", "60", "--db", pg_url, "--by", "alice")  # fmt: skip
     assert granted.returncode == 0, granted.stderr
     approval_id = json.loads(granted.stdout)["approval_id"]
@@ -313,9 +314,12 @@ def test_the_effect_commands_work_on_a_postgres_database(pg_url: str) -> None:
     assert answered.returncode == 0, answered.stderr
     assert json.loads(answered.stdout) == {"task_id": task.task_id, "state": "done"}
     with psycopg.connect(pg_url) as conn:
-        rows = conn.execute("SELECT approver, revoked_by FROM approvals").fetchall()
+        rows = conn.execute(
+            "SELECT approver, revoked_by, principal, uses FROM approvals"
+        ).fetchall()
         logged = conn.execute("SELECT outcome, by_whom FROM reconcile_log").fetchall()
-    ((by, revoked_by),), ((outcome, who),) = rows, logged
+    ((by, revoked_by, principal, uses),), ((outcome, who),) = rows, logged
+    assert (principal, uses) == ("agent-a", 2)
     assert by.startswith("alice (os user ")
     assert revoked_by.startswith("alice (os user ")
     assert (outcome, who.split(" ")[0]) == ("done", "alice")
