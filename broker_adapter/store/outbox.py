@@ -422,7 +422,7 @@ class OutboxStore:
         )
         if row is None or row["oldest"] is None:
             return None
-        return max(0.0, self.clock.now() - float(row["oldest"]))
+        return max(0.0, read_now(self.db, self.clock) - float(row["oldest"]))
 
     # -- added for the reply dispatcher (broker_adapter.stages.dispatcher) ------------------------
 

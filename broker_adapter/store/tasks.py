@@ -439,7 +439,8 @@ class TaskStore:
         """Forget at most ``limit`` requests past the retention window, with everything
         kept for them (task, inbox record, reply), in one short transaction; see
         ``retention`` for the rule and ``PurgeBatch.after`` / ``more`` for the pass."""
-        return purge_requests(self.db, self.clock.now(), self.policy.retention_s, after, limit)
+        now = read_now(self.db, self.clock)  # the server's on PostgreSQL (``dbclock``)
+        return purge_requests(self.db, now, self.policy.retention_s, after, limit)
 
     def purge(self, limit: int = PURGE_BATCH) -> int:
         """A whole purge pass, batch after batch (no pause: the runner's purger spaces its
