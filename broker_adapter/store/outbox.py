@@ -391,7 +391,7 @@ class OutboxStore:
         cur = c.execute(
             "UPDATE outbox SET state = 'pending', not_before = ?, attempts = 0"
             " WHERE state = 'sent' AND sent_at >= ? AND sent_at <= ?",
-            (self.clock.now(), low, high),
+            (tx_now(c, self.clock), low, high),
         )
         return cur.rowcount
 
