@@ -14,10 +14,24 @@ class Clock(Protocol):
 
 
 class SystemClock:
-    """The real clock (``time.time``)."""
+    """The real clock (``time.time``): the host's. On a database shared by hosts
+    (PostgreSQL) the stores judge leases by the server's clock instead (``store.dbclock``);
+    a ``FakeClock`` is a test's time on every engine."""
 
     def now(self) -> float:
         return time.time()
+
+
+class SkewedClock(SystemClock):
+    """The host's clock off by ``offset_s`` seconds (ahead when positive): a host whose
+    clock is wrong. Still the host's clock: on PostgreSQL a store judges by the server's
+    instead (``store.dbclock``)."""
+
+    def __init__(self, offset_s: float) -> None:
+        self.offset_s = offset_s
+
+    def now(self) -> float:
+        return time.time() + self.offset_s
 
 
 class FakeClock:

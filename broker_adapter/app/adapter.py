@@ -69,6 +69,7 @@ from broker_adapter.store import OutboxStore, TaskStore
 from broker_adapter.store.approvals import ApprovalStore
 from broker_adapter.store.backends import is_postgres_url, open_store, redacted_url
 from broker_adapter.store.db import Database
+from broker_adapter.store.dbclock import report_clock_skew
 from broker_adapter.store.effects import EffectsStore
 from broker_adapter.store.gate import WriteGate
 from broker_adapter.store.retention import DEFAULT_RETENTION_S, PurgeSchedule, run_purges
@@ -249,7 +250,11 @@ class Adapter:
 
     def _prepare_database(self) -> bool:
         try:
-            open_store(self.config.db_path).close()
+            db = open_store(self.config.db_path)
+            try:
+                report_clock_skew(db, self.log)
+            finally:
+                db.close()
         except StoreBusy as exc:
             self.log.warning("database busy at start-up, waiting for it: %s", exc)
             return False

@@ -240,12 +240,18 @@ def _add_publish(sub: argparse._SubParsersAction[_Parser]) -> None:
     _option(pub, "--key-id", "the key to sign with", env="BA_KEY_ID",
             shown="the principal's first key", metavar="KID")  # fmt: skip
     _add_partitions(pub)
-    _option(pub, "--id", "the message id; resend the same id until a reply arrives",
+    _option(pub, "--id", "the message id; resend the same id (and --deadline) until a reply"
+            " arrives",
             env="BA_MESSAGE_ID", required=True, dest="message_id", metavar="ID")  # fmt: skip
     _option(pub, "--payload", "the task's payload, a JSON object", env="BA_PAYLOAD",
             required=True, metavar="JSON")  # fmt: skip
-    _option(pub, "--deadline-in", "the deadline, seconds from now", env="BA_DEADLINE_IN",
-            default=300.0, type=float, metavar="S")  # fmt: skip
+    _option(pub, "--deadline-in", "the deadline, seconds from now (a new deadline at each"
+            " call: a resend with another deadline is a conflict, so resend with --deadline)",
+            env="BA_DEADLINE_IN", default=300.0, type=float, metavar="S")  # fmt: skip
+    _option(pub, "--deadline", "the absolute deadline, epoch seconds (wins over"
+            " --deadline-in); resend the same id with the 'deadline' the first call printed",
+            env="BA_DEADLINE", shown="now + --deadline-in", type=float,
+            metavar="EPOCH")  # fmt: skip
     _option(pub, "--max-attempts", "attempts the adapter may make (1..10)",
             env="BA_MAX_ATTEMPTS", default=3, type=int, metavar="N")  # fmt: skip
     _option(pub, "--correlation-id", "an id of the caller's, carried into the reply",

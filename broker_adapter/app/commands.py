@@ -110,12 +110,14 @@ def cmd_publish(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise ConfigError(f"--payload is not valid JSON: {exc}") from None
     keyring = Keyring.load(args.keyring)
+    # The deadline is part of the request: a resend must carry the first one (--deadline).
+    deadline = args.deadline if args.deadline is not None else time.time() + args.deadline_in
     try:
         envelope = Envelope.build(
             message_id=args.message_id,
             sender=args.principal,
             payload=payload,
-            deadline=time.time() + args.deadline_in,
+            deadline=deadline,
             max_attempts=args.max_attempts,
             **({"correlation_id": args.correlation_id} if args.correlation_id else {}),
             **({"task": args.task} if args.task else {}),

@@ -2,7 +2,8 @@
 answer for an ``unknown`` task; ``reconcile list``: the tasks whose outcome is unknown,
 those waiting for an operator first; ``reconcile show TASK_ID``: one task's reconcile log
 and compensations, with the effect key's digest and the adapter version of each record),
-``approve`` and ``revoke`` (approval records), and ``run``'s bound on operator waits
+``approve``, ``approvals`` and ``revoke`` (approval records, bound to a principal and the
+digest of an effect's arguments), and ``run``'s bound on operator waits
 (``--operator-timeout``, ``--operator-timeout-action``).
 
 Who may use them: whoever can write the adapter's database (its SQLite file, or its
@@ -25,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from broker_adapter.app import outcome_views
 from broker_adapter.app.audit import audit, bounded_seconds, bounded_text, os_user
 from broker_adapter.errors import ConfigError
+from broker_adapter.protocol.idempotency import EFFECT_KEY_VERSION
 from broker_adapter.stages.effects import DEFAULT_OPERATOR_TIMEOUT_S
 
 if TYPE_CHECKING:
@@ -73,14 +75,38 @@ def add_commands(sub: Any, option: Option, add_db: Callable[[Any, str], None]) -
                      help="with done: the task's result, a JSON value [default: null]")  # fmt: skip
     rec.add_argument("--note", default=None, help="kept in the reconcile record")
 
-    app = sub.add_parser("approve", help="record an approval of an action on a target")
+    app = sub.add_parser(
+        "approve",
+        help="record an approval of an action on a target, for one principal's tasks with"
+        " given arguments",
+        description="Approve what a waiting task asks (--task: its action, target, scope,"
+        " principal and arguments, printed back), or name it all (ACTION --target --scope"
+        " --principal --arguments). A task of another principal, or whose effect has other"
+        " arguments or another key version, does not run under the approval; it lets"
+        " --uses tasks run (a task's retries use no more). List the waiting tasks with"
+        " 'broker-adapter approvals'.",
+    )
     add_db(app, "the adapter's database: a SQLite file (must exist) or a postgresql:// URL")
-    app.add_argument("action", help="the action's name, as its handler declares it")
-    app.add_argument("--target", required=True, help="what the action may act on")
-    app.add_argument("--scope", required=True, help="within which scope")
+    app.add_argument("action", nargs="?", help="the action's name, as its handler declares it")
+    app.add_argument("--task", metavar="TASK_ID",
+                     help="approve what this waiting task asks (instead of the options below)")
+    app.add_argument("--target", help="what the action may act on")
+    app.add_argument("--scope", help="within which scope")
+    app.add_argument("--principal", metavar="P", help="whose tasks (the requesting principal)")
+    app.add_argument("--arguments", metavar="JSON",
+                     help="the effect's arguments, JSON (its handler's 'arguments', by default"
+                     " the whole payload); bound by their digest")
+    app.add_argument("--version", type=int, default=EFFECT_KEY_VERSION, metavar="N",
+                     help=f"the effect key's version [default: {EFFECT_KEY_VERSION}]")
+    app.add_argument("--uses", type=int, default=1, metavar="N",
+                     help="how many tasks may run under it [default: 1]")
     app.add_argument("--expires-in", required=True, type=float, metavar="S",
-                     help="the approval ends this many seconds from now")  # fmt: skip
+                     help="the approval ends this many seconds from now")
     _add_by(app, option)
+
+    waits = sub.add_parser("approvals", help="list the tasks waiting for an approval, with"
+                           " what each asks (principal, arguments and their digest)")
+    add_db(waits, "the adapter's database: a SQLite file (must exist) or a postgresql:// URL")
 
     rev = sub.add_parser("revoke", help="revoke an approval record")
     add_db(rev, "the adapter's database: a SQLite file (must exist) or a postgresql:// URL")
@@ -125,22 +151,30 @@ def resolve_unknown(
 
 
 def grant_approval(
-    db: Database | PgDatabase, action: str, target: str, scope: str, who: str, expires_in: float
+    db: Database | PgDatabase, what: dict[str, Any], who: str, expires_in: float, uses: int = 1
 ) -> str:
-    """Record ``who``'s approval of ``action`` on ``target`` in ``scope`` for
-    ``expires_in`` seconds: ``approve``'s and the console's. Returns the approval's id.
+    """Record ``who``'s approval of what ``what`` names (``what_a_task_waits_for``, or
+    ``approve``'s options) for ``expires_in`` seconds and ``uses`` tasks: ``approve``'s and
+    the console's. Returns the approval's id.
 
     Raises:
-        ConfigError: ``expires_in`` is not above 0, or a field is empty.
+        ConfigError: ``expires_in`` is not above 0, ``uses`` below 1, or a field is empty.
     """
     from broker_adapter.store import TaskStore
     from broker_adapter.store.approvals import ApprovalStore
+    from broker_adapter.store.dbclock import read_now
 
     if not expires_in > 0:
         raise ConfigError("--expires-in must be above 0")
+    if uses < 1:
+        raise ConfigError("--uses must be 1 or more")
     store = ApprovalStore(TaskStore(db))
     try:
-        return store.grant_approval(action, target, scope, who, store.clock.now() + expires_in)
+        return store.grant_approval(
+            what["action"], what["target"], what["scope"], who,
+            read_now(db, store.clock) + expires_in, principal=what["principal"],
+            arguments_digest=what["arguments_digest"], uses=uses,
+        )  # fmt: skip
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
 
@@ -163,15 +197,75 @@ def cmd_reconcile(args: argparse.Namespace) -> int:
 
 
 def cmd_approve(args: argparse.Namespace) -> int:
+    from broker_adapter.store import TaskStore
+    from broker_adapter.store.approvals import ApprovalStore
     from broker_adapter.store.backends import open_store
 
     bounded_seconds("--expires-in", args.expires_in, MAX_APPROVAL_S)
-    audit("approve", action=args.action, target=args.target, scope=args.scope, by=args.by,
-          expires_in=args.expires_in)  # fmt: skip
+    audit("approve", task=args.task, action=args.action, target=args.target,
+          scope=args.scope, by=args.by, expires_in=args.expires_in, uses=args.uses)  # fmt: skip
     with open_store(args.db) as db:
-        approval_id = grant_approval(db, args.action, args.target, args.scope, _who(args.by),
-                                     args.expires_in)  # fmt: skip
-    print(json.dumps({"approval_id": approval_id}, sort_keys=True))
+        what = _what_to_approve(args, ApprovalStore(TaskStore(db)))
+        approval_id = grant_approval(db, what, _who(args.by), args.expires_in, args.uses)
+    print(json.dumps({"approval_id": approval_id, **what, "uses": args.uses}, sort_keys=True))
+    return 0
+
+
+def what_a_task_waits_for(store: Any, task_id: str) -> dict[str, Any]:
+    """What a task waiting for an approval asks: action, target, scope, principal,
+    arguments and their digest (``approve --task``'s and the console's).
+
+    Raises:
+        ConfigError: the task does not wait, or waits from before approvals were bound.
+    """
+    waits = store.waits(task_id)
+    if not waits:
+        raise ConfigError(f"task {task_id} is not waiting for an approval")
+    (wait,) = waits
+    if wait.principal is None or wait.arguments_digest is None:
+        raise ConfigError(f"task {task_id} waits from before approvals were bound")
+    arguments = None if wait.arguments is None else json.loads(wait.arguments)
+    return {"action": wait.action, "target": wait.target, "scope": wait.scope,
+            "principal": wait.principal, "arguments": arguments,
+            "arguments_digest": wait.arguments_digest}  # fmt: skip
+
+
+def _what_to_approve(args: argparse.Namespace, store: Any) -> dict[str, Any]:
+    """The action, target, scope, principal, arguments and their digest an approval is
+    for: a waiting task's (``--task``), or the options'."""
+    from broker_adapter.stages.effects import arguments_digest
+
+    if args.task is not None:
+        if args.action or args.target or args.scope or args.principal or args.arguments:
+            raise ConfigError("--task takes what the task asks: give no ACTION or --target,"
+                              " --scope, --principal, --arguments with it")  # fmt: skip
+        return what_a_task_waits_for(store, args.task)
+    missing = [flag for flag, value in (("ACTION", args.action), ("--target", args.target),
+               ("--scope", args.scope), ("--principal", args.principal),
+               ("--arguments", args.arguments)) if not value]  # fmt: skip
+    if missing:
+        raise ConfigError(f"approve needs --task, or {', '.join(missing)}")
+    try:
+        arguments = json.loads(args.arguments)
+        digest = arguments_digest(args.action, arguments, args.version)
+    except ValueError as exc:
+        raise ConfigError(f"--arguments is not JSON: {exc}") from None
+    return {"action": args.action, "target": args.target, "scope": args.scope,
+            "principal": args.principal, "arguments": arguments,
+            "arguments_digest": digest}  # fmt: skip
+
+
+def cmd_approvals(args: argparse.Namespace) -> int:
+    from broker_adapter.store import TaskStore
+    from broker_adapter.store.approvals import ApprovalStore
+    from broker_adapter.store.backends import open_store
+
+    with open_store(args.db) as db:
+        waits = ApprovalStore(TaskStore(db)).waits()
+    for wait in waits:
+        row = dict(wait.__dict__)
+        row["arguments"] = None if wait.arguments is None else json.loads(wait.arguments)
+        print(json.dumps(row, sort_keys=True))
     return 0
 
 
@@ -190,5 +284,6 @@ def cmd_revoke(args: argparse.Namespace) -> int:
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "reconcile": cmd_reconcile,
     "approve": cmd_approve,
+    "approvals": cmd_approvals,
     "revoke": cmd_revoke,
 }

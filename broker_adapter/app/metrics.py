@@ -256,14 +256,21 @@ def _stage_families(out: Families, observed: Observed) -> None:
 
 
 def _database_families(out: Families, db_path: Path | str) -> None:
+    from broker_adapter.clock import SystemClock
     from broker_adapter.store.backends import open_store
+    from broker_adapter.store.dbclock import clock_skew, read_now
     from broker_adapter.store.report import snapshot
 
     db = open_store(db_path, read_only=True)  # a SQLite file or a postgresql:// URL
     try:
-        report = snapshot(db, time.time())
+        report = snapshot(db, read_now(db, SystemClock()))
+        skew = clock_skew(db)
     finally:
         db.close()
+    if skew is not None:
+        out.gauge("ba_clock_skew_seconds", "How far this host's clock is ahead of the"
+                  " PostgreSQL server's, whose clock judges leases (negative: behind).",
+                  skew)  # fmt: skip
     p, delivery = report["processing"], report["delivery"]
     doc = "Tasks by state (from the database)."
     for state in ("pending", "running", "unknown", "waiting_approval"):

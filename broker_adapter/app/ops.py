@@ -13,11 +13,13 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from broker_adapter.app.audit import audit, bounded_text, os_user
+from broker_adapter.clock import SystemClock
 from broker_adapter.protocol.deadletter import DeadLetter
 from broker_adapter.protocol.keys import INGEST_GROUP, Keys
 from broker_adapter.redis.client import call, connect, text
 from broker_adapter.store import OutboxStore
 from broker_adapter.store.backends import open_store
+from broker_adapter.store.dbclock import clock_report, read_now
 from broker_adapter.store.interface import OutboxAPI
 from broker_adapter.store.report import snapshot, task_counts
 
@@ -40,7 +42,8 @@ def collect_status(db_path: Path | str, redis_url: str | None, prefix: str) -> d
     """
     db = open_store(db_path, read_only=True)  # a SQLite file or a postgresql:// URL
     try:
-        report: dict[str, Any] = snapshot(db, time.time())
+        report: dict[str, Any] = snapshot(db, read_now(db, SystemClock()))
+        report["clock"] = clock_report(db)
         by_task = task_counts(db)
         if by_task:  # only once tasks were sent with a name
             report["by_task"] = by_task
@@ -83,6 +86,9 @@ def format_status(report: dict[str, Any]) -> str:
     for name, states in report.get("by_task", {}).items():
         counts = "  ".join(f"{k} {v}" for k, v in sorted(states.items()))
         lines.append(f"task        {name or '(default)'}: {counts}")
+    clock = report.get("clock")
+    if clock and clock["skew_s"] is not None:
+        lines.append(f"clock       {clock['source']}: this host {clock['skew_s']:+.3f} s")
     fx = report.get("effects")
     # only once something reached an external effect (every claim counts an attempt)
     if fx and any(v for k, v in fx.items() if k != "task_attempts"):

@@ -24,13 +24,18 @@ from starlette.responses import HTMLResponse, RedirectResponse, Response
 from starlette.routing import Route
 
 from broker_adapter.app.commands import cancel_task
-from broker_adapter.app.effects_cli import grant_approval, resolve_unknown
+from broker_adapter.app.effects_cli import (
+    grant_approval,
+    resolve_unknown,
+    what_a_task_waits_for,
+)
 from broker_adapter.app.ops import replay_dead_letter
 from broker_adapter.console.auth import COOKIE, Csrf, Operator, Tokens
 from broker_adapter.console.sources import Store, dead_letters, shown
-from broker_adapter.errors import BrokerAdapterError
-from broker_adapter.store import OutboxStore
+from broker_adapter.errors import BrokerAdapterError, ConfigError
+from broker_adapter.store import OutboxStore, TaskStore
 from broker_adapter.store import console_queries as q
+from broker_adapter.store.approvals import ApprovalStore
 
 log = logging.getLogger("broker_adapter.console")
 
@@ -385,15 +390,15 @@ class _Console:
         if wait is None or story is None or story["task"]["state"] != "waiting_approval":
             raise _Refused(409, f"task {task_id!r} is not waiting for an approval")
         who = self._who(operator)
-        approval_id = await run_in_threadpool(
-            grant_approval,
-            ctx.store.db,
-            wait["action"],
-            wait["target"],
-            wait["scope"],
-            who,
-            expires_in,
-        )
+
+        def approve() -> str:
+            what = what_a_task_waits_for(ApprovalStore(TaskStore(ctx.store.db)), task_id)
+            return grant_approval(ctx.store.db, what, who, expires_in)
+
+        try:
+            approval_id = await run_in_threadpool(approve)
+        except ConfigError as exc:
+            raise _Refused(409, str(exc)) from None
         log.info(
             "console: %s approved %s on %s (%s) for task %s: %s",
             who,

@@ -4,9 +4,9 @@ Identity is (authenticated principal, ``message_id``); the principal is never ta
 body alone (see ``auth``). Two envelopes with the same identity are the *same request* when
 their fingerprints match, and a *conflict* otherwise. The fingerprint covers what the request
 asks for (``kind``, ``payload``, ``correlation_id``, ``parent_id``, and ``task`` when the
-request names one), not how it is delivered
-(``deadline``, ``max_attempts``, ``hops``, ``traceparent``), so a resend with a recomputed
-deadline, or sent from another trace, is still a duplicate.
+request names one) and the terms it is asked on (``deadline``, ``max_attempts``), not how it
+is delivered (``hops``, ``traceparent``): a resend with another deadline is a changed
+request, refused as a conflict, while one sent from another trace is still a duplicate.
 
 The request's content is written in canonical JSON (``canonical``) and its payload is kept
 within the payload bounds (``bounds``).
@@ -26,6 +26,7 @@ from broker_adapter.protocol.bounds import check_parsed_payload, check_payload
 from broker_adapter.protocol.canonical import (
     canonical_json,
     canonical_numbers,
+    ecmascript_number,
     loads_strict,
     sha256_hex,
 )
@@ -46,21 +47,28 @@ def content_fingerprint(
     correlation_id: str | None,
     parent_id: str | None,
     *,
+    deadline: float,
+    max_attempts: int,
     task: str | None = None,
 ) -> str:
     """SHA-256 (hex) of the canonical content of a request: the canonical JSON of
-    ``{"correlation_id", "kind", "parent_id", "payload"}`` (nulls kept) with its numbers
-    written by ``canonical_numbers``, and ``"task"`` after ``payload`` only when the request
-    names one (so a request without it keeps the fingerprint it always had).
+    ``{"correlation_id", "deadline", "kind", "max_attempts", "parent_id", "payload"}``
+    (nulls kept) with its numbers written by ``canonical_numbers`` (the deadline too: a
+    ``1900000000.0`` and a ``1900000000`` are one deadline), and ``"task"`` after
+    ``payload`` only when the request names one.
 
     Args:
         payload: the payload's canonical JSON bytes (``Envelope.payload_bytes``, or the
             ``payload`` column of a stored task), spliced in rather than encoded again.
+        deadline: the absolute deadline (epoch seconds), a member of the request's terms.
+        max_attempts: the attempts the sender allows, a member of its terms too.
         task: the task name (``Envelope.task``), or ``None``.
     """
     head = (
         '{"correlation_id":' + _json_str_or_null(correlation_id)
+        + ',"deadline":' + ecmascript_number(float(deadline))
         + ',"kind":' + _json_str_or_null(kind)
+        + ',"max_attempts":' + str(int(max_attempts))
         + ',"parent_id":' + _json_str_or_null(parent_id)
         + ',"payload":'
     )  # fmt: skip
@@ -395,6 +403,8 @@ class Envelope:
             "payload": self.payload,
             "correlation_id": self.correlation_id,
             "parent_id": self.parent_id,
+            "deadline": self.deadline,
+            "max_attempts": self.max_attempts,
         }
         if self.task is not None:
             out["task"] = self.task
@@ -411,8 +421,9 @@ class Envelope:
         """SHA-256 (hex) of the canonical content, ``canonical_json(self.content())`` with
         its floats written the ECMAScript way (``content_fingerprint``)."""
         return content_fingerprint(
-            self.kind, self._payload_bytes, self.correlation_id, self.parent_id, task=self.task
-        )
+            self.kind, self._payload_bytes, self.correlation_id, self.parent_id,
+            deadline=self.deadline, max_attempts=self.max_attempts, task=self.task,
+        )  # fmt: skip
 
     def payload_json(self) -> str:
         return self._payload_bytes.decode("utf-8")

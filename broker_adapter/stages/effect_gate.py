@@ -2,8 +2,9 @@
 before the handler's call and right after it.
 
 Before the call (on the call thread, no transaction held): an action that
-``requires_approval`` is checked against the approval records (``current_approval``: asked
-now, so a record revoked or expired since the claim stops it; nothing in the payload
+``requires_approval`` takes a use of a matching approval record (``current_approval``:
+asked now, so a record revoked, expired or used up since the claim stops it; it must name
+the task's principal and the digest of its effect's arguments; nothing in the payload
 counts); without a valid one the task is parked in ``waiting_approval``
 (``hold_for_approval``) and its handler does not run. An ``irreversible`` effect is then
 marked started (``EffectsStore.mark_effect_started``), which also refuses a task whose
@@ -102,7 +103,15 @@ class EffectGate:
         """Right before the handler: whether it may run (approved, effect marked)."""
         claimed = task.claimed
         spec = self.spec
-        if spec.requires_approval and current_approval(self.approvals, spec, claimed) is None:
+        try:
+            approved = not spec.requires_approval or current_approval(
+                self.approvals, spec, claimed
+            ) is not None
+        except StaleError as exc:
+            self.leases.release(claimed.task_id)
+            self._refused(task, exc)
+            return False
+        if not approved:
             self.leases.release(claimed.task_id)
             try:
                 until = hold_for_approval(self.approvals, spec, claimed, self.approval_timeout_s)

@@ -51,7 +51,7 @@ from pydantic import Field
 from broker_adapter.backoff import Backoff
 from broker_adapter.config import ConfigModel
 from broker_adapter.errors import ConfigError, StaleError, TransientError
-from broker_adapter.protocol.canonical import canonical_json
+from broker_adapter.protocol.canonical import canonical_json, sha256_hex
 from broker_adapter.protocol.idempotency import EFFECT_KEY_VERSION, Intent, effect_key
 from broker_adapter.stages.calls import call_handler
 from broker_adapter.stages.handlers import describe_error
@@ -162,15 +162,37 @@ class EffectSpec:
 
     def key(self, task: ClaimedTask) -> str:
         """The idempotency key of this effect for ``task`` (the same in every attempt)."""
-        arguments = task.payload if self.arguments is None else self.arguments(task)
+        arguments = self.arguments_of(task)
         intent = Intent(task.principal, task.message_id)
         return effect_key(intent, self.action, arguments, version=self.version)
+
+    def arguments_of(self, task: ClaimedTask) -> Any:
+        """The effect's arguments for ``task`` (``arguments``; default: the payload)."""
+        return task.payload if self.arguments is None else self.arguments(task)
+
+    def approval_digest(self, task: ClaimedTask) -> str:
+        """What an approval of ``task`` is bound to besides its principal:
+        ``arguments_digest`` of this action, its arguments for ``task`` and the version."""
+        return arguments_digest(self.action, self.arguments_of(task), self.version)
 
     def approval_of(self, task: ClaimedTask) -> tuple[str, str]:
         """The ``(target, scope)`` an approval of ``task`` must name."""
         if self.approval is None:
             raise ConfigError(f"action {self.action!r} has no approval target")
         return self.approval(task)
+
+
+def arguments_digest(action: str, arguments: Any, version: int = EFFECT_KEY_VERSION) -> str:
+    """SHA-256 (hex) of the canonical JSON of ``{"action", "arguments", "version"}``: what
+    an approval allows, besides its target, scope and requesting principal. The approver
+    is shown it with the arguments (``broker-adapter approve --task``); a task whose
+    effect has other arguments, or another key version, does not run under it.
+
+    Raises:
+        ValueError: ``arguments`` is not JSON (NaN, a set, ...).
+    """
+    body = canonical_json({"action": action, "arguments": arguments, "version": version})
+    return sha256_hex(body)
 
 
 H = TypeVar("H", bound=Callable[..., Any])
@@ -467,10 +489,19 @@ def current_approval(
     approvals: ApprovalStore, spec: EffectSpec, task: ClaimedTask
 ) -> Approval | None:
     """The approval that lets ``task`` (of an effect that ``requires_approval``) run its
-    effect now, or ``None``. Ask right before the effect: a record revoked or expired since
-    the claim stops it. Nothing in the task's payload counts, only the approval records."""
+    effect now, one of its uses taken for ``task`` (``ApprovalStore.use_approval``), or
+    ``None``. Ask right before the effect: a record revoked, expired or used up since the
+    claim stops it. It must name ``task``'s principal and the digest of its arguments
+    (``EffectSpec.approval_digest``); nothing in the task's payload counts.
+
+    Raises:
+        StaleError: the caller no longer holds ``task``.
+    """
     target, scope = spec.approval_of(task)
-    return approvals.valid_approval(spec.action, target, scope)
+    return approvals.use_approval(
+        task.task_id, task.owner, task.fence, spec.action, target, scope,
+        principal=task.principal, arguments_digest=spec.approval_digest(task),
+    )  # fmt: skip
 
 
 def hold_for_approval(
@@ -479,8 +510,12 @@ def hold_for_approval(
     """Park ``task`` in ``waiting_approval`` for its approval (its holder found none).
     Returns when the wait ends without one."""
     target, scope = spec.approval_of(task)
-    return approvals.wait_for_approval(task.task_id, task.owner, task.fence, spec.action, target,
-                                     scope, timeout_s)  # fmt: skip
+    arguments = spec.arguments_of(task)
+    return approvals.wait_for_approval(
+        task.task_id, task.owner, task.fence, spec.action, target, scope, timeout_s,
+        principal=task.principal, arguments_digest=spec.approval_digest(task),
+        arguments=canonical_json(arguments).decode("utf-8"),
+    )  # fmt: skip
 
 
 def run_reconciles(

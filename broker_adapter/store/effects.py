@@ -48,6 +48,7 @@ from broker_adapter.store.counters import (
     count_in,
     monotonic_counts,
 )
+from broker_adapter.store.dbclock import tx_now
 from broker_adapter.store.evidence import ADAPTER_VERSION, EVIDENCE
 from broker_adapter.store.housekeeping import unknown_from_lapsed_in
 from broker_adapter.store.lifecycle import to_terminal
@@ -137,8 +138,8 @@ class EffectsStore:
         Raises:
             UnknownTask: no such task.
         """
-        now = self.clock.now()
         with self.db.write("cancel_request") as c:
+            now = tx_now(c, self.clock)
             row = c.execute(
                 f"SELECT state FROM tasks WHERE task_id = ?{c.dialect.for_update}", (task_id,)
             ).fetchone()
@@ -157,8 +158,8 @@ class EffectsStore:
         """The holder of a running task whose cancel was requested stopped it: ``cancelled``
         with its reply, ``what`` saying what was known to have happened. Returns False if
         the caller no longer holds it (cancelled outright, or the claim moved on)."""
-        now = self.clock.now()
         with self.db.write("cancel_request") as c:
+            now = tx_now(c, self.clock)
             row = c.execute(
                 "SELECT cancel_requested_at FROM tasks WHERE task_id = ? AND state = 'running'"
                 " AND owner = ? AND fence = ? AND cancel_requested_at IS NOT NULL"
@@ -196,8 +197,8 @@ class EffectsStore:
             TaskCancelled: a cancel was requested (or made); nothing was written.
             StaleError: the caller does not hold the task; nothing was written.
         """
-        now = self.clock.now()
         with self.db.write("effect_started") as c:
+            now = tx_now(c, self.clock)
             hit = c.execute(
                 "UPDATE tasks SET effect_fence = fence, effect_started_at = ?, updated_at = ?,"
                 " effect_key_digest = coalesce(?, effect_key_digest), adapter_version = ?"
@@ -218,8 +219,8 @@ class EffectsStore:
         Raises:
             StaleError: the caller does not hold the task; nothing was written.
         """
-        now = self.clock.now()
         with self.db.write("to_unknown") as c:
+            now = tx_now(c, self.clock)
             hit = c.execute(
                 "UPDATE tasks SET state = 'unknown', owner = NULL, lease_until = NULL,"
                 " not_before = ?, error = ?, reconcile_tries = 0, operator_since = NULL,"
@@ -241,7 +242,7 @@ class EffectsStore:
     def take_back_lapsed(self) -> int:
         """``unknown_from_lapsed_claims`` in a transaction of its own."""
         with self.db.write("unknown_lapsed") as c:
-            return self.unknown_from_lapsed_claims(c, self.clock.now())
+            return self.unknown_from_lapsed_claims(c, tx_now(c, self.clock))
 
     # -- reconcile ------------------------------------------------------------------------
 
@@ -252,9 +253,9 @@ class EffectsStore:
         that dies frees it when its lease runs out."""
         if n < 1:
             return []
-        now = self.clock.now()
-        until = now + lease_s
         with self.db.write("claim_unknown") as c:
+            now = tx_now(c, self.clock)
+            until = now + lease_s
             rows = c.execute(
                 "UPDATE tasks SET owner = ?, lease_until = ?, not_before = ?, fence = fence + 1,"
                 " updated_at = ? WHERE task_id IN (SELECT task_id FROM tasks"
@@ -281,8 +282,8 @@ class EffectsStore:
             ValueError: ``observed`` is not a JSON value within the result bounds.
         """
         encoded = check_result(observed).decode("utf-8")
-        now = self.clock.now()
         with self.db.write("reconcile_done") as c:
+            now = tx_now(c, self.clock)
             self._unknown_holder(c, task_id, owner, fence, now)
             return self._done_in(c, task_id, owner, fence, encoded, note, now)
 
@@ -299,8 +300,8 @@ class EffectsStore:
         Raises:
             StaleError: the caller does not hold the reconcile; nothing was written.
         """
-        now = self.clock.now()
         with self.db.write("reconcile_not_done") as c:
+            now = tx_now(c, self.clock)
             row = self._unknown_holder(c, task_id, owner, fence, now)
             return self._not_done_in(c, row, owner, fence, observed, note, now)
 
@@ -314,8 +315,8 @@ class EffectsStore:
         Raises:
             StaleError: the caller does not hold the reconcile; nothing was written.
         """
-        now = self.clock.now()
         with self.db.write("reconcile_unknown") as c:
+            now = tx_now(c, self.clock)
             self._unknown_holder(c, task_id, owner, fence, now)
             self._log(c, task_id, "unknown", owner, fence, observed, note, now)
             c.execute(
@@ -342,8 +343,8 @@ class EffectsStore:
             ValueError: ``observed`` is not a JSON value within the result bounds.
         """
         encoded = check_result(observed).decode("utf-8") if outcome == "done" else None
-        now = self.clock.now()
         with self.db.write("reconcile_operator") as c:
+            now = tx_now(c, self.clock)
             row = c.execute(
                 "UPDATE tasks SET fence = fence + 1, owner = ?, lease_until = NULL,"
                 " updated_at = ? WHERE task_id = ? AND state = 'unknown'"
@@ -455,8 +456,8 @@ class EffectsStore:
         Raises:
             StaleError: the caller does not hold the reconcile; nothing was written.
         """
-        now = self.clock.now()
         with self.db.write("compensation_begin") as c:
+            now = tx_now(c, self.clock)
             self._unknown_holder(c, task_id, owner, fence, now)
             made = c.execute(
                 "INSERT INTO compensations (task_id, kind, by_whom, fence, what, started_at,"
@@ -473,8 +474,8 @@ class EffectsStore:
     ) -> bool:
         """Record how a begun compensation ended. Returns False if it was not ``started``
         (never begun, or ended already)."""
-        now = self.clock.now()
         with self.db.write("compensation_end") as c:
+            now = tx_now(c, self.clock)
             ended = c.execute(
                 "UPDATE compensations SET outcome = ?, detail = ?, ended_at = ?"
                 " WHERE task_id = ? AND kind = ? AND outcome = 'started'",

@@ -27,6 +27,7 @@ from broker_adapter.protocol.canonical import sha256_hex
 from broker_adapter.protocol.envelope import Envelope
 from broker_adapter.protocol.reply import CONFLICT_STATUS, conflict_body, reply_id_for
 from broker_adapter.store import transitions
+from broker_adapter.store.dbclock import tx_now
 from broker_adapter.store.lifecycle import TERMINAL_STATES, TaskState, write_reply
 from broker_adapter.store.outbox import enqueue
 from broker_adapter.store.sql import Conn, Db, in_lists
@@ -213,7 +214,6 @@ def accept_and_claim(
         the ``accept`` results, and per owner of ``claim_for`` the ``(task_id, fence)``
         handles it claimed (possibly none).
     """
-    now = store.clock.now()
     if not items:
         return Intake([], [[] for _ in claim_for])
     # Hash and encode before taking the write lock: the transaction holds it for SQL only.
@@ -221,6 +221,7 @@ def accept_and_claim(
     payloads = [item.envelope.payload_json() for item in items]
     ids = new_task_ids(len(items))
     with store.db.write("accept") as c:
+        now = tx_now(c, store.clock)  # the server's on PostgreSQL (``dbclock``)
         results = accept_in(store, c, items, now, fingerprints, payloads, ids)
         stored = any(r.outcome is Outcome.STORED for r in results)
         claimed = [

@@ -12,6 +12,7 @@ import os
 import re
 import sqlite3
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from broker_adapter.errors import StoreError
 from broker_adapter.protocol.envelope import content_fingerprint
@@ -181,6 +182,11 @@ MIGRATIONS: tuple[str | Callable[[sqlite3.Connection], None], ...] = (
     # touches, when an operator wait passed its bound, and the evidence columns (the effect
     # key's digest, the adapter version) of tasks, reconcile records and compensations.
     lambda c: outcome_schema.sqlite_migration(c),
+    # 13: a request's terms (``deadline``, ``max_attempts``) join its fingerprint, so a
+    # resend that changes them is a conflict (every stored fingerprint is recomputed); an
+    # approval is bound to the requesting principal and the digest of the effect's
+    # arguments and version, and counts its uses (``approvals``).
+    lambda c: _bind_terms_and_approvals(c),
 )
 SCHEMA_VERSION = len(MIGRATIONS)
 #: The ``meta`` row holding the key of conflict-answer ids.
@@ -247,30 +253,69 @@ def _rewrite_in_checks(c: sqlite3.Connection, tables: Sequence[str]) -> None:
         c.execute("PRAGMA writable_schema = OFF")
 
 
-def _recompute_fingerprints(c: sqlite3.Connection) -> None:
-    """Recompute the fingerprint of every task whose payload may hold a float, and of the
-    inbox record that points at it, with ``content_fingerprint``.
+def _recompute_fingerprints(c: sqlite3.Connection, *, every: bool = False) -> None:
+    """Recompute the fingerprint of every task whose payload may hold a float (with
+    ``every``: of every task), and of the inbox record that points at it, with
+    ``content_fingerprint``.
 
     A task row keeps everything its fingerprint covers (``kind``, ``payload`` as canonical
-    JSON, ``correlation_id``, ``parent_id``), so every stored fingerprint can be recomputed;
-    a payload without a float (no digit followed by ``.``, ``e`` or ``E``: SQLite's GLOB
-    leaves those rows out) has the same fingerprint either way. What cannot be recomputed
-    is what was sent out: the ``fingerprint`` fields in conflict replies already written
-    keep the old form, and a conflicting resend after the migration gets a new conflict
-    reply id (its id is derived from the fingerprint), hence one more ``conflict`` reply.
+    JSON, ``correlation_id``, ``parent_id``, ``deadline``, ``max_attempts``), so every
+    stored fingerprint can be recomputed; a payload without a float (no digit followed by
+    ``.``, ``e`` or ``E``: SQLite's GLOB leaves those rows out) has the same fingerprint
+    either way. What cannot be recomputed is what was sent out: the ``fingerprint`` fields
+    in conflict replies already written keep the old form, and a conflicting resend after
+    the migration gets a new conflict reply id (its id is derived from the fingerprint),
+    hence one more ``conflict`` reply.
     """
+    columns = {row[1] for row in c.execute("PRAGMA table_info(tasks)")}
+    task = "task_name" if "task_name" in columns else "NULL"  # before migration 11: none
     rows = c.execute(
-        "SELECT task_id, kind, payload, correlation_id, parent_id, fingerprint FROM tasks"
-        " WHERE payload GLOB '*[0-9][.eE]*'"
+        "SELECT task_id, kind, payload, correlation_id, parent_id, deadline, max_attempts,"
+        f" fingerprint, {task} FROM tasks"
+        + ("" if every else " WHERE payload GLOB '*[0-9][.eE]*'")
     ).fetchall()
-    for task_id, kind, payload, correlation_id, parent_id, old in rows:
-        new = content_fingerprint(kind, payload.encode("utf-8"), correlation_id, parent_id)
+    for task_id, new, old in recomputed_fingerprints(rows):
+        c.execute("UPDATE tasks SET fingerprint = ? WHERE task_id = ?", (new, task_id))
+        c.execute(
+            "UPDATE inbox SET fingerprint = ? WHERE task_id = ? AND fingerprint = ?",
+            (new, task_id, old),
+        )
+
+
+def recomputed_fingerprints(rows: Sequence[Sequence[Any]]) -> list[tuple[str, str, str]]:
+    """``(task_id, new, old)`` for each task row ``(task_id, kind, payload, correlation_id,
+    parent_id, deadline, max_attempts, fingerprint, task_name)`` whose fingerprint by
+    ``content_fingerprint`` is not the one stored (both stores' migrations use it)."""
+    out = []
+    for task_id, kind, payload, correlation_id, parent_id, deadline, attempts, old, task in rows:
+        new = content_fingerprint(
+            kind, payload.encode("utf-8"), correlation_id, parent_id,
+            deadline=deadline, max_attempts=attempts, task=task,
+        )  # fmt: skip
         if new != old:
-            c.execute("UPDATE tasks SET fingerprint = ? WHERE task_id = ?", (new, task_id))
-            c.execute(
-                "UPDATE inbox SET fingerprint = ? WHERE task_id = ? AND fingerprint = ?",
-                (new, task_id, old),
-            )
+            out.append((task_id, new, old))
+    return out
+
+
+#: Migration 10's columns: ``(table, name, declaration)``.
+BOUND_APPROVAL_COLUMNS = (
+    ("approvals", "principal", "TEXT"),
+    ("approvals", "arguments_digest", "TEXT"),
+    ("approvals", "uses", "INTEGER NOT NULL DEFAULT 1"),
+    ("approvals", "used", "INTEGER NOT NULL DEFAULT 0"),
+    ("approval_waits", "principal", "TEXT"),
+    ("approval_waits", "arguments_digest", "TEXT"),
+    ("approval_waits", "arguments", "TEXT"),
+    ("tasks", "approval_id", "TEXT"),
+)
+
+
+def _bind_terms_and_approvals(c: sqlite3.Connection) -> None:
+    """Migration 10 (idempotent). An approval granted before has no principal or digest:
+    it matches no task (grant it again, bound)."""
+    _recompute_fingerprints(c, every=True)
+    for table, name, declaration in BOUND_APPROVAL_COLUMNS:
+        _add_column(c, table, name, declaration)
 
 
 def _split(script: str) -> list[str]:

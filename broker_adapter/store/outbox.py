@@ -36,6 +36,7 @@ from typing import Any
 from broker_adapter.clock import Clock, SystemClock
 from broker_adapter.errors import StaleError
 from broker_adapter.protocol.reply import encode_body
+from broker_adapter.store.dbclock import read_now, tx_now
 from broker_adapter.store.fencing import (
     REPLY_HELD,
     REPLY_HELD_STATE,
@@ -234,8 +235,8 @@ class OutboxStore:
         """
         if n < 1:  # SQLite reads LIMIT -1 as "no limit"
             return []
-        now = self.clock.now()
         with self.db.write("outbox_claim") as c:
+            now = tx_now(c, self.clock)
             return self._claim_in(c, owner, n, now)
 
     def _claim_in(self, c: Conn, owner: str, n: int, now: float) -> builtins.list[OutboxRow]:
@@ -278,7 +279,7 @@ class OutboxStore:
     def has_ready(self) -> bool:
         """Whether ``claim`` would find a row now (ready, or a publisher lease run out). One
         read (no write lock, no fsync): an idle dispatcher asks this before claiming."""
-        now = self.clock.now()
+        now = read_now(self.db, self.clock)
         d = self.db.dialect
         row = self.db.fetch_one(
             f"SELECT EXISTS (SELECT 1 FROM outbox{d.indexed_by('outbox_ready')}"
@@ -305,8 +306,8 @@ class OutboxStore:
         Returns:
             the row's new state, ``"pending"`` or ``"dead"``.
         """
-        now = self.clock.now()
         with self.db.write("reply_retry") as c:
+            now = tx_now(c, self.clock)
             # The fenced read takes the row (``for_update``): the backoff needs its attempts.
             row = _held(
                 c, f"SELECT attempts FROM outbox WHERE reply_id = ? AND {REPLY_HELD}"
@@ -326,8 +327,8 @@ class OutboxStore:
 
     def mark_dead(self, reply_id: str, owner: str, fence: int, error: str) -> None:
         """A permanent failure (e.g. a content conflict in Redis): ``dead`` at once, fenced."""
-        now = self.clock.now()
         with self.db.write("reply_dead") as c:
+            now = tx_now(c, self.clock)
             _held(
                 c, "UPDATE outbox SET state = 'dead', owner = NULL, lease_until = NULL,"
                 f" last_error = ? WHERE reply_id = ? AND {REPLY_HELD} RETURNING reply_id",
@@ -355,8 +356,8 @@ class OutboxStore:
         """The operator paths out of ``dead``: apply ``assignments`` and count a replay
         (``replays``, ``replayed_by``, ``replayed_at``), in one conditional UPDATE; a row
         it matched not is read to say why."""
-        now = self.clock.now()
         with self.db.write("reply_replay") as c:
+            now = tx_now(c, self.clock)
             new = c.execute(
                 f"UPDATE outbox SET {assignments}, replays = replays + 1, replayed_by = ?,"
                 f" replayed_at = ? WHERE reply_id = ? AND state = 'dead' RETURNING {_COLUMNS}",
@@ -390,7 +391,7 @@ class OutboxStore:
         cur = c.execute(
             "UPDATE outbox SET state = 'pending', not_before = ?, attempts = 0"
             " WHERE state = 'sent' AND sent_at >= ? AND sent_at <= ?",
-            (self.clock.now(), low, high),
+            (tx_now(c, self.clock), low, high),
         )
         return cur.rowcount
 
@@ -421,7 +422,7 @@ class OutboxStore:
         )
         if row is None or row["oldest"] is None:
             return None
-        return max(0.0, self.clock.now() - float(row["oldest"]))
+        return max(0.0, read_now(self.db, self.clock) - float(row["oldest"]))
 
     # -- added for the reply dispatcher (broker_adapter.stages.dispatcher) ------------------------
 
@@ -447,7 +448,7 @@ class OutboxStore:
             return [], []
         now = self.clock.now()
         sent = [(reply_id, fence, entry_id, now) for reply_id, fence, entry_id in items]
-        return self._mark_sent(owner, sent, n, now)
+        return self._mark_sent(owner, sent, n)
 
     def mark_sent_marks(
         self, owner: str, marks: Sequence[SentMark]
@@ -456,13 +457,14 @@ class OutboxStore:
         (``SentMark``) as its ``sent_at``: one transaction, each row fenced on its own."""
         if not marks:
             return []
-        return self._mark_sent(owner, marks, 0, self.clock.now())[0]
+        return self._mark_sent(owner, marks, 0)[0]
 
     def _mark_sent(
-        self, owner: str, sent: Sequence[SentMark], n: int, now: float
+        self, owner: str, sent: Sequence[SentMark], n: int
     ) -> tuple[builtins.list[StaleError | None], builtins.list[OutboxRow]]:
         """The ``mark_sent`` transaction: ``mark_sent_in``, then a claim of up to ``n``."""
         with self.db.write("mark_sent") as c:
+            now = tx_now(c, self.clock)
             out = mark_sent_in(c, owner, sent, now)
             claimed = self._claim_in(c, owner, n, now) if n >= 1 else []
         return out, claimed

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, Final, Literal
 from broker_adapter.config import DEFAULT_LEASE_S
 from broker_adapter.errors import BrokerAdapterError, StaleError
 from broker_adapter.protocol.reply import encode_body, reply_id_for, terminal_body
+from broker_adapter.store.dbclock import tx_now, uses_server
 from broker_adapter.store.fencing import TASK_HELD, update_held
 from broker_adapter.store.lifecycle import ReplyKey, TaskState, reply_key, reply_spec, to_terminal
 from broker_adapter.store.outbox import (
@@ -144,12 +145,14 @@ def settle(
     out: list[SettleResult] = []
     if not items and n < 1 and not sent:
         return SettledBatch(out, [])
-    now = store.clock.now()
     # Replies of successes are encoded and hashed before the transaction (from what the
-    # claim returned), so the write lock is held for the SQL only. Inside, each one is
-    # used only if the row still says the same (it does whenever the fence matches).
-    bodies = [_done_reply(item, now) for item in items]
-    claim = None if publish_as is None else PublisherClaim(publish_as, now + publish_lease_s)
+    # claim returned), so SQLite's write lock is held for the SQL only. Inside, each one is
+    # used only if the row still says the same (it does whenever the fence matches). Where
+    # the server's clock is the time (``dbclock``: PostgreSQL, whose writers lock rows, not
+    # the database), they are built inside instead, at the transaction's time.
+    server = uses_server(store.db.dialect.server_clock, store.clock)
+    stamp = store.clock.now()
+    bodies = [None if server else _done_reply(item, stamp) for item in items]
     marks: list[StaleError | None] = []
     # A task named once in the batch (the rule) is marked done with the batch's others in
     # one statement; one named twice (a bug's, or a test's) goes item by item in batch
@@ -158,23 +161,26 @@ def settle(
     together = [i for i in items if i.result is not None and named[i.task_id] == 1]
     replies: list[ReplySpec] = []
     with store.db.write(op) as c:
+        now = tx_now(c, store.clock)
+        stamp = now if server else stamp
+        claim = None if publish_as is None else PublisherClaim(publish_as, now + publish_lease_s)
         if sent:
             assert publish_as is not None
-            marks = mark_sent_in(c, publish_as, sent, store.clock.now())
-        done = _mark_done(store, c, together, now)
+            marks = mark_sent_in(c, publish_as, sent, now)
+        done = _mark_done(store, c, together, stamp, now)
         for item, body in zip(items, bodies, strict=True):
             # A refusal (StaleError) comes from the holder check, before this item wrote
             # anything; an error after its first write aborts the whole transaction.
             if item.result is not None:
                 if named[item.task_id] > 1:
-                    done.update(_mark_done(store, c, [item], now))
+                    done.update(_mark_done(store, c, [item], stamp, now))
                 row = done.pop(item.task_id, None)
                 if row is None:
                     out.append(_refusal(store, c, item))
                     continue
                 encoded = body[1] if body is not None and body[0] == reply_key(row) else None
                 replies.append(
-                    reply_spec(item.task_id, TaskState.DONE, item.result, None, now, row, encoded)
+                    reply_spec(item.task_id, TaskState.DONE, item.result, None, stamp, row, encoded)
                 )
                 out.append(replies[-1][0])
                 continue
@@ -196,16 +202,16 @@ def settle(
 
 
 def _mark_done(
-    store: TaskStore, c: Conn, items: Sequence[Settlement], now: float
+    store: TaskStore, c: Conn, items: Sequence[Settlement], stamp: float, now: float
 ) -> dict[str, Any]:
-    """Mark the successes ``items`` done (``_MARK_DONE``: one statement per fence and
-    owner they share, usually one), each fenced: the rows it changed, by task id (what
-    their replies are built from). An item it left alone wrote nothing."""
+    """Mark the successes ``items`` done at ``stamp`` (``_MARK_DONE``: one statement per
+    fence and owner they share, usually one), each fenced at ``now``: the rows it changed,
+    by task id (what their replies are built from). An item it left alone wrote nothing."""
     by_holder: dict[tuple[int, str], list[tuple[str, str | None]]] = {}
     for item in items:
         by_holder.setdefault((item.fence, item.owner), []).append((item.task_id, item.result))
-    rows = update_held(c, _MARK_DONE, by_holder, store.clock.now(), deadline=True,
-                       before=(now, now))  # fmt: skip
+    rows = update_held(c, _MARK_DONE, by_holder, now, deadline=True,
+                       before=(stamp, stamp))  # fmt: skip
     return {r["task_id"]: r for r in rows}
 
 

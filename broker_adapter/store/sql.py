@@ -27,6 +27,8 @@ What differs is named by the connection's ``dialect``:
   the cursor of a purge pass: SQLite's ``rowid``, PostgreSQL's ``seq`` identity.
 * ``text``: a free-text value (an error, a reason) as the database can hold it: PostgreSQL
   refuses a NUL character in ``text``, which becomes U+FFFD; SQLite keeps it.
+* ``server_clock``: whether "now" is the database server's (PostgreSQL, shared by hosts)
+  or the process's (SQLite, one host): ``dbclock.tx_now``.
 
 Everything else the two stores share is standard SQL both accept: ``INSERT ... ON CONFLICT
 DO NOTHING``, ``RETURNING``, ``SAVEPOINT``, ``coalesce``, ``IN (...)`` lists.
@@ -53,6 +55,8 @@ class Dialect:
     nul_free_text: bool
     index_hints: bool
     rowid: str
+    #: whether the server keeps the one clock leases are judged by (``dbclock``)
+    server_clock: bool = False
 
     def indexed_by(self, index: str) -> str:
         """`` INDEXED BY <index>`` where the engine takes the hint, else nothing."""
@@ -76,7 +80,7 @@ SQLITE: Final = Dialect(
 POSTGRES: Final = Dialect(
     "postgresql", for_update=" FOR UPDATE", skip_locked=" FOR UPDATE SKIP LOCKED",
     key_lock="SELECT pg_advisory_xact_lock(?)", nul_free_text=True, index_hints=False,
-    rowid="seq",
+    rowid="seq", server_clock=True,
 )  # fmt: skip
 
 

@@ -30,6 +30,7 @@ from broker_adapter.protocol.reply import reply_id_for
 from broker_adapter.store import inbox, settle, transitions
 from broker_adapter.store.counters import TASK_ATTEMPTS, count_in
 from broker_adapter.store.db import Database
+from broker_adapter.store.dbclock import read_now, tx_now
 from broker_adapter.store.fencing import TASK_HELD_STATE, refusal
 from broker_adapter.store.housekeeping import reconcile_in
 from broker_adapter.store.inbox import (
@@ -147,8 +148,8 @@ class TaskStore:
         """
         if n < 1:
             return []
-        now = self.clock.now()
         with self.db.write("claim") as c:
+            now = tx_now(c, self.clock)
             rows = self._claim_in(c, owner, n, now)
         self._log_reconciled()
         return self._claimed(rows, owner, now)
@@ -257,7 +258,8 @@ class TaskStore:
         if row is None:
             raise UnknownTask(task_id)
         refused = refusal(
-            row, task_id, owner, fence, self.clock.now(), state=TASK_HELD_STATE, deadline=True
+            row, task_id, owner, fence, tx_now(c, self.clock), state=TASK_HELD_STATE,
+            deadline=True,
         )
         if refused is not None:
             raise refused
@@ -273,9 +275,9 @@ class TaskStore:
             TaskCancelled: the task was cancelled; stop work.
             StaleError: the lease is lost (fence, owner, expiry, deadline).
         """
-        now = self.clock.now()
-        lease_until = now + self.policy.lease_s
         with self.db.write("renew") as c:
+            now = tx_now(c, self.clock)
+            lease_until = now + self.policy.lease_s
             row = self._holder(c, task_id, owner, fence)
             requested = row["cancel_requested_at"]
             if requested is not None and now >= requested + self.policy.cancel_grace_s:
@@ -352,7 +354,7 @@ class TaskStore:
     def has_work(self) -> bool:
         """Whether a claim would find something now: a ready pending task or an expired
         lease. A read (no write lock, no fsync): idle workers ask this before claiming."""
-        now = self.clock.now()
+        now = read_now(self.db, self.clock)
         d = self.db.dialect
         row = self.db.fetch_one(
             f"SELECT EXISTS (SELECT 1 FROM tasks{d.indexed_by('tasks_ready')}"
@@ -373,8 +375,8 @@ class TaskStore:
         Raises:
             UnknownTask: no such task.
         """
-        now = self.clock.now()
         with self.db.write("cancel") as c:
+            now = tx_now(c, self.clock)
             row = c.execute(
                 "SELECT state FROM tasks WHERE task_id = ?" + c.dialect.for_update, (task_id,)
             ).fetchone()
@@ -404,7 +406,8 @@ class TaskStore:
         if row is None:
             return StaleError(task_id, "not_running", "no such task")
         refused = refusal(
-            row, task_id, owner, fence, self.clock.now(), state=TASK_HELD_STATE, deadline=False
+            row, task_id, owner, fence, read_now(self.db, self.clock), state=TASK_HELD_STATE,
+            deadline=False,
         )
         if refused is None and row["cancel_requested_at"] is not None:
             return TaskCancelled(task_id)  # requested (``EffectsStore.request_cancel``)
@@ -422,7 +425,7 @@ class TaskStore:
             counts by what happened: ``expired``, ``requeued``, ``exhausted``.
         """
         with self.db.write("reconcile") as c:
-            counts = self._reconcile(c, self.clock.now())
+            counts = self._reconcile(c, tx_now(c, self.clock))
         self._log_reconciled()
         return counts
 
@@ -441,7 +444,8 @@ class TaskStore:
         """Forget at most ``limit`` requests past the retention window, with everything
         kept for them (task, inbox record, reply), in one short transaction; see
         ``retention`` for the rule and ``PurgeBatch.after`` / ``more`` for the pass."""
-        return purge_requests(self.db, self.clock.now(), self.policy.retention_s, after, limit)
+        now = read_now(self.db, self.clock)  # the server's on PostgreSQL (``dbclock``)
+        return purge_requests(self.db, now, self.policy.retention_s, after, limit)
 
     def purge(self, limit: int = PURGE_BATCH) -> int:
         """A whole purge pass, batch after batch (no pause: the runner's purger spaces its

@@ -71,10 +71,14 @@ def _run(
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
 
 
+#: One deadline on the real clock (the ingest under test runs on it) for every envelope:
+#: a resend is the same request only with the same deadline.
+DEADLINE = real_deadline()
+
+
 def envelope(message_id: str, sender: str = "alice") -> Envelope:
-    """``ingest_script.envelope`` with a deadline on the real clock (the ingest under test
-    runs on it)."""
-    return ingest_script.envelope(message_id, sender, deadline=real_deadline())
+    """``ingest_script.envelope`` with ``DEADLINE``."""
+    return ingest_script.envelope(message_id, sender, deadline=DEADLINE)
 
 
 def _publish(client: redis.Redis, prefix: str, keyring: Keyring) -> set[tuple[str, str]]:

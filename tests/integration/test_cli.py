@@ -118,8 +118,10 @@ def test_cli_publish_run_receive_gives_one_effect_per_message(
 ) -> None:
     n = 12
     db, rdb = tmp_path / "adapter.db", tmp_path / "receiver.db"
-    _publish(redis_server.url, keyring, prefix, "alice", n)
-    _publish(redis_server.url, keyring, prefix, "alice", 3)  # resends of m0..m2: duplicates
+    # resends of m0..m2 with the first deadline (--deadline): duplicates
+    deadline = ("--deadline", repr(time.time() + 300))
+    _publish(redis_server.url, keyring, prefix, "alice", n, *deadline)
+    _publish(redis_server.url, keyring, prefix, "alice", 3, *deadline)
     proc = _start_run(redis_server.url, db, keyring, prefix)
     try:
         _wait_for(
@@ -143,6 +145,28 @@ def test_cli_publish_run_receive_gives_one_effect_per_message(
     assert report["delivery"]["pending"] == 0
     assert report["processing"]["running"] == 0
     assert all(s["pending"] == 0 for s in report["redis"]["inbound"].values())
+
+
+def test_cli_publish_resend_is_the_same_request_only_with_the_same_deadline(
+    redis_server: RedisServer, keyring: Path, prefix: str
+) -> None:
+    """``--deadline-in`` makes a new deadline at each call (another request under the same
+    id: a conflict); ``--deadline`` with the deadline the first ack printed is a resend."""
+
+    def publish(*extra: str) -> dict[str, Any]:
+        res = _cli("publish", "--redis", redis_server.url, "--principal", "alice",
+                   "--keyring", str(keyring), "--prefix", prefix, "--id", "m-1",
+                   "--payload", '{"a": 1}', *extra)  # fmt: skip
+        assert res.returncode == 0, res.stderr
+        ack: dict[str, Any] = json.loads(res.stdout)
+        return ack
+
+    first = publish("--deadline-in", "300")
+    again = publish("--deadline", repr(first["deadline"]))
+    assert (again["deadline"], again["fingerprint"]) == (first["deadline"], first["fingerprint"])
+    later = publish("--deadline-in", "300")
+    assert later["deadline"] != first["deadline"]
+    assert later["fingerprint"] != first["fingerprint"]
 
 
 def test_cli_run_killed_mid_stream_and_restarted_loses_and_doubles_nothing(

@@ -56,9 +56,20 @@ def test_run_holds_an_unapproved_effect_until_an_operator_approves_it(
             assert report["processing"]["waiting_approval"] == 1
             assert report["effects"]["waiting_approval"] == 1
             assert target.effects() == []  # the payload's "human_approved" means nothing
-            granted = _cli("approve", "--db", str(db), "apply", "--target", "web1", "--scope",
-                           "restart", "--expires-in", "600", "--by", "alice")  # fmt: skip
+            # the approver sees what the task asks (principal, arguments and their digest)
+            # and approves exactly that
+            listed = _cli("approvals", "--db", str(db))
+            assert listed.returncode == 0, listed.stderr
+            (asked,) = [json.loads(line) for line in listed.stdout.splitlines()]
+            assert (asked["action"], asked["target"], asked["scope"], asked["principal"]) == (
+                "apply", "web1", "restart", "alice")  # fmt: skip
+            assert asked["arguments"] == payload
+            granted = _cli("approve", "--db", str(db), "--task", asked["task_id"],
+                           "--expires-in", "600", "--by", "carol")  # fmt: skip
             assert granted.returncode == 0, granted.stderr
+            shown = json.loads(granted.stdout)
+            assert shown["arguments_digest"] == asked["arguments_digest"]
+            assert (shown["principal"], shown["uses"]) == ("alice", 1)
             done = "SELECT count(*) FROM tasks WHERE state = 'done'"
             wait_for(lambda: count_rows(db, done) == 1, "the approved task to run")
         finally:

@@ -10,14 +10,14 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 import pytest
 
 from broker_adapter.clock import FakeClock
 from broker_adapter.errors import RetryableError, TaskCancelled
 from broker_adapter.protocol.envelope import Envelope
-from broker_adapter.stages.effects import side_effect
+from broker_adapter.stages.effects import arguments_digest, side_effect
 from broker_adapter.stages.task import Task
 from broker_adapter.stages.worker import Worker, WorkerConfig
 from broker_adapter.store import AcceptItem, Database, OutboxStore, TaskStore, open_database
@@ -65,6 +65,20 @@ def submit(tasks: TaskStore, target: FakeTargetClient, mid: str = "m1", **payloa
     return result.task_id
 
 
+class AskedBy(TypedDict):
+    principal: str
+    arguments_digest: str
+
+
+def asked_by(tasks: TaskStore, task_id: str) -> AskedBy:
+    """What an approval of ``effect_handlers.approved`` for ``task_id`` is bound to: its
+    principal and the digest of its effect's arguments (the whole payload)."""
+    row = tasks.db.fetch_one("SELECT principal, payload FROM tasks WHERE task_id = ?", (task_id,))
+    assert row is not None
+    digest = arguments_digest(effect_handlers.ACTION, json.loads(row["payload"]))
+    return {"principal": row["principal"], "arguments_digest": digest}
+
+
 def worker(tasks: TaskStore, handler: Any, **config: Any) -> Worker:
     settings = {"owner": "w1", "batch": 1, "approval_timeout_s": APPROVAL_TIMEOUT_S, **config}
     return Worker(WorkerConfig(**settings), tasks, handler)
@@ -108,7 +122,8 @@ def test_a_valid_approval_lets_the_task_run_once(
     w = worker(tasks, effect_handlers.approved)
     w.run_once()
     assert state(tasks, task_id) == "waiting_approval"
-    approvals.grant_approval("apply", "web1", "restart", "alice", T0 + 600)
+    approvals.grant_approval("apply", "web1", "restart", "alice", T0 + 600,
+                             **asked_by(tasks, task_id))  # fmt: skip
     assert approvals.release_waits()["released"] == 1
     assert w.run_once() == 1
     assert state(tasks, task_id) == "done"
@@ -119,6 +134,40 @@ def test_a_valid_approval_lets_the_task_run_once(
     assert row.attempts == 1  # the wait gave its attempt back
 
 
+@pytest.mark.parametrize("uses", [1, 2])
+def test_an_approval_runs_only_its_principals_tasks_with_its_arguments_uses_times(
+    tasks: TaskStore, target: FakeTargetClient, uses: int
+) -> None:
+    """One approval of ``apply`` on web1 (once, the measured defect, it let every task of
+    every principal run): bound to agent-a and its arguments, it lets ``uses`` of agent-a's
+    identical requests run, none of agent-b's, none with other arguments."""
+    approvals = ApprovalStore(tasks)
+    same = [submit(tasks, target, f"m{i}") for i in range(3)]
+    fields = {"target": target.url, "server": "web1"}
+    envelope = Envelope.build(message_id="b1", sender="agent-b", deadline=T0 + 3600,
+                              payload=fields)  # fmt: skip
+    other_principal = tasks.accept([AcceptItem("agent-b", envelope)])[0].task_id
+    other_arguments = submit(tasks, target, "m-force", force=True)
+    assert other_principal is not None
+    w = worker(tasks, effect_handlers.approved)
+    while w.run_once():
+        pass
+    everyone = [*same, other_principal, other_arguments]
+    assert {state(tasks, t) for t in everyone} == {"waiting_approval"}
+    approvals.grant_approval("apply", "web1", "restart", "alice", T0 + 600, uses=uses,
+                             **asked_by(tasks, same[0]))  # fmt: skip
+    assert approvals.release_waits()["released"] == len(same)  # the other two stay
+    while w.run_once():
+        pass
+    assert [state(tasks, t) for t in same].count("done") == uses
+    assert state(tasks, other_principal) == state(tasks, other_arguments) == "waiting_approval"
+    assert len(target.effects()) == uses
+    assert approvals.release_waits()["released"] == 0  # used up: nothing more runs
+    while w.run_once():
+        pass
+    assert len(target.effects()) == uses
+
+
 def test_an_approval_revoked_in_between_stops_the_effect(
     tasks: TaskStore, target: FakeTargetClient
 ) -> None:
@@ -126,7 +175,8 @@ def test_an_approval_revoked_in_between_stops_the_effect(
     task_id = submit(tasks, target)
     w = worker(tasks, effect_handlers.approved)
     w.run_once()
-    approval_id = approvals.grant_approval("apply", "web1", "restart", "alice", T0 + 600)
+    approval_id = approvals.grant_approval("apply", "web1", "restart", "alice", T0 + 600,
+                                           **asked_by(tasks, task_id))  # fmt: skip
     approvals.release_waits()
     assert state(tasks, task_id) == "pending"
     assert approvals.revoke_approval(approval_id, "bob")
@@ -237,18 +287,25 @@ def test_cli_approve_and_revoke(tmp_path: Path) -> None:
     path = tmp_path / "ops.db"
     open_database(path).close()
     granted = _cli("approve", "--db", str(path), "restart", "--target", "web1", "--scope",
-                   "prod", "--expires-in", "600", "--by", "alice")  # fmt: skip
+                   "prod", "--principal", "agent-a", "--arguments", '{"server": "web1"}',
+                   "--expires-in", "600", "--by", "alice")  # fmt: skip
     assert granted.returncode == 0, granted.stderr
-    approval_id = json.loads(granted.stdout)["approval_id"]
+    shown = json.loads(granted.stdout)
+    approval_id = shown["approval_id"]
+    digest = arguments_digest("restart", {"server": "web1"})
+    assert (shown["principal"], shown["arguments"], shown["arguments_digest"], shown["uses"]) == (
+        "agent-a", {"server": "web1"}, digest, 1)  # fmt: skip
+    bound = AskedBy(principal="agent-a", arguments_digest=digest)
     with open_database(path) as db:
-        found = ApprovalStore(TaskStore(db)).valid_approval("restart", "web1", "prod")
+        found = ApprovalStore(TaskStore(db)).valid_approval("restart", "web1", "prod", **bound)
     assert found is not None
     assert found.approval_id == approval_id
     assert found.approver.startswith("alice (os user ")
     revoked = _cli("revoke", "--db", str(path), approval_id, "--by", "bob")
     assert (revoked.returncode, json.loads(revoked.stdout)["revoked"]) == (0, True)
     with open_database(path) as db:
-        assert ApprovalStore(TaskStore(db)).valid_approval("restart", "web1", "prod") is None
+        assert ApprovalStore(TaskStore(db)).valid_approval("restart", "web1", "prod",
+                                                           **bound) is None  # fmt: skip
     twice = _cli("revoke", "--db", str(path), approval_id, "--by", "bob")
     assert twice.returncode == 1
     unnamed = _cli("approve", "--db", str(path), "restart", "--target", "web1", "--scope",

@@ -8,6 +8,7 @@ import json
 import signal
 import subprocess
 import sys
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -38,6 +39,10 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
     )  # fmt: skip
 
 
+#: The deadline of every request ``_publish`` sends.
+DEADLINE = time.time() + 3600
+
+
 def _publish(url: str, keyring: Path, prefix: str, message_id: str, payload: object) -> None:
     res = _cli(
         "publish",
@@ -53,6 +58,8 @@ def _publish(url: str, keyring: Path, prefix: str, message_id: str, payload: obj
         message_id,
         "--payload",
         json.dumps(payload),
+        "--deadline",  # one deadline for every call: a resend is the same request
+        repr(DEADLINE),
     )
     assert res.returncode == 0, res.stderr
 

@@ -7,6 +7,7 @@ import json
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -63,11 +64,16 @@ def keyring(tmp_path: Path) -> Path:
     return path
 
 
+#: The deadline of every request ``_publish`` sends: a resend is the same request.
+DEADLINE = time.time() + 3600
+
+
 def _publish(redis_url: str, keyring: Path, prefix: str, ids: range) -> None:
     for i in ids:
         res = _cli("publish", "--redis", redis_url, "--principal", "alice", "--keyring",
                    str(keyring), "--prefix", prefix, "--id", f"m{i}",
-                   "--payload", json.dumps({"i": i}))  # fmt: skip
+                   "--payload", json.dumps({"i": i}),
+                   "--deadline", repr(DEADLINE))  # fmt: skip
         assert res.returncode == 0, res.stderr
 
 
@@ -290,6 +296,7 @@ def test_the_effect_commands_work_on_a_postgres_database(pg_url: str) -> None:
     from tests.support.store_script import item, open_any, stores
 
     granted = _cli("approve", "restart", "--target", "web1", "--scope", "prod",
+                   "--principal", "agent-a", "--arguments", '{"server": "web1"}', "--uses", "2",
                    "--expires-in", "60", "--db", pg_url, "--by", "alice")  # fmt: skip
     assert granted.returncode == 0, granted.stderr
     approval_id = json.loads(granted.stdout)["approval_id"]
@@ -307,9 +314,12 @@ def test_the_effect_commands_work_on_a_postgres_database(pg_url: str) -> None:
     assert answered.returncode == 0, answered.stderr
     assert json.loads(answered.stdout) == {"task_id": task.task_id, "state": "done"}
     with psycopg.connect(pg_url) as conn:
-        rows = conn.execute("SELECT approver, revoked_by FROM approvals").fetchall()
+        rows = conn.execute(
+            "SELECT approver, revoked_by, principal, uses FROM approvals"
+        ).fetchall()
         logged = conn.execute("SELECT outcome, by_whom FROM reconcile_log").fetchall()
-    ((by, revoked_by),), ((outcome, who),) = rows, logged
+    ((by, revoked_by, principal, uses),), ((outcome, who),) = rows, logged
+    assert (principal, uses) == ("agent-a", 2)
     assert by.startswith("alice (os user ")
     assert revoked_by.startswith("alice (os user ")
     assert (outcome, who.split(" ")[0]) == ("done", "alice")

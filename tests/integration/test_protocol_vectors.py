@@ -110,6 +110,12 @@ def test_protocol_fingerprint_vectors_are_one_content(group: dict[str, Any]) -> 
     assert hashlib.sha256(content).hexdigest() == group["fingerprint"]
     for env in group["envs"]:
         assert Envelope.from_json(env).fingerprint() == group["fingerprint"], env
+    # the deadline and max_attempts are content: changing either makes another request
+    first = Envelope.from_json(group["envs"][0])
+    for change in ({"deadline": first.deadline + 1}, {"deadline": first.deadline - 0.5},
+                   {"max_attempts": first.max_attempts % 10 + 1}):  # fmt: skip
+        assert first.replace(**change).fingerprint() != group["fingerprint"], change
+    assert first.replace(hops=first.hops + 1).fingerprint() == group["fingerprint"]
 
 
 def test_protocol_vector_secrets_are_long_enough() -> None:

@@ -160,3 +160,11 @@ def held_or_failing(task: Task) -> dict[str, Any]:
         tmp.rename(hold)
         task.wait_cancelled(3600.0)
     return {"echo": task.payload}
+
+
+def held_record(task: Task) -> dict[str, Any]:
+    """``record_effect`` after holding the task ``payload["hold_s"]`` seconds (returning
+    early if cancelled): a handler that is still running while another host looks at its
+    lease."""
+    task.wait_cancelled(float(task.payload.get("hold_s", 0.0)))
+    return record_effect(task)

@@ -65,6 +65,10 @@ def client(s: Stores) -> Iterator[TestClient]:
         yield tc
 
 
+#: What the waiting task of ``_waiting`` is bound to (its principal, its arguments' digest).
+BOUND = {"principal": "alice", "arguments_digest": "d" * 64}
+
+
 def _accept(s: Stores, mid: str, principal: str = "alice", **over: Any) -> str:
     deadline = s.tasks.clock.now() + 600
     (result,) = s.tasks.accept([item(mid, principal, sender=principal, deadline=deadline, **over)])
@@ -76,8 +80,9 @@ def _waiting(s: Stores, mid: str = "w1", payload: Any = None) -> str:
     task_id = _accept(s, mid, payload=payload or {"server": "web1"})
     (task,) = s.tasks.claim("w1")
     ApprovalStore(s.tasks).wait_for_approval(
-        task_id, "w1", task.fence, "apply", "web1", "restart", 600
-    )
+        task_id, "w1", task.fence, "apply", "web1", "restart", 600, **BOUND,
+        arguments='{"server":"web1"}',
+    )  # fmt: skip
     return task_id
 
 
@@ -250,7 +255,9 @@ def test_approve_records_the_operator_and_the_task_page_shows_who_approved(
     assert res.status_code == 200, res.text
     approvals = ApprovalStore(s.tasks)
     now_clock.set(time.time())  # the console granted it on the wall clock
-    found = approvals.valid_approval("apply", "web1", "restart")
+    found = approvals.valid_approval(
+        "apply", "web1", "restart", principal="alice", arguments_digest="d" * 64
+    )
     assert found is not None
     assert found.approver == "alice (console)"
     assert found.expires_at == pytest.approx(time.time() + 60, abs=5)

@@ -115,6 +115,7 @@ def test_alert_rules_cover_what_an_operator_is_paged_for() -> None:
         "BrokerAdapterRedisDataLoss": "ba_redis_data_loss_alarms_total",
         "BrokerAdapterStaleFenceRefusals": "ba_stale_fence_refusals_total",
         "BrokerAdapterNoReadyAdapter": "ba_ready",
+        "BrokerAdapterClockSkew": "ba_clock_skew_seconds",
     }
     assert set(by_name) >= set(expected)
     for alert, metric in expected.items():
@@ -124,6 +125,43 @@ def test_alert_rules_cover_what_an_operator_is_paged_for() -> None:
     operations = (ROOT / "docs" / "OPERATIONS.md").read_text(encoding="utf-8")
     missing = [alert for alert in by_name if alert not in operations]
     assert not missing, f"docs/OPERATIONS.md says nothing about {missing}"
+
+
+@needs_promtool
+@pytest.mark.parametrize(("skew_s", "fires"), [(5.5, True), (-5.5, True), (4.5, False)])
+def test_clock_skew_alert_fires_above_its_bound_only(
+    tmp_path: Path, skew_s: float, fires: bool
+) -> None:
+    """``promtool test rules``: a host clock 5 s or less from the server's for 15 min
+    raises nothing; above it, ``BrokerAdapterClockSkew`` fires after its 10 min."""
+    rules = yaml.safe_load(ALERTS.read_text(encoding="utf-8"))
+    (rule,) = [r for g in rules["groups"] for r in g["rules"]
+               if r["alert"] == "BrokerAdapterClockSkew"]  # fmt: skip
+    annotations = {
+        name: text.replace("{{ $labels.instance }}", "a:9464").replace(
+            "{{ $value }}", f"{abs(skew_s):g}")
+        for name, text in rule["annotations"].items()
+    }  # fmt: skip
+    labels = {"severity": "warning", "instance": "a:9464", "job": "broker-adapter"}
+    alerts = [{"exp_labels": labels, "exp_annotations": annotations}] if fires else []
+    test = {
+        "rule_files": [str(ALERTS)],
+        "evaluation_interval": "1m",
+        "tests": [{
+            "interval": "1m",
+            "input_series": [{
+                "series": 'ba_clock_skew_seconds{instance="a:9464",job="broker-adapter"}',
+                "values": f"{skew_s}x15",
+            }],
+            "alert_rule_test": [{"eval_time": "15m", "alertname": "BrokerAdapterClockSkew",
+                                 "exp_alerts": alerts}],
+        }],
+    }  # fmt: skip
+    path = tmp_path / "skew_test.yml"
+    path.write_text(yaml.safe_dump(test))
+    res = subprocess.run(["promtool", "test", "rules", str(path)], capture_output=True,
+                         text=True, timeout=60)  # fmt: skip
+    assert res.returncode == 0, res.stdout + res.stderr
 
 
 @needs_promtool

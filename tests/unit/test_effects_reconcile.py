@@ -275,12 +275,14 @@ def test_a_forged_approval_in_the_payload_counts_for_nothing(s: Stores) -> None:
     assert current_approval(ap, spec, task) is None
     hold_for_approval(ap, spec, task, 60)
     assert task_state(s, task.task_id) == "waiting_approval"
-    ap.grant_approval("restart", "web1", "prod", "alice", T0 + 600)
+    # bound to the principal and the digest of the arguments (here the whole payload)
+    ap.grant_approval("restart", "web1", "prod", "carol", T0 + 600, principal="alice",
+                      arguments_digest=spec.approval_digest(task))  # fmt: skip
     ap.release_waits()
     (again,) = s.tasks.claim("w1")
     found = current_approval(ap, spec, again)
     assert found is not None
-    assert found.approver == "alice"
+    assert found.approver == "carol"
 
 
 def _claim_view(s: Stores, task_id: str) -> ClaimedTask:

@@ -341,7 +341,8 @@ def test_envelope_fingerprint_is_the_hash_of_canonical_content() -> None:
         {"kind": "event"},
     ):
         env = Envelope.build(**fields(**extra))
-        assert env.fingerprint() == sha256_hex(canonical_json(env.content()))
+        # the deadline is a float: written the ECMAScript way, like the payload's numbers
+        assert env.fingerprint() == sha256_hex(canonical_numbers(canonical_json(env.content())))
 
 
 # -- the wire form --------------------------------------------------------------------------
@@ -421,7 +422,7 @@ def test_envelope_json_round_trip_is_canonical_and_omits_none() -> None:
 
 def test_envelope_fingerprint_ignores_delivery_fields() -> None:
     env = Envelope.build(**fields())
-    resent = Envelope.build(**fields(deadline=T0 + 999, max_attempts=7, hops=3))
+    resent = Envelope.build(**fields(deadline=int(T0 + 60), hops=3))
     assert resent.fingerprint() == env.fingerprint()
 
 
@@ -433,6 +434,9 @@ def test_envelope_fingerprint_ignores_delivery_fields() -> None:
         {"kind": "event"},
         {"correlation_id": "c1"},
         {"parent_id": "p1"},
+        {"deadline": T0 + 61},
+        {"deadline": T0 + 60.001},
+        {"max_attempts": 4},
     ],
 )
 def test_envelope_fingerprint_covers_content_fields(change: dict[str, Any]) -> None:
@@ -443,7 +447,7 @@ def test_envelope_fingerprint_covers_content_fields(change: dict[str, Any]) -> N
 
 def test_envelope_fingerprint_is_sha256_of_canonical_content() -> None:
     env = Envelope.build(**fields(payload={"z": [1, 2], "a": None}))
-    expected = sha256_hex(canonical_json(env.content()))
+    expected = sha256_hex(canonical_numbers(canonical_json(env.content())))
     assert env.fingerprint() == expected
     assert len(expected) == 64
     assert env.payload_json() == '{"a":null,"z":[1,2]}'
@@ -690,7 +694,8 @@ def test_ecmascript_number_refuses_nan_and_infinity() -> None:
 def test_envelope_fingerprint_of_floats_is_hash_of_ecmascript_form() -> None:
     env = _wire('{"a":[1.5,13.0,1e-07,true,false,null],"b":"1.0e5 \\"2.0\\"","c":-0.0}')
     content = (
-        '{"correlation_id":null,"kind":"task","parent_id":null,'
+        '{"correlation_id":null,"deadline":1800000060,"kind":"task","max_attempts":3,'
+        '"parent_id":null,'
         '"payload":{"a":[1.5,13,1e-7,true,false,null],"b":"1.0e5 \\"2.0\\"","c":0}}'
     )
     assert env.fingerprint() == sha256_hex(content.encode())
@@ -705,7 +710,7 @@ def test_canonical_numbers_leaves_payloads_without_floats_as_they_are() -> None:
     digits_in_strings = canonical_json({"name": "v1.5e3", "n": [1, 2], "s": "3.0"})
     assert canonical_numbers(digits_in_strings) == digits_in_strings
     env = Envelope.build(**fields(payload={"q": "hello", "n": 3}))
-    assert env.fingerprint() == sha256_hex(canonical_json(env.content()))
+    assert env.fingerprint() == sha256_hex(canonical_numbers(canonical_json(env.content())))
 
 
 json_values = st.recursive(
@@ -753,9 +758,9 @@ def test_canonical_numbers_keeps_every_value(payload: dict[str, Any]) -> None:
         return value
 
     ints = canonical_json(as_ints(payload))
-    assert content_fingerprint("task", rewritten, None, None) == content_fingerprint(
-        "task", ints, None, None
-    )
+    assert content_fingerprint(
+        "task", rewritten, None, None, deadline=T0, max_attempts=3
+    ) == content_fingerprint("task", ints, None, None, deadline=T0, max_attempts=3)
 
 
 def test_envelope_refuses_integers_over_4300_digits() -> None:

@@ -196,7 +196,8 @@ def test_collector_exports_the_effect_and_approval_counts(tmp_path: Path) -> Non
                          "compensations_done"):  # fmt: skip
                 count_in(c, name)
         approvals = ApprovalStore(TaskStore(db))
-        approvals.grant_approval("restart", "web1", "prod", "alice", approvals.clock.now() + 600)
+        approvals.grant_approval("restart", "web1", "prod", "alice", approvals.clock.now() + 600,
+                                 principal="bob", arguments_digest="d" * 64)  # fmt: skip
     got = _samples(Observed(db_path=db_path))
     assert got['ba_reconciles_total{outcome="not-done"}'] == 1
     assert got['ba_reconciles_total{outcome="done"}'] == 1

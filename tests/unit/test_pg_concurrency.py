@@ -328,8 +328,10 @@ def test_two_releases_of_one_approval_wait_release_it_once(
     a.tasks.accept([item("m1")])
     (task,) = a.tasks.claim("w1", 1)
     ApprovalStore(a.tasks).wait_for_approval(task.task_id, "w1", task.fence, "restart", "web1",
-                                             "prod", 120)  # fmt: skip
-    ApprovalStore(a.tasks).grant_approval("restart", "web1", "prod", "alice", T0 + 60)
+                                             "prod", 120, principal="alice",
+                                             arguments_digest="d" * 64)  # fmt: skip
+    ApprovalStore(a.tasks).grant_approval("restart", "web1", "prod", "carol", T0 + 60,
+                                          principal="alice", arguments_digest="d" * 64)  # fmt: skip
     held = Held(monkeypatch, "approval_release")
     held.start(lambda: ApprovalStore(a.tasks).release_waits())
     second = ApprovalStore(b.tasks).release_waits()  # not blocked: the held wait is skipped

@@ -168,3 +168,33 @@ def test_snapshot_counts_the_effect_records_and_approvals_alike(store_target: st
         "operator_timeouts_alert": 0, "operator_timeouts_fail": 0, "compensations_open": 0,
         "oldest_unknown_age_s": 0.0, "oldest_operator_wait_age_s": 0.0, "operator_overdue": 0,
     }  # fmt: skip
+
+
+def test_pg_migration_recomputes_fingerprints_with_the_request_terms(pg_url: str) -> None:
+    """A database at version 2 holds fingerprints without the deadline and max_attempts;
+    the next migration recomputes them, so a faithful resend stays a duplicate and one
+    with another deadline is a conflict."""
+    from broker_adapter.clock import FakeClock
+    from broker_adapter.protocol.canonical import canonical_json, canonical_numbers, sha256_hex
+    from broker_adapter.store import AcceptItem, Outcome, TaskStore
+    from tests.support.store_script import T0, envelope
+
+    env = envelope("m-1", payload={"price": 13.0})
+    with PgDatabase(pg_url) as db:
+        (stored,) = TaskStore(db, FakeClock(T0)).accept([AcceptItem("alice", env)])
+    content = {k: v for k, v in env.content().items() if k not in ("deadline", "max_attempts")}
+    old = sha256_hex(canonical_numbers(canonical_json(content)))  # version 2's definition
+    assert old != env.fingerprint()
+    with psycopg.connect(pg_url) as conn:
+        conn.execute("UPDATE tasks SET fingerprint = %s", (old,))
+        conn.execute("UPDATE inbox SET fingerprint = %s", (old,))
+        conn.execute("DELETE FROM schema_migrations WHERE version > 2")
+    with PgDatabase(pg_url) as db:
+        assert db.fetch_one("SELECT fingerprint FROM inbox") == {"fingerprint": env.fingerprint()}
+        assert db.fetch_one("SELECT fingerprint FROM tasks") == {"fingerprint": env.fingerprint()}
+        store = TaskStore(db, FakeClock(T0 + 5))
+        (again,) = store.accept([AcceptItem("alice", env)])
+        assert (again.outcome, again.task_id) == (Outcome.DUPLICATE, stored.task_id)
+        (changed,) = store.accept([AcceptItem("alice", env.replace(deadline=T0 + 601))])
+        assert (changed.outcome, changed.task_id) == (Outcome.CONFLICT, stored.task_id)
+    assert versions(pg_url) == list(range(1, SCHEMA_VERSION + 1))

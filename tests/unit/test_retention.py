@@ -492,7 +492,8 @@ def test_a_purged_task_takes_its_effect_records_and_old_approvals_go(
     (task_id,) = done_and_sent(sq, "m1")
     (kept,) = accepted(sq, "kept", deadline=T0 + RETENTION_S)
     approvals = ApprovalStore(sq.tasks)
-    old = approvals.grant_approval("restart", "web1", "prod", "alice", T0 + 0.5)
+    old = approvals.grant_approval("restart", "web1", "prod", "alice", T0 + 0.5,
+                                   principal="alice", arguments_digest="d" * 64)  # fmt: skip
     with sq.db.write("test") as c:
         for tid in (task_id, kept):
             c.execute("INSERT INTO reconcile_log (task_id, outcome, by_whom, at, fence)"
@@ -506,7 +507,8 @@ def test_a_purged_task_takes_its_effect_records_and_old_approvals_go(
             c.execute("INSERT INTO approval_releases (task_id, approval_id, released_at)"
                       " VALUES (?, ?, ?)", (tid, old, T0))  # fmt: skip
     clock.set(T0 + RETENTION_S + 1)
-    fresh = approvals.grant_approval("restart", "web2", "prod", "alice", clock.now() + 60)
+    fresh = approvals.grant_approval("restart", "web2", "prod", "alice", clock.now() + 60,
+                                     principal="alice", arguments_digest="d" * 64)  # fmt: skip
     assert sq.tasks.purge() == 1
     d = dump(sq.db)
     with sq.db.read() as c:

@@ -117,7 +117,9 @@ class Handle:
 
 @dataclass
 class InboxRecord:
-    variant: int
+    #: what the fingerprint covers that the rule varies: payload variant, deadline and
+    #: max_attempts (a resend that changes any of them is a conflict)
+    content: tuple[int, float, int]
     task_id: str
     received_at: float
 
@@ -250,7 +252,8 @@ class StoreMachine(RuleBasedStateMachine):
         principal=st.sampled_from(PRINCIPALS),
         message_id=st.sampled_from(MESSAGE_IDS),
         variant=st.integers(0, 1),
-        deadline_in=st.sampled_from([10.0, 20.0, 45.0, 400.0, 400.0, 0.0, -1.0]),
+        # None: a faithful resend, with the first copy's deadline
+        deadline_in=st.sampled_from([10.0, 20.0, 45.0, 400.0, 400.0, 0.0, -1.0, None, None]),
         max_attempts=st.integers(1, 3),
         hops=st.sampled_from([0, 0, 0, MAX_HOPS, MAX_HOPS + 1]),
     )
@@ -259,26 +262,31 @@ class StoreMachine(RuleBasedStateMachine):
         principal: str,
         message_id: str,
         variant: int,
-        deadline_in: float,
+        deadline_in: float | None,
         max_attempts: int,
         hops: int,
     ) -> Any:
         now = self.clock.now()
+        known = self.inbox.get((principal, message_id))
+        if deadline_in is None:
+            deadline = known.content[1] if known is not None else now + 400.0
+        else:
+            deadline = now + deadline_in if now + deadline_in > 0 else 1.0
         env = envelope(
             message_id,
             payload={"variant": variant},
-            deadline=now + deadline_in if now + deadline_in > 0 else 1.0,
+            deadline=deadline,
             max_attempts=max_attempts,
             hops=hops,
         )
-        known = self.inbox.get((principal, message_id))
+        content = (variant, env.deadline, max_attempts)
         (res,) = self.tasks.accept([AcceptItem(principal, env)])
         if known is not None and (
             now - known.received_at < RETENTION_S
             or self.tasks_model[known.task_id].state not in TERMINAL
         ):
             assert res.task_id == known.task_id
-            if known.variant == variant:
+            if known.content == content:
                 assert res.outcome is Outcome.DUPLICATE
             else:
                 assert res.outcome is Outcome.CONFLICT
@@ -292,7 +300,7 @@ class StoreMachine(RuleBasedStateMachine):
         task = MTask(res.task_id, "pending", 0, max_attempts, 0, None, None, now, env.deadline)
         self.tasks_model[res.task_id] = task
         self.deadlines[res.task_id] = env.deadline
-        self.inbox[(principal, message_id)] = InboxRecord(variant, res.task_id, now)
+        self.inbox[(principal, message_id)] = InboxRecord(content, res.task_id, now)
         if env.deadline <= now:
             assert res.outcome is Outcome.EXPIRED
             self._terminal(task, "expired", now)

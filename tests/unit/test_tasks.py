@@ -114,13 +114,36 @@ def test_accept_returns_same_task_id_when_duplicate(s: Stores, clock: FakeClock)
     task_id = accept_one(s)
     clock.advance(5)
     before = dump(s.db)["tasks"]
-    # A resend may recompute delivery fields: still the same request.
-    (res,) = s.tasks.accept([item("m1", deadline=T0 + 900, max_attempts=5, hops=2)])
+    # A resend may count its hops again, and write its deadline as an integer: still
+    # the same request.
+    (res,) = s.tasks.accept([item("m1", deadline=int(T0 + 600), hops=2)])
     assert (res.outcome, res.task_id, res.reply_id) == (Outcome.DUPLICATE, task_id, None)
     d = dump(s.db)
     assert d["tasks"] == before
     assert d["inbox"][0]["duplicates"] == 1
     assert d["outbox"] == []
+
+
+@pytest.mark.parametrize(
+    "changed", [{"deadline": T0 + 601}, {"deadline": T0 + 599.5}, {"max_attempts": 5}]
+)
+def test_accept_resend_with_other_terms_is_a_conflict_with_its_reply(
+    s: Stores, clock: FakeClock, changed: dict[str, Any]
+) -> None:
+    """The deadline and max_attempts are part of the request: a resend that changes them
+    (no signed extension exists) is refused like other content, with a conflict reply."""
+    task_id = accept_one(s)
+    before = dump(s.db)
+    clock.advance(1)
+    (res,) = s.tasks.accept([item("m1", **changed)])
+    assert (res.outcome, res.task_id) == (Outcome.CONFLICT, task_id)
+    after = dump(s.db)
+    assert after["tasks"] == before["tasks"]
+    (reply,) = after["outbox"]
+    assert (reply["reply_id"], reply["status"]) == (res.reply_id, "conflict")
+    body = json.loads(reply["body"])
+    assert body["fingerprint"] == envelope("m1", **changed).fingerprint()
+    assert body["stored_fingerprint"] == before["inbox"][0]["fingerprint"]
 
 
 def test_accept_returns_duplicate_when_repeated_in_one_batch(s: Stores) -> None:
@@ -408,8 +431,10 @@ def test_inbox_record_outlives_window_until_its_deadline(s: Stores, clock: FakeC
     _send_reply(s, finish_task(s, task_id))
     clock.set(T0 + 5 * RETENTION_S - 1)
     assert s.tasks.purge() == 0
-    (dup,) = s.tasks.accept([item("m1", deadline=clock.now() + 60)])
+    (dup,) = s.tasks.accept([item("m1", deadline=T0 + 5 * RETENTION_S)])
     assert (dup.outcome, dup.task_id) == (Outcome.DUPLICATE, task_id)
+    (changed,) = s.tasks.accept([item("m1", deadline=clock.now() + 60)])
+    assert (changed.outcome, changed.task_id) == (Outcome.CONFLICT, task_id)
     clock.set(T0 + 5 * RETENTION_S)
     assert s.tasks.purge() == 1
 
@@ -904,8 +929,9 @@ def test_database_migrates_version_1_file_and_keeps_its_rows(tmp_path: Path) -> 
 
 def test_database_migration_recomputes_fingerprints_of_floats(tmp_path: Path) -> None:
     """A version-3 file holds fingerprints of the payload bytes as Python wrote them
-    (``13.0``); version 4 recomputes them from the task rows, so a resend that writes
-    ``13`` (a JavaScript publisher) is a duplicate, not a conflict."""
+    (``13.0``) and without the request's terms; versions 4 and 10 recompute them from the
+    task rows, so a resend that writes ``13`` (a JavaScript publisher) is a duplicate, not
+    a conflict, and one with another deadline is a conflict."""
     path = tmp_path / "v3.db"
     first = Envelope.from_json(
         '{"deadline":%r,"message_id":"m-float","payload":{"price":13.0,"t":1e-07},'
@@ -916,10 +942,15 @@ def test_database_migration_recomputes_fingerprints_of_floats(tmp_path: Path) ->
         store = TaskStore(db, clock=FakeClock(T0))
         stored = store.accept([AcceptItem("alice", first), AcceptItem("alice", plain)])
         assert [r.outcome for r in stored] == [Outcome.STORED, Outcome.STORED]
-    # as version 3 wrote them: SHA-256 of canonical_json(content), floats as Python's repr
-    old = {env.message_id: sha256_hex(canonical_json(env.content())) for env in (first, plain)}
+    # as version 3 wrote them: SHA-256 of canonical_json(content), floats as Python's
+    # repr, the deadline and max_attempts left out
+    old = {
+        env.message_id: sha256_hex(canonical_json({k: v for k, v in env.content().items()
+                                                   if k not in ("deadline", "max_attempts")}))
+        for env in (first, plain)
+    }  # fmt: skip
     assert old["m-float"] != first.fingerprint()
-    assert old["m-plain"] == plain.fingerprint()
+    assert old["m-plain"] != plain.fingerprint()
     raw = sqlite3.connect(str(path), isolation_level=None)
     for mid, fingerprint in old.items():
         raw.execute("UPDATE tasks SET fingerprint = ? WHERE message_id = ?", (fingerprint, mid))
@@ -937,14 +968,17 @@ def test_database_migration_recomputes_fingerprints_of_floats(tmp_path: Path) ->
         }
         assert rows == {
             "m-float": (first.fingerprint(), first.fingerprint()),
-            "m-plain": (old["m-plain"], old["m-plain"]),
+            "m-plain": (plain.fingerprint(), plain.fingerprint()),
         }
         resend = Envelope.from_json(
-            '{"deadline":%r,"message_id":"m-float","payload":{"price":13,"t":1e-7},'
-            '"sender":"alice"}' % (T0 + 900)
+            f'{{"deadline":{int(T0 + 600)},"message_id":"m-float",'
+            '"payload":{"price":13,"t":1e-7},"sender":"alice"}'
         )
-        (again,) = TaskStore(db, clock=FakeClock(T0 + 5)).accept([AcceptItem("alice", resend)])
+        later = TaskStore(db, clock=FakeClock(T0 + 5))
+        (again,) = later.accept([AcceptItem("alice", resend)])
         assert (again.outcome, again.task_id) == (Outcome.DUPLICATE, stored[0].task_id)
+        (changed,) = later.accept([AcceptItem("alice", resend.replace(deadline=T0 + 900))])
+        assert (changed.outcome, changed.task_id) == (Outcome.CONFLICT, stored[0].task_id)
 
 
 def test_database_file_is_created_private(tmp_path: Path) -> None:

@@ -31,7 +31,11 @@ import psycopg
 from psycopg.rows import tuple_row
 
 from broker_adapter.store import outcome_schema
-from broker_adapter.store.migrations import CONFLICT_ID_KEY
+from broker_adapter.store.migrations import (
+    BOUND_APPROVAL_COLUMNS,
+    CONFLICT_ID_KEY,
+    recomputed_fingerprints,
+)
 
 #: ``pg_advisory_xact_lock`` key of the migrating transaction (any fixed 64-bit number).
 MIGRATION_LOCK: Final = 0x62615F736368656D  # "ba_schem"
@@ -230,6 +234,26 @@ def _outcomes(conn: psycopg.Connection[Any]) -> None:
     outcome_schema.postgres_migration(conn)
 
 
+def _bound_terms_and_approvals(conn: psycopg.Connection[Any]) -> None:
+    """Migration 6: the SQLite schema's version 13 (``migrations._bind_terms_and_approvals``)."""
+    cur = conn.cursor(row_factory=tuple_row)
+    for table, name, declaration in BOUND_APPROVAL_COLUMNS:
+        cur.execute(
+            f"ALTER TABLE {table} ADD COLUMN IF NOT EXISTS {name}"
+            f" {declaration.replace('INTEGER', 'integer').replace('TEXT', 'text')}"
+        )
+    rows = cur.execute(
+        "SELECT task_id, kind, payload, correlation_id, parent_id, deadline, max_attempts,"
+        " fingerprint, task_name FROM tasks"
+    ).fetchall()
+    for task_id, new, old in recomputed_fingerprints(rows):
+        cur.execute("UPDATE tasks SET fingerprint = %s WHERE task_id = %s", (new, task_id))
+        cur.execute(
+            "UPDATE inbox SET fingerprint = %s WHERE task_id = %s AND fingerprint = %s",
+            (new, task_id, old),
+        )
+
+
 #: ``(what it does, how)``, one per version, in order.
 MIGRATIONS: Final[tuple[tuple[str, Callable[[psycopg.Connection[Any]], None]], ...]] = (
     ("tasks, inbox, outbox, receipts and meta (the SQLite schema at its version 6)", _v1),
@@ -240,6 +264,10 @@ MIGRATIONS: Final[tuple[tuple[str, Callable[[psycopg.Connection[Any]], None]], .
     ),
     ("tasks.task_name (SQLite version 11)", _task_name),
     ("counters, overdue operator waits, effect evidence (SQLite version 12)", _outcomes),
+    (
+        "fingerprints cover deadline and max_attempts; approvals bound (SQLite version 13)",
+        _bound_terms_and_approvals,
+    ),
 )
 SCHEMA_VERSION: Final = len(MIGRATIONS)
 
