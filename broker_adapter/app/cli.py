@@ -177,8 +177,9 @@ def _add_run(sub: argparse._SubParsersAction[_Parser]) -> None:
             env="BA_ACL_PRINCIPALS", default=[], action=_AppendOrEnv,
             dest="acl_principals", metavar="P")  # fmt: skip
     _add_partitions(run)
-    _option(run, "--name", "this adapter's stable name (consumer and owner names derive"
-            " from it)", env="BA_NAME", shown="the host name")  # fmt: skip
+    _option(run, "--name", "this adapter's consumer name (owner names derive from it); two"
+            " live processes never hold one", env="BA_NAME",
+            shown="a logical id unique per store and host")  # fmt: skip
     _option(run, "--lease", "a claimed task's lease, seconds; renewed every third of it",
             env="BA_LEASE_S", default=DEFAULT_LEASE_S, type=float, metavar="S")  # fmt: skip
     _option(run, "--grace", "on SIGTERM, how long running handlers may finish, seconds",

@@ -30,6 +30,7 @@ from typing import Any, Final
 import psycopg
 from psycopg.rows import tuple_row
 
+from broker_adapter.store.identity import STORE_ID_KEY, new_store_id
 from broker_adapter.store.migrations import CONFLICT_ID_KEY
 
 #: ``pg_advisory_xact_lock`` key of the migrating transaction (any fixed 64-bit number).
@@ -210,10 +211,20 @@ def _v2(conn: psycopg.Connection[Any]) -> None:
     conn.execute(_V2_TABLES)
 
 
+def _store_id(conn: psycopg.Connection[Any]) -> None:
+    """The store's identity (``store.identity``), made once: every host that opens this
+    database reads the same one."""
+    conn.execute(
+        "INSERT INTO meta (name, value) VALUES (%s, %s) ON CONFLICT (name) DO NOTHING",
+        (STORE_ID_KEY, new_store_id()),
+    )
+
+
 #: ``(what it does, how)``, one per version, in order.
 MIGRATIONS: Final[tuple[tuple[str, Callable[[psycopg.Connection[Any]], None]], ...]] = (
     ("tasks, inbox, outbox, receipts and meta (the SQLite schema at its version 6)", _v1),
     ("effect columns and tables, tasks.traceparent, chains (SQLite versions 7 to 9)", _v2),
+    ("the store's identity, a meta row (SQLite version 10)", _store_id),
 )
 SCHEMA_VERSION: Final = len(MIGRATIONS)
 
