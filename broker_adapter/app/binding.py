@@ -91,9 +91,13 @@ class Binding:
         try:
             d = json.loads(raw)
             return cls(
-                str(d["store"]), str(d["kind"]), str(d["where"]), float(d["bound_at"]),
-                str(d["by"]), None if d.get("previous") is None else str(d["previous"]),
-            )  # fmt: skip
+                str(d["store"]),
+                str(d["kind"]),
+                str(d["where"]),
+                float(d["bound_at"]),
+                str(d["by"]),
+                None if d.get("previous") is None else str(d["previous"]),
+            )
         except (ValueError, KeyError, TypeError):
             return cls("?", "?", f"an unreadable value {raw[:40]!r}", 0.0, "?")
 
@@ -135,8 +139,10 @@ def bind(
             lg.warning(
                 "%s had no store binding in Redis (a new Redis, or one that lost its data):"
                 " bound to this %s, which remembers %d message ids",
-                what, describe(identity), identity.remembered,
-            )  # fmt: skip
+                what,
+                describe(identity),
+                identity.remembered,
+            )
         else:
             lg.info("%s bound to %s", what, describe(identity))
         return mine
@@ -187,10 +193,16 @@ class NameClaim:
 
 def _claim_value(identity: StoreIdentity, now: float) -> str:
     return json.dumps(
-        {"token": secrets.token_hex(8), "pid": os.getpid(), "host": host_key(),
-         "store": identity.store_id, "since": now},
-        sort_keys=True, separators=(",", ":"),
-    )  # fmt: skip
+        {
+            "token": secrets.token_hex(8),
+            "pid": os.getpid(),
+            "host": host_key(),
+            "store": identity.store_id,
+            "since": now,
+        },
+        sort_keys=True,
+        separators=(",", ":"),
+    )
 
 
 def _holder(raw: str) -> dict[str, Any]:
@@ -327,8 +339,13 @@ class PrefixGuard:
                 " store takes it again",
                 self.what,
             )
-            bind(self.client, self.keys.store_binding(), self.identity, what=self.what,
-                 logger=self.log)  # fmt: skip
+            bind(
+                self.client,
+                self.keys.store_binding(),
+                self.identity,
+                what=self.what,
+                logger=self.log,
+            )
             return
         bound = Binding.loads(found)
         if bound.store != self.identity.store_id:

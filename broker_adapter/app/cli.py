@@ -29,6 +29,7 @@ from broker_adapter.app.commands import (
 )
 from broker_adapter.app.effects_cli import COMMANDS as EFFECT_COMMANDS
 from broker_adapter.app.effects_cli import add_commands as add_effect_commands
+from broker_adapter.app.rebind import add_rebind, rebind_command
 from broker_adapter.config import DEFAULT_LEASE_S
 from broker_adapter.errors import BrokerAdapterError, ConfigError
 from broker_adapter.store.retention import DEFAULT_RETENTION_S
@@ -311,6 +312,7 @@ def build_parser() -> argparse.ArgumentParser:
                     default=os.environ.get("USER", "operator"))  # fmt: skip
 
     add_effect_commands(sub, _option, _add_db)
+    add_rebind(sub, _option, _add_redis, _add_db, _add_prefix)
     sub.add_parser("demo", help="run the end-to-end demo on an embedded default")
     return parser
 
@@ -325,6 +327,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "cancel": cmd_cancel,
     "dead-letters": cmd_dead_letters,
     "demo": cmd_demo,
+    "rebind": rebind_command,
     **EFFECT_COMMANDS,
 }
 

@@ -142,6 +142,14 @@ def cmd_receive(args: argparse.Namespace) -> int:
         return 0  # stopped before Redis could be reached
     db = open_store(args.db)  # a SQLite file, or a postgresql:// URL
     receiver = Receiver(config, client, ReceiptStore(db), record_effect, keyring=keyring)
+    try:
+        bound = _bind_receipts(args, config, client, db, stop)
+    except BaseException:
+        db.close()
+        raise
+    if not bound:
+        db.close()
+        return 0  # stopped before Redis could be reached
     on_postgres = is_postgres_url(args.db)
     observed = Observed(db_path=args.db if on_postgres else Path(args.db), redis_url=args.redis)
     observed.add_receiver(receiver)
@@ -151,6 +159,35 @@ def cmd_receive(args: argparse.Namespace) -> int:
     finally:
         db.close()
     return 0
+
+
+def _bind_receipts(
+    args: argparse.Namespace, config: Any, client: Any, db: Any, stop: threading.Event
+) -> bool:
+    """Bind the principal's receiver group to this receipt store (``binding``): a second
+    receipt store on one group would apply redelivered replies twice. False: stopped
+    before Redis answered."""
+    from broker_adapter.app.binding import bind
+    from broker_adapter.backoff import call_until_stopped
+    from broker_adapter.protocol.keys import Keys
+    from broker_adapter.store.identity import store_identity
+
+    identity = store_identity(db)
+    key = Keys(config.prefix).receipt_binding(config.principal, config.group)
+    what = f"receiver group {config.group!r} of {config.principal!r} on prefix {config.prefix!r}"
+    fix = (
+        "use that same receipt database (PostgreSQL for several hosts), or another --prefix;"
+        " to move the group to this store on purpose: broker-adapter rebind --principal"
+        f" {config.principal}"
+    )
+
+    def attempt() -> object:
+        return bind(client, key, identity, what=what, fix=fix, by="receive")
+
+    if args.until_idle is not None:
+        attempt()
+        return True
+    return call_until_stopped(stop, attempt) is not None
 
 
 def _receive_until(receiver: Receiver, stop: threading.Event, until_idle: float | None) -> None:
