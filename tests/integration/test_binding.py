@@ -8,6 +8,7 @@ import shutil
 import signal
 import subprocess
 import sys
+from functools import partial
 from pathlib import Path
 from typing import IO, Any
 
@@ -218,6 +219,10 @@ def _attempts(effects_db: Path) -> dict[str, int]:
     return {str(v): int(n) for v, n in rows}
 
 
+def _ran_at_least(effects_db: Path, n: int) -> bool:
+    return len(_attempts(effects_db)) >= n
+
+
 def test_two_adapters_on_one_postgres_database_with_resends_in_flight_run_each_request_once(
     redis_server: RedisServer, prefix: str, keyring: Keyring, tmp_path: Path, pg_url: str
 ) -> None:
@@ -240,9 +245,13 @@ def test_two_adapters_on_one_postgres_database_with_resends_in_flight_run_each_r
     with open(tmp_path / "a.log", "w") as log_a, open(tmp_path / "b.log", "w") as log_b:
         a, b = _start(log_a, args), _start(log_b, args)
         try:
-            for round_ in range(3):  # the first send, then two rounds of resends
+            # the first send, then resends of every id while the first ones run: once some
+            # have run, and again once half have
+            for round_, ran in enumerate((0, 1, len(ids) // 2)):
+                wait_for(partial(_ran_at_least, effects_db, ran), f"{ran} requests run")
                 _publish(client, prefix, keyring, ids, effects_db=str(effects_db))
-                assert a.poll() is None and b.poll() is None, round_
+                assert a.poll() is None, round_
+                assert b.poll() is None, round_
             wait_for(
                 lambda: len(_attempts(effects_db)) == len(ids), "every request run", timeout_s=180
             )
