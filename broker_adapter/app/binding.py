@@ -60,6 +60,11 @@ FIX = (
 )
 
 
+#: The claims this process holds now (their values): a claim with this process's PID that is
+#: not one of them was left by an earlier process that had the same PID.
+_held_here: set[str] = set()
+
+
 class BindingRefused(ConfigError):
     """This store (or this consumer name) may not serve the prefix: another one holds it."""
 
@@ -215,13 +220,14 @@ def _holder(raw: str) -> dict[str, Any]:
 
 def left_behind(raw: str) -> bool:
     """Whether a claim was left by a process of this host (same host key) that is gone,
-    or by an earlier process that had this one's PID (a restarted container's PID 1)."""
+    or by an earlier process that had this one's PID (a restarted container's PID 1): a
+    claim this process holds itself (another adapter in it) is not."""
     holder = _holder(raw)
     pid = holder.get("pid")
     if holder.get("host") != host_key() or not isinstance(pid, int) or pid <= 0:
         return False
     if pid == os.getpid():
-        return True
+        return raw not in _held_here
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -254,13 +260,14 @@ def claim_name(
     for candidate in candidates:
         key = keys.consumer_claim(candidate)
         held = claims.set_once(client, key, value, ttl_ms)
-        if held is None:
-            return NameClaim(candidate, key, value)
-        if left_behind(held) and claims.swap(client, key, held, value, ttl_ms):
+        if held is not None and left_behind(held) and claims.swap(client, key, held, value, ttl_ms):
             (logger or log).info(
                 "consumer name %s: took over the claim of a process of this host that is gone",
                 candidate,
             )
+            held = None
+        if held is None:
+            _held_here.add(value)
             return NameClaim(candidate, key, value)
         if name:
             h = _holder(held)
@@ -370,6 +377,7 @@ class PrefixGuard:
 
     def release(self) -> None:
         """Give the name up (a clean stop), if it is still ours; errors are only logged."""
+        _held_here.discard(self.claim.value)
         try:
             claims.swap(self.client, self.claim.key, self.claim.value, None)
         except TransientError as exc:
