@@ -25,6 +25,7 @@ from tests.support.cli import cli_env, count_rows, error_line, wait_for
 from tests.support.handlers import init_effects_db
 from tests.support.ingest_script import envelope, real_deadline
 from tests.support.postgres import require_server
+from tests.support.redis_cluster import RedisCluster, redis_cluster  # noqa: F401
 from tests.support.redis_server import RedisServer
 
 pytestmark = pytest.mark.integration
@@ -420,3 +421,57 @@ def test_a_redis_restarted_empty_is_bound_again_by_the_running_store(
     out = (tmp_path / "run.log").read_text()
     assert code == 0, out
     assert "Redis lost the binding" in out
+
+
+def test_the_binding_the_name_claims_and_rebind_work_on_a_redis_cluster(
+    redis_cluster: RedisCluster,  # noqa: F811
+    prefix: str,
+    tmp_path: Path,
+) -> None:
+    from broker_adapter.app.binding import BindingRefused, PrefixGuard, bind, claim_name
+    from broker_adapter.app.rebind import _live_names
+    from broker_adapter.redis.client import connect
+
+    def identity_of(path: Path) -> Any:
+        db = open_store(path)
+        try:
+            return store_identity(db)
+        finally:
+            db.close()
+
+    a, b = identity_of(tmp_path / "a.db"), identity_of(tmp_path / "b.db")
+    client, keys = connect(redis_cluster.url), Keys(prefix)
+    try:
+        bind(client, keys.store_binding(), a, what="p")
+        with pytest.raises(BindingRefused):
+            bind(client, keys.store_binding(), b, what="p")
+        claim = claim_name(client, keys, a, None)
+        guard = PrefixGuard(client, keys, a, claim)
+        guard.check()  # the renewal script runs where the claim's slot is
+        assert _live_names(client, keys, a.store_id) == [claim.name]  # SCAN of every master
+        refused = _cli(
+            "rebind",
+            "--redis",
+            redis_cluster.url,
+            "--prefix",
+            prefix,
+            "--db",
+            str(tmp_path / "b.db"),
+        )
+        assert "still run on" in error_line(refused, 2)
+        guard.release()
+        assert _live_names(client, keys, a.store_id) == []
+        moved = _cli(
+            "rebind",
+            "--redis",
+            redis_cluster.url,
+            "--prefix",
+            prefix,
+            "--db",
+            str(tmp_path / "b.db"),
+        )
+        assert moved.returncode == 0, moved.stderr
+        assert json.loads(moved.stdout)["to"]["store"] == b.store_id
+        assert _bound(client, prefix) == b.store_id
+    finally:
+        client.close()
