@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Literal, TypeVar
 
 from pydantic import Field, field_validator, model_validator
 
-from broker_adapter.app.binding import PrefixGuard, bind, claim_name
+from broker_adapter.app.binding import PrefixGuard, bind, claim_name, refuse_sqlite_copies
 from broker_adapter.app.metrics import Observed, stages_down
 from broker_adapter.app.pool import WorkerPool
 from broker_adapter.app.serving import serve_metrics
@@ -448,6 +448,7 @@ class Adapter:
             client = connect(self.config.redis_url)
             bind(client, keys.store_binding(), identity, what=f"prefix {keys.prefix!r}",
                  logger=self.log)  # fmt: skip
+            refuse_sqlite_copies(client, keys, identity)
             claim = claim_name(client, keys, identity, self.config.name, logger=self.log)
             return PrefixGuard(client, keys, identity, claim, logger=self.log)
 

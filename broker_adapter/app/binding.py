@@ -53,6 +53,7 @@ NAME_TTL_S = 15.0
 RENEW_EVERY_S = NAME_TTL_S / 3
 #: Default names try slots 0, 1, ... up to this many processes of one store on one host.
 MAX_SLOTS = 64
+BOOT_ID = "/proc/sys/kernel/random/boot_id"
 #: Where the adapter's fix is explained.
 FIX = (
     "use that same database, PostgreSQL for several hosts (docs/SCALING.md), or another"
@@ -167,17 +168,26 @@ def refusal(what: str, bound: Binding, identity: StoreIdentity, fix: str) -> str
 # -- consumer names -------------------------------------------------------------------
 
 
+def _read(path: str, link: bool = False) -> str:
+    try:
+        return os.readlink(path) if link else Path(path).read_text().strip()
+    except OSError:
+        return ""
+
+
 def host_key() -> str:
     """A digest naming this host and process namespace: the host name, the kernel's boot
     id and the PID namespace, where readable. Two processes with the same host key can
     see each other's PIDs."""
-    parts = [socket.gethostname()]
-    for path in ("/proc/sys/kernel/random/boot_id", "/proc/self/ns/pid"):
-        try:
-            parts.append(Path(path).read_text().strip() if "boot" in path else os.readlink(path))
-        except OSError:
-            parts.append("")
+    parts = [socket.gethostname(), _read(BOOT_ID), _read("/proc/self/ns/pid", link=True)]
     return hashlib.sha256("\0".join(parts).encode("utf-8")).hexdigest()[:16]
+
+
+def machine_key() -> str:
+    """A digest of the running kernel's boot id: processes that share it share one file
+    system's locks (containers of one machine included); ``""`` where it is not known."""
+    boot = _read(BOOT_ID)
+    return hashlib.sha256(boot.encode("utf-8")).hexdigest()[:16] if boot else ""
 
 
 def default_name(store_id: str, slot: int) -> str:
@@ -202,6 +212,7 @@ def _claim_value(identity: StoreIdentity, now: float) -> str:
             "token": secrets.token_hex(8),
             "pid": os.getpid(),
             "host": host_key(),
+            "machine": machine_key(),
             "store": identity.store_id,
             "since": now,
         },
@@ -282,6 +293,28 @@ def claim_name(
         f"all {MAX_SLOTS} default consumer names of {describe(identity)} on this host are"
         f" held by live processes on prefix {keys.prefix!r}. Fix: stop some, or use --name"
     )
+
+
+def refuse_sqlite_copies(client: Redis, keys: Keys, identity: StoreIdentity) -> None:
+    """Refuse a SQLite store that a live adapter of another machine serves already: one
+    file cannot be shared across machines, so that is a copy of the database (same
+    identity, separate inboxes from the copy on). PostgreSQL stores are shared by design.
+
+    Raises:
+        BindingRefused: such an adapter holds a consumer name on the prefix now.
+    """
+    here = machine_key()
+    if identity.kind != "sqlite" or not here:
+        return
+    for key, raw in claims.values(client, keys.consumer_claim("*")):
+        holder = _holder(raw)
+        if holder.get("store") == identity.store_id and holder.get("machine") not in (here, ""):
+            raise BindingRefused(
+                f"{describe(identity)} is served on prefix {keys.prefix!r} from another machine"
+                f" (consumer name {key.rpartition(':')[2]!r}): two copies of one SQLite database"
+                " keep separate inboxes and would run resent requests twice. Fix: serve it from"
+                " one machine, or move to PostgreSQL for several hosts (docs/SCALING.md)"
+            )
 
 
 # -- the running adapter's guard ------------------------------------------------------

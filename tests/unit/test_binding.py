@@ -23,6 +23,8 @@ from broker_adapter.app.binding import (
     default_name,
     host_key,
     left_behind,
+    machine_key,
+    refuse_sqlite_copies,
 )
 from broker_adapter.protocol.keys import Keys
 from broker_adapter.store import open_database
@@ -170,3 +172,21 @@ def test_the_guard_renews_retakes_and_stops_on_another_store_or_holder(
         guard.check()
     guard.release()  # not ours any more: left alone
     assert redis_client.exists(claim.key) == 1
+
+
+def test_a_sqlite_store_served_from_another_machine_is_a_copy_and_refused(
+    redis_client: redis.Redis, prefix: str
+) -> None:
+    keys = Keys(prefix)
+    assert machine_key()  # Linux: the kernel's boot id
+    refuse_sqlite_copies(redis_client, keys, A)  # nobody serves it: fine
+    this_machine = {"pid": 1, "store": A.store_id, "machine": machine_key()}
+    redis_client.set(keys.consumer_claim("here"), json.dumps(this_machine), px=60_000)
+    refuse_sqlite_copies(redis_client, keys, A)  # another process of this machine: fine
+    elsewhere = {**this_machine, "machine": "another machine"}
+    redis_client.set(keys.consumer_claim("there"), json.dumps(elsewhere), px=60_000)
+    with pytest.raises(BindingRefused, match=r"from another machine .consumer name 'there'"):
+        refuse_sqlite_copies(redis_client, keys, A)
+    shared = StoreIdentity(A.store_id, "postgresql", "postgresql://db/ba", 0, None)
+    refuse_sqlite_copies(redis_client, keys, shared)  # one database for every host: fine
+    refuse_sqlite_copies(redis_client, keys, B)  # another store's claims are not its own
