@@ -61,14 +61,14 @@ def set_once(client: redis.Redis, key: str, value: str, ttl_ms: int | None = Non
     Returns:
         ``None`` when this call set it, else the value found there.
     """
-    with translated():
-        if client.set(key, value, nx=True, px=ttl_ms):
-            return None
-        raw = client.get(key)
-    # Gone between the two calls (a claim that just expired): try once more.
-    if raw is None:
-        return set_once(client, key, value, ttl_ms) if ttl_ms is not None else None
-    return text(raw)
+    while True:
+        with translated():
+            if client.set(key, value, nx=True, px=ttl_ms):
+                return None
+            raw = client.get(key)
+        if raw is not None:
+            return text(raw)
+        # gone between the two calls (a claim that just expired, a wipe): try again
 
 
 def renew(client: redis.Redis, key: str, value: str, ttl_ms: int) -> int | str:
