@@ -13,6 +13,7 @@ import logging
 import signal
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any
@@ -142,33 +143,22 @@ def cmd_receive(args: argparse.Namespace) -> int:
         return 0  # stopped before Redis could be reached
     db = open_store(args.db)  # a SQLite file, or a postgresql:// URL
     receiver = Receiver(config, client, ReceiptStore(db), record_effect, keyring=keyring)
-    try:
-        bound = _bind_receipts(args, config, client, db, stop)
-    except BaseException:
-        db.close()
-        raise
-    if not bound:
-        db.close()
-        return 0  # stopped before Redis could be reached
     on_postgres = is_postgres_url(args.db)
     observed = Observed(db_path=args.db if on_postgres else Path(args.db), redis_url=args.redis)
     observed.add_receiver(receiver)
     try:
         with serve_metrics(observed, args.metrics_host, args.metrics_port, worker_files=False):
-            _receive_until(receiver, stop, args.until_idle)
+            _receive_until(receiver, stop, args.until_idle, _receipt_binder(config, client, db))
     finally:
         db.close()
     return 0
 
 
-def _bind_receipts(
-    args: argparse.Namespace, config: Any, client: Any, db: Any, stop: threading.Event
-) -> bool:
-    """Bind the principal's receiver group to this receipt store (``binding``): a second
-    receipt store on one group would apply redelivered replies twice. False: stopped
-    before Redis answered."""
+def _receipt_binder(config: Any, client: Any, db: Any) -> Callable[[], object]:
+    """What binds the principal's receiver group to this receipt store (``binding``), for
+    ``_receive_until`` to call before its first read: a second receipt store on one group
+    would apply redelivered replies twice."""
     from broker_adapter.app.binding import bind
-    from broker_adapter.backoff import call_until_stopped
     from broker_adapter.protocol.keys import Keys
     from broker_adapter.store.identity import store_identity
 
@@ -180,20 +170,19 @@ def _bind_receipts(
         " to move the group to this store on purpose: broker-adapter rebind --principal"
         f" {config.principal}"
     )
-
-    def attempt() -> object:
-        return bind(client, key, identity, what=what, fix=fix, by="receive")
-
-    if args.until_idle is not None:
-        attempt()
-        return True
-    return call_until_stopped(stop, attempt) is not None
+    return lambda: bind(client, key, identity, what=what, fix=fix, by="receive")
 
 
-def _receive_until(receiver: Receiver, stop: threading.Event, until_idle: float | None) -> None:
+def _receive_until(
+    receiver: Receiver,
+    stop: threading.Event,
+    until_idle: float | None,
+    first: Callable[[], object] | None = None,
+) -> None:
     """Run ``receiver`` until ``stop``, or until ``until_idle`` seconds passed without a
     reply applied, whether Redis answered empty or not at all (retried every second, said
-    once per outage).
+    once per outage). ``first`` (the receipt store's binding) runs before the first read,
+    retried the same way.
 
     Raises:
         TransientError: the idle time ran out while the last read failed.
@@ -211,6 +200,9 @@ def _receive_until(receiver: Receiver, stop: threading.Event, until_idle: float 
                 )
             return
         try:
+            if first is not None:
+                first()
+                first = None
             n = receiver.step()
         except TransientError as exc:
             if failure is None:
