@@ -21,7 +21,6 @@ import logging
 import multiprocessing
 import os
 import signal
-import socket
 import threading
 from collections.abc import Callable
 from functools import partial
@@ -30,6 +29,7 @@ from typing import TYPE_CHECKING, Literal, TypeVar
 
 from pydantic import Field, field_validator, model_validator
 
+from broker_adapter.app.binding import PrefixGuard, bind, claim_name, refuse_sqlite_copies
 from broker_adapter.app.metrics import Observed, stages_down
 from broker_adapter.app.pool import WorkerPool
 from broker_adapter.app.serving import serve_metrics
@@ -72,6 +72,7 @@ from broker_adapter.store.db import Database
 from broker_adapter.store.dbclock import report_clock_skew
 from broker_adapter.store.effects import EffectsStore
 from broker_adapter.store.gate import WriteGate
+from broker_adapter.store.identity import StoreIdentity, store_identity
 from broker_adapter.store.retention import DEFAULT_RETENTION_S, PurgeSchedule, run_purges
 from broker_adapter.store.tasks import TaskPolicy
 
@@ -112,7 +113,9 @@ class AdapterConfig(ConfigModel):
         partitions: in signed mode, how many inbound partition streams ingest reads
             (``IngestConfig.partitions``).
         prefix: Redis key prefix.
-        name: this adapter's stable name (consumer and owner names derive from it).
+        name: this adapter's consumer name (owner names derive from it); ``None``: a
+            logical id unique per store and host (``binding.default_name``). Two live
+            processes never hold one name (``binding.claim_name``).
         lease_s: task lease.
         call_timeout_s: per handler call (a task's own ``call_timeout_s`` overrides it).
         concurrency: tasks each worker process runs at once (``concurrent_run``); async
@@ -144,7 +147,7 @@ class AdapterConfig(ConfigModel):
     acl_principals: tuple[Principal, ...] = ()
     partitions: int = Field(default=1, ge=1, le=MAX_PARTITIONS)
     prefix: KeyPrefix = DEFAULT_PREFIX
-    name: str = Field(default_factory=lambda: socket.gethostname().split(".")[0] or "adapter")
+    name: str | None = Field(default=None, min_length=1, max_length=200)
     lease_s: float = Field(default=DEFAULT_LEASE_S, gt=0)
     #: the reconciler's policy (operator timeout and its action, ...), for a declared effect
     reconcile: ReconcilePolicy = Field(default_factory=ReconcilePolicy)
@@ -171,6 +174,13 @@ class AdapterConfig(ConfigModel):
     @property
     def on_postgres(self) -> bool:
         return is_postgres_url(self.db_path)
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str | None) -> str | None:
+        if v is not None and any(c in v for c in "{} \n\r\t"):
+            raise ValueError("no braces or white space")
+        return v
 
     @field_validator("handler")
     @classmethod
@@ -235,6 +245,11 @@ class Adapter:
             retention_s=config.retention_s,
             backoff=Backoff(base_s=config.backoff_base_s, cap_s=config.backoff_cap_s),
         )
+        self.policy = TaskPolicy(lease_s=config.lease_s, retention_s=config.retention_s)
+        #: The store's identity (read with the database's first open), and this adapter's
+        #: consumer name once it holds it (``run``).
+        self.identity: StoreIdentity | None = None
+        self.name = config.name or "adapter"
         # Create and migrate once, up front (a bad path or a newer schema fails here); a
         # database that another writer keeps locked is waited for in ``run``.
         self._db_ready = self._prepare_database()
@@ -253,6 +268,7 @@ class Adapter:
             db = open_store(self.config.db_path)
             try:
                 report_clock_skew(db, self.log)
+                self.identity = store_identity(db)
             finally:
                 db.close()
         except StoreBusy as exc:
@@ -273,7 +289,7 @@ class Adapter:
     def _worker_config(self, i: int) -> WorkerConfig:
         return WorkerConfig(
             # unique per incarnation: a leftover of an earlier run never shares an owner name
-            owner=f"{self.config.name}-w{i}-{os.getpid()}",
+            owner=f"{self.name}-w{i}-{os.getpid()}",
             call_timeout_s=self.config.call_timeout_s,
             concurrency=self.config.concurrency,
             grace_s=self.config.grace_s,
@@ -287,7 +303,7 @@ class Adapter:
     def _dispatcher_config(self) -> DispatcherConfig:
         cfg = self.config
         return DispatcherConfig(
-            prefix=cfg.prefix, owner=f"{cfg.name}-dispatcher", retention_s=cfg.retention_s
+            prefix=cfg.prefix, owner=f"{self.name}-dispatcher", retention_s=cfg.retention_s
         )
 
     def _pool(self) -> WorkerPool:
@@ -355,7 +371,7 @@ class Adapter:
         try:
             ingest_cfg = IngestConfig(
                 prefix=cfg.prefix,
-                consumer=f"{cfg.name}-ingest",
+                consumer=f"{self.name}-ingest",
                 mode=cfg.mode,
                 acl_principals=cfg.acl_principals,
                 partitions=cfg.partitions,
@@ -424,7 +440,7 @@ class Adapter:
         db = open_store(self.config.db_path, gate=gate)
         try:
             tasks = TaskStore(db, SystemClock(), self.policy)
-            owner = f"{self.config.name}-reconciler-{os.getpid()}"
+            owner = f"{self.name}-reconciler-{os.getpid()}"
             reconciler = Reconciler(EffectsStore(tasks), self.effect, owner, self.config.reconcile,
                                     by_task=self.effects)  # fmt: skip
             run_reconciles(stop, reconciler, ApprovalStore(tasks), self.log)
@@ -482,20 +498,51 @@ class Adapter:
                 " import time; put the code that runs it under if __name__ == \"__main__\":"
             )
         cfg = self.config
-        self.log.info(
-            "broker-adapter running: %d workers, db %s, handler %s", cfg.workers,
-            redacted_url(cfg.db_path) if isinstance(cfg.db_path, str) else cfg.db_path,
-            cfg.handler,
-        )  # fmt: skip
-        with serve_metrics(self.observed, cfg.metrics_host, cfg.metrics_port):
-            return self._run(stop)
-
-    def _run(self, stop: threading.Event) -> int:
-        cfg = self.config
         if not self._wait_for_database(stop):
             return 0  # stopped before the database could be opened: nothing ran
+        guard = self._bind(stop)
+        if guard is None:
+            return 0  # stopped before Redis could be reached: nothing ran
+        try:
+            self.log.info(
+                "broker-adapter running: %d workers, db %s, handler %s, consumer %s",
+                cfg.workers,
+                redacted_url(cfg.db_path) if isinstance(cfg.db_path, str) else cfg.db_path,
+                cfg.handler, self.name,
+            )  # fmt: skip
+            with serve_metrics(self.observed, cfg.metrics_host, cfg.metrics_port):
+                return self._run(stop, guard)
+        finally:
+            guard.release()
+
+    def _bind(self, stop: threading.Event) -> PrefixGuard | None:
+        """Bind the prefix to this store and claim a consumer name (``binding``), before
+        any stage starts; Redis outages are waited out.
+
+        Raises:
+            BindingRefused: the prefix is bound to another store, or ``--name`` is held.
+        """
+        assert self.identity is not None  # read by _prepare_database
+        identity, keys = self.identity, Keys(self.config.prefix)
+
+        def attempt() -> PrefixGuard:
+            client = connect(self.config.redis_url)
+            bind(client, keys.store_binding(), identity, what=f"prefix {keys.prefix!r}",
+                 logger=self.log)  # fmt: skip
+            refuse_sqlite_copies(client, keys, identity)
+            claim = claim_name(client, keys, identity, self.config.name, logger=self.log)
+            return PrefixGuard(client, keys, identity, claim, logger=self.log)
+
+        guard = call_until_stopped(stop, attempt)
+        if guard is not None:
+            self.name = guard.claim.name
+        return guard
+
+    def _run(self, stop: threading.Event, guard: PrefixGuard) -> int:
+        cfg = self.config
         pool = self._pool()
         threads = [
+            self._thread("binding", lambda: guard.run(stop)),
             self._thread("dispatcher", lambda: self._dispatch(stop, pool.gate)),
             self._thread("ingest", lambda: self._ingest(stop, pool.handoff, pool.gate)),
             self._thread("purge", lambda: self._purge(stop, pool.gate)),

@@ -35,6 +35,7 @@ from broker_adapter.app.effects_cli import add_run_options as add_effect_run_opt
 from broker_adapter.app.mcp_cli import add_command as add_mcp_command
 from broker_adapter.app.mcp_cli import cmd_mcp
 from broker_adapter.app.passwords import resolve_redis_url
+from broker_adapter.app.rebind import add_rebind, rebind_command
 from broker_adapter.app.streams_cli import COMMANDS as STREAM_COMMANDS
 from broker_adapter.app.streams_cli import add_commands as add_stream_commands
 from broker_adapter.app.tasks_cli import add_task_commands, cmd_result, cmd_tasks
@@ -205,8 +206,9 @@ def _add_run(sub: argparse._SubParsersAction[_Parser]) -> None:
             env="BA_ACL_PRINCIPALS", default=[], action=_AppendOrEnv,
             dest="acl_principals", metavar="P")  # fmt: skip
     _add_partitions(run)
-    _option(run, "--name", "this adapter's stable name (consumer and owner names derive"
-            " from it)", env="BA_NAME", shown="the host name")  # fmt: skip
+    _option(run, "--name", "this adapter's consumer name (owner names derive from it); two"
+            " live processes never hold one", env="BA_NAME",
+            shown="a logical id unique per store and host")  # fmt: skip
     _option(run, "--lease", "a claimed task's lease, seconds; renewed every third of it",
             env="BA_LEASE_S", default=DEFAULT_LEASE_S, type=float, metavar="S")  # fmt: skip
     _option(run, "--grace", "on SIGTERM, how long running handlers may finish, seconds",
@@ -382,6 +384,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_stream_commands(sub, _add_redis, _add_prefix)
     add_task_commands(sub, _option, _add_db, _add_redis, _add_prefix, _add_keyring)
     add_mcp_command(sub, sys.modules[__name__])
+    add_rebind(sub, _option, _add_redis, _add_db, _add_prefix)
     return parser
 
 
@@ -400,6 +403,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "console": cmd_console,
     "schema": cmd_schema,
     "mcp": cmd_mcp,
+    "rebind": rebind_command,
     **EFFECT_COMMANDS,
     **STREAM_COMMANDS,
 }

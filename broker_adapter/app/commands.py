@@ -14,6 +14,7 @@ import shlex
 import signal
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any
@@ -178,16 +179,41 @@ def cmd_receive(args: argparse.Namespace) -> int:
     observed.add_receiver(receiver)
     try:
         with serve_metrics(observed, args.metrics_host, args.metrics_port, worker_files=False):
-            _receive_until(receiver, stop, args.until_idle)
+            _receive_until(receiver, stop, args.until_idle, _receipt_binder(config, client, db))
     finally:
         db.close()
     return 0
 
 
-def _receive_until(receiver: Receiver, stop: threading.Event, until_idle: float | None) -> None:
+def _receipt_binder(config: Any, client: Any, db: Any) -> Callable[[], object]:
+    """What binds the principal's receiver group to this receipt store (``binding``), for
+    ``_receive_until`` to call before its first read: a second receipt store on one group
+    would apply redelivered replies twice."""
+    from broker_adapter.app.binding import bind
+    from broker_adapter.protocol.keys import Keys
+    from broker_adapter.store.identity import store_identity
+
+    identity = store_identity(db)
+    key = Keys(config.prefix).receipt_binding(config.principal, config.group)
+    what = f"receiver group {config.group!r} of {config.principal!r} on prefix {config.prefix!r}"
+    fix = (
+        "use that same receipt database (PostgreSQL for several hosts), or another --prefix;"
+        " to move the group to this store on purpose: broker-adapter rebind --principal"
+        f" {config.principal}"
+    )
+    return lambda: bind(client, key, identity, what=what, fix=fix, by="receive")
+
+
+def _receive_until(
+    receiver: Receiver,
+    stop: threading.Event,
+    until_idle: float | None,
+    first: Callable[[], object] | None = None,
+) -> None:
     """Run ``receiver`` until ``stop``, or until ``until_idle`` seconds passed without a
     reply applied, whether Redis answered empty or not at all (retried every second, said
-    once per outage).
+    once per outage). ``first`` (the receipt store's binding) runs before the first read,
+    retried the same way.
 
     Raises:
         TransientError: the idle time ran out while the last read failed.
@@ -205,6 +231,9 @@ def _receive_until(receiver: Receiver, stop: threading.Event, until_idle: float 
                 )
             return
         try:
+            if first is not None:
+                first()
+                first = None
             n = receiver.step()
         except TransientError as exc:
             if failure is None:

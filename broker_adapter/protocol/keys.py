@@ -19,6 +19,10 @@ key                             what it holds
 ``{p}:{out.P}:results``         index of P's result records (sorted set: message id by the
                                 time its reply was published, ms), what the purge walks
 ``{p}:{meta}:epoch``            set once with NX; its absence means Redis lost its data
+``{p}:{meta}:store``            the store the prefix is bound to (JSON; never expires)
+``{p}:{meta}:consumer:<name>``  a live adapter's claim on its consumer name (short TTL,
+                                renewed)
+``{p}:{out.P}:receipts:<G>``    the receipt store P's receiver group G is bound to (JSON)
 ==============================  =====================================================
 
 ``{p}`` is the configurable prefix (default ``ba``). The part in braces is a Redis Cluster
@@ -124,6 +128,18 @@ class Keys:
 
     def epoch(self) -> str:
         return f"{self.prefix}:{{meta}}:epoch"
+
+    def store_binding(self) -> str:
+        """The store this prefix's inbound groups are bound to (``app.binding``)."""
+        return f"{self.prefix}:{{meta}}:store"
+
+    def consumer_claim(self, name: str) -> str:
+        """A live adapter's claim on the consumer name ``name`` (``app.binding``)."""
+        return f"{self.prefix}:{{meta}}:consumer:{name}"
+
+    def receipt_binding(self, principal: str, group: str) -> str:
+        """The receipt store ``principal``'s receiver group ``group`` is bound to."""
+        return f"{self.prefix}:{{{self._out_tag(principal)}}}:receipts:{group}"
 
     def dead_for(self, stream: str) -> str:
         """The dead-letter stream that goes with ``stream`` (same hash tag)."""

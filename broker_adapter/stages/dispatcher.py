@@ -97,6 +97,7 @@ batch by ``loss.LossWatch``; the operator's replay of a ``dead`` reply is ``repl
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import socket
@@ -153,8 +154,10 @@ DEFAULT_LOSS_WINDOW_S = 2.0
 
 
 def default_owner() -> str:
-    """A dispatcher name unique on this host: ``dispatcher-<host>-<pid>``."""
-    return f"dispatcher-{socket.gethostname()}-{os.getpid()}"
+    """A dispatcher name unique on this host, a logical id: ``dispatcher-<digest of the host
+    name>-<pid>`` (an adapter passes one derived from its consumer name)."""
+    host = hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
+    return f"dispatcher-{host}-{os.getpid()}"
 
 
 class DispatcherConfig(ConfigModel):

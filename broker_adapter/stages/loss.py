@@ -27,12 +27,10 @@ refused after its lease). A worker must not mark its first publications before t
 dispatcher's first look (a ``sent`` row with no epoch key reads as a wipe): the runner starts
 the workers after it.
 
-The epoch a dispatcher saw is kept in memory only. With one outbox database per Redis that
-is enough (a missing key at start-up is the alarm); where several databases share a Redis,
-a dispatcher that was down during a wipe and starts after another one set a new epoch
-misses the alarm: after a known wipe, have the operator run ``OutboxStore.requeue_sent(None)``
-on every such database (persisting the last epoch seen would close this gap; it needs a
-schema migration).
+The epoch a dispatcher saw is kept in memory only. That is enough because a prefix (whose
+epoch key this is) is bound to one store (``app.binding``): every dispatcher of the prefix
+shares that one outbox, so the first to see the wipe puts back the rows of all of them (a
+missing key at start-up is the alarm).
 """
 
 from __future__ import annotations

@@ -22,6 +22,7 @@ from typing import Any
 
 from broker_adapter.errors import ConfigError, StoreError
 from broker_adapter.store.backends import is_postgres_url, redacted_url
+from broker_adapter.store.identity import STORE_ID_KEY
 
 #: The tables a snapshot reports the row counts of (those present).
 COUNTED_TABLES = ("tasks", "inbox", "outbox", "receipts")
@@ -33,8 +34,9 @@ def snapshot(db_path: str | Path, out: str | Path) -> dict[str, Any]:
     exist), with mode 0600.
 
     Returns:
-        what was written: ``out``, ``bytes``, ``integrity`` (``"ok"``) and the row counts
-        of the tables of ``COUNTED_TABLES`` it holds.
+        what was written: ``out``, ``bytes``, ``integrity`` (``"ok"``), ``store_id`` (the
+        store's identity, which the copy keeps: ``store.identity``) and the row counts of
+        the tables of ``COUNTED_TABLES`` it holds.
 
     Raises:
         ConfigError: ``db_path`` is not a file, or ``out`` exists already.
@@ -100,11 +102,15 @@ def _check(path: Path) -> dict[str, Any]:
             if table in present
         }
         version = int(conn.execute("PRAGMA user_version").fetchone()[0])
+        store_id = None
+        if "meta" in present:
+            row = conn.execute("SELECT value FROM meta WHERE name = ?", (STORE_ID_KEY,)).fetchone()
+            store_id = None if row is None else bytes(row[0]).decode("ascii", "replace")
     except sqlite3.Error as exc:
         raise StoreError(f"cannot read snapshot {path}: {exc}") from exc
     finally:
         conn.close()
-    return {"integrity": integrity, "schema_version": version, "rows": rows}
+    return {"integrity": integrity, "schema_version": version, "store_id": store_id, "rows": rows}
 
 
 def _sync_dir(directory: Path) -> None:

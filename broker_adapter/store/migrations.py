@@ -17,6 +17,7 @@ from typing import Any
 from broker_adapter.errors import StoreError
 from broker_adapter.protocol.envelope import content_fingerprint
 from broker_adapter.store import outcome_schema
+from broker_adapter.store.identity import STORE_ID_KEY, new_store_id
 
 # Schema, one entry per version. Never edit a released entry: append a new one.
 #
@@ -24,7 +25,8 @@ from broker_adapter.store import outcome_schema
 # inbox     dedupe record: (principal, message_id) -> fingerprint, task_id.
 # outbox    replies waiting to be published; exactly one per terminal task.
 # receipts  the receiver side: one row per reply id applied, with its content hash.
-# meta      named values of this database, made once (the conflict-answer id key).
+# meta      named values of this database, made once (the conflict-answer id key, the
+#           store's identity).
 # approvals, approval_waits, approval_releases, reconcile_log, compensations: effects
 #           beyond our transaction (effects.py, approvals.py).
 # chains    tasks stored per correlation_id, for the chain budget (inbox.py).
@@ -187,6 +189,9 @@ MIGRATIONS: tuple[str | Callable[[sqlite3.Connection], None], ...] = (
     # approval is bound to the requesting principal and the digest of the effect's
     # arguments and version, and counts its uses (``approvals``).
     lambda c: _bind_terms_and_approvals(c),
+    # 14: the store's identity (``identity``), a random id made once: what binds a Redis
+    # prefix to this store, kept by a backup, new in a new database.
+    lambda c: _create_store_id(c),
 )
 SCHEMA_VERSION = len(MIGRATIONS)
 #: The ``meta`` row holding the key of conflict-answer ids.
@@ -200,6 +205,13 @@ def _create_meta(c: sqlite3.Connection) -> None:
     )
     c.execute(
         "INSERT OR IGNORE INTO meta (name, value) VALUES (?, ?)", (CONFLICT_ID_KEY, os.urandom(32))
+    )
+
+
+def _create_store_id(c: sqlite3.Connection) -> None:
+    """Migration 10 (idempotent: an identity once made is never replaced)."""
+    c.execute(
+        "INSERT OR IGNORE INTO meta (name, value) VALUES (?, ?)", (STORE_ID_KEY, new_store_id())
     )
 
 

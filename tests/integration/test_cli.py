@@ -361,9 +361,11 @@ def test_cli_bad_flags_give_one_clear_error_line(
     assert needle in res.stderr
 
 
-def test_cli_a_stage_that_crashes_is_a_runtime_failure_naming_it(tmp_path: Path) -> None:
+def test_cli_a_stage_that_crashes_is_a_runtime_failure_naming_it(
+    redis_server: RedisServer, tmp_path: Path, prefix: str
+) -> None:
     """Not a configuration error (exit 2): exit 1, and the last line names the stage and
-    the exception."""
+    the exception. (A reachable Redis: the prefix is bound before any stage starts.)"""
     write_keyring(tmp_path / "k.json")
     boom = (
         "import sys\n"
@@ -374,7 +376,8 @@ def test_cli_a_stage_that_crashes_is_a_runtime_failure_naming_it(tmp_path: Path)
         "raise SystemExit(cli.main(sys.argv[1:]))\n"
     )
     res = subprocess.run(
-        [sys.executable, "-c", boom, *RUN, "--workers", "1", "--grace", "0"], cwd=tmp_path,
+        [sys.executable, "-c", boom, *RUN, "--workers", "1", "--grace", "0", "--redis",
+         redis_server.url, "--prefix", prefix], cwd=tmp_path,
         capture_output=True, text=True, timeout=120, env={**_env(), "PYTHONPATH": str(ROOT)},
     )  # fmt: skip
     assert res.returncode == EXIT_FAILURE, res.stderr

@@ -9,6 +9,7 @@ from broker_adapter import crashpoints
 from broker_adapter.errors import ConfigError, StoreError
 from broker_adapter.store.backends import is_postgres_url, probe
 from broker_adapter.store.db import Database, open_database
+from broker_adapter.store.identity import STORE_ID_KEY
 from broker_adapter.store.postgres.db import PgDatabase
 from broker_adapter.store.postgres.schema import CONFLICT_ID_KEY, MIGRATIONS, SCHEMA_VERSION
 from broker_adapter.store.report import snapshot
@@ -68,7 +69,7 @@ def test_pg_write_commits_once_and_rolls_back_on_error(pg_url: str) -> None:
             failing_write()
         with db.read() as c:
             names = {r["name"] for r in c.execute("SELECT name FROM meta")}
-        assert names == {CONFLICT_ID_KEY, "a"}
+        assert names == {CONFLICT_ID_KEY, STORE_ID_KEY, "a"}
 
 
 def test_pg_write_hits_the_crash_points_on_both_sides_of_commit(

@@ -31,6 +31,7 @@ import psycopg
 from psycopg.rows import tuple_row
 
 from broker_adapter.store import outcome_schema
+from broker_adapter.store.identity import STORE_ID_KEY, new_store_id
 from broker_adapter.store.migrations import (
     BOUND_APPROVAL_COLUMNS,
     CONFLICT_ID_KEY,
@@ -254,6 +255,16 @@ def _bound_terms_and_approvals(conn: psycopg.Connection[Any]) -> None:
         )
 
 
+def _store_id(conn: psycopg.Connection[Any]) -> None:
+    """Migration 7: the SQLite schema's version 14, the store's identity
+    (``store.identity``), made once: every host that opens this database reads the same
+    one."""
+    conn.execute(
+        "INSERT INTO meta (name, value) VALUES (%s, %s) ON CONFLICT (name) DO NOTHING",
+        (STORE_ID_KEY, new_store_id()),
+    )
+
+
 #: ``(what it does, how)``, one per version, in order.
 MIGRATIONS: Final[tuple[tuple[str, Callable[[psycopg.Connection[Any]], None]], ...]] = (
     ("tasks, inbox, outbox, receipts and meta (the SQLite schema at its version 6)", _v1),
@@ -268,6 +279,7 @@ MIGRATIONS: Final[tuple[tuple[str, Callable[[psycopg.Connection[Any]], None]], .
         "fingerprints cover deadline and max_attempts; approvals bound (SQLite version 13)",
         _bound_terms_and_approvals,
     ),
+    ("the store's identity, a meta row (SQLite version 14)", _store_id),
 )
 SCHEMA_VERSION: Final = len(MIGRATIONS)
 
