@@ -177,13 +177,13 @@ def command_keys(command: Sequence[Any]) -> Sequence[Any]:
     """The keys of one command as the hot paths send them (stream commands, EVALSHA and
     EVAL); other commands are taken to have their key first, or none."""
     name = str(command[0]).upper()
-    if name in ("EVALSHA", "EVAL"):
+    if name in ("EVALSHA", "EVAL", "FCALL"):
         return command[3 : 3 + int(command[2])]
     if name in ("XREADGROUP", "XREAD"):
         upper = [str(a).upper() if isinstance(a, str) else a for a in command]
         at = upper.index("STREAMS") + 1
         return command[at : at + (len(command) - at) // 2]
-    if name in ("INFO", "PING", "SCRIPT", "ASKING", "TIME"):
+    if name in ("INFO", "PING", "SCRIPT", "FUNCTION", "ASKING", "TIME"):
         return ()
     return command[1:2]
 
