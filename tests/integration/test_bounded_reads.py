@@ -62,8 +62,21 @@ def _keyring(tmp_path: Path) -> Path:
 
 def _publish(url: str, keyring: Path, prefix: str, ids: range) -> None:
     for i in ids:
-        res = _cli("publish", "--redis", url, "--principal", "alice", "--keyring", str(keyring),
-                   "--prefix", prefix, "--id", f"m{i}", "--payload", json.dumps({"i": i}))  # fmt: skip
+        res = _cli(
+            "publish",
+            "--redis",
+            url,
+            "--principal",
+            "alice",
+            "--keyring",
+            str(keyring),
+            "--prefix",
+            prefix,
+            "--id",
+            f"m{i}",
+            "--payload",
+            json.dumps({"i": i}),
+        )
         assert res.returncode == 0, res.stderr
 
 
@@ -73,9 +86,7 @@ def _add_big(client: Any, stream: str, n: int) -> list[str]:
 
 
 def _dead(client: Any, stream: str) -> dict[str, dict[bytes, bytes]]:
-    return {
-        f[b"dl.entry_id"].decode(): f for _, f in client.xrange(stream) if b"dl.entry_id" in f
-    }
+    return {f[b"dl.entry_id"].decode(): f for _, f in client.xrange(stream) if b"dl.entry_id" in f}
 
 
 def test_run_and_receive_under_1gb_dead_letter_64mb_entries_and_do_the_work_behind_them(
@@ -98,8 +109,10 @@ def test_run_and_receive_under_1gb_dead_letter_64mb_entries_and_do_the_work_behi
     )  # fmt: skip
     try:
         wait_for(
-            lambda: count_rows(db, "SELECT count(*) FROM outbox WHERE state = 'sent'") == 4
-            or run.poll() is not None,
+            lambda: (
+                count_rows(db, "SELECT count(*) FROM outbox WHERE state = 'sent'") == 4
+                or run.poll() is not None
+            ),
             "the four replies",
             timeout_s=120,
         )
@@ -231,3 +244,84 @@ def test_reader_without_fcall_reads_one_entry_at_a_time(
         assert reader.reads.screening is False
     finally:
         admin.execute_command("ACL", "DELUSER", user)
+
+
+def _blocked(client: Any) -> int:
+    """Clients blocked in a read right now (CLIENT LIST flag ``b``)."""
+    return sum(1 for c in client.client_list() if "b" in c["flags"])
+
+
+def _receipts(rdb: Path) -> int:
+    return count_rows(rdb, "SELECT count(*) FROM receipts")
+
+
+def test_flushall_and_del_under_blocking_reads_leave_ingest_and_receiver_running(
+    server: RedisServer, tmp_path: Path, prefix: str
+) -> None:
+    """The ingest and a receiver blocked in XREADGROUP get ``UNBLOCKED the stream key no
+    longer exists`` from a FLUSHALL, then from a DEL of their streams: both recreate their
+    group from 0 and go on; the requests published afterwards are run and received (the
+    wipe's re-sent replies end as duplicates)."""
+    keyring = _keyring(tmp_path)
+    client: Any = server.client()
+    db, rdb = tmp_path / "adapter.db", tmp_path / "receiver.db"
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "broker_adapter", *args],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=cli_env(),
+        )
+        for args in (
+            [
+                "run",
+                "--redis",
+                server.url,
+                "--db",
+                str(db),
+                "--handler",
+                "broker_adapter.examples:echo",
+                "--workers",
+                "1",
+                "--keyring",
+                str(keyring),
+                "--prefix",
+                prefix,
+            ],
+            [
+                "receive",
+                "--redis",
+                server.url,
+                "--db",
+                str(rdb),
+                "--principal",
+                "alice",
+                "--prefix",
+                prefix,
+                "--keyring",
+                str(keyring),
+            ],
+        )
+    ]
+    try:
+        _publish(server.url, keyring, prefix, range(1))
+        wait_for(lambda: _receipts(rdb) == 1, "the first reply received", timeout_s=60)
+        for i, wipe in enumerate((
+            lambda: client.flushall(),
+            lambda: client.delete(f"{prefix}:{{in}}:tasks", f"{prefix}:{{out.alice}}:replies"),
+        )):  # fmt: skip
+            wait_for(lambda: _blocked(client) >= 2, "the ingest and the receiver blocking")
+            wipe()
+            _publish(server.url, keyring, prefix, range(i + 1, i + 2))
+            want = i + 2
+            wait_for(lambda: _receipts(rdb) == want, f"reply {want - 1} received", timeout_s=60)  # noqa: B023
+            assert [p.poll() for p in procs] == [None, None]
+    finally:
+        for p in procs:
+            p.terminate()
+        outs = [p.communicate(timeout=60)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    for out in outs:
+        assert "recreating from 0" in out
