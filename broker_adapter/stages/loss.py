@@ -4,7 +4,8 @@ Redis data loss (``docs/RULES.md``, "What Redis may lose"). Before each batch th
 (``LossWatch.watch``) reads the epoch key (``{p}:{meta}:epoch``, set once with NX to a
 random value) and ``INFO server``:
 
-* epoch key gone or changed (a wipe, FLUSHALL, a new server): ALARM, every ``sent`` row is
+* epoch key gone or changed (a wipe, FLUSHALL, a new server): ALARM, every ``sent`` row of
+  the reply window (``OutboxPolicy.reply_window_s``; older replies are never sent again) is
   put back in line (which replies a receiver saw we cannot know; its receipts dedupe them),
   a new epoch is set. At start-up, a missing epoch key with ``sent`` rows in the outbox is
   the same alarm.

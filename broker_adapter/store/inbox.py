@@ -434,7 +434,7 @@ def _known(
     detail = "message_id reused with different content; the first request stands"
     body = conflict_body(
         reply_id, row["task_id"], item.principal, env.message_id, env.correlation_id,
-        detail, fingerprint, row["fingerprint"], traceparent=env.traceparent,
+        detail, fingerprint, row["fingerprint"], traceparent=env.traceparent, answered_at=now,
     )  # fmt: skip
 
     def write(c: Conn) -> None:

@@ -342,9 +342,16 @@ class OutboxStore:
 
         Raises:
             UnknownReply: no such reply.
-            StaleError: the row is not ``dead``.
+            StaleError: the row is not ``dead`` (reason ``not_dead``), or older than
+                ``policy.reply_window_s`` (reason ``stale``: a receiver would refuse it).
         """
         now = self.clock.now()
+        row = self.get(reply_id)
+        if row is not None and row.created_at < now - self.policy.reply_window_s:
+            raise StaleError(
+                reply_id, "stale", f"made {now - row.created_at:.0f} s ago, past the reply "
+                f"window of {self.policy.reply_window_s:g} s",
+            )  # fmt: skip
         return self._move_dead(
             reply_id, by, "state = 'pending', attempts = 0, not_before = ?", (now,)
         )
@@ -387,10 +394,13 @@ class OutboxStore:
             return self._requeue_sent_in(c, low, high)
 
     def _requeue_sent_in(self, c: Conn, low: float, high: float) -> int:
+        """Put back the ``sent`` rows sent between ``low`` and ``high``, except those made
+        before the reply window (``policy.reply_window_s``: they are never sent again)."""
+        now = self.clock.now()
         cur = c.execute(
             "UPDATE outbox SET state = 'pending', not_before = ?, attempts = 0"
-            " WHERE state = 'sent' AND sent_at >= ? AND sent_at <= ?",
-            (self.clock.now(), low, high),
+            " WHERE state = 'sent' AND sent_at >= ? AND sent_at <= ? AND created_at >= ?",
+            (now, low, high, now - self.policy.reply_window_s),
         )
         return cur.rowcount
 
