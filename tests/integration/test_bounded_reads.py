@@ -308,12 +308,10 @@ def test_flushall_and_del_under_blocking_reads_leave_ingest_and_receiver_running
     try:
         _publish(server.url, keyring, prefix, range(1))
         wait_for(lambda: _receipts(rdb) == 1, "the first reply received", timeout_s=60)
-        for i, wipe in enumerate((
-            lambda: client.flushall(),
-            lambda: client.delete(f"{prefix}:{{in}}:tasks", f"{prefix}:{{out.alice}}:replies"),
-        )):  # fmt: skip
+        streams = (f"{prefix}:{{in}}:tasks", f"{prefix}:{{out.alice}}:replies")
+        for i, wipe in enumerate(("FLUSHALL", "DEL")):
             wait_for(lambda: _blocked(client) >= 2, "the ingest and the receiver blocking")
-            wipe()
+            client.execute_command(*(("FLUSHALL",) if wipe == "FLUSHALL" else ("DEL", *streams)))
             _publish(server.url, keyring, prefix, range(i + 1, i + 2))
             want = i + 2
             wait_for(lambda: _receipts(rdb) == want, f"reply {want - 1} received", timeout_s=60)  # noqa: B023
