@@ -109,6 +109,8 @@ class DispatcherStats:
     fenced: int = 0
     wipes: int = 0
     restarts: int = 0
+    #: Deleted epoch keys set back (Redis kept its data: not a wipe).
+    epoch_restored: int = 0
     requeued: int = 0
     trimmed: int = 0
     unread_trimmed: int = 0

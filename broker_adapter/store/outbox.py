@@ -70,6 +70,8 @@ __all__ = [
 ]
 
 _COLUMNS = ", ".join(OutboxRow.__dataclass_fields__)
+#: The ``meta`` row of the Redis epoch the dispatcher saw last (``stages.loss``).
+REDIS_EPOCH_META = "redis_epoch"
 
 
 def enqueue(
@@ -424,6 +426,30 @@ class OutboxStore:
         out = dict.fromkeys(OUTBOX_STATES, 0)
         out.update({r["state"]: r["n"] for r in rows})
         return out
+
+    def redis_epoch(self) -> str | None:
+        """The Redis epoch the dispatcher last saw (``meta``), or None before its first."""
+        row = self.db.fetch_one("SELECT value FROM meta WHERE name = ?", (REDIS_EPOCH_META,))
+        return None if row is None else bytes(row[0]).decode("utf-8", "replace")
+
+    def set_redis_epoch(self, epoch: str) -> None:
+        """Keep ``epoch`` as the one the dispatcher saw (it survives a deleted epoch key)."""
+        with self.db.write("redis_epoch") as c:
+            c.execute(
+                "INSERT INTO meta (name, value) VALUES (?, ?)"
+                " ON CONFLICT (name) DO UPDATE SET value = excluded.value",
+                (REDIS_EPOCH_META, epoch.encode()),
+            )
+
+    def newest_sent(self, sent_before: float) -> OutboxRow | None:
+        """The ``sent`` row sent last at or before ``sent_before`` (its publication record is
+        the data-loss watch's evidence that Redis kept its data)."""
+        found = self.db.fetch_one(
+            f"SELECT {_COLUMNS} FROM outbox WHERE state = 'sent' AND sent_at <= ?"
+            " ORDER BY sent_at DESC LIMIT 1",
+            (sent_before,),
+        )
+        return OutboxRow.from_row(found) if found else None
 
     def oldest_unsent_age(self) -> float | None:
         row = self.db.fetch_one(
