@@ -66,11 +66,13 @@ class Outcome(StrEnum):
 
 
 class AcceptItem(NamedTuple):
-    """One authenticated envelope. ``principal`` must come from a verified check."""
+    """One authenticated envelope. ``principal`` must come from a verified check; ``kid``
+    is the key id its signature verified with (its reply is signed with the same key)."""
 
     principal: str
     envelope: Envelope
     entry_id: str | None = None
+    kid: str | None = None
 
 
 class AcceptResult(NamedTuple):
@@ -136,8 +138,8 @@ def new_task_ids(n: int) -> list[str]:
 _INSERT_TASK = (
     "INSERT INTO tasks (task_id, principal, message_id, kind, payload, fingerprint,"
     " correlation_id, parent_id, state, max_attempts, not_before, deadline, hops,"
-    " created_at, updated_at, finished_at, error, traceparent)"
-    " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+    " created_at, updated_at, finished_at, error, traceparent, request_kid)"
+    " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
 )
 # A reused id past the retention window (its task terminal) takes the record over.
 _UPSERT_INBOX = (
@@ -396,7 +398,7 @@ def _accept_one(
             task_id, item.principal, env.message_id, env.kind, payload,
             fingerprint, env.correlation_id, env.parent_id, state.value, env.max_attempts,
             now, env.deadline, hops, now, now,
-            None if state is TaskState.PENDING else now, error, env.traceparent,
+            None if state is TaskState.PENDING else now, error, env.traceparent, item.kid,
         )
     )  # fmt: skip
     batch.inbox.append((item.principal, env.message_id, fingerprint, task_id, item.entry_id, now))

@@ -161,6 +161,10 @@ MIGRATIONS: tuple[str | Callable[[sqlite3.Connection], None], ...] = (
     ) WITHOUT ROWID;
     CREATE INDEX IF NOT EXISTS chains_updated ON chains (updated_at);
     """,
+    # 10: the key id a request's signature verified with (signed mode; NULL in ACL mode and
+    # for every task accepted before): its reply is signed with the same key, so that a
+    # receiver that has not yet got a newly added key can still verify it.
+    lambda c: _add_column(c, "tasks", "request_kid", "TEXT"),
 )
 SCHEMA_VERSION = len(MIGRATIONS)
 #: The ``meta`` row holding the key of conflict-answer ids.

@@ -52,7 +52,7 @@ from broker_adapter.store.outbox_types import (
     SentMark,
     UnknownReply,
 )
-from broker_adapter.store.sql import Conn, Db, marks
+from broker_adapter.store.sql import Conn, Db, in_lists, marks
 
 __all__ = [
     "OUTBOX_STATES",
@@ -428,18 +428,25 @@ class OutboxStore:
         return out
 
     def redis_epoch(self) -> str | None:
-        """The Redis epoch the dispatcher last saw (``meta``), or None before its first."""
+        """The Redis epoch the dispatcher saw last (``meta``); None before its first."""
         row = self.db.fetch_one("SELECT value FROM meta WHERE name = ?", (REDIS_EPOCH_META,))
         return None if row is None else bytes(row[0]).decode("utf-8", "replace")
 
     def set_redis_epoch(self, epoch: str) -> None:
         """Keep ``epoch`` as the one the dispatcher saw (it survives a deleted epoch key)."""
+        sql = "INSERT INTO meta (name, value) VALUES (?, ?) ON CONFLICT (name) DO UPDATE"
         with self.db.write("redis_epoch") as c:
-            c.execute(
-                "INSERT INTO meta (name, value) VALUES (?, ?)"
-                " ON CONFLICT (name) DO UPDATE SET value = excluded.value",
-                (REDIS_EPOCH_META, epoch.encode()),
-            )
+            c.execute(sql + " SET value = excluded.value", (REDIS_EPOCH_META, epoch.encode()))
+
+    def request_kids(self, task_ids: Sequence[str]) -> dict[str, str]:
+        """The key id each task's request was signed with (tasks without one left out)."""
+        out: dict[str, str] = {}
+        with self.db.read() as c:
+            for chunk, qs in in_lists(task_ids):
+                sql = f"SELECT task_id, request_kid FROM tasks WHERE task_id IN ({qs})"
+                rows = c.execute(sql, chunk).fetchall()
+                out.update((r[0], r[1]) for r in rows if r[1] is not None)
+        return out
 
     def newest_sent(self, sent_before: float) -> OutboxRow | None:
         """The ``sent`` row sent last at or before ``sent_before`` (its publication record is

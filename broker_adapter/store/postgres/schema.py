@@ -210,10 +210,16 @@ def _v2(conn: psycopg.Connection[Any]) -> None:
     conn.execute(_V2_TABLES)
 
 
+def _v3(conn: psycopg.Connection[Any]) -> None:
+    """Migration 3: the key id a request's signature verified with (SQLite version 10)."""
+    conn.execute("ALTER TABLE tasks ADD COLUMN IF NOT EXISTS request_kid text")
+
+
 #: ``(what it does, how)``, one per version, in order.
 MIGRATIONS: Final[tuple[tuple[str, Callable[[psycopg.Connection[Any]], None]], ...]] = (
     ("tasks, inbox, outbox, receipts and meta (the SQLite schema at its version 6)", _v1),
     ("effect columns and tables, tasks.traceparent, chains (SQLite versions 7 to 9)", _v2),
+    ("tasks.request_kid (SQLite version 10)", _v3),
 )
 SCHEMA_VERSION: Final = len(MIGRATIONS)
 
