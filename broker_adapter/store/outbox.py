@@ -430,7 +430,7 @@ class OutboxStore:
     def redis_epoch(self) -> str | None:
         """The Redis epoch the dispatcher saw last (``meta``); None before its first."""
         row = self.db.fetch_one("SELECT value FROM meta WHERE name = ?", (REDIS_EPOCH_META,))
-        return None if row is None else bytes(row[0]).decode("utf-8", "replace")
+        return None if row is None else bytes(row["value"]).decode("utf-8", "replace")
 
     def set_redis_epoch(self, epoch: str) -> None:
         """Keep ``epoch`` as the one the dispatcher saw (it survives a deleted epoch key)."""
@@ -445,7 +445,7 @@ class OutboxStore:
             for chunk, qs in in_lists(task_ids):
                 sql = f"SELECT task_id, request_kid FROM tasks WHERE task_id IN ({qs})"
                 rows = c.execute(sql, chunk).fetchall()
-                out.update((r[0], r[1]) for r in rows if r[1] is not None)
+                out.update((r["task_id"], r["request_kid"]) for r in rows if r["request_kid"])
         return out
 
     def newest_sent(self, sent_before: float) -> OutboxRow | None:
