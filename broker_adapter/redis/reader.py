@@ -17,15 +17,13 @@ Delivery discipline:
   replay.
 * ``take_over`` runs XAUTOCLAIM with a carried cursor until it comes back to ``0-0``, so
   every idle entry of a dead consumer is eventually examined, not just the first page.
-* Entries are read as Redis keeps them, a list of name/value pairs (redis-py's callbacks
-  would fold them into a dict, where a repeated name silently keeps its last value; see
-  ``internals``). The reader refuses, before anyone parses them: entries whose payload was
-  deleted or trimmed (nil fields, or XAUTOCLAIM's deleted list), entries delivered more
-  than ``max_deliveries`` times, entries of more than ``max_entry_fields`` fields
-  (``too_many_fields``) or ``max_entry_bytes`` bytes (``oversize``), and entries that
-  repeat a field name (``duplicate_field``). Each is moved to the dead-letter stream with
-  its reason and acknowledged (``dead_lettering``; the entry format, with its bounded
-  copy of the original, is ``protocol.deadletter``'s).
+* Reads are screened inside Redis (``screening``): an entry over ``max_entry_fields``
+  fields or ``max_entry_bytes`` bytes is dead-lettered there and never fetched; a read
+  returns at most ``max_batch_bytes``. Entries come as Redis keeps them, name/value pairs
+  (``internals``). The reader refuses, before anyone parses them: deleted or trimmed
+  entries, entries delivered more than ``max_deliveries`` times, too many fields or bytes
+  (a plain read's), and a repeated field name (``duplicate_field``). Each is moved to the
+  dead-letter stream with its reason and acknowledged (``dead_lettering``).
 """
 
 from __future__ import annotations
@@ -474,8 +472,8 @@ class GroupReader:
             n = int(acked)
             self.stats.acked += n
             return n
-        if not self.reads.screening:  # only a read known to work is sent ahead
-            return self.ack(entry_ids)
+        if not self.reads.screening or cluster.is_cluster(self.client):
+            return self.ack(entry_ids)  # only a read known to work (a slot may migrate)
         try:
             with translated():
                 acked, reply = exchange(

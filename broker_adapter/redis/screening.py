@@ -348,6 +348,8 @@ class ScreenedReads:
         self.log = logger
         #: Whether the function works (None: not known yet, the next read finds out).
         self.screening: bool | None = None
+        #: The last call's reply came from a plain read (the function could not be used).
+        self.plain_reply = False
         self._unscreened_reads = 0
 
     # -- commands ---------------------------------------------------------------------------
@@ -384,7 +386,7 @@ class ScreenedReads:
         self._maybe_retry()
         command = self.read_command(start, block_ms=block_ms)
         reply = self._call(command, lambda: self.read_command(start))
-        if command[0] == "FCALL" and self.screening is not False:
+        if command[0] == "FCALL" and not self.plain_reply:
             return parse(reply)
         return Screened(entries=reply_entries(reply), refused=[], left=False)
 
@@ -410,7 +412,7 @@ class ScreenedReads:
 
         first = command()
         reply = self._call(first, command)
-        if first[0] == "FCALL" and self.screening is not False:
+        if first[0] == "FCALL" and not self.plain_reply:
             return parse(reply)
         deleted = reply[2] if len(reply) > 2 else []
         return Screened(
@@ -421,11 +423,26 @@ class ScreenedReads:
     def _call(self, command: tuple[Any, ...], fallback: Any) -> Any:
         """Run ``command``; a function not loaded is loaded in the same round trip, and a
         function that cannot be called switches this reader to plain reads (``fallback()``
-        builds the command again)."""
+        builds the command again); ``plain_reply`` says whether the reply is a plain read's."""
+        self.plain_reply = False
         try:
             with translated():
                 (reply,) = exchange(self.client, [command], raw=True)
-        except (TransientError, GroupMissingError):
+        except TransientError as exc:
+            if command[0] != "FCALL" or "tryagain" not in str(exc).lower():
+                raise
+            # A cluster slot migrating: the function's two keys may sit on two nodes for
+            # now. This once, a plain read of ONE entry (its single key follows ASK).
+            self.screening, was = False, self.screening
+            try:
+                again = fallback()
+            finally:
+                self.screening = was
+            with translated():
+                (reply,) = exchange(self.client, [again], raw=True)
+            self.plain_reply = True
+            return reply
+        except GroupMissingError:
             raise
         except BrokerAdapterError as exc:
             if command[0] != "FCALL":
@@ -435,6 +452,7 @@ class ScreenedReads:
                 again = fallback()
                 with translated():
                     (reply,) = exchange(self.client, [again], raw=True)
+                self.plain_reply = True
                 return reply
         if command[0] == "FCALL":
             self.screening = True
