@@ -82,8 +82,7 @@ class ReaderConfig(ConfigModel):
             dead-lettered as ``oversize`` before anyone parses them; also the most bytes
             a dead letter copies. Reads are screened inside Redis (``screening``): a
             larger entry never reaches this process, it is dead-lettered on the server.
-        max_batch_bytes: the most bytes of entries one read returns (the first entry is
-            always returned); the rest stay for the next read.
+        max_batch_bytes: the most bytes of entries one read returns (the first always is).
 
     Raises:
         ConfigError: a value outside its bounds.
