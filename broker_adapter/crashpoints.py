@@ -34,6 +34,7 @@ _STORE_OPS = (
     "reply_retry",
     "reply_dead",
     "reply_replay",
+    "redis_epoch",
     "receipt",
     "purge",
     # effects beyond our transaction (store/effects.py)

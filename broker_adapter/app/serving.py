@@ -5,14 +5,22 @@ Health: ``/healthz`` answers 200 while the process serves HTTP; ``/readyz`` answ
 only when every check passes (``Readiness``: Redis answers a PING, the database can be
 written, every stage runs), else 503 with one line per failed check. What ``/metrics``
 holds is ``app.metrics``'s.
+
+Idle clients cannot starve the probes: every connection has a socket timeout
+(``CONNECTION_TIMEOUT_S`` per read or write), and at most ``MAX_CONNECTIONS`` are held at
+once. A connection that arrives when the cap is reached makes room by closing the oldest
+one that has not sent its request line yet (a connection being answered is never closed),
+so a probe that sends its request at once is answered whatever idle clients hold.
 """
 
 from __future__ import annotations
 
 import http.server
 import logging
+import socket
 import tempfile
 import threading
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -30,6 +38,11 @@ from broker_adapter.redis.probe import redis_check
 from broker_adapter.store.probe import writable_check
 
 log = logging.getLogger("broker_adapter.app.serving")
+
+#: How long the metrics server waits for one read or write of a client, seconds.
+CONNECTION_TIMEOUT_S = 5.0
+#: The most connections the metrics server holds at once (see the module's text).
+MAX_CONNECTIONS = 64
 
 # -- health ---------------------------------------------------------------------------------
 
@@ -66,19 +79,88 @@ class Readiness:
 # -- the HTTP server ------------------------------------------------------------------------
 
 
+class BoundedHTTPServer(http.server.ThreadingHTTPServer):
+    """A thread per connection, at most ``max_connections`` of them: at the cap, a new
+    connection closes the oldest one that has not sent its request line yet (or, when every
+    held connection is being answered, is itself closed)."""
+
+    daemon_threads = True
+    request_queue_size = 128
+
+    def __init__(
+        self,
+        address: tuple[str, int],
+        handler: type[http.server.BaseHTTPRequestHandler],
+        max_connections: int,
+    ) -> None:
+        super().__init__(address, handler)
+        self.max_connections = max_connections
+        self._lock = threading.Lock()
+        #: connections that have not sent a request line yet, oldest first
+        self._waiting: OrderedDict[Any, None] = OrderedDict()
+        self._answering: set[Any] = set()
+        #: idle connections closed to make room (for the logs and the tests)
+        self.evicted = 0
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        with self._lock:
+            while len(self._waiting) + len(self._answering) >= self.max_connections:
+                if not self._waiting:
+                    break
+                oldest, _ = self._waiting.popitem(last=False)
+                self.evicted += 1
+                _cut(oldest)  # its thread's read ends at once and closes it
+            full = len(self._waiting) + len(self._answering) >= self.max_connections
+            if not full:
+                self._waiting[request] = None
+        if full:
+            self.shutdown_request(request)
+            return
+        super().process_request(request, client_address)
+
+    def answering(self, request: Any) -> None:
+        """``request`` sent its request line: it is answered, not evicted."""
+        with self._lock:
+            if self._waiting.pop(request, False) is None:
+                self._answering.add(request)
+
+    def shutdown_request(self, request: Any) -> None:
+        with self._lock:
+            self._waiting.pop(request, None)
+            self._answering.discard(request)
+        super().shutdown_request(request)
+
+
+def _cut(conn: Any) -> None:
+    try:
+        conn.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass  # closed by its client meanwhile
+
+
 class MetricsServer:
     """``/metrics``, ``/healthz`` and ``/readyz`` on ``host:port`` (port 0: any free one,
-    see ``port``), served by a daemon thread of the stdlib's HTTP server."""
+    see ``port``), served by a daemon thread of the stdlib's HTTP server, with a socket
+    timeout of ``timeout_s`` per connection and at most ``max_connections`` connections
+    (see the module's text)."""
 
-    def __init__(self, observed: Observed, host: str = DEFAULT_METRICS_HOST, port: int = 0):
+    def __init__(
+        self,
+        observed: Observed,
+        host: str = DEFAULT_METRICS_HOST,
+        port: int = 0,
+        *,
+        timeout_s: float = CONNECTION_TIMEOUT_S,
+        max_connections: int = MAX_CONNECTIONS,
+    ):
         from prometheus_client import CollectorRegistry
 
         self.registry = CollectorRegistry(auto_describe=False)
         self.readiness = Readiness(observed)
         self.collector = AdapterCollector(observed, readiness=self.readiness)
         self.registry.register(self.collector)
-        self._httpd = http.server.ThreadingHTTPServer((host, port), self._handler())
-        self._httpd.daemon_threads = True
+        self.timeout_s = timeout_s
+        self._httpd = BoundedHTTPServer((host, port), self._handler(), max_connections)
         self._thread: threading.Thread | None = None
 
     @property
@@ -89,6 +171,12 @@ class MetricsServer:
         server = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
+            timeout = server.timeout_s  # per read and write (StreamRequestHandler.setup)
+
+            def parse_request(self) -> bool:
+                server._httpd.answering(self.connection)
+                return super().parse_request()
+
             def do_GET(self) -> None:
                 status, ctype, body = server.respond(self.path.partition("?")[0])
                 self.send_response(status)

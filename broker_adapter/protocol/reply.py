@@ -17,10 +17,12 @@ task ends and published unchanged, so every resend carries the same bytes. Its f
     finished_at         when the task ended (seconds since the epoch)
     fingerprint, stored_fingerprint    a conflict answer only: the refused request's content
                         hash and the stored one's
+    answered_at         a conflict answer only: when it was made (seconds since the epoch)
 
 A terminal reply carries ``attempts``, ``fence`` and ``finished_at``; a conflict answer
-carries the two fingerprints instead. The receiver parses a body with ``parse_body`` into a
-``Reply``, the value an effect is given.
+carries the two fingerprints and ``answered_at`` instead. Either time is the reply's age
+(``Reply.made_at``), which a receiver checks against its window. The receiver parses a
+body with ``parse_body`` into a ``Reply``, the value an effect is given.
 
 The entry around the body (``v``, ``reply_id``, ``hash``, ``body``, ``kid``, ``sig``) and its
 signature are ``signing``'s (``Keyring.sign_reply`` / ``verify_reply``).
@@ -93,7 +95,7 @@ def terminal_body(
 def conflict_body(
     reply_id: str, task_id: str, principal: str, message_id: str,
     correlation_id: str | None, error: str, fingerprint: str, stored_fingerprint: str,
-    *, traceparent: str | None = None,
+    *, traceparent: str | None = None, answered_at: float | None = None,
 ) -> dict[str, Any]:  # fmt: skip
     """The body of the answer to ``(principal, message_id)`` reused with other content
     (``fingerprint``); ``task_id`` and ``stored_fingerprint`` are the stored request's,
@@ -111,6 +113,8 @@ def conflict_body(
         "fingerprint": fingerprint,
         "stored_fingerprint": stored_fingerprint,
     }
+    if answered_at is not None:
+        body["answered_at"] = answered_at
     if traceparent is not None:
         body["traceparent"] = traceparent
     return body
@@ -150,6 +154,17 @@ class Reply:
         """Stable across every resend of the reply (derived from its id): the key an
         effect outside the receipt's transaction gives the remote system."""
         return f"ba-reply:{self.reply_id}"
+
+    @property
+    def made_at(self) -> float | None:
+        """When the reply was made (signed with it): a terminal reply's ``finished_at``, a
+        conflict answer's ``answered_at``; ``None`` if the body has neither."""
+        if self.finished_at is not None:
+            return float(self.finished_at)
+        answered = self.body.get("answered_at")
+        if isinstance(answered, int | float) and not isinstance(answered, bool):
+            return float(answered)
+        return None
 
     @classmethod
     def from_mapping(cls, body: Mapping[str, Any]) -> Reply:

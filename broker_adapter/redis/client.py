@@ -140,7 +140,9 @@ def translated() -> Iterator[None]:
         raise RedisUnavailable(f"redis cluster: {type(exc).__name__}: {exc}") from exc
     except redis.ResponseError as exc:
         text = str(exc)
-        if text.startswith("NOGROUP"):
+        if text.startswith(("NOGROUP", "UNBLOCKED")):
+            # UNBLOCKED: the stream was deleted (DEL, FLUSHALL) under a blocking read; its
+            # group went with it, so it is the lost-group case (recreate from 0, go on).
             raise GroupMissingError(text) from exc
         if text.startswith(("LOADING", "BUSY ", "TRYAGAIN", "CLUSTERDOWN", "MASTERDOWN")):
             raise RedisUnavailable(text) from exc

@@ -183,7 +183,7 @@ def command_keys(command: Sequence[Any]) -> Sequence[Any]:
         upper = [str(a).upper() if isinstance(a, str) else a for a in command]
         at = upper.index("STREAMS") + 1
         return command[at : at + (len(command) - at) // 2]
-    if name in ("INFO", "PING", "SCRIPT", "ASKING", "TIME"):
+    if name in ("INFO", "PING", "SCRIPT", "FUNCTION", "ASKING", "TIME"):
         return ()
     return command[1:2]
 

@@ -17,15 +17,13 @@ Delivery discipline:
   replay.
 * ``take_over`` runs XAUTOCLAIM with a carried cursor until it comes back to ``0-0``, so
   every idle entry of a dead consumer is eventually examined, not just the first page.
-* Entries are read as Redis keeps them, a list of name/value pairs (redis-py's callbacks
-  would fold them into a dict, where a repeated name silently keeps its last value; see
-  ``internals``). The reader refuses, before anyone parses them: entries whose payload was
-  deleted or trimmed (nil fields, or XAUTOCLAIM's deleted list), entries delivered more
-  than ``max_deliveries`` times, entries of more than ``max_entry_fields`` fields
-  (``too_many_fields``) or ``max_entry_bytes`` bytes (``oversize``), and entries that
-  repeat a field name (``duplicate_field``). Each is moved to the dead-letter stream with
-  its reason and acknowledged (``dead_lettering``; the entry format, with its bounded
-  copy of the original, is ``protocol.deadletter``'s).
+* Reads are screened inside Redis (``screening``): an entry over ``max_entry_fields``
+  fields or ``max_entry_bytes`` bytes is dead-lettered there and never fetched; a read
+  returns at most ``max_batch_bytes``. Entries come as Redis keeps them, name/value pairs
+  (``internals``). The reader refuses, before anyone parses them: deleted or trimmed
+  entries, entries delivered more than ``max_deliveries`` times, too many fields or bytes
+  (a plain read's), and a repeated field name (``duplicate_field``). Each is moved to the
+  dead-letter stream with its reason and acknowledged (``dead_lettering``).
 """
 
 from __future__ import annotations
@@ -44,14 +42,8 @@ from broker_adapter.redis import cluster
 from broker_adapter.redis.client import text, translated
 from broker_adapter.redis.dead_lettering import DeadLetterWriter
 from broker_adapter.redis.entry import StreamEntry
-from broker_adapter.redis.internals import (
-    discard,
-    exchange,
-    read_ahead,
-    reply_entries,
-    send_ahead,
-    stream_entries,
-)
+from broker_adapter.redis.internals import discard, exchange, read_ahead, send_ahead
+from broker_adapter.redis.screening import Screened, ScreenedReads, ScreenLimits
 
 #: The most entries one read may ask for (``count``).
 MAX_COUNT = 10_000
@@ -68,6 +60,8 @@ MIN_ENTRY_FIELDS, MAX_ENTRY_FIELDS = 8, 1000
 #: A bare ``ReaderConfig``'s entry size limit (the ingest and the receiver set their own:
 #: ``ingest_config.DEFAULT_MAX_ENTRY_BYTES``, ``receiver.DEFAULT_MAX_REPLY_BYTES``).
 READER_MAX_ENTRY_BYTES = 1024 * 1024
+#: The most bytes of entries one read returns by default (``max_batch_bytes``).
+DEFAULT_MAX_BATCH_BYTES = 8 * 1024 * 1024
 
 log = logging.getLogger("broker_adapter.redis.reader")
 
@@ -86,7 +80,9 @@ class ReaderConfig(ConfigModel):
             (``MIN_ENTRY_FIELDS..MAX_ENTRY_FIELDS``).
         max_entry_bytes: entries larger than this (all field names and values) are
             dead-lettered as ``oversize`` before anyone parses them; also the most bytes
-            a dead letter copies.
+            a dead letter copies. Reads are screened inside Redis (``screening``): a
+            larger entry never reaches this process, it is dead-lettered on the server.
+        max_batch_bytes: the most bytes of entries one read returns (the first always is).
 
     Raises:
         ConfigError: a value outside its bounds.
@@ -100,6 +96,7 @@ class ReaderConfig(ConfigModel):
         default=DEFAULT_MAX_ENTRY_FIELDS, ge=MIN_ENTRY_FIELDS, le=MAX_ENTRY_FIELDS
     )
     max_entry_bytes: int = Field(default=READER_MAX_ENTRY_BYTES, ge=1)
+    max_batch_bytes: int = Field(default=DEFAULT_MAX_BATCH_BYTES, ge=1)
 
 
 @dataclass
@@ -163,6 +160,13 @@ class GroupReader:
         self.dead_letters = DeadLetterWriter(
             client, stream, group, consumer, dead_stream, self.config, self.stats, self.log
         )
+        cfg = self.config
+        limits = ScreenLimits(
+            count=cfg.count, max_fields=cfg.max_entry_fields, max_bytes=cfg.max_entry_bytes,
+            budget=cfg.max_batch_bytes, copy_bytes=cfg.max_entry_bytes,
+            max_deliveries=cfg.max_deliveries,
+        )  # fmt: skip
+        self.reads = ScreenedReads(client, stream, dead_stream, group, consumer, limits, self.log)
 
     # -- group ----------------------------------------------------------------------------
 
@@ -239,35 +243,39 @@ class GroupReader:
         return self._screen(batch)
 
     def _read_once(self, block: bool = True) -> list[StreamEntry]:
-        cfg = self.config
         if self._replaying:
-            with translated():
-                (reply,) = exchange(self.client, [self._xreadgroup("0")], raw=True)
-            entries = reply_entries(reply)
-            if not entries:
+            done = self._screened(self.reads.read("0"))
+            entries = done.entries
+            if not entries and not done.refused and not done.left:
                 self._replaying = False
                 return []
             self.stats.replayed += len(entries)
-            return self._with_deliveries(entries)
-        with translated():
-            (reply,) = exchange(
-                self.client,
-                [self._xreadgroup(">", block_ms=cfg.block_ms if block else None)],
-                raw=True,
-            )
-        entries = reply_entries(reply)
-        self.stats.read += len(entries)
-        self._full = len(entries) >= cfg.count
-        return entries
+            return self._with_deliveries(entries) if entries else []
+        done = self._screened(self.reads.read(">"))
+        if not done.entries and not done.refused and not done.left and block:
+            # Nothing new: wait for an entry. A function cannot block, so this read is a
+            # plain one, of ONE entry (measured by ``_screen`` once it is here).
+            done = self.reads.read(">", block_ms=self.config.block_ms)
+        return self._counted(done)
 
-    def _xreadgroup(self, start: str, *, block_ms: int | None = None) -> tuple[Any, ...]:
-        """The XREADGROUP command of one batch from ``start`` (``0``: own pending, ``>``:
-        new), blocking ``block_ms`` if given."""
-        block = () if block_ms is None else ("BLOCK", block_ms)
-        return (
-            "XREADGROUP", "GROUP", self.group, self.consumer, "COUNT", self.config.count,
-            *block, "STREAMS", self.stream, start,
-        )  # fmt: skip
+    def _screened(self, done: Screened) -> Screened:
+        """Count and log what a screened read dead-lettered inside Redis; after a read that
+        left an entry pending (its budget spent), replay the pending list next."""
+        for entry_id, reason in done.refused:
+            self.stats.dead_lettered += 1
+            self.stats.by_reason[reason] = self.stats.by_reason.get(reason, 0) + 1
+            self.log.warning(
+                "dead-lettered %s from %s: %s (screened in Redis)", entry_id, self.stream, reason
+            )
+        if done.left:
+            self._replaying = True
+        return done
+
+    def _counted(self, done: Screened) -> list[StreamEntry]:
+        """The entries of a read of new ones (``_full`` notes whether more are waiting)."""
+        self.stats.read += len(done.entries)
+        self._full = done.left or len(done.entries) + len(done.refused) >= self.config.count
+        return done.entries
 
     # -- reading ahead ----------------------------------------------------------------------
 
@@ -289,10 +297,12 @@ class GroupReader:
             return False
         if cluster.is_cluster(self.client):  # a held connection would not follow a moved slot
             return False
+        if not self.reads.screening:  # only a read known to work is sent ahead
+            return False
         self._full = False
         try:
             with translated():
-                conn = send_ahead(self.client, self._xreadgroup(">"))
+                conn = send_ahead(self.client, self.reads.read_command(">"))
         except BaseException:
             self.reset()
             raise
@@ -315,6 +325,12 @@ class GroupReader:
         except GroupMissingError:
             self._recreate_group()
             return [], 0
+        except BrokerAdapterError as exc:
+            self.reset()
+            self.reads.note_failure(exc)
+            if self.reads.screening is None:
+                return [], 0  # the function went away (a new server): the next read loads it
+            raise
         except BaseException:
             self.reset()
             raise
@@ -328,12 +344,10 @@ class GroupReader:
             discard(self.client.connection_pool, conn)
 
     def _new_entries(self, reply: Any) -> list[StreamEntry]:
-        """The screened entries of a non-blocking read of new ones, read ahead for the next
-        ``read`` (``_full`` notes whether it filled a batch)."""
-        entries = reply_entries(reply)
-        self.stats.read += len(entries)
-        self._full = len(entries) >= self.config.count
-        return self._screen(entries)
+        """The screened entries of a non-blocking read of new ones (``read_command(">")``),
+        read ahead for the next ``read`` (``_full`` notes whether it filled a batch)."""
+        done = self._screened(self.reads.parse_read(self.reads.read_command(">"), reply))
+        return self._screen(self._counted(done))
 
     def _with_deliveries(self, entries: list[StreamEntry]) -> list[StreamEntry]:
         """Attach delivery counts (from XPENDING) to entries that came from a pending list."""
@@ -398,27 +412,21 @@ class GroupReader:
         if not self._group_ready:
             self.ensure_group()
         try:
-            with translated():
-                (reply,) = exchange(self.client, [(
-                    "XAUTOCLAIM", self.stream, self.group, self.consumer,
-                    self.config.claim_min_idle_ms, self._cursor, "COUNT", self.config.count,
-                )], raw=True)  # fmt: skip
+            done = self._screened(self.reads.claim(self._cursor, self.config.claim_min_idle_ms))
         except GroupMissingError:
             self._recreate_group()
             return []
         except RedisUnavailable:
             self.reset()
             raise
-        cursor, claimed = text(reply[0]), reply[1]
-        deleted = reply[2] if len(reply) > 2 else []
-        self._cursor = cursor
-        for raw_id in deleted:
+        self._cursor = done.cursor
+        for entry_id in done.deleted:
             # XAUTOCLAIM already removed deleted ids from the pending list: record them.
             self.stats.deleted += 1
             self.dead_letters.write_fields(
-                text(raw_id), "payload_deleted", "entry was deleted or trimmed", 0, ack=False
+                entry_id, "payload_deleted", "entry was deleted or trimmed", 0, ack=False
             )
-        entries = stream_entries(claimed)
+        entries = done.entries
         if not entries:
             return []
         self.stats.taken_over += len(entries)
@@ -456,17 +464,31 @@ class GroupReader:
             return n
         xack = ("XACK", self.stream, self.group, *entry_ids)
         if not peek or self._replaying:
-            with translated():
-                (acked,) = exchange(self.client, [xack], raw=True)
+            try:
+                with translated():
+                    (acked,) = exchange(self.client, [xack], raw=True)
+            except GroupMissingError:
+                self._recreate_group()  # the entries come back from 0 (duplicates then)
+                return 0
             n = int(acked)
             self.stats.acked += n
             return n
+        if not self.reads.screening or cluster.is_cluster(self.client):
+            return self.ack(entry_ids)  # only a read known to work (a slot may migrate)
         try:
             with translated():
-                acked, reply = exchange(self.client, [xack, self._xreadgroup(">")], raw=True)
+                acked, reply = exchange(
+                    self.client, [xack, self.reads.read_command(">")], raw=True
+                )
         except GroupMissingError:
             self._recreate_group()
             return 0
+        except BrokerAdapterError as exc:
+            self.reset()
+            self.reads.note_failure(exc)
+            if self.reads.screening is None:
+                return 0  # the function went away: the replay acknowledges them again
+            raise
         except BaseException:
             self.reset()
             raise

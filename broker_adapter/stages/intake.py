@@ -102,7 +102,7 @@ def screen(
             )
             continue
         good.append(entry)
-        items.append(AcceptItem(auth.principal, auth.envelope, entry.entry_id))
+        items.append(AcceptItem(auth.principal, auth.envelope, entry.entry_id, auth.kid))
     if refused:
         reader.dead_letter_many(refused)
     return good, items

@@ -4,7 +4,8 @@ Redis data loss (``docs/RULES.md``, "What Redis may lose"). Before each batch th
 (``LossWatch.watch``) reads the epoch key (``{p}:{meta}:epoch``, set once with NX to a
 random value) and ``INFO server``:
 
-* epoch key gone or changed (a wipe, FLUSHALL, a new server): ALARM, every ``sent`` row is
+* epoch key gone or changed (a wipe, FLUSHALL, a new server): ALARM, every ``sent`` row of
+  the reply window (``OutboxPolicy.reply_window_s``; older replies are never sent again) is
   put back in line (which replies a receiver saw we cannot know; its receipts dedupe them),
   a new epoch is set. At start-up, a missing epoch key with ``sent`` rows in the outbox is
   the same alarm.
@@ -27,10 +28,16 @@ refused after its lease). A worker must not mark its first publications before t
 dispatcher's first look (a ``sent`` row with no epoch key reads as a wipe): the runner starts
 the workers after it.
 
-The epoch a dispatcher saw is kept in memory only. That is enough because a prefix (whose
-epoch key this is) is bound to one store (``app.binding``): every dispatcher of the prefix
-shares that one outbox, so the first to see the wipe puts back the rows of all of them (a
-missing key at start-up is the alarm).
+The epoch a dispatcher saw is also kept in its database (``meta``, ``redis_epoch``): a
+dispatcher that was down during a wipe and starts after another one (sharing the Redis) set
+a new epoch sees the change. And a missing key alone is not a wipe: when the publication
+record of the reply confirmed last before the previous look is still there, only the key
+was deleted; it is set back to the kept epoch with an ALARM, and nothing is re-sent. (Past
+the record's lifetime, ``record_window_s``, with nothing sent since, a missing key still
+counts as a wipe: the safe side, its resends are deduplicated.)
+A prefix (whose epoch key this is) is bound to one store (``app.binding``): every
+dispatcher of the prefix shares that one outbox, so the first to see a wipe puts back the
+rows of all of them.
 """
 
 from __future__ import annotations
@@ -168,9 +175,14 @@ class LossWatch:
         self._note_version(str(info.get("redis_version", "0")))
         event, requeued = LossEvent.NONE, 0
         rechecked = self._recheck(now)
+        known = self._epoch if self._epoch is not None else self.outbox.redis_epoch()
+        if epoch is None and known is not None and self._kept_data(now):
+            epoch = self._restore_epoch(known)  # the key alone was deleted: not a wipe
         if self._epoch is None:  # first look since this dispatcher started
             if epoch is None and self.outbox.counts()["sent"] > 0:
                 event, requeued = LossEvent.WIPE, self._requeue_all("epoch key missing at start")
+            elif epoch is not None and known is not None and epoch != known:
+                event, requeued = LossEvent.WIPE, self._requeue_all("epoch changed while down")
             elif epoch is not None:
                 requeued = self.outbox.requeue_sent_near(now - uptime_s, self.loss_window_s)
                 if requeued:
@@ -200,6 +212,8 @@ class LossWatch:
             )
         if epoch is None:
             epoch = self._set_epoch()
+        if epoch != known:
+            self.outbox.set_redis_epoch(epoch)
         requeued += rechecked
         self.stats.requeued += requeued
         self._epoch, self._run_id, self._last_ok_at = epoch, run_id, now
@@ -259,14 +273,36 @@ class LossWatch:
         )
         return n
 
-    def _set_epoch(self) -> str:
+    def _set_epoch(self, value: str | None = None) -> str:
         key = self.keys.epoch()
         with translated():
             pipe = self.client.pipeline(transaction=False)
-            pipe.set(key, secrets.token_hex(16), nx=True)
+            pipe.set(key, value or secrets.token_hex(16), nx=True)
             pipe.get(key)
             _, raw = pipe.execute()
         return text(raw)
+
+    def _kept_data(self, now: float) -> bool:
+        """Whether Redis still holds what it held at the last look, though the epoch key is
+        gone: the publication record of the reply confirmed last before that look is there
+        (a wipe removes it; a reply published after the wipe has a record of its own, so
+        only rows sent before the last look count). Without such a row, or past its
+        record's lifetime, nothing says so and the missing key counts as a wipe."""
+        row = self.outbox.newest_sent(self._last_ok_at if self._last_ok_at is not None else now)
+        if row is None:
+            return False
+        with translated():
+            return bool(self.client.exists(self.keys.reply_record(row.principal, row.reply_id)))
+
+    def _restore_epoch(self, known: str) -> str:
+        """Set the epoch key back to ``known`` (the one this database kept) and say so."""
+        self.stats.epoch_restored += 1
+        self.log.error(
+            "ALARM: the Redis epoch key %s was deleted but Redis kept its data (a recent"
+            " reply's publication record is there): not a wipe, nothing re-sent; key restored",
+            self.keys.epoch(),
+        )
+        return self._set_epoch(known)
 
     def _note_version(self, version: str) -> None:
         if version == self.redis_version:

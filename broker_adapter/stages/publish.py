@@ -19,6 +19,7 @@ records live and the crash order (XADD, then mark sent).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from dataclasses import dataclass
@@ -36,7 +37,7 @@ from broker_adapter.errors import (
 )
 from broker_adapter.protocol.keys import Keys
 from broker_adapter.protocol.reply import CONFLICT_STATUS
-from broker_adapter.protocol.signing import REPLY_WIRE_VERSION, Keyring
+from broker_adapter.protocol.signing import REPLY_WIRE_VERSION, Keyring, ReplySignature
 from broker_adapter.redis.client import text
 from broker_adapter.redis.scripts import eval_many
 from broker_adapter.stages import tracing
@@ -124,6 +125,8 @@ class DispatcherStats:
     fenced: int = 0
     wipes: int = 0
     restarts: int = 0
+    #: Deleted epoch keys set back (Redis kept its data: not a wipe).
+    epoch_restored: int = 0
     requeued: int = 0
     trimmed: int = 0
     unread_trimmed: int = 0
@@ -195,6 +198,19 @@ class ReplyPublisher:
         tracing.published(rows, pubs, started)
         return pubs
 
+    def _sign(self, row: OutboxRow, body: bytes, kid: str | None) -> ReplySignature:
+        """Sign with the key the request came with (``kid``), so that a receiver that has not
+        got a newer key yet still verifies the reply; with the principal's first key when
+        the request had none (ACL mode, a conflict answer) or its key left the keyring.
+
+        Raises:
+            AuthError: the principal has no key at all.
+        """
+        if kid is not None:
+            with contextlib.suppress(AuthError):  # rotated out: the current key below
+                return self.keyring.sign_reply(row.principal, row.reply_id, body, kid)
+        return self.keyring.sign_reply(row.principal, row.reply_id, body)
+
     def _publish(self, rows: list[OutboxRow]) -> list[Publication]:
         if not rows:
             return []
@@ -205,10 +221,11 @@ class ReplyPublisher:
         pubs: list[Publication | None] = []
         signed: list[OutboxRow] = []
         calls: list[tuple[list[str], list[bytes | str | int]]] = []
+        kids = self.outbox.request_kids([r.task_id for r in rows if r.task_id is not None])
         for r in rows:
             body = bytes(r.body)
             try:
-                kid, sig = self.keyring.sign_reply(r.principal, r.reply_id, body)
+                kid, sig = self._sign(r, body, kids.get(r.task_id or ""))
             except AuthError as exc:
                 detail = f"cannot sign reply {r.reply_id} for {r.principal!r}: {exc}"
                 pubs.append(Publication(r.reply_id, PublishOutcome.FAILED, None, detail))

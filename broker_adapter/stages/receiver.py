@@ -13,16 +13,14 @@ first, it takes over entries idle in a dead consumer's list (XAUTOCLAIM, every
 entries and entries past ``max_deliveries``.
 
 Per batch: the reader refuses entries of more than ``max_entry_fields`` fields, of more than
-``max_reply_bytes`` bytes and with a repeated field name before anything is hashed or parsed;
-then check each entry (fields ``v``, ``reply_id``, ``hash``, ``body``, ``kid``, ``sig``; the
-signature verifies with one of this principal's keys, ``auth.Keyring.verify_reply``; SHA-256
-of the body equals ``hash``; the body is strict JSON (no NaN, no duplicate keys) nesting at
-most ``REPLY_MAX_DEPTH`` levels and names this reply id and principal; anything else is
-dead-lettered with its reason, and an exception while checking one entry dead-letters that
-entry as ``internal_error``, never the batch), then ``receiver.before_commit``, one
-transaction with a savepoint per reply (``ReceiptStore.apply_many``),
-``receiver.after_commit``, one XACK for the batch, ``receiver.after_xack``. Surviving a
-crash:
+``max_reply_bytes`` bytes (inside Redis) and with a repeated field name; then check each
+entry (fields ``v``, ``reply_id``, ``hash``, ``body``, ``kid``, ``sig``; the signature
+verifies with one of this principal's keys; SHA-256 of the body equals ``hash``; the body is
+strict JSON nesting at most ``REPLY_MAX_DEPTH`` levels, names this reply id and principal,
+and is younger than ``max_reply_age_s`` (else ``stale``); anything else is dead-lettered
+with its reason, an exception while checking one entry as ``internal_error``), then
+``receiver.before_commit``, one transaction with a savepoint per reply, ``after_commit``,
+one XACK for the batch, ``after_xack``. Surviving a crash:
 
 * killed before the commit: nothing was written; the entries are still pending and come
   back (own-pending replay on restart, or another consumer's takeover); applied once then;
@@ -72,7 +70,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from broker_adapter import crashpoints
 from broker_adapter.backoff import run_until_stopped
@@ -104,12 +102,7 @@ from broker_adapter.redis.reader import (
 )
 from broker_adapter.stages import tracing
 from broker_adapter.store.interface import ReceiptsAPI
-from broker_adapter.store.receipts import (
-    AppliedItem,
-    Effect,
-    ReceiptItem,
-    ReceiptOutcome,
-)
+from broker_adapter.store.receipts import AppliedItem, Effect, ReceiptItem, ReceiptOutcome
 from broker_adapter.store.retention import DEFAULT_RETENTION_S, PurgeBatch, PurgeSchedule
 
 if TYPE_CHECKING:
@@ -130,6 +123,10 @@ DEFAULT_FAILED_STEP_PAUSE_S = 1.0
 PENDING_SLACK_S = 5.0
 #: How long a step spends on the receipts' purge at most (when a pass is due).
 PURGE_STEP_BUDGET_S = 0.02
+#: By default a reply is accepted up to ``retention_s`` minus this much old (at most half
+#: of ``retention_s``): slack for the adapter's clock, which stamps ``finished_at``,
+#: running behind the receiver's.
+REPLY_AGE_SLACK_S = 3600.0
 REPLY_FORMAT_VERSION = REPLY_WIRE_VERSION.encode()
 _HEX = frozenset("0123456789abcdef")
 
@@ -158,6 +155,10 @@ class ReceiverConfig(ConfigModel):
         retention_s: how long a receipt is kept after its reply was applied (and while an
             entry of the group read at or after it is still pending): a reply redelivered
             within it is a duplicate. Keep it at least the adapter's ``retention_s``.
+        max_reply_age_s: an older reply (``Reply.made_at``) is dead-lettered as ``stale``:
+            its receipt may be gone, a replay would apply again. ``None``: ``retention_s``
+            less ``REPLY_AGE_SLACK_S`` (at most half). Below ``retention_s``, above the
+            adapter's ``reply_window_s`` (docs/OPERATIONS.md, "Reply windows").
     """
 
     prefix: KeyPrefix = DEFAULT_PREFIX
@@ -175,6 +176,19 @@ class ReceiverConfig(ConfigModel):
     )
     failed_step_pause_s: float = Field(default=DEFAULT_FAILED_STEP_PAUSE_S, ge=0)
     retention_s: float = Field(default=DEFAULT_RETENTION_S, gt=0)
+    max_reply_age_s: float | None = Field(default=None, gt=0)
+
+    @model_validator(mode="after")
+    def _age_within_retention(self) -> ReceiverConfig:
+        if self.max_reply_age_s is not None and self.max_reply_age_s >= self.retention_s:
+            raise ValueError("max_reply_age_s must be below retention_s")
+        return self
+
+    @property
+    def reply_age_limit_s(self) -> float:
+        """``max_reply_age_s``, or its default."""
+        default = self.retention_s - min(REPLY_AGE_SLACK_S, self.retention_s / 2)
+        return default if self.max_reply_age_s is None else self.max_reply_age_s
 
 
 @dataclass(frozen=True)
@@ -241,17 +255,26 @@ def check_signature(
 
 
 def parse_entry(
-    fields: Mapping[bytes, bytes], principal: str, entry_id: str, *, keyring: Keyring
+    fields: Mapping[bytes, bytes],
+    principal: str,
+    entry_id: str,
+    *,
+    keyring: Keyring,
+    not_before: float | None = None,
 ) -> ReceiptItem:
     """Check one reply entry and turn it into a ``ReceiptItem``.
 
     The signature is checked before anything in the body is looked at, and before the
     entry can be recorded: an entry that fails here leaves no trace but its dead letter.
 
+    Args:
+        not_before: refuse a reply made (``Reply.made_at``) before this time (``None``:
+            any age).
+
     Raises:
         BadReply: ``bad_reply`` (fields, version, body), ``missing_field``,
-            ``unknown_key`` or ``bad_signature`` (see ``check_signature``), ``bad_hash``
-            or ``wrong_principal``.
+            ``unknown_key`` or ``bad_signature`` (see ``check_signature``), ``bad_hash``,
+            ``wrong_principal`` or ``stale``.
     """
     missing = [f for f in (b"v", b"reply_id", b"hash", b"body") if f not in fields]
     if missing:
@@ -281,6 +304,10 @@ def parse_entry(
             "wrong_principal", f"reply for {decoded.get('principal')!r} on {principal!r}'s stream"
         )
     reply = Reply.from_mapping(decoded)
+    made = reply.made_at
+    if not_before is not None and (made is None or made < not_before):
+        when = "no time" if made is None else f"time {made:.3f}"
+        raise BadReply("stale", f"reply made at {when}, before the window's {not_before:.3f}")
     return ReceiptItem(reply_id, content_hash, principal, bytes(body), entry_id, reply)
 
 
@@ -427,14 +454,16 @@ class Receiver:
     def _handle(self, entries: list[StreamEntry], *, peek: bool = False) -> int:
         seen: set[str] = set()
         good: list[tuple[StreamEntry, ReceiptItem]] = []
+        not_before = self.clock.now() - self.config.reply_age_limit_s
         for entry in entries:
             if entry.entry_id in seen or entry.fields is None:
                 continue
             seen.add(entry.entry_id)
             try:
                 item = parse_entry(
-                    entry.fields, self.config.principal, entry.entry_id, keyring=self.keyring
-                )
+                    entry.fields, self.config.principal, entry.entry_id, keyring=self.keyring,
+                    not_before=not_before,
+                )  # fmt: skip
                 good.append((entry, item))
             except BadReply as bad:
                 self.stats.bad += 1

@@ -5,8 +5,8 @@
 duplicate of the stored task; with other content a conflict, answered under a stable
 conflict reply id (``conflict_reply_id``) while the stored request stands. A deadline
 already past, too many hops (``docs/RULES.md`` rule 12, counted by ``hops``) or a spent
-chain budget (``TaskPolicy.max_chain_tasks`` tasks stored under the request's
-``correlation_id``, table ``chains``) store the task terminal at once (``hop_limit`` for
+chain budget (``TaskPolicy.max_chain_tasks`` tasks stored by the principal under the
+request's ``correlation_id``, table ``chains``) store the task terminal at once (``hop_limit`` for
 both), with its reply. ``accept_and_claim`` also claims new tasks for idle
 workers in the same transaction (the hand-off).
 """
@@ -67,11 +67,13 @@ class Outcome(StrEnum):
 
 
 class AcceptItem(NamedTuple):
-    """One authenticated envelope. ``principal`` must come from a verified check."""
+    """One authenticated envelope. ``principal`` must come from a verified check; ``kid``
+    is the key id its signature verified with (its reply is signed with the same key)."""
 
     principal: str
     envelope: Envelope
     entry_id: str | None = None
+    kid: str | None = None
 
 
 class AcceptResult(NamedTuple):
@@ -137,8 +139,8 @@ def new_task_ids(n: int) -> list[str]:
 _INSERT_TASK = (
     "INSERT INTO tasks (task_id, principal, message_id, kind, payload, fingerprint,"
     " correlation_id, parent_id, state, max_attempts, not_before, deadline, hops,"
-    " created_at, updated_at, finished_at, error, traceparent, task_name)"
-    " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+    " created_at, updated_at, finished_at, error, traceparent, task_name, request_kid)"
+    " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
 )
 # A reused id past the retention window (its task terminal) takes the record over.
 _UPSERT_INBOX = (
@@ -253,7 +255,7 @@ def accept_in(
     never a second record.
     """
     if c.dialect.key_lock is not None:
-        chains = {i.envelope.correlation_id for i in items} - {None}
+        chains = {chain_of(i) for i in items} - {None}
         keys = sorted({identity_lock(i.principal, i.envelope.message_id) for i in items}
                       | {chain_lock(cid) for cid in chains if cid is not None})  # fmt: skip
         c.executemany(c.dialect.key_lock, [(k,) for k in keys])
@@ -277,6 +279,14 @@ def identity_lock(principal: str, message_id: str) -> int:
     only makes two identities wait on each other)."""
     digest = hashlib.sha256(f"{principal}\0{message_id}".encode()).digest()
     return int.from_bytes(digest[:8], "big", signed=True)
+
+
+def chain_of(item: AcceptItem) -> str | None:
+    """The chain budget ``item`` spends: its ``correlation_id`` counted per principal (the
+    principal's name holds no ``:``), so that another principal naming the same
+    ``correlation_id`` spends a budget of its own; ``None`` without one."""
+    cid = item.envelope.correlation_id
+    return None if cid is None else f"{item.principal}:{cid}"
 
 
 def chain_lock(chain_id: str) -> int:
@@ -320,9 +330,9 @@ def _parent_hops(c: Conn, items: Sequence[AcceptItem]) -> dict[str, int]:
 
 
 def _chain_counts(c: Conn, items: Sequence[AcceptItem]) -> dict[str, int]:
-    """The tasks stored so far under every ``correlation_id`` the batch names (none named:
+    """The tasks stored so far in every chain the batch names (``chain_of``; none named:
     no query)."""
-    named = list({i.envelope.correlation_id for i in items} - {None})
+    named = [cid for cid in {chain_of(i) for i in items} if cid is not None]
     counts: dict[str, int] = {}
     for chunk, marks in in_lists(named):
         sql = f"SELECT chain_id, tasks FROM chains WHERE chain_id IN ({marks})"
@@ -370,15 +380,16 @@ def _accept_one(
     elif hops > store.policy.max_hops:
         state, outcome = TaskState.HOP_LIMIT, Outcome.HOP_LIMIT
         error = f"hops {hops} exceed the limit {store.policy.max_hops}"
-    elif (chain := env.correlation_id) is not None:
-        # The chain budget: counted by the system per correlation_id, so a request that
-        # leaves out its parent_id (its hops start again) still spends its chain's budget.
+    elif (chain := chain_of(item)) is not None:
+        # The chain budget: counted by the system per principal and correlation_id, so a
+        # request that leaves out its parent_id (its hops start again) still spends its
+        # chain's budget, and nobody else's naming of the correlation_id spends it.
         stored = batch.chains.get(chain, 0)
         if stored >= store.policy.max_chain_tasks:
             state, outcome = TaskState.HOP_LIMIT, Outcome.HOP_LIMIT
             error = (
-                f"chain {chain!r} has {stored} tasks: its budget of"
-                f" {store.policy.max_chain_tasks} is spent"
+                f"chain {env.correlation_id!r} of {item.principal} has {stored} tasks: its"
+                f" budget of {store.policy.max_chain_tasks} is spent"
             )
         else:
             batch.chains[chain] = stored + 1
@@ -389,6 +400,7 @@ def _accept_one(
             fingerprint, env.correlation_id, env.parent_id, state.value, env.max_attempts,
             now, env.deadline, hops, now, now,
             None if state is TaskState.PENDING else now, error, env.traceparent, env.task,
+            item.kid,
         )
     )  # fmt: skip
     batch.inbox.append((item.principal, env.message_id, fingerprint, task_id, item.entry_id, now))
@@ -435,7 +447,7 @@ def _known(
     detail = "message_id reused with different content; the first request stands"
     body = conflict_body(
         reply_id, row["task_id"], item.principal, env.message_id, env.correlation_id,
-        detail, fingerprint, row["fingerprint"], traceparent=env.traceparent,
+        detail, fingerprint, row["fingerprint"], traceparent=env.traceparent, answered_at=now,
     )  # fmt: skip
 
     def write(c: Conn) -> None:

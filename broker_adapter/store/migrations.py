@@ -192,6 +192,10 @@ MIGRATIONS: tuple[str | Callable[[sqlite3.Connection], None], ...] = (
     # 14: the store's identity (``identity``), a random id made once: what binds a Redis
     # prefix to this store, kept by a backup, new in a new database.
     lambda c: _create_store_id(c),
+    # 15: the key id a request's signature verified with (signed mode; NULL in ACL mode and
+    # for every task accepted before): its reply is signed with the same key, so that a
+    # receiver that has not yet got a newly added key can still verify it.
+    lambda c: _add_column(c, "tasks", "request_kid", "TEXT"),
 )
 SCHEMA_VERSION = len(MIGRATIONS)
 #: The ``meta`` row holding the key of conflict-answer ids.

@@ -53,7 +53,7 @@ from broker_adapter.store.outbox_types import (
     SentMark,
     UnknownReply,
 )
-from broker_adapter.store.sql import Conn, Db, marks
+from broker_adapter.store.sql import Conn, Db, in_lists, marks
 
 __all__ = [
     "OUTBOX_STATES",
@@ -71,6 +71,8 @@ __all__ = [
 ]
 
 _COLUMNS = ", ".join(OutboxRow.__dataclass_fields__)
+#: The ``meta`` row of the Redis epoch the dispatcher saw last (``stages.loss``).
+REDIS_EPOCH_META = "redis_epoch"
 
 
 def enqueue(
@@ -343,9 +345,16 @@ class OutboxStore:
 
         Raises:
             UnknownReply: no such reply.
-            StaleError: the row is not ``dead``.
+            StaleError: the row is not ``dead`` (reason ``not_dead``), or older than
+                ``policy.reply_window_s`` (reason ``stale``: a receiver would refuse it).
         """
         now = self.clock.now()
+        row = self.get(reply_id)
+        if row is not None and row.created_at < now - self.policy.reply_window_s:
+            raise StaleError(
+                reply_id, "stale", f"made {now - row.created_at:.0f} s ago, past the reply "
+                f"window of {self.policy.reply_window_s:g} s",
+            )  # fmt: skip
         return self._move_dead(
             reply_id, by, "state = 'pending', attempts = 0, not_before = ?", (now,)
         )
@@ -388,10 +397,13 @@ class OutboxStore:
             return self._requeue_sent_in(c, low, high)
 
     def _requeue_sent_in(self, c: Conn, low: float, high: float) -> int:
+        """Put back the ``sent`` rows sent between ``low`` and ``high``, except those made
+        before the reply window (``policy.reply_window_s``: they are never sent again)."""
+        now = tx_now(c, self.clock)
         cur = c.execute(
             "UPDATE outbox SET state = 'pending', not_before = ?, attempts = 0"
-            " WHERE state = 'sent' AND sent_at >= ? AND sent_at <= ?",
-            (tx_now(c, self.clock), low, high),
+            " WHERE state = 'sent' AND sent_at >= ? AND sent_at <= ? AND created_at >= ?",
+            (now, low, high, now - self.policy.reply_window_s),
         )
         return cur.rowcount
 
@@ -415,6 +427,37 @@ class OutboxStore:
         out = dict.fromkeys(OUTBOX_STATES, 0)
         out.update({r["state"]: r["n"] for r in rows})
         return out
+
+    def redis_epoch(self) -> str | None:
+        """The Redis epoch the dispatcher saw last (``meta``); None before its first."""
+        row = self.db.fetch_one("SELECT value FROM meta WHERE name = ?", (REDIS_EPOCH_META,))
+        return None if row is None else bytes(row["value"]).decode("utf-8", "replace")
+
+    def set_redis_epoch(self, epoch: str) -> None:
+        """Keep ``epoch`` as the one the dispatcher saw (it survives a deleted epoch key)."""
+        sql = "INSERT INTO meta (name, value) VALUES (?, ?) ON CONFLICT (name) DO UPDATE"
+        with self.db.write("redis_epoch") as c:
+            c.execute(sql + " SET value = excluded.value", (REDIS_EPOCH_META, epoch.encode()))
+
+    def request_kids(self, task_ids: Sequence[str]) -> dict[str, str]:
+        """The key id each task's request was signed with (tasks without one left out)."""
+        out: dict[str, str] = {}
+        with self.db.read() as c:
+            for chunk, qs in in_lists(task_ids):
+                sql = f"SELECT task_id, request_kid FROM tasks WHERE task_id IN ({qs})"
+                rows = c.execute(sql, chunk).fetchall()
+                out.update((r["task_id"], r["request_kid"]) for r in rows if r["request_kid"])
+        return out
+
+    def newest_sent(self, sent_before: float) -> OutboxRow | None:
+        """The ``sent`` row sent last at or before ``sent_before`` (its publication record is
+        the data-loss watch's evidence that Redis kept its data)."""
+        found = self.db.fetch_one(
+            f"SELECT {_COLUMNS} FROM outbox WHERE state = 'sent' AND sent_at <= ?"
+            " ORDER BY sent_at DESC LIMIT 1",
+            (sent_before,),
+        )
+        return OutboxRow.from_row(found) if found else None
 
     def oldest_unsent_age(self) -> float | None:
         row = self.db.fetch_one(

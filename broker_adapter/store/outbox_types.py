@@ -19,6 +19,9 @@ from broker_adapter.config import DEFAULT_LEASE_S, ConfigModel
 from broker_adapter.errors import BrokerAdapterError
 
 OUTBOX_STATES = ("pending", "sending", "sent", "dead")
+#: A reply older than this is never sent again (``OutboxPolicy.reply_window_s``): six days,
+#: a day below a receiver's default window (``ReceiverConfig.max_reply_age_s``).
+DEFAULT_REPLY_WINDOW_S = 6 * 24 * 3600.0
 
 
 class OutboxPolicy(ConfigModel):
@@ -28,6 +31,10 @@ class OutboxPolicy(ConfigModel):
         lease_s: how long a dispatcher holds a claimed reply before another may take it.
         max_attempts: publication attempts before the row goes ``dead``.
         backoff: delay between attempts.
+        reply_window_s: a reply made longer ago than this (its row's ``created_at``) is
+            never sent again: a Redis wipe or restart does not put it back in line
+            (``requeue_sent``), and the operator's ``replay`` refuses it. Keep it below
+            every receiver's ``max_reply_age_s``, which refuses older replies as ``stale``.
 
     Raises:
         ConfigError: a lease not above 0, or fewer than one attempt.
@@ -36,6 +43,7 @@ class OutboxPolicy(ConfigModel):
     lease_s: float = Field(default=DEFAULT_LEASE_S, gt=0)
     max_attempts: int = Field(default=20, ge=1)
     backoff: Backoff = Field(default_factory=lambda: Backoff(base_s=0.5, cap_s=30.0))
+    reply_window_s: float = Field(default=DEFAULT_REPLY_WINDOW_S, gt=0)
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,8 @@ only the shape is wrong):
 * ``deep_json``: ``env`` nested 50,000 levels, signed: the JSON parser gives up
   (``unparseable``);
 * ``far_deadline``: a deadline 30 days ahead, past the retention window (``too_large``);
-* ``oversize``: a signed envelope with a 300 KB field beside it (``oversize``).
+* ``oversize``: a signed envelope with a 300 KB field beside it (``oversize``);
+* ``oversize_64m``: the same with 64 MB beside it (``oversize``, found inside Redis).
 
 Entry id shapes (``ENTRY_ID_SHAPES``, ``chosen_id``): any inbound poison planted at an id the
 writer chose, as a user with ``+xadd`` can: ``future_id`` (about 11.6 days ahead of the
@@ -34,7 +35,8 @@ repair``). The entry itself gets its shape's reason as usual.
 Reply shapes: forgeries (``FORGERY_SHAPES``: unsigned v1, unsigned v2, a wrong secret,
 another principal's key id, another principal's secret under the right key id) and poison
 (``REPLY_POISON_SHAPES``: ~4,000 / ~10,000 fields, a repeated field, an entry over the
-receiver's megabyte, a validly signed body nested past the receiver's depth limit).
+receiver's megabyte, one of 64 MB, a validly signed body nested past the receiver's depth
+limit, a validly signed body made 30 days ago: a replay past the receiver's window).
 """
 
 from __future__ import annotations
@@ -65,6 +67,7 @@ INBOUND_SHAPES: dict[str, tuple[str, ...]] = {
     "deep_json": ("unparseable",),
     "far_deadline": ("too_large",),
     "oversize": ("oversize",),
+    "oversize_64m": ("oversize",),
 }
 #: Forged reply shape -> the receiver's dead-letter reasons.
 FORGERY_SHAPES: dict[str, tuple[str, ...]] = {
@@ -80,7 +83,9 @@ REPLY_POISON_SHAPES: dict[str, tuple[str, ...]] = {
     "wide_10k": ("too_many_fields",),
     "dup_field": ("duplicate_field",),
     "oversize": ("oversize",),
+    "oversize_64m": ("oversize",),
     "deep_body": ("bad_reply",),
+    "stale_body": ("stale",),
 }
 #: Entry id shapes: what a writer that chooses ids plants an entry at.
 ENTRY_ID_SHAPES = ("future_id", "max_id")
@@ -95,6 +100,8 @@ INBOUND_OVERSIZE_BYTES = 300 * 1024  # the ingest's default limit is 256 KiB
 REPLY_OVERSIZE_BYTES = 1100 * 1024  # the receiver's default limit is 1 MiB
 DEEP_BODY_LEVELS = 100  # the receiver's limit is 64
 FAR_DEADLINE_S = 30 * 86400.0  # the retention window is 7 days
+HUGE_BYTES = 64 * 1024 * 1024  # the ``oversize_64m`` shapes
+STALE_AGE_S = 30 * 86400.0  # a receiver's window is under its 7-day retention
 _HOLE = '"@@chaos-hole@@"'
 
 
@@ -115,6 +122,8 @@ def _misshaped(shape: str, pairs: Pairs, repeated: bytes, oversize: int) -> Pair
         return [*pairs, (repeated, b"{}")]
     if shape == "oversize":
         return [*pairs, (b"chaos_pad", b"p" * oversize)]
+    if shape == "oversize_64m":
+        return [*pairs, (b"chaos_pad", b"p" * HUGE_BYTES)]
     return pairs
 
 
@@ -160,14 +169,23 @@ def inbound_poison(
 
 
 def forged_body(
-    mark: str, principal: str, reply_id: str, task_id: str, message_id: str, *, deep: bool = False
+    mark: str,
+    principal: str,
+    reply_id: str,
+    task_id: str,
+    message_id: str,
+    *,
+    deep: bool = False,
+    stale: bool = False,
 ) -> bytes:
-    """A plausible reply body for ``reply_id`` that says where it came from."""
+    """A plausible reply body for ``reply_id`` that says where it came from (``stale``:
+    made ``STALE_AGE_S`` ago)."""
     body: dict[str, Any] = {
         "v": 1, "reply_id": reply_id, "task_id": task_id, "principal": principal,
         "message_id": message_id, "correlation_id": None, "status": FORGED_STATUS,
         "result": {"forged": True, "deep": "@@chaos-hole@@" if deep else None}, "error": None,
-        "attempts": 1, "fence": 1, "finished_at": time.time(), "chaos_forged": mark,
+        "attempts": 1, "fence": 1, "chaos_forged": mark,
+        "finished_at": time.time() - (STALE_AGE_S if stale else 0.0),
     }  # fmt: skip
     raw = canonical_json(body)
     return raw.replace(_HOLE.encode(), _nested(DEEP_BODY_LEVELS)) if deep else raw

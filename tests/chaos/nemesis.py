@@ -43,7 +43,10 @@ Packages (the kind is the ``fault`` field of the history event):
   from the adapter database), so that the forgery comes BEFORE the real reply; logged as
   history ``forge`` events;
 * ``poison-reply``: the same with poisoned entries (``hostile.REPLY_POISON_SHAPES``: ~4,000
-  or ~10,000 fields, a repeated field, over a megabyte, a signed body nested too deep);
+  or ~10,000 fields, a repeated field, over a megabyte, 64 MB, a signed body nested too
+  deep, a signed body made 30 days ago);
+* ``epoch-del``: ``DEL`` of the data-loss watch's epoch key alone (Redis keeps its data:
+  a dispatcher must not take it for a wipe; the key is set back);
 * ``replay``: byte-identical copies of 2-6 real inbound entries appended again, picked from
   the newest 20 (their tasks may still run) or the oldest 200 of the stream (long
   terminal); history ``replay``.
@@ -122,7 +125,7 @@ HOSTILE_PACKAGES = ("forge-reply", "poison-reply", "replay")
 COMMON_PACKAGES = (
     "kill-adapter", "kill-worker", "kill-receiver", "crashpoint", "pausepoint",
     "pause-adapter", "pause-receiver", "net", "client-pause", "idle-skew", "storm",
-    "sqlite-busy", *HOSTILE_PACKAGES,
+    "sqlite-busy", "epoch-del", *HOSTILE_PACKAGES,
 )  # fmt: skip
 #: Entries ``replay`` picks from: the newest few (their tasks may still run) or the oldest.
 REPLAY_SOON, REPLAY_LATE = 20, 200
@@ -401,8 +404,15 @@ class Nemesis:
             "forge-reply": lambda: self.hostile_replies("forge-reply", FORGERY_SHAPES),
             "poison-reply": lambda: self.hostile_replies("poison-reply", REPLY_POISON_SHAPES),
             "replay": self.replay,
+            "epoch-del": self.epoch_del,
         }
         return starters[name]()
+
+    def epoch_del(self) -> Fault | None:
+        """``DEL`` the epoch key alone (see the module docstring)."""
+        deleted = int(self.admin().delete(self.keys.epoch()))
+        self.instant("epoch-del", "redis", deleted=deleted)
+        return None
 
     def _pick(self, role: str) -> Component | None:
         comps = [c for c in self.cluster.role(role) if c.alive() and not c.hold_down]
@@ -717,7 +727,7 @@ class Nemesis:
         assert self.keyring is not None
         reply_id = reply_id_for(task_id)
         body = forged_body(mark, principal, reply_id, task_id, message_id,
-                           deep=shape == "deep_body")  # fmt: skip
+                           deep=shape == "deep_body", stale=shape == "stale_body")  # fmt: skip
         others = [p for p in self.principals if p != principal]
         pairs = reply_entry(
             shape, mark=mark, principal=principal, reply_id=reply_id, body=body,

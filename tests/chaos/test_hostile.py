@@ -149,7 +149,8 @@ def _plant_replies(client: Any, prefix: str) -> tuple[dict[str, str], list[Event
     for n, shape in enumerate(sorted(shapes)):
         mark, task_id = f"1.{n}", f"{n:032x}"
         reply_id = reply_id_for(task_id)
-        body = forged_body(mark, "p1", reply_id, task_id, "m-forged", deep=shape == "deep_body")
+        body = forged_body(mark, "p1", reply_id, task_id, "m-forged", deep=shape == "deep_body",
+                           stale=shape == "stale_body")  # fmt: skip
         pairs = reply_entry(shape, mark=mark, principal="p1", reply_id=reply_id, body=body,
                             keyring=KEYS, other="p2")  # fmt: skip
         entry_id = client.execute_command("XADD", Keys(prefix).replies("p1"), "*", *flat(pairs))

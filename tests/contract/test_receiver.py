@@ -77,7 +77,9 @@ def _signed(fields: dict[bytes, bytes]) -> dict[bytes, bytes]:
 
 
 def _raw_reply(reply_id: str, **extra: Any) -> dict[bytes, bytes]:
-    body = canonical_json({"reply_id": reply_id, "principal": P, "status": "done", **extra})
+    made = {"finished_at": FakeClock().now()}  # the receivers' clock: within their window
+    body = canonical_json({"reply_id": reply_id, "principal": P, "status": "done", **made,
+                           **extra})  # fmt: skip
     return _signed({b"v": b"2", b"reply_id": reply_id.encode(), b"hash": sha256_hex(body).encode(),
                     b"body": body})  # fmt: skip
 

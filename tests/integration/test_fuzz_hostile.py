@@ -194,6 +194,41 @@ def test_hostile_entries_never_stop_the_adapter(
     assert rig.alive()
 
 
+@pytest.mark.parametrize("shape", ["entry_64mb", "flushall", "del_inbound", "del_replies",
+                                   "del_epoch"])  # fmt: skip
+def test_huge_entries_wipes_and_deleted_keys_never_stop_the_adapter(rig: _Rig, shape: str) -> None:
+    """The hostile shapes that are not entries of a batch: a 64 MB entry (screened inside
+    Redis), FLUSHALL and DEL of the streams under the blocking reads, DEL of the epoch key.
+    The adapter keeps running, and a request published after each is answered once."""
+    before = rig.legit()
+    _wait(rig, lambda: rig.replies_for(before) == 1, "the reply before")
+    huge = None
+    if shape == "entry_64mb":
+        huge = rig.hostile([(b"v", b"1"), (b"env", b"x" * (64 * 1024 * 1024))])
+    elif shape == "flushall":
+        rig.client.flushall()
+    elif shape == "del_epoch":
+        rig.client.delete(rig.keys.epoch())
+    else:
+        key = rig.keys.inbound() if shape == "del_inbound" else rig.keys.replies("alice")
+        rig.client.delete(key)
+    after = rig.legit()
+    _wait(rig, lambda: rig.replies_for(after) == 1, "the reply after")
+    if huge is not None:
+        assert rig.dead_letters().get(huge) == 1
+    if shape == "del_epoch":  # not a wipe: nothing re-sent
+        assert rig.replies_for(before) == 1
+    assert rig.alive()
+
+
+def _wait(rig: _Rig, pred: Any, what: str) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while not pred():
+        assert rig.alive(), f"broker-adapter run exited waiting for {what}"
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)  # polling a condition with an explicit timeout
+
+
 # -- the reply side ----------------------------------------------------------------------------
 
 reply_names = st.one_of(
@@ -249,7 +284,8 @@ def test_hostile_reply_entries_never_stop_the_receiver(
     client, receiver, keys = reply_rig
     stream = keys.replies("alice")
     legit_ids = [f"r-legit-{uuid.uuid4().hex}" for _ in range(2)]
-    body = {"principal": "alice", "status": "done", "result": {"ok": True}}
+    body = {"principal": "alice", "status": "done", "result": {"ok": True},
+            "finished_at": receiver.clock.now()}  # fmt: skip
     ids = [_xadd(client, stream, _signed_reply(legit_ids[0],
                  canonical_json({**body, "reply_id": legit_ids[0]})))]  # fmt: skip
     hostile_ids = [_xadd(client, stream, pairs) for pairs in batch]

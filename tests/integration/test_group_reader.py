@@ -34,7 +34,7 @@ def test_group_reader_connection_killed_with_a_prefetch_in_flight(
 ) -> None:
     reader, _client, first = prefetching(real_backend(redis_server), prefix, 4)
     admin = redis_server.client()
-    mine = [c for c in admin.client_list() if c["cmd"] == "xreadgroup"]
+    mine = [c for c in admin.client_list() if c["cmd"] in ("xreadgroup", "fcall")]
     for c in mine:
         admin.client_kill_filter(_id=c["id"])
     with pytest.raises(RedisUnavailable):

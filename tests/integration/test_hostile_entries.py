@@ -453,10 +453,10 @@ def test_receiver_exception_while_checking_one_reply_dead_letters_only_that_repl
     ids = _legit(redis_server, agent_db, clock, prefix, 3, 0)
     real = receiver_module.parse_entry
 
-    def parse_entry(fields: Any, principal: str, entry_id: str, *, keyring: Any) -> Any:
+    def parse_entry(fields: Any, principal: str, entry_id: str, **kwargs: Any) -> Any:
         if fields[b"reply_id"].decode() == ids[1]:
             raise ZeroDivisionError("a bug no check foresaw")
-        return real(fields, principal, entry_id, keyring=keyring)
+        return real(fields, principal, entry_id, **kwargs)
 
     monkeypatch.setattr(receiver_module, "parse_entry", parse_entry)
     rc = receiver_for(redis_server.url, rx_db, clock, prefix, P, "r1")

@@ -59,9 +59,11 @@ def _forged(
 ) -> dict[bytes, bytes]:
     """A reply entry as an attacker would write it: a plausible ``done`` body for ``P``,
     signed with ``secret`` under ``kid`` (or by ``sign(body)``)."""
+    made = FakeClock().now()  # the receivers' clock: within their window
     body = canonical_json(
-        {"reply_id": reply_id, "principal": P, "status": "done", "result": {"forged": True}}
-    )
+        {"reply_id": reply_id, "principal": P, "status": "done", "result": {"forged": True},
+         "finished_at": made}
+    )  # fmt: skip
     sig = sign(body) if sign else reply_signature(secret, kid, P, reply_id, body)
     return {b"v": b"2", b"reply_id": reply_id.encode(), b"hash": sha256_hex(body).encode(),
             b"body": body, b"kid": kid.encode(), b"sig": sig.encode()}  # fmt: skip

@@ -1,4 +1,4 @@
-"""The chain budget: tasks counted per ``correlation_id`` by the system at accept
+"""The chain budget: tasks counted per principal and ``correlation_id`` by the system at accept
 (``store.inbox``, ``TaskPolicy.max_chain_tasks``), and a handler's requests joined to its
 task's chain by the library (``client.publisher.chained``)."""
 
@@ -39,19 +39,25 @@ def reply_of(tasks: TaskStore, task_id: str) -> dict[str, Any]:
     return body
 
 
-def test_requests_naming_a_correlation_id_share_its_budget_whoever_sends_them(
+def test_chain_budgets_are_counted_per_principal_so_nobody_spends_anothers(
     tasks: TaskStore,
 ) -> None:
-    outcomes = [
-        accept(tasks, p, envelope(f"m{i}", sender=p, correlation_id="chain-1")).outcome
-        for i, p in enumerate(["alice", "bob", "alice"])
+    def spend(principal: str, n: int) -> list[Any]:
+        return [
+            accept(tasks, principal, envelope(f"{principal}-{i}", sender=principal,
+                                              correlation_id="chain-1"))
+            for i in range(n)
+        ]  # fmt: skip
+
+    # bob names alice's correlation_id: he spends a budget of his own, not hers
+    assert [r.outcome for r in spend("bob", BUDGET + 1)] == [Outcome.STORED] * BUDGET + [
+        Outcome.HOP_LIMIT
     ]
-    assert outcomes == [Outcome.STORED] * BUDGET
-    over = accept(tasks, "bob", envelope("m9", sender="bob", correlation_id="chain-1"))
-    assert over.outcome is Outcome.HOP_LIMIT
-    body = reply_of(tasks, over.task_id)
+    alice = spend("alice", BUDGET + 1)
+    assert [r.outcome for r in alice] == [Outcome.STORED] * BUDGET + [Outcome.HOP_LIMIT]
+    body = reply_of(tasks, alice[-1].task_id)
     assert body["status"] == "hop_limit"
-    assert "chain 'chain-1'" in body["error"]
+    assert "chain 'chain-1' of alice" in body["error"]
     # Another chain, and requests without one, are not touched.
     other = accept(tasks, "bob", envelope("m10", sender="bob", correlation_id="chain-2"))
     assert other.outcome is Outcome.STORED

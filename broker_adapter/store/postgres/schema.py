@@ -265,6 +265,11 @@ def _store_id(conn: psycopg.Connection[Any]) -> None:
     )
 
 
+def _request_kid(conn: psycopg.Connection[Any]) -> None:
+    """Migration 8: the key id a request's signature verified with (SQLite version 15)."""
+    conn.execute("ALTER TABLE tasks ADD COLUMN IF NOT EXISTS request_kid text")
+
+
 #: ``(what it does, how)``, one per version, in order.
 MIGRATIONS: Final[tuple[tuple[str, Callable[[psycopg.Connection[Any]], None]], ...]] = (
     ("tasks, inbox, outbox, receipts and meta (the SQLite schema at its version 6)", _v1),
@@ -280,6 +285,7 @@ MIGRATIONS: Final[tuple[tuple[str, Callable[[psycopg.Connection[Any]], None]], .
         _bound_terms_and_approvals,
     ),
     ("the store's identity, a meta row (SQLite version 14)", _store_id),
+    ("tasks.request_kid (SQLite version 15)", _request_kid),
 )
 SCHEMA_VERSION: Final = len(MIGRATIONS)
 

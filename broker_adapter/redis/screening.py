@@ -1,0 +1,501 @@
+"""Screened reads: entries measured inside Redis before any of them crosses the network.
+
+A group reader that asked Redis for a batch and measured it afterwards held the whole batch
+first: ten 64 MB entries were 640 MB in the reading process before any check ran. Here the
+reads of a ``GroupReader`` go through a Redis Function (library ``ba_screen_1``, loaded by
+whoever reads first: ``FUNCTION LOAD REPLACE``, idempotent) that takes the entries one at a
+time inside Redis and
+
+* returns an entry only if it has at most ``max_fields`` fields and ``max_bytes`` bytes,
+  and only while the entries returned so far fit in ``budget`` bytes (the first always
+  does): the reader never receives more than ``max(budget, max_bytes)`` bytes of entries
+  per read, all of them measured;
+* dead-letters a larger entry (or one of more fields) on the server, in the same atomic
+  call: a dead letter with the reader's notes (``dl.reason`` ``oversize`` or
+  ``too_many_fields``, ``dl.detail``, ``dl.source``, ``dl.entry_id``, ``dl.deliveries``,
+  ``dl.group``, ``dl.consumer``, ``dl.field``, ``dl.truncated``) and a prefix of the entry
+  of at most ``copy_bytes`` bytes (the format of ``protocol.deadletter``), then XACK;
+* takes the entries 16 at a time (``CHUNK``) and stops once it has looked at ``budget``
+  bytes, so that Redis itself holds at most the budget and one chunk in the script's
+  memory per call (a 256-entry batch costs 16 reads inside Redis, not 256).
+
+An entry delivered to the reader inside the call but left out because the budget was spent
+stays in the reader's pending list; the reply says so (``left``) and the reader replays its
+pending list next, which returns it.
+
+Three read shapes share the function: new entries (``>``), the reader's own pending list
+(an id, typically ``0``), and a takeover page (XAUTOCLAIM from a cursor). Functions cannot
+block: when a screened read of new entries finds nothing, the reader blocks with a plain
+``XREADGROUP ... COUNT 1 BLOCK``, which holds at most ONE entry it has not measured; the
+deployment's ``client-query-buffer-limit`` and ``proto-max-bulk-len`` bound that entry
+(docs/OPERATIONS.md, "Redis memory and entry size").
+
+When the function cannot be called (a user without ``+fcall``, a Redis before 7.0, a
+function that is not loaded and the user may not load it) the reader falls back to plain
+reads of ONE entry each, measured in the process, and logs an alarm; it tries the function
+again every ``RETRY_EVERY_READS`` reads.
+
+The function is flagged ``allow-oom``: a reader must keep reading (and acknowledging, and
+dead-lettering with a bounded copy) when Redis is at ``maxmemory``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from broker_adapter.errors import BrokerAdapterError, GroupMissingError, TransientError
+from broker_adapter.redis.client import text, translated
+from broker_adapter.redis.entry import StreamEntry
+from broker_adapter.redis.internals import exchange, reply_entries, stream_entries
+
+if TYPE_CHECKING:
+    import redis
+
+#: The function library's name (its version is part of it: two versions of the adapter
+#: sharing a Redis during an upgrade each call their own).
+LIBRARY = "ba_screen_1"
+READ_FUNCTION = "ba_screen_read_1"
+CLAIM_FUNCTION = "ba_screen_claim_1"
+#: A reader in fallback mode tries the function again after this many reads.
+RETRY_EVERY_READS = 256
+
+#: The library (Lua). Both functions take KEYS[1] the stream, KEYS[2] its dead-letter
+#: stream, and ARGV: 1 group, 2 consumer, 3 count, 4 max_fields, 5 max_bytes, 6 budget,
+#: 7 copy_bytes, 8 max_deliveries, 9 the start (read: ``>`` or an id; claim: the cursor),
+#: 10 (claim only) the minimum idle time, ms. They return
+#: ``{cursor, left, entries, refused, deleted}``:
+#: ``cursor`` the takeover's next cursor (``""`` for reads), ``left`` 1 when an entry was
+#: delivered but not returned (the budget was spent), ``entries`` as XREADGROUP returns
+#: them, ``refused`` ``{id, reason, detail}`` per entry dead-lettered here, ``deleted`` the
+#: ids XAUTOCLAIM found deleted.
+SOURCE = r"""#!lua name=ba_screen_1
+
+local function measure(fields)
+  local size = 0
+  for i = 1, #fields do size = size + #fields[i] end
+  return size
+end
+
+-- The dead letter of an entry refused here: notes, then a bounded prefix copy; then XACK.
+-- Returns the reason written (past the delivery limit, that one).
+local function refuse(stream, dead, a, id, fields, size, reason, detail)
+  local deliveries = 1
+  local pend = redis.call('XPENDING', stream, a.group, id, id, 1)
+  if pend[1] then deliveries = pend[1][4] end
+  if deliveries > a.max_deliveries then  -- the reader's order: the delivery limit first
+    reason = 'delivery_limit'
+    detail = 'delivered ' .. deliveries .. ' times, limit ' .. a.max_deliveries
+  end
+  local out = {'dl.reason', reason, 'dl.detail', detail, 'dl.source', stream,
+               'dl.entry_id', id, 'dl.deliveries', tostring(deliveries),
+               'dl.group', a.group, 'dl.consumer', a.consumer, 'dl.field', ''}
+  local copy = {}
+  local room = a.copy_bytes
+  local last = math.min(#fields - 1, 2 * a.max_fields)
+  for i = 1, last, 2 do
+    if room <= 0 then break end
+    local name = string.sub(fields[i], 1, room)
+    local value = string.sub(fields[i + 1], 1, room - #name)
+    room = room - #name - #value
+    copy[#copy + 1] = 'orig.' .. name
+    copy[#copy + 1] = value
+  end
+  out[#out + 1] = 'dl.truncated'
+  out[#out + 1] = 'copied ' .. (#copy / 2) .. ' of ' .. math.floor(#fields / 2) ..
+    ' fields, ' .. (a.copy_bytes - room) .. ' of ' .. size .. ' bytes; the entry stays in ' ..
+    stream .. ' under dl.entry_id until the stream is trimmed past it'
+  for i = 1, #copy do out[#out + 1] = copy[i] end
+  redis.call('XADD', dead, '*', unpack(out))
+  redis.call('XACK', stream, a.group, id)
+  return reason
+end
+
+-- Entries are taken this many at a time: what one call holds at once is the budget and
+-- one such chunk.
+local CHUNK = 16
+
+-- The entries of an XREADGROUP reply: {{stream, entries}} (Redis), or {stream, entries}
+-- (fakeredis, which the fast tests run).
+local function entries_of(reply)
+  if not reply then return {} end
+  local items = reply[2]
+  if type(reply[1]) == 'table' then items = reply[1][2] end
+  return items or {}
+end
+
+local function args(argv)
+  return {group = argv[1], consumer = argv[2], count = tonumber(argv[3]),
+          max_fields = tonumber(argv[4]), max_bytes = tonumber(argv[5]),
+          budget = tonumber(argv[6]), copy_bytes = tonumber(argv[7]),
+          max_deliveries = tonumber(argv[8])}
+end
+
+-- Look at one entry: keep it, refuse it, or leave it (budget spent). Returns false when
+-- the call must stop taking entries.
+local function screen(keys, a, st, entry)
+  local id, fields = entry[1], entry[2]
+  if not fields then
+    st.entries[#st.entries + 1] = entry   -- deleted payload: the reader dead-letters it
+    return true
+  end
+  local size = measure(fields)
+  st.seen = st.seen + size
+  local n = #fields / 2
+  if n > a.max_fields then
+    local reason = refuse(keys[1], keys[2], a, id, fields, size, 'too_many_fields',
+                          'entry has ' .. math.floor(n) .. ' fields, limit ' .. a.max_fields)
+    st.refused[#st.refused + 1] = {id, reason}
+  elseif size > a.max_bytes then
+    local reason = refuse(keys[1], keys[2], a, id, fields, size, 'oversize',
+                          'entry is ' .. size .. ' bytes, limit ' .. a.max_bytes)
+    st.refused[#st.refused + 1] = {id, reason}
+  elseif #st.entries > 0 and st.taken + size > a.budget then
+    st.left = 1                          -- delivered, stays pending: the replay returns it
+    return false
+  else
+    st.taken = st.taken + size
+    st.entries[#st.entries + 1] = entry
+  end
+  return st.seen < a.budget
+end
+
+local function read(keys, argv)
+  local a = args(argv)
+  local start = argv[9]
+  local st = {entries = {}, refused = {}, taken = 0, seen = 0, left = 0}
+  local pos = start
+  local done = 0
+  while done < a.count do
+    local n = math.min(CHUNK, a.count - done)
+    local items = entries_of(redis.call('XREADGROUP', 'GROUP', a.group, a.consumer,
+                                        'COUNT', n, 'STREAMS', keys[1], pos))
+    local go = true
+    for i = 1, #items do
+      if start ~= '>' then pos = items[i][1] end
+      if go then
+        go = screen(keys, a, st, items[i])
+      else
+        st.left = 1  -- delivered with its chunk, not looked at: the replay returns it
+      end
+    end
+    done = done + #items
+    if not go or #items < n then break end
+  end
+  return {'', st.left, st.entries, st.refused, {}}
+end
+
+local function claim(keys, argv)
+  local a = args(argv)
+  local cursor = argv[9]
+  local st = {entries = {}, refused = {}, taken = 0, seen = 0, left = 0}
+  local deleted = {}
+  for _ = 1, a.count do
+    local reply = redis.call('XAUTOCLAIM', keys[1], a.group, a.consumer, argv[10], cursor,
+                             'COUNT', 1)
+    cursor = reply[1]
+    for _, id in ipairs(reply[3] or {}) do deleted[#deleted + 1] = id end
+    local entry = reply[2][1]
+    local go = true
+    if entry then go = screen(keys, a, st, entry) end
+    if not go or cursor == '0-0' then break end
+  end
+  return {cursor, st.left, st.entries, st.refused, deleted}
+end
+
+redis.register_function{function_name = 'ba_screen_read_1', callback = read,
+                        flags = {'allow-oom'}}
+redis.register_function{function_name = 'ba_screen_claim_1', callback = claim,
+                        flags = {'allow-oom'}}
+"""
+
+
+@dataclass(frozen=True)
+class ScreenLimits:
+    """What a screened read lets through.
+
+    Attributes:
+        count: the most entries one call looks at.
+        max_fields: entries of more fields are dead-lettered (``too_many_fields``).
+        max_bytes: entries of more bytes (names and values) are dead-lettered
+            (``oversize``).
+        budget: the bytes of entries one call returns (and looks at) at most; the first
+            entry is always returned.
+        copy_bytes: the most bytes of a refused entry its dead letter copies.
+        max_deliveries: a refused entry delivered more often is dead-lettered as
+            ``delivery_limit`` (the reader's first check) instead.
+    """
+
+    count: int
+    max_fields: int
+    max_bytes: int
+    budget: int
+    copy_bytes: int
+    max_deliveries: int
+
+
+@dataclass(frozen=True)
+class Screened:
+    """What one screened call returned.
+
+    Attributes:
+        entries: the entries that passed (deleted ones with ``fields=None``).
+        refused: ``(entry id, reason)`` of each entry dead-lettered inside Redis.
+        left: an entry was delivered but not returned: replay the pending list next.
+        cursor: the takeover's next cursor (``""`` for reads).
+        deleted: ids XAUTOCLAIM found deleted (they left the pending list).
+    """
+
+    entries: list[StreamEntry]
+    refused: list[tuple[str, str]]
+    left: bool
+    cursor: str = ""
+    deleted: Sequence[str] = ()
+
+
+def _limit_args(limits: ScreenLimits) -> list[int]:
+    return [
+        limits.count, limits.max_fields, limits.max_bytes, limits.budget, limits.copy_bytes,
+        limits.max_deliveries,
+    ]  # fmt: skip
+
+
+def read_command(
+    stream: str, dead: str, group: str, consumer: str, start: str, limits: ScreenLimits
+) -> tuple[Any, ...]:
+    """The FCALL of a screened read of ``stream`` from ``start`` (``>``: new entries; an
+    id: this consumer's pending entries after it)."""
+    return ("FCALL", READ_FUNCTION, 2, stream, dead, group, consumer, *_limit_args(limits), start)
+
+
+def claim_command(
+    stream: str,
+    dead: str,
+    group: str,
+    consumer: str,
+    cursor: str,
+    min_idle_ms: int,
+    limits: ScreenLimits,
+) -> tuple[Any, ...]:
+    """The FCALL of a screened takeover page (XAUTOCLAIM from ``cursor``)."""
+    return (
+        "FCALL", CLAIM_FUNCTION, 2, stream, dead, group, consumer, *_limit_args(limits),
+        cursor, min_idle_ms,
+    )  # fmt: skip
+
+
+def load_command() -> tuple[Any, ...]:
+    """The command that loads (or replaces) the library."""
+    return ("FUNCTION", "LOAD", "REPLACE", SOURCE)
+
+
+def parse(reply: Any) -> Screened:
+    """The ``Screened`` of a raw (RESP2) reply of either function."""
+    cursor, left, items, refused, deleted = reply
+    return Screened(
+        entries=stream_entries(items),
+        refused=[(text(r[0]), text(r[1])) for r in refused or ()],
+        left=bool(int(left)),
+        cursor=text(cursor),
+        deleted=[text(d) for d in deleted or ()],
+    )
+
+
+def is_missing(exc: BaseException) -> bool:
+    """Whether an error reply says the function is not loaded (load it, then call again)."""
+    return "function not found" in str(exc).lower()
+
+
+def is_unavailable(exc: BaseException) -> bool:
+    """Whether an error reply says this user or server cannot run the function at all (no
+    ``+fcall`` or ``+function|load``, or a Redis before 7.0): read without it."""
+    said = str(exc).lower()  # redis-py drops the NOPERM code word from its message
+    return any(w in said for w in ("noperm", "no permissions", "unknown command"))
+
+
+class ScreenedReads:
+    """The reads of one group reader (one stream, group and consumer), screened when the
+    function can be called and one entry at a time when it cannot (see the module's text).
+
+    Args:
+        client: the reader's client.
+        stream: the stream read.
+        dead: its dead-letter stream.
+        group: the reader's group.
+        consumer: the reader's consumer name.
+        limits: what a read lets through.
+        logger: where the fallback's alarm goes.
+    """
+
+    def __init__(
+        self,
+        client: redis.Redis,
+        stream: str,
+        dead: str,
+        group: str,
+        consumer: str,
+        limits: ScreenLimits,
+        logger: logging.Logger,
+    ) -> None:
+        self.client = client
+        self.stream = stream
+        self.dead = dead
+        self.group = group
+        self.consumer = consumer
+        self.limits = limits
+        self.log = logger
+        #: Whether the function works (None: not known yet, the next read finds out).
+        self.screening: bool | None = None
+        #: The last call's reply came from a plain read (the function could not be used).
+        self.plain_reply = False
+        self._unscreened_reads = 0
+
+    # -- commands ---------------------------------------------------------------------------
+
+    def read_command(self, start: str, *, block_ms: int | None = None) -> tuple[Any, ...]:
+        """The command of one read from ``start`` (screened unless the function is known not
+        to work, or the read blocks: a blocking read is a plain one of ONE entry)."""
+        if block_ms is None and self.screening is not False:
+            return read_command(
+                self.stream, self.dead, self.group, self.consumer, start, self.limits
+            )
+        block = () if block_ms is None else ("BLOCK", block_ms)
+        return (
+            "XREADGROUP", "GROUP", self.group, self.consumer, "COUNT", 1, *block,
+            "STREAMS", self.stream, start,
+        )  # fmt: skip
+
+    def parse_read(self, command: Sequence[Any], reply: Any) -> Screened:
+        """The ``Screened`` of the reply to ``command`` (a ``read_command``)."""
+        if command[0] == "FCALL":
+            return parse(reply)
+        return Screened(entries=reply_entries(reply), refused=[], left=False)
+
+    # -- calls ----------------------------------------------------------------------------
+
+    def read(self, start: str, *, block_ms: int | None = None) -> Screened:
+        """One read from ``start`` (``>`` new entries, or an id of this consumer's pending
+        list), blocking ``block_ms`` if given.
+
+        Raises:
+            GroupMissingError: the group (or the stream) is gone.
+            RedisUnavailable: the call failed.
+        """
+        self._maybe_retry()
+        command = self.read_command(start, block_ms=block_ms)
+        reply = self._call(command, lambda: self.read_command(start))
+        if command[0] == "FCALL" and not self.plain_reply:
+            return parse(reply)
+        return Screened(entries=reply_entries(reply), refused=[], left=False)
+
+    def claim(self, cursor: str, min_idle_ms: int) -> Screened:
+        """One takeover page from ``cursor`` (XAUTOCLAIM of entries idle ``min_idle_ms``).
+
+        Raises:
+            GroupMissingError: the group (or the stream) is gone.
+            RedisUnavailable: the call failed.
+        """
+        self._maybe_retry()
+
+        def command() -> tuple[Any, ...]:
+            if self.screening is False:
+                return (
+                    "XAUTOCLAIM", self.stream, self.group, self.consumer, min_idle_ms, cursor,
+                    "COUNT", 1,
+                )  # fmt: skip
+            return claim_command(
+                self.stream, self.dead, self.group, self.consumer, cursor, min_idle_ms,
+                self.limits,
+            )  # fmt: skip
+
+        first = command()
+        reply = self._call(first, command)
+        if first[0] == "FCALL" and not self.plain_reply:
+            return parse(reply)
+        deleted = reply[2] if len(reply) > 2 else []
+        return Screened(
+            entries=stream_entries(reply[1]), refused=[], left=False, cursor=text(reply[0]),
+            deleted=[text(d) for d in deleted],
+        )  # fmt: skip
+
+    def _call(self, command: tuple[Any, ...], fallback: Any) -> Any:
+        """Run ``command``; a function not loaded is loaded in the same round trip, and a
+        function that cannot be called switches this reader to plain reads (``fallback()``
+        builds the command again); ``plain_reply`` says whether the reply is a plain read's."""
+        self.plain_reply = False
+        try:
+            with translated():
+                (reply,) = exchange(self.client, [command], raw=True)
+        except TransientError as exc:
+            if command[0] != "FCALL" or "tryagain" not in str(exc).lower():
+                raise
+            # A cluster slot migrating: the function's two keys may sit on two nodes for
+            # now. This once, a plain read of ONE entry (its single key follows ASK).
+            self.screening, was = False, self.screening
+            try:
+                again = fallback()
+            finally:
+                self.screening = was
+            with translated():
+                (reply,) = exchange(self.client, [again], raw=True)
+            self.plain_reply = True
+            return reply
+        except GroupMissingError:
+            raise
+        except BrokerAdapterError as exc:
+            if command[0] != "FCALL":
+                raise
+            reply = self._load_and_call(command, exc)
+            if reply is None:
+                again = fallback()
+                with translated():
+                    (reply,) = exchange(self.client, [again], raw=True)
+                self.plain_reply = True
+                return reply
+        if command[0] == "FCALL":
+            self.screening = True
+        return reply
+
+    def _load_and_call(self, command: tuple[Any, ...], exc: BrokerAdapterError) -> Any:
+        """After ``exc`` from the function: load it and call again (the reply), or fall
+        back (None)."""
+        if is_missing(exc):
+            try:
+                with translated():
+                    _, reply = exchange(self.client, [load_command(), command], raw=True)
+                return reply
+            except (TransientError, GroupMissingError):
+                raise
+            except BrokerAdapterError as again:
+                exc = again
+        if not is_unavailable(exc):
+            raise exc
+        self.fall_back(exc)
+        return None
+
+    def fall_back(self, exc: BaseException) -> None:
+        """Read without the function from now on (for ``RETRY_EVERY_READS`` reads)."""
+        if self.screening is not False:
+            self.log.error(
+                "ALARM: the screening function %s cannot be used on %s (%s); reading ONE "
+                "entry at a time instead, each measured only after it arrived. Grant the "
+                "reader's Redis user +fcall (and the adapter +function|load), on Redis 7.0 "
+                "or later (docs/OPERATIONS.md)",
+                READ_FUNCTION, self.stream, exc,
+            )  # fmt: skip
+        self.screening = False
+        self._unscreened_reads = 0
+
+    def note_failure(self, exc: BaseException) -> None:
+        """A read sent ahead (``peek``, ``prefetch``) failed with ``exc``: if the function
+        is at fault, the next plain read finds out again (and loads it)."""
+        if is_missing(exc) or is_unavailable(exc):
+            self.screening = None
+
+    def _maybe_retry(self) -> None:
+        if self.screening is False:
+            self._unscreened_reads += 1
+            if self._unscreened_reads >= RETRY_EVERY_READS:
+                self.screening = None
