@@ -1,4 +1,4 @@
-"""README "Named tasks": a Router of two tasks, served by
+"""README "Using it": a Router of two tasks, served by
 ``broker-adapter run --app router:router`` and described by
 ``broker-adapter schema --app router:router``."""
 
