@@ -1,5 +1,6 @@
-"""README "Side effects you cannot roll back": the three snippets, with stand-ins for the
-payment service (``httpx``, ``pay``), its refund, the target's connection and a task."""
+"""README and docs/EFFECTS.md, "Side effects you cannot roll back": the three snippets, with
+stand-ins for the payment service (``httpx``, ``pay``), its refund, the target's connection
+and a task."""
 
 import sqlite3
 from types import SimpleNamespace

@@ -1,4 +1,5 @@
-"""README "Handle": the handler the adapter of run_adapter.py runs (``handlers:restart``)."""
+"""README "A handler function": the handler the adapter of run_adapter.py runs
+(``handlers:restart``)."""
 
 
 def call_ops_api(service: str, idempotency_key: str) -> bool:

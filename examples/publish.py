@@ -1,4 +1,4 @@
-"""README "Publish": one signed request, without waiting for its reply."""
+"""README "Publish without waiting": one signed request, without waiting for its reply."""
 
 import time
 from broker_adapter import Envelope, Keyring, Keys, Publisher, connect

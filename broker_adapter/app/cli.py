@@ -92,8 +92,8 @@ def _option(
     ``--help`` shows ``[default: D; env NAME]`` (``shown`` names a default that is not a
     value, e.g. "off"), or ``[required; env NAME]``. When ``NAME`` is set it is the
     default, parsed like the flag's own value (a list option takes comma-separated
-    values), and the flag is no longer required. README's list of variables is checked
-    against these (tests/unit/test_cli_help.py).
+    values), and the flag is no longer required. The table of variables in
+    docs/CONFIGURATION.md is checked against these (tests/unit/test_cli_help.py).
     """
     notes = []
     if required:

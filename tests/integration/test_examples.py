@@ -1,7 +1,8 @@
 """Every Python snippet of the README is a file under ``examples/`` (checked verbatim), and
 every example runs, as a subprocess against a real redis-server: publish a request, run
 the adapter from Python (``run_forever``, SIGTERM to stop), ask and await with the quick
-start's ``Client``, receive the replies, and the side-effect snippets."""
+start's ``Client``, receive the replies, the side-effect snippets, the Router's schema
+(``broker-adapter schema``) and the testing snippet (pytest with the plugin's fixtures)."""
 
 from __future__ import annotations
 
@@ -82,3 +83,17 @@ def test_every_example_runs(redis_server: RedisServer, tmp_path: Path) -> None:
     effects = _run(tmp_path, "effects.py")
     assert effects.returncode == 0, effects.stderr
     assert effects.stdout.startswith("effects ok")
+    schema = subprocess.run(
+        [sys.executable, "-m", "broker_adapter", "schema", "--app", "router:router",
+         "--app-dir", str(tmp_path)],
+        capture_output=True, text=True, timeout=120, env=cli_env(),
+    )  # fmt: skip
+    assert schema.returncode == 0, schema.stderr
+    names = [task["name"] for task in json.loads(schema.stdout)["tasks"]]
+    assert sorted(names) == ["restart", "summarise"]
+    tested = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "router_test.py"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300, env=cli_env(),
+    )  # fmt: skip
+    assert tested.returncode == 0, tested.stdout + tested.stderr
+    assert "2 passed" in tested.stdout

@@ -1,5 +1,9 @@
-"""The command line's help, defaults and environment variables, checked against README's
-list and the settings models (so that neither drifts from the parser)."""
+"""The command line's help, defaults and environment variables, checked against the
+variable table of docs/CONFIGURATION.md and the settings models (so that neither drifts from
+the parser).
+
+``python -m tests.unit.test_cli_help`` prints that table from the parser, to paste into the
+page when a command or a variable changes."""
 
 from __future__ import annotations
 
@@ -16,7 +20,7 @@ from broker_adapter.app.adapter import AdapterConfig
 from broker_adapter.app.cli import build_parser
 from broker_adapter.protocol.envelope import Envelope
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+CONFIGURATION = Path(__file__).resolve().parents[2] / "docs" / "CONFIGURATION.md"
 ENV_COMMANDS = ("run", "publish", "receive")
 _ENV = re.compile(r"env (BA_[A-Z0-9_]+)\]")
 
@@ -60,10 +64,21 @@ def _parser_variables() -> dict[tuple[str, str], set[str]]:
     return found
 
 
-def _readme_variables() -> dict[tuple[str, str], set[str]]:
-    """The table of README's "Command line" section: (variable, flag) -> commands."""
-    text = README.read_text(encoding="utf-8")
-    section = text.split("\n## Command line\n", 1)[1].split("\n## ", 1)[0]
+def variable_table() -> str:
+    """The Markdown table of every variable the parser reads, in the parser's order."""
+    order = [name for name, _ in _commands() if " " not in name]
+    rows = ["| variable | flag | commands |", "|---|---|---|"]
+    for (env, flag), commands in _parser_variables().items():
+        listed = ", ".join(sorted(commands, key=order.index))
+        rows.append(f"| `{env}` | `{flag}` | {listed} |")
+    return "\n".join(rows)
+
+
+def _documented_variables() -> dict[tuple[str, str], set[str]]:
+    """The table of docs/CONFIGURATION.md's "Environment variables": (variable, flag) ->
+    commands."""
+    text = CONFIGURATION.read_text(encoding="utf-8")
+    section = text.split("\n## Environment variables\n", 1)[1].split("\n## ", 1)[0]
     rows = re.findall(r"^\| `(BA_[A-Z0-9_]+)` \| `(--[a-z-]+)` \| ([^|]+) \|$", section, re.M)
     return {
         (env, flag): {c.split("(")[0].strip() for c in commands.split(",")}
@@ -88,8 +103,8 @@ def test_every_flag_of_run_publish_and_receive_has_a_variable(command: str) -> N
     assert without == []
 
 
-def test_readme_lists_exactly_the_variables_the_parser_reads() -> None:
-    assert _readme_variables() == _parser_variables()
+def test_the_docs_list_exactly_the_variables_the_parser_reads() -> None:
+    assert _documented_variables() == _parser_variables()
 
 
 def test_help_shows_defaults_and_variables() -> None:
@@ -140,3 +155,7 @@ def test_version(capsys: pytest.CaptureFixture[str]) -> None:
         build_parser().parse_args(["--version"])
     assert caught.value.code == 0
     assert capsys.readouterr().out.strip() == f"broker-adapter {broker_adapter.__version__}"
+
+
+if __name__ == "__main__":
+    print(variable_table())
