@@ -10,11 +10,10 @@ environment of another user's process or a file's contents.
 from __future__ import annotations
 
 import os
-import stat
-from pathlib import Path
 from urllib.parse import parse_qs, quote, urlsplit, urlunsplit
 
 from broker_adapter.errors import ConfigError
+from broker_adapter.private_files import read_private_file
 
 #: The environment variable holding the password itself.
 PASSWORD_ENV = "BA_REDIS_PASSWORD"
@@ -29,21 +28,7 @@ def read_password_file(path: str) -> str:
         ConfigError: the file cannot be read, is readable or writable by others than its
             owner, is larger than ``MAX_PASSWORD_FILE_BYTES``, or holds no password.
     """
-    try:
-        info = Path(path).stat()
-        if info.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
-            raise ConfigError(
-                f"--redis-password-file {path}: mode {stat.S_IMODE(info.st_mode):o}, must be "
-                "0600 or stricter (chmod 600)"
-            )
-        if info.st_size > MAX_PASSWORD_FILE_BYTES:
-            raise ConfigError(
-                f"--redis-password-file {path}: {info.st_size} bytes, at most "
-                f"{MAX_PASSWORD_FILE_BYTES}"
-            )
-        raw = Path(path).read_bytes()
-    except OSError as exc:
-        raise ConfigError(f"--redis-password-file {path}: {exc.strerror}") from None
+    raw = read_private_file(path, "--redis-password-file", max_bytes=MAX_PASSWORD_FILE_BYTES)
     try:
         first = raw.decode("utf-8").split("\n", 1)[0].removesuffix("\r")
     except UnicodeDecodeError:

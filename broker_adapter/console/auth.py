@@ -16,12 +16,12 @@ import hashlib
 import hmac
 import json
 import os
-import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
 from broker_adapter.errors import ConfigError
+from broker_adapter.private_files import read_private_file
 
 #: The cookie the login page sets (the operator's token itself).
 COOKIE: Final = "ba_console"
@@ -68,17 +68,7 @@ class Tokens:
             ConfigError: it cannot be read, its group or others may read or change it
                 (``chmod 600`` it), it is not UTF-8 JSON, or has the wrong shape.
         """
-        try:
-            with open(path, "rb") as file:
-                mode = os.fstat(file.fileno()).st_mode
-                if mode & 0o077:
-                    raise ConfigError(
-                        f"tokens file {path} has mode {stat.S_IMODE(mode):04o}: its group or"
-                        f" others may read or change the tokens; run chmod 600 {path}"
-                    )
-                raw = file.read()
-        except OSError as exc:
-            raise ConfigError(f"cannot read tokens file {path}: {exc.strerror or exc}") from None
+        raw = read_private_file(path, "tokens file")
         try:
             data = json.loads(raw.decode("utf-8"))
         except (UnicodeDecodeError, ValueError) as exc:

@@ -45,13 +45,12 @@ from __future__ import annotations
 
 import hmac
 import json
-import os
-import stat
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
 
 from broker_adapter.errors import AuthError, ConfigError, EnvelopeError
+from broker_adapter.private_files import read_private_file
 from broker_adapter.protocol.envelope import Envelope, check_principal
 
 WIRE_VERSION = "1"
@@ -219,17 +218,7 @@ class Keyring:
             ConfigError: the file cannot be read, is readable or writable by its group or
                 others (``chmod 600`` it), is not UTF-8 JSON, or has the wrong shape.
         """
-        try:
-            with open(path, "rb") as file:
-                mode = os.fstat(file.fileno()).st_mode
-                if mode & 0o066:
-                    raise ConfigError(
-                        f"keyring {path} has mode {stat.S_IMODE(mode):04o}: its group or"
-                        f" others may read or change the secrets; run chmod 600 {path}"
-                    )
-                raw = file.read()
-        except OSError as exc:
-            raise ConfigError(f"cannot read keyring {path}: {exc.strerror or exc}") from None
+        raw = read_private_file(path, "keyring", refused_bits=0o066)
         try:
             data = json.loads(raw.decode("utf-8"))
         except (UnicodeDecodeError, ValueError) as exc:

@@ -64,7 +64,8 @@ def test_the_password_comes_from_the_environment_or_a_file(
     secret_file.chmod(0o640)
     res = _functions_load(redis_server, user, "--redis-password-file", str(secret_file))
     assert res.returncode == 2
-    assert "must be 0600" in res.stderr
+    assert "has mode 0640" in res.stderr
+    assert "chmod 600" in res.stderr
 
 
 def test_a_password_file_is_bounded(tmp_path: Path) -> None:
