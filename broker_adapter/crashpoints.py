@@ -55,6 +55,7 @@ _STORE_OPS = (
     "approval_revoke",
     "approval_wait",
     "approval_release",
+    "approval_use",
 )
 
 #: Every crash point, with the window it opens.
