@@ -35,9 +35,13 @@ def restart(task: Task) -> dict[str, object]:
     """Restart a service, once, after the planner confirms it."""
     keyring = Keyring.load(os.environ["AGENTS_KEYRING"])
     with Client(os.environ["AGENTS_REDIS"], "ops", keyring, prefix="planner") as planner:
-        answer = planner.request("confirm", {"service": task.args.service,
-                                             "asked_by": task.principal},
-                                 key=f"confirm/{task.idempotency_key}", timeout_s=60)  # fmt: skip
+        key = f"confirm/{task.idempotency_key}"  # the same question on every attempt
+        # a retry finds the answer an earlier attempt got; asking again would send a new
+        # deadline under the same message id, which the planner refuses as a conflict
+        answer = planner.result(planner.message_id(key=key)) or planner.request(
+            "confirm", {"service": task.args.service, "asked_by": task.principal},
+            key=key, timeout_s=60,
+        )  # fmt: skip
     if answer.result.get("ok") is not True:
         return {"restarted": False, "why": "the planner did not confirm"}
     with _world() as world:  # the effect, keyed: a second attempt adds nothing

@@ -91,14 +91,18 @@ def _bound(client: redis.Redis, prefix: str) -> str | None:
     return None if raw is None else str(json.loads(raw)["store"])
 
 
+#: Each message id's deadline, fixed at its first publication: a resend is the same
+#: request only with the same deadline (it is part of the request's fingerprint).
+_DEADLINES: dict[tuple[str, str], float] = {}
+
+
 def _publish(
     client: redis.Redis, prefix: str, keyring: Keyring, ids: list[str], **payload: Any
 ) -> None:
     publisher = Publisher(client, Keys(prefix), "alice", keyring)
     for mid in ids:
-        publisher.publish(
-            envelope(mid, payload={"value": mid, **payload}, deadline=real_deadline())
-        )
+        deadline = _DEADLINES.setdefault((prefix, mid), real_deadline())
+        publisher.publish(envelope(mid, payload={"value": mid, **payload}, deadline=deadline))
 
 
 def _sent(db: Path) -> int:
