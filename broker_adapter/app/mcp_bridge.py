@@ -41,6 +41,10 @@ from broker_adapter.protocol.router import Router
 
 log = logging.getLogger("broker_adapter.app.mcp")
 
+#: A request in flight: the task that ends with its reply, and the event set once it was
+#: published (or its reply found recorded).
+_Asking = tuple["asyncio.Task[Reply | None]", asyncio.Event]
+
 #: The tools every server has beside the router's.
 STATUS_TOOL = "task_status"
 DEAD_LETTERS_TOOL = "dead_letters"
@@ -121,7 +125,7 @@ class ToolBridge:
         self.timeout_s = timeout_s
         self.deadline_s = deadline_s
         self._created: dict[str, datetime] = {}
-        self._asking: dict[str, asyncio.Task[Reply | None]] = {}
+        self._asking: dict[str, _Asking] = {}
 
     def tools(self) -> list[types.Tool]:
         """The router's named tasks, then ``task_status`` and ``dead_letters``."""
@@ -178,14 +182,18 @@ class ToolBridge:
             raise ValueError(f"unknown tool {name!r}")
         message_id = tool_message_id(self.client.principal, scope, name, arguments)
         asking = self._asking.get(message_id)
-        if asking is None:
-            known = await self.client.result(message_id)
-            if known is not None:
-                return self._answer(message_id, known, as_task=as_task)
-            asking = await self._ask(name, arguments, message_id)
+        if asking is None:  # registered before any await: every copy of the call shares it
+            asking = self._ask(name, arguments, message_id)
+        reply_task, sent = asking
         if as_task:
+            await sent.wait()  # published once (or answered from the record) before we say so
+            found = (
+                reply_task.result() if reply_task.done() and not reply_task.cancelled() else None
+            )
+            if found is not None:
+                return self._answer(message_id, found, as_task=True)
             return types.CreateTaskResult(task=self._task(message_id, "working", None))
-        reply = await asyncio.shield(asking)
+        reply = await asyncio.shield(reply_task)
         if reply is None:
             return _error(
                 f"no reply within {self.timeout_s:g} s; the request {message_id} stays valid:"
@@ -201,35 +209,40 @@ class ToolBridge:
         status = TASK_STATUS.get(reply.status or "", "failed")
         return types.CreateTaskResult(task=self._task(message_id, status, reply.error))
 
-    async def _ask(
-        self, name: str, arguments: dict[str, Any], message_id: str
-    ) -> asyncio.Task[Reply | None]:
-        """Publish the request once (so that a call answered with a task id has reached
-        Redis unless Redis failed), then resend that same envelope until its reply comes
-        (``None`` after ``timeout_s``) in a task of its own that every copy of the call
-        shares: one envelope, so one deadline, whichever copy came first."""
-        envelope = self.client.envelope(name, arguments, message_id, self.deadline_s)
-        try:
-            await self.client.publisher.publish(envelope)
-        except RedisUnavailable as exc:
-            log.info("request %s not confirmed yet, resending: %s", message_id, exc)
+    def _ask(self, name: str, arguments: dict[str, Any], message_id: str) -> _Asking:
+        """Start the request in a task of its own that every copy of the call shares: the
+        reply recorded by an earlier call, if any; else one envelope (so one deadline,
+        whichever copy came first) published, then resent unchanged until its reply comes
+        (``None`` after ``timeout_s``). ``sent`` is set once it was published (or found)."""
+        sent = asyncio.Event()
 
         async def ask() -> Reply | None:
             try:
+                known = await self.client.result(message_id)
+                if known is not None:
+                    return known
+                envelope = self.client.envelope(name, arguments, message_id, self.deadline_s)
+                try:
+                    await self.client.publisher.publish(envelope)
+                except RedisUnavailable as exc:
+                    log.info("request %s not confirmed yet, resending: %s", message_id, exc)
+                sent.set()
                 return await self.client.send(envelope, self.timeout_s)
             except RequestTimeout:
                 return None
+            finally:
+                sent.set()
 
         def done(task: asyncio.Task[Reply | None]) -> None:
             self._asking.pop(message_id, None)
             if not task.cancelled() and task.exception() is not None:
                 log.warning("request %s: %s", message_id, task.exception())
 
-        asking = asyncio.create_task(ask(), name=f"mcp-request-{message_id}")
-        self._asking[message_id] = asking
+        reply_task = asyncio.create_task(ask(), name=f"mcp-request-{message_id}")
+        self._asking[message_id] = (reply_task, sent)
         self._created.setdefault(message_id, datetime.now(UTC))
-        asking.add_done_callback(done)
-        return asking
+        reply_task.add_done_callback(done)
+        return reply_task, sent
 
     def _task(self, message_id: str, status: str, message: str | None) -> types.Task:
         now = datetime.now(UTC)

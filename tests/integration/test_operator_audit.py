@@ -66,6 +66,7 @@ def test_expires_in_and_interval_are_bounded(tmp_path: Path) -> None:
 
     def approve(seconds: str) -> Any:
         return _cli("approve", "--db", str(path), "apply", "--target", "web1", "--scope", "s",
+                    "--principal", "alice", "--arguments", "{}",
                     "--expires-in", seconds, "--by", "carol")  # fmt: skip
 
     for bad in ("inf", "nan", "0", "-1", str(MAX_APPROVAL_S + 1)):

@@ -52,6 +52,16 @@ def test_run_and_receive_take_the_retention_from_the_environment_and_flag_and_pu
     for i in range(4):
         _publish(url, keyring, prefix, f"m{i}", 1)
     _publish(url, keyring, prefix, "far", 30)  # further ahead than a 3 s window: refused
+    # The receiver, with --retention 1, reads while the replies are made (a reply older than
+    # its window, about half a second here, would be refused as stale): it applies the
+    # four, then forgets them.
+    started = time.monotonic()
+    receiver = subprocess.Popen(
+        [sys.executable, "-m", "broker_adapter", "receive", "--redis", url, "--db", str(rdb),
+         "--principal", "alice", "--prefix", prefix, "--keyring", str(keyring),
+         "--retention", "1", "--until-idle", str(PURGE_EVERY_S + 3)],
+        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=_env(),
+    )  # fmt: skip
     proc = subprocess.Popen(
         [sys.executable, "-m", "broker_adapter", "run", "--redis", url, "--db", str(db),
          "--handler", "broker_adapter.examples:echo", "--workers", "1", "--keyring", str(keyring),
@@ -73,14 +83,10 @@ def test_run_and_receive_take_the_retention_from_the_environment_and_flag_and_pu
     dead: Any = redis_server.client().xrange(Keys(prefix).inbound_dead())
     assert [(f[b"dl.reason"], f[b"dl.field"]) for _, f in dead] == [(b"too_large", b"deadline")]
 
-    # The receiver, with --retention 1: it applies the four, then forgets them.
-    started = time.monotonic()
-    res = _cli("receive", "--redis", url, "--db", str(rdb), "--principal", "alice",
-               "--prefix", prefix, "--keyring", str(keyring), "--retention", "1",
-               "--until-idle", str(PURGE_EVERY_S + 3), env=_env())  # fmt: skip
-    assert res.returncode == 0, res.stderr
+    _, errors = receiver.communicate(timeout=120)
+    assert receiver.returncode == 0, errors
     assert time.monotonic() - started >= PURGE_EVERY_S
-    assert "received 4 replies" in res.stderr
+    assert "received 4 replies" in errors
     assert _count(rdb, "SELECT count(*) FROM receipts") == 0
 
 
@@ -88,8 +94,9 @@ def test_receiver_keeps_receipts_of_entries_still_pending_past_the_window(
     redis_server: RedisServer, tmp_path: Path, prefix: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A receiver killed between its commit and its XACK, and down for longer than the
-    window: its receipts are kept while their entries are pending, so the redelivery is a
-    duplicate; once acknowledged, the next pass forgets them."""
+    window: its receipts are kept while their entries are pending; the redelivered replies,
+    older than the reply window by then, are refused as stale and never applied again; once
+    acknowledged, the next pass forgets the receipts."""
     clock = FakeClock(time.time())  # receipts and entry ids on one timeline
     with open_database(tmp_path / "agent.db") as agent, open_database(tmp_path / "rx.db") as rx:
         ids = make_replies(agent, clock, "alice", 3)
@@ -102,7 +109,8 @@ def test_receiver_keeps_receipts_of_entries_still_pending_past_the_window(
         clock.advance(100 + 3600)  # down for an hour past the window
         again = receiver_for(redis_server.url, rx, clock, prefix, "alice", "r1", retention_s=100)
         drain(again)  # its first step purges first, then replays its own pending entries
-        assert again.stats.duplicates == 3
+        assert again.stats.bad == 3  # stale: older than the receiver's reply window
+        assert again.stats.applied == 0
         assert effect_counts(tmp_path / "rx.db") == dict.fromkeys(ids, 1)
         assert len(ReceiptStore(rx).list()) == 3
 

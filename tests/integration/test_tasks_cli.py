@@ -76,7 +76,9 @@ def test_publish_result_tasks_and_cancel_by_message_id(
 
     done = _cli("cancel", "--db", str(db), "--message-id", "m 1", "--principal", "alice")
     assert done.returncode == 0, done.stderr
-    assert _lines(done) == [{"task_id": by_mid["task_id"], "state": "done"}]  # already ended
+    (ended,) = _lines(done)
+    assert "(os user " in ended.pop("by")  # who cancelled is recorded
+    assert ended == {"task_id": by_mid["task_id"], "state": "done"}  # already ended
     assert _cli("cancel", "--db", str(db), "--message-id", "m 1").returncode == 2
     missing = _cli("cancel", "--db", str(db), "--message-id", "zz", "--principal", "alice")
     assert missing.returncode == 2
