@@ -38,6 +38,7 @@ from pydantic import Field
 
 from broker_adapter.config import DEFAULT_CLAIM_MIN_IDLE_MS, ConfigModel
 from broker_adapter.errors import BrokerAdapterError, GroupMissingError, RedisUnavailable
+from broker_adapter.protocol.deadletter import UNTRUSTED_COPY_BYTES
 from broker_adapter.redis import cluster
 from broker_adapter.redis.client import text, translated
 from broker_adapter.redis.dead_lettering import DeadLetterWriter
@@ -163,7 +164,8 @@ class GroupReader:
         cfg = self.config
         limits = ScreenLimits(
             count=cfg.count, max_fields=cfg.max_entry_fields, max_bytes=cfg.max_entry_bytes,
-            budget=cfg.max_batch_bytes, copy_bytes=cfg.max_entry_bytes,
+            budget=cfg.max_batch_bytes,
+            copy_bytes=min(cfg.max_entry_bytes, UNTRUSTED_COPY_BYTES),  # refused unread
             max_deliveries=cfg.max_deliveries,
         )  # fmt: skip
         self.reads = ScreenedReads(client, stream, dead_stream, group, consumer, limits, self.log)

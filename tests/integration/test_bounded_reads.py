@@ -138,7 +138,7 @@ def test_run_and_receive_under_1gb_dead_letter_64mb_entries_and_do_the_work_behi
 
     rdb = tmp_path / "receiver.db"
     res = _cli("receive", "--redis", server.url, "--db", str(rdb), "--principal", "alice",
-               "--prefix", prefix, "--until-idle", "1.5", "--keyring", str(keyring))  # fmt: skip
+               "--prefix", prefix, "--until-idle", "5", "--keyring", str(keyring))  # fmt: skip
     assert res.returncode == 0, res.stderr[-3000:]
     assert count_rows(rdb, "SELECT count(*) FROM receipts") == 4
     reply_dead = _dead(client, f"{prefix}:{{out.alice}}:dead")
