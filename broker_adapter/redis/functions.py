@@ -28,8 +28,7 @@ import redis
 from broker_adapter.errors import BrokerAdapterError, TransientError
 from broker_adapter.redis import cluster
 from broker_adapter.redis.client import translated
-from broker_adapter.redis.internals import exchange
-from broker_adapter.redis.scripts import _as_error
+from broker_adapter.redis.scripts import Call, call_many
 
 log = logging.getLogger(__name__)
 
@@ -108,12 +107,9 @@ def functions_loaded(client: redis.Redis) -> bool:
     return bool(listed)
 
 
-def fcall_many(
-    client: redis.Redis,
-    function: str,
-    calls: Sequence[tuple[Sequence[str], Sequence[bytes | str | int]]],
-) -> list[Any]:
-    """Call ``function`` once per ``(keys, args)``, pipelined in ONE round trip.
+def fcall_many(client: redis.Redis, function: str, calls: Sequence[Call]) -> list[Any]:
+    """Call ``function`` once per ``(keys, args)``, pipelined in ONE round trip
+    (``scripts.call_many``).
 
     A call the server refused gets the translated error *instance* in its result slot.
     Calls that found no function (a server restarted without persistence, or nobody loaded
@@ -123,26 +119,8 @@ def fcall_many(
     Raises:
         RedisUnavailable: the round trip failed; any prefix of the calls may have run.
     """
-    results: list[Any] = [None] * len(calls)
-    todo = list(range(len(calls)))
-    for attempt in range(2):
-        with translated():
-            replies = exchange(
-                client,
-                [("FCALL", function, len(calls[i][0]), *calls[i][0], *calls[i][1]) for i in todo],
-                raise_errors=False,
-            )
-        missing: list[int] = []
-        for i, reply in zip(todo, replies, strict=True):
-            if isinstance(reply, redis.ResponseError):
-                if _NOT_FOUND in str(reply).lower() and attempt == 0:
-                    missing.append(i)
-                else:
-                    results[i] = _as_error(reply)
-            else:
-                results[i] = reply
-        if not missing:
-            break
+
+    def load(absent: list[int], results: list[Any]) -> bool:
         try:
             load_functions(client)
         except TransientError:
@@ -152,9 +130,13 @@ def fcall_many(
                 f"Redis has no function {function} and this user cannot load it ({exc}); "
                 f"run `{LOAD_COMMAND}`"
             )
-            for i in missing:
+            for i in absent:
                 results[i] = error
-            break
+            return False
         log.info("loaded the Redis Function library %s", LIBRARY_NAME)
-        todo = missing
-    return results
+        return True
+
+    return call_many(
+        client, ("FCALL", function), calls,
+        missing=lambda reply: _NOT_FOUND in str(reply).lower(), load=load,
+    )  # fmt: skip
