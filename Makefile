@@ -17,6 +17,7 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m ruff check broker_adapter tests
+	$(PY) -m ruff format --check broker_adapter tests
 	$(PY) -m mypy
 	$(VENV)/bin/lint-imports
 	$(MAKE) --no-print-directory dist
@@ -30,6 +31,7 @@ dist: $(STAMP)
 
 lint: $(STAMP)
 	$(PY) -m ruff check broker_adapter tests
+	$(PY) -m ruff format --check broker_adapter tests
 	$(PY) -m ruff format --check broker_adapter tests
 
 typecheck: $(STAMP)

@@ -110,9 +110,10 @@ class Adapter:
         #: (``None``: what an envelope without a name goes to, the router's default).
         routes = {name: self.router.get(name) for name in (None, *self.router.names)}
         self.effects: dict[str | None, EffectSpec] = {
-            name: e for name, t in routes.items()
+            name: e
+            for name, t in routes.items()
             if t is not None and (e := effect_spec(t.handler)) is not None
-        }  # fmt: skip
+        }
         #: The first of them (the one a router of one declares), or ``None``.
         self.effect: EffectSpec | None = next(iter(self.effects.values()), None)
         self.policy = TaskPolicy(
@@ -136,7 +137,7 @@ class Adapter:
             db_path=config.db_path,
             redis_url=config.redis_url,
             streams=[Keys(config.prefix).replies(p) for p in self.keyring.principals],
-        )  # fmt: skip
+        )
 
     def _prepare_database(self) -> bool:
         try:
@@ -316,8 +317,9 @@ class Adapter:
         try:
             tasks = TaskStore(db, SystemClock(), self.policy)
             owner = f"{self.name}-reconciler-{os.getpid()}"
-            reconciler = Reconciler(EffectsStore(tasks), self.effect, owner, self.config.reconcile,
-                                    by_task=self.effects)  # fmt: skip
+            reconciler = Reconciler(
+                EffectsStore(tasks), self.effect, owner, self.config.reconcile, by_task=self.effects
+            )
             run_reconciles(stop, reconciler, ApprovalStore(tasks), self.log)
         finally:
             db.close()
@@ -370,7 +372,7 @@ class Adapter:
         if multiprocessing.parent_process() is not None:
             raise ConfigError(
                 "the adapter was started in a worker process: the main module runs it at"
-                " import time; put the code that runs it under if __name__ == \"__main__\":"
+                ' import time; put the code that runs it under if __name__ == "__main__":'
             )
         cfg = self.config
         if not self._wait_for_database(stop):
@@ -383,8 +385,9 @@ class Adapter:
                 "broker-adapter running: %d workers, db %s, handler %s, consumer %s",
                 cfg.workers,
                 redacted_url(cfg.db_path) if isinstance(cfg.db_path, str) else cfg.db_path,
-                cfg.handler, self.name,
-            )  # fmt: skip
+                cfg.handler,
+                self.name,
+            )
             with serve_metrics(self.observed, cfg.metrics_host, cfg.metrics_port):
                 return self._run(stop, guard)
         finally:
@@ -402,8 +405,13 @@ class Adapter:
 
         def attempt() -> PrefixGuard:
             client = connect(self.config.redis_url)
-            bind(client, keys.store_binding(), identity, what=f"prefix {keys.prefix!r}",
-                 logger=self.log)  # fmt: skip
+            bind(
+                client,
+                keys.store_binding(),
+                identity,
+                what=f"prefix {keys.prefix!r}",
+                logger=self.log,
+            )
             refuse_sqlite_copies(client, keys, identity)
             claim = claim_name(client, keys, identity, self.config.name, logger=self.log)
             return PrefixGuard(client, keys, identity, claim, logger=self.log)

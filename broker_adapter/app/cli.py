@@ -113,12 +113,23 @@ def _option(
 
 def _add_redis(p: argparse.ArgumentParser, required: bool = True) -> None:
     what = "the Redis holding the streams" if required else "also report what Redis holds"
-    _option(p, "--redis", f"Redis URL (redis://, rediss://, unix://, or a cluster node's"
-            f" redis+cluster://): {what}",
-            env="BA_REDIS_URL", required=required, metavar="URL")  # fmt: skip
-    _option(p, "--redis-password-file", "a file (mode 0600) whose first line is the Redis"
-            " password, joined to --redis (or set BA_REDIS_PASSWORD): keeps it off the"
-            " command line", env="BA_REDIS_PASSWORD_FILE", metavar="FILE")  # fmt: skip
+    _option(
+        p,
+        "--redis",
+        f"Redis URL (redis://, rediss://, unix://, or a cluster node's redis+cluster://): {what}",
+        env="BA_REDIS_URL",
+        required=required,
+        metavar="URL",
+    )
+    _option(
+        p,
+        "--redis-password-file",
+        "a file (mode 0600) whose first line is the Redis"
+        " password, joined to --redis (or set BA_REDIS_PASSWORD): keeps it off the"
+        " command line",
+        env="BA_REDIS_PASSWORD_FILE",
+        metavar="FILE",
+    )
 
 
 def _add_db(p: argparse.ArgumentParser, what: str) -> None:
@@ -126,37 +137,76 @@ def _add_db(p: argparse.ArgumentParser, what: str) -> None:
 
 
 def _add_prefix(p: argparse.ArgumentParser) -> None:
-    _option(p, "--prefix", "Redis key prefix (no braces or white space)", env="BA_PREFIX",
-            default="ba")  # fmt: skip
+    _option(
+        p, "--prefix", "Redis key prefix (no braces or white space)", env="BA_PREFIX", default="ba"
+    )
 
 
 def _add_keyring(p: argparse.ArgumentParser, what: str, *, required: bool = True) -> None:
-    _option(p, "--keyring", f"JSON keyring file, mode 0600: {what}", env="BA_KEYRING",
-            required=required, metavar="FILE")  # fmt: skip
+    _option(
+        p,
+        "--keyring",
+        f"JSON keyring file, mode 0600: {what}",
+        env="BA_KEYRING",
+        required=required,
+        metavar="FILE",
+    )
 
 
 def _add_retention(p: argparse.ArgumentParser, what: str) -> None:
-    _option(p, "--retention", f"the dedupe window, seconds: {what}", env="BA_RETENTION_S",
-            default=DEFAULT_RETENTION_S, type=float, metavar="SECONDS")  # fmt: skip
+    _option(
+        p,
+        "--retention",
+        f"the dedupe window, seconds: {what}",
+        env="BA_RETENTION_S",
+        default=DEFAULT_RETENTION_S,
+        type=float,
+        metavar="SECONDS",
+    )
 
 
 def _add_metrics(p: argparse.ArgumentParser) -> None:
-    _option(p, "--metrics-port", "serve /metrics, /healthz and /readyz on this port",
-            env="BA_METRICS_PORT", shown="off", type=int, metavar="PORT")  # fmt: skip
-    _option(p, "--metrics-host", "the address the metrics port binds", env="BA_METRICS_HOST",
-            default="127.0.0.1", metavar="HOST")  # fmt: skip
+    _option(
+        p,
+        "--metrics-port",
+        "serve /metrics, /healthz and /readyz on this port",
+        env="BA_METRICS_PORT",
+        shown="off",
+        type=int,
+        metavar="PORT",
+    )
+    _option(
+        p,
+        "--metrics-host",
+        "the address the metrics port binds",
+        env="BA_METRICS_HOST",
+        default="127.0.0.1",
+        metavar="HOST",
+    )
 
 
 def _add_partitions(p: argparse.ArgumentParser) -> None:
-    _option(p, "--partitions", "signed mode: inbound partition streams, a principal's by a"
-            " stable hash (docs/PROTOCOL.md); publishers and the adapter must agree",
-            env="BA_PARTITIONS", default=1, type=int, metavar="P")  # fmt: skip
+    _option(
+        p,
+        "--partitions",
+        "signed mode: inbound partition streams, a principal's by a"
+        " stable hash (docs/PROTOCOL.md); publishers and the adapter must agree",
+        env="BA_PARTITIONS",
+        default=1,
+        type=int,
+        metavar="P",
+    )
 
 
 def _add_log_format(p: argparse.ArgumentParser) -> None:
-    _option(p, "--log-format", "the log on stderr: text lines, or one JSON object per line"
-            " (docs/OPERATIONS.md, \"Logs\")", env="BA_LOG_FORMAT", default="text",
-            choices=("text", "json"))  # fmt: skip
+    _option(
+        p,
+        "--log-format",
+        'the log on stderr: text lines, or one JSON object per line (docs/OPERATIONS.md, "Logs")',
+        env="BA_LOG_FORMAT",
+        default="text",
+        choices=("text", "json"),
+    )
 
 
 def _add_json(p: argparse.ArgumentParser) -> None:
@@ -174,56 +224,161 @@ def _add_run(sub: argparse._SubParsersAction[_Parser]) -> None:
         " postgresql:// URL for a PostgreSQL database several adapters share",
     )
     _add_prefix(run)
-    _option(run, "--handler", "the handler run for each task, 'package.module:function'"
-            " (or --app)", env="BA_HANDLER", metavar="MOD:FUNC")  # fmt: skip
-    _option(run, "--app", "a Router of named tasks, 'package.module:router', served in"
-            " place of --handler (docs/ROUTER.md)", env="BA_APP", metavar="MOD:ROUTER")  # fmt: skip
-    _option(run, "--concurrency", "tasks each worker process runs at once; async handlers"
-            " share its one event loop", env="BA_CONCURRENCY", default=1, type=int,
-            metavar="N")  # fmt: skip
-    _option(run, "--call-timeout", "a handler call's timeout, seconds (a task's own"
-            " overrides it; the deadline caps it)", env="BA_CALL_TIMEOUT_S",
-            default=DEFAULT_CALL_TIMEOUT_S, type=float, metavar="S")  # fmt: skip
-    _option(run, "--backoff-base", "a retried task's first backoff, seconds (doubling per"
-            " attempt, half of it random)", env="BA_BACKOFF_BASE_S", default=1.0, type=float,
-            metavar="S")  # fmt: skip
-    _option(run, "--backoff-cap", "the longest backoff, seconds (a RetryableError's"
-            " retry_after_s may ask for longer)", env="BA_BACKOFF_CAP_S", default=60.0,
-            type=float, metavar="S")  # fmt: skip
-    _option(run, "--app-dir", "directory put first on the import path to find the handler"
-            " (in the worker processes too)", env="BA_APP_DIR", default=".",
-            metavar="DIR")  # fmt: skip
-    _option(run, "--workers", "worker processes (1..64)", env="BA_WORKERS", default=2,
-            type=int, metavar="N")  # fmt: skip
+    _option(
+        run,
+        "--handler",
+        "the handler run for each task, 'package.module:function' (or --app)",
+        env="BA_HANDLER",
+        metavar="MOD:FUNC",
+    )
+    _option(
+        run,
+        "--app",
+        "a Router of named tasks, 'package.module:router', served in"
+        " place of --handler (docs/ROUTER.md)",
+        env="BA_APP",
+        metavar="MOD:ROUTER",
+    )
+    _option(
+        run,
+        "--concurrency",
+        "tasks each worker process runs at once; async handlers share its one event loop",
+        env="BA_CONCURRENCY",
+        default=1,
+        type=int,
+        metavar="N",
+    )
+    _option(
+        run,
+        "--call-timeout",
+        "a handler call's timeout, seconds (a task's own overrides it; the deadline caps it)",
+        env="BA_CALL_TIMEOUT_S",
+        default=DEFAULT_CALL_TIMEOUT_S,
+        type=float,
+        metavar="S",
+    )
+    _option(
+        run,
+        "--backoff-base",
+        "a retried task's first backoff, seconds (doubling per attempt, half of it random)",
+        env="BA_BACKOFF_BASE_S",
+        default=1.0,
+        type=float,
+        metavar="S",
+    )
+    _option(
+        run,
+        "--backoff-cap",
+        "the longest backoff, seconds (a RetryableError's retry_after_s may ask for longer)",
+        env="BA_BACKOFF_CAP_S",
+        default=60.0,
+        type=float,
+        metavar="S",
+    )
+    _option(
+        run,
+        "--app-dir",
+        "directory put first on the import path to find the handler (in the worker processes too)",
+        env="BA_APP_DIR",
+        default=".",
+        metavar="DIR",
+    )
+    _option(
+        run,
+        "--workers",
+        "worker processes (1..64)",
+        env="BA_WORKERS",
+        default=2,
+        type=int,
+        metavar="N",
+    )
     # Checked by AdapterConfig, whose refusal says what each mode needs it for.
-    _add_keyring(run, "needed: verifies requests and signs every reply (in ACL mode too)",
-                 required=False)  # fmt: skip
-    _option(run, "--mode", "signed: one stream, an HMAC per entry; acl: one stream per"
-            " principal, Redis ACLs decide who writes it", env="BA_MODE", default="signed",
-            choices=("signed", "acl"))  # fmt: skip
-    _option(run, "--acl-principal", "in ACL mode, a principal whose stream is read"
-            " (repeat the flag; the variable takes a comma-separated list)",
-            env="BA_ACL_PRINCIPALS", default=[], action=_AppendOrEnv,
-            dest="acl_principals", metavar="P")  # fmt: skip
+    _add_keyring(
+        run, "needed: verifies requests and signs every reply (in ACL mode too)", required=False
+    )
+    _option(
+        run,
+        "--mode",
+        "signed: one stream, an HMAC per entry; acl: one stream per"
+        " principal, Redis ACLs decide who writes it",
+        env="BA_MODE",
+        default="signed",
+        choices=("signed", "acl"),
+    )
+    _option(
+        run,
+        "--acl-principal",
+        "in ACL mode, a principal whose stream is read"
+        " (repeat the flag; the variable takes a comma-separated list)",
+        env="BA_ACL_PRINCIPALS",
+        default=[],
+        action=_AppendOrEnv,
+        dest="acl_principals",
+        metavar="P",
+    )
     _add_partitions(run)
-    _option(run, "--name", "this adapter's consumer name (owner names derive from it); two"
-            " live processes never hold one", env="BA_NAME",
-            shown="a logical id unique per store and host")  # fmt: skip
-    _option(run, "--lease", "a claimed task's lease, seconds; renewed every third of it",
-            env="BA_LEASE_S", default=DEFAULT_LEASE_S, type=float, metavar="S")  # fmt: skip
-    _option(run, "--grace", "on SIGTERM, how long running handlers may finish, seconds",
-            env="BA_GRACE_S", default=10.0, type=float, metavar="S")  # fmt: skip
-    _option(run, "--claim-min-idle-ms", "pending entries of a dead consumer idle this long"
-            " are taken over", env="BA_CLAIM_MIN_IDLE_MS", default=DEFAULT_CLAIM_MIN_IDLE_MS,
-            type=int, metavar="MS")  # fmt: skip
-    _option(run, "--rate-limit", "entries per second per principal; over it they are"
-            " dead-lettered rate_limited", env="BA_RATE_LIMIT", shown="off", type=float,
-            metavar="N")  # fmt: skip
-    _option(run, "--rate-burst", "the rate limit's bucket size", env="BA_RATE_BURST",
-            shown="one second's worth", type=int, metavar="N")  # fmt: skip
-    _option(run, "--max-open-tasks", "a principal with this many pending or running tasks"
-            " gets no new one (quota_exceeded)", env="BA_MAX_OPEN_TASKS", shown="off",
-            type=int, metavar="N")  # fmt: skip
+    _option(
+        run,
+        "--name",
+        "this adapter's consumer name (owner names derive from it); two"
+        " live processes never hold one",
+        env="BA_NAME",
+        shown="a logical id unique per store and host",
+    )
+    _option(
+        run,
+        "--lease",
+        "a claimed task's lease, seconds; renewed every third of it",
+        env="BA_LEASE_S",
+        default=DEFAULT_LEASE_S,
+        type=float,
+        metavar="S",
+    )
+    _option(
+        run,
+        "--grace",
+        "on SIGTERM, how long running handlers may finish, seconds",
+        env="BA_GRACE_S",
+        default=10.0,
+        type=float,
+        metavar="S",
+    )
+    _option(
+        run,
+        "--claim-min-idle-ms",
+        "pending entries of a dead consumer idle this long are taken over",
+        env="BA_CLAIM_MIN_IDLE_MS",
+        default=DEFAULT_CLAIM_MIN_IDLE_MS,
+        type=int,
+        metavar="MS",
+    )
+    _option(
+        run,
+        "--rate-limit",
+        "entries per second per principal; over it they are dead-lettered rate_limited",
+        env="BA_RATE_LIMIT",
+        shown="off",
+        type=float,
+        metavar="N",
+    )
+    _option(
+        run,
+        "--rate-burst",
+        "the rate limit's bucket size",
+        env="BA_RATE_BURST",
+        shown="one second's worth",
+        type=int,
+        metavar="N",
+    )
+    _option(
+        run,
+        "--max-open-tasks",
+        "a principal with this many pending or running tasks gets no new one (quota_exceeded)",
+        env="BA_MAX_OPEN_TASKS",
+        shown="off",
+        type=int,
+        metavar="N",
+    )
     _add_retention(
         run, "requests older than this are forgotten, and deadlines further ahead refused"
     )
@@ -236,30 +391,86 @@ def _add_publish(sub: argparse._SubParsersAction[_Parser]) -> None:
     pub = sub.add_parser("publish", help="sign and publish one task envelope")
     _add_redis(pub)
     _add_prefix(pub)
-    _option(pub, "--principal", "who publishes (the sender)", env="BA_PRINCIPAL",
-            required=True, metavar="P")  # fmt: skip
+    _option(
+        pub,
+        "--principal",
+        "who publishes (the sender)",
+        env="BA_PRINCIPAL",
+        required=True,
+        metavar="P",
+    )
     _add_keyring(pub, "holds the principal's signing keys")
-    _option(pub, "--key-id", "the key to sign with", env="BA_KEY_ID",
-            shown="the principal's first key", metavar="KID")  # fmt: skip
+    _option(
+        pub,
+        "--key-id",
+        "the key to sign with",
+        env="BA_KEY_ID",
+        shown="the principal's first key",
+        metavar="KID",
+    )
     _add_partitions(pub)
-    _option(pub, "--id", "the message id; resend the same id (and --deadline) until a reply"
-            " arrives",
-            env="BA_MESSAGE_ID", required=True, dest="message_id", metavar="ID")  # fmt: skip
-    _option(pub, "--payload", "the task's payload, a JSON object", env="BA_PAYLOAD",
-            required=True, metavar="JSON")  # fmt: skip
-    _option(pub, "--deadline-in", "the deadline, seconds from now (a new deadline at each"
-            " call: a resend with another deadline is a conflict, so resend with --deadline)",
-            env="BA_DEADLINE_IN", default=300.0, type=float, metavar="S")  # fmt: skip
-    _option(pub, "--deadline", "the absolute deadline, epoch seconds (wins over"
-            " --deadline-in); resend the same id with the 'deadline' the first call printed",
-            env="BA_DEADLINE", shown="now + --deadline-in", type=float,
-            metavar="EPOCH")  # fmt: skip
-    _option(pub, "--max-attempts", "attempts the adapter may make (1..10)",
-            env="BA_MAX_ATTEMPTS", default=3, type=int, metavar="N")  # fmt: skip
-    _option(pub, "--correlation-id", "an id of the caller's, carried into the reply",
-            env="BA_CORRELATION_ID", shown="none", metavar="ID")  # fmt: skip
-    _option(pub, "--task", "the task name (the envelope's task member; docs/ROUTER.md)",
-            env="BA_TASK", shown="the adapter's default task", metavar="NAME")  # fmt: skip
+    _option(
+        pub,
+        "--id",
+        "the message id; resend the same id (and --deadline) until a reply arrives",
+        env="BA_MESSAGE_ID",
+        required=True,
+        dest="message_id",
+        metavar="ID",
+    )
+    _option(
+        pub,
+        "--payload",
+        "the task's payload, a JSON object",
+        env="BA_PAYLOAD",
+        required=True,
+        metavar="JSON",
+    )
+    _option(
+        pub,
+        "--deadline-in",
+        "the deadline, seconds from now (a new deadline at each"
+        " call: a resend with another deadline is a conflict, so resend with --deadline)",
+        env="BA_DEADLINE_IN",
+        default=300.0,
+        type=float,
+        metavar="S",
+    )
+    _option(
+        pub,
+        "--deadline",
+        "the absolute deadline, epoch seconds (wins over"
+        " --deadline-in); resend the same id with the 'deadline' the first call printed",
+        env="BA_DEADLINE",
+        shown="now + --deadline-in",
+        type=float,
+        metavar="EPOCH",
+    )
+    _option(
+        pub,
+        "--max-attempts",
+        "attempts the adapter may make (1..10)",
+        env="BA_MAX_ATTEMPTS",
+        default=3,
+        type=int,
+        metavar="N",
+    )
+    _option(
+        pub,
+        "--correlation-id",
+        "an id of the caller's, carried into the reply",
+        env="BA_CORRELATION_ID",
+        shown="none",
+        metavar="ID",
+    )
+    _option(
+        pub,
+        "--task",
+        "the task name (the envelope's task member; docs/ROUTER.md)",
+        env="BA_TASK",
+        shown="the adapter's default task",
+        metavar="NAME",
+    )
 
 
 def _add_receive(sub: argparse._SubParsersAction[_Parser]) -> None:
@@ -269,15 +480,28 @@ def _add_receive(sub: argparse._SubParsersAction[_Parser]) -> None:
         rcv, "the receiver's database: a SQLite file (created if absent), or a postgresql:// URL"
     )
     _add_prefix(rcv)
-    _option(rcv, "--principal", "whose replies to read", env="BA_PRINCIPAL", required=True,
-            metavar="P")  # fmt: skip
+    _option(
+        rcv, "--principal", "whose replies to read", env="BA_PRINCIPAL", required=True, metavar="P"
+    )
     _add_keyring(rcv, "the principal's keys (replies are signed)")
-    _option(rcv, "--consumer", "this receiver's stable consumer name", env="BA_CONSUMER",
-            shown="receive-<principal>")  # fmt: skip
-    _option(rcv, "--until-idle", "stop after S seconds in which no reply was applied: exit 0"
-            " when Redis answered the last read, 1 when it was unreachable (no progress"
-            " counts as idle)", env="BA_UNTIL_IDLE", shown="run until stopped", type=float,
-            metavar="S")  # fmt: skip
+    _option(
+        rcv,
+        "--consumer",
+        "this receiver's stable consumer name",
+        env="BA_CONSUMER",
+        shown="receive-<principal>",
+    )
+    _option(
+        rcv,
+        "--until-idle",
+        "stop after S seconds in which no reply was applied: exit 0"
+        " when Redis answered the last read, 1 when it was unreachable (no progress"
+        " counts as idle)",
+        env="BA_UNTIL_IDLE",
+        shown="run until stopped",
+        type=float,
+        metavar="S",
+    )
 
     _add_retention(rcv, "receipts older than this are forgotten")
     _add_metrics(rcv)
@@ -285,19 +509,28 @@ def _add_receive(sub: argparse._SubParsersAction[_Parser]) -> None:
 
 
 def _add_console(sub: argparse._SubParsersAction[_Parser]) -> None:
-    con = sub.add_parser("console", help="serve the web console (needs the 'console' extra;"
-                         " docs/CONSOLE.md)")  # fmt: skip
-    con.add_argument("--db", action="append", required=True, metavar="DB",
-                     help="an adapter's database: a SQLite file or a postgresql:// URL"
-                     " (repeat the flag to list several adapters' stores)")  # fmt: skip
+    con = sub.add_parser(
+        "console", help="serve the web console (needs the 'console' extra; docs/CONSOLE.md)"
+    )
+    con.add_argument(
+        "--db",
+        action="append",
+        required=True,
+        metavar="DB",
+        help="an adapter's database: a SQLite file or a postgresql:// URL"
+        " (repeat the flag to list several adapters' stores)",
+    )
     _add_redis(con)
     _add_prefix(con)
     con.add_argument("--port", type=int, default=8470, help="the port [default: 8470]")
-    con.add_argument("--host", default="127.0.0.1",
-                     help="the address to bind [default: 127.0.0.1]")  # fmt: skip
-    con.add_argument("--tokens", required=True, metavar="FILE",
-                     help='operator tokens, a JSON object {"name": "token", ...}, mode 0600'
-                     " (the name is what the audit records)")  # fmt: skip
+    con.add_argument("--host", default="127.0.0.1", help="the address to bind [default: 127.0.0.1]")
+    con.add_argument(
+        "--tokens",
+        required=True,
+        metavar="FILE",
+        help='operator tokens, a JSON object {"name": "token", ...}, mode 0600'
+        " (the name is what the audit records)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -318,8 +551,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     bak = sub.add_parser("backup", help="an online snapshot of a database (VACUUM INTO)")
     _add_db(bak, "the SQLite database file to snapshot (must exist)")
-    _option(bak, "--out", "the snapshot file to create (mode 0600; never overwritten)",
-            required=True, metavar="FILE")  # fmt: skip
+    _option(
+        bak,
+        "--out",
+        "the snapshot file to create (mode 0600; never overwritten)",
+        required=True,
+        metavar="FILE",
+    )
 
     rcp = sub.add_parser("receipts", help="list applied replies (the database is only read)")
     _add_db(rcp, "the receiver's database: a SQLite file (must exist), or a postgresql:// URL")
@@ -332,10 +570,18 @@ def build_parser() -> argparse.ArgumentParser:
     _add_redis(st, required=False)
     _add_prefix(st)
     _add_json(st)
-    st.add_argument("--watch", action="store_true",
-                    help="refresh until Ctrl-C (the terminal is cleared each time)")  # fmt: skip
-    st.add_argument("--interval", type=float, default=2.0, metavar="S",
-                    help="with --watch: seconds between refreshes [default: 2.0]")  # fmt: skip
+    st.add_argument(
+        "--watch",
+        action="store_true",
+        help="refresh until Ctrl-C (the terminal is cleared each time)",
+    )
+    st.add_argument(
+        "--interval",
+        type=float,
+        default=2.0,
+        metavar="S",
+        help="with --watch: seconds between refreshes [default: 2.0]",
+    )
 
     cancel = sub.add_parser(
         "cancel", help="cancel a task durably (a running one: requested, for its handler to stop)"
@@ -344,10 +590,20 @@ def build_parser() -> argparse.ArgumentParser:
     cancel.add_argument("task_id", nargs="?", help="the task to cancel")
     cancel.add_argument("--message-id", help="name the task by its message id (with --principal)")
     cancel.add_argument("--principal", help="whose message id")
-    _option(cancel, "--reason", "kept with the task and sent in its reply",
-            default="cancelled by operator")  # fmt: skip
-    _option(cancel, "--by", "who cancels (kept with the reason, with the OS user)",
-            env="BA_OPERATOR", default=os_user(), metavar="NAME")  # fmt: skip
+    _option(
+        cancel,
+        "--reason",
+        "kept with the task and sent in its reply",
+        default="cancelled by operator",
+    )
+    _option(
+        cancel,
+        "--by",
+        "who cancels (kept with the reason, with the OS user)",
+        env="BA_OPERATOR",
+        default=os_user(),
+        metavar="NAME",
+    )
 
     dl = sub.add_parser("dead-letters", help="inspect and replay dead letters")
     dls = dl.add_subparsers(dest="dl_command", required=True, parser_class=_Parser)
@@ -365,22 +621,32 @@ def build_parser() -> argparse.ArgumentParser:
         if name != "list":
             p.add_argument("id", help="a reply id (dead reply) or a dead-letter entry id")
         if name == "replay":
-            _option(p, "--by", "who replays (kept with the replay)",
-                    default=os_user())  # fmt: skip
+            _option(p, "--by", "who replays (kept with the replay)", default=os_user())
 
     sch = sub.add_parser(
         "schema", help="the JSON Schema of each task's payload and result (tool definitions)"
     )
-    sch.add_argument("--app", required=True, metavar="MOD:ROUTER",
-                     help="the Router, 'package.module:router' (or a handler)")  # fmt: skip
-    sch.add_argument("--app-dir", default=".", metavar="DIR",
-                     help="directory put first on the import path [default: .]")  # fmt: skip
+    sch.add_argument(
+        "--app",
+        required=True,
+        metavar="MOD:ROUTER",
+        help="the Router, 'package.module:router' (or a handler)",
+    )
+    sch.add_argument(
+        "--app-dir",
+        default=".",
+        metavar="DIR",
+        help="directory put first on the import path [default: .]",
+    )
 
     add_effect_commands(sub, _option, _add_db)
     _add_console(sub)
     demo = sub.add_parser("demo", help="run the end-to-end demo on an embedded default")
-    demo.add_argument("--keep", metavar="DIR", help="keep the demo's databases in DIR and"
-                      " print how to open the web console on them")  # fmt: skip
+    demo.add_argument(
+        "--keep",
+        metavar="DIR",
+        help="keep the demo's databases in DIR and print how to open the web console on them",
+    )
     add_stream_commands(sub, _add_redis, _add_prefix)
     add_task_commands(sub, _option, _add_db, _add_redis, _add_prefix, _add_keyring)
     add_mcp_command(sub, sys.modules[__name__])
@@ -429,6 +695,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as exc:
         if args.verbose:
             raise
-        print(f"broker-adapter: error: unexpected {type(exc).__name__}: {exc}"
-              " (-v shows the traceback)", file=sys.stderr)  # fmt: skip
+        print(
+            f"broker-adapter: error: unexpected {type(exc).__name__}: {exc}"
+            " (-v shows the traceback)",
+            file=sys.stderr,
+        )
         return EXIT_FAILURE

@@ -78,9 +78,11 @@ def cmd_run(args: argparse.Namespace) -> int:
         "retention_s": args.retention,
         "metrics_port": args.metrics_port,
         "metrics_host": args.metrics_host,
-        "reconcile": ReconcilePolicy(operator_timeout_s=args.operator_timeout,
-                                     operator_timeout_action=args.operator_timeout_action),
-    }  # fmt: skip
+        "reconcile": ReconcilePolicy(
+            operator_timeout_s=args.operator_timeout,
+            operator_timeout_action=args.operator_timeout_action,
+        ),
+    }
     if args.name:
         fields["name"] = args.name
     config = AdapterConfig(**fields)
@@ -125,8 +127,14 @@ def cmd_publish(args: argparse.Namespace) -> int:
         )
     except EnvelopeError as exc:  # built from the flags: a usage error
         raise ConfigError(f"the envelope is refused: {exc}") from None
-    publisher = Publisher(connect(args.redis), Keys(args.prefix), args.principal, keyring,
-                          key_id=args.key_id, partitions=args.partitions)  # fmt: skip
+    publisher = Publisher(
+        connect(args.redis),
+        Keys(args.prefix),
+        args.principal,
+        keyring,
+        key_id=args.key_id,
+        partitions=args.partitions,
+    )
     entry_id = publisher.publish(envelope)
     _print_json(
         {
@@ -158,9 +166,11 @@ def cmd_receive(args: argparse.Namespace) -> int:
 
     consumer = args.consumer or f"receive-{args.principal}"
     config = ReceiverConfig(
-        prefix=args.prefix, principal=args.principal, consumer=consumer,
+        prefix=args.prefix,
+        principal=args.principal,
+        consumer=consumer,
         retention_s=args.retention,
-    )  # fmt: skip
+    )
     keyring = Keyring.load(args.keyring)
     stop = _install_stop()
     # A cluster's client reads the slot map when it is made: while its seed node is down
@@ -287,8 +297,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     db = args.db if is_postgres_url(args.db) else Path(args.db)
     if args.watch:
         bounded_seconds("--interval", args.interval, 3600)
-        return watch_status(db, args.redis, args.prefix, args.interval,
-                            as_json=args.json)  # fmt: skip
+        return watch_status(db, args.redis, args.prefix, args.interval, as_json=args.json)
     report = collect_status(db, args.redis, args.prefix)
     if args.json:
         _print_json(report)
@@ -297,9 +306,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
-def cancel_task(
-    db: Database | PgDatabase, task_id: str, reason: str, by: str
-) -> dict[str, Any]:
+def cancel_task(db: Database | PgDatabase, task_id: str, reason: str, by: str) -> dict[str, Any]:
     """Cancel a task durably: ``cancel``'s and the console's. A running task gets a cancel
     request (its handler sees it at its next check; its lease is no longer renewed after
     the grace); any other live task is cancelled now. Who asked (``by``) is kept with the

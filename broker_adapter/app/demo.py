@@ -121,8 +121,10 @@ def card_charged(task: ClaimedTask, key: str) -> Observation:
 def charge_card(task: Task) -> dict[str, Any]:
     """The demo's irreversible handler: one charge per call, the target does not dedupe."""
     with closing(_charges_conn(os.environ[EFFECTS_ENV])) as conn:
-        conn.execute("INSERT INTO charges VALUES (?, ?)",
-                     (task.effect_key("charge_card"), task.payload["amount"]))  # fmt: skip
+        conn.execute(
+            "INSERT INTO charges VALUES (?, ?)",
+            (task.effect_key("charge_card"), task.payload["amount"]),
+        )
     return {"charged": task.payload["amount"]}
 
 
@@ -235,17 +237,31 @@ def _story(tmp: Path, redis: EmbeddedRedis) -> bool:
     services = ["web", "db", "cache"]
     for service in services:
         env = Envelope.build(
-            message_id=f"restart-{service}", sender="planner",
-            payload={"service": service}, deadline=deadline,
-        )  # fmt: skip
+            message_id=f"restart-{service}",
+            sender="planner",
+            payload={"service": service},
+            deadline=deadline,
+        )
         planner.publish(env)
-    planner.publish(Envelope.build(message_id="restart-web", sender="planner",
-                                   payload={"service": "web"}, deadline=deadline))  # fmt: skip
-    planner.publish(Envelope.build(message_id="restart-db", sender="planner",
-                                   payload={"service": "db", "force": True},
-                                   deadline=deadline))  # fmt: skip
-    spoof = Envelope.build(message_id="restart-all", sender="planner",
-                           payload={"service": "*"}, deadline=deadline)  # fmt: skip
+    planner.publish(
+        Envelope.build(
+            message_id="restart-web",
+            sender="planner",
+            payload={"service": "web"},
+            deadline=deadline,
+        )
+    )
+    planner.publish(
+        Envelope.build(
+            message_id="restart-db",
+            sender="planner",
+            payload={"service": "db", "force": True},
+            deadline=deadline,
+        )
+    )
+    spoof = Envelope.build(
+        message_id="restart-all", sender="planner", payload={"service": "*"}, deadline=deadline
+    )
     fields = keyring.sign(spoof.replace(sender="reviewer"))
     fields["env"] = spoof.to_json()  # claims to be planner, signed with reviewer's key
     client.xadd(keys.inbound(), fields)  # type: ignore[arg-type]
@@ -254,13 +270,16 @@ def _story(tmp: Path, redis: EmbeddedRedis) -> bool:
 
     db = open_database(db_path)
     tasks = TaskStore(db, policy=TaskPolicy(lease_s=LEASE_S))
-    ingest = Ingestor(IngestConfig(prefix=PREFIX, consumer="ingest-1", block_ms=100),
-                      client, tasks, keyring)  # fmt: skip
+    ingest = Ingestor(
+        IngestConfig(prefix=PREFIX, consumer="ingest-1", block_ms=100), client, tasks, keyring
+    )
     _drain(ingest.step)
     s = ingest.stats
     _say("2. Ingest: one SQLite transaction for the batch, then one XACK")
-    _say(f"   stored {s.accepted}, duplicates {s.duplicates}, conflicts {s.conflicts} "
-         f"(answered, first request kept), dead-lettered {dict(s.dead_lettered)}")  # fmt: skip
+    _say(
+        f"   stored {s.accepted}, duplicates {s.duplicates}, conflicts {s.conflicts} "
+        f"(answered, first request kept), dead-lettered {dict(s.dead_lettered)}"
+    )
     dead: Any = client.xrange(keys.inbound_dead())
     for _, f in dead:
         letter = DeadLetter.parse(f)
@@ -271,15 +290,19 @@ def _story(tmp: Path, redis: EmbeddedRedis) -> bool:
     code = _run_child(_worker_child, db_path, "worker.after_effect")
     web = tasks.find("planner", "restart-web")
     assert web is not None
-    _say(f"   worker A exit code {code}; task state {web.state}, fence {web.fence}, "
-         f"lease held by {web.owner}")  # fmt: skip
+    _say(
+        f"   worker A exit code {code}; task state {web.state}, fence {web.fence}, "
+        f"lease held by {web.owner}"
+    )
     time.sleep(LEASE_S + 0.1)  # a demo runs on the real clock: let the lease run out
     worker_b = Worker(WorkerConfig(owner="worker-B"), tasks, restart_service)
     _drain(lambda: worker_b.run_once(10))
     web = tasks.find("planner", "restart-web")
     assert web is not None
-    _say(f"   lease expired; worker B reclaimed it: attempt {web.attempts}, fence {web.fence}, "
-         f"state {web.state}")  # fmt: skip
+    _say(
+        f"   lease expired; worker B reclaimed it: attempt {web.attempts}, fence {web.fence}, "
+        f"state {web.state}"
+    )
     try:
         tasks.finish(web.task_id, "worker-A", 1, {"restarted": "web"})
         stale_refused = False
@@ -294,8 +317,10 @@ def _story(tmp: Path, redis: EmbeddedRedis) -> bool:
         effects = dict(world.execute("SELECT message_id, count(*) FROM effects GROUP BY 1"))
     restarted = effects.get("restart-web", 0)
     key = idempotency_key_for(web.principal, web.message_id)
-    _say(f"   restart-web: handler ran {attempts} times, the service restarted {restarted} "
-         f"time (idempotency key …{key[-8:]})\n")  # fmt: skip
+    _say(
+        f"   restart-web: handler ran {attempts} times, the service restarted {restarted} "
+        f"time (idempotency key …{key[-8:]})\n"
+    )
 
     forged = _forge_reply(client, keys, db)
     _say("4. The dispatcher publishes the replies and is SIGKILLed before marking them sent")
@@ -305,22 +330,32 @@ def _story(tmp: Path, redis: EmbeddedRedis) -> bool:
     outbox = OutboxStore(db)
     replies_key = keys.replies("planner")
     before = client.xlen(replies_key) - 1  # the forgery is not ours
-    _say(f"   dispatcher exit code {code}; reply entries on the stream: {before}, "
-         f"outbox sent: {outbox.counts()['sent']}")  # fmt: skip
-    dispatcher = Dispatcher(DispatcherConfig(prefix=PREFIX, owner="dispatcher-2"), client,
-                            _expired_lease_outbox(db), keyring=keyring)  # fmt: skip
+    _say(
+        f"   dispatcher exit code {code}; reply entries on the stream: {before}, "
+        f"outbox sent: {outbox.counts()['sent']}"
+    )
+    dispatcher = Dispatcher(
+        DispatcherConfig(prefix=PREFIX, owner="dispatcher-2"),
+        client,
+        _expired_lease_outbox(db),
+        keyring=keyring,
+    )
     _drain(dispatcher.step)
     after = client.xlen(replies_key) - 1
-    _say(f"   restarted: re-sent under the same reply ids, {dispatcher.stats.already_published}"
-         f" already recorded; entries on the stream still {after}\n")  # fmt: skip
+    _say(
+        f"   restarted: re-sent under the same reply ids, {dispatcher.stats.already_published}"
+        f" already recorded; entries on the stream still {after}\n"
+    )
 
     _say("5. The receiver applies a reply and is SIGKILLed before its XACK")
     code = _run_child(_receiver_child, rdb_path, redis.url, "planner", "receiver.after_commit")
     receiver = _receiver(rdb_path, redis.url, "planner")
     _drain(receiver.step)
     st = receiver.stats
-    _say(f"   receiver exit code {code}; on restart the redelivered replies were recognised: "
-         f"{st.duplicates} duplicates skipped, {st.applied} new")  # fmt: skip
+    _say(
+        f"   receiver exit code {code}; on restart the redelivered replies were recognised: "
+        f"{st.duplicates} duplicates skipped, {st.applied} new"
+    )
     reply_dead: Any = client.xrange(keys.replies_dead("planner"))
     letters = [DeadLetter.parse(f) for _, f in reply_dead]
     refused = {dl.source_entry_id: dl.reason for dl in letters}
@@ -339,16 +374,19 @@ def _unknown_story(db_path: str) -> bool:
     _say("6. A handler charges a card at a processor that does not dedupe, and is SIGKILLed")
     _say("   after the charge (the handler is declared @side_effect: irreversible, reconcile)")
     tasks = TaskStore(open_database(db_path), policy=TaskPolicy(lease_s=LEASE_S))
-    env = Envelope.build(message_id="charge-42", sender="planner", payload={"amount": 42},
-                         deadline=time.time() + 120)  # fmt: skip
+    env = Envelope.build(
+        message_id="charge-42", sender="planner", payload={"amount": 42}, deadline=time.time() + 120
+    )
     tasks.accept([AcceptItem("planner", env)])
     code = _run_child(_charge_child, db_path, "worker.after_effect")
     time.sleep(LEASE_S + 0.1)  # a demo runs on the real clock: let the lease run out
     taken = tasks.reconcile()
     task = tasks.find("planner", "charge-42")
     assert task is not None
-    _say(f"   worker C exit code {code}; its lease ran out after the charge started:"
-         f" {taken.get('unknown', 0)} task taken back as {task.state}, not pending")  # fmt: skip
+    _say(
+        f"   worker C exit code {code}; its lease ran out after the charge started:"
+        f" {taken.get('unknown', 0)} task taken back as {task.state}, not pending"
+    )
     retried = Worker(WorkerConfig(owner="worker-D"), tasks, charge_card).run_once(10)
     _say(f"   another worker finds nothing to retry blindly: {retried} claimed")
     fx = EffectsStore(tasks)
@@ -360,8 +398,10 @@ def _unknown_story(db_path: str) -> bool:
     (record,) = fx.reconcile_log(task.task_id)
     with closing(_charges_conn(os.environ[EFFECTS_ENV])) as conn:
         charges = conn.execute("SELECT count(*) FROM charges").fetchone()[0]
-    _say(f"   the reconcile asked the processor under the effect's idempotency key: "
-         f"{record.outcome}; task {task.state}, charges {charges}\n")  # fmt: skip
+    _say(
+        f"   the reconcile asked the processor under the effect's idempotency key: "
+        f"{record.outcome}; task {task.state}, charges {charges}\n"
+    )
     tasks.db.close()
     return task.state == "done" and charges == 1 and retried == 0
 
@@ -374,12 +414,24 @@ def _forge_reply(client: Any, keys: Keys, db: Any) -> str:
             "SELECT o.reply_id FROM outbox o JOIN tasks t ON t.task_id = o.task_id"
             " WHERE t.message_id = 'restart-db'"
         ).fetchone()
-    body = canonical_json({"principal": "planner", "reply_id": reply_id, "status": "done",
-                           "result": {"approved": True, "amount": 1_000_000}})  # fmt: skip
+    body = canonical_json(
+        {
+            "principal": "planner",
+            "reply_id": reply_id,
+            "status": "done",
+            "result": {"approved": True, "amount": 1_000_000},
+        }
+    )
     made_up = Keyring({"planner": {"k1": "an outsider's guess at planner's key, 32+ bytes"}})
     signed = made_up.sign_reply("planner", reply_id, body)
-    fields = {"v": "2", "reply_id": reply_id, "hash": sha256_hex(body), "body": body,
-              "kid": signed.kid, "sig": signed.sig}  # fmt: skip
+    fields = {
+        "v": "2",
+        "reply_id": reply_id,
+        "hash": sha256_hex(body),
+        "body": body,
+        "kid": signed.kid,
+        "sig": signed.sig,
+    }
     entry_id = client.xadd(keys.replies("planner"), fields)
     return entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
 
@@ -396,9 +448,13 @@ def _expired_lease_outbox(db: Any) -> OutboxStore:
 
 
 def _report(
-    db: Any, rdb_path: str, stale_refused: bool, one_entry_per_reply: bool,
-    forgery_refused: bool, unknown_reconciled_once: bool,
-) -> bool:  # fmt: skip
+    db: Any,
+    rdb_path: str,
+    stale_refused: bool,
+    one_entry_per_reply: bool,
+    forgery_refused: bool,
+    unknown_reconciled_once: bool,
+) -> bool:
     with closing(sqlite3.connect(rdb_path)) as rconn:
         applied: dict[str, int] = {}
         for reply_id, n in rconn.execute("SELECT reply_id, count(*) FROM applied GROUP BY 1"):
@@ -412,14 +468,18 @@ def _report(
             r[0] for r in c.execute("SELECT reply_id FROM outbox WHERE task_id IS NULL")
         ]
     _say("Report")
-    _say(f"   {'message':<15} {'state':<6} {'attempts':>8} {'fence':>5}  {'reply':<14} "
-         f"{'receiver effects':>16}")  # fmt: skip
+    _say(
+        f"   {'message':<15} {'state':<6} {'attempts':>8} {'fence':>5}  {'reply':<14} "
+        f"{'receiver effects':>16}"
+    )
     ok = stale_refused and one_entry_per_reply
     for r in rows:
         n = applied.get(r["reply_id"], 0)
         ok = ok and n == 1 and r["state"] == "done" and r["ostate"] == "sent"
-        _say(f"   {r['message_id']:<15} {r['state']:<6} {r['attempts']:>8} {r['fence']:>5}  "
-             f"{'r-…' + r['reply_id'][-10:]:<14} {n:>16}")  # fmt: skip
+        _say(
+            f"   {r['message_id']:<15} {r['state']:<6} {r['attempts']:>8} {r['fence']:>5}  "
+            f"{'r-…' + r['reply_id'][-10:]:<14} {n:>16}"
+        )
     delivered = sum(applied.get(rid, 0) for rid in conflict_ids)
     ok = ok and delivered == len(conflict_ids)
     _say(

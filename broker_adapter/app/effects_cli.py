@@ -42,14 +42,26 @@ Option = Callable[..., None]
 
 def add_run_options(run: argparse.ArgumentParser, option: Option) -> None:
     """``run``'s bound on how long a task waits for an operator (``ReconcilePolicy``)."""
-    option(run, "--operator-timeout", "a task whose effect's outcome is unknown waits this"
-           " long for an operator's answer, seconds; then the alert, or the action below",
-           env="BA_OPERATOR_TIMEOUT_S", default=DEFAULT_OPERATOR_TIMEOUT_S, type=float,
-           metavar="S")  # fmt: skip
-    option(run, "--operator-timeout-action", "past --operator-timeout: alert (it keeps"
-           " waiting, marked overdue) or fail (it ends failed, its reply saying the"
-           " effect's outcome is unknown)", env="BA_OPERATOR_TIMEOUT_ACTION",
-           default="alert", choices=("alert", "fail"))  # fmt: skip
+    option(
+        run,
+        "--operator-timeout",
+        "a task whose effect's outcome is unknown waits this"
+        " long for an operator's answer, seconds; then the alert, or the action below",
+        env="BA_OPERATOR_TIMEOUT_S",
+        default=DEFAULT_OPERATOR_TIMEOUT_S,
+        type=float,
+        metavar="S",
+    )
+    option(
+        run,
+        "--operator-timeout-action",
+        "past --operator-timeout: alert (it keeps"
+        " waiting, marked overdue) or fail (it ends failed, its reply saying the"
+        " effect's outcome is unknown)",
+        env="BA_OPERATOR_TIMEOUT_ACTION",
+        default="alert",
+        choices=("alert", "fail"),
+    )
 
 
 def add_commands(sub: Any, option: Option, add_db: Callable[[Any, str], None]) -> None:
@@ -60,19 +72,34 @@ def add_commands(sub: Any, option: Option, add_db: Callable[[Any, str], None]) -
         " 'reconcile show TASK_ID' show them",
     )
     add_db(rec, "the adapter's database: a SQLite file (must exist) or a postgresql:// URL")
-    rec.add_argument("task_id", metavar="TASK_ID|list|show",
-                     help="the unknown task to answer (with --outcome); 'list': the tasks"
-                     " whose outcome is unknown, those waiting for an operator first;"
-                     " 'show TASK_ID': its reconcile log and compensations")  # fmt: skip
+    rec.add_argument(
+        "task_id",
+        metavar="TASK_ID|list|show",
+        help="the unknown task to answer (with --outcome); 'list': the tasks"
+        " whose outcome is unknown, those waiting for an operator first;"
+        " 'show TASK_ID': its reconcile log and compensations",
+    )
     rec.add_argument("shown", nargs="?", metavar="TASK_ID", help="with 'show': the task")
-    rec.add_argument("--outcome", choices=("done", "not-done"),
-                     help="done: the effect happened; not-done: it did not (a retry may"
-                     " follow); required to answer")  # fmt: skip
-    rec.add_argument("--limit", type=int, default=100, metavar="N",
-                     help="with 'list': at most N tasks [default: 100]")  # fmt: skip
+    rec.add_argument(
+        "--outcome",
+        choices=("done", "not-done"),
+        help="done: the effect happened; not-done: it did not (a retry may"
+        " follow); required to answer",
+    )
+    rec.add_argument(
+        "--limit",
+        type=int,
+        default=100,
+        metavar="N",
+        help="with 'list': at most N tasks [default: 100]",
+    )
     _add_by(rec, option, required=False)  # not for list and show: checked when answering
-    rec.add_argument("--result", default="null", metavar="JSON",
-                     help="with done: the task's result, a JSON value [default: null]")  # fmt: skip
+    rec.add_argument(
+        "--result",
+        default="null",
+        metavar="JSON",
+        help="with done: the task's result, a JSON value [default: null]",
+    )
     rec.add_argument("--note", default=None, help="kept in the reconcile record")
 
     app = sub.add_parser(
@@ -88,24 +115,48 @@ def add_commands(sub: Any, option: Option, add_db: Callable[[Any, str], None]) -
     )
     add_db(app, "the adapter's database: a SQLite file (must exist) or a postgresql:// URL")
     app.add_argument("action", nargs="?", help="the action's name, as its handler declares it")
-    app.add_argument("--task", metavar="TASK_ID",
-                     help="approve what this waiting task asks (instead of the options below)")
+    app.add_argument(
+        "--task",
+        metavar="TASK_ID",
+        help="approve what this waiting task asks (instead of the options below)",
+    )
     app.add_argument("--target", help="what the action may act on")
     app.add_argument("--scope", help="within which scope")
     app.add_argument("--principal", metavar="P", help="whose tasks (the requesting principal)")
-    app.add_argument("--arguments", metavar="JSON",
-                     help="the effect's arguments, JSON (its handler's 'arguments', by default"
-                     " the whole payload); bound by their digest")
-    app.add_argument("--version", type=int, default=EFFECT_KEY_VERSION, metavar="N",
-                     help=f"the effect key's version [default: {EFFECT_KEY_VERSION}]")
-    app.add_argument("--uses", type=int, default=1, metavar="N",
-                     help="how many tasks may run under it [default: 1]")
-    app.add_argument("--expires-in", required=True, type=float, metavar="S",
-                     help="the approval ends this many seconds from now")
+    app.add_argument(
+        "--arguments",
+        metavar="JSON",
+        help="the effect's arguments, JSON (its handler's 'arguments', by default"
+        " the whole payload); bound by their digest",
+    )
+    app.add_argument(
+        "--version",
+        type=int,
+        default=EFFECT_KEY_VERSION,
+        metavar="N",
+        help=f"the effect key's version [default: {EFFECT_KEY_VERSION}]",
+    )
+    app.add_argument(
+        "--uses",
+        type=int,
+        default=1,
+        metavar="N",
+        help="how many tasks may run under it [default: 1]",
+    )
+    app.add_argument(
+        "--expires-in",
+        required=True,
+        type=float,
+        metavar="S",
+        help="the approval ends this many seconds from now",
+    )
     _add_by(app, option)
 
-    waits = sub.add_parser("approvals", help="list the tasks waiting for an approval, with"
-                           " what each asks (principal, arguments and their digest)")
+    waits = sub.add_parser(
+        "approvals",
+        help="list the tasks waiting for an approval, with"
+        " what each asks (principal, arguments and their digest)",
+    )
     add_db(waits, "the adapter's database: a SQLite file (must exist) or a postgresql:// URL")
 
     rev = sub.add_parser("revoke", help="revoke an approval record")
@@ -115,8 +166,14 @@ def add_commands(sub: Any, option: Option, add_db: Callable[[Any, str], None]) -
 
 
 def _add_by(p: argparse.ArgumentParser, option: Option, required: bool = True) -> None:
-    option(p, "--by", "who decides (kept in the record, with the OS user)", env="BA_OPERATOR",
-           required=required, metavar="NAME")  # fmt: skip
+    option(
+        p,
+        "--by",
+        "who decides (kept in the record, with the OS user)",
+        env="BA_OPERATOR",
+        required=required,
+        metavar="NAME",
+    )
 
 
 def _who(by: str) -> str:
@@ -128,9 +185,14 @@ def _who(by: str) -> str:
 
 
 def resolve_unknown(
-    db: Database | PgDatabase, task_id: str, outcome: Literal["done", "not-done"], who: str, *,
-    result: str = "null", note: str | None = None,
-) -> TaskState:  # fmt: skip
+    db: Database | PgDatabase,
+    task_id: str,
+    outcome: Literal["done", "not-done"],
+    who: str,
+    *,
+    result: str = "null",
+    note: str | None = None,
+) -> TaskState:
     """An operator's answer for an ``unknown`` task, audited under ``who``: ``reconcile``'s
     and the console's. ``result`` is the observed result as JSON text (with ``done``).
 
@@ -171,10 +233,15 @@ def grant_approval(
     store = ApprovalStore(TaskStore(db))
     try:
         return store.grant_approval(
-            what["action"], what["target"], what["scope"], who,
-            read_now(db, store.clock) + expires_in, principal=what["principal"],
-            arguments_digest=what["arguments_digest"], uses=uses,
-        )  # fmt: skip
+            what["action"],
+            what["target"],
+            what["scope"],
+            who,
+            read_now(db, store.clock) + expires_in,
+            principal=what["principal"],
+            arguments_digest=what["arguments_digest"],
+            uses=uses,
+        )
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
 
@@ -190,8 +257,9 @@ def cmd_reconcile(args: argparse.Namespace) -> int:
         raise ConfigError("answering a task needs --outcome done|not-done and --by NAME")
     audit("reconcile", task_id=args.task_id, outcome=args.outcome, by=args.by)
     with open_store(args.db) as db:
-        state = resolve_unknown(db, args.task_id, args.outcome, _who(args.by),
-                                result=args.result, note=args.note)  # fmt: skip
+        state = resolve_unknown(
+            db, args.task_id, args.outcome, _who(args.by), result=args.result, note=args.note
+        )
     print(json.dumps({"task_id": args.task_id, "state": state.value}, sort_keys=True))
     return 0
 
@@ -202,8 +270,16 @@ def cmd_approve(args: argparse.Namespace) -> int:
     from broker_adapter.store.backends import open_store
 
     bounded_seconds("--expires-in", args.expires_in, MAX_APPROVAL_S)
-    audit("approve", task=args.task, action=args.action, target=args.target,
-          scope=args.scope, by=args.by, expires_in=args.expires_in, uses=args.uses)  # fmt: skip
+    audit(
+        "approve",
+        task=args.task,
+        action=args.action,
+        target=args.target,
+        scope=args.scope,
+        by=args.by,
+        expires_in=args.expires_in,
+        uses=args.uses,
+    )
     with open_store(args.db) as db:
         what = _what_to_approve(args, ApprovalStore(TaskStore(db)))
         approval_id = grant_approval(db, what, _who(args.by), args.expires_in, args.uses)
@@ -225,9 +301,14 @@ def what_a_task_waits_for(store: Any, task_id: str) -> dict[str, Any]:
     if wait.principal is None or wait.arguments_digest is None:
         raise ConfigError(f"task {task_id} waits from before approvals were bound")
     arguments = None if wait.arguments is None else json.loads(wait.arguments)
-    return {"action": wait.action, "target": wait.target, "scope": wait.scope,
-            "principal": wait.principal, "arguments": arguments,
-            "arguments_digest": wait.arguments_digest}  # fmt: skip
+    return {
+        "action": wait.action,
+        "target": wait.target,
+        "scope": wait.scope,
+        "principal": wait.principal,
+        "arguments": arguments,
+        "arguments_digest": wait.arguments_digest,
+    }
 
 
 def _what_to_approve(args: argparse.Namespace, store: Any) -> dict[str, Any]:
@@ -237,12 +318,22 @@ def _what_to_approve(args: argparse.Namespace, store: Any) -> dict[str, Any]:
 
     if args.task is not None:
         if args.action or args.target or args.scope or args.principal or args.arguments:
-            raise ConfigError("--task takes what the task asks: give no ACTION or --target,"
-                              " --scope, --principal, --arguments with it")  # fmt: skip
+            raise ConfigError(
+                "--task takes what the task asks: give no ACTION or --target,"
+                " --scope, --principal, --arguments with it"
+            )
         return what_a_task_waits_for(store, args.task)
-    missing = [flag for flag, value in (("ACTION", args.action), ("--target", args.target),
-               ("--scope", args.scope), ("--principal", args.principal),
-               ("--arguments", args.arguments)) if not value]  # fmt: skip
+    missing = [
+        flag
+        for flag, value in (
+            ("ACTION", args.action),
+            ("--target", args.target),
+            ("--scope", args.scope),
+            ("--principal", args.principal),
+            ("--arguments", args.arguments),
+        )
+        if not value
+    ]
     if missing:
         raise ConfigError(f"approve needs --task, or {', '.join(missing)}")
     try:
@@ -250,9 +341,14 @@ def _what_to_approve(args: argparse.Namespace, store: Any) -> dict[str, Any]:
         digest = arguments_digest(args.action, arguments, args.version)
     except ValueError as exc:
         raise ConfigError(f"--arguments is not JSON: {exc}") from None
-    return {"action": args.action, "target": args.target, "scope": args.scope,
-            "principal": args.principal, "arguments": arguments,
-            "arguments_digest": digest}  # fmt: skip
+    return {
+        "action": args.action,
+        "target": args.target,
+        "scope": args.scope,
+        "principal": args.principal,
+        "arguments": arguments,
+        "arguments_digest": digest,
+    }
 
 
 def cmd_approvals(args: argparse.Namespace) -> int:

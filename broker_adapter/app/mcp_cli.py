@@ -28,27 +28,82 @@ def add_command(sub: argparse._SubParsersAction[Any], common: Any) -> None:
     common._add_prefix(p)
     common._add_partitions(p)
     common._add_keyring(p, "holds the principal's keys (signs requests, checks replies)")
-    common._option(p, "--app", "the Router whose tasks are the tools, 'package.module:router'",
-                   env="BA_APP", required=True, metavar="MOD:ROUTER")  # fmt: skip
-    common._option(p, "--app-dir", "directory put first on the import path to find the app",
-                   env="BA_APP_DIR", default=".", metavar="DIR")  # fmt: skip
-    common._option(p, "--principal", "who the requests come from", env="BA_PRINCIPAL",
-                   required=True, metavar="P")  # fmt: skip
-    common._option(p, "--instance", "this server's instance id (replies are routed to it)",
-                   env="BA_INSTANCE", shown="the host name", metavar="ID")  # fmt: skip
-    common._option(p, "--transport", "stdio: one client on standard input and output;"
-                   " http: streamable HTTP on --host:--port/mcp", env="BA_MCP_TRANSPORT",
-                   default="stdio", choices=("stdio", "http"))  # fmt: skip
-    common._option(p, "--host", "the address the HTTP transport binds", env="BA_MCP_HOST",
-                   default="127.0.0.1", metavar="HOST")  # fmt: skip
-    common._option(p, "--port", "the HTTP transport's port", env="BA_MCP_PORT",
-                   default=DEFAULT_HTTP_PORT, type=int, metavar="PORT")  # fmt: skip
-    common._option(p, "--timeout", "how long a plain tool call waits for its reply, seconds",
-                   env="BA_MCP_TIMEOUT_S", default=DEFAULT_TIMEOUT_S, type=float,
-                   metavar="S")  # fmt: skip
-    common._option(p, "--deadline", "each request's deadline, seconds after it is first"
-                   " published", env="BA_MCP_DEADLINE_S", shown="--timeout", type=float,
-                   metavar="S")  # fmt: skip
+    common._option(
+        p,
+        "--app",
+        "the Router whose tasks are the tools, 'package.module:router'",
+        env="BA_APP",
+        required=True,
+        metavar="MOD:ROUTER",
+    )
+    common._option(
+        p,
+        "--app-dir",
+        "directory put first on the import path to find the app",
+        env="BA_APP_DIR",
+        default=".",
+        metavar="DIR",
+    )
+    common._option(
+        p,
+        "--principal",
+        "who the requests come from",
+        env="BA_PRINCIPAL",
+        required=True,
+        metavar="P",
+    )
+    common._option(
+        p,
+        "--instance",
+        "this server's instance id (replies are routed to it)",
+        env="BA_INSTANCE",
+        shown="the host name",
+        metavar="ID",
+    )
+    common._option(
+        p,
+        "--transport",
+        "stdio: one client on standard input and output;"
+        " http: streamable HTTP on --host:--port/mcp",
+        env="BA_MCP_TRANSPORT",
+        default="stdio",
+        choices=("stdio", "http"),
+    )
+    common._option(
+        p,
+        "--host",
+        "the address the HTTP transport binds",
+        env="BA_MCP_HOST",
+        default="127.0.0.1",
+        metavar="HOST",
+    )
+    common._option(
+        p,
+        "--port",
+        "the HTTP transport's port",
+        env="BA_MCP_PORT",
+        default=DEFAULT_HTTP_PORT,
+        type=int,
+        metavar="PORT",
+    )
+    common._option(
+        p,
+        "--timeout",
+        "how long a plain tool call waits for its reply, seconds",
+        env="BA_MCP_TIMEOUT_S",
+        default=DEFAULT_TIMEOUT_S,
+        type=float,
+        metavar="S",
+    )
+    common._option(
+        p,
+        "--deadline",
+        "each request's deadline, seconds after it is first published",
+        env="BA_MCP_DEADLINE_S",
+        shown="--timeout",
+        type=float,
+        metavar="S",
+    )
 
 
 def cmd_mcp(args: argparse.Namespace) -> int:
@@ -71,13 +126,19 @@ def cmd_mcp(args: argparse.Namespace) -> int:
 
     async def serve() -> None:
         async with AsyncClient(
-            args.redis, args.principal, keyring, instance=args.instance,
-            prefix=args.prefix, partitions=args.partitions,
-        ) as client:  # fmt: skip
+            args.redis,
+            args.principal,
+            keyring,
+            instance=args.instance,
+            prefix=args.prefix,
+            partitions=args.partitions,
+        ) as client:
             bridge = ToolBridge(
-                router, client, timeout_s=args.timeout,
+                router,
+                client,
+                timeout_s=args.timeout,
                 deadline_s=args.deadline or args.timeout,
-            )  # fmt: skip
+            )
             server = build_server(bridge)
             if args.transport == "http":
                 await serve_http(server, args.host, args.port)

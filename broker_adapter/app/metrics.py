@@ -99,8 +99,13 @@ class Families:
                 continue
             for sample in metric.samples:
                 if sample.name.endswith("_total"):
-                    self._add(metric.name, "counter", metric.documentation, sample.value,
-                              dict(sample.labels))  # fmt: skip
+                    self._add(
+                        metric.name,
+                        "counter",
+                        metric.documentation,
+                        sample.value,
+                        dict(sample.labels),
+                    )
 
     def collect(self) -> Iterator[Metric]:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -185,32 +190,67 @@ _PUBLISH_OUTCOMES = {
 
 def _reader_families(out: Families, stage: str, reader: GroupReader) -> None:
     s = reader.stats
-    out.counter("ba_stream_entries_read", "New stream entries read (XREADGROUP >).", s.read,
-                stage=stage)  # fmt: skip
-    out.counter("ba_stream_entries_replayed", "Entries re-read from the consumer's own"
-                " pending list (after a start or an error).", s.replayed, stage=stage)  # fmt: skip
-    out.counter("ba_stream_entries_taken_over", "Entries claimed from idle consumers"
-                " (XAUTOCLAIM).", s.taken_over, stage=stage)  # fmt: skip
+    out.counter(
+        "ba_stream_entries_read", "New stream entries read (XREADGROUP >).", s.read, stage=stage
+    )
+    out.counter(
+        "ba_stream_entries_replayed",
+        "Entries re-read from the consumer's own pending list (after a start or an error).",
+        s.replayed,
+        stage=stage,
+    )
+    out.counter(
+        "ba_stream_entries_taken_over",
+        "Entries claimed from idle consumers (XAUTOCLAIM).",
+        s.taken_over,
+        stage=stage,
+    )
     out.counter("ba_stream_entries_acked", "Entries acknowledged (XACK).", s.acked, stage=stage)
     for reason, n in s.by_reason.items():
-        out.counter("ba_stream_dead_letters", "Entries moved to a dead-letter stream, by"
-                    " reason.", n, stage=stage, reason=reason)  # fmt: skip
-    out.counter("ba_stream_dead_letter_failures", "Entries acknowledged without a dead"
-                " letter because even a minimal one failed.", s.dead_letter_failures,
-                stage=stage)  # fmt: skip
-    out.counter("ba_dead_letters_capped", "Dead letters trimmed because their stream was at"
-                " its cap.", s.dead_letters_capped, stage=stage)  # fmt: skip
-    out.counter("ba_redis_reconnects", "Reads started over after a Redis or store error.",
-                s.reconnects, stage=stage)  # fmt: skip
-    out.counter("ba_redis_data_loss_alarms", "Redis data loss seen: a consumer group gone"
-                " (group_lost), the epoch key gone (wipe), a restart (restart).",
-                s.group_recreated, stage=stage, kind="group_lost")  # fmt: skip
+        out.counter(
+            "ba_stream_dead_letters",
+            "Entries moved to a dead-letter stream, by reason.",
+            n,
+            stage=stage,
+            reason=reason,
+        )
+    out.counter(
+        "ba_stream_dead_letter_failures",
+        "Entries acknowledged without a dead letter because even a minimal one failed.",
+        s.dead_letter_failures,
+        stage=stage,
+    )
+    out.counter(
+        "ba_dead_letters_capped",
+        "Dead letters trimmed because their stream was at its cap.",
+        s.dead_letters_capped,
+        stage=stage,
+    )
+    out.counter(
+        "ba_redis_reconnects",
+        "Reads started over after a Redis or store error.",
+        s.reconnects,
+        stage=stage,
+    )
+    out.counter(
+        "ba_redis_data_loss_alarms",
+        "Redis data loss seen: a consumer group gone"
+        " (group_lost), the epoch key gone (wipe), a restart (restart).",
+        s.group_recreated,
+        stage=stage,
+        kind="group_lost",
+    )
 
 
 def _publish_families(out: Families, stage: str, s: DispatcherStats) -> None:
     for outcome, attr in _PUBLISH_OUTCOMES.items():
-        out.counter("ba_reply_publish", "Reply publications, by outcome.", getattr(s, attr),
-                    stage=stage, outcome=outcome)  # fmt: skip
+        out.counter(
+            "ba_reply_publish",
+            "Reply publications, by outcome.",
+            getattr(s, attr),
+            stage=stage,
+            outcome=outcome,
+        )
 
 
 def _trim_families(
@@ -219,39 +259,63 @@ def _trim_families(
     out.counter("ba_stream_entries_trimmed", "Stream entries trimmed.", trimmed, stage=stage)
     out.counter("ba_dead_letters_trimmed", "Dead letters trimmed by age.", dead, stage=stage)
     out.counter("ba_trim_failures", "Trims that failed (retried).", failures, stage=stage)
-    out.counter("ba_stream_future_ids", "Trims that found a stream read past an id ahead of"
-                " the server clock (poisoned: repair it).", future, stage=stage)  # fmt: skip
+    out.counter(
+        "ba_stream_future_ids",
+        "Trims that found a stream read past an id ahead of"
+        " the server clock (poisoned: repair it).",
+        future,
+        stage=stage,
+    )
 
 
 def _stage_families(out: Families, observed: Observed) -> None:
     for ingestor in list(observed.ingestors):
         i = ingestor.stats
         for outcome, attr in _INBOX_OUTCOMES.items():
-            out.counter("ba_inbox_entries", "Authenticated entries the inbox took, by outcome.",
-                        getattr(i, attr), outcome=outcome)  # fmt: skip
-        _trim_families(out, "ingest", i.trimmed, i.dead_letters_trimmed, i.trim_failures,
-                       i.future_ids)  # fmt: skip
-        out.counter("ba_lease_takeovers", "Expired task leases taken back (requeued, or"
-                    " failed on the last attempt).", ingestor.tasks.lease_takeovers)  # fmt: skip
+            out.counter(
+                "ba_inbox_entries",
+                "Authenticated entries the inbox took, by outcome.",
+                getattr(i, attr),
+                outcome=outcome,
+            )
+        _trim_families(
+            out, "ingest", i.trimmed, i.dead_letters_trimmed, i.trim_failures, i.future_ids
+        )
+        out.counter(
+            "ba_lease_takeovers",
+            "Expired task leases taken back (requeued, or failed on the last attempt).",
+            ingestor.tasks.lease_takeovers,
+        )
         for reader in ingestor.readers:
             _reader_families(out, "ingest", reader)
     for dispatcher in list(observed.dispatchers):
         s = dispatcher.stats
         _publish_families(out, "dispatcher", s)
-        _trim_families(out, "dispatcher", s.trimmed, s.dead_letters_trimmed, s.trim_failures,
-                       s.future_ids)  # fmt: skip
-        out.counter("ba_reply_entries_unread_trimmed", "Replies no group acknowledged, trimmed"
-                    " at the retention window (their outbox rows still hold them).",
-                    s.unread_trimmed)  # fmt: skip
-        out.counter("ba_replies_requeued", "Sent replies put back in line after Redis data"
-                    " loss.", s.requeued)  # fmt: skip
+        _trim_families(
+            out, "dispatcher", s.trimmed, s.dead_letters_trimmed, s.trim_failures, s.future_ids
+        )
+        out.counter(
+            "ba_reply_entries_unread_trimmed",
+            "Replies no group acknowledged, trimmed"
+            " at the retention window (their outbox rows still hold them).",
+            s.unread_trimmed,
+        )
+        out.counter(
+            "ba_replies_requeued",
+            "Sent replies put back in line after Redis data loss.",
+            s.requeued,
+        )
         for kind, n in (("wipe", s.wipes), ("restart", s.restarts)):
             out.counter("ba_redis_data_loss_alarms", "", n, stage="dispatcher", kind=kind)
     for receiver in list(observed.receivers):
         for outcome, attr in _RECEIVER_OUTCOMES.items():
-            out.counter("ba_receiver_replies", "Replies the receiver handled, by outcome"
-                        " (applied: effect run; duplicate: skipped).",
-                        getattr(receiver.stats, attr), outcome=outcome)  # fmt: skip
+            out.counter(
+                "ba_receiver_replies",
+                "Replies the receiver handled, by outcome"
+                " (applied: effect run; duplicate: skipped).",
+                getattr(receiver.stats, attr),
+                outcome=outcome,
+            )
         _reader_families(out, "receiver", receiver.reader)
 
 
@@ -268,9 +332,12 @@ def _database_families(out: Families, db_path: Path | str) -> None:
     finally:
         db.close()
     if skew is not None:
-        out.gauge("ba_clock_skew_seconds", "How far this host's clock is ahead of the"
-                  " PostgreSQL server's, whose clock judges leases (negative: behind).",
-                  skew)  # fmt: skip
+        out.gauge(
+            "ba_clock_skew_seconds",
+            "How far this host's clock is ahead of the"
+            " PostgreSQL server's, whose clock judges leases (negative: behind).",
+            skew,
+        )
     p, delivery = report["processing"], report["delivery"]
     doc = "Tasks by state (from the database)."
     for state in ("pending", "running", "unknown", "waiting_approval"):
@@ -284,19 +351,30 @@ def _database_families(out: Families, db_path: Path | str) -> None:
     for state in ("pending", "sending", "sent", "dead"):
         out.gauge("ba_outbox_replies", "Outbox replies by state.", delivery[state], state=state)
     oldest = delivery["oldest_unsent_age_s"]
-    out.gauge("ba_outbox_oldest_unsent_age_seconds", "Age of the oldest reply not sent yet"
-              " (0: none).", 0.0 if oldest is None else oldest)  # fmt: skip
+    out.gauge(
+        "ba_outbox_oldest_unsent_age_seconds",
+        "Age of the oldest reply not sent yet (0: none).",
+        0.0 if oldest is None else oldest,
+    )
     out.gauge("ba_receipts", "Replies the receiver recorded.", report["receipts"]["replies"])
     fx = report["effects"]
-    out.gauge("ba_unknown_outcomes", "Tasks whose external effect's outcome is not known"
-              " (unknown), by whether they wait for an operator.",
-              fx["unknown"] - fx["awaiting_operator"], waiting="reconcile")  # fmt: skip
+    out.gauge(
+        "ba_unknown_outcomes",
+        "Tasks whose external effect's outcome is not known"
+        " (unknown), by whether they wait for an operator.",
+        fx["unknown"] - fx["awaiting_operator"],
+        waiting="reconcile",
+    )
     out.gauge("ba_unknown_outcomes", "", fx["awaiting_operator"], waiting="operator")
     _outcome_families(out, fx)
     out.gauge("ba_approvals_waiting", "Tasks waiting for an approval.", fx["waiting_approval"])
     for state in ("valid", "expired", "revoked"):
-        out.gauge("ba_approvals", "Approval records by state (granted and valid, expired,"
-                  " revoked).", fx[f"approvals_{state}"], state=state)  # fmt: skip
+        out.gauge(
+            "ba_approvals",
+            "Approval records by state (granted and valid, expired, revoked).",
+            fx[f"approvals_{state}"],
+            state=state,
+        )
 
 
 def _outcome_families(out: Families, fx: dict[str, Any]) -> None:
@@ -304,29 +382,59 @@ def _outcome_families(out: Families, fx: dict[str, Any]) -> None:
     (``store.counters``): they never fall across a purge, and count what commits in any
     process, a killed worker's attempt included; the same on every adapter sharing one
     database (aggregate with ``max``)."""
-    out.counter("ba_task_attempts", "Task attempts started, counted when the claim commits"
-                " (database-wide).", fx["task_attempts"])  # fmt: skip
-    out.counter("ba_task_outcomes", "Task outcomes committed by workers.",
-                fx["task_outcomes_unknown"], outcome="unknown")  # fmt: skip
+    out.counter(
+        "ba_task_attempts",
+        "Task attempts started, counted when the claim commits (database-wide).",
+        fx["task_attempts"],
+    )
+    out.counter(
+        "ba_task_outcomes",
+        "Task outcomes committed by workers.",
+        fx["task_outcomes_unknown"],
+        outcome="unknown",
+    )
     for outcome in ("done", "not-done", "unknown"):
-        out.counter("ba_reconciles", "Reconciles of unknown tasks (automatic or an"
-                    " operator's), by what they found.", fx[f"reconciled_{outcome}"],
-                    outcome=outcome)  # fmt: skip
+        out.counter(
+            "ba_reconciles",
+            "Reconciles of unknown tasks (automatic or an operator's), by what they found.",
+            fx[f"reconciled_{outcome}"],
+            outcome=outcome,
+        )
     for outcome in ("started", "done", "failed"):
-        out.counter("ba_compensations", "Compensations begun (started) and ended (done,"
-                    " failed), of duplicates and of cancelled tasks' effects.",
-                    fx[f"compensations_{outcome}"], outcome=outcome)  # fmt: skip
-    out.gauge("ba_compensations_open", "Compensations begun and not ended (a crash half"
-              " way: an operator checks the target).", fx["compensations_open"])  # fmt: skip
+        out.counter(
+            "ba_compensations",
+            "Compensations begun (started) and ended (done,"
+            " failed), of duplicates and of cancelled tasks' effects.",
+            fx[f"compensations_{outcome}"],
+            outcome=outcome,
+        )
+    out.gauge(
+        "ba_compensations_open",
+        "Compensations begun and not ended (a crash half way: an operator checks the target).",
+        fx["compensations_open"],
+    )
     for action in ("alert", "fail"):
-        out.counter("ba_operator_timeouts", "Operator waits past operator_timeout_s, by the"
-                    " action taken.", fx[f"operator_timeouts_{action}"], action=action)  # fmt: skip
-    out.gauge("ba_operator_waits_overdue", "Tasks waiting for an operator past"
-              " operator_timeout_s.", fx["operator_overdue"])  # fmt: skip
-    out.gauge("ba_unknown_oldest_age_seconds", "Age of the oldest unknown task, since its"
-              " effect started (0: none).", fx["oldest_unknown_age_s"])  # fmt: skip
-    out.gauge("ba_operator_wait_oldest_age_seconds", "Age of the oldest wait for an"
-              " operator (0: none).", fx["oldest_operator_wait_age_s"])  # fmt: skip
+        out.counter(
+            "ba_operator_timeouts",
+            "Operator waits past operator_timeout_s, by the action taken.",
+            fx[f"operator_timeouts_{action}"],
+            action=action,
+        )
+    out.gauge(
+        "ba_operator_waits_overdue",
+        "Tasks waiting for an operator past operator_timeout_s.",
+        fx["operator_overdue"],
+    )
+    out.gauge(
+        "ba_unknown_oldest_age_seconds",
+        "Age of the oldest unknown task, since its effect started (0: none).",
+        fx["oldest_unknown_age_s"],
+    )
+    out.gauge(
+        "ba_operator_wait_oldest_age_seconds",
+        "Age of the oldest wait for an operator (0: none).",
+        fx["oldest_operator_wait_age_s"],
+    )
 
 
 class ReadinessCheck(Protocol):
@@ -368,11 +476,15 @@ class AdapterCollector:
             self._guarded("redis", lambda: self._groups(out))
             self._guarded("workers", lambda: self._workers(out))
             if self.readiness is not None:
-                out.gauge("ba_ready", "1 when /readyz would answer 200, else 0.",
-                          0 if self.readiness.problems() else 1)  # fmt: skip
+                out.gauge(
+                    "ba_ready",
+                    "1 when /readyz would answer 200, else 0.",
+                    0 if self.readiness.problems() else 1,
+                )
             for source, n in self.errors.items():
-                out.counter("ba_scrape_errors", "Sources a scrape could not read.", n,
-                            source=source)  # fmt: skip
+                out.counter(
+                    "ba_scrape_errors", "Sources a scrape could not read.", n, source=source
+                )
         return out.collect()
 
     def _guarded(self, source: str, body: Callable[[], None]) -> None:
@@ -397,15 +509,25 @@ class AdapterCollector:
                 self._client = redis_client(obs.redis_url, CHECK_TIMEOUT_S)
             sample = self._sample = sample_groups(self._client, obs.streams)
         for stream, group, pending, lag in sample.groups:
-            out.gauge("ba_stream_group_pending", "Entries delivered to the group and not"
-                      " acknowledged (XINFO GROUPS, sampled).", pending, stream=stream,
-                      group=group)  # fmt: skip
+            out.gauge(
+                "ba_stream_group_pending",
+                "Entries delivered to the group and not acknowledged (XINFO GROUPS, sampled).",
+                pending,
+                stream=stream,
+                group=group,
+            )
             if lag is not None:
-                out.gauge("ba_stream_group_lag", "Entries not delivered to the group yet"
-                          " (XINFO GROUPS, sampled).", lag, stream=stream, group=group)  # fmt: skip
+                out.gauge(
+                    "ba_stream_group_lag",
+                    "Entries not delivered to the group yet (XINFO GROUPS, sampled).",
+                    lag,
+                    stream=stream,
+                    group=group,
+                )
         for stream, n in sample.lengths:
-            out.gauge("ba_stream_length", "Entries in the stream (XLEN, sampled).", n,
-                      stream=stream)  # fmt: skip
+            out.gauge(
+                "ba_stream_length", "Entries in the stream (XLEN, sampled).", n, stream=stream
+            )
 
     def _workers(self, out: Families) -> None:
         if self.observed.worker_dir is None:
@@ -477,16 +599,26 @@ class WorkerMetrics:
                 counters[name] = Counter(name, doc or name, list(labels), registry=registry)
             metric = counters[name]
             self._counters[attr] = metric.labels(**labels) if labels else metric
-        publish = Counter("ba_reply_publish", "Reply publications, by outcome.",
-                          ["stage", "outcome"], registry=registry)  # fmt: skip
-        self._publish = {attr: publish.labels(stage="worker", outcome=outcome)
-                         for outcome, attr in _PUBLISH_OUTCOMES.items()}  # fmt: skip
-        self._takeovers = Counter("ba_lease_takeovers", "Expired task leases taken back.",
-                                  registry=registry)  # fmt: skip
+        publish = Counter(
+            "ba_reply_publish",
+            "Reply publications, by outcome.",
+            ["stage", "outcome"],
+            registry=registry,
+        )
+        self._publish = {
+            attr: publish.labels(stage="worker", outcome=outcome)
+            for outcome, attr in _PUBLISH_OUTCOMES.items()
+        }
+        self._takeovers = Counter(
+            "ba_lease_takeovers", "Expired task leases taken back.", registry=registry
+        )
         self._duration = Histogram(
-            "ba_handler_duration_seconds", "Handler call time, by handler and task name.",
-            ["handler", "task"], buckets=HANDLER_BUCKETS, registry=registry,
-        )  # fmt: skip
+            "ba_handler_duration_seconds",
+            "Handler call time, by handler and task name.",
+            ["handler", "task"],
+            buckets=HANDLER_BUCKETS,
+            registry=registry,
+        )
         self._handler = handler
         self._seen: dict[str, int] = {}
 

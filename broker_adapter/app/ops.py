@@ -165,8 +165,9 @@ def watch_status(
                 body = format_status(report)
                 if problem:
                     body += f"\nredis       not answering: {problem}"
-                stream.write(("\x1b[H\x1b[2J" if clear else "\n" if shown else "")
-                             + f"{header}\n{body}\n")  # fmt: skip
+                stream.write(
+                    ("\x1b[H\x1b[2J" if clear else "\n" if shown else "") + f"{header}\n{body}\n"
+                )
             stream.flush()
             shown += 1
     except KeyboardInterrupt:
@@ -261,9 +262,7 @@ def _line(item: dict[str, Any]) -> str:
     )
 
 
-def dead_letter_entries(
-    client: Any, prefix: str, limit: int | None = None
-) -> list[dict[str, Any]]:
+def dead_letter_entries(client: Any, prefix: str, limit: int | None = None) -> list[dict[str, Any]]:
     """The dead-letter entries of every dead-letter stream under ``prefix`` (Redis), each
     as ``dead-letters list`` shows it; with ``limit``, at most that many per stream, the
     newest."""
@@ -297,8 +296,12 @@ def replay_dead_letter(
         from broker_adapter.stages.replay import Replayer
 
         result = Replayer(client, outbox, Keys(prefix)).replay(item_id, by=by)
-        return {"type": "reply", "reply_id": item_id, "replay": str(result),
-                "outcome": result.outcome.value}  # fmt: skip
+        return {
+            "type": "reply",
+            "reply_id": item_id,
+            "replay": str(result),
+            "outcome": result.outcome.value,
+        }
     if client is None:
         raise ConfigError(f"no dead reply {item_id!r} in the database (entries need --redis)")
     keys = Keys(prefix)
@@ -324,6 +327,11 @@ def replay_dead_letter(
         pipe.xadd(source, original)
         pipe.xdel(stream, item_id)
         new_id, _ = call(pipe.execute)
-        return {"type": "entry", "stream": stream, "entry_id": item_id, "replayed_to": source,
-                "new_entry_id": text(new_id)}  # fmt: skip
+        return {
+            "type": "entry",
+            "stream": stream,
+            "entry_id": item_id,
+            "replayed_to": source,
+            "new_entry_id": text(new_id),
+        }
     raise ConfigError(f"no dead reply or dead-letter entry {item_id!r}")

@@ -30,8 +30,10 @@ def add_commands(
     """Add ``functions`` and ``streams`` to the CLI's subcommands."""
     fn = sub.add_parser("functions", help="the Redis Function library broker_adapter calls")
     fns = fn.add_subparsers(dest="fn_command", required=True)
-    load = fns.add_parser("load", help="load (or replace) it on the server, every master of a"
-                          " cluster (needs +function|load)")  # fmt: skip
+    load = fns.add_parser(
+        "load",
+        help="load (or replace) it on the server, every master of a cluster (needs +function|load)",
+    )
     add_redis(load)
 
     st = sub.add_parser("streams", help="repair a stream")
@@ -40,10 +42,16 @@ def add_commands(
     rep = sts.add_parser("repair", help=f"{what} fresh stream (the adapter may run)")
     add_redis(rep)
     add_prefix(rep)
-    rep.add_argument("--stream", required=True, metavar="KEY",
-                     help="the stream's key, e.g. ba:{in.alice}:tasks")  # fmt: skip
-    rep.add_argument("--max-entries", type=int, default=None, metavar="N",
-                     help="refuse a stream with more live entries [default: 10000]")  # fmt: skip
+    rep.add_argument(
+        "--stream", required=True, metavar="KEY", help="the stream's key, e.g. ba:{in.alice}:tasks"
+    )
+    rep.add_argument(
+        "--max-entries",
+        type=int,
+        default=None,
+        metavar="N",
+        help="refuse a stream with more live entries [default: 10000]",
+    )
 
 
 def cmd_functions(args: argparse.Namespace) -> int:
@@ -83,8 +91,12 @@ def cmd_streams(args: argparse.Namespace) -> int:
     finally:
         client.close()
     log.info("audit: streams repair of %s done: %d entries moved", stream, result.moved)
-    out = {"stream": stream, "moved": result.moved, "kept_as": result.kept_as,
-           "groups": result.groups}  # fmt: skip
+    out = {
+        "stream": stream,
+        "moved": result.moved,
+        "kept_as": result.kept_as,
+        "groups": result.groups,
+    }
     print(json.dumps(out, sort_keys=True))
     return 0
 

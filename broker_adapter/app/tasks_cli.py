@@ -20,11 +20,13 @@ def _print(obj: Any) -> None:
 
 
 def add_task_commands(
-    sub: argparse._SubParsersAction[Any], option: Callable[..., None],
+    sub: argparse._SubParsersAction[Any],
+    option: Callable[..., None],
     add_db: Callable[[argparse.ArgumentParser, str], None],
-    add_redis: Callable[..., None], add_prefix: Callable[[argparse.ArgumentParser], None],
+    add_redis: Callable[..., None],
+    add_prefix: Callable[[argparse.ArgumentParser], None],
     add_keyring: Callable[..., None],
-) -> None:  # fmt: skip
+) -> None:
     """Register ``tasks`` (``list``, ``show``) and ``result``."""
     tasks = sub.add_parser("tasks", help="find tasks by state, principal, message id or task id")
     ts = tasks.add_subparsers(dest="tasks_command", required=True, parser_class=type(tasks))
@@ -45,10 +47,22 @@ def add_task_commands(
     add_prefix(res)
     option(res, "--principal", "whose request", env="BA_PRINCIPAL", required=True, metavar="P")
     add_keyring(res, "the principal's keys (the reply is checked)")
-    option(res, "--id", "the request's message id", required=True, dest="message_id",
-           metavar="MESSAGE_ID")  # fmt: skip
-    option(res, "--db", "the adapter's database, to tell pending, running and unknown apart",
-           env="BA_DB", shown="not read", metavar="PATH")  # fmt: skip
+    option(
+        res,
+        "--id",
+        "the request's message id",
+        required=True,
+        dest="message_id",
+        metavar="MESSAGE_ID",
+    )
+    option(
+        res,
+        "--db",
+        "the adapter's database, to tell pending, running and unknown apart",
+        env="BA_DB",
+        shown="not read",
+        metavar="PATH",
+    )
 
 
 def cmd_tasks(args: argparse.Namespace) -> int:
@@ -58,8 +72,7 @@ def cmd_tasks(args: argparse.Namespace) -> int:
     db = open_store(args.db)
     try:
         if args.tasks_command == "list":
-            for row in list_tasks(db, state=args.state, principal=args.principal,
-                                  limit=args.limit):  # fmt: skip
+            for row in list_tasks(db, state=args.state, principal=args.principal, limit=args.limit):
                 _print(row)
             return 0
         rows = show_tasks(db, args.id, args.principal)

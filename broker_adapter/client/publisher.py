@@ -60,8 +60,9 @@ def chained(envelope: Envelope, parent: ChainLink) -> Envelope:
     parent=task)`` does this; the adapter counts the chain by ``correlation_id`` whatever
     the request says (``TaskPolicy.max_chain_tasks``)."""
     chain = parent.correlation_id or parent.task_id
-    return envelope.replace(parent_id=parent.task_id, correlation_id=chain,
-                            hops=max(envelope.hops, parent.hops + 1))  # fmt: skip
+    return envelope.replace(
+        parent_id=parent.task_id, correlation_id=chain, hops=max(envelope.hops, parent.hops + 1)
+    )
 
 
 class _Signer:
@@ -153,9 +154,12 @@ class Publisher:
         return self._signer.stream
 
     def publish(
-        self, envelope: Envelope, *, traceparent: str | None = None,
+        self,
+        envelope: Envelope,
+        *,
+        traceparent: str | None = None,
         parent: ChainLink | None = None,
-    ) -> str:  # fmt: skip
+    ) -> str:
         """XADD ``envelope`` to the inbound stream.
 
         Args:
@@ -216,9 +220,12 @@ class AsyncPublisher:
         return self._signer.stream
 
     async def publish(
-        self, envelope: Envelope, *, traceparent: str | None = None,
+        self,
+        envelope: Envelope,
+        *,
+        traceparent: str | None = None,
         parent: ChainLink | None = None,
-    ) -> str:  # fmt: skip
+    ) -> str:
         """XADD ``envelope`` (in trace ``traceparent``, for task ``parent``, if given); see
         ``Publisher.publish`` (``RedisUnavailable`` = maybe published).
 

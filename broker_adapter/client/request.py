@@ -121,14 +121,23 @@ class AsyncClient:
     """
 
     def __init__(
-        self, redis: str | AsyncRedis, principal: str, keyring: Keyring, *,
-        instance: str | None = None, prefix: str = DEFAULT_PREFIX, key_id: str | None = None,
-        partitions: int = 1, mode: Literal["signed", "acl"] = "signed",
+        self,
+        redis: str | AsyncRedis,
+        principal: str,
+        keyring: Keyring,
+        *,
+        instance: str | None = None,
+        prefix: str = DEFAULT_PREFIX,
+        key_id: str | None = None,
+        partitions: int = 1,
+        mode: Literal["signed", "acl"] = "signed",
         resend_after_s: float = DEFAULT_RESEND_AFTER_S,
-        resend_max_s: float = DEFAULT_RESEND_MAX_S, block_ms: int = 1000,
-        clock: Clock | None = None, logger: logging.Logger | None = None,
+        resend_max_s: float = DEFAULT_RESEND_MAX_S,
+        block_ms: int = 1000,
+        clock: Clock | None = None,
+        logger: logging.Logger | None = None,
         router: Router | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         if not 0 < resend_after_s <= resend_max_s:
             raise ConfigError("resend_after_s must be > 0 and <= resend_max_s")
         self.instance = instance if instance is not None else default_instance()
@@ -138,8 +147,9 @@ class AsyncClient:
         self._owns = isinstance(redis, str)
         self.redis: AsyncRedis = (
             connect_async(redis, socket_timeout_s=block_ms / 1000 + 10)
-            if isinstance(redis, str) else redis
-        )  # fmt: skip
+            if isinstance(redis, str)
+            else redis
+        )
         self.keys = Keys(prefix)
         self.router = router
         signer = keyring if mode == "signed" else None  # ACL mode: the stream proves who
@@ -168,11 +178,18 @@ class AsyncClient:
         return message_id_for(self.principal, self.instance, key)
 
     async def request(
-        self, task: str | None, payload: dict[str, Any], *, message_id: str | None = None,
-        key: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
-        deadline_s: float | None = None, max_attempts: int = 3,
-        correlation_id: str | None = None, traceparent: str | None = None,
-    ) -> Reply:  # fmt: skip
+        self,
+        task: str | None,
+        payload: dict[str, Any],
+        *,
+        message_id: str | None = None,
+        key: str | None = None,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        deadline_s: float | None = None,
+        max_attempts: int = 3,
+        correlation_id: str | None = None,
+        traceparent: str | None = None,
+    ) -> Reply:
         """Publish a request and return its reply.
 
         Args:
@@ -199,16 +216,27 @@ class AsyncClient:
         if timeout_s <= 0:
             raise ConfigError("timeout_s must be > 0")
         envelope = self.envelope(
-            task, payload, self.message_id(message_id, key), deadline_s or timeout_s,
-            max_attempts=max_attempts, correlation_id=correlation_id, traceparent=traceparent,
-        )  # fmt: skip
+            task,
+            payload,
+            self.message_id(message_id, key),
+            deadline_s or timeout_s,
+            max_attempts=max_attempts,
+            correlation_id=correlation_id,
+            traceparent=traceparent,
+        )
         return outcome(await self.send(envelope, timeout_s))
 
     def envelope(
-        self, task: str | None, payload: dict[str, Any], message_id: str, deadline_s: float,
-        *, max_attempts: int = 3, correlation_id: str | None = None,
+        self,
+        task: str | None,
+        payload: dict[str, Any],
+        message_id: str,
+        deadline_s: float,
+        *,
+        max_attempts: int = 3,
+        correlation_id: str | None = None,
         traceparent: str | None = None,
-    ) -> Envelope:  # fmt: skip
+    ) -> Envelope:
         """A request's envelope from this principal, its deadline ``deadline_s`` from now:
         fixed here, so every resend of it (``send``) is the same request."""
         if deadline_s <= 0:
@@ -219,10 +247,15 @@ class AsyncClient:
             except RouteError as exc:
                 raise ConfigError(f"not sent: {exc}") from None
         return Envelope(
-            message_id=message_id, sender=self.principal, payload=payload, task=task,
-            deadline=self.clock.now() + deadline_s, max_attempts=max_attempts,
-            correlation_id=correlation_id, traceparent=traceparent,
-        )  # fmt: skip
+            message_id=message_id,
+            sender=self.principal,
+            payload=payload,
+            task=task,
+            deadline=self.clock.now() + deadline_s,
+            max_attempts=max_attempts,
+            correlation_id=correlation_id,
+            traceparent=traceparent,
+        )
 
     async def send(self, envelope: Envelope, timeout_s: float) -> Reply:
         """Publish ``envelope``, resend it unchanged while waiting, return its reply
@@ -333,9 +366,12 @@ class AsyncClient:
             RedisUnavailable: maybe sent; calling again is safe (a duplicate).
         """
         envelope = Envelope(
-            message_id=cancel_message_id(message_id), sender=self.principal, kind="cancel",
-            payload={"message_id": message_id}, deadline=self.clock.now() + deadline_s,
-        )  # fmt: skip
+            message_id=cancel_message_id(message_id),
+            sender=self.principal,
+            kind="cancel",
+            payload={"message_id": message_id},
+            deadline=self.clock.now() + deadline_s,
+        )
         await self.publisher.publish(envelope)
         return envelope.message_id
 
@@ -386,17 +422,32 @@ class Client:
         return asyncio.run_coroutine_threadsafe(work, self._loop).result()
 
     def request(
-        self, task: str | None, payload: dict[str, Any], *, message_id: str | None = None,
-        key: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
-        deadline_s: float | None = None, max_attempts: int = 3,
-        correlation_id: str | None = None, traceparent: str | None = None,
-    ) -> Reply:  # fmt: skip
+        self,
+        task: str | None,
+        payload: dict[str, Any],
+        *,
+        message_id: str | None = None,
+        key: str | None = None,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        deadline_s: float | None = None,
+        max_attempts: int = 3,
+        correlation_id: str | None = None,
+        traceparent: str | None = None,
+    ) -> Reply:
         """``AsyncClient.request``: publish, resend while waiting, return the reply."""
-        return self._run(self._client.request(
-            task, payload, message_id=message_id, key=key, timeout_s=timeout_s,
-            deadline_s=deadline_s, max_attempts=max_attempts, correlation_id=correlation_id,
-            traceparent=traceparent,
-        ))  # fmt: skip
+        return self._run(
+            self._client.request(
+                task,
+                payload,
+                message_id=message_id,
+                key=key,
+                timeout_s=timeout_s,
+                deadline_s=deadline_s,
+                max_attempts=max_attempts,
+                correlation_id=correlation_id,
+                traceparent=traceparent,
+            )
+        )
 
     def result(self, message_id: str) -> Reply | None:
         """``AsyncClient.result``."""

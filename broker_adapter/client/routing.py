@@ -57,9 +57,15 @@ class ReplyWatch:
     """
 
     def __init__(
-        self, redis: AsyncRedis, keys: Keys, principal: str, keyring: Keyring, *,
-        block_ms: int = 1000, logger: logging.Logger | None = None,
-    ) -> None:  # fmt: skip
+        self,
+        redis: AsyncRedis,
+        keys: Keys,
+        principal: str,
+        keyring: Keyring,
+        *,
+        block_ms: int = 1000,
+        logger: logging.Logger | None = None,
+    ) -> None:
         self.redis = redis
         self.keys = keys
         self.principal = principal

@@ -449,9 +449,7 @@ class _Console:
         task_id = self._field(request, "task_id")
         reason = request.state.fields.get("reason", "").strip() or "no reason given"
         who = self._who(operator)
-        out = await run_in_threadpool(
-            cancel_task, ctx.store.db, task_id, reason, who
-        )
+        out = await run_in_threadpool(cancel_task, ctx.store.db, task_id, reason, who)
         log.info("console: %s cancelled task %s: %s", who, task_id, out)
         return self._done(ctx, f"/tasks/{task_id}", f"cancel: {out['state']}")
 

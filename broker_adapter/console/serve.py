@@ -33,12 +33,19 @@ def cmd_console(args: argparse.Namespace) -> int:
     tokens = Tokens.load(args.tokens)
     stores = open_stores(list(args.db))
     try:
-        config = ConsoleConfig(stores=stores, client=connect(args.redis), prefix=args.prefix,
-                               tokens=tokens)  # fmt: skip
+        config = ConsoleConfig(
+            stores=stores, client=connect(args.redis), prefix=args.prefix, tokens=tokens
+        )
         app = create_app(config)
         log.warning("console on http://%s:%d/ (%d stores)", args.host, args.port, len(stores))
-        uvicorn.run(app, host=args.host, port=args.port, log_level="warning",
-                    server_header=False, proxy_headers=False)  # fmt: skip
+        uvicorn.run(
+            app,
+            host=args.host,
+            port=args.port,
+            log_level="warning",
+            server_header=False,
+            proxy_headers=False,
+        )
     finally:
         for store in stores:
             store.db.close()

@@ -65,13 +65,18 @@ def content_fingerprint(
         task: the task name (``Envelope.task``), or ``None``.
     """
     head = (
-        '{"correlation_id":' + _json_str_or_null(correlation_id)
-        + ',"deadline":' + ecmascript_number(float(deadline))
-        + ',"kind":' + _json_str_or_null(kind)
-        + ',"max_attempts":' + str(int(max_attempts))
-        + ',"parent_id":' + _json_str_or_null(parent_id)
+        '{"correlation_id":'
+        + _json_str_or_null(correlation_id)
+        + ',"deadline":'
+        + ecmascript_number(float(deadline))
+        + ',"kind":'
+        + _json_str_or_null(kind)
+        + ',"max_attempts":'
+        + str(int(max_attempts))
+        + ',"parent_id":'
+        + _json_str_or_null(parent_id)
         + ',"payload":'
-    )  # fmt: skip
+    )
     tail = b"}" if task is None else (',"task":' + encode_basestring(task) + "}").encode("utf-8")
     return sha256_hex(head.encode("utf-8") + canonical_numbers(payload) + tail)
 
@@ -122,6 +127,7 @@ def check_task_name(value: Any, field: str = "task") -> str | None:
         )
     raise EnvelopeError(field, "bad_chars", "may hold only letters, digits, '.', '_', '-', ':'")
 
+
 # Unicode category Cc exactly: C0 controls, DEL and the C1 controls (U+0080..U+009F).
 _CONTROL_CHARS = re.compile("[\x00-\x1f\x7f-\x9f]")
 
@@ -138,10 +144,11 @@ def _check_id(value: str, field: str) -> str:
         for char in value:
             if unicodedata.category(char) in _INVISIBLE_CATEGORIES:
                 raise EnvelopeError(
-                    field, "format_char",
+                    field,
+                    "format_char",
                     f"must not contain format or line/paragraph separator characters "
                     f"(U+{ord(char):04X})",
-                )  # fmt: skip
+                )
     return value
 
 
@@ -152,9 +159,18 @@ _INVISIBLE_CATEGORIES = frozenset({"Cf", "Zl", "Zp"})
 
 
 _FIELDS = (
-    "message_id", "sender", "kind", "payload", "deadline", "max_attempts", "hops",
-    "correlation_id", "parent_id", "traceparent", "task",
-)  # fmt: skip
+    "message_id",
+    "sender",
+    "kind",
+    "payload",
+    "deadline",
+    "max_attempts",
+    "hops",
+    "correlation_id",
+    "parent_id",
+    "traceparent",
+    "task",
+)
 _REQUIRED = frozenset({"message_id", "sender", "payload", "deadline"})
 _KINDS: tuple[Kind, ...] = ("task", "result", "event", "cancel")
 
@@ -421,9 +437,14 @@ class Envelope:
         """SHA-256 (hex) of the canonical content, ``canonical_json(self.content())`` with
         its floats written the ECMAScript way (``content_fingerprint``)."""
         return content_fingerprint(
-            self.kind, self._payload_bytes, self.correlation_id, self.parent_id,
-            deadline=self.deadline, max_attempts=self.max_attempts, task=self.task,
-        )  # fmt: skip
+            self.kind,
+            self._payload_bytes,
+            self.correlation_id,
+            self.parent_id,
+            deadline=self.deadline,
+            max_attempts=self.max_attempts,
+            task=self.task,
+        )
 
     def payload_json(self) -> str:
         return self._payload_bytes.decode("utf-8")

@@ -62,11 +62,20 @@ def reply_id_for(task_id: str) -> str:
 
 
 def terminal_body(
-    task_id: str, status: str, principal: str, message_id: str,
-    correlation_id: str | None, result: str | None, error: str | None, attempts: int,
-    fence: int, finished_at: float, *, traceparent: str | None = None,
+    task_id: str,
+    status: str,
+    principal: str,
+    message_id: str,
+    correlation_id: str | None,
+    result: str | None,
+    error: str | None,
+    attempts: int,
+    fence: int,
+    finished_at: float,
+    *,
+    traceparent: str | None = None,
     effects: Mapping[str, Any] | None = None,
-) -> dict[str, Any]:  # fmt: skip
+) -> dict[str, Any]:
     """A terminal reply's body (``result`` is the stored canonical JSON text), with the
     request's ``traceparent`` when it had one, and ``effects`` (how a reconcile ended an
     ``unknown`` task: ``reconciled``, ``compensations``; ``docs/PROTOCOL.md`` section 11)
@@ -93,10 +102,18 @@ def terminal_body(
 
 
 def conflict_body(
-    reply_id: str, task_id: str, principal: str, message_id: str,
-    correlation_id: str | None, error: str, fingerprint: str, stored_fingerprint: str,
-    *, traceparent: str | None = None, answered_at: float | None = None,
-) -> dict[str, Any]:  # fmt: skip
+    reply_id: str,
+    task_id: str,
+    principal: str,
+    message_id: str,
+    correlation_id: str | None,
+    error: str,
+    fingerprint: str,
+    stored_fingerprint: str,
+    *,
+    traceparent: str | None = None,
+    answered_at: float | None = None,
+) -> dict[str, Any]:
     """The body of the answer to ``(principal, message_id)`` reused with other content
     (``fingerprint``); ``task_id`` and ``stored_fingerprint`` are the stored request's,
     ``traceparent`` the resend's trace context, if it had one."""
@@ -187,11 +204,21 @@ class Reply:
 
 
 _FIELD_TYPES: dict[str, type | tuple[type, ...]] = {
-    "reply_id": str, "status": str, "task_id": str, "principal": str, "message_id": str,
-    "correlation_id": str, "error": str, "attempts": int, "fence": int,
-    "finished_at": (int, float), "fingerprint": str, "stored_fingerprint": str,
-    "traceparent": str, "v": int,
-}  # fmt: skip
+    "reply_id": str,
+    "status": str,
+    "task_id": str,
+    "principal": str,
+    "message_id": str,
+    "correlation_id": str,
+    "error": str,
+    "attempts": int,
+    "fence": int,
+    "finished_at": (int, float),
+    "fingerprint": str,
+    "stored_fingerprint": str,
+    "traceparent": str,
+    "v": int,
+}
 _KIND_NAMES: dict[type | tuple[type, ...], str] = {
     str: "a string",
     int: "an integer",

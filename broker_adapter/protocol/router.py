@@ -148,9 +148,16 @@ class Router:
         """
 
         def register(handler: H) -> H:
-            self.add(name, handler, payload=payload, result=result,
-                     call_timeout_s=call_timeout_s, max_attempts=max_attempts,
-                     concurrency=concurrency, default=default)  # fmt: skip
+            self.add(
+                name,
+                handler,
+                payload=payload,
+                result=result,
+                call_timeout_s=call_timeout_s,
+                max_attempts=max_attempts,
+                concurrency=concurrency,
+                default=default,
+            )
             return handler
 
         return register
@@ -191,9 +198,15 @@ class Router:
                 raise ConfigError(f"task {name!r}: the default is {self._default!r} already")
             self._default = name
         spec = TaskDef(
-            name, handler, payload, result if result is not None else _returned_model(handler),
-            call_timeout_s, max_attempts, concurrency, inspect.getdoc(handler),
-        )  # fmt: skip
+            name,
+            handler,
+            payload,
+            result if result is not None else _returned_model(handler),
+            call_timeout_s,
+            max_attempts,
+            concurrency,
+            inspect.getdoc(handler),
+        )
         self._tasks[name] = spec
         return spec
 

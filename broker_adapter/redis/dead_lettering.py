@@ -121,9 +121,14 @@ class DeadLetterWriter:
                 gone, say): a problem of the stream, not of the entry.
         """
         return self.write_fields(
-            entry.entry_id, reason, detail, entry.deliveries, original=entry.flat(), extra=extra,
+            entry.entry_id,
+            reason,
+            detail,
+            entry.deliveries,
+            original=entry.flat(),
+            extra=extra,
             trusted=trusted,
-        )  # fmt: skip
+        )
 
     def write_exception(self, entry: StreamEntry, exc: Exception, doing: str) -> None:
         """Dead-letter ``entry`` as ``internal_error``: handling it raised ``exc`` (a bug, or
@@ -135,8 +140,12 @@ class DeadLetterWriter:
         """
         self.log.error(
             "ALARM: %s raised while %s entry %s of %s; dead-lettering it as internal_error",
-            type(exc).__name__, doing, entry.entry_id, self.stream, exc_info=exc,
-        )  # fmt: skip
+            type(exc).__name__,
+            doing,
+            entry.entry_id,
+            self.stream,
+            exc_info=exc,
+        )
         detail = f"{describe(exc)} while {doing}"
         self.write(entry, INTERNAL_ERROR, detail, {deadletter.FIELD: ""})
 
@@ -202,8 +211,12 @@ class DeadLetterWriter:
         except Exception as exc:  # noqa: BLE001 - whatever the entry held: a minimal one
             self.log.error(
                 "ALARM: dead letter %r of %s from %s failed (%s: %s); writing a minimal one",
-                reason, entry_id, self.stream, type(exc).__name__, exc,
-            )  # fmt: skip
+                reason,
+                entry_id,
+                self.stream,
+                type(exc).__name__,
+                exc,
+            )
             minimal = deadletter.minimal_notes(reason, exc, source=self.stream, entry_id=entry_id)
             try:
                 dead_id = self._move(entry_id, minimal, [], ack=ack)
@@ -233,9 +246,15 @@ class DeadLetterWriter:
     ) -> tuple[dict[str, str], list[bytes]]:
         """The ``dl.*`` notes and the bounded ``orig.*`` copy of one dead letter."""
         notes = deadletter.notes(
-            reason, detail, source=self.stream, entry_id=entry_id, deliveries=deliveries,
-            group=self.group, consumer=self.consumer, extra=extra,
-        )  # fmt: skip
+            reason,
+            detail,
+            source=self.stream,
+            entry_id=entry_id,
+            deliveries=deliveries,
+            group=self.group,
+            consumer=self.consumer,
+            extra=extra,
+        )
         cfg = self.config
         max_bytes = cfg.max_entry_bytes
         if not trusted:
@@ -277,8 +296,11 @@ class DeadLetterWriter:
                 "ALARM: dead-letter stream %s is at its cap of %d entries; its %d oldest "
                 "dead letters were trimmed (read them with `dead-letters list` sooner, or find "
                 "who floods %s)",
-                self.dead_stream, self.cap, trimmed, self.stream,
-            )  # fmt: skip
+                self.dead_stream,
+                self.cap,
+                trimmed,
+                self.stream,
+            )
 
     def _give_up(self, entry_id: str, reason: str, exc: Exception, *, ack: bool) -> None:
         """The last resort when no dead letter can be written: acknowledge the entry alone,
@@ -288,8 +310,12 @@ class DeadLetterWriter:
         self.log.error(
             "ALARM: no dead letter could be written for %s of %s (%s; %s: %s); acknowledging "
             "it without one (it stays in the stream under its id)",
-            entry_id, self.stream, reason, type(exc).__name__, exc,
-        )  # fmt: skip
+            entry_id,
+            self.stream,
+            reason,
+            type(exc).__name__,
+            exc,
+        )
         if ack:
             with translated():
                 exchange(self.client, [("XACK", self.stream, self.group, entry_id)], raw=True)

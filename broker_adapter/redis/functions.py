@@ -92,8 +92,11 @@ def load_at_start(client: redis.Redis, logger: logging.Logger) -> bool:
     except BrokerAdapterError as exc:
         logger.warning(
             "could not load the Redis Function library %s (%s): dead letters need it; "
-            "run `%s` if no other process loads it", LIBRARY_NAME, exc, LOAD_COMMAND,
-        )  # fmt: skip
+            "run `%s` if no other process loads it",
+            LIBRARY_NAME,
+            exc,
+            LOAD_COMMAND,
+        )
         return False
     return True
 
@@ -137,6 +140,9 @@ def fcall_many(client: redis.Redis, function: str, calls: Sequence[Call]) -> lis
         return True
 
     return call_many(
-        client, ("FCALL", function), calls,
-        missing=lambda reply: _NOT_FOUND in str(reply).lower(), load=load,
-    )  # fmt: skip
+        client,
+        ("FCALL", function),
+        calls,
+        missing=lambda reply: _NOT_FOUND in str(reply).lower(),
+        load=load,
+    )

@@ -67,8 +67,11 @@ def exchange(
     if cluster.is_cluster(client):
         return cluster.routed_exchange(
             client,  # type: ignore[arg-type]
-            commands, exchange, raise_errors=raise_errors, raw=raw,
-        )  # fmt: skip
+            commands,
+            exchange,
+            raise_errors=raise_errors,
+            raw=raw,
+        )
     pool = client.connection_pool
     conn = pool_connection(pool)
     replies: list[Any] = []

@@ -52,8 +52,9 @@ def sample_groups(client: Any, streams: Iterable[str]) -> StreamSample:
             lengths.append((stream, int(client.xlen(stream))))
             for g in client.xinfo_groups(stream):
                 lag = g.get("lag")
-                groups.append((stream, text(g["name"]), int(g["pending"]),
-                               None if lag is None else int(lag)))  # fmt: skip
+                groups.append(
+                    (stream, text(g["name"]), int(g["pending"]), None if lag is None else int(lag))
+                )
     return StreamSample(time.monotonic(), groups, lengths)
 
 

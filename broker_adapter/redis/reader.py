@@ -163,11 +163,13 @@ class GroupReader:
         )
         cfg = self.config
         limits = ScreenLimits(
-            count=cfg.count, max_fields=cfg.max_entry_fields, max_bytes=cfg.max_entry_bytes,
+            count=cfg.count,
+            max_fields=cfg.max_entry_fields,
+            max_bytes=cfg.max_entry_bytes,
             budget=cfg.max_batch_bytes,
             copy_bytes=min(cfg.max_entry_bytes, UNTRUSTED_COPY_BYTES),  # refused unread
             max_deliveries=cfg.max_deliveries,
-        )  # fmt: skip
+        )
         self.reads = ScreenedReads(client, stream, dead_stream, group, consumer, limits, self.log)
 
     # -- group ----------------------------------------------------------------------------
@@ -356,9 +358,13 @@ class GroupReader:
         ids = [e.entry_id for e in entries]
         with translated():
             rows = self.client.xpending_range(
-                self.stream, self.group, min=min(ids, key=_id_key), max=max(ids, key=_id_key),
-                count=len(ids) * 2 + 10, consumername=self.consumer,
-            )  # fmt: skip
+                self.stream,
+                self.group,
+                min=min(ids, key=_id_key),
+                max=max(ids, key=_id_key),
+                count=len(ids) * 2 + 10,
+                consumername=self.consumer,
+            )
         counts = {text(r["message_id"]): int(r["times_delivered"]) for r in rows}  # type: ignore[arg-type]
         return [e._replace(deliveries=counts.get(e.entry_id, 1)) for e in entries]
 
@@ -479,9 +485,7 @@ class GroupReader:
             return self.ack(entry_ids)  # only a read known to work (a slot may migrate)
         try:
             with translated():
-                acked, reply = exchange(
-                    self.client, [xack, self.reads.read_command(">")], raw=True
-                )
+                acked, reply = exchange(self.client, [xack, self.reads.read_command(">")], raw=True)
         except GroupMissingError:
             self._recreate_group()
             return 0

@@ -257,9 +257,13 @@ class Screened:
 
 def _limit_args(limits: ScreenLimits) -> list[int]:
     return [
-        limits.count, limits.max_fields, limits.max_bytes, limits.budget, limits.copy_bytes,
+        limits.count,
+        limits.max_fields,
+        limits.max_bytes,
+        limits.budget,
+        limits.copy_bytes,
         limits.max_deliveries,
-    ]  # fmt: skip
+    ]
 
 
 def read_command(
@@ -281,9 +285,17 @@ def claim_command(
 ) -> tuple[Any, ...]:
     """The FCALL of a screened takeover page (XAUTOCLAIM from ``cursor``)."""
     return (
-        "FCALL", CLAIM_FUNCTION, 2, stream, dead, group, consumer, *_limit_args(limits),
-        cursor, min_idle_ms,
-    )  # fmt: skip
+        "FCALL",
+        CLAIM_FUNCTION,
+        2,
+        stream,
+        dead,
+        group,
+        consumer,
+        *_limit_args(limits),
+        cursor,
+        min_idle_ms,
+    )
 
 
 def load_command() -> tuple[Any, ...]:
@@ -363,9 +375,17 @@ class ScreenedReads:
             )
         block = () if block_ms is None else ("BLOCK", block_ms)
         return (
-            "XREADGROUP", "GROUP", self.group, self.consumer, "COUNT", 1, *block,
-            "STREAMS", self.stream, start,
-        )  # fmt: skip
+            "XREADGROUP",
+            "GROUP",
+            self.group,
+            self.consumer,
+            "COUNT",
+            1,
+            *block,
+            "STREAMS",
+            self.stream,
+            start,
+        )
 
     def parse_read(self, command: Sequence[Any], reply: Any) -> Screened:
         """The ``Screened`` of the reply to ``command`` (a ``read_command``)."""
@@ -402,13 +422,24 @@ class ScreenedReads:
         def command() -> tuple[Any, ...]:
             if self.screening is False:
                 return (
-                    "XAUTOCLAIM", self.stream, self.group, self.consumer, min_idle_ms, cursor,
-                    "COUNT", 1,
-                )  # fmt: skip
+                    "XAUTOCLAIM",
+                    self.stream,
+                    self.group,
+                    self.consumer,
+                    min_idle_ms,
+                    cursor,
+                    "COUNT",
+                    1,
+                )
             return claim_command(
-                self.stream, self.dead, self.group, self.consumer, cursor, min_idle_ms,
+                self.stream,
+                self.dead,
+                self.group,
+                self.consumer,
+                cursor,
+                min_idle_ms,
                 self.limits,
-            )  # fmt: skip
+            )
 
         first = command()
         reply = self._call(first, command)
@@ -416,9 +447,12 @@ class ScreenedReads:
             return parse(reply)
         deleted = reply[2] if len(reply) > 2 else []
         return Screened(
-            entries=stream_entries(reply[1]), refused=[], left=False, cursor=text(reply[0]),
+            entries=stream_entries(reply[1]),
+            refused=[],
+            left=False,
+            cursor=text(reply[0]),
             deleted=[text(d) for d in deleted],
-        )  # fmt: skip
+        )
 
     def _call(self, command: tuple[Any, ...], fallback: Any) -> Any:
         """Run ``command``; a function not loaded is loaded in the same round trip, and a
@@ -483,8 +517,10 @@ class ScreenedReads:
                 "entry at a time instead, each measured only after it arrived. Grant the "
                 "reader's Redis user +fcall (and the adapter +function|load), on Redis 7.0 "
                 "or later (docs/OPERATIONS.md)",
-                READ_FUNCTION, self.stream, exc,
-            )  # fmt: skip
+                READ_FUNCTION,
+                self.stream,
+                exc,
+            )
         self.screening = False
         self._unscreened_reads = 0
 

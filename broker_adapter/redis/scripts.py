@@ -102,6 +102,9 @@ def eval_many(client: redis.Redis, source: str, calls: Sequence[Call]) -> list[A
         return True
 
     return call_many(
-        client, ("EVALSHA", script_sha(source)), calls,
-        missing=lambda reply: isinstance(reply, redis.exceptions.NoScriptError), load=load,
-    )  # fmt: skip
+        client,
+        ("EVALSHA", script_sha(source)),
+        calls,
+        missing=lambda reply: isinstance(reply, redis.exceptions.NoScriptError),
+        load=load,
+    )

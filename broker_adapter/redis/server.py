@@ -75,15 +75,23 @@ class RedisServer:
         """The server's command line."""
         args = [
             REDIS_BINARY,
-            "--port", str(self.port),
-            "--bind", "127.0.0.1",
-            "--dir", str(self.workdir),
-            "--save", "",
-            "--daemonize", "no",
-            "--logfile", str(self.workdir / "redis.log"),
-            "--enable-debug-command", "local",
-            "--aof-load-truncated", "yes",
-        ]  # fmt: skip
+            "--port",
+            str(self.port),
+            "--bind",
+            "127.0.0.1",
+            "--dir",
+            str(self.workdir),
+            "--save",
+            "",
+            "--daemonize",
+            "no",
+            "--logfile",
+            str(self.workdir / "redis.log"),
+            "--enable-debug-command",
+            "local",
+            "--aof-load-truncated",
+            "yes",
+        ]
         if self.appendfsync is None:
             args += ["--appendonly", "no"]
         else:

@@ -263,6 +263,8 @@ def trim_with_dead_letters(
             "ALARM: %s holds entries with ids ahead of the server clock (a group has read "
             "%s): some client chose the id; acknowledged entries are trimmed without the keep "
             "window. Repair with `broker-adapter streams repair --stream %s`",
-            stream, result.future_id, stream,
-        )  # fmt: skip
+            stream,
+            result.future_id,
+            stream,
+        )
     return result, dead

@@ -81,9 +81,7 @@ class EventLoopThread:
 
     def __init__(self) -> None:
         self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(
-            target=self._serve, name="handler-event-loop", daemon=True
-        )
+        self._thread = threading.Thread(target=self._serve, name="handler-event-loop", daemon=True)
         self._thread.start()
 
     def _serve(self) -> None:

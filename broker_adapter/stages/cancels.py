@@ -44,9 +44,10 @@ def cancel_target(principal: str, envelope: Envelope) -> str:
     target = payload.get("message_id")
     if not isinstance(target, str) or not payload.keys() <= _PAYLOAD_KEYS:
         raise EnvelopeError(
-            "payload", "bad_cancel",
+            "payload",
+            "bad_cancel",
             'a cancel\'s payload is {"message_id": <id>} (and optionally "principal")',
-        )  # fmt: skip
+        )
     try:
         Envelope(message_id=target, sender=principal, payload={}, deadline=1.0)
     except EnvelopeError as exc:
@@ -55,9 +56,10 @@ def cancel_target(principal: str, envelope: Envelope) -> str:
     if named != principal:
         shown = named if isinstance(named, str) else repr(named)
         raise EnvelopeError(
-            "payload", "not_owner",
+            "payload",
+            "not_owner",
             f"{principal!r} cannot cancel a request of {check_or_repr(shown)}",
-        )  # fmt: skip
+        )
     return target
 
 

@@ -95,6 +95,9 @@ class ConcurrentRun:
     ) -> float:
         """Supervise the call of every slot still running (``CallRun.supervise``); the
         shortest wait among them (0 when none runs)."""
-        waits = [r.supervise(stop, grace_s=grace_s, drain_deadline=drain_deadline)
-                 for r in self._runs if not r.wait(0)]  # fmt: skip
+        waits = [
+            r.supervise(stop, grace_s=grace_s, drain_deadline=drain_deadline)
+            for r in self._runs
+            if not r.wait(0)
+        ]
         return min(waits, default=0.0)

@@ -247,15 +247,30 @@ class Dispatcher:
         #: Rows claimed in the last batch's mark-sent transaction, published next (``run``).
         self._ahead: list[OutboxRow] = []
         self.loss = LossWatch(
-            client, outbox, self.keys, loss_window_s=config.loss_window_s, clock=self.clock,
-            stats=self.stats, logger=self.log,
-        )  # fmt: skip
+            client,
+            outbox,
+            self.keys,
+            loss_window_s=config.loss_window_s,
+            clock=self.clock,
+            stats=self.stats,
+            logger=self.log,
+        )
         self.replayer = Replayer(client, outbox, self.keys, self.log)
-        self._publisher = None if keyring is None else ReplyPublisher(
-            client, outbox, self.keys, config.owner, keyring=keyring,
-            record_ttl_s=config.record_window_s, result_ttl_s=config.result_ttl_s,
-            stats=self.stats, logger=self.log,
-        )  # fmt: skip
+        self._publisher = (
+            None
+            if keyring is None
+            else ReplyPublisher(
+                client,
+                outbox,
+                self.keys,
+                config.owner,
+                keyring=keyring,
+                record_ttl_s=config.record_window_s,
+                result_ttl_s=config.result_ttl_s,
+                stats=self.stats,
+                logger=self.log,
+            )
+        )
         self._keyring = keyring
         self._next_trim = self.clock.now() + config.trim_every_s
 
@@ -403,9 +418,14 @@ class Dispatcher:
         for principal in self._keyring.principals:
             stream = self.keys.replies(principal)
             done = trim_with_dead_letters(
-                self.client, stream, self.keys.replies_dead(principal), keep_from_ms=keep_from_ms,
-                dead_before_ms=expire_ms, log=self.log, expire_before_ms=expire_ms,
-            )  # fmt: skip
+                self.client,
+                stream,
+                self.keys.replies_dead(principal),
+                keep_from_ms=keep_from_ms,
+                dead_before_ms=expire_ms,
+                log=self.log,
+                expire_before_ms=expire_ms,
+            )
             if done is None:
                 self.stats.trim_failures += 1
                 continue
@@ -418,9 +438,11 @@ class Dispatcher:
                 self.log.warning(
                     "%s: %d replies no group acknowledged within the retention window "
                     "(%.0f s) trimmed (their outbox rows still hold them): %s",
-                    stream, len(result.expired), cfg.retention_s,
+                    stream,
+                    len(result.expired),
+                    cfg.retention_s,
                     ", ".join(encodable(r, 200) or f"<entry {e}>" for e, r in result.expired),
-                )  # fmt: skip
+                )
             self.stats.trimmed += result.trimmed
             self.stats.unread_trimmed += len(result.expired)
             self.stats.dead_letters_trimmed += dead
@@ -434,9 +456,11 @@ class Dispatcher:
         is logged as an alarm (like a failed trim) and tried again at the next trim."""
         try:
             return purge_results(
-                self.client, self.keys.reply_results(principal),
-                self.keys.reply_result(principal, ""), before_ms,
-            )  # fmt: skip
+                self.client,
+                self.keys.reply_results(principal),
+                self.keys.reply_result(principal, ""),
+                before_ms,
+            )
         except TransientError:
             raise
         except BrokerAdapterError as exc:

@@ -87,9 +87,14 @@ class EffectGate:
     """
 
     def __init__(
-        self, tasks: EffectTasks, spec: EffectSpec, leases: Leases, approval_timeout_s: float,
-        stats: WorkerStats, log: logging.Logger,
-    ) -> None:  # fmt: skip
+        self,
+        tasks: EffectTasks,
+        spec: EffectSpec,
+        leases: Leases,
+        approval_timeout_s: float,
+        stats: WorkerStats,
+        log: logging.Logger,
+    ) -> None:
         self.tasks = tasks
         self.spec = spec
         self.effects = EffectsStore(tasks)
@@ -104,9 +109,10 @@ class EffectGate:
         claimed = task.claimed
         spec = self.spec
         try:
-            approved = not spec.requires_approval or current_approval(
-                self.approvals, spec, claimed
-            ) is not None
+            approved = (
+                not spec.requires_approval
+                or current_approval(self.approvals, spec, claimed) is not None
+            )
         except StaleError as exc:
             self.leases.release(claimed.task_id)
             self._refused(task, exc)
@@ -119,12 +125,20 @@ class EffectGate:
                 self._refused(task, exc)
                 return False
             self.stats.waiting_approval += 1
-            transitions.claim_transition("waiting_approval", claimed, "waiting_approval",
-                                         detail=f"no valid approval of {spec.action!r};"
-                                         f" waits until {until:.3f}")  # fmt: skip
+            transitions.claim_transition(
+                "waiting_approval",
+                claimed,
+                "waiting_approval",
+                detail=f"no valid approval of {spec.action!r}; waits until {until:.3f}",
+            )
             return False
-        start = partial(self.effects.mark_effect_started, claimed.task_id, claimed.owner,
-                        claimed.fence, key_digest=self._key_digest(claimed))  # fmt: skip
+        start = partial(
+            self.effects.mark_effect_started,
+            claimed.task_id,
+            claimed.owner,
+            claimed.fence,
+            key_digest=self._key_digest(claimed),
+        )
         control = TaskControl(task)
         if not spec.irreversible:
             control.allow_effect(start)

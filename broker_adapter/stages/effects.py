@@ -213,8 +213,17 @@ def side_effect(
 ) -> Callable[[H], H]:
     """Declare a handler's external effect (see ``EffectSpec``); the handler is returned
     as it is, with the declaration attached (``effect_spec`` reads it)."""
-    spec = EffectSpec(action, irreversible, reconcile, compensate, requires_approval,
-                      approval, arguments, version, compensate_cancelled)  # fmt: skip
+    spec = EffectSpec(
+        action,
+        irreversible,
+        reconcile,
+        compensate,
+        requires_approval,
+        approval,
+        arguments,
+        version,
+        compensate_cancelled,
+    )
 
     def register(handler: H) -> H:
         setattr(handler, _SPEC_ATTR, spec)
@@ -313,9 +322,12 @@ class Step:
 
 
 def after_reconcile(
-    seen: Observation, tries: int, policy: ReconcilePolicy, now: float,
+    seen: Observation,
+    tries: int,
+    policy: ReconcilePolicy,
+    now: float,
     rng: random.Random | None = None,
-) -> Step:  # fmt: skip
+) -> Step:
     """The step after a reconcile that observed ``seen``, ``tries`` reconciles having found
     nothing before it."""
     if seen.outcome == "done":
@@ -357,10 +369,14 @@ class Reconciler:
     """
 
     def __init__(
-        self, effects: EffectsStore, spec: EffectSpec, owner: str,
-        policy: ReconcilePolicy | None = None, rng: random.Random | None = None,
+        self,
+        effects: EffectsStore,
+        spec: EffectSpec,
+        owner: str,
+        policy: ReconcilePolicy | None = None,
+        rng: random.Random | None = None,
         by_task: Mapping[str | None, EffectSpec] | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.effects = effects
         self.spec = spec
         self.by_task = dict(by_task or {})
@@ -392,10 +408,14 @@ class Reconciler:
             policy.operator_timeout_s, policy.operator_timeout_action, self.owner
         )
         for task_id in bounded:
-            log.warning("task %s waited for an operator over %g s: %s", task_id,
-                        policy.operator_timeout_s,
-                        "alert raised" if policy.operator_timeout_action == "alert"
-                        else "ended failed, its effect's outcome unknown")  # fmt: skip
+            log.warning(
+                "task %s waited for an operator over %g s: %s",
+                task_id,
+                policy.operator_timeout_s,
+                "alert raised"
+                if policy.operator_timeout_action == "alert"
+                else "ended failed, its effect's outcome unknown",
+            )
         self.stats.operator_timeouts += len(bounded)
         return bounded
 
@@ -439,8 +459,13 @@ class Reconciler:
             return "cancelled"
         if step.kind == "done":
             if step.compensate:
-                self._compensate(task, seen, DUPLICATE, self.spec_of(task).compensate,
-                                 f"the effect was applied {seen.applied} times")  # fmt: skip
+                self._compensate(
+                    task,
+                    seen,
+                    DUPLICATE,
+                    self.spec_of(task).compensate,
+                    f"the effect was applied {seen.applied} times",
+                )
             self.effects.resolve_done(*args, seen.result, note=seen.note)
             self.stats.done += 1
         elif step.kind == "retry":
@@ -455,16 +480,19 @@ class Reconciler:
         return step.kind
 
     def _compensate(
-        self, task: ClaimedTask, seen: Observation, kind: str, undo: CompensateFn | None,
+        self,
+        task: ClaimedTask,
+        seen: Observation,
+        kind: str,
+        undo: CompensateFn | None,
         what: str,
-    ) -> None:  # fmt: skip
+    ) -> None:
         """Run compensation ``kind`` (``DUPLICATE``, ``CANCELLED``) once: begun under its
         record (a second reconcile of the task finds it begun and does not run it again),
         ended with how it went."""
         if undo is None:
             what += "; no compensation registered"
-        if not self.effects.begin_compensation(task.task_id, kind, self.owner, task.fence,
-                                               what):  # fmt: skip
+        if not self.effects.begin_compensation(task.task_id, kind, self.owner, task.fence, what):
             return
         if undo is None:
             self.effects.end_compensation(task.task_id, kind, "failed", "none registered")
@@ -499,9 +527,15 @@ def current_approval(
     """
     target, scope = spec.approval_of(task)
     return approvals.use_approval(
-        task.task_id, task.owner, task.fence, spec.action, target, scope,
-        principal=task.principal, arguments_digest=spec.approval_digest(task),
-    )  # fmt: skip
+        task.task_id,
+        task.owner,
+        task.fence,
+        spec.action,
+        target,
+        scope,
+        principal=task.principal,
+        arguments_digest=spec.approval_digest(task),
+    )
 
 
 def hold_for_approval(
@@ -512,16 +546,25 @@ def hold_for_approval(
     target, scope = spec.approval_of(task)
     arguments = spec.arguments_of(task)
     return approvals.wait_for_approval(
-        task.task_id, task.owner, task.fence, spec.action, target, scope, timeout_s,
-        principal=task.principal, arguments_digest=spec.approval_digest(task),
+        task.task_id,
+        task.owner,
+        task.fence,
+        spec.action,
+        target,
+        scope,
+        timeout_s,
+        principal=task.principal,
+        arguments_digest=spec.approval_digest(task),
         arguments=canonical_json(arguments).decode("utf-8"),
-    )  # fmt: skip
+    )
 
 
 def run_reconciles(
-    stop: threading.Event, reconciler: Reconciler, approvals: ApprovalStore,
+    stop: threading.Event,
+    reconciler: Reconciler,
+    approvals: ApprovalStore,
     logger: logging.Logger | None = None,
-) -> None:  # fmt: skip
+) -> None:
     """Until ``stop``: release the approval waits (``ApprovalStore.release_waits``) and
     reconcile a batch of ``unknown`` tasks (``Reconciler.run_once``), every
     ``policy.every_s`` (at once again while batches come back full). A store that is busy

@@ -135,8 +135,11 @@ class HandoffEndpoint:
                 return None
         if self._ready(RECEIVE_TIMEOUT_S):
             return self._receive()
-        log.warning("handoff slot %d: taken, but no message came within %.0f s", self.slot,
-                    RECEIVE_TIMEOUT_S)  # fmt: skip
+        log.warning(
+            "handoff slot %d: taken, but no message came within %.0f s",
+            self.slot,
+            RECEIVE_TIMEOUT_S,
+        )
         return None
 
     def _receive(self) -> Handed:
@@ -212,8 +215,9 @@ class Handoff:
         try:
             writer.send_bytes(_encode(message))
         except (OSError, ValueError) as exc:
-            log.warning("handoff to worker slot %d failed (its tasks return at lease expiry): "
-                        "%s", slot, exc)  # fmt: skip
+            log.warning(
+                "handoff to worker slot %d failed (its tasks return at lease expiry): %s", slot, exc
+            )
 
     def accept(self, tasks: TaskStoreAPI, items: Sequence[AcceptItem]) -> list[AcceptResult]:
         """The ingest's accept with the hand-off (``ingest.AcceptHandoff``): the accept

@@ -169,18 +169,23 @@ class Ingestor:
         self.keys = Keys(config.prefix)
         self.stats = IngestStats()
         self.limits = IngressLimits(
-            self.clock, rate_limit=config.rate_limit, rate_burst=config.rate_burst,
-            max_open_tasks=config.max_open_tasks, open_counts=tasks.open_counts,
+            self.clock,
+            rate_limit=config.rate_limit,
+            rate_burst=config.rate_burst,
+            max_open_tasks=config.max_open_tasks,
+            open_counts=tasks.open_counts,
             stored=tasks.stored_message_ids,
-        )  # fmt: skip
+        )
         # (stream, dead-letter stream, principal bound to it): one per ACL principal, or
         # the signed mode's partitions (one: the shared stream).
         streams: Sequence[tuple[str, str, str | None]] = (
             [(self.keys.inbound(p), self.keys.inbound_dead(p), p) for p in config.acl_principals]
             if config.mode == "acl"
-            else [(s, self.keys.dead_for(s), None)
-                  for s in self.keys.inbound_partitions(config.partitions)]
-        )  # fmt: skip
+            else [
+                (s, self.keys.dead_for(s), None)
+                for s in self.keys.inbound_partitions(config.partitions)
+            ]
+        )
         block_ms = max(1, config.block_ms // len(streams))
         timeout = socket_timeout(client)
         if timeout is not None and float(timeout) * 1000 <= block_ms:
@@ -313,9 +318,13 @@ class Ingestor:
         for source in self._sources:
             reader = source.reader
             done = trim_with_dead_letters(
-                self.client, reader.stream, reader.dead_stream, keep_from_ms=keep_from_ms,
-                dead_before_ms=now_ms - cfg.retention_s * 1000, log=self.log,
-            )  # fmt: skip
+                self.client,
+                reader.stream,
+                reader.dead_stream,
+                keep_from_ms=keep_from_ms,
+                dead_before_ms=now_ms - cfg.retention_s * 1000,
+                log=self.log,
+            )
             if done is None:
                 self.stats.trim_failures += 1
                 continue
@@ -459,8 +468,13 @@ class Ingestor:
         except TransientError as exc:
             self.log.warning("cancel %r not applied yet: %s", item.envelope.message_id, exc)
             return _NOT_NOW
-        self.log.info("cancel %r of %s: task %s %s", item.envelope.message_id,
-                      item.principal, task_id, state.value)  # fmt: skip
+        self.log.info(
+            "cancel %r of %s: task %s %s",
+            item.envelope.message_id,
+            item.principal,
+            task_id,
+            state.value,
+        )
         return None
 
     def _sync_stats(self) -> None:

@@ -91,9 +91,10 @@ class IngressLimits:
         self.clock = clock
         self.rate_limit = rate_limit
         self.burst = (
-            rate_burst if rate_burst is not None or rate_limit is None
+            rate_burst
+            if rate_burst is not None or rate_limit is None
             else default_burst(rate_limit)
-        )  # fmt: skip
+        )
         self.max_open_tasks = max_open_tasks
         self._open_counts = open_counts
         self._stored = stored

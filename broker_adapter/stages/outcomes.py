@@ -124,5 +124,9 @@ def count_committed(
 def note_cancelled(claimed: ClaimedTask, stats: WorkerStats, log: logging.Logger) -> None:
     """A task found cancelled at its commit: nothing committed, counted and logged."""
     stats.cancelled += 1
-    transitions.claim_transition("cancelled", claimed, "cancelled", detail="cancelled while"
-                                 " its handler ran; an effect it caused stays")  # fmt: skip
+    transitions.claim_transition(
+        "cancelled",
+        claimed,
+        "cancelled",
+        detail="cancelled while its handler ran; an effect it caused stays",
+    )

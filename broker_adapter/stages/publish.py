@@ -234,11 +234,19 @@ class ReplyPublisher:
             signed.append(r)
             keys = [self.keys.reply_record(r.principal, r.reply_id), self.keys.replies(r.principal)]
             args: list[bytes | str | int] = [
-                r.content_hash, ttl_ms, r.reply_id, body, REPLY_FORMAT_VERSION, kid, sig,
-            ]  # fmt: skip
+                r.content_hash,
+                ttl_ms,
+                r.reply_id,
+                body,
+                REPLY_FORMAT_VERSION,
+                kid,
+                sig,
+            ]
             if r.status != CONFLICT_STATUS:  # a request's own reply: its result record too
-                keys += [self.keys.reply_result(r.principal, r.message_id),
-                         self.keys.reply_results(r.principal)]  # fmt: skip
+                keys += [
+                    self.keys.reply_result(r.principal, r.message_id),
+                    self.keys.reply_results(r.principal),
+                ]
                 args += [result_ms, now_ms, r.message_id]
             calls.append((keys, args))
         try:
@@ -302,9 +310,10 @@ class ReplyPublisher:
         """
         done = self.confirmed(rows, pubs)
         refused, ahead = self.outbox.mark_sent_and_claim(
-            self.owner, [(row.reply_id, row.fence, pub.entry_id or "") for row, pub in done],
+            self.owner,
+            [(row.reply_id, row.fence, pub.entry_id or "") for row, pub in done],
             claim_next,
-        )  # fmt: skip
+        )
         crashpoints.hit("dispatcher.after_mark_sent")
         marked = self.count_marked(done, refused)
         self.settle_failures(rows, pubs)
@@ -321,8 +330,12 @@ class ReplyPublisher:
                     self.stats.conflicts += 1
                     self.outbox.mark_dead(row.reply_id, owner, row.fence, pub.detail)
                     self.stats.dead += 1
-                    self.log.error("reply %s is dead: %s", row.reply_id, pub.detail,
-                                   extra=transitions.reply_fields(row))  # fmt: skip
+                    self.log.error(
+                        "reply %s is dead: %s",
+                        row.reply_id,
+                        pub.detail,
+                        extra=transitions.reply_fields(row),
+                    )
                 elif pub.outcome is PublishOutcome.FAILED:
                     self.stats.failed += 1
                     state = self.outbox.retry(row.reply_id, owner, row.fence, pub.detail)
@@ -399,9 +412,13 @@ class OwnReplies:
         confirmed, self._confirmed = self._confirmed, []
         try:
             batch = tasks.settle_batch(
-                items, owner, n, publish_as=publisher.owner,
-                publish_lease_s=publisher.outbox.policy.lease_s, sent=sent_marks(confirmed),
-            )  # fmt: skip
+                items,
+                owner,
+                n,
+                publish_as=publisher.owner,
+                publish_lease_s=publisher.outbox.policy.lease_s,
+                sent=sent_marks(confirmed),
+            )
         except BaseException:
             self._confirmed = confirmed + self._confirmed  # not written: still to mark
             raise

@@ -461,9 +461,12 @@ class Receiver:
             seen.add(entry.entry_id)
             try:
                 item = parse_entry(
-                    entry.fields, self.config.principal, entry.entry_id, keyring=self.keyring,
+                    entry.fields,
+                    self.config.principal,
+                    entry.entry_id,
+                    keyring=self.keyring,
                     not_before=not_before,
-                )  # fmt: skip
+                )
                 good.append((entry, item))
             except BadReply as bad:
                 self.stats.bad += 1

@@ -140,6 +140,8 @@ class Replayer:
             start = "(" + text(page[-1][0])
         self.log.warning(
             "replay of %s: no record, and not among the first %d entries of %s",
-            row.reply_id, seen, stream,
-        )  # fmt: skip
+            row.reply_id,
+            seen,
+            stream,
+        )
         return None

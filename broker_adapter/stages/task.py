@@ -156,8 +156,9 @@ class Task:
         with self._lock:
             return self._reason
 
-    def effect_key(self, action: str, arguments: Any = None, *,
-                   version: int = EFFECT_KEY_VERSION) -> str:  # fmt: skip
+    def effect_key(
+        self, action: str, arguments: Any = None, *, version: int = EFFECT_KEY_VERSION
+    ) -> str:
         """The idempotency key of one external effect of this request: derived from the
         intent (principal, message id), ``action`` and ``arguments`` (default: the
         payload), never from the attempt, the time or randomness

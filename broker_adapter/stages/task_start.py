@@ -103,7 +103,6 @@ class TaskStart:
         if self._cancels is None:
             self._cancels = EffectsStore(self.tasks)
         try:
-            self._cancels.end_requested_cancel(claimed.task_id, claimed.owner, claimed.fence,
-                                               what)  # fmt: skip
+            self._cancels.end_requested_cancel(claimed.task_id, claimed.owner, claimed.fence, what)
         except TransientError as exc:  # the lease lapses: the take-back ends it cancelled
             self.log.warning("ending the cancel of %s failed: %s", claimed.task_id, exc)

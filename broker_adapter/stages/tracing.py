@@ -137,9 +137,12 @@ def _record(
     started, ended = span
     try:
         made = tr.start_span(
-            name, context=_parent(traceparent), kind=kind, attributes=attributes,
+            name,
+            context=_parent(traceparent),
+            kind=kind,
+            attributes=attributes,
             start_time=started,
-        )  # fmt: skip
+        )
         if error is not None:
             made.set_status(_api.Status(_api.StatusCode.ERROR, error))
         made.end(end_time=ended)

@@ -178,10 +178,15 @@ class Worker:
                     )
                 outbox = OutboxStore(tasks.db, self.clock, outbox_policy)
             self.publisher = ReplyPublisher(
-                redis_client, outbox, Keys(config.prefix), f"{config.owner}-pub",
-                keyring=keyring, record_ttl_s=config.record_ttl_s, stats=self.publish_stats,
+                redis_client,
+                outbox,
+                Keys(config.prefix),
+                f"{config.owner}-pub",
+                keyring=keyring,
+                record_ttl_s=config.record_ttl_s,
+                stats=self.publish_stats,
                 logger=self.log,
-            )  # fmt: skip
+            )
         self._replies = None if self.publisher is None else OwnReplies(self.publisher, self.clock)
         self._handoff = handoff
         #: The last idle wait ended on the hand-off: tasks to claim, or handed (``_ahead``).
@@ -202,8 +207,9 @@ class Worker:
         self.effects: EffectGate | None = self.routes.gate_named(None)
         #: What the call run calls: the routed task's handler (``Routes.call``).
         self.handler: Handler = self.routes.call
-        self._start = TaskStart(tasks, self.leases, self.clock, self.stats, self.log,
-                                config.call_timeout_s, None)  # fmt: skip
+        self._start = TaskStart(
+            tasks, self.leases, self.clock, self.stats, self.log, config.call_timeout_s, None
+        )
 
     @property
     def owner(self) -> str:
@@ -265,8 +271,11 @@ class Worker:
         # supervises them (timeouts, the stop grace) and commits what ended: at the end of
         # the batch, or once the oldest uncommitted outcome is ``batch_window_s`` old.
         slots = self.config.concurrency
-        run = CallRun(self.handler, tasks, self._prepare, after=self._after_call) if slots == 1 \
+        run = (
+            CallRun(self.handler, tasks, self._prepare, after=self._after_call)
+            if slots == 1
             else ConcurrentRun(self.handler, tasks, self._prepare, self._after_call, slots)
+        )
         try:
             while True:
                 ended = run.wait(run.supervise(self._stop, drain_deadline=self._drain_deadline))
@@ -499,8 +508,9 @@ class Worker:
                 "commit of %d task(s) failed; they return at lease expiry: %s", len(items), exc
             )
             return
-        transitions.settled([c for c, _ in items], batch.results,
-                            {r.task.task_id: r.outcome.elapsed_s for r in ran})  # fmt: skip
+        transitions.settled(
+            [c for c, _ in items], batch.results, {r.task.task_id: r.outcome.elapsed_s for r in ran}
+        )
         for (claimed, _item), result in zip(items, batch.results, strict=True):
             count_committed(claimed, result, self.stats, self.log)
         self.stats.claimed += len(batch.claimed)

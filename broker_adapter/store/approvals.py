@@ -59,13 +59,9 @@ class Approval:
 
 
 #: A record that allows a use at ``?`` (twice): unrevoked, granted, unexpired, a use left.
-_USABLE = (
-    "revoked_at IS NULL AND granted_at <= ? AND expires_at > ? AND used < uses"
-)
+_USABLE = "revoked_at IS NULL AND granted_at <= ? AND expires_at > ? AND used < uses"
 #: ... and matches ``action, target, scope, principal, arguments_digest`` (five ``?``).
-_MATCHES = (
-    "action = ? AND target = ? AND scope = ? AND principal = ? AND arguments_digest = ?"
-)
+_MATCHES = "action = ? AND target = ? AND scope = ? AND principal = ? AND arguments_digest = ?"
 
 
 @dataclass(frozen=True)
@@ -99,9 +95,17 @@ class ApprovalStore:
         self.clock = tasks.clock
 
     def grant_approval(
-        self, action: str, target: str, scope: str, approver: str, expires_at: float, *,
-        principal: str, arguments_digest: str, uses: int = 1,
-    ) -> str:  # fmt: skip
+        self,
+        action: str,
+        target: str,
+        scope: str,
+        approver: str,
+        expires_at: float,
+        *,
+        principal: str,
+        arguments_digest: str,
+        uses: int = 1,
+    ) -> str:
         """Record an approval of ``action`` on ``target`` within ``scope``, for tasks of
         ``principal`` whose effect's arguments have ``arguments_digest``, until
         ``expires_at``, for ``uses`` tasks. ``approver`` must come from an authenticated
@@ -129,9 +133,19 @@ class ApprovalStore:
                 "INSERT INTO approvals (approval_id, action, target, scope, approver,"
                 " granted_at, expires_at, principal, arguments_digest, uses)"
                 " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                (approval_id, action, target, scope, approver, now, expires_at, principal,
-                 arguments_digest, uses),
-            )  # fmt: skip
+                (
+                    approval_id,
+                    action,
+                    target,
+                    scope,
+                    approver,
+                    now,
+                    expires_at,
+                    principal,
+                    arguments_digest,
+                    uses,
+                ),
+            )
         return approval_id
 
     def revoke_approval(self, approval_id: str, by: str) -> bool:
@@ -148,9 +162,15 @@ class ApprovalStore:
             )
 
     def valid_approval(
-        self, action: str, target: str, scope: str, now: float | None = None, *,
-        principal: str, arguments_digest: str,
-    ) -> Approval | None:  # fmt: skip
+        self,
+        action: str,
+        target: str,
+        scope: str,
+        now: float | None = None,
+        *,
+        principal: str,
+        arguments_digest: str,
+    ) -> Approval | None:
         """An approval of exactly this action, target, scope, principal and arguments'
         digest, granted by ``now``, not expired, not revoked and with a use left (the one
         that lasts longest), or ``None``. A read: ``use_approval`` takes the use."""
@@ -163,9 +183,17 @@ class ApprovalStore:
         return None if row is None else Approval(**dict(row))
 
     def use_approval(
-        self, task_id: str, owner: str, fence: int, action: str, target: str, scope: str, *,
-        principal: str, arguments_digest: str,
-    ) -> Approval | None:  # fmt: skip
+        self,
+        task_id: str,
+        owner: str,
+        fence: int,
+        action: str,
+        target: str,
+        scope: str,
+        *,
+        principal: str,
+        arguments_digest: str,
+    ) -> Approval | None:
         """Right before the effect, the holder of ``task_id`` takes one use of a matching
         approval (``valid_approval``'s rule) and records it on the task, in one
         transaction; a task that took one already (a retry) keeps it while it is neither
@@ -190,9 +218,8 @@ class ApprovalStore:
                 row = c.execute(
                     f"SELECT {_APPROVAL_COLUMNS} FROM approvals WHERE approval_id = ?"
                     f" AND {_MATCHES} AND revoked_at IS NULL AND expires_at > ?",
-                    (held["approval_id"], action, target, scope, principal, arguments_digest,
-                     now),
-                ).fetchone()  # fmt: skip
+                    (held["approval_id"], action, target, scope, principal, arguments_digest, now),
+                ).fetchone()
                 if row is not None:
                     return Approval(**dict(row))
             row = c.execute(
@@ -209,10 +236,19 @@ class ApprovalStore:
             return Approval(**dict(row))
 
     def wait_for_approval(
-        self, task_id: str, owner: str, fence: int, action: str, target: str, scope: str,
-        timeout_s: float, *, principal: str, arguments_digest: str,
+        self,
+        task_id: str,
+        owner: str,
+        fence: int,
+        action: str,
+        target: str,
+        scope: str,
+        timeout_s: float,
+        *,
+        principal: str,
+        arguments_digest: str,
         arguments: str | None = None,
-    ) -> float:  # fmt: skip
+    ) -> float:
         """The holder found no valid approval: the task waits for one (``waiting_approval``)
         until the approval timeout (never past its deadline), keeping what is to be
         approved (the principal, the arguments' digest and, for the approver to read, the
@@ -245,9 +281,18 @@ class ApprovalStore:
                 " until = excluded.until, principal = excluded.principal,"
                 " arguments_digest = excluded.arguments_digest,"
                 " arguments = excluded.arguments",
-                (task_id, action, target, scope, now, until, principal, arguments_digest,
-                 c.dialect.text(arguments)),
-            )  # fmt: skip
+                (
+                    task_id,
+                    action,
+                    target,
+                    scope,
+                    now,
+                    until,
+                    principal,
+                    arguments_digest,
+                    c.dialect.text(arguments),
+                ),
+            )
         return until
 
     def waits(self, task_id: str | None = None) -> list[Wait]:
@@ -330,5 +375,9 @@ def approval_counts(c: Conn, now: float) -> dict[str, int]:
         " count(revoked_at) AS revoked FROM approvals",
         (now, now),
     ).fetchone()
-    return {"waiting_approval": waiting, "approvals_valid": row["valid"],
-            "approvals_expired": row["expired"], "approvals_revoked": row["revoked"]}  # fmt: skip
+    return {
+        "waiting_approval": waiting,
+        "approvals_valid": row["valid"],
+        "approvals_expired": row["expired"],
+        "approvals_revoked": row["revoked"],
+    }

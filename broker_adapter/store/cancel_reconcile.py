@@ -20,10 +20,15 @@ from broker_adapter.store.lifecycle import TaskState, to_terminal
 
 
 def resolve_cancelled(
-    effects: EffectsStore, task_id: str, owner: str, fence: int,
-    outcome: Literal["done", "not-done", "unknown"], observed: Any = None, *,
+    effects: EffectsStore,
+    task_id: str,
+    owner: str,
+    fence: int,
+    outcome: Literal["done", "not-done", "unknown"],
+    observed: Any = None,
+    *,
     note: str | None = None,
-) -> str:  # fmt: skip
+) -> str:
     """End the cancel-requested ``unknown`` task the caller holds for its reconcile as
     ``cancelled``, the reconcile having found the effect ``done`` (it happened) or
     ``not-done``.

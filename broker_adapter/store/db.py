@@ -365,8 +365,12 @@ def _private_file(path: Path) -> None:
             mode = stat.S_IMODE(os.stat(file).st_mode)
             if mode & _SHARED_BITS:
                 os.chmod(file, mode & ~_SHARED_BITS)
-                log.warning("database file %s had mode %04o; tightened to %04o",
-                            file, mode, mode & ~_SHARED_BITS)  # fmt: skip
+                log.warning(
+                    "database file %s had mode %04o; tightened to %04o",
+                    file,
+                    mode,
+                    mode & ~_SHARED_BITS,
+                )
         except FileNotFoundError:
             continue
         except OSError as exc:

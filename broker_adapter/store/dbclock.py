@@ -101,8 +101,9 @@ def report_clock_skew(db: Db, log: logging.Logger, clock: Clock | None = None) -
             "this host's clock is %+.3f s from the database server's (over %g s): leases"
             " are judged by the server's clock, but the deadlines this host writes and its"
             " handlers' time budgets are off by that much; fix its time service",
-            skew, SKEW_WARN_S,
-        )  # fmt: skip
+            skew,
+            SKEW_WARN_S,
+        )
     else:
         log.info("clock: leases judged by the database server's; this host %+.3f s", skew)
     return skew

@@ -288,9 +288,14 @@ class EffectsStore:
             return self._done_in(c, task_id, owner, fence, encoded, note, now)
 
     def resolve_not_done(
-        self, task_id: str, owner: str, fence: int, *, observed: Any = None,
+        self,
+        task_id: str,
+        owner: str,
+        fence: int,
+        *,
+        observed: Any = None,
         note: str | None = None,
-    ) -> TaskState:  # fmt: skip
+    ) -> TaskState:
         """The reconcile found the effect did not happen: the task may run again.
 
         Returns:
@@ -306,9 +311,15 @@ class EffectsStore:
             return self._not_done_in(c, row, owner, fence, observed, note, now)
 
     def resolve_unknown(
-        self, task_id: str, owner: str, fence: int, retry_at: float | None, *,
-        observed: Any = None, note: str | None = None,
-    ) -> None:  # fmt: skip
+        self,
+        task_id: str,
+        owner: str,
+        fence: int,
+        retry_at: float | None,
+        *,
+        observed: Any = None,
+        note: str | None = None,
+    ) -> None:
         """The reconcile could not tell: the task stays ``unknown``, one try more, due again
         at ``retry_at``, or, with ``None``, waiting for an operator.
 
@@ -323,14 +334,23 @@ class EffectsStore:
                 "UPDATE tasks SET owner = NULL, lease_until = NULL, not_before = ?,"
                 " reconcile_tries = reconcile_tries + 1, operator_since = ?, updated_at = ?"
                 " WHERE task_id = ?",
-                (now if retry_at is None else retry_at, now if retry_at is None else None,
-                 now, task_id),
-            )  # fmt: skip
+                (
+                    now if retry_at is None else retry_at,
+                    now if retry_at is None else None,
+                    now,
+                    task_id,
+                ),
+            )
 
     def operator_resolve(
-        self, task_id: str, outcome: Literal["done", "not-done"], by: str, *,
-        observed: Any = None, note: str | None = None,
-    ) -> TaskState:  # fmt: skip
+        self,
+        task_id: str,
+        outcome: Literal["done", "not-done"],
+        by: str,
+        *,
+        observed: Any = None,
+        note: str | None = None,
+    ) -> TaskState:
         """An operator's answer for an ``unknown`` task (``broker-adapter reconcile``),
         audited under ``by``. It raises the fence, so a reconcile in flight is refused.
 
@@ -397,17 +417,29 @@ class EffectsStore:
         return row
 
     def _done_in(
-        self, c: Conn, task_id: str, by: str, fence: int, encoded: str,
-        note: str | None, now: float,
-    ) -> str:  # fmt: skip
+        self,
+        c: Conn,
+        task_id: str,
+        by: str,
+        fence: int,
+        encoded: str,
+        note: str | None,
+        now: float,
+    ) -> str:
         self._log(c, task_id, "done", by, fence, encoded, note, now, raw=True)
         effects = _reply_member(c, task_id, "done", by, note)
         return to_terminal(c, task_id, TaskState.DONE, now, result=encoded, effects=effects)
 
     def _not_done_in(
-        self, c: Conn, row: Any, by: str, fence: int, observed: Any,
-        note: str | None, now: float,
-    ) -> TaskState:  # fmt: skip
+        self,
+        c: Conn,
+        row: Any,
+        by: str,
+        fence: int,
+        observed: Any,
+        note: str | None,
+        now: float,
+    ) -> TaskState:
         task_id = row["task_id"]
         self._log(c, task_id, "not-done", by, fence, observed, note, now)
         effects = _reply_member(c, task_id, "not-done", by, note)
@@ -432,16 +464,33 @@ class EffectsStore:
 
     @staticmethod
     def _log(
-        c: Conn, task_id: str, outcome: ReconcileOutcome, by: str, fence: int,
-        observed: Any, note: str | None, now: float, *, raw: bool = False,
-    ) -> None:  # fmt: skip
+        c: Conn,
+        task_id: str,
+        outcome: ReconcileOutcome,
+        by: str,
+        fence: int,
+        observed: Any,
+        note: str | None,
+        now: float,
+        *,
+        raw: bool = False,
+    ) -> None:
         text = observed if raw else None if observed is None else canonical_json(observed).decode()
         c.execute(
             "INSERT INTO reconcile_log (task_id, outcome, by_whom, at, fence, observed, note,"
             f" adapter_version, effect_key_digest) VALUES (?, ?, ?, ?, ?, ?, ?, ?, {EVIDENCE})",
-            (task_id, outcome, by, now, fence, text, c.dialect.text(note), ADAPTER_VERSION,
-             task_id),
-        )  # fmt: skip
+            (
+                task_id,
+                outcome,
+                by,
+                now,
+                fence,
+                text,
+                c.dialect.text(note),
+                ADAPTER_VERSION,
+                task_id,
+            ),
+        )
         count_in(c, RECONCILED + outcome)
 
     # -- compensation ---------------------------------------------------------------------
@@ -463,9 +512,8 @@ class EffectsStore:
                 "INSERT INTO compensations (task_id, kind, by_whom, fence, what, started_at,"
                 " outcome, adapter_version, effect_key_digest) VALUES (?, ?, ?, ?, ?, ?,"
                 f" 'started', ?, {EVIDENCE}) ON CONFLICT DO NOTHING",
-                (task_id, kind, owner, fence, c.dialect.text(what), now, ADAPTER_VERSION,
-                 task_id),
-            ).rowcount  # fmt: skip
+                (task_id, kind, owner, fence, c.dialect.text(what), now, ADAPTER_VERSION, task_id),
+            ).rowcount
             count_in(c, COMPENSATIONS + "started", made)
             return bool(made)
 
@@ -517,8 +565,10 @@ def _reply_member(c: Conn, task_id: str, outcome: str, by: str, note: str | None
     """The reply body's ``effects`` member for a task a reconcile ends: how it was
     reconciled (``outcome``, ``by``, ``note``, and ``tries`` that found nothing before) and
     its compensations (``docs/PROTOCOL.md`` section 11)."""
-    tries = c.execute("SELECT count(*) AS n FROM reconcile_log WHERE task_id = ? AND outcome ="
-                      " 'unknown'", (task_id,)).fetchone()["n"]  # fmt: skip
+    tries = c.execute(
+        "SELECT count(*) AS n FROM reconcile_log WHERE task_id = ? AND outcome = 'unknown'",
+        (task_id,),
+    ).fetchone()["n"]
     member: dict[str, Any] = {
         "reconciled": {"outcome": outcome, "by": by, "note": note, "tries": tries},
     }
@@ -529,10 +579,15 @@ def _reply_member(c: Conn, task_id: str, outcome: str, by: str, note: str | None
     ).fetchall()
     if rows:
         member["compensations"] = [
-            {"kind": r["kind"], "outcome": r["outcome"], "by": r["by_whom"], "what": r["what"],
-             "detail": r["detail"]}
+            {
+                "kind": r["kind"],
+                "outcome": r["outcome"],
+                "by": r["by_whom"],
+                "what": r["what"],
+                "detail": r["detail"],
+            }
             for r in rows
-        ]  # fmt: skip
+        ]
     return member
 
 

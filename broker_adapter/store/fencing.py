@@ -69,8 +69,11 @@ def update_held(
         for start in range(0, len(values), HELD_UPDATE_CHUNK):
             chunk = values[start : start + HELD_UPDATE_CHUNK]
             sql = template.format(rows=", ".join(f"({marks(len(v))})" for v in chunk))
-            params = (*before, *(x for v in chunk for x in v),
-                      *held_params(fence, owner, now, deadline=deadline))  # fmt: skip
+            params = (
+                *before,
+                *(x for v in chunk for x in v),
+                *held_params(fence, owner, now, deadline=deadline),
+            )
             out.extend(c.execute(sql, params).fetchall())
     return out
 

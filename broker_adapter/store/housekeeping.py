@@ -114,9 +114,11 @@ def _statements(dialect: Dialect) -> tuple[str, str, tuple[str, str]]:
     )
     to_unknown = tuple(
         _TO_UNKNOWN.format(select=select.format(hint=hint(index), lock=lock))
-        for select, index in ((_LAPSED_LEASE, "tasks_leases"),
-                              (_LAPSED_DEADLINE, "tasks_live_deadline"))
-    )  # fmt: skip
+        for select, index in (
+            (_LAPSED_LEASE, "tasks_leases"),
+            (_LAPSED_DEADLINE, "tasks_live_deadline"),
+        )
+    )
     return expired, lapsed, (to_unknown[0], to_unknown[1])
 
 

@@ -238,9 +238,14 @@ def accept_and_claim(
 
 
 def accept_in(
-    store: AcceptingStore, c: Conn, items: Sequence[AcceptItem], now: float,
-    fingerprints: Sequence[str], payloads: Sequence[str], ids: Sequence[str],
-) -> list[AcceptResult]:  # fmt: skip
+    store: AcceptingStore,
+    c: Conn,
+    items: Sequence[AcceptItem],
+    now: float,
+    fingerprints: Sequence[str],
+    payloads: Sequence[str],
+    ids: Sequence[str],
+) -> list[AcceptResult]:
     """Read the batch's inbox records, decide every item and write the decisions, in the
     caller's transaction.
 
@@ -256,8 +261,10 @@ def accept_in(
     """
     if c.dialect.key_lock is not None:
         chains = {chain_of(i) for i in items} - {None}
-        keys = sorted({identity_lock(i.principal, i.envelope.message_id) for i in items}
-                      | {chain_lock(cid) for cid in chains if cid is not None})  # fmt: skip
+        keys = sorted(
+            {identity_lock(i.principal, i.envelope.message_id) for i in items}
+            | {chain_lock(cid) for cid in chains if cid is not None}
+        )
         c.executemany(c.dialect.key_lock, [(k,) for k in keys])
     batch = _AcceptBatch(
         known=_prefetch(c, items),
@@ -396,24 +403,47 @@ def _accept_one(
             batch.chain_adds[chain] = batch.chain_adds.get(chain, 0) + 1
     batch.tasks.append(
         (
-            task_id, item.principal, env.message_id, env.kind, payload,
-            fingerprint, env.correlation_id, env.parent_id, state.value, env.max_attempts,
-            now, env.deadline, hops, now, now,
-            None if state is TaskState.PENDING else now, error, env.traceparent, env.task,
+            task_id,
+            item.principal,
+            env.message_id,
+            env.kind,
+            payload,
+            fingerprint,
+            env.correlation_id,
+            env.parent_id,
+            state.value,
+            env.max_attempts,
+            now,
+            env.deadline,
+            hops,
+            now,
+            now,
+            None if state is TaskState.PENDING else now,
+            error,
+            env.traceparent,
+            env.task,
             item.kid,
         )
-    )  # fmt: skip
+    )
     batch.inbox.append((item.principal, env.message_id, fingerprint, task_id, item.entry_id, now))
     batch.known[key] = {
-        "fingerprint": fingerprint, "task_id": task_id, "received_at": now,
-        "state": state.value, "deadline": env.deadline,
-    }  # fmt: skip
+        "fingerprint": fingerprint,
+        "task_id": task_id,
+        "received_at": now,
+        "state": state.value,
+        "deadline": env.deadline,
+    }
     reply_id = None
     if state is not TaskState.PENDING:
         reply_id = reply_id_for(task_id)
-        t = {"principal": item.principal, "message_id": env.message_id,
-             "correlation_id": env.correlation_id, "attempts": 0, "fence": 0,
-             "traceparent": env.traceparent}  # fmt: skip
+        t = {
+            "principal": item.principal,
+            "message_id": env.message_id,
+            "correlation_id": env.correlation_id,
+            "attempts": 0,
+            "fence": 0,
+            "traceparent": env.traceparent,
+        }
         batch.then.append(lambda c: write_reply(c, task_id, state, None, error, now, t=t))
     return AcceptResult(outcome, task_id, reply_id, error or "")
 
@@ -446,9 +476,17 @@ def _known(
     reply_id = store.conflict_reply_id(item.principal, env.message_id, fingerprint)
     detail = "message_id reused with different content; the first request stands"
     body = conflict_body(
-        reply_id, row["task_id"], item.principal, env.message_id, env.correlation_id,
-        detail, fingerprint, row["fingerprint"], traceparent=env.traceparent, answered_at=now,
-    )  # fmt: skip
+        reply_id,
+        row["task_id"],
+        item.principal,
+        env.message_id,
+        env.correlation_id,
+        detail,
+        fingerprint,
+        row["fingerprint"],
+        traceparent=env.traceparent,
+        answered_at=now,
+    )
 
     def write(c: Conn) -> None:
         c.execute(
@@ -456,9 +494,15 @@ def _known(
             key,
         )
         enqueue(
-            c, reply_id=reply_id, task_id=None, principal=item.principal,
-            message_id=env.message_id, status=CONFLICT_STATUS, body=body, now=now,
-        )  # fmt: skip
+            c,
+            reply_id=reply_id,
+            task_id=None,
+            principal=item.principal,
+            message_id=env.message_id,
+            status=CONFLICT_STATUS,
+            body=body,
+            now=now,
+        )
 
     batch.then.append(write)
     return AcceptResult(Outcome.CONFLICT, row["task_id"], reply_id, detail)

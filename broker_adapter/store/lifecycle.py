@@ -56,8 +56,13 @@ ReplyKey = tuple[str, str, str | None, int, int]
 
 def reply_key(row: Any) -> ReplyKey:
     """The ``ReplyKey`` of a task row."""
-    return (row["principal"], row["message_id"], row["correlation_id"], row["attempts"],
-            row["fence"])  # fmt: skip
+    return (
+        row["principal"],
+        row["message_id"],
+        row["correlation_id"],
+        row["attempts"],
+        row["fence"],
+    )
 
 
 def write_reply(
@@ -112,13 +117,31 @@ def reply_spec(
     task's ``t`` (``write_reply``); ``encoded``: its body if built already."""
     if encoded is None:
         encoded = encode_body(
-            terminal_body(task_id, state.value, t["principal"], t["message_id"],
-                          t["correlation_id"], result, error, t["attempts"], t["fence"], now,
-                          traceparent=t["traceparent"], effects=effects)
-        )  # fmt: skip
+            terminal_body(
+                task_id,
+                state.value,
+                t["principal"],
+                t["message_id"],
+                t["correlation_id"],
+                result,
+                error,
+                t["attempts"],
+                t["fence"],
+                now,
+                traceparent=t["traceparent"],
+                effects=effects,
+            )
+        )
     data, content_hash = encoded
-    return (reply_id_for(task_id), task_id, t["principal"], t["message_id"], state.value,
-            data, content_hash)  # fmt: skip
+    return (
+        reply_id_for(task_id),
+        task_id,
+        t["principal"],
+        t["message_id"],
+        state.value,
+        data,
+        content_hash,
+    )
 
 
 def to_terminal(

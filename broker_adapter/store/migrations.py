@@ -287,8 +287,7 @@ def _recompute_fingerprints(c: sqlite3.Connection, *, every: bool = False) -> No
     task = "task_name" if "task_name" in columns else "NULL"  # before migration 11: none
     rows = c.execute(
         "SELECT task_id, kind, payload, correlation_id, parent_id, deadline, max_attempts,"
-        f" fingerprint, {task} FROM tasks"
-        + ("" if every else " WHERE payload GLOB '*[0-9][.eE]*'")
+        f" fingerprint, {task} FROM tasks" + ("" if every else " WHERE payload GLOB '*[0-9][.eE]*'")
     ).fetchall()
     for task_id, new, old in recomputed_fingerprints(rows):
         c.execute("UPDATE tasks SET fingerprint = ? WHERE task_id = ?", (new, task_id))
@@ -305,9 +304,14 @@ def recomputed_fingerprints(rows: Sequence[Sequence[Any]]) -> list[tuple[str, st
     out = []
     for task_id, kind, payload, correlation_id, parent_id, deadline, attempts, old, task in rows:
         new = content_fingerprint(
-            kind, payload.encode("utf-8"), correlation_id, parent_id,
-            deadline=deadline, max_attempts=attempts, task=task,
-        )  # fmt: skip
+            kind,
+            payload.encode("utf-8"),
+            correlation_id,
+            parent_id,
+            deadline=deadline,
+            max_attempts=attempts,
+            task=task,
+        )
         if new != old:
             out.append((task_id, new, old))
     return out

@@ -78,9 +78,12 @@ class OperatorWaits:
         self.clock = effects.clock
 
     def bound_waits(
-        self, timeout_s: float, action: OperatorTimeoutAction, by: str,
+        self,
+        timeout_s: float,
+        action: OperatorTimeoutAction,
+        by: str,
         limit: int = BOUND_BATCH,
-    ) -> list[str]:  # fmt: skip
+    ) -> list[str]:
         """Apply ``action`` to the tasks that wait for an operator ``timeout_s`` or longer
         and were not bounded yet in this wait. Returns their task ids."""
         if action not in ("alert", "fail"):
@@ -154,8 +157,13 @@ def _loads(text: str | None) -> Any:
 
 
 def _waiting(r: Any) -> WaitingTask:
-    return WaitingTask(**{**dict(r), "overdue": bool(r["overdue"]),
-                          "cancel_requested": bool(r["cancel_requested"])})  # fmt: skip
+    return WaitingTask(
+        **{
+            **dict(r),
+            "overdue": bool(r["overdue"]),
+            "cancel_requested": bool(r["cancel_requested"]),
+        }
+    )
 
 
 def _fail_in(

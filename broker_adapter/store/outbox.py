@@ -151,8 +151,9 @@ def holder_refusal(
     return why or StaleError(reply_id, "lease_expired")  # the clock moved on meanwhile
 
 
-def _held(c: Conn, sql: str, params: Sequence[Any], reply_id: str, owner: str, fence: int,
-          now: float) -> Any:  # fmt: skip
+def _held(
+    c: Conn, sql: str, params: Sequence[Any], reply_id: str, owner: str, fence: int, now: float
+) -> Any:
     """The row of ONE fenced statement on ``reply_id`` (``sql`` ends in the holder check,
     ``REPLY_HELD``, and returns a row); raises the precise refusal when it matched nothing,
     having written nothing."""
@@ -312,9 +313,15 @@ class OutboxStore:
             now = tx_now(c, self.clock)
             # The fenced read takes the row (``for_update``): the backoff needs its attempts.
             row = _held(
-                c, f"SELECT attempts FROM outbox WHERE reply_id = ? AND {REPLY_HELD}"
-                f"{c.dialect.for_update}", (), reply_id, owner, fence, now,
-            )  # fmt: skip
+                c,
+                f"SELECT attempts FROM outbox WHERE reply_id = ? AND {REPLY_HELD}"
+                f"{c.dialect.for_update}",
+                (),
+                reply_id,
+                owner,
+                fence,
+                now,
+            )
             if row["attempts"] >= self.policy.max_attempts:
                 state, not_before = "dead", now
             else:
@@ -332,10 +339,15 @@ class OutboxStore:
         with self.db.write("reply_dead") as c:
             now = tx_now(c, self.clock)
             _held(
-                c, "UPDATE outbox SET state = 'dead', owner = NULL, lease_until = NULL,"
+                c,
+                "UPDATE outbox SET state = 'dead', owner = NULL, lease_until = NULL,"
                 f" last_error = ? WHERE reply_id = ? AND {REPLY_HELD} RETURNING reply_id",
-                (c.dialect.text(error),), reply_id, owner, fence, now,
-            )  # fmt: skip
+                (c.dialect.text(error),),
+                reply_id,
+                owner,
+                fence,
+                now,
+            )
 
     def replay(self, reply_id: str, by: str) -> OutboxRow:
         """Put a ``dead`` reply back in line under the same reply id, recording who and when.
@@ -352,9 +364,11 @@ class OutboxStore:
         row = self.get(reply_id)
         if row is not None and row.created_at < now - self.policy.reply_window_s:
             raise StaleError(
-                reply_id, "stale", f"made {now - row.created_at:.0f} s ago, past the reply "
+                reply_id,
+                "stale",
+                f"made {now - row.created_at:.0f} s ago, past the reply "
                 f"window of {self.policy.reply_window_s:g} s",
-            )  # fmt: skip
+            )
         return self._move_dead(
             reply_id, by, "state = 'pending', attempts = 0, not_before = ?", (now,)
         )

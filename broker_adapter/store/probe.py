@@ -21,8 +21,9 @@ def writable_check(path: Path, timeout_s: float) -> Callable[[], str | None]:
 
     def check() -> str | None:
         try:
-            conn = sqlite3.connect(f"file:{path}?mode=rw", uri=True, timeout=timeout_s,
-                                   isolation_level=None)  # fmt: skip
+            conn = sqlite3.connect(
+                f"file:{path}?mode=rw", uri=True, timeout=timeout_s, isolation_level=None
+            )
             try:
                 conn.execute("BEGIN IMMEDIATE")
                 conn.execute("ROLLBACK")

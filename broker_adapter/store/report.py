@@ -47,10 +47,16 @@ def snapshot(db: Db, now: float) -> dict[str, Any]:
         ).fetchone()
         effects = {**effect_counts(c), **approval_counts(c, now), **outcome_gauges(c, now)}
     return shape(
-        now, (inbox["n"], int(inbox["d"]), int(inbox["c"])), states,
-        (leases["live"], leases["expired"]), ready["n"], outbox, oldest["t"],
-        (receipts["n"], int(receipts["e"])), effects,
-    )  # fmt: skip
+        now,
+        (inbox["n"], int(inbox["d"]), int(inbox["c"])),
+        states,
+        (leases["live"], leases["expired"]),
+        ready["n"],
+        outbox,
+        oldest["t"],
+        (receipts["n"], int(receipts["e"])),
+        effects,
+    )
 
 
 def task_counts(db: Db) -> dict[str, dict[str, int]]:
@@ -77,10 +83,16 @@ TERMINAL_NAMES = ("done", "failed", "cancelled", "expired", "hop_limit")
 
 
 def shape(
-    now: float, inbox: tuple[Any, ...], states: dict[str, int], leases: tuple[Any, ...],
-    ready: int, outbox: dict[str, int], oldest: float | None, receipts: tuple[Any, ...],
+    now: float,
+    inbox: tuple[Any, ...],
+    states: dict[str, int],
+    leases: tuple[Any, ...],
+    ready: int,
+    outbox: dict[str, int],
+    oldest: float | None,
+    receipts: tuple[Any, ...],
     effects: dict[str, float],
-) -> dict[str, Any]:  # fmt: skip
+) -> dict[str, Any]:
     """The snapshot's dict from its counts (one shape for every backend): ``inbox`` is
     (records, duplicates, conflicts), ``leases`` (live, expired), ``receipts`` (replies,
     effects), ``effects`` the effect and approval counts."""

@@ -151,10 +151,14 @@ def purge_requests(
                 (*chunk, *rule),
             ).fetchall()
         ids = [r["task_id"] for r in confirmed]
-        records = c.executemany(
-            "DELETE FROM inbox WHERE principal = ? AND message_id = ? AND task_id = ?",
-            [(r["principal"], r["message_id"], r["task_id"]) for r in confirmed],
-        ).rowcount if confirmed else 0  # fmt: skip
+        records = (
+            c.executemany(
+                "DELETE FROM inbox WHERE principal = ? AND message_id = ? AND task_id = ?",
+                [(r["principal"], r["message_id"], r["task_id"]) for r in confirmed],
+            ).rowcount
+            if confirmed
+            else 0
+        )
         replies = 0
         for chunk, marks in in_lists(ids):
             replies += c.execute(f"DELETE FROM outbox WHERE task_id IN ({marks})", chunk).rowcount

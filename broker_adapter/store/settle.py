@@ -190,8 +190,19 @@ def settle(
                 out.append(exc)
                 continue
             error = item.error or ""
-            out.append(_fail_row(store, c, row, item.task_id, error, item.retryable, now, claim,
-                                 item.retry_after_s))  # fmt: skip
+            out.append(
+                _fail_row(
+                    store,
+                    c,
+                    row,
+                    item.task_id,
+                    error,
+                    item.retryable,
+                    now,
+                    claim,
+                    item.retry_after_s,
+                )
+            )
         if enqueue_many(c, replies, now, claim) != len(replies):  # the unique indexes
             raise BrokerAdapterError("a task of this batch was finished twice")
         rows = store._claim_in(c, owner, n, now) if n >= 1 else []
@@ -210,8 +221,7 @@ def _mark_done(
     by_holder: dict[tuple[int, str], list[tuple[str, str | None]]] = {}
     for item in items:
         by_holder.setdefault((item.fence, item.owner), []).append((item.task_id, item.result))
-    rows = update_held(c, _MARK_DONE, by_holder, now, deadline=True,
-                       before=(stamp, stamp))  # fmt: skip
+    rows = update_held(c, _MARK_DONE, by_holder, now, deadline=True, before=(stamp, stamp))
     return {r["task_id"]: r for r in rows}
 
 
@@ -231,10 +241,16 @@ def _in_item_order(rows: list[OutboxRow], items: Sequence[Settlement]) -> list[O
 
 
 def _fail_row(
-    store: TaskStore, c: Conn, row: Any, task_id: str, error: str,
-    retryable: bool, now: float, claim: PublisherClaim | None = None,
+    store: TaskStore,
+    c: Conn,
+    row: Any,
+    task_id: str,
+    error: str,
+    retryable: bool,
+    now: float,
+    claim: PublisherClaim | None = None,
     retry_after_s: float | None = None,
-) -> FailOutcome:  # fmt: skip
+) -> FailOutcome:
     if retryable and row["attempts"] < row["max_attempts"]:
         delay = store.policy.backoff.delay(row["attempts"], store.rng)
         not_before = now + max(delay, retry_after_s or 0.0)  # a target's Retry-After
@@ -257,8 +273,21 @@ def _done_reply(item: Settlement, now: float) -> tuple[ReplyKey, tuple[bytes, st
     claimed = item.claimed
     if item.result is None or claimed is None:
         return None
-    key = (claimed.principal, claimed.message_id, claimed.correlation_id, claimed.attempt,
-           claimed.fence)  # fmt: skip
-    body = terminal_body(claimed.task_id, TaskState.DONE.value, *key[:3], item.result, None,
-                         *key[3:], now, traceparent=claimed.traceparent)  # fmt: skip
+    key = (
+        claimed.principal,
+        claimed.message_id,
+        claimed.correlation_id,
+        claimed.attempt,
+        claimed.fence,
+    )
+    body = terminal_body(
+        claimed.task_id,
+        TaskState.DONE.value,
+        *key[:3],
+        item.result,
+        None,
+        *key[3:],
+        now,
+        traceparent=claimed.traceparent,
+    )
     return key, encode_body(body)

@@ -74,14 +74,24 @@ class Dialect:
 
 
 SQLITE: Final = Dialect(
-    "sqlite", for_update="", skip_locked="", key_lock=None, nul_free_text=False,
-    index_hints=True, rowid="rowid",
-)  # fmt: skip
+    "sqlite",
+    for_update="",
+    skip_locked="",
+    key_lock=None,
+    nul_free_text=False,
+    index_hints=True,
+    rowid="rowid",
+)
 POSTGRES: Final = Dialect(
-    "postgresql", for_update=" FOR UPDATE", skip_locked=" FOR UPDATE SKIP LOCKED",
-    key_lock="SELECT pg_advisory_xact_lock(?)", nul_free_text=True, index_hints=False,
-    rowid="seq", server_clock=True,
-)  # fmt: skip
+    "postgresql",
+    for_update=" FOR UPDATE",
+    skip_locked=" FOR UPDATE SKIP LOCKED",
+    key_lock="SELECT pg_advisory_xact_lock(?)",
+    nul_free_text=True,
+    index_hints=False,
+    rowid="seq",
+    server_clock=True,
+)
 
 
 class Cursor(Protocol):

@@ -11,15 +11,35 @@ from broker_adapter.store.sql import Db
 
 #: What a listed task shows (the payload and result stay out of the list).
 LIST_COLUMNS = (
-    "task_id", "principal", "message_id", "state", "attempts", "max_attempts",
-    "created_at", "updated_at", "deadline", "finished_at", "error",
-)  # fmt: skip
+    "task_id",
+    "principal",
+    "message_id",
+    "state",
+    "attempts",
+    "max_attempts",
+    "created_at",
+    "updated_at",
+    "deadline",
+    "finished_at",
+    "error",
+)
 #: What ``show`` adds.
 SHOW_COLUMNS = (
-    *LIST_COLUMNS, "kind", "payload", "result", "fingerprint", "correlation_id",
-    "parent_id", "hops", "owner", "fence", "lease_until", "not_before",
-    "cancel_requested_at", "traceparent",
-)  # fmt: skip
+    *LIST_COLUMNS,
+    "kind",
+    "payload",
+    "result",
+    "fingerprint",
+    "correlation_id",
+    "parent_id",
+    "hops",
+    "owner",
+    "fence",
+    "lease_until",
+    "not_before",
+    "cancel_requested_at",
+    "traceparent",
+)
 MAX_LIST = 10_000
 
 

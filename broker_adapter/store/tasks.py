@@ -258,7 +258,12 @@ class TaskStore:
         if row is None:
             raise UnknownTask(task_id)
         refused = refusal(
-            row, task_id, owner, fence, tx_now(c, self.clock), state=TASK_HELD_STATE,
+            row,
+            task_id,
+            owner,
+            fence,
+            tx_now(c, self.clock),
+            state=TASK_HELD_STATE,
             deadline=True,
         )
         if refused is not None:
@@ -304,9 +309,14 @@ class TaskStore:
         ``claim(owner, n)``; nothing when ``n`` is 0) in ONE transaction: ``settle.settle``,
         where the arguments and results are described."""
         return settle.settle(
-            self, items, owner, n, publish_as=publish_as, publish_lease_s=publish_lease_s,
+            self,
+            items,
+            owner,
+            n,
+            publish_as=publish_as,
+            publish_lease_s=publish_lease_s,
             sent=sent,
-        )  # fmt: skip
+        )
 
     def finish(self, task_id: str, owner: str, fence: int, result: Any) -> str:
         """Commit one success: ``settle_batch`` of one ``done`` outcome, its refusal raised.
@@ -386,8 +396,9 @@ class TaskStore:
             if state in TERMINAL_STATES:
                 return state
             to_terminal(c, task_id, TaskState.CANCELLED, now, error=reason)
-        transitions.task_transition("cancelled", task_id, "cancelled", detail=reason,
-                                    reply_id=reply_id_for(task_id))  # fmt: skip
+        transitions.task_transition(
+            "cancelled", task_id, "cancelled", detail=reason, reply_id=reply_id_for(task_id)
+        )
         return TaskState.CANCELLED
 
     def refusal(self, task_id: str, owner: str, fence: int) -> StaleError | None:
@@ -406,7 +417,12 @@ class TaskStore:
         if row is None:
             return StaleError(task_id, "not_running", "no such task")
         refused = refusal(
-            row, task_id, owner, fence, read_now(self.db, self.clock), state=TASK_HELD_STATE,
+            row,
+            task_id,
+            owner,
+            fence,
+            read_now(self.db, self.clock),
+            state=TASK_HELD_STATE,
             deadline=False,
         )
         if refused is None and row["cancel_requested_at"] is not None:

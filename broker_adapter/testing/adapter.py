@@ -49,11 +49,24 @@ class RunningAdapter:
         self.redis_url = redis_url
         self.prefix = prefix
         self.args = [
-            sys.executable, "-m", "broker_adapter", "run",
-            "--redis", redis_url, "--db", str(db), "--keyring", str(keyring),
-            "--prefix", prefix, target[0], target[1], "--app-dir", str(app_dir),
+            sys.executable,
+            "-m",
+            "broker_adapter",
+            "run",
+            "--redis",
+            redis_url,
+            "--db",
+            str(db),
+            "--keyring",
+            str(keyring),
+            "--prefix",
+            prefix,
+            target[0],
+            target[1],
+            "--app-dir",
+            str(app_dir),
             *extra_args,
-        ]  # fmt: skip
+        ]
         default_log = Path(str(db) + ".log") if "://" not in str(db) else Path("adapter.log")
         self.log_path = log_path or default_log
         self.proc: subprocess.Popen[bytes] | None = None

@@ -356,9 +356,13 @@ def check(model: HistoryModel, final: FinalState, cfg: CheckConfig | None = None
         elif mine[0].last_fence != t.fence:
             a.add(
                 "stale_commit",
-                {"key": key, "why": "done, last effect fence differs", "effect": mine[0].last_fence,
-                 "task": t.fence},
-            )  # fmt: skip
+                {
+                    "key": key,
+                    "why": "done, last effect fence differs",
+                    "effect": mine[0].last_fence,
+                    "task": t.fence,
+                },
+            )
     info["effects"] = {
         "committed": len(final.effects),
         "absorbed_reapplications": absorbed,
@@ -414,9 +418,13 @@ def check(model: HistoryModel, final: FinalState, cfg: CheckConfig | None = None
             if rf is not None and rf != t.fence:
                 a.add(
                     "stale_commit",
-                    {"key": key, "why": "done by an older claim", "result_fence": rf,
-                     "task_fence": t.fence},
-                )  # fmt: skip
+                    {
+                        "key": key,
+                        "why": "done by an older claim",
+                        "result_fence": rf,
+                        "task_fence": t.fence,
+                    },
+                )
         reply = outbox_by_task.get(t.task_id)
         if reply is not None and reply.fence is not None and reply.fence != t.fence:
             a.add("stale_commit", {"key": key, "why": "reply fence", "reply_fence": reply.fence})

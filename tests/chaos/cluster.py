@@ -95,9 +95,14 @@ class Component:
             log.write(f"\n=== start #{self.starts + 1} armed={self.armed} ===\n".encode())
             log.flush()
             self.proc = subprocess.Popen(
-                self.args, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL, start_new_session=True,
-            )  # fmt: skip
+                self.args,
+                cwd=ROOT,
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
         self.starts += 1
         self.started_at = time.monotonic()
         self.killing = False
@@ -246,10 +251,12 @@ class Cluster:
         armed = bool(comp.armed.get("BA_CRASHPOINT"))
         expected = comp.killing or (armed and rc == -signal.SIGKILL)
         value: dict[str, Any] = {
-            "target": comp.name, "rc": rc, "expected": expected,
+            "target": comp.name,
+            "rc": rc,
+            "expected": expected,
             "cause": "nemesis" if comp.killing else "crashpoint" if expected else "unexpected",
             "armed": comp.armed,
-        }  # fmt: skip
+        }
         if not expected:
             value["log_tail"] = log_tail(comp.log_path)
         self.history.log(INFO, "exit", value=value, proc="supervisor")
@@ -287,10 +294,11 @@ class Cluster:
             comp.hold_down = False
             comp.start(armed)
             self.history.log(
-                INFO, "restart",
+                INFO,
+                "restart",
                 value={"target": comp.name, "why": why, "armed": comp.armed, "pid": comp.pid},
                 proc="supervisor",
-            )  # fmt: skip
+            )
 
     # -- redis --------------------------------------------------------------------------------
 

@@ -166,23 +166,35 @@ def read_adapter(target: StoreTarget, final: FinalState) -> None:
         ):
             final.tasks.append(
                 TaskRec(
-                    task_id=r["task_id"], principal=r["principal"], message_id=r["message_id"],
-                    state=r["state"], fence=r["fence"], attempts=r["attempts"],
-                    max_attempts=r["max_attempts"], fingerprint=r["fingerprint"],
-                    owner=r["owner"], lease_until=r["lease_until"], result=_json(r["result"]),
-                    error=r["error"], created_at=r["created_at"], finished_at=r["finished_at"],
+                    task_id=r["task_id"],
+                    principal=r["principal"],
+                    message_id=r["message_id"],
+                    state=r["state"],
+                    fence=r["fence"],
+                    attempts=r["attempts"],
+                    max_attempts=r["max_attempts"],
+                    fingerprint=r["fingerprint"],
+                    owner=r["owner"],
+                    lease_until=r["lease_until"],
+                    result=_json(r["result"]),
+                    error=r["error"],
+                    created_at=r["created_at"],
+                    finished_at=r["finished_at"],
                 )
-            )  # fmt: skip
+            )
         for r in c.execute(
             "SELECT principal, message_id, fingerprint, task_id, duplicates, conflicts FROM inbox"
         ):
             final.inbox.append(
                 InboxRec(
-                    principal=r["principal"], message_id=r["message_id"],
-                    fingerprint=r["fingerprint"], task_id=r["task_id"],
-                    duplicates=r["duplicates"], conflicts=r["conflicts"],
+                    principal=r["principal"],
+                    message_id=r["message_id"],
+                    fingerprint=r["fingerprint"],
+                    task_id=r["task_id"],
+                    duplicates=r["duplicates"],
+                    conflicts=r["conflicts"],
                 )
-            )  # fmt: skip
+            )
         for r in c.execute(
             "SELECT reply_id, task_id, principal, message_id, status, state, content_hash, body,"
             " attempts, last_error FROM outbox"
@@ -190,13 +202,19 @@ def read_adapter(target: StoreTarget, final: FinalState) -> None:
             body = _json(bytes(r["body"]).decode("utf-8", "replace")) or {}
             final.outbox.append(
                 OutboxRec(
-                    reply_id=r["reply_id"], task_id=r["task_id"], principal=r["principal"],
-                    message_id=r["message_id"], status=r["status"], state=r["state"],
-                    content_hash=r["content_hash"], fence=_int_or_none(body.get("fence")),
-                    fingerprint=body.get("fingerprint"), attempts=r["attempts"],
+                    reply_id=r["reply_id"],
+                    task_id=r["task_id"],
+                    principal=r["principal"],
+                    message_id=r["message_id"],
+                    status=r["status"],
+                    state=r["state"],
+                    content_hash=r["content_hash"],
+                    fence=_int_or_none(body.get("fence")),
+                    fingerprint=body.get("fingerprint"),
+                    attempts=r["attempts"],
                     last_error=r["last_error"],
                 )
-            )  # fmt: skip
+            )
 
 
 def read_receiver(principal: str, path: Path, final: FinalState) -> None:
@@ -213,12 +231,17 @@ def read_receiver(principal: str, path: Path, final: FinalState) -> None:
                 forged = body.get("chaos_forged")
                 final.receipts.append(
                     ReceiptRec(
-                        reply_id=r["reply_id"], principal=r["principal"],
-                        content_hash=r["content_hash"], task_id=r["task_id"], status=r["status"],
-                        fence=_int_or_none(body.get("fence")), received_at=r["received_at"],
-                        effects=r["effects"], forged=forged if isinstance(forged, str) else None,
+                        reply_id=r["reply_id"],
+                        principal=r["principal"],
+                        content_hash=r["content_hash"],
+                        task_id=r["task_id"],
+                        status=r["status"],
+                        fence=_int_or_none(body.get("fence")),
+                        received_at=r["received_at"],
+                        effects=r["effects"],
+                        forged=forged if isinstance(forged, str) else None,
                     )
-                )  # fmt: skip
+                )
         if _has_table(c, "chaos_effects"):
             final.ledger_principals.add(principal)
             for rid, status, n in c.execute(

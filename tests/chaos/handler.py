@@ -79,11 +79,20 @@ def _write(task: Task, event: str, *, effect: bool) -> None:
                     " message_id, fence, attempt, owner, pid, kind, event)"
                     " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                     (
-                        time.monotonic(), time.time(), task.idempotency_key, task.task_id,
-                        task.principal, task.message_id, task.fence, task.attempt, task.owner,
-                        os.getpid(), kind, event,
+                        time.monotonic(),
+                        time.time(),
+                        task.idempotency_key,
+                        task.task_id,
+                        task.principal,
+                        task.message_id,
+                        task.fence,
+                        task.attempt,
+                        task.owner,
+                        os.getpid(),
+                        kind,
+                        event,
                     ),
-                )  # fmt: skip
+                )
                 if effect:
                     conn.execute(
                         "INSERT INTO effects (idempotency_key, task_id, principal, message_id,"
@@ -93,10 +102,16 @@ def _write(task: Task, event: str, *, effect: bool) -> None:
                         " applications = applications + 1,"
                         " last_fence = max(last_fence, excluded.last_fence)",
                         (
-                            task.idempotency_key, task.task_id, task.principal, task.message_id,
-                            task.fence, task.fence, str(task.payload.get("value")), time.time(),
+                            task.idempotency_key,
+                            task.task_id,
+                            task.principal,
+                            task.message_id,
+                            task.fence,
+                            task.fence,
+                            str(task.payload.get("value")),
+                            time.time(),
                         ),
-                    )  # fmt: skip
+                    )
                 conn.execute("COMMIT")
             except BaseException:
                 if conn.in_transaction:

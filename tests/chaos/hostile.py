@@ -181,12 +181,20 @@ def forged_body(
     """A plausible reply body for ``reply_id`` that says where it came from (``stale``:
     made ``STALE_AGE_S`` ago)."""
     body: dict[str, Any] = {
-        "v": 1, "reply_id": reply_id, "task_id": task_id, "principal": principal,
-        "message_id": message_id, "correlation_id": None, "status": FORGED_STATUS,
-        "result": {"forged": True, "deep": "@@chaos-hole@@" if deep else None}, "error": None,
-        "attempts": 1, "fence": 1, "chaos_forged": mark,
+        "v": 1,
+        "reply_id": reply_id,
+        "task_id": task_id,
+        "principal": principal,
+        "message_id": message_id,
+        "correlation_id": None,
+        "status": FORGED_STATUS,
+        "result": {"forged": True, "deep": "@@chaos-hole@@" if deep else None},
+        "error": None,
+        "attempts": 1,
+        "fence": 1,
+        "chaos_forged": mark,
         "finished_at": time.time() - (STALE_AGE_S if stale else 0.0),
-    }  # fmt: skip
+    }
     raw = canonical_json(body)
     return raw.replace(_HOLE.encode(), _nested(DEEP_BODY_LEVELS)) if deep else raw
 

@@ -260,9 +260,13 @@ class HistoryModel:
             elif f == "replay" and typ in ("ok", "info"):
                 entry_id = value.get("entry_id") if typ == "ok" else None
                 model.replays.setdefault(str(e.get("key")), []).append(
-                    Replay(str(e.get("key")), str(value.get("source")), value.get("state"),
-                           None if entry_id is None else str(entry_id))
-                )  # fmt: skip
+                    Replay(
+                        str(e.get("key")),
+                        str(value.get("source")),
+                        value.get("state"),
+                        None if entry_id is None else str(entry_id),
+                    )
+                )
             elif proc == "nemesis" and f == "start":
                 fid = str(value.get("id", len(open_faults)))
                 open_faults[fid] = e
@@ -310,10 +314,14 @@ class HistoryModel:
         mark = str(value.get("mark"))
         if typ == "invoke":
             self.forgeries[mark] = Forgery(
-                mark=mark, principal=str(value.get("principal")), shape=str(value.get("shape")),
-                reply_id=str(value.get("reply_id")), target=str(value.get("target")),
-                body_hash=str(value.get("hash")), reasons=tuple(value.get("reasons") or ()),
-            )  # fmt: skip
+                mark=mark,
+                principal=str(value.get("principal")),
+                shape=str(value.get("shape")),
+                reply_id=str(value.get("reply_id")),
+                target=str(value.get("target")),
+                body_hash=str(value.get("hash")),
+                reasons=tuple(value.get("reasons") or ()),
+            )
         elif typ == "ok" and mark in self.forgeries:
             self.forgeries[mark].ack_ts.append(float(e["t"]))
 

@@ -96,24 +96,45 @@ from tests.chaos.workload import Workload
 ADAPTER_POINTS = tuple(
     p
     for p in (
-        "ingest.after_read", "ingest.after_commit", "ingest.after_xack",
-        "ingest.after_dead_letter", "ingest.after_autoclaim", "worker.after_claim",
-        "worker.after_effect", "worker.after_finish", "dispatcher.before_xadd",
-        "dispatcher.after_xadd", "dispatcher.after_mark_sent",
-        *(f"store.{op}.{when}" for op in ("accept", "claim", "renew", "finish", "fail",
-                                          "outbox_claim", "mark_sent", "reply_retry")
-          for when in ("before_commit", "after_commit")),
+        "ingest.after_read",
+        "ingest.after_commit",
+        "ingest.after_xack",
+        "ingest.after_dead_letter",
+        "ingest.after_autoclaim",
+        "worker.after_claim",
+        "worker.after_effect",
+        "worker.after_finish",
+        "dispatcher.before_xadd",
+        "dispatcher.after_xadd",
+        "dispatcher.after_mark_sent",
+        *(
+            f"store.{op}.{when}"
+            for op in (
+                "accept",
+                "claim",
+                "renew",
+                "finish",
+                "fail",
+                "outbox_claim",
+                "mark_sent",
+                "reply_retry",
+            )
+            for when in ("before_commit", "after_commit")
+        ),
     )
     if p in crashpoints.POINTS
-)  # fmt: skip
+)
 RECEIVER_POINTS = tuple(
     p
     for p in (
-        "receiver.before_commit", "receiver.after_commit", "receiver.after_xack",
-        "store.receipt.before_commit", "store.receipt.after_commit",
+        "receiver.before_commit",
+        "receiver.after_commit",
+        "receiver.after_xack",
+        "store.receipt.before_commit",
+        "store.receipt.after_commit",
     )
     if p in crashpoints.POINTS
-)  # fmt: skip
+)
 PAUSE_POINTS = tuple(
     p
     for p in ("worker.after_claim", "worker.after_effect", "store.finish.before_commit")
@@ -123,10 +144,21 @@ NET_MODES = ("reset", "delay", "drop", "cut", "blackhole")
 DROP_MATCHES = (b"XADD", b"XACK", b"EVALSHA", b"XREADGROUP", b"XAUTOCLAIM", b"EVAL")
 HOSTILE_PACKAGES = ("forge-reply", "poison-reply", "replay")
 COMMON_PACKAGES = (
-    "kill-adapter", "kill-worker", "kill-receiver", "crashpoint", "pausepoint",
-    "pause-adapter", "pause-receiver", "net", "client-pause", "idle-skew", "storm",
-    "sqlite-busy", "epoch-del", *HOSTILE_PACKAGES,
-)  # fmt: skip
+    "kill-adapter",
+    "kill-worker",
+    "kill-receiver",
+    "crashpoint",
+    "pausepoint",
+    "pause-adapter",
+    "pause-receiver",
+    "net",
+    "client-pause",
+    "idle-skew",
+    "storm",
+    "sqlite-busy",
+    "epoch-del",
+    *HOSTILE_PACKAGES,
+)
 #: Entries ``replay`` picks from: the newest few (their tasks may still run) or the oldest.
 REPLAY_SOON, REPLAY_LATE = 20, 200
 SKEW_IDLE_MS = 3_600_000
@@ -310,16 +342,20 @@ class Nemesis:
     def begin(self, fault: str, target: str = "", **extra: Any) -> Fault:
         f = Fault(str(next(self._ids)), fault, target)
         self.history.log(
-            INFO, "start", value={"id": f.fid, "fault": fault, "target": target, **extra},
+            INFO,
+            "start",
+            value={"id": f.fid, "fault": fault, "target": target, **extra},
             proc="nemesis",
-        )  # fmt: skip
+        )
         return f
 
     def end(self, f: Fault, **extra: Any) -> None:
         self.history.log(
-            INFO, "stop", value={"id": f.fid, "fault": f.fault, "target": f.target, **extra},
+            INFO,
+            "stop",
+            value={"id": f.fid, "fault": f.fault, "target": f.target, **extra},
             proc="nemesis",
-        )  # fmt: skip
+        )
 
     def instant(self, fault: str, target: str = "", **extra: Any) -> None:
         self.end(self.begin(fault, target, **extra))
@@ -342,8 +378,9 @@ class Nemesis:
                 try:
                     fault = self.start_package(name)
                 except (redis.RedisError, OSError) as exc:
-                    self.history.log(INFO, "skip", value={"fault": name}, error=str(exc),
-                                     proc="nemesis")  # fmt: skip
+                    self.history.log(
+                        INFO, "skip", value={"fault": name}, error=str(exc), proc="nemesis"
+                    )
                     continue
                 if fault is not None:
                     self.active.append(fault)
@@ -360,8 +397,9 @@ class Nemesis:
                 if fault.stop is not None:
                     fault.stop()
             except (redis.RedisError, OSError) as exc:
-                self.history.log(INFO, "stop-error", value={"fault": fault.fault}, error=str(exc),
-                                 proc="nemesis")  # fmt: skip
+                self.history.log(
+                    INFO, "stop-error", value={"fault": fault.fault}, error=str(exc), proc="nemesis"
+                )
             self.end(fault)
 
     def heal(self) -> None:
@@ -716,28 +754,56 @@ class Nemesis:
             else:
                 task_id, message_id = f"{self.prng.getrandbits(128):032x}", "m-forged"
                 target = "invented"
-            self._plant_reply(f"{f.fid}.{n}", shape, shapes[shape], principal, task_id,
-                              message_id, target)  # fmt: skip
+            self._plant_reply(
+                f"{f.fid}.{n}", shape, shapes[shape], principal, task_id, message_id, target
+            )
         return f
 
     def _plant_reply(
-        self, mark: str, shape: str, reasons: tuple[str, ...], principal: str, task_id: str,
-        message_id: str, target: str,
-    ) -> None:  # fmt: skip
+        self,
+        mark: str,
+        shape: str,
+        reasons: tuple[str, ...],
+        principal: str,
+        task_id: str,
+        message_id: str,
+        target: str,
+    ) -> None:
         assert self.keyring is not None
         reply_id = reply_id_for(task_id)
-        body = forged_body(mark, principal, reply_id, task_id, message_id,
-                           deep=shape == "deep_body", stale=shape == "stale_body")  # fmt: skip
+        body = forged_body(
+            mark,
+            principal,
+            reply_id,
+            task_id,
+            message_id,
+            deep=shape == "deep_body",
+            stale=shape == "stale_body",
+        )
         others = [p for p in self.principals if p != principal]
         pairs = reply_entry(
-            shape, mark=mark, principal=principal, reply_id=reply_id, body=body,
-            keyring=self.keyring, other=self.prng.choice(others) if others else None,
-        )  # fmt: skip
+            shape,
+            mark=mark,
+            principal=principal,
+            reply_id=reply_id,
+            body=body,
+            keyring=self.keyring,
+            other=self.prng.choice(others) if others else None,
+        )
         self.history.log(
-            INVOKE, "forge", proc="nemesis",
-            value={"mark": mark, "principal": principal, "shape": shape, "reply_id": reply_id,
-                   "target": target, "hash": sha256_hex(body), "reasons": list(reasons)},
-        )  # fmt: skip
+            INVOKE,
+            "forge",
+            proc="nemesis",
+            value={
+                "mark": mark,
+                "principal": principal,
+                "shape": shape,
+                "reply_id": reply_id,
+                "target": target,
+                "hash": sha256_hex(body),
+                "reasons": list(reasons),
+            },
+        )
         try:
             entry_id = self.admin().execute_command(  # type: ignore[no-untyped-call]
                 "XADD", self.keys.replies(principal), "*", *flat(pairs)
@@ -787,9 +853,11 @@ class Nemesis:
                     "XADD", stream, "*", *flat(list(fields.items()))
                 )
             except redis.RedisError as exc:
-                self.history.log(INFO, "replay", key=key, value=value, error=str(exc),
-                                 proc="nemesis")  # fmt: skip
+                self.history.log(
+                    INFO, "replay", key=key, value=value, error=str(exc), proc="nemesis"
+                )
                 continue
-            self.history.log(OK, "replay", key=key, value=dict(value, entry_id=text(entry_id)),
-                             proc="nemesis")  # fmt: skip
+            self.history.log(
+                OK, "replay", key=key, value=dict(value, entry_id=text(entry_id)), proc="nemesis"
+            )
         return f

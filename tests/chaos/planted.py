@@ -157,8 +157,9 @@ def apply(bug: str) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if not args:
-        print(f"usage: python -m tests.chaos.planted {{{'|'.join(BUGS)}}} <cli args>",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"usage: python -m tests.chaos.planted {{{'|'.join(BUGS)}}} <cli args>", file=sys.stderr
+        )
         return 2
     bug, rest = args[0], args[1:]
     os.environ[ENV] = bug  # inherited by spawned worker processes

@@ -133,11 +133,16 @@ class Profile:
 PROFILES: dict[str, Profile] = {
     "short": Profile("short"),
     "long": Profile(
-        "long", agents=4, messages=13_200, duration_s=1320.0, workers=3, period_s=(3.0, 6.0),
+        "long",
+        agents=4,
+        messages=13_200,
+        duration_s=1320.0,
+        workers=3,
+        period_s=(3.0, 6.0),
         t_heal_s=180.0,
     ),
     "smoke": Profile("smoke", agents=2, messages=40, duration_s=10.0, t_heal_s=60.0),
-}  # fmt: skip
+}
 
 
 @dataclass(frozen=True)
@@ -247,14 +252,24 @@ SCENARIOS: dict[str, Scenario] = {
     "ingest-crash": Scenario(
         _scenario_ingest_crash,
         Profile(
-            "ingest-crash", agents=2, messages=60, duration_s=8.0, adapters=1, t_heal_s=60.0,
+            "ingest-crash",
+            agents=2,
+            messages=60,
+            duration_s=8.0,
+            adapters=1,
+            t_heal_s=60.0,
             weights={"ok": 1.0},
         ),
     ),
     "zombie": Scenario(
         _scenario_zombie,
         Profile(
-            "zombie", agents=2, messages=2, duration_s=0.5, adapters=2, t_heal_s=60.0,
+            "zombie",
+            agents=2,
+            messages=2,
+            duration_s=0.5,
+            adapters=2,
+            t_heal_s=60.0,
             weights={"slow_long": 1.0},
         ),
         held=("a2",),
@@ -262,11 +277,16 @@ SCENARIOS: dict[str, Scenario] = {
     "forged-reply": Scenario(
         _scenario_forged_reply,
         Profile(
-            "forged-reply", agents=2, messages=6, duration_s=1.0, adapters=1, t_heal_s=60.0,
+            "forged-reply",
+            agents=2,
+            messages=6,
+            duration_s=1.0,
+            adapters=1,
+            t_heal_s=60.0,
             weights={"slow": 1.0},
         ),
     ),
-}  # fmt: skip
+}
 
 
 # -- the run --------------------------------------------------------------------------------
@@ -358,12 +378,29 @@ class Run:
         for i in range(prof.adapters):
             name = f"a{i + 1}"
             args = [
-                *entry, "run", "--redis", redis_url, "--db", str(self.adapter_db),
-                "--handler", "tests.chaos.handler:handle", "--workers", str(prof.workers),
-                "--keyring", str(self.keyring_path), "--prefix", self.prefix,
-                "--lease", str(prof.lease_s), "--claim-min-idle-ms", str(prof.claim_min_idle_ms),
-                "--name", name, "--grace", "2",
-            ]  # fmt: skip
+                *entry,
+                "run",
+                "--redis",
+                redis_url,
+                "--db",
+                str(self.adapter_db),
+                "--handler",
+                "tests.chaos.handler:handle",
+                "--workers",
+                str(prof.workers),
+                "--keyring",
+                str(self.keyring_path),
+                "--prefix",
+                self.prefix,
+                "--lease",
+                str(prof.lease_s),
+                "--claim-min-idle-ms",
+                str(prof.claim_min_idle_ms),
+                "--name",
+                name,
+                "--grace",
+                "2",
+            ]
             if self.config.partitions > 1:
                 args += ["--partitions", str(self.config.partitions)]
             comps.append(Component(name, "adapter", args, env, self.out / "logs" / f"{name}.log"))
@@ -372,16 +409,39 @@ class Run:
             db = str(self.receiver_dbs[p])
             if i == 0:
                 args = [
-                    *entry, "receive", "--redis", redis_url,
-                    "--db", db, "--prefix", self.prefix, "--principal", p, "--consumer", name,
-                    "--keyring", str(self.keyring_path),
-                ]  # fmt: skip
+                    *entry,
+                    "receive",
+                    "--redis",
+                    redis_url,
+                    "--db",
+                    db,
+                    "--prefix",
+                    self.prefix,
+                    "--principal",
+                    p,
+                    "--consumer",
+                    name,
+                    "--keyring",
+                    str(self.keyring_path),
+                ]
             else:
                 args = [
-                    sys.executable, "-m", "tests.chaos.receiver", "--redis", redis_url,
-                    "--db", db, "--prefix", self.prefix, "--principal", p, "--consumer", name,
-                    "--keyring", str(self.keyring_path),
-                ]  # fmt: skip
+                    sys.executable,
+                    "-m",
+                    "tests.chaos.receiver",
+                    "--redis",
+                    redis_url,
+                    "--db",
+                    db,
+                    "--prefix",
+                    self.prefix,
+                    "--principal",
+                    p,
+                    "--consumer",
+                    name,
+                    "--keyring",
+                    str(self.keyring_path),
+                ]
             comps.append(Component(name, "receiver", args, env, self.out / "logs" / f"{name}.log"))
         return comps
 
@@ -395,15 +455,27 @@ class Run:
         self.workload.canceller = canceller
         for i, p in enumerate(self.principals):
             cfg = AgentConfig(
-                principal=p, index=i, messages=per_agent, duration_s=prof.duration_s,
-                lease_s=prof.lease_s, weights=prof.weights,
+                principal=p,
+                index=i,
+                messages=per_agent,
+                duration_s=prof.duration_s,
+                lease_s=prof.lease_s,
+                weights=prof.weights,
                 peers={q: per_agent for q in self.principals if q != p},
-            )  # fmt: skip
+            )
             self.workload.agents.append(
-                Agent(cfg, self.config.seed, redis_url, self.prefix, keyring,
-                      self._history(f"agent-{p}"), canceller, self.stop_event,
-                      partitions=self.config.partitions)
-            )  # fmt: skip
+                Agent(
+                    cfg,
+                    self.config.seed,
+                    redis_url,
+                    self.prefix,
+                    keyring,
+                    self._history(f"agent-{p}"),
+                    canceller,
+                    self.stop_event,
+                    partitions=self.config.partitions,
+                )
+            )
 
     def _wait_ready(self) -> None:
         keys = Keys(self.prefix)
@@ -503,11 +575,20 @@ class Run:
         t0 = time.monotonic()
         cfg, prof = self.config, self.config.profile
         self.history.log(
-            "info", "config",
-            value={"profile": asdict(prof), "seed": cfg.seed, "mode": cfg.mode,
-                   "planted": cfg.planted, "scenario": cfg.scenario, "prefix": self.prefix,
-                   "topology": cfg.topology, "store": cfg.store, "partitions": cfg.partitions},
-        )  # fmt: skip
+            "info",
+            "config",
+            value={
+                "profile": asdict(prof),
+                "seed": cfg.seed,
+                "mode": cfg.mode,
+                "planted": cfg.planted,
+                "scenario": cfg.scenario,
+                "prefix": self.prefix,
+                "topology": cfg.topology,
+                "store": cfg.store,
+                "partitions": cfg.partitions,
+            },
+        )
         keyring = make_keyring(list(self.principals), cfg.seed)
         self.keyring_path.write_text(json.dumps(keyring))
         self.keyring_path.chmod(0o600)  # Keyring.load refuses a file others may read
@@ -542,12 +623,22 @@ class Run:
             if packages is None:
                 packages = packages_for(cfg.mode, cfg.topology, cfg.store)
             self._nemesis = Nemesis(
-                self.cluster, self.workload, self._history("nemesis"),
-                random.Random(f"nemesis-{cfg.seed}"), packages, mode=cfg.mode,
-                lease_s=prof.lease_s, adapter_db=self.adapter_db, prefix=self.prefix,
-                principals=self.principals, period_s=prof.period_s, quiet_p=prof.quiet_p,
-                max_packages=prof.max_packages, keyring=keyring, partitions=cfg.partitions,
-            )  # fmt: skip
+                self.cluster,
+                self.workload,
+                self._history("nemesis"),
+                random.Random(f"nemesis-{cfg.seed}"),
+                packages,
+                mode=cfg.mode,
+                lease_s=prof.lease_s,
+                adapter_db=self.adapter_db,
+                prefix=self.prefix,
+                principals=self.principals,
+                period_s=prof.period_s,
+                quiet_p=prof.quiet_p,
+                max_packages=prof.max_packages,
+                keyring=keyring,
+                partitions=cfg.partitions,
+            )
             self.workload.start()
             self._run_nemesis()
             self.workload.join(prof.duration_s + 60.0)
@@ -562,10 +653,16 @@ class Run:
             admin = self.admin()
             try:
                 final = read_final(
-                    Sources(self.adapter_db, self.receiver_dbs, self.effects_db, self.prefix,
-                            self.principals, cfg.partitions),
+                    Sources(
+                        self.adapter_db,
+                        self.receiver_dbs,
+                        self.effects_db,
+                        self.prefix,
+                        self.principals,
+                        cfg.partitions,
+                    ),
                     admin,
-                )  # fmt: skip
+                )
             finally:
                 admin.close()
         finally:
@@ -596,13 +693,20 @@ class Run:
             + f"\nwork by adapter (effect calls)  {work}"
         )
         doc = {
-            "profile": asdict(prof), "seed": cfg.seed, "mode": cfg.mode, "planted": cfg.planted,
-            "scenario": cfg.scenario, "wall_s": round(seconds, 3), "history_events": len(events),
-            "topology": cfg.topology, "store": cfg.store, "partitions": cfg.partitions,
+            "profile": asdict(prof),
+            "seed": cfg.seed,
+            "mode": cfg.mode,
+            "planted": cfg.planted,
+            "scenario": cfg.scenario,
+            "wall_s": round(seconds, 3),
+            "history_events": len(events),
+            "topology": cfg.topology,
+            "store": cfg.store,
+            "partitions": cfg.partitions,
             "work_by_adapter": work,
             "adapter_db": str(self.adapter_db) if cfg.keep or cfg.store == "sqlite" else None,
             "check": result.as_json(),
-        }  # fmt: skip
+        }
         (self.out / "result.json").write_text(
             json.dumps(doc, indent=2, sort_keys=True, default=str)
         )
@@ -662,14 +766,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--duration", type=float, default=None, help="override, seconds")
     parser.add_argument("--planted", choices=BUGS, default=None, help="run a planted bug")
     parser.add_argument("--scenario", choices=sorted(SCENARIOS), default=None)
-    parser.add_argument("--topology", choices=TOPOLOGIES, default="single",
-                        help="single: one redis-server behind the proxy; cluster: a local"
-                        " 3-master Redis Cluster (durable, no proxy)")  # fmt: skip
-    parser.add_argument("--store", choices=STORES, default="sqlite",
-                        help="the adapters' database: one SQLite file or a throwaway"
-                        " PostgreSQL database")  # fmt: skip
-    parser.add_argument("--partitions", type=int, default=None,
-                        help=f"inbound partitions (1, cluster: {CLUSTER_PARTITIONS})")  # fmt: skip
+    parser.add_argument(
+        "--topology",
+        choices=TOPOLOGIES,
+        default="single",
+        help="single: one redis-server behind the proxy; cluster: a local"
+        " 3-master Redis Cluster (durable, no proxy)",
+    )
+    parser.add_argument(
+        "--store",
+        choices=STORES,
+        default="sqlite",
+        help="the adapters' database: one SQLite file or a throwaway PostgreSQL database",
+    )
+    parser.add_argument(
+        "--partitions",
+        type=int,
+        default=None,
+        help=f"inbound partitions (1, cluster: {CLUSTER_PARTITIONS})",
+    )
     parser.add_argument("--keep", action="store_true", help="keep the PostgreSQL database")
     args = parser.parse_args(argv)
 
@@ -680,10 +795,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     name = args.scenario or args.profile
     prof = profile_for(name, messages=args.messages, duration_s=args.duration)
     config = AdapterConfig(
-        profile=prof, seed=args.seed, out=args.out, mode=args.redis_mode, planted=args.planted,
-        scenario=args.scenario, topology=args.topology, store=args.store, keep=args.keep,
+        profile=prof,
+        seed=args.seed,
+        out=args.out,
+        mode=args.redis_mode,
+        planted=args.planted,
+        scenario=args.scenario,
+        topology=args.topology,
+        store=args.store,
+        keep=args.keep,
         partitions=args.partitions or (CLUSTER_PARTITIONS if args.topology == "cluster" else 1),
-    )  # fmt: skip
+    )
     result = run_chaos(config)
     print(result.summary)
     print(f"history: {result.out / 'history.jsonl'}\nresult: {result.out / 'result.json'}")

@@ -48,8 +48,12 @@ def _chaos(out: Path, *args: str, timeout_s: float) -> tuple[int, dict[str, Any]
         env[ENV_SERVER] = os.environ[ENV_SERVER]
     proc = subprocess.Popen(
         [sys.executable, "-m", "tests.chaos.run", "--out", str(out), *args],
-        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         output, _ = proc.communicate(timeout=timeout_s)
     finally:
@@ -78,8 +82,16 @@ def test_chaos_short_profile_loses_nothing_and_doubles_nothing(tmp_path: Path) -
     info = check["info"]
     faults = info["faults_by_kind"]
     assert sum(faults.values()) >= 24, faults
-    for kind in ("kill-adapter", "crashpoint", "pause-adapter", "redis-kill", "storm",
-                 "forge-reply", "poison-reply", "replay"):  # fmt: skip
+    for kind in (
+        "kill-adapter",
+        "crashpoint",
+        "pause-adapter",
+        "redis-kill",
+        "storm",
+        "forge-reply",
+        "poison-reply",
+        "replay",
+    ):
         assert faults.get(kind, 0) >= 1, f"no {kind} fault in {faults}"
     hostile = info["hostile"]  # every planted reply entry dead-lettered, none applied
     assert hostile["forgeries"] > 0, hostile
@@ -99,9 +111,17 @@ def test_chaos_short_profile_on_cluster_and_postgresql_with_two_hosts_stays_vali
     require_server()
     started = time.monotonic()
     code, result, output = _chaos(
-        tmp_path / "cluster-pg", "--profile", "short", "--seed", str(CLUSTER_PG_SEED),
-        "--topology", "cluster", "--store", "postgresql", timeout_s=280,
-    )  # fmt: skip
+        tmp_path / "cluster-pg",
+        "--profile",
+        "short",
+        "--seed",
+        str(CLUSTER_PG_SEED),
+        "--topology",
+        "cluster",
+        "--store",
+        "postgresql",
+        timeout_s=280,
+    )
     elapsed = time.monotonic() - started
     check = result["check"]
     assert check["valid"], output[-6000:]
@@ -111,8 +131,17 @@ def test_chaos_short_profile_on_cluster_and_postgresql_with_two_hosts_stays_vali
     info = check["info"]
     faults = info["faults_by_kind"]
     assert sum(faults.values()) >= 24, faults
-    for kind in ("kill-adapter", "crashpoint", "pause-adapter", "master-kill", "client-kill",
-                 "pg-terminate", "storm", "forge-reply", "poison-reply"):  # fmt: skip
+    for kind in (
+        "kill-adapter",
+        "crashpoint",
+        "pause-adapter",
+        "master-kill",
+        "client-kill",
+        "pg-terminate",
+        "storm",
+        "forge-reply",
+        "poison-reply",
+    ):
         assert faults.get(kind, 0) >= 1, f"no {kind} fault in {faults}"
     for kind in ("net-reset", "redis-kill", "sqlite-busy"):  # the proxy's, one server's, SQLite's
         assert kind not in faults, faults
@@ -139,9 +168,15 @@ def test_chaos_checker_fails_a_planted_bug(
     tmp_path: Path, bug: str, scenario: str, anomaly: str
 ) -> None:
     code, result, output = _chaos(
-        tmp_path / bug, "--scenario", scenario, "--planted", bug, "--seed", str(PLANTED_SEED),
+        tmp_path / bug,
+        "--scenario",
+        scenario,
+        "--planted",
+        bug,
+        "--seed",
+        str(PLANTED_SEED),
         timeout_s=180,
-    )  # fmt: skip
+    )
     check = result["check"]
     assert not check["valid"], output[-4000:]
     assert code == 1, output[-4000:]

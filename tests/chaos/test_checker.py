@@ -37,16 +37,31 @@ class H:
 
     def _e(self, proc: str, typ: str, f: str, **kw: Any) -> None:
         self.t += 1.0
-        self.events.append({"t": self.t, "wall": 1000.0 + self.t, "proc": proc, "type": typ,
-                            "f": f, **kw})  # fmt: skip
+        self.events.append(
+            {"t": self.t, "wall": 1000.0 + self.t, "proc": proc, "type": typ, "f": f, **kw}
+        )
 
     def publish(
-        self, key: str, *, fp: str = FP, kind: str = "ok", cls: str = "task", seq: int = 1,
-        outcome: str = "ok", reasons: tuple[str, ...] = (), claims: str | None = None,
-    ) -> None:  # fmt: skip
+        self,
+        key: str,
+        *,
+        fp: str = FP,
+        kind: str = "ok",
+        cls: str = "task",
+        seq: int = 1,
+        outcome: str = "ok",
+        reasons: tuple[str, ...] = (),
+        claims: str | None = None,
+    ) -> None:
         proc = f"agent-{key.split(':')[0]}"
-        value = {"kind": kind, "class": cls, "seq": seq, "fingerprint": fp,
-                 "reasons": list(reasons), "claims": claims}  # fmt: skip
+        value = {
+            "kind": kind,
+            "class": cls,
+            "seq": seq,
+            "fingerprint": fp,
+            "reasons": list(reasons),
+            "claims": claims,
+        }
         self._e(proc, "invoke", "publish", key=key, value=value)
         if outcome == "ok":
             self._e(proc, "ok", "publish", key=key, value={"fingerprint": fp, "entry_id": "1-0"})
@@ -58,12 +73,24 @@ class H:
         self._e("nemesis", "info", "stop", value={"id": fid, "fault": fault, "target": "x"})
 
     def forge(
-        self, mark: str = "1.0", *, reply_id: str = "r-ghost", target: str = "invented",
-        body_hash: str = "hf", reasons: tuple[str, ...] = ("bad_signature",),
+        self,
+        mark: str = "1.0",
+        *,
+        reply_id: str = "r-ghost",
+        target: str = "invented",
+        body_hash: str = "hf",
+        reasons: tuple[str, ...] = ("bad_signature",),
         outcome: str = "ok",
-    ) -> None:  # fmt: skip
-        value = {"mark": mark, "principal": "p1", "shape": "wrong_secret", "reply_id": reply_id,
-                 "target": target, "hash": body_hash, "reasons": list(reasons)}  # fmt: skip
+    ) -> None:
+        value = {
+            "mark": mark,
+            "principal": "p1",
+            "shape": "wrong_secret",
+            "reply_id": reply_id,
+            "target": target,
+            "hash": body_hash,
+            "reasons": list(reasons),
+        }
         self._e("nemesis", "invoke", "forge", value=value)
         self._e("nemesis", outcome, "forge", value={"mark": mark, "entry_id": "9-0"})
 
@@ -83,8 +110,17 @@ def done_task(
     principal, _, mid = key.partition(":")
     rid = f"r-{task_id}"
     return FinalState(
-        tasks=[TaskRec(task_id, principal, mid, "done", fence, fingerprint=fp,
-                       result={"fence": fence, "attempt": fence})],
+        tasks=[
+            TaskRec(
+                task_id,
+                principal,
+                mid,
+                "done",
+                fence,
+                fingerprint=fp,
+                result={"fence": fence, "attempt": fence},
+            )
+        ],
         inbox=[InboxRec(principal, mid, fp, task_id)],
         outbox=[OutboxRec(rid, task_id, principal, mid, "done", "sent", "h1", fence=fence)],
         receipts=[ReceiptRec(rid, principal, "h1", task_id, "done", fence, received_at=1110.0)],
@@ -97,7 +133,7 @@ def done_task(
         undelivered={"in ba-ingest": 0},
         integrity={"adapter": "ok"},
         wal_bytes={"adapter": 0},
-    )  # fmt: skip
+    )
 
 
 def published(key: str = "p1:m000001", **kw: Any) -> H:
@@ -163,8 +199,14 @@ def test_checker_flags_stored_content_the_principal_never_sent() -> None:
 
 def test_checker_flags_a_spoof_charged_to_the_principal_it_claims() -> None:
     h = published()
-    h.publish("p2:x000003", fp=FP2, kind="spoof", cls="reject", claims="p1:m000001",
-              reasons=("sender_mismatch",))  # fmt: skip
+    h.publish(
+        "p2:x000003",
+        fp=FP2,
+        kind="spoof",
+        cls="reject",
+        claims="p1:m000001",
+        reasons=("sender_mismatch",),
+    )
     final = done_task(fp=FP2)
     final.dead_letters.append(DeadLetterRec("dead", "9-0", "sender_mismatch", "p2:x000003"))
     assert "charged_to_claimed_principal" in violations(check(h.model(), final))
@@ -242,9 +284,10 @@ def test_checker_uses_receipt_effects_for_receivers_without_a_ledger() -> None:
     assert violations(check(published().model(), final)) == {"missing_receiver_effect"}
 
 
-@pytest.mark.parametrize(("state", "expected"), [("pending", "unsent_outbox"),
-                                                 ("sending", "unsent_outbox"),
-                                                 ("dead", "dead_reply")])  # fmt: skip
+@pytest.mark.parametrize(
+    ("state", "expected"),
+    [("pending", "unsent_outbox"), ("sending", "unsent_outbox"), ("dead", "dead_reply")],
+)
 def test_checker_flags_replies_not_confirmed_sent(state: str, expected: str) -> None:
     final = done_task()
     final.outbox[0] = replace(final.outbox[0], state=state)
@@ -278,8 +321,9 @@ def test_checker_flags_receipts_and_entries_of_unknown_replies() -> None:
 
 def _reject_history(outcome: str = "ok") -> H:
     h = H()
-    h.publish("p1:x000002", kind="badsig", cls="reject", reasons=("bad_signature",),
-              outcome=outcome)  # fmt: skip
+    h.publish(
+        "p1:x000002", kind="badsig", cls="reject", reasons=("bad_signature",), outcome=outcome
+    )
     return h
 
 
@@ -339,8 +383,13 @@ def test_checker_flags_a_dirty_end() -> None:
     final.wal_bytes["adapter"] = 10**9
     final.reply_dead_letters.append(DeadLetterRec("rd", "1-0", "bad_hash"))
     got = violations(check(published().model(), final))
-    assert got == {"pending_left", "undelivered_left", "integrity", "wal_too_big",
-                   "reply_dead_lettered"}  # fmt: skip
+    assert got == {
+        "pending_left",
+        "undelivered_left",
+        "integrity",
+        "wal_too_big",
+        "reply_dead_lettered",
+    }
 
 
 def test_checker_flags_unexpected_exits_and_a_drain_timeout() -> None:

@@ -76,8 +76,15 @@ def test_every_inbound_poison_shape_is_dead_lettered_with_its_reason(
     for i, shape in enumerate(sorted(INBOUND_SHAPES)):
         key = f"p1:x{i:06d}"
         secret = KEYS["p1"]["p1-k1"]
-        fields = inbound_poison(shape, key=key, principal="p1", ident=key[3:], kid="p1-k1",
-                                secret=secret, deadline_s=3600.0)  # fmt: skip
+        fields = inbound_poison(
+            shape,
+            key=key,
+            principal="p1",
+            ident=key[3:],
+            kid="p1-k1",
+            secret=secret,
+            deadline_s=3600.0,
+        )
         client.execute_command("XADD", keys.inbound(), "*", *flat(fields))
         expected[key] = INBOUND_SHAPES[shape][0]
     db = open_database(tmp_path / "adapter.db")
@@ -108,8 +115,15 @@ def test_poison_at_chosen_ids_is_dead_lettered_and_the_stream_repaired(
     expected = {}
     for i, id_shape in enumerate(ENTRY_ID_SHAPES):
         key = f"p1:id{i:05d}"
-        fields = inbound_poison("dup_field", key=key, principal="p1", ident=key[3:],
-                                kid="p1-k1", secret=secret, deadline_s=3600.0)  # fmt: skip
+        fields = inbound_poison(
+            "dup_field",
+            key=key,
+            principal="p1",
+            ident=key[3:],
+            kid="p1-k1",
+            secret=secret,
+            deadline_s=3600.0,
+        )
         client.execute_command("XADD", stream, chosen_id(id_shape, now_ms), *flat(fields))
         expected[key] = INBOUND_SHAPES["dup_field"][0]
     db = open_database(tmp_path / "adapter.db")
@@ -124,8 +138,15 @@ def test_poison_at_chosen_ids_is_dead_lettered_and_the_stream_repaired(
             client.xadd(stream, {"x": "1"})
         repair_stream(client, stream, server_ms=now_ms)
         key = "p1:id-after"
-        fields = inbound_poison("dup_field", key=key, principal="p1", ident="id-after",
-                                kid="p1-k1", secret=secret, deadline_s=3600.0)  # fmt: skip
+        fields = inbound_poison(
+            "dup_field",
+            key=key,
+            principal="p1",
+            ident="id-after",
+            kid="p1-k1",
+            secret=secret,
+            deadline_s=3600.0,
+        )
         client.execute_command("XADD", stream, "*", *flat(fields))
         drain(ingestor, client)
     finally:
@@ -149,21 +170,47 @@ def _plant_replies(client: Any, prefix: str) -> tuple[dict[str, str], list[Event
     for n, shape in enumerate(sorted(shapes)):
         mark, task_id = f"1.{n}", f"{n:032x}"
         reply_id = reply_id_for(task_id)
-        body = forged_body(mark, "p1", reply_id, task_id, "m-forged", deep=shape == "deep_body",
-                           stale=shape == "stale_body")  # fmt: skip
-        pairs = reply_entry(shape, mark=mark, principal="p1", reply_id=reply_id, body=body,
-                            keyring=KEYS, other="p2")  # fmt: skip
+        body = forged_body(
+            mark,
+            "p1",
+            reply_id,
+            task_id,
+            "m-forged",
+            deep=shape == "deep_body",
+            stale=shape == "stale_body",
+        )
+        pairs = reply_entry(
+            shape, mark=mark, principal="p1", reply_id=reply_id, body=body, keyring=KEYS, other="p2"
+        )
         entry_id = client.execute_command("XADD", Keys(prefix).replies("p1"), "*", *flat(pairs))
         expected[mark] = shapes[shape][0]
-        value = {"mark": mark, "principal": "p1", "shape": shape, "reply_id": reply_id,
-                 "target": "invented", "hash": sha256_hex(body),
-                 "reasons": [expected[mark]]}  # fmt: skip
+        value = {
+            "mark": mark,
+            "principal": "p1",
+            "shape": shape,
+            "reply_id": reply_id,
+            "target": "invented",
+            "hash": sha256_hex(body),
+            "reasons": [expected[mark]],
+        }
         events += [
-            {"t": 1.0 + n, "wall": 1.0, "proc": "nemesis", "type": "invoke", "f": "forge",
-             "value": value},
-            {"t": 1.5 + n, "wall": 1.0, "proc": "nemesis", "type": "ok", "f": "forge",
-             "value": {"mark": mark, "entry_id": text(entry_id)}},
-        ]  # fmt: skip
+            {
+                "t": 1.0 + n,
+                "wall": 1.0,
+                "proc": "nemesis",
+                "type": "invoke",
+                "f": "forge",
+                "value": value,
+            },
+            {
+                "t": 1.5 + n,
+                "wall": 1.0,
+                "proc": "nemesis",
+                "type": "ok",
+                "f": "forge",
+                "value": {"mark": mark, "entry_id": text(entry_id)},
+            },
+        ]
     return expected, events
 
 

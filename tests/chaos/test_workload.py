@@ -22,12 +22,18 @@ def _plan(tmp_path: Path, seed: int, *, acked: bool) -> list[tuple[str, ...]]:
     """What agent p1 would publish in 300 steps, with every publish acknowledged or not."""
     keyring = make_keyring(["p1", "p2"], seed)
     config = AgentConfig(
-        principal="p1", index=0, messages=300, duration_s=1.0, lease_s=1.5,
-        weights=dict(DEFAULT_WEIGHTS), peers={"p2": 300},
-    )  # fmt: skip
+        principal="p1",
+        index=0,
+        messages=300,
+        duration_s=1.0,
+        lease_s=1.5,
+        weights=dict(DEFAULT_WEIGHTS),
+        peers={"p2": 300},
+    )
     with History(tmp_path / f"h-{seed}-{acked}.jsonl") as history:
-        agent = Agent(config, seed, "redis://127.0.0.1:1/0", "px", keyring, history, None,
-                      threading.Event())  # fmt: skip
+        agent = Agent(
+            config, seed, "redis://127.0.0.1:1/0", "px", keyring, history, None, threading.Event()
+        )
         calls: list[tuple[str, ...]] = []
 
         def publish(
@@ -73,9 +79,17 @@ def test_workload_deals_every_inbound_poison_shape_with_its_reasons(tmp_path: Pa
 def test_nemesis_deck_deals_every_package_before_repeating_one() -> None:
     packages = packages_for("durable")
     nemesis = Nemesis(
-        cast(Any, None), cast(Any, None), cast(Any, None), random.Random(3), packages,
-        mode="durable", lease_s=1.5, adapter_db=Path("x.db"), prefix="px", principals=("p1",),
-    )  # fmt: skip
+        cast(Any, None),
+        cast(Any, None),
+        cast(Any, None),
+        random.Random(3),
+        packages,
+        mode="durable",
+        lease_s=1.5,
+        adapter_db=Path("x.db"),
+        prefix="px",
+        principals=("p1",),
+    )
     dealt: list[str] = []
     rng = random.Random(4)
     while len(dealt) < len(packages):

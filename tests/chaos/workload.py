@@ -286,10 +286,18 @@ class Agent(threading.Thread):
         fingerprint = envelope.fingerprint()
         for attempt in range(1, self.config.publish_retries + 2):
             self.history.log(
-                INVOKE, "publish", key=key,
-                value={"kind": kind, "class": TASK_CLASS, "seq": seq, "fingerprint": fingerprint,
-                       "attempt": attempt, "late": late},
-            )  # fmt: skip
+                INVOKE,
+                "publish",
+                key=key,
+                value={
+                    "kind": kind,
+                    "class": TASK_CLASS,
+                    "seq": seq,
+                    "fingerprint": fingerprint,
+                    "attempt": attempt,
+                    "late": late,
+                },
+            )
             try:
                 entry_id = self.publisher.publish(envelope)
             except (AuthError, ConfigError) as exc:
@@ -331,9 +339,14 @@ class Agent(threading.Thread):
             kind = self._next_shape()
             reasons = INBOUND_SHAPES[kind]
             fields = inbound_poison(
-                kind, key=key, principal=self.config.principal, ident=ident, kid=self.kid,
-                secret=self.secret, deadline_s=self.config.deadline_s,
-            )  # fmt: skip
+                kind,
+                key=key,
+                principal=self.config.principal,
+                ident=ident,
+                kid=self.kid,
+                secret=self.secret,
+                deadline_s=self.config.deadline_s,
+            )
         else:
             if kind == "badsig":
                 sender, message_id = self.config.principal, ident
@@ -362,10 +375,18 @@ class Agent(threading.Thread):
                 (b"sig", signature(secret, self.kid, env).encode()),
             ]
         self.history.log(
-            INVOKE, "publish", key=key,
-            value={"kind": kind, "class": REJECT_CLASS, "seq": seq, "reasons": list(reasons),
-                   "claims": claims, "fingerprint": fingerprint},
-        )  # fmt: skip
+            INVOKE,
+            "publish",
+            key=key,
+            value={
+                "kind": kind,
+                "class": REJECT_CLASS,
+                "seq": seq,
+                "reasons": list(reasons),
+                "claims": claims,
+                "fingerprint": fingerprint,
+            },
+        )
         try:
             entry_id = self._xadd_raw(self.publisher.stream, fields)  # its own partition
         except redis.RedisError as exc:
@@ -498,8 +519,13 @@ class Canceller(threading.Thread):
     def _via_cli(self, task_id: str) -> str:
         out = subprocess.run(
             [sys.executable, "-m", "broker_adapter", "cancel", "--db", str(self.db_path), task_id],
-            cwd=ROOT, capture_output=True, text=True, timeout=60, env=self.env, check=True,
-        )  # fmt: skip
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env=self.env,
+            check=True,
+        )
         data = json.loads(out.stdout.strip().splitlines()[-1])
         return str(data["state"])
 

@@ -78,10 +78,15 @@ def _signed(fields: dict[bytes, bytes]) -> dict[bytes, bytes]:
 
 def _raw_reply(reply_id: str, **extra: Any) -> dict[bytes, bytes]:
     made = {"finished_at": FakeClock().now()}  # the receivers' clock: within their window
-    body = canonical_json({"reply_id": reply_id, "principal": P, "status": "done", **made,
-                           **extra})  # fmt: skip
-    return _signed({b"v": b"2", b"reply_id": reply_id.encode(), b"hash": sha256_hex(body).encode(),
-                    b"body": body})  # fmt: skip
+    body = canonical_json({"reply_id": reply_id, "principal": P, "status": "done", **made, **extra})
+    return _signed(
+        {
+            b"v": b"2",
+            b"reply_id": reply_id.encode(),
+            b"hash": sha256_hex(body).encode(),
+            b"body": body,
+        }
+    )
 
 
 def test_receiver_applies_each_reply_once_and_acks(rx: _Rx) -> None:
@@ -202,12 +207,16 @@ def test_receiver_failing_effect_leaves_nothing_and_is_retried_then_dead_lettere
             raise RuntimeError("downstream table full")
         return None
 
-    config = ReceiverConfig(prefix=prefix, principal=P, consumer="r1", block_ms=20,
-                            max_deliveries=3)  # fmt: skip
+    config = ReceiverConfig(
+        prefix=prefix, principal=P, consumer="r1", block_ms=20, max_deliveries=3
+    )
     rc = Receiver(
-        config, backend.connect(), ReceiptStore(rx_db, clock), effect,
+        config,
+        backend.connect(),
+        ReceiptStore(rx_db, clock),
+        effect,
         keyring=reply_keyring(),
-    )  # fmt: skip
+    )
     for _ in range(10):
         rc.step()
         clock.advance(config.failed_step_pause_s)  # each retry waits for the pause
@@ -239,9 +248,11 @@ def test_receiver_config_refuses_socket_timeout_shorter_than_block(
     config = ReceiverConfig(prefix=prefix, principal=P, block_ms=5000)
     with pytest.raises(ConfigError):
         Receiver(
-            config, backend.connect(socket_timeout_s=2), ReceiptStore(rx_db),
+            config,
+            backend.connect(socket_timeout_s=2),
+            ReceiptStore(rx_db),
             keyring=reply_keyring(),
-        )  # fmt: skip
+        )
 
 
 def test_receiver_refuses_a_keyring_without_the_principals_keys(

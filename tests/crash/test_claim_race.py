@@ -34,9 +34,13 @@ class Claimer:
         self.owner = owner
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tests.support.store_script", "serve", str(db_path), owner],
-            cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+            cwd=ROOT,
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
             bufsize=1,
-        )  # fmt: skip
+        )
 
     def send(self, line: str) -> None:
         assert self.proc.stdin is not None
@@ -100,8 +104,11 @@ def test_claim_race_gives_each_task_to_exactly_one_process(
             row = tasks.get(res.task_id)
             assert row is not None
             assert (row.state, row.owner, row.attempts, row.fence) == (
-                "running", holders[0], 1, 1,
-            )  # fmt: skip
+                "running",
+                holders[0],
+                1,
+                1,
+            )
         final = dump(db)
     assert sum(winners.values()) == ROUNDS
     assert len(final["tasks"]) == ROUNDS

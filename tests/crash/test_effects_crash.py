@@ -65,16 +65,35 @@ class Setup:
         return result.task_id
 
     def args(self, handler: str, owner: str, now: float) -> list[str]:
-        return [sys.executable, "-m", "tests.support.worker_script", "drain", "--db",
-                str(self.db_path), "--handler", handler, "--lease-s", str(LEASE_S),
-                "--owner", owner, "--now", repr(now)]  # fmt: skip
+        return [
+            sys.executable,
+            "-m",
+            "tests.support.worker_script",
+            "drain",
+            "--db",
+            str(self.db_path),
+            "--handler",
+            handler,
+            "--lease-s",
+            str(LEASE_S),
+            "--owner",
+            owner,
+            "--now",
+            repr(now),
+        ]
 
     def drain(self, handler: str, owner: str, now: float, **points: str) -> dict[str, int]:
         env = {k: v for k, v in os.environ.items() if k not in ("BA_CRASHPOINT", "BA_PAUSEPOINT")}
         env.update(points)
-        done = subprocess.run(self.args(handler, owner, now), cwd=ROOT, env=env,
-                              capture_output=True, text=True, timeout=WAIT_S,
-                              check=False)  # fmt: skip
+        done = subprocess.run(
+            self.args(handler, owner, now),
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=WAIT_S,
+            check=False,
+        )
         if points:
             assert done.returncode == -signal.SIGKILL, done.stderr
             return {}
@@ -110,8 +129,9 @@ class Setup:
 
 
 def key_of(setup: Setup) -> str:
-    return effect_key(Intent("agent-a", "m1"), effect_handlers.ACTION,
-                      {"target": setup.target.url, "value": 1})  # fmt: skip
+    return effect_key(
+        Intent("agent-a", "m1"), effect_handlers.ACTION, {"target": setup.target.url, "value": 1}
+    )
 
 
 @pytest.fixture
@@ -167,8 +187,12 @@ def test_irreversible_no_dedupe_killed_after_the_start_is_unknown_then_reconcile
     assert reply["status"] == "done"
     assert reply["result"] == {"effect_ids": [effect["effect_id"]]}
     assert [r.outcome for r in fx.reconcile_log(task_id)] == ["done"]
-    assert reply["effects"]["reconciled"] == {"outcome": "done", "by": "reconciler",
-                                              "note": None, "tries": 0}  # fmt: skip
+    assert reply["effects"]["reconciled"] == {
+        "outcome": "done",
+        "by": "reconciler",
+        "note": None,
+        "tries": 0,
+    }
     assert "compensations" not in reply["effects"]
 
 
@@ -212,15 +236,19 @@ def test_a_duplicate_at_a_non_idempotent_target_is_compensated_once_and_audited(
     (shown,) = reply["effects"]["compensations"]
     assert (shown["kind"], shown["outcome"], shown["by"]) == ("duplicate", "done", "reconciler")
     report = collect_status(plain.db_path, None, "ba")
-    assert (report["effects"]["compensations_done"], report["effects"]["reconciled_done"]) == (
-        1, 1)  # fmt: skip
+    assert (report["effects"]["compensations_done"], report["effects"]["reconciled_done"]) == (1, 1)
     assert "compensations done 1" in format_status(report)
 
 
 def test_a_zombie_workers_late_write_is_refused_at_the_target(plain: Setup) -> None:
     task_id = plain.submit(freeze_first=True)
-    zombie = subprocess.Popen(plain.args(FENCED, "w1", T0), cwd=ROOT, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True)  # fmt: skip
+    zombie = subprocess.Popen(
+        plain.args(FENCED, "w1", T0),
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         proc = psutil.Process(zombie.pid)
         wait_for(lambda: proc.status() == psutil.STATUS_STOPPED, "the worker to freeze", WAIT_S)

@@ -63,11 +63,23 @@ def _run(
     if crashpoint is not None:
         env["BA_CRASHPOINT"] = crashpoint
     cmd = [
-        sys.executable, "-m", "tests.support.ingest_script",
-        "--url", server.url, "--prefix", prefix, "--db", db,
-        "--consumer", consumer, "--keyring", str(tmp_path / "keys.json"), "--count", "5",
+        sys.executable,
+        "-m",
+        "tests.support.ingest_script",
+        "--url",
+        server.url,
+        "--prefix",
+        prefix,
+        "--db",
+        db,
+        "--consumer",
+        consumer,
+        "--keyring",
+        str(tmp_path / "keys.json"),
+        "--count",
+        "5",
         *extra,
-    ]  # fmt: skip
+    ]
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
 
 

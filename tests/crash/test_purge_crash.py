@@ -57,11 +57,17 @@ def _whole_or_absent(path: str) -> dict[str, bool]:
     return {mid: mid in tasks for mid in [*MIDS, "live"]}
 
 
-@pytest.mark.parametrize(("window", "nth", "gone"), [
-    ("before_commit", 1, 0), ("after_commit", 1, 2),
-    ("before_commit", 2, 2), ("after_commit", 2, 4),
-    ("before_commit", 3, 4), ("after_commit", 3, 5),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("window", "nth", "gone"),
+    [
+        ("before_commit", 1, 0),
+        ("after_commit", 1, 2),
+        ("before_commit", 2, 2),
+        ("after_commit", 2, 4),
+        ("before_commit", 3, 4),
+        ("after_commit", 3, 5),
+    ],
+)
 def test_purge_killed_in_a_batch_leaves_whole_requests_or_none(
     store_target: str, window: str, nth: int, gone: int
 ) -> None:
@@ -102,10 +108,16 @@ def test_receipt_purge_killed_in_a_batch_keeps_or_removes_whole_batches(
     with open_any(path) as db:
         s = stores(db, clock)
         for i in range(3):
-            s.receipts.apply(reply_id=f"r-{i}", content_hash="h", principal="alice",
-                             body=b'{"reply_id": "r"}', effect=None)  # fmt: skip
-    proc = run_child(path, T0 + RETENTION_S, "purge_receipts", {"limit": 2},
-                     f"store.purge.{window}@1")  # fmt: skip
+            s.receipts.apply(
+                reply_id=f"r-{i}",
+                content_hash="h",
+                principal="alice",
+                body=b'{"reply_id": "r"}',
+                effect=None,
+            )
+    proc = run_child(
+        path, T0 + RETENTION_S, "purge_receipts", {"limit": 2}, f"store.purge.{window}@1"
+    )
     assert proc.returncode == -signal.SIGKILL, (proc.returncode, proc.stdout, proc.stderr)
     with open_any(path) as db:
         if isinstance(db, Database):

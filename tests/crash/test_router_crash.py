@@ -37,21 +37,49 @@ def test_a_worker_killed_with_eight_tasks_in_flight_loses_none_and_doubles_none(
     db, calls_file, log = tmp_path / "adapter.db", tmp_path / "calls.jsonl", tmp_path / "run.log"
     with log.open("w") as out:
         run = subprocess.Popen(
-            [sys.executable, "-m", "broker_adapter", "run", "--redis", redis_server.url,
-             "--db", str(db), "--app", "tests.support.router_app:router", "--workers", "1",
-             "--concurrency", "8", "--lease", "2", "--claim-min-idle-ms", "1000",
-             "--keyring", str(keyring_path), "--prefix", prefix],
-            cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, text=True,
+            [
+                sys.executable,
+                "-m",
+                "broker_adapter",
+                "run",
+                "--redis",
+                redis_server.url,
+                "--db",
+                str(db),
+                "--app",
+                "tests.support.router_app:router",
+                "--workers",
+                "1",
+                "--concurrency",
+                "8",
+                "--lease",
+                "2",
+                "--claim-min-idle-ms",
+                "1000",
+                "--keyring",
+                str(keyring_path),
+                "--prefix",
+                prefix,
+            ],
+            cwd=ROOT,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            text=True,
             env=cli_env(BA_TEST_CALLS=str(calls_file)),
-        )  # fmt: skip
+        )
     try:
         publisher = Publisher(connect(redis_server.url), Keys(prefix), "alice", keyring)
         for i in range(8):
             task = "charge" if i == 0 else "nap"
-            publisher.publish(Envelope.build(
-                message_id=f"k{i}", sender="alice", task=task, deadline=real_deadline(),
-                payload={"seconds": 60, "later_s": 0},
-            ))  # fmt: skip
+            publisher.publish(
+                Envelope.build(
+                    message_id=f"k{i}",
+                    sender="alice",
+                    task=task,
+                    deadline=real_deadline(),
+                    payload={"seconds": 60, "later_s": 0},
+                )
+            )
 
         def started() -> list[dict[str, object]]:
             return [c for c in calls(calls_file) if c["what"] == "start"]

@@ -79,10 +79,23 @@ def run_child(
     if point is not None:
         env["BA_CRASHPOINT"] = point
     return subprocess.run(
-        [sys.executable, "-m", "tests.support.store_script", "op", str(db_path), repr(now), op,
-         json.dumps(args)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=60, check=False,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "tests.support.store_script",
+            "op",
+            str(db_path),
+            repr(now),
+            op,
+            json.dumps(args),
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
 
 
 def one(rows: list[dict[str, Any]], **match: Any) -> dict[str, Any]:
@@ -150,8 +163,13 @@ def setup_finish(s: Stores, clock: FakeClock) -> Prepared:
 def setup_fail(retryable: bool) -> Setup:
     def setup(s: Stores, clock: FakeClock) -> Prepared:
         task_id, fence = claimed(s)
-        args = {"task_id": task_id, "owner": "w1", "fence": fence, "error": "boom",
-                "retryable": retryable}  # fmt: skip
+        args = {
+            "task_id": task_id,
+            "owner": "w1",
+            "fence": fence,
+            "error": "boom",
+            "retryable": retryable,
+        }
         return Prepared(T0 + 1, args, {"task": task_id})
 
     return setup
@@ -204,8 +222,12 @@ def setup_reply_replay(s: Stores, clock: FakeClock) -> Prepared:
 def setup_receipt(s: Stores, clock: FakeClock) -> Prepared:
     create_effects_table(s.db)
     data = canonical_json({"reply_id": "r-abc", "task_id": "abc", "status": "done", "v": 1})
-    args = {"reply_id": "r-abc", "content_hash": sha256_hex(data), "principal": "alice",
-            "body": data.decode("utf-8")}  # fmt: skip
+    args = {
+        "reply_id": "r-abc",
+        "content_hash": sha256_hex(data),
+        "principal": "alice",
+        "body": data.decode("utf-8"),
+    }
     return Prepared(T0 + 1, args, {"reply": "r-abc"})
 
 
@@ -240,8 +262,11 @@ def check_accept_conflict(before: Dump, after: Dump, p: Prepared) -> None:
 def check_claim(before: Dump, after: Dump, p: Prepared) -> None:
     task = one(after["tasks"], task_id=p.ids["task"])
     assert (task["state"], task["owner"], task["attempts"], task["fence"]) == (
-        "running", "w1", 1, 1,
-    )  # fmt: skip
+        "running",
+        "w1",
+        1,
+        1,
+    )
     assert task["lease_until"] == p.now + LEASE_S
 
 

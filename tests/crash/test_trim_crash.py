@@ -25,9 +25,13 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _run(
-    server: RedisServer, prefix: str, tmp_path: Path, consumer: str, point: str | None,
+    server: RedisServer,
+    prefix: str,
+    tmp_path: Path,
+    consumer: str,
+    point: str | None,
     *extra: str,
-) -> subprocess.CompletedProcess[str]:  # fmt: skip
+) -> subprocess.CompletedProcess[str]:
     """``test_ingest_crash``'s run of ``ingest_script`` on a SQLite inbox in ``tmp_path``,
     trimming before every step."""
     db = str(tmp_path / "inbox.db")

@@ -329,8 +329,12 @@ def test_worker_pool_children_die_with_a_sigkilled_parent(
 ) -> None:
     pool = subprocess.Popen(
         script(setup, "pool", "--workers", "2", "--owner", "orphan"),
-        cwd=ROOT, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        cwd=ROOT,
+        env=child_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     pools.append(pool)
     line = first_line(pool)
     children: list[int] = json.loads(line.removeprefix("READY "))

@@ -61,11 +61,33 @@ def _drain(
         env["BA_CRASHPOINT"] = crashpoint
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     return subprocess.run(
-        [sys.executable, "-m", "tests.support.worker_script", "drain", "--db", str(db_path),
-         "--handler", "tests.support.handlers:ok", "--owner", "w1", "--now", repr(T0),
-         "--batch", str(N), "--redis-url", server.url, "--prefix", prefix],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=60, check=False,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "tests.support.worker_script",
+            "drain",
+            "--db",
+            str(db_path),
+            "--handler",
+            "tests.support.handlers:ok",
+            "--owner",
+            "w1",
+            "--now",
+            repr(T0),
+            "--batch",
+            str(N),
+            "--redis-url",
+            server.url,
+            "--prefix",
+            prefix,
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
 
 
 def _rows(db_path: str) -> list[OutboxRow]:

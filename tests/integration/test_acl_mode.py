@@ -54,9 +54,17 @@ def acl_users(fresh_redis: RedisServer, prefix: str) -> Iterator[dict[str, redis
     for principal, password in PASSWORDS.items():
         pattern = keys.inbound(principal).rsplit(":", 1)[0] + ":*"  # {p}:{in.P}:*
         admin.execute_command(  # type: ignore[no-untyped-call]
-            "ACL", "SETUSER", principal, "reset", "on", f">{password}",
-            f"~{pattern}", "resetchannels", "-@all", "+xadd",
-        )  # fmt: skip
+            "ACL",
+            "SETUSER",
+            principal,
+            "reset",
+            "on",
+            f">{password}",
+            f"~{pattern}",
+            "resetchannels",
+            "-@all",
+            "+xadd",
+        )
         clients[principal] = connect(
             f"redis://{principal}:{password}@127.0.0.1:{fresh_redis.port}/0"
         )
@@ -184,9 +192,12 @@ def make_receiver(server: AclRedisServer, principal: str, db: Database) -> Recei
         prefix=DOC_PREFIX, principal=principal, consumer=f"{principal}-1", block_ms=50
     )
     return Receiver(
-        config, as_user(server, f"{principal}-receiver"), ReceiptStore(db), record_effect,
+        config,
+        as_user(server, f"{principal}-receiver"),
+        ReceiptStore(db),
+        record_effect,
         keyring=Keyring(KEYRING),  # the reply keys: replies are signed in ACL mode too
-    )  # fmt: skip
+    )
 
 
 def refused(fn: Callable[[], object]) -> str:
@@ -209,12 +220,36 @@ def test_documented_acl_runs_the_whole_pipeline_and_refuses_everything_else(
     keyring = tmp_path / "keyring.json"
     write_keyring(keyring)  # ACL mode authenticates requests by stream; replies are signed
     run = subprocess.Popen(
-        [sys.executable, "-m", "broker_adapter", "run", "--redis", adapter_url,
-         "--db", str(db_path), "--handler", "broker_adapter.examples:echo", "--workers", "1",
-         "--mode", "acl", "--acl-principal", "alice", "--acl-principal", "bob",
-         "--name", "acl-test", "--keyring", str(keyring)],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=cli_env(),
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "broker_adapter",
+            "run",
+            "--redis",
+            adapter_url,
+            "--db",
+            str(db_path),
+            "--handler",
+            "broker_adapter.examples:echo",
+            "--workers",
+            "1",
+            "--mode",
+            "acl",
+            "--acl-principal",
+            "alice",
+            "--acl-principal",
+            "bob",
+            "--name",
+            "acl-test",
+            "--keyring",
+            str(keyring),
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=cli_env(),
+    )
     alice, bob = as_user(acl_server, "alice"), as_user(acl_server, "bob")
     agent_db = open_database(tmp_path / "alice.db")
     try:
@@ -238,8 +273,9 @@ def test_documented_acl_runs_the_whole_pipeline_and_refuses_everything_else(
 
         # a Client of alice in ACL mode: publishes to her stream, tails her replies
         # without a group and reads her result records, with her agent user's rights only
-        with Client(acl_server.url_for("alice"), "alice", Keyring(KEYRING), mode="acl",
-                    prefix=DOC_PREFIX) as client:  # fmt: skip
+        with Client(
+            acl_server.url_for("alice"), "alice", Keyring(KEYRING), mode="acl", prefix=DOC_PREFIX
+        ) as client:
             asked = client.request(None, {"n": 2}, message_id="a2", timeout_s=60)
             assert (asked.status, asked.message_id) == ("done", "a2")
             recorded = client.result("a1")
@@ -256,16 +292,43 @@ def test_documented_acl_runs_the_whole_pipeline_and_refuses_everything_else(
         assert [f[b"dl.reason"] for _, f in dead] == [b"sender_mismatch"]
         for args in (["status", "--json"], ["dead-letters", "list", "--json"]):
             res = subprocess.run(
-                [sys.executable, "-m", "broker_adapter", *args, "--db", str(db_path),
-                 "--redis", adapter_url], cwd=ROOT, capture_output=True, text=True,
-                env=cli_env(), timeout=60,
-            )  # fmt: skip
+                [
+                    sys.executable,
+                    "-m",
+                    "broker_adapter",
+                    *args,
+                    "--db",
+                    str(db_path),
+                    "--redis",
+                    adapter_url,
+                ],
+                cwd=ROOT,
+                capture_output=True,
+                text=True,
+                env=cli_env(),
+                timeout=60,
+            )
             assert res.returncode == 0, res.stderr
         res = subprocess.run(
-            [sys.executable, "-m", "broker_adapter", "dead-letters", "replay", "--json",
-             text(dead[0][0]), "--db", str(db_path), "--redis", adapter_url], cwd=ROOT,
-            capture_output=True, text=True, env=cli_env(), timeout=60,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "broker_adapter",
+                "dead-letters",
+                "replay",
+                "--json",
+                text(dead[0][0]),
+                "--db",
+                str(db_path),
+                "--redis",
+                adapter_url,
+            ],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            env=cli_env(),
+            timeout=60,
+        )
         assert res.returncode == 0, res.stderr
 
         # -- what the lines forbid ------------------------------------------------------
@@ -336,9 +399,11 @@ def test_dispatcher_says_once_when_its_user_may_not_run_info(
     db = open_database(tmp_path / "adapter.db")
     client = as_user(acl_server, "adapter")
     dispatcher = Dispatcher(
-        DispatcherConfig(prefix=DOC_PREFIX, owner="d1"), client, OutboxStore(db),
+        DispatcherConfig(prefix=DOC_PREFIX, owner="d1"),
+        client,
+        OutboxStore(db),
         keyring=Keyring(KEYRING),
-    )  # fmt: skip
+    )
     caplog.set_level(logging.WARNING, logger="broker_adapter.stages.dispatcher")
     try:
         watches = [dispatcher.watch() for _ in range(3)]
@@ -389,10 +454,21 @@ def test_documented_receiver_cannot_run_code_of_its_own_yet_dead_letters(
     the library (its dead letter) and load or run nothing."""
     keys = Keys(DOC_PREFIX)
     res = subprocess.run(
-        [sys.executable, "-m", "broker_adapter", "functions", "load", "--redis",
-         acl_server.url_for("adapter")],
-        cwd=ROOT, capture_output=True, text=True, env=cli_env(), timeout=60,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "broker_adapter",
+            "functions",
+            "load",
+            "--redis",
+            acl_server.url_for("adapter"),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env=cli_env(),
+        timeout=60,
+    )
     assert res.returncode == 0, res.stderr
     assert "audit: functions load by os user" in res.stderr
     rcv: Any = as_user(acl_server, "alice-receiver")

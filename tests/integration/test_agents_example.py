@@ -20,8 +20,11 @@ def test_the_agents_story_ends_with_exactly_one_effect() -> None:
     require_binary()
     res = subprocess.run(
         [sys.executable, str(ROOT / "examples" / "agents" / "story.py")],
-        cwd=ROOT, capture_output=True, text=True, timeout=280,
-    )  # fmt: skip
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
     assert res.returncode == 0, res.stdout + res.stderr[-3000:]
     assert "restarts the world saw: 1" in res.stdout
     assert "['restarted-attempt-1', 'restarted-attempt-2']" in res.stdout

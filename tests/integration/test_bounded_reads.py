@@ -48,9 +48,14 @@ def _limited() -> None:
 
 def _cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "broker_adapter", *args], cwd=ROOT, capture_output=True,
-        text=True, timeout=timeout, env=cli_env(), preexec_fn=_limited,
-    )  # fmt: skip
+        [sys.executable, "-m", "broker_adapter", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=cli_env(),
+        preexec_fn=_limited,
+    )
 
 
 def _keyring(tmp_path: Path) -> Path:
@@ -101,12 +106,31 @@ def test_run_and_receive_under_1gb_dead_letter_64mb_entries_and_do_the_work_behi
     _publish(server.url, keyring, prefix, range(2, 4))
     db = tmp_path / "adapter.db"
     run = subprocess.Popen(
-        [sys.executable, "-m", "broker_adapter", "run", "--redis", server.url, "--db", str(db),
-         "--handler", "broker_adapter.examples:echo", "--workers", "2", "--keyring",
-         str(keyring), "--prefix", prefix],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=cli_env(),
+        [
+            sys.executable,
+            "-m",
+            "broker_adapter",
+            "run",
+            "--redis",
+            server.url,
+            "--db",
+            str(db),
+            "--handler",
+            "broker_adapter.examples:echo",
+            "--workers",
+            "2",
+            "--keyring",
+            str(keyring),
+            "--prefix",
+            prefix,
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=cli_env(),
         preexec_fn=_limited,
-    )  # fmt: skip
+    )
     try:
         wait_for(
             lambda: (
@@ -137,8 +161,21 @@ def test_run_and_receive_under_1gb_dead_letter_64mb_entries_and_do_the_work_behi
     assert client.xpending(inbound, INGEST_GROUP)["pending"] == 0
 
     rdb = tmp_path / "receiver.db"
-    res = _cli("receive", "--redis", server.url, "--db", str(rdb), "--principal", "alice",
-               "--prefix", prefix, "--until-idle", "5", "--keyring", str(keyring))  # fmt: skip
+    res = _cli(
+        "receive",
+        "--redis",
+        server.url,
+        "--db",
+        str(rdb),
+        "--principal",
+        "alice",
+        "--prefix",
+        prefix,
+        "--until-idle",
+        "5",
+        "--keyring",
+        str(keyring),
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     assert count_rows(rdb, "SELECT count(*) FROM receipts") == 4
     reply_dead = _dead(client, f"{prefix}:{{out.alice}}:dead")
@@ -230,10 +267,24 @@ def test_reader_without_fcall_reads_one_entry_at_a_time(
     admin: Any = redis_server.client()
     user, pw = f"nofcall-{prefix}", "nofcall-password"
     admin.execute_command(
-        "ACL", "SETUSER", user, "on", f">{pw}", "resetchannels", "-@all", "+ping",
-        "+xreadgroup", "+xack", "+xpending", "+xautoclaim", "+xgroup|create", "+evalsha",
-        "+script|load", "+xadd", f"~{prefix}:*",
-    )  # fmt: skip
+        "ACL",
+        "SETUSER",
+        user,
+        "on",
+        f">{pw}",
+        "resetchannels",
+        "-@all",
+        "+ping",
+        "+xreadgroup",
+        "+xack",
+        "+xpending",
+        "+xautoclaim",
+        "+xgroup|create",
+        "+evalsha",
+        "+script|load",
+        "+xadd",
+        f"~{prefix}:*",
+    )
     try:
         url = f"redis://{user}:{pw}@127.0.0.1:{redis_server.port}/0"
         reader = _reader(url, prefix)

@@ -76,8 +76,9 @@ def handler_cancelled_after_its_effect(
 
 
 def submit(tasks: TaskStore, target: FakeTargetClient) -> str:
-    envelope = Envelope.build(message_id="m1", sender="agent-a", deadline=T0 + 3600,
-                              payload={"target": target.url})  # fmt: skip
+    envelope = Envelope.build(
+        message_id="m1", sender="agent-a", deadline=T0 + 3600, payload={"target": target.url}
+    )
     (result,) = tasks.accept([AcceptItem("agent-a", envelope)])
     assert isinstance(result.task_id, str)
     return result.task_id

@@ -31,12 +31,43 @@ ROOT = Path(__file__).resolve().parents[2]
 WAIT_S = 60.0
 #: Good flags of each command (a keyring ``k.json`` in the working directory, a Redis
 #: that is never reached): the bad-flag cases add or override one.
-RUN = ["run", "--redis", "redis://127.0.0.1:1", "--db", "a.db", "--handler",
-       "broker_adapter.examples:echo", "--keyring", "k.json"]  # fmt: skip
-PUBLISH = ["publish", "--redis", "redis://127.0.0.1:1", "--principal", "alice", "--keyring",
-           "k.json", "--id", "m", "--payload", "{}"]  # fmt: skip
-RECEIVE = ["receive", "--redis", "redis://127.0.0.1:1", "--db", "r.db", "--principal", "alice",
-           "--keyring", "k.json", "--until-idle", "0"]  # fmt: skip
+RUN = [
+    "run",
+    "--redis",
+    "redis://127.0.0.1:1",
+    "--db",
+    "a.db",
+    "--handler",
+    "broker_adapter.examples:echo",
+    "--keyring",
+    "k.json",
+]
+PUBLISH = [
+    "publish",
+    "--redis",
+    "redis://127.0.0.1:1",
+    "--principal",
+    "alice",
+    "--keyring",
+    "k.json",
+    "--id",
+    "m",
+    "--payload",
+    "{}",
+]
+RECEIVE = [
+    "receive",
+    "--redis",
+    "redis://127.0.0.1:1",
+    "--db",
+    "r.db",
+    "--principal",
+    "alice",
+    "--keyring",
+    "k.json",
+    "--until-idle",
+    "0",
+]
 
 
 def _cli(
@@ -44,19 +75,47 @@ def _cli(
 ) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "broker_adapter", *args],
-        cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env or _env(),
-    )  # fmt: skip
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env or _env(),
+    )
 
 
 def _start_run(
     redis_url: str, db: Path, keyring: Path, prefix: str, *extra: str
 ) -> subprocess.Popen[str]:
     return subprocess.Popen(
-        [sys.executable, "-m", "broker_adapter", "run", "--redis", redis_url, "--db", str(db),
-         "--handler", "broker_adapter.examples:echo", "--workers", "2", "--keyring", str(keyring),
-         "--prefix", prefix, "--lease", "2", "--claim-min-idle-ms", "1000", *extra],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(),
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "broker_adapter",
+            "run",
+            "--redis",
+            redis_url,
+            "--db",
+            str(db),
+            "--handler",
+            "broker_adapter.examples:echo",
+            "--workers",
+            "2",
+            "--keyring",
+            str(keyring),
+            "--prefix",
+            prefix,
+            "--lease",
+            "2",
+            "--claim-min-idle-ms",
+            "1000",
+            *extra,
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=_env(),
+    )
 
 
 @pytest.fixture
@@ -81,9 +140,22 @@ def _publish(
     start: int = 0,
 ) -> None:
     for i in range(start, start + n):
-        res = _cli("publish", "--redis", redis_url, "--principal", principal, "--keyring",
-                   str(keyring), "--prefix", prefix, "--id", f"m{i}",
-                   "--payload", json.dumps({"i": i}), *extra)  # fmt: skip
+        res = _cli(
+            "publish",
+            "--redis",
+            redis_url,
+            "--principal",
+            principal,
+            "--keyring",
+            str(keyring),
+            "--prefix",
+            prefix,
+            "--id",
+            f"m{i}",
+            "--payload",
+            json.dumps({"i": i}),
+            *extra,
+        )
         assert res.returncode == 0, res.stderr
         ack = json.loads(res.stdout)
         assert ack["message_id"] == f"m{i}"
@@ -97,8 +169,21 @@ def _receipts(db: Path) -> list[dict[str, Any]]:
 
 
 def _receive(redis_url: str, db: Path, prefix: str, principal: str, keyring: Path) -> None:
-    res = _cli("receive", "--redis", redis_url, "--db", str(db), "--principal", principal,
-               "--prefix", prefix, "--until-idle", "1.5", "--keyring", str(keyring))  # fmt: skip
+    res = _cli(
+        "receive",
+        "--redis",
+        redis_url,
+        "--db",
+        str(db),
+        "--principal",
+        principal,
+        "--prefix",
+        prefix,
+        "--until-idle",
+        "1.5",
+        "--keyring",
+        str(keyring),
+    )
     assert res.returncode == 0, res.stderr
 
 
@@ -135,8 +220,9 @@ def test_cli_publish_run_receive_gives_one_effect_per_message(
     assert sorted(r["message_id"] for r in receipts) == sorted(f"m{i}" for i in range(n))
     assert all(r["effects"] == 1 and r["status"] == "done" for r in receipts)
     assert {r["result"]["echo"]["i"] for r in receipts} == set(range(n))
-    status = _cli("status", "--db", str(db), "--redis", redis_server.url, "--prefix", prefix,
-                  "--json")  # fmt: skip
+    status = _cli(
+        "status", "--db", str(db), "--redis", redis_server.url, "--prefix", prefix, "--json"
+    )
     assert status.returncode == 0, status.stderr
     report = json.loads(status.stdout)
     assert report["received"] == {"inbox": n, "duplicates": 3, "conflicts": 0}
@@ -154,9 +240,22 @@ def test_cli_publish_resend_is_the_same_request_only_with_the_same_deadline(
     id: a conflict); ``--deadline`` with the deadline the first ack printed is a resend."""
 
     def publish(*extra: str) -> dict[str, Any]:
-        res = _cli("publish", "--redis", redis_server.url, "--principal", "alice",
-                   "--keyring", str(keyring), "--prefix", prefix, "--id", "m-1",
-                   "--payload", '{"a": 1}', *extra)  # fmt: skip
+        res = _cli(
+            "publish",
+            "--redis",
+            redis_server.url,
+            "--principal",
+            "alice",
+            "--keyring",
+            str(keyring),
+            "--prefix",
+            prefix,
+            "--id",
+            "m-1",
+            "--payload",
+            '{"a": 1}',
+            *extra,
+        )
         assert res.returncode == 0, res.stderr
         ack: dict[str, Any] = json.loads(res.stdout)
         return ack
@@ -206,18 +305,40 @@ def test_cli_run_killed_after_handing_tasks_to_idle_workers_loses_nothing(
     restart, and run once."""
     db, rdb = tmp_path / "adapter.db", tmp_path / "receiver.db"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "broker_adapter", "run", "--redis", redis_server.url, "--db",
-         str(db), "--handler", "broker_adapter.examples:echo", "--workers", "2", "--keyring",
-         str(keyring), "--prefix", prefix, "--lease", "2"],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        [
+            sys.executable,
+            "-m",
+            "broker_adapter",
+            "run",
+            "--redis",
+            redis_server.url,
+            "--db",
+            str(db),
+            "--handler",
+            "broker_adapter.examples:echo",
+            "--workers",
+            "2",
+            "--keyring",
+            str(keyring),
+            "--prefix",
+            prefix,
+            "--lease",
+            "2",
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
         env=_env(BA_CRASHPOINT="store.accept.after_commit@2"),
-    )  # fmt: skip
+    )
     try:
         _wait_for(lambda: _count(db, "SELECT count(*) FROM sqlite_master") > 0, "database")
         _publish(redis_server.url, keyring, prefix, "alice", 1)
         # Its reply is out: both workers sit idle, waiting for the hand-off.
-        _wait_for(lambda: _count(db, "SELECT count(*) FROM outbox WHERE state = 'sent'") == 1,
-                  "the first reply")  # fmt: skip
+        _wait_for(
+            lambda: _count(db, "SELECT count(*) FROM outbox WHERE state = 'sent'") == 1,
+            "the first reply",
+        )
         _publish(redis_server.url, keyring, prefix, "alice", 1, start=1)
         assert proc.wait(timeout=WAIT_S) == -signal.SIGKILL
     finally:
@@ -262,9 +383,13 @@ def test_cli_receive_with_keyring_applies_only_signed_replies(
     """``run``, ``publish`` and ``receive --keyring`` as subprocesses; replies an attacker
     wrote to alice's reply stream first (no signature, an attacker's key, mallory's key)
     are dead-lettered and only the adapter's signed replies are received."""
-    secrets = {"alice": {"alice-2": "alice: the current key, 32 bytes or more",
-                         "alice-1": "alice: the key before the current one"},
-               "mallory": {"m-1": "mallory has a key of her own, 32+ bytes"}}  # fmt: skip
+    secrets = {
+        "alice": {
+            "alice-2": "alice: the current key, 32 bytes or more",
+            "alice-1": "alice: the key before the current one",
+        },
+        "mallory": {"m-1": "mallory has a key of her own, 32+ bytes"},
+    }
     keyring = tmp_path / "signed-keyring.json"
     keyring.write_text(json.dumps(secrets), encoding="utf-8")
     keyring.chmod(0o600)
@@ -272,10 +397,18 @@ def test_cli_receive_with_keyring_applies_only_signed_replies(
     replies = f"{prefix}:{{out.alice}}:replies"  # spelled out as PROTOCOL.md names it
 
     def forged(reply_id: str, secret: str | None, kid: str) -> dict[str, Any]:
-        body = json.dumps({"principal": "alice", "reply_id": reply_id, "status": "done"},
-                          sort_keys=True, separators=(",", ":")).encode()  # fmt: skip
-        fields: dict[str, Any] = {"v": "2", "reply_id": reply_id, "body": body,
-                                  "hash": hashlib.sha256(body).hexdigest(), "kid": kid}  # fmt: skip
+        body = json.dumps(
+            {"principal": "alice", "reply_id": reply_id, "status": "done"},
+            sort_keys=True,
+            separators=(",", ":"),
+        ).encode()
+        fields: dict[str, Any] = {
+            "v": "2",
+            "reply_id": reply_id,
+            "body": body,
+            "hash": hashlib.sha256(body).hexdigest(),
+            "kid": kid,
+        }
         if secret is not None:
             msg = b"ba.reply.v1\n" + f"{kid}\nalice\n{reply_id}\n".encode() + body
             fields["sig"] = hmac.new(secret.encode(), msg, hashlib.sha256).hexdigest()
@@ -299,14 +432,30 @@ def test_cli_receive_with_keyring_applies_only_signed_replies(
     assert {r["status"] for r in got} == {"done"}
     dead = client.xrange(f"{prefix}:{{out.alice}}:dead")
     reasons = {f[b"orig.reply_id"].decode(): f[b"dl.reason"].decode() for _, f in dead}
-    assert reasons == {"r-unsigned": "missing_field", "r-guessed": "bad_signature",
-                       "r-mallory": "unknown_key"}  # fmt: skip
+    assert reasons == {
+        "r-unsigned": "missing_field",
+        "r-guessed": "bad_signature",
+        "r-mallory": "unknown_key",
+    }
     # a keyring without the principal's keys cannot verify anything: refused up front
     other = tmp_path / "other-keyring.json"
     other.write_text(json.dumps({"mallory": secrets["mallory"]}), encoding="utf-8")
     other.chmod(0o600)
-    res = _cli("receive", "--redis", redis_server.url, "--db", str(rdb), "--principal", "alice",
-               "--prefix", prefix, "--until-idle", "0.5", "--keyring", str(other))  # fmt: skip
+    res = _cli(
+        "receive",
+        "--redis",
+        redis_server.url,
+        "--db",
+        str(rdb),
+        "--principal",
+        "alice",
+        "--prefix",
+        prefix,
+        "--until-idle",
+        "0.5",
+        "--keyring",
+        str(other),
+    )
     assert res.returncode == 2
     assert "no keys for principal 'alice'" in res.stderr
     client.close()
@@ -316,20 +465,78 @@ def test_cli_receive_with_keyring_applies_only_signed_replies(
     ("args", "needle"),
     [
         (["run", "--redis", "redis://x", "--db", "d.db", "--handler", "nocolon"], "handler"),
-        (["run", "--redis", "http://x", "--db", "d.db", "--handler", "a:b", "--keyring", "k"],
-         "redis_url"),
+        (
+            ["run", "--redis", "http://x", "--db", "d.db", "--handler", "a:b", "--keyring", "k"],
+            "redis_url",
+        ),
         (["run", "--redis", "redis://x", "--db", "d.db", "--handler", "a:b"], "keyring"),
-        (["run", "--redis", "redis://x", "--db", "d.db", "--handler", "a:b", "--workers", "0",
-          "--keyring", "k"], "workers"),
-        (["run", "--redis", "redis://x", "--db", "d.db", "--handler", "a:b", "--workers", "x"],
-         "invalid int"),
-        (["publish", "--redis", "redis://127.0.0.1:1", "--principal", "a", "--keyring",
-          "/nonexistent.json", "--id", "m", "--payload", "{}"], "keyring"),
-        (["publish", "--redis", "redis://127.0.0.1:1", "--principal", "a", "--keyring", "k",
-          "--id", "m", "--payload", "{not json"], "payload"),
+        (
+            [
+                "run",
+                "--redis",
+                "redis://x",
+                "--db",
+                "d.db",
+                "--handler",
+                "a:b",
+                "--workers",
+                "0",
+                "--keyring",
+                "k",
+            ],
+            "workers",
+        ),
+        (
+            ["run", "--redis", "redis://x", "--db", "d.db", "--handler", "a:b", "--workers", "x"],
+            "invalid int",
+        ),
+        (
+            [
+                "publish",
+                "--redis",
+                "redis://127.0.0.1:1",
+                "--principal",
+                "a",
+                "--keyring",
+                "/nonexistent.json",
+                "--id",
+                "m",
+                "--payload",
+                "{}",
+            ],
+            "keyring",
+        ),
+        (
+            [
+                "publish",
+                "--redis",
+                "redis://127.0.0.1:1",
+                "--principal",
+                "a",
+                "--keyring",
+                "k",
+                "--id",
+                "m",
+                "--payload",
+                "{not json",
+            ],
+            "payload",
+        ),
         (["receive", "--redis", "redis://x", "--db", "d.db", "--principal", "a"], "--keyring"),
-        (["receive", "--redis", "redis://x", "--db", "d.db", "--principal", "a", "--keyring",
-          "/nonexistent.json"], "keyring"),
+        (
+            [
+                "receive",
+                "--redis",
+                "redis://x",
+                "--db",
+                "d.db",
+                "--principal",
+                "a",
+                "--keyring",
+                "/nonexistent.json",
+            ],
+            "keyring",
+        ),
         (["frobnicate"], "invalid choice"),
         ([*RUN, "--prefix", "a b"], "AdapterConfig.prefix: bad key prefix 'a b'"),
         ([*RUN, "--redis", "http://x"], "AdapterConfig.redis_url: bad Redis URL"),
@@ -347,16 +554,20 @@ def test_cli_receive_with_keyring_applies_only_signed_replies(
         ([*RECEIVE, "--redis", "redis://:pw@host:abc"], "bad Redis URL: Port"),
         ([*RECEIVE, "--principal", "a b"], "ReceiverConfig.principal"),
     ],
-)  # fmt: skip
+)
 def test_cli_bad_flags_give_one_clear_error_line(
     tmp_path: Path, args: list[str], needle: str
 ) -> None:
     write_keyring(tmp_path / "k.json")
     # -P: the working directory is not on the path, as for the console script
     res = subprocess.run(
-        [sys.executable, "-P", "-m", "broker_adapter", *args], cwd=tmp_path, capture_output=True,
-        text=True, timeout=60, env={**_env(), "PYTHONPATH": str(ROOT)},
-    )  # fmt: skip
+        [sys.executable, "-P", "-m", "broker_adapter", *args],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**_env(), "PYTHONPATH": str(ROOT)},
+    )
     assert _error_line(res, EXIT_USAGE).startswith("broker-adapter: error:")
     assert needle in res.stderr
 
@@ -376,10 +587,26 @@ def test_cli_a_stage_that_crashes_is_a_runtime_failure_naming_it(
         "raise SystemExit(cli.main(sys.argv[1:]))\n"
     )
     res = subprocess.run(
-        [sys.executable, "-c", boom, *RUN, "--workers", "1", "--grace", "0", "--redis",
-         redis_server.url, "--prefix", prefix], cwd=tmp_path,
-        capture_output=True, text=True, timeout=120, env={**_env(), "PYTHONPATH": str(ROOT)},
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-c",
+            boom,
+            *RUN,
+            "--workers",
+            "1",
+            "--grace",
+            "0",
+            "--redis",
+            redis_server.url,
+            "--prefix",
+            prefix,
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**_env(), "PYTHONPATH": str(ROOT)},
+    )
     assert res.returncode == EXIT_FAILURE, res.stderr
     last = res.stderr.splitlines()[-1]
     assert last == "broker-adapter: error: ingest stopped: RuntimeError: boom", res.stderr
@@ -399,15 +626,50 @@ def test_cli_app_dir_finds_the_handler_and_worker_logs_reach_the_runner(
     db = tmp_path / "adapter.db"
     env = {**_env(), "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "broker_adapter", "run", "--redis", redis_server.url,
-         "--db", str(db), "--handler", "ba_cli_test_app:explode", "--app-dir", "app",
-         "--workers", "1", "--keyring", str(keyring), "--prefix", prefix],
-        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "broker_adapter",
+            "run",
+            "--redis",
+            redis_server.url,
+            "--db",
+            str(db),
+            "--handler",
+            "ba_cli_test_app:explode",
+            "--app-dir",
+            "app",
+            "--workers",
+            "1",
+            "--keyring",
+            str(keyring),
+            "--prefix",
+            prefix,
+        ],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
     try:
-        res = _cli("publish", "--redis", redis_server.url, "--principal", "alice", "--keyring",
-                   str(keyring), "--prefix", prefix, "--id", "m-explode", "--max-attempts",
-                   "1", "--payload", json.dumps({"secret": "payload-never-logged"}))  # fmt: skip
+        res = _cli(
+            "publish",
+            "--redis",
+            redis_server.url,
+            "--principal",
+            "alice",
+            "--keyring",
+            str(keyring),
+            "--prefix",
+            prefix,
+            "--id",
+            "m-explode",
+            "--max-attempts",
+            "1",
+            "--payload",
+            json.dumps({"secret": "payload-never-logged"}),
+        )
         assert res.returncode == 0, res.stderr
         _wait_for(
             lambda: _count(db, "SELECT count(*) FROM outbox WHERE state = 'sent'") == 1,
@@ -476,8 +738,9 @@ def _cancelled_reply(db_path: Path, *, dead: bool) -> str:
     db = open_database(db_path)
     try:
         tasks, outbox = TaskStore(db), OutboxStore(db)
-        env = Envelope.build(message_id="m-1", sender="alice", payload={"x": 1},
-                             deadline=real_deadline())  # fmt: skip
+        env = Envelope.build(
+            message_id="m-1", sender="alice", payload={"x": 1}, deadline=real_deadline()
+        )
         (accepted,) = tasks.accept([AcceptItem("alice", env)])
         assert accepted.task_id is not None
         tasks.cancel(accepted.task_id)
@@ -517,9 +780,14 @@ def test_cli_status_shows_a_dash_when_nothing_is_unsent(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     "command",
-    [["receipts"], ["receipts", "--json"], ["status"], ["status", "--json"],
-     ["dead-letters", "list"]],
-)  # fmt: skip
+    [
+        ["receipts"],
+        ["receipts", "--json"],
+        ["status"],
+        ["status", "--json"],
+        ["dead-letters", "list"],
+    ],
+)
 def test_cli_read_only_commands_refuse_a_missing_database_and_create_none(
     tmp_path: Path, command: list[str]
 ) -> None:
@@ -539,8 +807,20 @@ def test_cli_receive_until_idle_gives_up_while_redis_is_down(
     url = fresh_redis.url
     fresh_redis.stop()
     started = time.monotonic()
-    res = _cli("receive", "--redis", url, "--db", str(tmp_path / "r.db"), "--principal",
-               "alice", "--until-idle", "2", "--keyring", str(keyring), timeout=30)  # fmt: skip
+    res = _cli(
+        "receive",
+        "--redis",
+        url,
+        "--db",
+        str(tmp_path / "r.db"),
+        "--principal",
+        "alice",
+        "--until-idle",
+        "2",
+        "--keyring",
+        str(keyring),
+        timeout=30,
+    )
     took_s = time.monotonic() - started
     assert res.returncode == 1, res.stderr
     lines = res.stderr.splitlines()

@@ -78,10 +78,22 @@ def test_request_arguments_are_checked_before_anything_is_sent(
 
 def _requester(url: str, prefix: str, keyring: Path, instance: str, *args: str) -> Any:
     return subprocess.Popen(
-        [sys.executable, "-m", "tests.support.requester_script", url, prefix, str(keyring),
-         instance, *args],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=cli_env(),
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "tests.support.requester_script",
+            url,
+            prefix,
+            str(keyring),
+            instance,
+            *args,
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=cli_env(),
+    )
 
 
 def test_six_instances_of_one_principal_each_get_exactly_their_own_replies(
@@ -170,8 +182,10 @@ def test_a_request_whose_publish_acknowledgement_was_lost_makes_one_task_and_one
         reply, lost = asyncio.run(_lost_ack_request(redis_server.url, keyring, prefix))
         assert lost == 1
         assert reply.status == "done"
-        wait_for(lambda: count_rows(db, "SELECT count(*) FROM outbox WHERE state = 'sent'"),
-                 "the reply marked sent")  # fmt: skip
+        wait_for(
+            lambda: count_rows(db, "SELECT count(*) FROM outbox WHERE state = 'sent'"),
+            "the reply marked sent",
+        )
     r: Any = connect(redis_server.url)
     inbound = [f for _, f in r.xrange(keys.inbound())]
     assert len(inbound) >= 2  # the lost one and at least one resend, the same bytes

@@ -23,8 +23,9 @@ pytestmark = pytest.mark.integration
 
 
 def _state(db: Path, message_id: str) -> int:
-    return count_rows(db, f"SELECT count(*) FROM tasks WHERE message_id = '{message_id}'"
-                      " AND state = 'running'")  # fmt: skip
+    return count_rows(
+        db, f"SELECT count(*) FROM tasks WHERE message_id = '{message_id}' AND state = 'running'"
+    )
 
 
 async def _cancel_pending_and_running(url: str, keyring: Keyring, prefix: str, db: Path) -> None:
@@ -81,16 +82,22 @@ def test_another_principals_cancel_is_refused_and_dead_lettered(
     deadline = time.time() + 300
     with running_adapter(redis_server.url, db, tmp_path / "keys.json", prefix, workers=1):
         alice = Publisher(r, keys, "alice", keyring)
-        alice.publish(Envelope(message_id="a-slow", sender="alice", payload={"seconds": 60},
-                               deadline=deadline))  # fmt: skip
+        alice.publish(
+            Envelope(
+                message_id="a-slow", sender="alice", payload={"seconds": 60}, deadline=deadline
+            )
+        )
         wait_for(lambda: _state(db, "a-slow"), "alice's task running")
         for mid, payload in [
             ("bob-c1", {"message_id": "a-slow", "principal": "alice"}),  # names alice: refused
             ("bob-c2", {"message_id": "a-slow"}),  # bob has no such request
             ("bob-c3", {"id": "a-slow"}),  # not a cancel's payload
         ]:
-            bob.publish(Envelope(message_id=mid, sender="bob", kind="cancel", payload=payload,
-                                 deadline=deadline))  # fmt: skip
+            bob.publish(
+                Envelope(
+                    message_id=mid, sender="bob", kind="cancel", payload=payload, deadline=deadline
+                )
+            )
         dead = keys.inbound_dead()
         wait_for(lambda: len(_dead_letters(r, dead)) == 3, "three dead letters")
         letters = _dead_letters(r, dead)
@@ -105,11 +112,24 @@ def test_another_principals_cancel_is_refused_and_dead_lettered(
             count_rows(db, "SELECT count(*) FROM tasks WHERE cancel_requested_at IS NOT NULL") == 0
         )
         # alice's own cancel is applied: her running task is asked to stop
-        alice.publish(Envelope(message_id="a-c1", sender="alice", kind="cancel",
-                               payload={"message_id": "a-slow"}, deadline=deadline))  # fmt: skip
+        alice.publish(
+            Envelope(
+                message_id="a-c1",
+                sender="alice",
+                kind="cancel",
+                payload={"message_id": "a-slow"},
+                deadline=deadline,
+            )
+        )
         wait_for(
-            lambda: count_rows(db, "SELECT count(*) FROM tasks WHERE cancel_requested_at"
-                               " IS NOT NULL AND state != 'running'") == 1,
+            lambda: (
+                count_rows(
+                    db,
+                    "SELECT count(*) FROM tasks WHERE cancel_requested_at"
+                    " IS NOT NULL AND state != 'running'",
+                )
+                == 1
+            ),
             "alice's task stopped on her cancel",
-        )  # fmt: skip
+        )
     assert count_rows(db, "SELECT count(*) FROM tasks") == 1  # cancels never become tasks

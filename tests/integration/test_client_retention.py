@@ -55,8 +55,11 @@ def test_an_instance_that_never_returns_leaves_nothing_past_the_retention_window
     r.xtrim(stream, maxlen=0)  # the stream exists, empty: a principal that was used before
     d = Dispatcher(
         DispatcherConfig(prefix=prefix, owner="d1", retention_s=WINDOW_S, trim_keep_s=0.0),
-        r, OutboxStore(db, clock), keyring=reply_keyring(), clock=clock,
-    )  # fmt: skip
+        r,
+        OutboxStore(db, clock),
+        keyring=reply_keyring(),
+        clock=clock,
+    )
     d.watch()  # the adapter's own marker (the epoch key) is there before and after
     before_keys, before_len = _keys(r, prefix), r.xlen(stream)
     make_replies(db, clock, P, 3)

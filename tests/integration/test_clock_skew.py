@@ -46,8 +46,9 @@ def _libfaketime() -> str:
 def _ahead_env() -> dict[str, str]:
     """The environment of a process (and its children) whose clock runs ``AHEAD_S``
     seconds ahead; monotonic time left alone."""
-    return cli_env(LD_PRELOAD=_libfaketime(), FAKETIME=f"+{AHEAD_S}s",
-                   FAKETIME_DONT_FAKE_MONOTONIC="1")  # fmt: skip
+    return cli_env(
+        LD_PRELOAD=_libfaketime(), FAKETIME=f"+{AHEAD_S}s", FAKETIME_DONT_FAKE_MONOTONIC="1"
+    )
 
 
 def _count(url: str, sql: str) -> int:
@@ -62,8 +63,12 @@ def _count(url: str, sql: str) -> int:
 def _status(url: str, env: dict[str, str]) -> dict[str, object]:
     res = subprocess.run(
         [sys.executable, "-m", "broker_adapter", "status", "--db", url, "--json"],
-        cwd=ROOT, capture_output=True, text=True, timeout=60, env=env,
-    )  # fmt: skip
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
     assert res.returncode == 0, res.stderr
     report: dict[str, object] = json.loads(res.stdout)
     return report
@@ -73,8 +78,13 @@ def test_a_host_a_minute_ahead_takes_no_lease_early_and_every_request_runs_once(
     redis_server: RedisServer, prefix: str, pg_url: str, tmp_path: Path
 ) -> None:
     env_ahead = _ahead_env()
-    probe = subprocess.run([sys.executable, "-c", "import time; print(time.time())"],
-                           capture_output=True, text=True, env=env_ahead, timeout=30)  # fmt: skip
+    probe = subprocess.run(
+        [sys.executable, "-c", "import time; print(time.time())"],
+        capture_output=True,
+        text=True,
+        env=env_ahead,
+        timeout=30,
+    )
     assert float(probe.stdout) > time.time() + AHEAD_S - 5, "libfaketime did not take"
     keyring = tmp_path / "keyring.json"
     keyring.write_text(json.dumps({"alice": {"k1": "alice-secret: a test key of 32 bytes+"}}))
@@ -85,10 +95,15 @@ def test_a_host_a_minute_ahead_takes_no_lease_early_and_every_request_runs_once(
     deadline = time.time() + 600
     publisher = Publisher(connect(redis_server.url), Keys(prefix), "alice", Keyring.load(keyring))
     for i in range(n):
-        publisher.publish(Envelope.build(
-            message_id=f"m{i}", sender="alice", deadline=deadline, max_attempts=3,
-            payload={"effects_db": str(effects_db), "value": i, "hold_s": 1.0},
-        ))  # fmt: skip
+        publisher.publish(
+            Envelope.build(
+                message_id=f"m{i}",
+                sender="alice",
+                deadline=deadline,
+                max_attempts=3,
+                payload={"effects_db": str(effects_db), "value": i, "hold_s": 1.0},
+            )
+        )
 
     def start(name: str, env: dict[str, str], log: Path) -> subprocess.Popen[str]:
         # A lease of 10 s (renewed every 10/3 s), far below the skew: each handler holds
@@ -96,12 +111,36 @@ def test_a_host_a_minute_ahead_takes_no_lease_early_and_every_request_runs_once(
         # see every lease of the other host's as run out, and take its tasks over.
         with log.open("w") as out:
             return subprocess.Popen(
-                [sys.executable, "-m", "broker_adapter", "run", "--redis", redis_server.url,
-                 "--db", pg_url, "--handler", "tests.support.handlers:held_record",
-                 "--workers", "2", "--keyring", str(keyring), "--prefix", prefix,
-                 "--name", name, "--lease", "10", "--claim-min-idle-ms", "1000"],
-                cwd=ROOT, stdout=subprocess.DEVNULL, stderr=out, text=True, env=env,
-            )  # fmt: skip
+                [
+                    sys.executable,
+                    "-m",
+                    "broker_adapter",
+                    "run",
+                    "--redis",
+                    redis_server.url,
+                    "--db",
+                    pg_url,
+                    "--handler",
+                    "tests.support.handlers:held_record",
+                    "--workers",
+                    "2",
+                    "--keyring",
+                    str(keyring),
+                    "--prefix",
+                    prefix,
+                    "--name",
+                    name,
+                    "--lease",
+                    "10",
+                    "--claim-min-idle-ms",
+                    "1000",
+                ],
+                cwd=ROOT,
+                stdout=subprocess.DEVNULL,
+                stderr=out,
+                text=True,
+                env=env,
+            )
 
     on_time = start("on-time", cli_env(), tmp_path / "on-time.log")
     ahead = start("ahead", env_ahead, tmp_path / "ahead.log")

@@ -58,8 +58,12 @@ def test_untrusted_copies_are_a_prefix_and_admitted_ones_are_whole(
     copied = [
         sum(len(k) - 5 + len(v) for k, v in f.items() if k.startswith(b"orig.")) for f in letters
     ]
-    assert copied == [UNTRUSTED_COPY_BYTES, UNTRUSTED_COPY_BYTES, UNTRUSTED_COPY_BYTES,
-                      UNTRUSTED_COPY_BYTES + 1]  # fmt: skip
+    assert copied == [
+        UNTRUSTED_COPY_BYTES,
+        UNTRUSTED_COPY_BYTES,
+        UNTRUSTED_COPY_BYTES,
+        UNTRUSTED_COPY_BYTES + 1,
+    ]
     assert [TRUNCATED.encode() in f for f in letters] == [False, True, True, False]
 
 

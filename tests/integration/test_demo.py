@@ -23,8 +23,12 @@ ROOT = Path(__file__).resolve().parents[2]
 def _demo(env: dict[str, str], *extra: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "broker_adapter", "demo", *extra],
-        cwd=ROOT, capture_output=True, text=True, timeout=120, env=env,
-    )  # fmt: skip
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
 
 
 def test_demo_on_a_throwaway_redis_server_passes_every_check() -> None:
@@ -54,8 +58,11 @@ def test_demo_keep_prints_a_console_command_that_opens_the_demos_data(
     keep = tmp_path / "kept"
     res = _demo(dict(os.environ), "--keep", str(keep))
     assert res.returncode == 0, res.stdout + res.stderr
-    (command,) = [line.strip() for line in res.stdout.splitlines()
-                  if line.strip().startswith("broker-adapter console ")]  # fmt: skip
+    (command,) = [
+        line.strip()
+        for line in res.stdout.splitlines()
+        if line.strip().startswith("broker-adapter console ")
+    ]
     token = res.stdout.rsplit("sign in with the token ", 1)[1].split()[0]
     for name in ("adapter.db", "charges.db", "tokens.json"):
         assert stat.S_IMODE((keep / name).stat().st_mode) == 0o600
@@ -66,9 +73,12 @@ def test_demo_keep_prints_a_console_command_that_opens_the_demos_data(
     args[args.index("--redis") + 1] = redis_server.url  # the demo's own Redis is gone
     port = free_port()
     console = subprocess.Popen(
-        [sys.executable, "-m", "broker_adapter", *args, "--port", str(port)], cwd=ROOT,
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=cli_env(),
-    )  # fmt: skip
+        [sys.executable, "-m", "broker_adapter", *args, "--port", str(port)],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=cli_env(),
+    )
     try:
         url = f"http://127.0.0.1:{port}/?db=0"
         request = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"})

@@ -56,8 +56,9 @@ def non_idempotent(tmp_path: Path) -> Iterator[FakeTargetClient]:
 
 
 def spec_for(client: FakeTargetClient) -> EffectSpec:
-    return EffectSpec("restart", reconcile=reconcile_with(client),
-                      compensate=compensate_with(client))  # fmt: skip
+    return EffectSpec(
+        "restart", reconcile=reconcile_with(client), compensate=compensate_with(client)
+    )
 
 
 def start(s: SqliteStores, fx: EffectsStore, owner: str = "w1") -> ClaimedTask:

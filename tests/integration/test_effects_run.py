@@ -23,8 +23,14 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "broker_adapter", *args], cwd=ROOT,
-                          capture_output=True, text=True, timeout=60, env=cli_env())  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "broker_adapter", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=cli_env(),
+    )
 
 
 def test_run_holds_an_unapproved_effect_until_an_operator_approves_it(
@@ -36,17 +42,47 @@ def test_run_holds_an_unapproved_effect_until_an_operator_approves_it(
     db = tmp_path / "adapter.db"
     with FakeTarget(tmp_path / "target", idempotent=False) as target:
         payload = {"target": target.url, "server": "web1", "human_approved": True}
-        sent = _cli("publish", "--redis", redis_server.url, "--principal", "alice",
-                    "--keyring", str(keyring), "--prefix", prefix, "--id", "restart-1",
-                    "--payload", json.dumps(payload))  # fmt: skip
+        sent = _cli(
+            "publish",
+            "--redis",
+            redis_server.url,
+            "--principal",
+            "alice",
+            "--keyring",
+            str(keyring),
+            "--prefix",
+            prefix,
+            "--id",
+            "restart-1",
+            "--payload",
+            json.dumps(payload),
+        )
         assert sent.returncode == 0, sent.stderr
         run = subprocess.Popen(
-            [sys.executable, "-m", "broker_adapter", "run", "--redis", redis_server.url,
-             "--db", str(db), "--handler", "tests.support.effect_handlers:approved",
-             "--workers", "1", "--keyring", str(keyring), "--prefix", prefix],
-            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            [
+                sys.executable,
+                "-m",
+                "broker_adapter",
+                "run",
+                "--redis",
+                redis_server.url,
+                "--db",
+                str(db),
+                "--handler",
+                "tests.support.effect_handlers:approved",
+                "--workers",
+                "1",
+                "--keyring",
+                str(keyring),
+                "--prefix",
+                prefix,
+            ],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
             env=cli_env(),
-        )  # fmt: skip
+        )
         try:
             waiting = "SELECT count(*) FROM tasks WHERE state = 'waiting_approval'"
             wait_for(lambda: db.exists() and count_rows(db, waiting) == 1, "the task to wait")
@@ -62,10 +98,23 @@ def test_run_holds_an_unapproved_effect_until_an_operator_approves_it(
             assert listed.returncode == 0, listed.stderr
             (asked,) = [json.loads(line) for line in listed.stdout.splitlines()]
             assert (asked["action"], asked["target"], asked["scope"], asked["principal"]) == (
-                "apply", "web1", "restart", "alice")  # fmt: skip
+                "apply",
+                "web1",
+                "restart",
+                "alice",
+            )
             assert asked["arguments"] == payload
-            granted = _cli("approve", "--db", str(db), "--task", asked["task_id"],
-                           "--expires-in", "600", "--by", "carol")  # fmt: skip
+            granted = _cli(
+                "approve",
+                "--db",
+                str(db),
+                "--task",
+                asked["task_id"],
+                "--expires-in",
+                "600",
+                "--by",
+                "carol",
+            )
             assert granted.returncode == 0, granted.stderr
             shown = json.loads(granted.stdout)
             assert shown["arguments_digest"] == asked["arguments_digest"]

@@ -122,8 +122,9 @@ def test_a_valid_approval_lets_the_task_run_once(
     w = worker(tasks, effect_handlers.approved)
     w.run_once()
     assert state(tasks, task_id) == "waiting_approval"
-    approvals.grant_approval("apply", "web1", "restart", "alice", T0 + 600,
-                             **asked_by(tasks, task_id))  # fmt: skip
+    approvals.grant_approval(
+        "apply", "web1", "restart", "alice", T0 + 600, **asked_by(tasks, task_id)
+    )
     assert approvals.release_waits()["released"] == 1
     assert w.run_once() == 1
     assert state(tasks, task_id) == "done"
@@ -144,8 +145,7 @@ def test_an_approval_runs_only_its_principals_tasks_with_its_arguments_uses_time
     approvals = ApprovalStore(tasks)
     same = [submit(tasks, target, f"m{i}") for i in range(3)]
     fields = {"target": target.url, "server": "web1"}
-    envelope = Envelope.build(message_id="b1", sender="agent-b", deadline=T0 + 3600,
-                              payload=fields)  # fmt: skip
+    envelope = Envelope.build(message_id="b1", sender="agent-b", deadline=T0 + 3600, payload=fields)
     other_principal = tasks.accept([AcceptItem("agent-b", envelope)])[0].task_id
     other_arguments = submit(tasks, target, "m-force", force=True)
     assert other_principal is not None
@@ -154,8 +154,9 @@ def test_an_approval_runs_only_its_principals_tasks_with_its_arguments_uses_time
         pass
     everyone = [*same, other_principal, other_arguments]
     assert {state(tasks, t) for t in everyone} == {"waiting_approval"}
-    approvals.grant_approval("apply", "web1", "restart", "alice", T0 + 600, uses=uses,
-                             **asked_by(tasks, same[0]))  # fmt: skip
+    approvals.grant_approval(
+        "apply", "web1", "restart", "alice", T0 + 600, uses=uses, **asked_by(tasks, same[0])
+    )
     assert approvals.release_waits()["released"] == len(same)  # the other two stay
     while w.run_once():
         pass
@@ -175,8 +176,9 @@ def test_an_approval_revoked_in_between_stops_the_effect(
     task_id = submit(tasks, target)
     w = worker(tasks, effect_handlers.approved)
     w.run_once()
-    approval_id = approvals.grant_approval("apply", "web1", "restart", "alice", T0 + 600,
-                                           **asked_by(tasks, task_id))  # fmt: skip
+    approval_id = approvals.grant_approval(
+        "apply", "web1", "restart", "alice", T0 + 600, **asked_by(tasks, task_id)
+    )
     approvals.release_waits()
     assert state(tasks, task_id) == "pending"
     assert approvals.revoke_approval(approval_id, "bob")
@@ -253,30 +255,52 @@ def test_a_handler_marks_its_effect_started_per_call(
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "broker_adapter", *args], cwd=ROOT,
-                          capture_output=True, text=True, timeout=60, env=cli_env())  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "broker_adapter", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=cli_env(),
+    )
 
 
 def test_cli_reconcile_answers_an_unknown_task_and_is_audited(tmp_path: Path) -> None:
     path = tmp_path / "ops.db"
     with open_database(path) as db:
         store = TaskStore(db)
-        envelope = Envelope.build(message_id="m1", sender="agent-a", payload={},
-                                  deadline=store.clock.now() + 600)  # fmt: skip
+        envelope = Envelope.build(
+            message_id="m1", sender="agent-a", payload={}, deadline=store.clock.now() + 600
+        )
         (accepted,) = store.accept([AcceptItem("agent-a", envelope)])
         (claimed,) = store.claim("w1")
         fx = EffectsStore(store)
         fx.mark_effect_started(claimed.task_id, "w1", claimed.fence)
         fx.to_unknown(claimed.task_id, "w1", claimed.fence, "timeout")
     task_id = str(accepted.task_id)
-    done = _cli("reconcile", "--db", str(path), task_id, "--outcome", "done", "--by", "carol",
-                "--result", '{"restarted": true}', "--note", "checked the console")  # fmt: skip
+    done = _cli(
+        "reconcile",
+        "--db",
+        str(path),
+        task_id,
+        "--outcome",
+        "done",
+        "--by",
+        "carol",
+        "--result",
+        '{"restarted": true}',
+        "--note",
+        "checked the console",
+    )
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout) == {"task_id": task_id, "state": "done"}
     with open_database(path) as db:
         (record,) = EffectsStore(TaskStore(db)).reconcile_log(task_id)
     assert (record.outcome, record.observed, record.note) == (
-        "done", {"restarted": True}, "checked the console")  # fmt: skip
+        "done",
+        {"restarted": True},
+        "checked the console",
+    )
     assert record.by_whom.startswith("carol (os user ")
     again = _cli("reconcile", "--db", str(path), task_id, "--outcome", "not-done", "--by", "x")
     assert again.returncode == 1
@@ -286,15 +310,34 @@ def test_cli_reconcile_answers_an_unknown_task_and_is_audited(tmp_path: Path) ->
 def test_cli_approve_and_revoke(tmp_path: Path) -> None:
     path = tmp_path / "ops.db"
     open_database(path).close()
-    granted = _cli("approve", "--db", str(path), "restart", "--target", "web1", "--scope",
-                   "prod", "--principal", "agent-a", "--arguments", '{"server": "web1"}',
-                   "--expires-in", "600", "--by", "alice")  # fmt: skip
+    granted = _cli(
+        "approve",
+        "--db",
+        str(path),
+        "restart",
+        "--target",
+        "web1",
+        "--scope",
+        "prod",
+        "--principal",
+        "agent-a",
+        "--arguments",
+        '{"server": "web1"}',
+        "--expires-in",
+        "600",
+        "--by",
+        "alice",
+    )
     assert granted.returncode == 0, granted.stderr
     shown = json.loads(granted.stdout)
     approval_id = shown["approval_id"]
     digest = arguments_digest("restart", {"server": "web1"})
     assert (shown["principal"], shown["arguments"], shown["arguments_digest"], shown["uses"]) == (
-        "agent-a", {"server": "web1"}, digest, 1)  # fmt: skip
+        "agent-a",
+        {"server": "web1"},
+        digest,
+        1,
+    )
     bound = AskedBy(principal="agent-a", arguments_digest=digest)
     with open_database(path) as db:
         found = ApprovalStore(TaskStore(db)).valid_approval("restart", "web1", "prod", **bound)
@@ -304,12 +347,23 @@ def test_cli_approve_and_revoke(tmp_path: Path) -> None:
     revoked = _cli("revoke", "--db", str(path), approval_id, "--by", "bob")
     assert (revoked.returncode, json.loads(revoked.stdout)["revoked"]) == (0, True)
     with open_database(path) as db:
-        assert ApprovalStore(TaskStore(db)).valid_approval("restart", "web1", "prod",
-                                                           **bound) is None  # fmt: skip
+        assert (
+            ApprovalStore(TaskStore(db)).valid_approval("restart", "web1", "prod", **bound) is None
+        )
     twice = _cli("revoke", "--db", str(path), approval_id, "--by", "bob")
     assert twice.returncode == 1
-    unnamed = _cli("approve", "--db", str(path), "restart", "--target", "web1", "--scope",
-                   "prod", "--expires-in", "600")  # fmt: skip
+    unnamed = _cli(
+        "approve",
+        "--db",
+        str(path),
+        "restart",
+        "--target",
+        "web1",
+        "--scope",
+        "prod",
+        "--expires-in",
+        "600",
+    )
     assert unnamed.returncode == 2  # --by is required
 
 

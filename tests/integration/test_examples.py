@@ -45,13 +45,20 @@ def _copy_examples(tmp: Path, redis_url: str) -> None:
 
 
 def _run(tmp: Path, name: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, name], cwd=tmp, capture_output=True, text=True,
-                          timeout=120, env=cli_env())  # fmt: skip
+    return subprocess.run(
+        [sys.executable, name], cwd=tmp, capture_output=True, text=True, timeout=120, env=cli_env()
+    )
 
 
 def _start(tmp: Path, name: str) -> subprocess.Popen[str]:
-    return subprocess.Popen([sys.executable, name], cwd=tmp, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=cli_env())  # fmt: skip
+    return subprocess.Popen(
+        [sys.executable, name],
+        cwd=tmp,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=cli_env(),
+    )
 
 
 def test_every_example_runs(redis_server: RedisServer, tmp_path: Path) -> None:
@@ -62,14 +69,20 @@ def test_every_example_runs(redis_server: RedisServer, tmp_path: Path) -> None:
     receiver = None
     try:
         db = tmp_path / "adapter.db"
-        wait_for(lambda: count_rows(db, "SELECT count(*) FROM tasks WHERE state = 'done'"),
-                 "the published request done", timeout_s=120)  # fmt: skip
+        wait_for(
+            lambda: count_rows(db, "SELECT count(*) FROM tasks WHERE state = 'done'"),
+            "the published request done",
+            timeout_s=120,
+        )
         asked = _run(tmp_path, "quickstart.py")
         assert asked.returncode == 0, asked.stderr
         assert asked.stdout.strip() == "{'restarted': 'web'}"
         receiver = _start(tmp_path, "receive.py")
-        wait_for(lambda: count_rows(tmp_path / "planner.db", "SELECT count(*) FROM done") == 2,
-                 "both replies received", timeout_s=120)  # fmt: skip
+        wait_for(
+            lambda: count_rows(tmp_path / "planner.db", "SELECT count(*) FROM done") == 2,
+            "both replies received",
+            timeout_s=120,
+        )
         adapter.send_signal(signal.SIGTERM)  # run_forever drains and returns 0
         assert adapter.wait(timeout=120) == 0
     finally:
@@ -84,16 +97,31 @@ def test_every_example_runs(redis_server: RedisServer, tmp_path: Path) -> None:
     assert effects.returncode == 0, effects.stderr
     assert effects.stdout.startswith("effects ok")
     schema = subprocess.run(
-        [sys.executable, "-m", "broker_adapter", "schema", "--app", "router:router",
-         "--app-dir", str(tmp_path)],
-        capture_output=True, text=True, timeout=120, env=cli_env(),
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "broker_adapter",
+            "schema",
+            "--app",
+            "router:router",
+            "--app-dir",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=cli_env(),
+    )
     assert schema.returncode == 0, schema.stderr
     names = [task["name"] for task in json.loads(schema.stdout)["tasks"]]
     assert sorted(names) == ["restart", "summarise"]
     tested = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "router_test.py"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=300, env=cli_env(),
-    )  # fmt: skip
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=cli_env(),
+    )
     assert tested.returncode == 0, tested.stdout + tested.stderr
     assert "2 passed" in tested.stdout

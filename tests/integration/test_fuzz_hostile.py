@@ -62,11 +62,29 @@ class _Rig:
         env = {k: v for k, v in os.environ.items() if not k.startswith("BA_")}
         self.log = (tmp / "run.log").open("w")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "broker_adapter", "run", "--redis", self.server.url,
-             "--db", str(tmp / "adapter.db"), "--handler", "broker_adapter.examples:echo",
-             "--workers", "1", "--keyring", str(keyring_path), "--prefix", PREFIX],
-            cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT, env=env,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "broker_adapter",
+                "run",
+                "--redis",
+                self.server.url,
+                "--db",
+                str(tmp / "adapter.db"),
+                "--handler",
+                "broker_adapter.examples:echo",
+                "--workers",
+                "1",
+                "--keyring",
+                str(keyring_path),
+                "--prefix",
+                PREFIX,
+            ],
+            cwd=ROOT,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
         self.seq = 0
         self.replies_seen = 0
         self.dead_seen = 0
@@ -86,9 +104,11 @@ class _Rig:
     def legit(self) -> str:
         self.seq += 1
         envelope = Envelope.build(
-            message_id=f"legit-{self.seq}", sender="alice",
-            payload={"n": self.seq}, deadline=time.time() + 600,
-        )  # fmt: skip
+            message_id=f"legit-{self.seq}",
+            sender="alice",
+            payload={"n": self.seq},
+            deadline=time.time() + 600,
+        )
         self.client.xadd(self.keys.inbound(), self.keyring.sign(envelope))
         return envelope.message_id
 
@@ -194,8 +214,9 @@ def test_hostile_entries_never_stop_the_adapter(
     assert rig.alive()
 
 
-@pytest.mark.parametrize("shape", ["entry_64mb", "flushall", "del_inbound", "del_replies",
-                                   "del_epoch"])  # fmt: skip
+@pytest.mark.parametrize(
+    "shape", ["entry_64mb", "flushall", "del_inbound", "del_replies", "del_epoch"]
+)
 def test_huge_entries_wipes_and_deleted_keys_never_stop_the_adapter(rig: _Rig, shape: str) -> None:
     """The hostile shapes that are not entries of a batch: a 64 MB entry (screened inside
     Redis), FLUSHALL and DEL of the streams under the blocking reads, DEL of the epoch key.
@@ -239,9 +260,14 @@ reply_field_lists = st.lists(st.tuples(reply_names, values), min_size=1, max_siz
 
 def _signed_reply(reply_id: str, body: bytes) -> list[tuple[bytes, bytes]]:
     signed = reply_keyring().sign_reply("alice", reply_id, body)
-    return [(b"v", b"2"), (b"reply_id", reply_id.encode()),
-            (b"hash", sha256_hex(body).encode()), (b"body", body),
-            (b"kid", signed.kid.encode()), (b"sig", signed.sig.encode())]  # fmt: skip
+    return [
+        (b"v", b"2"),
+        (b"reply_id", reply_id.encode()),
+        (b"hash", sha256_hex(body).encode()),
+        (b"body", body),
+        (b"kid", signed.kid.encode()),
+        (b"sig", signed.sig.encode()),
+    ]
 
 
 def _hostile_body(value: Any) -> list[tuple[bytes, bytes]]:
@@ -284,13 +310,27 @@ def test_hostile_reply_entries_never_stop_the_receiver(
     client, receiver, keys = reply_rig
     stream = keys.replies("alice")
     legit_ids = [f"r-legit-{uuid.uuid4().hex}" for _ in range(2)]
-    body = {"principal": "alice", "status": "done", "result": {"ok": True},
-            "finished_at": receiver.clock.now()}  # fmt: skip
-    ids = [_xadd(client, stream, _signed_reply(legit_ids[0],
-                 canonical_json({**body, "reply_id": legit_ids[0]})))]  # fmt: skip
+    body = {
+        "principal": "alice",
+        "status": "done",
+        "result": {"ok": True},
+        "finished_at": receiver.clock.now(),
+    }
+    ids = [
+        _xadd(
+            client,
+            stream,
+            _signed_reply(legit_ids[0], canonical_json({**body, "reply_id": legit_ids[0]})),
+        )
+    ]
     hostile_ids = [_xadd(client, stream, pairs) for pairs in batch]
-    ids.append(_xadd(client, stream, _signed_reply(legit_ids[1],
-               canonical_json({**body, "reply_id": legit_ids[1]}))))  # fmt: skip
+    ids.append(
+        _xadd(
+            client,
+            stream,
+            _signed_reply(legit_ids[1], canonical_json({**body, "reply_id": legit_ids[1]})),
+        )
+    )
     drain(receiver)  # raises if a step fails
     applied = {r.reply_id for r in receiver.receipts.list()}
     assert set(legit_ids) <= applied
@@ -329,11 +369,25 @@ def test_max_and_future_ids_are_survived_and_the_stream_repaired(rig: _Rig) -> N
     with pytest.raises(redis.ResponseError, match="exhausted the last possible ID"):
         rig.legit()
     res = subprocess.run(
-        [sys.executable, "-m", "broker_adapter", "streams", "repair", "--redis", rig.server.url,
-         "--prefix", PREFIX, "--stream", stream],
-        cwd=ROOT, capture_output=True, text=True, timeout=60,
+        [
+            sys.executable,
+            "-m",
+            "broker_adapter",
+            "streams",
+            "repair",
+            "--redis",
+            rig.server.url,
+            "--prefix",
+            PREFIX,
+            "--stream",
+            stream,
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
         env={k: v for k, v in os.environ.items() if not k.startswith("BA_")},
-    )  # fmt: skip
+    )
     assert res.returncode == 0, res.stderr
     after_repair = rig.legit()
     deadline = time.monotonic() + WAIT_S

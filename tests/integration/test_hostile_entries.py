@@ -104,8 +104,9 @@ def _copied(pairs: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
     return [(k, v) for k, v in pairs if k.startswith(b"orig.")]
 
 
-def _ingestor(client: Any, prefix: str, tasks: TaskStore, keyring: Keyring, clock: FakeClock,
-              **cfg: Any) -> Ingestor:  # fmt: skip
+def _ingestor(
+    client: Any, prefix: str, tasks: TaskStore, keyring: Keyring, clock: FakeClock, **cfg: Any
+) -> Ingestor:
     config = IngestConfig(prefix=prefix, consumer="ingest-h-0", block_ms=20, **cfg)
     return Ingestor(config, client, tasks, keyring, clock=clock)
 
@@ -125,9 +126,14 @@ def _surrogate_env(deadline: float) -> bytes:
 @pytest.mark.parametrize("n", WIDE)
 @pytest.mark.parametrize("path", ["step", "take_over", "delivery_limit"])
 def test_ingest_wide_entry_is_dead_lettered_and_the_request_behind_it_stored(
-    redis_server: RedisServer, prefix: str, tasks: TaskStore, keyring: Keyring,
-    clock: FakeClock, n: int, path: str,
-) -> None:  # fmt: skip
+    redis_server: RedisServer,
+    prefix: str,
+    tasks: TaskStore,
+    keyring: Keyring,
+    clock: FakeClock,
+    n: int,
+    path: str,
+) -> None:
     client: Any = connect(redis_server.url)
     keys = Keys(prefix)
     wide = _xadd(client, keys.inbound(), _wide(n))
@@ -137,8 +143,9 @@ def test_ingest_wide_entry_is_dead_lettered_and_the_request_behind_it_stored(
         client.xgroup_create(keys.inbound(), INGEST_GROUP, id="0")
         client.xreadgroup(INGEST_GROUP, "dead-one", {keys.inbound(): ">"}, count=1)
         if path == "delivery_limit":
-            client.xclaim(keys.inbound(), INGEST_GROUP, "dead-one", 0, [wide], retrycount=9,
-                          justid=True)  # fmt: skip
+            client.xclaim(
+                keys.inbound(), INGEST_GROUP, "dead-one", 0, [wide], retrycount=9, justid=True
+            )
         age_pending(client, keys.inbound(), "dead-one")
         ingestor.take_over()
     drain(ingestor, client)
@@ -162,8 +169,20 @@ def test_ingest_repeated_field_names_are_refused_with_every_pair_kept(
     keys = Keys(prefix)
     first = keyring.sign(_envelope("first", clock.now() + 3600))
     second = keyring.sign(_envelope("second", clock.now() + 3600))
-    pairs = [b"v", b"1", b"env", first["env"], b"kid", b"k1", b"sig", first["sig"],
-             b"env", second["env"], b"sig", second["sig"]]  # fmt: skip
+    pairs = [
+        b"v",
+        b"1",
+        b"env",
+        first["env"],
+        b"kid",
+        b"k1",
+        b"sig",
+        first["sig"],
+        b"env",
+        second["env"],
+        b"sig",
+        second["sig"],
+    ]
     dup = _xadd(client, keys.inbound(), pairs)
     Publisher(client, keys, P, keyring).publish(_envelope("good", clock.now() + 3600))
     ingestor = _ingestor(client, prefix, tasks, keyring, clock)
@@ -186,8 +205,11 @@ def test_ingest_surrogate_member_name_is_escaped_and_its_batch_still_stored(
     keys = Keys(prefix)
     pub = Publisher(client, keys, P, keyring)
     pub.publish(_envelope("before", clock.now() + 3600))
-    bad = _xadd(client, keys.inbound(), [b"v", b"1", b"env", _surrogate_env(clock.now() + 3600),
-                                         b"kid", b"k1", b"sig", b"00"])  # fmt: skip
+    bad = _xadd(
+        client,
+        keys.inbound(),
+        [b"v", b"1", b"env", _surrogate_env(clock.now() + 3600), b"kid", b"k1", b"sig", b"00"],
+    )
     pub.publish(_envelope("after", clock.now() + 3600))
     ingestor = _ingestor(client, prefix, tasks, keyring, clock)  # one batch: all three
     drain(ingestor, client)
@@ -220,9 +242,13 @@ def test_ingest_oversize_entry_is_dead_lettered_with_a_bounded_copy(
 
 
 def test_ingest_exception_while_checking_one_entry_dead_letters_only_that_entry(
-    redis_server: RedisServer, prefix: str, tasks: TaskStore, keyring: Keyring,
-    clock: FakeClock, monkeypatch: pytest.MonkeyPatch,
-) -> None:  # fmt: skip
+    redis_server: RedisServer,
+    prefix: str,
+    tasks: TaskStore,
+    keyring: Keyring,
+    clock: FakeClock,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     client: Any = connect(redis_server.url)
     keys = Keys(prefix)
     pub = Publisher(client, keys, P, keyring)
@@ -246,13 +272,18 @@ def test_ingest_exception_while_checking_one_entry_dead_letters_only_that_entry(
 
 
 def test_ingest_failing_dead_letter_falls_back_to_a_minimal_one(
-    redis_server: RedisServer, prefix: str, tasks: TaskStore, keyring: Keyring,
-    clock: FakeClock, monkeypatch: pytest.MonkeyPatch,
-) -> None:  # fmt: skip
+    redis_server: RedisServer,
+    prefix: str,
+    tasks: TaskStore,
+    keyring: Keyring,
+    clock: FakeClock,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     client: Any = connect(redis_server.url)
     keys = Keys(prefix)
-    bad = _xadd(client, keys.inbound(), [b"v", b"1", b"env", b"{not json", b"kid", b"k1",
-                                         b"sig", b"00"])  # fmt: skip
+    bad = _xadd(
+        client, keys.inbound(), [b"v", b"1", b"env", b"{not json", b"kid", b"k1", b"sig", b"00"]
+    )
     Publisher(client, keys, P, keyring).publish(_envelope("good", clock.now() + 3600))
 
     def broken_copy(original: Any, **limits: Any) -> Any:
@@ -318,11 +349,32 @@ def test_cli_run_survives_hostile_entries_and_answers_the_requests_behind_them(
         pub.publish(_envelope(f"m{i}", deadline))
     db = tmp_path / "adapter.db"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "broker_adapter", "run", "--redis", redis_server.url, "--db",
-         str(db), "--handler", "broker_adapter.examples:echo", "--workers", "1", "--keyring",
-         str(keyring_path), "--prefix", prefix, "--lease", "2"],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=cli_env(),
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "broker_adapter",
+            "run",
+            "--redis",
+            redis_server.url,
+            "--db",
+            str(db),
+            "--handler",
+            "broker_adapter.examples:echo",
+            "--workers",
+            "1",
+            "--keyring",
+            str(keyring_path),
+            "--prefix",
+            prefix,
+            "--lease",
+            "2",
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=cli_env(),
+    )
     try:
         limit = time.monotonic() + 60
         while count_rows(db, "SELECT count(*) FROM outbox WHERE state = 'sent'") < 3:
@@ -341,8 +393,7 @@ def test_cli_run_survives_hostile_entries_and_answers_the_requests_behind_them(
     dead = _dead(client, keys.inbound_dead())
     assert sorted(dead) == sorted(bad)
     reasons = [_note(dead[eid], b"dl.reason") for eid in bad]
-    assert reasons == [b"too_many_fields", b"too_many_fields", b"unknown_field",
-                       b"duplicate_field"]  # fmt: skip
+    assert reasons == [b"too_many_fields", b"too_many_fields", b"unknown_field", b"duplicate_field"]
     assert client.xpending(keys.inbound(), INGEST_GROUP)["pending"] == 0
     client.close()
 
@@ -353,16 +404,29 @@ def test_cli_run_survives_hostile_entries_and_answers_the_requests_behind_them(
 def _reply_pairs(reply_id: str, body: bytes) -> list[bytes]:
     """A reply entry signed as the adapter signs it: only its body is hostile."""
     signed = reply_keyring().sign_reply(P, reply_id, body)
-    return [b"v", b"2", b"reply_id", reply_id.encode(), b"hash", sha256_hex(body).encode(),
-            b"body", body, b"kid", signed.kid.encode(), b"sig", signed.sig.encode()]  # fmt: skip
+    return [
+        b"v",
+        b"2",
+        b"reply_id",
+        reply_id.encode(),
+        b"hash",
+        sha256_hex(body).encode(),
+        b"body",
+        body,
+        b"kid",
+        signed.kid.encode(),
+        b"sig",
+        signed.sig.encode(),
+    ]
 
 
 def _body(reply_id: str) -> bytes:
     return canonical_json({"reply_id": reply_id, "principal": P, "status": "done"})
 
 
-def _legit(server: RedisServer, agent_db: Database, clock: FakeClock, prefix: str, n: int,
-           first: int) -> list[str]:  # fmt: skip
+def _legit(
+    server: RedisServer, agent_db: Database, clock: FakeClock, prefix: str, n: int, first: int
+) -> list[str]:
     ids = make_replies(agent_db, clock, P, n, first=first)
     assert dispatcher_for(server.url, agent_db, clock, prefix, "d1").step() == n
     return ids
@@ -387,14 +451,25 @@ def _hostile_reply(kind: str) -> list[bytes]:
 
 @pytest.mark.parametrize(
     ("kind", "reason"),
-    [("wide-4000", b"too_many_fields"), ("wide-10000", b"too_many_fields"),
-     ("deep", b"bad_reply"), ("nan", b"bad_reply"), ("duplicate_key", b"bad_reply"),
-     ("duplicate_field", b"duplicate_field")],
-)  # fmt: skip
+    [
+        ("wide-4000", b"too_many_fields"),
+        ("wide-10000", b"too_many_fields"),
+        ("deep", b"bad_reply"),
+        ("nan", b"bad_reply"),
+        ("duplicate_key", b"bad_reply"),
+        ("duplicate_field", b"duplicate_field"),
+    ],
+)
 def test_receiver_hostile_reply_is_dead_lettered_and_its_batch_applied(
-    redis_server: RedisServer, agent_db: Database, rx_db: Database, tmp_path: Path,
-    clock: FakeClock, prefix: str, kind: str, reason: bytes,
-) -> None:  # fmt: skip
+    redis_server: RedisServer,
+    agent_db: Database,
+    rx_db: Database,
+    tmp_path: Path,
+    clock: FakeClock,
+    prefix: str,
+    kind: str,
+    reason: bytes,
+) -> None:
     client: Any = redis_server.client()
     keys = Keys(prefix)
     ids = _legit(redis_server, agent_db, clock, prefix, 2, 0)
@@ -411,9 +486,14 @@ def test_receiver_hostile_reply_is_dead_lettered_and_its_batch_applied(
 
 
 def test_receiver_64_mb_reply_is_dead_lettered_unhashed_and_its_batch_applied(
-    redis_server: RedisServer, agent_db: Database, rx_db: Database, tmp_path: Path,
-    clock: FakeClock, prefix: str, monkeypatch: pytest.MonkeyPatch,
-) -> None:  # fmt: skip
+    redis_server: RedisServer,
+    agent_db: Database,
+    rx_db: Database,
+    tmp_path: Path,
+    clock: FakeClock,
+    prefix: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     client: Any = redis_server.client()
     keys = Keys(prefix)
     ids = _legit(redis_server, agent_db, clock, prefix, 1, 0)
@@ -445,9 +525,14 @@ def test_receiver_64_mb_reply_is_dead_lettered_unhashed_and_its_batch_applied(
 
 
 def test_receiver_exception_while_checking_one_reply_dead_letters_only_that_reply(
-    redis_server: RedisServer, agent_db: Database, rx_db: Database, tmp_path: Path,
-    clock: FakeClock, prefix: str, monkeypatch: pytest.MonkeyPatch,
-) -> None:  # fmt: skip
+    redis_server: RedisServer,
+    agent_db: Database,
+    rx_db: Database,
+    tmp_path: Path,
+    clock: FakeClock,
+    prefix: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     client: Any = redis_server.client()
     keys = Keys(prefix)
     ids = _legit(redis_server, agent_db, clock, prefix, 3, 0)
@@ -470,9 +555,13 @@ def test_receiver_exception_while_checking_one_reply_dead_letters_only_that_repl
 
 
 def test_receiver_retries_of_a_failing_effect_are_spaced_by_the_pause(
-    redis_server: RedisServer, agent_db: Database, rx_db: Database, tmp_path: Path,
-    clock: FakeClock, prefix: str,
-) -> None:  # fmt: skip
+    redis_server: RedisServer,
+    agent_db: Database,
+    rx_db: Database,
+    tmp_path: Path,
+    clock: FakeClock,
+    prefix: str,
+) -> None:
     (poison,) = _legit(redis_server, agent_db, clock, prefix, 1, 0)
 
     def effect(conn: sqlite3.Connection, reply: Reply) -> Any:
@@ -480,12 +569,21 @@ def test_receiver_retries_of_a_failing_effect_are_spaced_by_the_pause(
             raise RuntimeError("downstream table full")
         return record_effect(conn, reply)
 
-    config = ReceiverConfig(prefix=prefix, principal=P, consumer="r1", block_ms=20,
-                            max_deliveries=3, failed_step_pause_s=5.0)  # fmt: skip
+    config = ReceiverConfig(
+        prefix=prefix,
+        principal=P,
+        consumer="r1",
+        block_ms=20,
+        max_deliveries=3,
+        failed_step_pause_s=5.0,
+    )
     rc = Receiver(
-        config, connect(redis_server.url), ReceiptStore(rx_db, clock), effect,
+        config,
+        connect(redis_server.url),
+        ReceiptStore(rx_db, clock),
+        effect,
         keyring=reply_keyring(),
-    )  # fmt: skip
+    )
     for _ in range(3):
         rc.step()
     assert rc.stats.effect_failures == 1

@@ -365,9 +365,10 @@ def test_ingest_dead_letters_every_bad_input_class_with_its_reason(
     got = {text(f[b"dl.entry_id"]): (text(f[b"dl.reason"]), text(f[b"dl.field"])) for _, f in dead}
     assert len(dead) == len(expected)  # each once, no duplicates
     mismatches = {
-        label: got.get(eid) for eid, (label, reason, field) in expected.items()
+        label: got.get(eid)
+        for eid, (label, reason, field) in expected.items()
         if got.get(eid) != (reason, field)
-    }  # fmt: skip
+    }
     assert mismatches == {}
     assert task_counts(tasks) == {("alice", f"good-{i}"): 1 for i in range(0, len(expected), 5)}
     assert pending_total(client, keys.inbound()) == 0
@@ -429,9 +430,15 @@ def test_ingest_takes_over_a_dead_consumers_entries_after_min_idle(
     # a consumer that read 12 entries and died before storing any of them
     client.xreadgroup(INGEST_GROUP, "ingest-dead-0", {keys.inbound(): ">"}, count=12)
     heir = _ingestor(
-        client, prefix, tasks, keyring, clock, consumer="ingest-heir-0", count=5,
+        client,
+        prefix,
+        tasks,
+        keyring,
+        clock,
+        consumer="ingest-heir-0",
+        count=5,
         claim_min_idle_ms=60_000,
-    )  # fmt: skip
+    )
     assert heir.take_over() == 0  # not idle long enough yet: left alone
     assert heir.step() == 0
     assert pending_total(client, keys.inbound()) == 12
@@ -744,8 +751,10 @@ def test_ingest_busy_store_holds_the_batch_and_spends_no_delivery_count(
     db = Database(db_path, busy_timeout_ms=20)
     ingest = Ingestor(
         IngestConfig(prefix=prefix, consumer="busy-1", block_ms=50, max_deliveries=3),
-        client, TaskStore(db, clock), keyring,
-    )  # fmt: skip
+        client,
+        TaskStore(db, clock),
+        keyring,
+    )
     ingest.step()  # own pending list: empty
     holder = sqlite3.connect(str(db_path), isolation_level=None)
     holder.execute("BEGIN IMMEDIATE")  # someone else holds the write lock
@@ -774,8 +783,9 @@ def test_partitions_block_only_after_a_round_that_found_every_stream_empty(
     non-blocking; only a round that found nothing lets the next one block."""
     client = connect(redis_server.url)
     pub = Publisher(client, Keys(prefix), "alice", keyring, partitions=4)
-    ingestor = _ingestor(client, prefix, tasks, keyring, FakeClock(1_800_000_000.0),
-                         partitions=4, block_ms=400)  # fmt: skip
+    ingestor = _ingestor(
+        client, prefix, tasks, keyring, FakeClock(1_800_000_000.0), partitions=4, block_ms=400
+    )
     blocking: list[list[bool]] = []
     for reader in ingestor.readers:
         original = reader.read

@@ -33,9 +33,13 @@ def clock() -> FakeClock:
 
 
 def _ingestor(
-    server: RedisServer, prefix: str, tasks: TaskStore, keyring: Keyring, clock: FakeClock,
+    server: RedisServer,
+    prefix: str,
+    tasks: TaskStore,
+    keyring: Keyring,
+    clock: FakeClock,
     **cfg: float,
-) -> tuple[Ingestor, Any]:  # fmt: skip
+) -> tuple[Ingestor, Any]:
     client = connect(server.url)
     config = IngestConfig(prefix=prefix, consumer="ingest-t", block_ms=20, **cfg)
     return Ingestor(config, client, tasks, keyring, clock=clock), client

@@ -41,10 +41,26 @@ class Setup:
 
     def server(self) -> StdioServerParameters:
         args = [
-            "-m", "broker_adapter", "mcp", "--app", APP, "--app-dir", str(ROOT),
-            "--redis", self.url, "--prefix", self.prefix, "--keyring", str(self.keyring),
-            "--principal", "agent", "--instance", "mcp-test", "--timeout", "60",
-        ]  # fmt: skip
+            "-m",
+            "broker_adapter",
+            "mcp",
+            "--app",
+            APP,
+            "--app-dir",
+            str(ROOT),
+            "--redis",
+            self.url,
+            "--prefix",
+            self.prefix,
+            "--keyring",
+            str(self.keyring),
+            "--principal",
+            "agent",
+            "--instance",
+            "mcp-test",
+            "--timeout",
+            "60",
+        ]
         return StdioServerParameters(command=sys.executable, args=args, cwd=str(ROOT))
 
     @asynccontextmanager
@@ -69,10 +85,14 @@ def setup(
     calls_path = tmp_path / "calls.txt"
     monkeypatch.setenv("BA_TEST_CALLS", str(calls_path))
     adapter = RunningAdapter(
-        redis_url=redis_server.url, db=tmp_path / "adapter.db", keyring=keyring, prefix=prefix,
-        target=("--app", APP), app_dir=ROOT,
+        redis_url=redis_server.url,
+        db=tmp_path / "adapter.db",
+        keyring=keyring,
+        prefix=prefix,
+        target=("--app", APP),
+        app_dir=ROOT,
         extra_args=["--workers", "1", "--concurrency", "1", "--lease", "5"],
-    )  # fmt: skip
+    )
     with adapter:
         yield Setup(redis_server.url, prefix, keyring, calls_path)
 
@@ -219,9 +239,11 @@ def test_a_call_repeated_with_the_same_arguments_runs_the_handler_once(setup: Se
 
     results = run(work)
     assert [r.structuredContent for r in results] == [
-        {"restarted": "web2"}, {"restarted": "web2"}, {"restarted": "web2"},
+        {"restarted": "web2"},
+        {"restarted": "web2"},
+        {"restarted": "web2"},
         {"restarted": "web3"},
-    ]  # fmt: skip
+    ]
     assert setup.calls() == ["restart web2", "restart web3"]
 
 

@@ -35,8 +35,12 @@ def _keyring(path: Path, secret: str) -> Path:
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "broker_adapter", *args],
-        cwd=ROOT, capture_output=True, text=True, timeout=60, env=cli_env(),
-    )  # fmt: skip
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=cli_env(),
+    )
 
 
 #: The deadline of every request ``_publish`` sends.
@@ -66,9 +70,13 @@ def _publish(url: str, keyring: Path, prefix: str, message_id: str, payload: obj
 
 def _start(*args: str) -> subprocess.Popen[str]:
     return subprocess.Popen(
-        [sys.executable, "-m", "broker_adapter", *args], cwd=ROOT, stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, text=True, env=cli_env(),
-    )  # fmt: skip
+        [sys.executable, "-m", "broker_adapter", *args],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=cli_env(),
+    )
 
 
 def _stop(proc: subprocess.Popen[str]) -> str:
@@ -161,10 +169,10 @@ def test_metrics_count_what_happened_and_readyz_follows_redis(
             'ba_stream_entries_acked_total{stage="ingest"}': n + 2,
             'ba_tasks{state="done"}': n,
             'ba_tasks{state="pending"}': 0,
-            'ba_task_attempts_total': n,
+            "ba_task_attempts_total": n,
             'ba_task_outcomes_total{outcome="done"}': n,
-            'ba_stale_fence_refusals_total': 0,
-            'ba_lease_takeovers_total': 0,
+            "ba_stale_fence_refusals_total": 0,
+            "ba_lease_takeovers_total": 0,
             f'ba_handler_duration_seconds_count{{handler="{HANDLER}",task=""}}': n,
             # n answers and the conflict's answer, all sent: nothing unsent, nothing dead
             'ba_outbox_replies{state="sent"}': n + 1,
@@ -174,10 +182,13 @@ def test_metrics_count_what_happened_and_readyz_follows_redis(
             f'ba_stream_group_lag{{group="ba-ingest",{inbound}}}': 0,
             'ba_redis_data_loss_alarms_total{kind="wipe",stage="dispatcher"}': 0,
             "ba_ready": 1,
-        }  # fmt: skip
+        }
         got = _wait_counts(port, want, "the counters of what happened")
-        published = sum(v for k, v in got.items() if k.startswith("ba_reply_publish_total")
-                        and 'outcome="published"' in k)  # fmt: skip
+        published = sum(
+            v
+            for k, v in got.items()
+            if k.startswith("ba_reply_publish_total") and 'outcome="published"' in k
+        )
         assert published == n + 1, [(k, v) for k, v in got.items() if "publish" in k and v]
         assert _get(port, "/healthz") == (200, "ok\n")
         wait_for(lambda: _get(port, "/readyz") == (200, "ready\n"), "ready")
@@ -241,6 +252,7 @@ def test_metrics_port_off_by_default_serves_nothing(tmp_path: Path) -> None:
         " broker_adapter.stages.worker;"
         " print('prometheus_client' in sys.modules)"
     )
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         cwd=ROOT, timeout=60)  # fmt: skip
+    res = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60
+    )
     assert res.stdout.strip() == "False", res.stderr

@@ -82,12 +82,31 @@ def test_receive_metrics_port_answers_readyz_within_a_second_while_300_idle_conn
     keyring.chmod(0o600)
     port = free_port()
     rcv = subprocess.Popen(
-        [sys.executable, "-m", "broker_adapter", "receive", "--redis", redis_server.url,
-         "--db", str(tmp_path / "r.db"), "--principal", "alice", "--prefix", prefix,
-         "--keyring", str(keyring), "--metrics-port", str(port)],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=cli_env(),
+        [
+            sys.executable,
+            "-m",
+            "broker_adapter",
+            "receive",
+            "--redis",
+            redis_server.url,
+            "--db",
+            str(tmp_path / "r.db"),
+            "--principal",
+            "alice",
+            "--prefix",
+            prefix,
+            "--keyring",
+            str(keyring),
+            "--metrics-port",
+            str(port),
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=cli_env(),
         preexec_fn=_descriptors_limited,
-    )  # fmt: skip
+    )
     try:
         wait_for(lambda: _ready(port), "the receiver's /readyz")
         with ExitStack() as stack:

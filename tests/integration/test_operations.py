@@ -33,9 +33,13 @@ N = 4  # plain tasks
 def _start(log: IO[str], *args: str, **env: str) -> subprocess.Popen[str]:
     """The CLI with its whole output in ``log`` (a pipe could fill and stall it)."""
     return subprocess.Popen(
-        [sys.executable, "-m", "broker_adapter", *args], cwd=ROOT, stdout=log,
-        stderr=subprocess.STDOUT, text=True, env=cli_env(**env),
-    )  # fmt: skip
+        [sys.executable, "-m", "broker_adapter", *args],
+        cwd=ROOT,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=cli_env(**env),
+    )
 
 
 def _stop(proc: subprocess.Popen[str]) -> None:
@@ -59,10 +63,28 @@ def test_counters_health_and_log_of_a_troubled_run(
     port = free_port()
     with run_log.open("w") as out:
         run = _start(
-            out, "-v", "run", "--redis", url, "--db", str(db), "--handler", HANDLER,
-            "--workers", "2", "--keyring", str(keyring), "--prefix", prefix, "--lease", "5",
-            "--metrics-port", str(port), "--log-format", "json",
-        )  # fmt: skip
+            out,
+            "-v",
+            "run",
+            "--redis",
+            url,
+            "--db",
+            str(db),
+            "--handler",
+            HANDLER,
+            "--workers",
+            "2",
+            "--keyring",
+            str(keyring),
+            "--prefix",
+            prefix,
+            "--lease",
+            "5",
+            "--metrics-port",
+            str(port),
+            "--log-format",
+            "json",
+        )
     try:
         # A worker takes the held task and is SIGKILLed in its handler: its lease runs
         # out, the task runs again elsewhere (attempt 2) and is done.
@@ -99,10 +121,13 @@ def test_counters_health_and_log_of_a_troubled_run(
             'ba_outbox_replies{state="dead"}': 0,
             "ba_outbox_oldest_unsent_age_seconds": 0,
             "ba_ready": 1,
-        }  # fmt: skip
+        }
         got = _wait_counts(port, want, "the adapter's counters")
-        published = sum(v for k, v in got.items() if k.startswith("ba_reply_publish_total")
-                        and 'outcome="published"' in k)  # fmt: skip
+        published = sum(
+            v
+            for k, v in got.items()
+            if k.startswith("ba_reply_publish_total") and 'outcome="published"' in k
+        )
         assert published == stored + 1
         _receive_with_a_lost_ack(fresh_redis, rdb, keyring, prefix, tmp_path, stored + 1)
         # Redis away: not ready, alive all the same; back: ready again.
@@ -124,8 +149,21 @@ def _receive_with_a_lost_ack(
     """A receiver SIGKILLed after its first commit, before its XACK; the next one replays
     those entries from its own pending list and skips them as duplicates, as it skips a
     copy of a reply entry."""
-    args = ["receive", "--redis", server.url, "--db", str(rdb), "--principal", "alice",
-            "--prefix", prefix, "--keyring", str(keyring), "--log-format", "json"]  # fmt: skip
+    args = [
+        "receive",
+        "--redis",
+        server.url,
+        "--db",
+        str(rdb),
+        "--principal",
+        "alice",
+        "--prefix",
+        prefix,
+        "--keyring",
+        str(keyring),
+        "--log-format",
+        "json",
+    ]
     with (tmp / "receive-1.log").open("w") as out:
         first = _start(out, *args, BA_CRASHPOINT="receiver.after_commit")
     assert first.wait(timeout=60) == -signal.SIGKILL
@@ -177,8 +215,12 @@ def _check_run_log(path: Path, db: Path) -> None:
     assert ("conflict", None) in moves["m1"]
     assert len(task_of) == N + 2
     assert moves["held"] == [
-        ("accepted", None), ("claimed", 1), ("lease_expired", 1), ("claimed", 2), ("done", 2),
-    ]  # fmt: skip
+        ("accepted", None),
+        ("claimed", 1),
+        ("lease_expired", 1),
+        ("claimed", 2),
+        ("done", 2),
+    ]
     assert moves["bad"] == [("accepted", None), ("claimed", 1), ("failed", 1)]
     (failure,) = [x for x in lines if x["level"] == "ERROR" and x.get("message_id") == "bad"]
     assert "Traceback (most recent call last)" in failure["exc"]

@@ -31,8 +31,12 @@ FAKE = {"USER": "mallory-not-me", "LOGNAME": "mallory-not-me"}
 def _cli(*args: str) -> Any:
     return subprocess.run(
         [sys.executable, "-m", "broker_adapter", *args],
-        cwd=ROOT, capture_output=True, text=True, env=cli_env(**FAKE), timeout=60,
-    )  # fmt: skip
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env=cli_env(**FAKE),
+        timeout=60,
+    )
 
 
 def test_cancel_records_who_ran_it_with_the_real_os_user(tmp_path: Path) -> None:
@@ -65,9 +69,24 @@ def test_expires_in_and_interval_are_bounded(tmp_path: Path) -> None:
     open_database(path).close()
 
     def approve(seconds: str) -> Any:
-        return _cli("approve", "--db", str(path), "apply", "--target", "web1", "--scope", "s",
-                    "--principal", "alice", "--arguments", "{}",
-                    "--expires-in", seconds, "--by", "carol")  # fmt: skip
+        return _cli(
+            "approve",
+            "--db",
+            str(path),
+            "apply",
+            "--target",
+            "web1",
+            "--scope",
+            "s",
+            "--principal",
+            "alice",
+            "--arguments",
+            "{}",
+            "--expires-in",
+            seconds,
+            "--by",
+            "carol",
+        )
 
     for bad in ("inf", "nan", "0", "-1", str(MAX_APPROVAL_S + 1)):
         res = approve(bad)

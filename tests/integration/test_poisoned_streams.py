@@ -46,10 +46,26 @@ def _ingestor(
 
 def _repair_cli(server: RedisServer, prefix: str, stream: str, *more: str) -> Any:
     return subprocess.run(
-        [sys.executable, "-m", "broker_adapter", "streams", "repair", "--redis", server.url,
-         "--prefix", prefix, "--stream", stream, *more],
-        cwd=ROOT, capture_output=True, text=True, env=cli_env(), timeout=60,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "broker_adapter",
+            "streams",
+            "repair",
+            "--redis",
+            server.url,
+            "--prefix",
+            prefix,
+            "--stream",
+            stream,
+            *more,
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env=cli_env(),
+        timeout=60,
+    )
 
 
 def test_the_largest_id_stops_publishing_until_streams_repair_and_intake_goes_on(
@@ -120,9 +136,13 @@ def test_streams_repair_refuses_bad_input(redis_server: RedisServer, prefix: str
 
 
 def test_an_id_in_the_future_raises_the_alarm_and_trimming_goes_on(
-    redis_server: RedisServer, prefix: str, tasks: TaskStore, keyring: Keyring,
-    clock: FakeClock, caplog: pytest.LogCaptureFixture,
-) -> None:  # fmt: skip
+    redis_server: RedisServer,
+    prefix: str,
+    tasks: TaskStore,
+    keyring: Keyring,
+    clock: FakeClock,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     clock.set(time.time())
     ingestor, client = _ingestor(redis_server, prefix, tasks, keyring, clock)
     keys = Keys(prefix)

@@ -31,19 +31,48 @@ ROOT = Path(__file__).resolve().parents[2]
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "broker_adapter", *args],
-        cwd=ROOT, capture_output=True, text=True, timeout=60, env=cli_env(),
-    )  # fmt: skip
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=cli_env(),
+    )
 
 
 def _start_run(
     redis_url: str, db: str, keyring: Path, prefix: str, name: str
 ) -> subprocess.Popen[str]:
     return subprocess.Popen(
-        [sys.executable, "-m", "broker_adapter", "run", "--redis", redis_url, "--db", db,
-         "--handler", "broker_adapter.examples:echo", "--workers", "2", "--keyring", str(keyring),
-         "--prefix", prefix, "--name", name, "--lease", "2", "--claim-min-idle-ms", "1000"],
-        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, text=True, env=cli_env(),
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "broker_adapter",
+            "run",
+            "--redis",
+            redis_url,
+            "--db",
+            db,
+            "--handler",
+            "broker_adapter.examples:echo",
+            "--workers",
+            "2",
+            "--keyring",
+            str(keyring),
+            "--prefix",
+            prefix,
+            "--name",
+            name,
+            "--lease",
+            "2",
+            "--claim-min-idle-ms",
+            "1000",
+        ],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env=cli_env(),
+    )
 
 
 def _count(url: str, sql: str) -> int:
@@ -70,10 +99,23 @@ DEADLINE = time.time() + 3600
 
 def _publish(redis_url: str, keyring: Path, prefix: str, ids: range) -> None:
     for i in ids:
-        res = _cli("publish", "--redis", redis_url, "--principal", "alice", "--keyring",
-                   str(keyring), "--prefix", prefix, "--id", f"m{i}",
-                   "--payload", json.dumps({"i": i}),
-                   "--deadline", repr(DEADLINE))  # fmt: skip
+        res = _cli(
+            "publish",
+            "--redis",
+            redis_url,
+            "--principal",
+            "alice",
+            "--keyring",
+            str(keyring),
+            "--prefix",
+            prefix,
+            "--id",
+            f"m{i}",
+            "--payload",
+            json.dumps({"i": i}),
+            "--deadline",
+            repr(DEADLINE),
+        )
         assert res.returncode == 0, res.stderr
 
 
@@ -111,16 +153,30 @@ def test_two_adapters_on_one_postgres_database_answer_each_request_once(
     assert _count(pg_url, "SELECT count(*) FROM inbox") == n + 10
     assert _count(pg_url, "SELECT sum(duplicates) FROM inbox") >= 5
     assert _count(pg_url, "SELECT count(*) FROM tasks WHERE state <> 'done'") == 0
-    status = _cli("status", "--db", pg_url, "--redis", redis_server.url, "--prefix", prefix,
-                  "--json")  # fmt: skip
+    status = _cli(
+        "status", "--db", pg_url, "--redis", redis_server.url, "--prefix", prefix, "--json"
+    )
     assert status.returncode == 0, status.stderr
     report = json.loads(status.stdout)
     assert report["received"]["inbox"] == n + 10
     assert report["terminal"]["done"] == report["delivery"]["sent"] == n + 10
     assert report["processing"]["running"] == 0
     # The receiver keeps its receipts in PostgreSQL too (its own schema here).
-    res = _cli("receive", "--redis", redis_server.url, "--db", pg_url, "--principal", "alice",
-               "--prefix", prefix, "--until-idle", "1.5", "--keyring", str(keyring))  # fmt: skip
+    res = _cli(
+        "receive",
+        "--redis",
+        redis_server.url,
+        "--db",
+        pg_url,
+        "--principal",
+        "alice",
+        "--prefix",
+        prefix,
+        "--until-idle",
+        "1.5",
+        "--keyring",
+        str(keyring),
+    )
     assert res.returncode == 0, res.stderr
     assert _count(pg_url, "SELECT count(*) FROM receipts") == n + 10
     assert _count(pg_url, "SELECT count(DISTINCT reply_id) FROM receipts") == n + 10
@@ -191,12 +247,36 @@ def _start_effects_run(
     redis_url: str, db: str, keyring: Path, prefix: str, name: str, handler: str
 ) -> subprocess.Popen[str]:
     return subprocess.Popen(
-        [sys.executable, "-m", "broker_adapter", "run", "--redis", redis_url, "--db", db,
-         "--handler", f"tests.support.effect_handlers:{handler}", "--workers", "1",
-         "--keyring", str(keyring), "--prefix", prefix, "--name", name, "--lease", "2",
-         "--claim-min-idle-ms", "1000"],
-        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, text=True, env=cli_env(),
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "broker_adapter",
+            "run",
+            "--redis",
+            redis_url,
+            "--db",
+            db,
+            "--handler",
+            f"tests.support.effect_handlers:{handler}",
+            "--workers",
+            "1",
+            "--keyring",
+            str(keyring),
+            "--prefix",
+            prefix,
+            "--name",
+            name,
+            "--lease",
+            "2",
+            "--claim-min-idle-ms",
+            "1000",
+        ],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env=cli_env(),
+    )
 
 
 def _reply_of(url: str, message_id: str) -> dict[str, Any]:
@@ -218,12 +298,23 @@ def test_run_on_postgres_reconciles_an_effect_whose_answer_was_lost_once(
     task ``done`` with what it found. The effect happened once; the reply says how."""
     with FakeTarget(tmp_path / "target", idempotent=False) as target:
         payload = {"target": target.url, "value": 1, "hang_after": True}
-        sent = _cli("publish", "--redis", redis_server.url, "--principal", "alice",
-                    "--keyring", str(keyring), "--prefix", prefix, "--id", "apply-1",
-                    "--payload", json.dumps(payload))  # fmt: skip
+        sent = _cli(
+            "publish",
+            "--redis",
+            redis_server.url,
+            "--principal",
+            "alice",
+            "--keyring",
+            str(keyring),
+            "--prefix",
+            prefix,
+            "--id",
+            "apply-1",
+            "--payload",
+            json.dumps(payload),
+        )
         assert sent.returncode == 0, sent.stderr
-        a = _start_effects_run(redis_server.url, pg_url, keyring, prefix, "host-a",
-                               "irreversible")  # fmt: skip
+        a = _start_effects_run(redis_server.url, pg_url, keyring, prefix, "host-a", "irreversible")
         try:
             wait_for(lambda: len(target.effects()) == 1, "the effect to reach the target")
             started = "SELECT count(*) FROM tasks WHERE effect_fence = fence AND state = 'running'"
@@ -231,8 +322,7 @@ def test_run_on_postgres_reconciles_an_effect_whose_answer_was_lost_once(
         finally:
             a.kill()  # host A dies with the effect's answer
             a.wait(timeout=30)
-        b = _start_effects_run(redis_server.url, pg_url, keyring, prefix, "host-b",
-                               "irreversible")  # fmt: skip
+        b = _start_effects_run(redis_server.url, pg_url, keyring, prefix, "host-b", "irreversible")
         try:
             wait_for(
                 lambda: _count(pg_url, "SELECT count(*) FROM outbox WHERE state = 'sent'") == 1,
@@ -261,8 +351,21 @@ def test_a_cancel_of_a_running_task_on_postgres_is_a_request_its_handler_sees(
     """``broker-adapter cancel`` of a running task on PostgreSQL records a request: the
     handler sees it at its next check and stops, and the task ends ``cancelled`` with a
     reply saying what was done."""
-    sent = _cli("publish", "--redis", redis_server.url, "--principal", "alice", "--keyring",
-                str(keyring), "--prefix", prefix, "--id", "long-1", "--payload", "{}")  # fmt: skip
+    sent = _cli(
+        "publish",
+        "--redis",
+        redis_server.url,
+        "--principal",
+        "alice",
+        "--keyring",
+        str(keyring),
+        "--prefix",
+        prefix,
+        "--id",
+        "long-1",
+        "--payload",
+        "{}",
+    )
     assert sent.returncode == 0, sent.stderr
     run = _start_effects_run(redis_server.url, pg_url, keyring, prefix, "host-a", "cancellable")
     try:
@@ -297,9 +400,26 @@ def test_the_effect_commands_work_on_a_postgres_database(pg_url: str) -> None:
     from broker_adapter.store.effects import EffectsStore
     from tests.support.store_script import item, open_any, stores
 
-    granted = _cli("approve", "restart", "--target", "web1", "--scope", "prod",
-                   "--principal", "agent-a", "--arguments", '{"server": "web1"}', "--uses", "2",
-                   "--expires-in", "60", "--db", pg_url, "--by", "alice")  # fmt: skip
+    granted = _cli(
+        "approve",
+        "restart",
+        "--target",
+        "web1",
+        "--scope",
+        "prod",
+        "--principal",
+        "agent-a",
+        "--arguments",
+        '{"server": "web1"}',
+        "--uses",
+        "2",
+        "--expires-in",
+        "60",
+        "--db",
+        pg_url,
+        "--by",
+        "alice",
+    )
     assert granted.returncode == 0, granted.stderr
     approval_id = json.loads(granted.stdout)["approval_id"]
     revoked = _cli("revoke", approval_id, "--db", pg_url, "--by", "alice")
@@ -311,8 +431,18 @@ def test_the_effect_commands_work_on_a_postgres_database(pg_url: str) -> None:
         fx = EffectsStore(s.tasks)
         fx.mark_effect_started(task.task_id, "w1", task.fence)
         fx.to_unknown(task.task_id, "w1", task.fence, "timed out")
-    answered = _cli("reconcile", task.task_id, "--outcome", "done", "--result", '{"ok": 1}',
-                    "--db", pg_url, "--by", "alice")  # fmt: skip
+    answered = _cli(
+        "reconcile",
+        task.task_id,
+        "--outcome",
+        "done",
+        "--result",
+        '{"ok": 1}',
+        "--db",
+        pg_url,
+        "--by",
+        "alice",
+    )
     assert answered.returncode == 0, answered.stderr
     assert json.loads(answered.stdout) == {"task_id": task.task_id, "state": "done"}
     with psycopg.connect(pg_url) as conn:

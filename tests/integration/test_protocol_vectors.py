@@ -112,8 +112,11 @@ def test_protocol_fingerprint_vectors_are_one_content(group: dict[str, Any]) -> 
         assert Envelope.from_json(env).fingerprint() == group["fingerprint"], env
     # the deadline and max_attempts are content: changing either makes another request
     first = Envelope.from_json(group["envs"][0])
-    for change in ({"deadline": first.deadline + 1}, {"deadline": first.deadline - 0.5},
-                   {"max_attempts": first.max_attempts % 10 + 1}):  # fmt: skip
+    for change in (
+        {"deadline": first.deadline + 1},
+        {"deadline": first.deadline - 0.5},
+        {"max_attempts": first.max_attempts % 10 + 1},
+    ):
         assert first.replace(**change).fingerprint() != group["fingerprint"], change
     assert first.replace(hops=first.hops + 1).fingerprint() == group["fingerprint"]
 
@@ -130,9 +133,14 @@ def _plain_reply_sign(secret: bytes, kid: str, principal: str, reply_id: str, bo
 
 def _reply_fields(vector: dict[str, str]) -> dict[bytes, bytes]:
     body = vector["body"].encode("utf-8")
-    return {b"v": b"2", b"reply_id": vector["reply_id"].encode(),
-            b"hash": hashlib.sha256(body).hexdigest().encode(), b"body": body,
-            b"kid": vector["kid"].encode(), b"sig": vector["sig"].encode()}  # fmt: skip
+    return {
+        b"v": b"2",
+        b"reply_id": vector["reply_id"].encode(),
+        b"hash": hashlib.sha256(body).hexdigest().encode(),
+        b"body": body,
+        b"kid": vector["kid"].encode(),
+        b"sig": vector["sig"].encode(),
+    }
 
 
 @pytest.mark.parametrize("vector", load_reply_vectors(), ids=lambda v: v["name"])
@@ -143,8 +151,10 @@ def test_protocol_reply_vector_verifies(vector: dict[str, str]) -> None:
     assert _plain_reply_sign(secret, kid, principal, vector["reply_id"], body) == vector["sig"]
     ring = _keyring(load_reply_vectors())
     assert reply_signature(secret, kid, principal, vector["reply_id"], body) == vector["sig"]
-    assert ring.verify_reply(principal, vector["reply_id"], body, kid.encode(),
-                             vector["sig"].encode()) == kid  # fmt: skip
+    assert (
+        ring.verify_reply(principal, vector["reply_id"], body, kid.encode(), vector["sig"].encode())
+        == kid
+    )
     item = parse_entry(_reply_fields(vector), principal, "1-0", keyring=ring)
     assert (item.reply_id, item.principal, item.body) == (vector["reply_id"], principal, body)
     # the same bytes under the request domain are another signature
@@ -163,8 +173,9 @@ def test_protocol_reply_vectors_written_by_a_plain_client_are_applied(
         raw.xadd(stream, _reply_fields(v))  # type: ignore[arg-type]
     config = ReceiverConfig(prefix=prefix, principal="alice", consumer="vectors", block_ms=20)
     receipts = ReceiptStore(open_database(tmp_path / "rx.db"), clock)
-    receiver = Receiver(config, connect(redis_server.url), receipts, keyring=_keyring(vectors),
-                        clock=clock)  # fmt: skip
+    receiver = Receiver(
+        config, connect(redis_server.url), receipts, keyring=_keyring(vectors), clock=clock
+    )
     for _ in range(5):
         receiver.step()
     assert sorted(r.reply_id for r in receipts.list()) == sorted(v["reply_id"] for v in vectors)

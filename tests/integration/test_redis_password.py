@@ -40,10 +40,22 @@ def user(redis_server: RedisServer) -> str:
 
 def _functions_load(server: RedisServer, name: str, *more: str, **env: str) -> Any:
     return subprocess.run(
-        [sys.executable, "-m", "broker_adapter", "functions", "load", "--redis",
-         f"redis://{name}@127.0.0.1:{server.port}/0", *more],
-        cwd=ROOT, capture_output=True, text=True, env=cli_env(**env), timeout=60,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "broker_adapter",
+            "functions",
+            "load",
+            "--redis",
+            f"redis://{name}@127.0.0.1:{server.port}/0",
+            *more,
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env=cli_env(**env),
+        timeout=60,
+    )
 
 
 def test_the_password_comes_from_the_environment_or_a_file(

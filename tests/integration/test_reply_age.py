@@ -50,9 +50,15 @@ def test_receiver_refuses_a_replayed_reply_older_than_its_window_and_applies_not
     assert dispatcher_for(redis_server.url, agent_db, clock, prefix, "d1").step() == 1
     (_, captured), *_ = client.xrange(keys.replies(P))  # what an attacker copies
     rc = receiver_for(
-        redis_server.url, rx_db, clock, prefix, P, "r1",
-        retention_s=RETENTION_S, max_reply_age_s=MAX_AGE_S,
-    )  # fmt: skip
+        redis_server.url,
+        rx_db,
+        clock,
+        prefix,
+        P,
+        "r1",
+        retention_s=RETENTION_S,
+        max_reply_age_s=MAX_AGE_S,
+    )
     assert drain(rc) == 1
     assert effect_counts(rx_path) == {reply_id: 1}
 
@@ -88,9 +94,15 @@ def test_receiver_refuses_a_reply_just_past_its_window(
     assert dispatcher_for(redis_server.url, agent_db, clock, prefix, "d1").step() == 1
     clock.advance(MAX_AGE_S + 0.001)  # published, not yet read: now too old
     rc = receiver_for(
-        redis_server.url, rx_db, clock, prefix, P, "r1",
-        retention_s=RETENTION_S, max_reply_age_s=MAX_AGE_S,
-    )  # fmt: skip
+        redis_server.url,
+        rx_db,
+        clock,
+        prefix,
+        P,
+        "r1",
+        retention_s=RETENTION_S,
+        max_reply_age_s=MAX_AGE_S,
+    )
     assert drain(rc) == 0
     assert effect_counts(rx_path) == {}
     assert _dead_reasons(client, keys.replies_dead(P)) == [b"stale"]

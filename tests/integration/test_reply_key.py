@@ -22,17 +22,26 @@ NEWEST, OLDER = list(REPLY_KEYS[P])  # the adapter's first key, and the one befo
 
 
 def _kids(
-    redis_server: RedisServer, db: Database, clock: FakeClock, prefix: str,
+    redis_server: RedisServer,
+    db: Database,
+    clock: FakeClock,
+    prefix: str,
     request_kids: list[str | None],
-) -> list[str]:  # fmt: skip
+) -> list[str]:
     """Accept one request per entry of ``request_kids`` (the key it verified with), finish
     each, publish the replies; the ``kid`` of each reply entry, in order."""
     tasks = TaskStore(db, clock)
     items = [
-        AcceptItem(P, Envelope.build(message_id=f"m{i}", sender=P, payload={"i": i},
-                                     deadline=clock.now() + 3600), None, kid)
+        AcceptItem(
+            P,
+            Envelope.build(
+                message_id=f"m{i}", sender=P, payload={"i": i}, deadline=clock.now() + 3600
+            ),
+            None,
+            kid,
+        )
         for i, kid in enumerate(request_kids)
-    ]  # fmt: skip
+    ]
     order = [r.task_id for r in tasks.accept(items)]
     for t in tasks.claim("worker", len(items)):
         tasks.finish(t.task_id, "worker", t.fence, {"ok": True})

@@ -61,18 +61,30 @@ def _forged(
     signed with ``secret`` under ``kid`` (or by ``sign(body)``)."""
     made = FakeClock().now()  # the receivers' clock: within their window
     body = canonical_json(
-        {"reply_id": reply_id, "principal": P, "status": "done", "result": {"forged": True},
-         "finished_at": made}
-    )  # fmt: skip
+        {
+            "reply_id": reply_id,
+            "principal": P,
+            "status": "done",
+            "result": {"forged": True},
+            "finished_at": made,
+        }
+    )
     sig = sign(body) if sign else reply_signature(secret, kid, P, reply_id, body)
-    return {b"v": b"2", b"reply_id": reply_id.encode(), b"hash": sha256_hex(body).encode(),
-            b"body": body, b"kid": kid.encode(), b"sig": sig.encode()}  # fmt: skip
+    return {
+        b"v": b"2",
+        b"reply_id": reply_id.encode(),
+        b"hash": sha256_hex(body).encode(),
+        b"body": body,
+        b"kid": kid.encode(),
+        b"sig": sig.encode(),
+    }
 
 
 def _conflict_answer(db: Database, clock: FakeClock) -> str:
     """Reuse ``m0`` with other content: the adapter writes a conflict answer; its id."""
-    env = Envelope.build(message_id="m0", sender=P, payload={"i": "other"},
-                         deadline=clock.now() + 86_400)  # fmt: skip
+    env = Envelope.build(
+        message_id="m0", sender=P, payload={"i": "other"}, deadline=clock.now() + 86_400
+    )
     (res,) = TaskStore(db, clock).accept([AcceptItem(P, env)])
     assert res.reply_id is not None
     assert res.reply_id.startswith("c-")
@@ -132,18 +144,22 @@ def test_forged_replies_published_first_are_refused_and_the_real_ones_applied_on
         # a request signature (domain ba.v1) over the body, with alice's real key
         (lambda body: signature(ALICE_SECRET, ALICE_KID, body), "bad_signature"),
         # alice's real key, but signed for another stream (principal bob)
-        (lambda body: reply_signature(ALICE_SECRET, ALICE_KID, "bob", "r-1", body),
-         "bad_signature"),
+        (
+            lambda body: reply_signature(ALICE_SECRET, ALICE_KID, "bob", "r-1", body),
+            "bad_signature",
+        ),
         # alice's real key, signed for another reply id
         (lambda body: reply_signature(ALICE_SECRET, ALICE_KID, P, "r-2", body), "bad_signature"),
         # the right signature, upper-case hex: not the form the protocol defines
-        (lambda body: reply_signature(ALICE_SECRET, ALICE_KID, P, "r-1", body).upper(),
-         "bad_signature"),
+        (
+            lambda body: reply_signature(ALICE_SECRET, ALICE_KID, P, "r-1", body).upper(),
+            "bad_signature",
+        ),
         # the right signature: applied (the control case, so that the others can fail)
         (lambda body: reply_signature(ALICE_SECRET, ALICE_KID, P, "r-1", body), None),
     ],
     ids=["request-signature", "other-stream", "other-reply-id", "upper-hex", "genuine"],
-)  # fmt: skip
+)
 def test_reply_signature_made_for_anything_else_is_refused(
     redis_server: RedisServer,
     rx_db: Database,
@@ -186,8 +202,9 @@ def test_key_rotation_old_key_verifies_and_a_resend_under_the_new_key_is_a_dupli
     assert effect_counts(rx_path) == dict.fromkeys(ids, 1)
 
     # rotated: the new key signs first. A resend finds the record: nothing is added ...
-    rotated = Dispatcher(DispatcherConfig(prefix=prefix, owner="d-new"), client, outbox,
-                         keyring=reply_keyring())  # fmt: skip
+    rotated = Dispatcher(
+        DispatcherConfig(prefix=prefix, owner="d-new"), client, outbox, keyring=reply_keyring()
+    )
     assert outbox.requeue_sent(None) == 2
     assert rotated.step() == 2
     assert rotated.stats.already_published == 2
@@ -205,10 +222,17 @@ def test_key_rotation_old_key_verifies_and_a_resend_under_the_new_key_is_a_dupli
 
     # once the old key is removed from the receiver's keyring, its entries are refused
     new_only = Keyring({P: {ALICE_KID: REPLY_KEYS[P][ALICE_KID]}})
-    config_rx = ReceiverConfig(prefix=prefix, principal=P, consumer="r2", block_ms=20,
-                               group="fresh-group")  # fmt: skip
-    fresh = Receiver(config_rx, connect(redis_server.url), ReceiptStore(rx_db, clock),
-                     record_effect, keyring=new_only, clock=clock)  # fmt: skip
+    config_rx = ReceiverConfig(
+        prefix=prefix, principal=P, consumer="r2", block_ms=20, group="fresh-group"
+    )
+    fresh = Receiver(
+        config_rx,
+        connect(redis_server.url),
+        ReceiptStore(rx_db, clock),
+        record_effect,
+        keyring=new_only,
+        clock=clock,
+    )
     drain(fresh)
     assert [r for _, r in _dead_reasons(redis_server, prefix)] == ["unknown_key"] * 2
 
@@ -232,8 +256,11 @@ def test_every_publish_path_signs_wipe_resend_and_operator_replay(
     fresh_redis.client().flushall()  # a wipe: the dispatcher re-sends what it had sent
     assert d.watch().event is LossEvent.WIPE
     assert d.step() == 2
-    operator = Dispatcher(DispatcherConfig(prefix=prefix, owner="replay-op"),
-                          connect(fresh_redis.url), OutboxStore(agent_db, clock))  # fmt: skip
+    operator = Dispatcher(
+        DispatcherConfig(prefix=prefix, owner="replay-op"),
+        connect(fresh_redis.url),
+        OutboxStore(agent_db, clock),
+    )
     with pytest.raises(ConfigError, match="no keyring"):
         operator.claim()
     assert outbox.counts()["sending"] == 0  # it claimed nothing it could not publish

@@ -156,10 +156,12 @@ def test_the_runner_gives_workers_and_dispatcher_the_same_record_window(tmp_path
     keyring = tmp_path / "keys.json"
     write_keyring(keyring)
     config = AdapterConfig(
-        redis_url="redis://127.0.0.1:1/0", db_path=tmp_path / "a.db",
+        redis_url="redis://127.0.0.1:1/0",
+        db_path=tmp_path / "a.db",
         handler="broker_adapter.examples:echo",
-        keyring_path=keyring, retention_s=5.0,
-    )  # fmt: skip
+        keyring_path=keyring,
+        retention_s=5.0,
+    )
     runner = Adapter(config)
     assert runner._worker_config(0).record_ttl_s == 5.0
     assert runner._dispatcher_config().record_window_s == 5.0

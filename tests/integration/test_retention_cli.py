@@ -38,9 +38,23 @@ pytestmark = pytest.mark.integration
 
 
 def _publish(url: str, keyring: Path, prefix: str, mid: str, deadline_in: float) -> None:
-    res = _cli("publish", "--redis", url, "--principal", "alice", "--keyring", str(keyring),
-               "--prefix", prefix, "--id", mid, "--payload", "{}",
-               "--deadline-in", str(deadline_in))  # fmt: skip
+    res = _cli(
+        "publish",
+        "--redis",
+        url,
+        "--principal",
+        "alice",
+        "--keyring",
+        str(keyring),
+        "--prefix",
+        prefix,
+        "--id",
+        mid,
+        "--payload",
+        "{}",
+        "--deadline-in",
+        str(deadline_in),
+    )
     assert res.returncode == 0, res.stderr
 
 
@@ -57,25 +71,69 @@ def test_run_and_receive_take_the_retention_from_the_environment_and_flag_and_pu
     # four, then forgets them.
     started = time.monotonic()
     receiver = subprocess.Popen(
-        [sys.executable, "-m", "broker_adapter", "receive", "--redis", url, "--db", str(rdb),
-         "--principal", "alice", "--prefix", prefix, "--keyring", str(keyring),
-         "--retention", "1", "--until-idle", str(PURGE_EVERY_S + 3)],
-        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=_env(),
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "broker_adapter",
+            "receive",
+            "--redis",
+            url,
+            "--db",
+            str(rdb),
+            "--principal",
+            "alice",
+            "--prefix",
+            prefix,
+            "--keyring",
+            str(keyring),
+            "--retention",
+            "1",
+            "--until-idle",
+            str(PURGE_EVERY_S + 3),
+        ],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=_env(),
+    )
     proc = subprocess.Popen(
-        [sys.executable, "-m", "broker_adapter", "run", "--redis", url, "--db", str(db),
-         "--handler", "broker_adapter.examples:echo", "--workers", "1", "--keyring", str(keyring),
-         "--prefix", prefix],
-        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, text=True,
+        [
+            sys.executable,
+            "-m",
+            "broker_adapter",
+            "run",
+            "--redis",
+            url,
+            "--db",
+            str(db),
+            "--handler",
+            "broker_adapter.examples:echo",
+            "--workers",
+            "1",
+            "--keyring",
+            str(keyring),
+            "--prefix",
+            prefix,
+        ],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        text=True,
         env=_env(BA_RETENTION_S="3"),
-    )  # fmt: skip
+    )
     try:
-        _wait_for(lambda: _count(db, "SELECT count(*) FROM outbox WHERE state = 'sent'") == 4,
-                  "the four replies sent")  # fmt: skip
+        _wait_for(
+            lambda: _count(db, "SELECT count(*) FROM outbox WHERE state = 'sent'") == 4,
+            "the four replies sent",
+        )
         assert _count(db, "SELECT count(*) FROM inbox WHERE message_id = 'far'") == 0
         # Past the window (3 s after the replies were sent), the purge forgets them all.
-        _wait_for(lambda: _count(db, "SELECT count(*) FROM tasks") == 0, "the purge",
-                  timeout_s=3 + 2 * PURGE_EVERY_S + 20)  # fmt: skip
+        _wait_for(
+            lambda: _count(db, "SELECT count(*) FROM tasks") == 0,
+            "the purge",
+            timeout_s=3 + 2 * PURGE_EVERY_S + 20,
+        )
         assert _count(db, "SELECT count(*) FROM inbox") == 0
         assert _count(db, "SELECT count(*) FROM outbox") == 0
     finally:

@@ -54,16 +54,26 @@ def polite(task: Task) -> Any:
         return client.apply(task.payload["what"], key=task.effect_key("apply"))
     except TargetError as exc:
         if exc.status == 429 and exc.retry_after is not None:
-            raise RetryableError("the target answered 429",
-                                 retry_after_s=float(exc.retry_after)) from None  # fmt: skip
+            raise RetryableError(
+                "the target answered 429", retry_after_s=float(exc.retry_after)
+            ) from None
         raise
 
 
-def submit(tasks: TaskStore, target: FakeTargetClient, *, deadline_in: float = 3600.0,
-           max_attempts: int = 3) -> str:  # fmt: skip
-    envelope = Envelope.build(message_id="m1", sender="agent-a", deadline=T0 + deadline_in,
-                              max_attempts=max_attempts,
-                              payload={"target": target.url, "what": "charge"})  # fmt: skip
+def submit(
+    tasks: TaskStore,
+    target: FakeTargetClient,
+    *,
+    deadline_in: float = 3600.0,
+    max_attempts: int = 3,
+) -> str:
+    envelope = Envelope.build(
+        message_id="m1",
+        sender="agent-a",
+        deadline=T0 + deadline_in,
+        max_attempts=max_attempts,
+        payload={"target": target.url, "what": "charge"},
+    )
     (result,) = tasks.accept([AcceptItem("agent-a", envelope)])
     assert isinstance(result.task_id, str)
     return result.task_id

@@ -45,8 +45,12 @@ def _rows(db: Path, sql: str, params: tuple[Any, ...] = ()) -> list[sqlite3.Row]
 
 def _sent(db: Path, like: str) -> int:
     """Tasks of message ids ``LIKE like`` that are terminal with their reply published."""
-    rows = _rows(db, "SELECT count(*) FROM tasks t JOIN outbox o ON o.task_id = t.task_id"
-                 " WHERE t.message_id LIKE ? AND o.state = 'sent'", (like,))  # fmt: skip
+    rows = _rows(
+        db,
+        "SELECT count(*) FROM tasks t JOIN outbox o ON o.task_id = t.task_id"
+        " WHERE t.message_id LIKE ? AND o.state = 'sent'",
+        (like,),
+    )
     return int(rows[0][0]) if rows else 0
 
 
@@ -61,12 +65,32 @@ def adapter(
     db, calls_file, log = tmp_path / "adapter.db", tmp_path / "calls.jsonl", tmp_path / "run.log"
     with log.open("w") as out:
         run = subprocess.Popen(
-            [sys.executable, "-m", "broker_adapter", "run", "--redis", redis_server.url,
-             "--db", str(db), "--app", APP, "--workers", "2", "--concurrency", "8",
-             "--keyring", str(keyring_path), "--prefix", prefix],
-            cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, text=True,
+            [
+                sys.executable,
+                "-m",
+                "broker_adapter",
+                "run",
+                "--redis",
+                redis_server.url,
+                "--db",
+                str(db),
+                "--app",
+                APP,
+                "--workers",
+                "2",
+                "--concurrency",
+                "8",
+                "--keyring",
+                str(keyring_path),
+                "--prefix",
+                prefix,
+            ],
+            cwd=ROOT,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            text=True,
             env=cli_env(BA_TEST_CALLS=str(calls_file)),
-        )  # fmt: skip
+        )
     publisher = Publisher(connect(redis_server.url), Keys(prefix), "alice", keyring)
     try:
         yield publisher, db, calls_file
@@ -78,8 +102,15 @@ def adapter(
 
 def _send(publisher: Publisher, message_id: str, task: str | None, payload: dict[str, Any]) -> None:
     fields: dict[str, Any] = {"task": task} if task else {}
-    publisher.publish(Envelope.build(message_id=message_id, sender="alice", payload=payload,
-                                     deadline=real_deadline(), **fields))  # fmt: skip
+    publisher.publish(
+        Envelope.build(
+            message_id=message_id,
+            sender="alice",
+            payload=payload,
+            deadline=real_deadline(),
+            **fields,
+        )
+    )
 
 
 def test_sixteen_async_calls_of_one_second_finish_in_under_three_seconds(
@@ -111,8 +142,12 @@ def test_two_names_and_the_refused_ones_end_to_end(adapter: tuple[Publisher, Pat
     _send(publisher, "u1", "reboot", {"name": "ada"})
     _send(publisher, "i1", "greet", {"name": "", "times": 9})
     wait_for(lambda: _sent(db, "%1") == 4, "4 replies", 60)
-    rows = {r["message_id"]: r for r in _rows(db, "SELECT message_id, state, attempts, result,"
-                                                 " error, task_name FROM tasks")}  # fmt: skip
+    rows = {
+        r["message_id"]: r
+        for r in _rows(
+            db, "SELECT message_id, state, attempts, result, error, task_name FROM tasks"
+        )
+    }
     assert json.loads(rows["g1"]["result"]) == {"text": "hello ada hello ada"}
     assert rows["g1"]["task_name"] == "greet"
     assert json.loads(rows["n1"]["result"])["slept"] == 0.01
@@ -129,8 +164,12 @@ def test_two_names_and_the_refused_ones_end_to_end(adapter: tuple[Publisher, Pat
 def test_schema_prints_each_tasks_payload_and_result() -> None:
     res = subprocess.run(
         [sys.executable, "-m", "broker_adapter", "schema", "--app", APP],
-        cwd=ROOT, capture_output=True, text=True, timeout=60, env=cli_env(),
-    )  # fmt: skip
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=cli_env(),
+    )
     assert res.returncode == 0, res.stderr
     tasks = {t["name"]: t for t in json.loads(res.stdout)["tasks"]}
     assert set(tasks) == {"nap", "greet", "charge"}
@@ -140,7 +179,11 @@ def test_schema_prints_each_tasks_payload_and_result() -> None:
     assert tasks["nap"]["description"].startswith("Sleep")
     bad = subprocess.run(
         [sys.executable, "-m", "broker_adapter", "schema", "--app", "tests.support.nothing:router"],
-        cwd=ROOT, capture_output=True, text=True, timeout=60, env=cli_env(),
-    )  # fmt: skip
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=cli_env(),
+    )
     assert bad.returncode == 2
     assert "not found" in bad.stderr

@@ -24,8 +24,12 @@ pytestmark = pytest.mark.integration
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "broker_adapter", *args],
-        cwd=ROOT, capture_output=True, text=True, timeout=60, env=cli_env(),
-    )  # fmt: skip
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=cli_env(),
+    )
 
 
 def _lines(res: subprocess.CompletedProcess[str]) -> list[dict[str, Any]]:
@@ -38,32 +42,57 @@ def test_publish_result_tasks_and_cancel_by_message_id(
     db, keys = tmp_path / "a.db", str(tmp_path / "keys.json")
     common = ["--redis", redis_server.url, "--prefix", prefix]
     with running_adapter(redis_server.url, db, Path(keys), prefix):
-        pub = _cli("publish", *common, "--principal", "alice", "--keyring", keys,
-                   "--id", "m 1", "--payload", '{"a": 1}')  # fmt: skip
+        pub = _cli(
+            "publish",
+            *common,
+            "--principal",
+            "alice",
+            "--keyring",
+            keys,
+            "--id",
+            "m 1",
+            "--payload",
+            '{"a": 1}',
+        )
         assert pub.returncode == 0, pub.stderr
         (printed,) = _lines(pub)
         assert printed["key_id"] == "alice-2026"
         assert printed["reply_stream"] == f"{prefix}:{{out.alice}}:replies"
         assert printed["result"] == "broker-adapter result --principal alice --id 'm 1'"
         assert printed["max_attempts"] == 3
-        wait_for(lambda: count_rows(db, "SELECT count(*) FROM tasks WHERE state = 'done'"),
-                 "the task done")  # fmt: skip
-        wait_for(lambda: count_rows(db, "SELECT count(*) FROM outbox WHERE state = 'sent'"),
-                 "its reply sent")  # fmt: skip
+        wait_for(
+            lambda: count_rows(db, "SELECT count(*) FROM tasks WHERE state = 'done'"),
+            "the task done",
+        )
+        wait_for(
+            lambda: count_rows(db, "SELECT count(*) FROM outbox WHERE state = 'sent'"),
+            "its reply sent",
+        )
     res = _cli("result", *common, "--principal", "alice", "--keyring", keys, "--id", "m 1")
     assert res.returncode == 0, res.stderr
     (shown,) = _lines(res)
     assert shown["state"] == "done"
     assert shown["reply"]["result"] == {"echo": {"a": 1}, "message_id": "m 1"}
-    none = _cli("result", *common, "--principal", "alice", "--keyring", keys, "--id", "nope",
-                "--db", str(db))  # fmt: skip
+    none = _cli(
+        "result",
+        *common,
+        "--principal",
+        "alice",
+        "--keyring",
+        keys,
+        "--id",
+        "nope",
+        "--db",
+        str(db),
+    )
     assert none.returncode == 3
     assert _lines(none) == [
         {"principal": "alice", "message_id": "nope", "state": "unknown", "reply": None}
     ]
 
-    listed = _lines(_cli("tasks", "list", "--db", str(db), "--state", "done",
-                         "--principal", "alice"))  # fmt: skip
+    listed = _lines(
+        _cli("tasks", "list", "--db", str(db), "--state", "done", "--principal", "alice")
+    )
     assert [(t["message_id"], t["state"]) for t in listed] == [("m 1", "done")]
     assert _lines(_cli("tasks", "list", "--db", str(db), "--principal", "bob")) == []
     bad = _cli("tasks", "list", "--db", str(db), "--state", "finished")

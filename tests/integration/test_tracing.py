@@ -142,8 +142,23 @@ def test_a_handlers_own_spans_nest_under_its_span(
     """Also for an ``async def`` handler, which runs on an event loop of its own."""
     sdk, exporter = provider
     clock = FakeClock()
-    claimed = ClaimedTask("t" * 32, "alice", "m1", "task", {}, 1, 3, 1, "w1", clock.now() + 30,
-                          clock.now() + 600, 0, None, None, traceparent=TP)  # fmt: skip
+    claimed = ClaimedTask(
+        "t" * 32,
+        "alice",
+        "m1",
+        "task",
+        {},
+        1,
+        3,
+        1,
+        "w1",
+        clock.now() + 30,
+        clock.now() + 600,
+        0,
+        None,
+        None,
+        traceparent=TP,
+    )
 
     def sync_handler(task: Task) -> str:
         with sdk.get_tracer("test").start_as_current_span("handler.own"):
@@ -198,10 +213,26 @@ def test_without_opentelemetry_nothing_changes(
     """No span, no module of it loaded, and the reply still carries the traceparent."""
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
     res = subprocess.run(
-        [sys.executable, "-c", _WITHOUT_OTEL, "--url", redis_server.url, "--prefix", prefix,
-         "--dir", str(tmp_path), "--traceparent", TP],
-        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=120, check=False,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-c",
+            _WITHOUT_OTEL,
+            "--url",
+            redis_server.url,
+            "--prefix",
+            prefix,
+            "--dir",
+            str(tmp_path),
+            "--traceparent",
+            TP,
+        ],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert res.returncode == 0, res.stderr
     out = json.loads(res.stdout.strip().splitlines()[-1])
     assert (out["traced"], out["otel_modules"]) == (False, [])

@@ -78,9 +78,11 @@ def _worker(
 
 def _dispatcher(url: str, db: Database, clock: FakeClock, prefix: str) -> Dispatcher:
     return Dispatcher(
-        DispatcherConfig(prefix=prefix, owner="d1"), connect(url), OutboxStore(db, clock),
+        DispatcherConfig(prefix=prefix, owner="d1"),
+        connect(url),
+        OutboxStore(db, clock),
         keyring=reply_keyring(),
-    )  # fmt: skip
+    )
 
 
 @contextmanager
@@ -214,9 +216,16 @@ def test_stale_publisher_marks_are_refused_after_the_dispatcher_took_over(
         return {"i": i}
 
     worker = _worker(
-        db, clock, redis_server.url, prefix, handler, outbox_policy=policy, task_lease_s=300,
-        batch=2, batch_window_s=60,
-    )  # fmt: skip
+        db,
+        clock,
+        redis_server.url,
+        prefix,
+        handler,
+        outbox_policy=policy,
+        task_lease_s=300,
+        batch=2,
+        batch_window_s=60,
+    )
     worker.run(stop)
     assert took_over == [2]
     assert worker.publish_stats.fenced == 2
@@ -238,8 +247,11 @@ def _settle_one_published(
     (claimed,) = tasks.claim("w1", 1)
     batch = tasks.settle_batch(
         [Settlement(claimed.task_id, "w1", claimed.fence, '{"ok":true}', claimed=claimed)],
-        "w1", 0, publish_as="w1-pub", publish_lease_s=publish_lease_s,
-    )  # fmt: skip
+        "w1",
+        0,
+        publish_as="w1-pub",
+        publish_lease_s=publish_lease_s,
+    )
     return tasks, batch
 
 
@@ -318,9 +330,12 @@ def _run_idle(
     """Run a publishing worker ``w1`` whose idle waits are ``wake`` until ``stop``; returns
     the write transactions it made, in order."""
     config = WorkerConfig(
-        owner="w1", redis_url=redis_server.url, prefix=prefix, batch_window_s=batch_window_s,
+        owner="w1",
+        redis_url=redis_server.url,
+        prefix=prefix,
+        batch_window_s=batch_window_s,
         idle_poll_s=0.25,
-    )  # fmt: skip
+    )
     worker = Worker(
         config, TaskStore(db, clock), _echo, handoff=ScriptedWait(wake), keyring=reply_keyring()
     )

@@ -23,11 +23,33 @@ def running_adapter(
     """``broker-adapter run`` with the client tests' handler until the block ends; the
     block starts once the database exists (the adapter is reading)."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "broker_adapter", "run", "--redis", redis_url, "--db", str(db),
-         "--handler", HANDLER, "--workers", str(workers), "--keyring", str(keyring),
-         "--prefix", prefix, "--lease", "5", *extra],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=cli_env(),
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "broker_adapter",
+            "run",
+            "--redis",
+            redis_url,
+            "--db",
+            str(db),
+            "--handler",
+            HANDLER,
+            "--workers",
+            str(workers),
+            "--keyring",
+            str(keyring),
+            "--prefix",
+            prefix,
+            "--lease",
+            "5",
+            *extra,
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=cli_env(),
+    )
     try:
         wait_for(lambda: count_rows(db, "SELECT count(*) FROM sqlite_master") > 0, "database")
         yield proc

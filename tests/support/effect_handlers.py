@@ -74,8 +74,12 @@ def irreversible(task: Task) -> dict[str, Any]:
     return _apply(task)
 
 
-@side_effect(ACTION, reconcile=reconcile, requires_approval=True,
-             approval=lambda t: (str(t.payload["server"]), "restart"))  # fmt: skip
+@side_effect(
+    ACTION,
+    reconcile=reconcile,
+    requires_approval=True,
+    approval=lambda t: (str(t.payload["server"]), "restart"),
+)
 def approved(task: Task) -> dict[str, Any]:
     return _apply(task)
 
@@ -89,6 +93,7 @@ def cancellable(task: Task) -> None:
 def fenced(task: Task) -> dict[str, Any]:
     if task.payload.get("freeze_first") and task.attempt == 1:
         os.kill(os.getpid(), signal.SIGSTOP)  # frozen here until a SIGCONT
-    answer = _client(task.payload).apply({"attempt": task.attempt}, fence_key=task.task_id,
-                                         fence=task.fence)  # fmt: skip
+    answer = _client(task.payload).apply(
+        {"attempt": task.attempt}, fence_key=task.task_id, fence=task.fence
+    )
     return {"effect_id": answer["effect_id"]}

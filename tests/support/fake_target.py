@@ -231,13 +231,20 @@ class FakeTargetClient:
         self.url = url.rstrip("/")
         self.timeout_s = timeout_s
 
-    def _call(self, method: str, path: str, body: dict[str, Any] | None = None,
-              headers: dict[str, str] | None = None) -> dict[str, Any]:  # fmt: skip
+    def _call(
+        self,
+        method: str,
+        path: str,
+        body: dict[str, Any] | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> dict[str, Any]:
         data = None if body is None else json.dumps(body).encode()
         request = urllib.request.Request(
-            self.url + path, data=data, method=method,
+            self.url + path,
+            data=data,
+            method=method,
             headers={"Content-Type": "application/json", **(headers or {})},
-        )  # fmt: skip
+        )
         try:
             with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
                 answer: dict[str, Any] = json.loads(response.read())
@@ -246,8 +253,15 @@ class FakeTargetClient:
             answer = json.loads(exc.read() or b"{}")
             raise TargetError(exc.code, answer, exc.headers.get("Retry-After")) from None
 
-    def apply(self, what: Any, *, key: str | None = None, fence_key: str | None = None,
-              fence: int | None = None, drop_response: bool = False) -> dict[str, Any]:  # fmt: skip
+    def apply(
+        self,
+        what: Any,
+        *,
+        key: str | None = None,
+        fence_key: str | None = None,
+        fence: int | None = None,
+        drop_response: bool = False,
+    ) -> dict[str, Any]:
         """Apply one effect (``TargetError`` 409 when fenced; ``http.client`` or ``OSError``
         errors when the answer was dropped)."""
         body: dict[str, Any] = {"what": what, "fence_key": fence_key, "fence": fence}
@@ -327,8 +341,15 @@ class FakeTarget:
     def start(self) -> FakeTargetClient:
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.port_file.unlink(missing_ok=True)
-        args = [sys.executable, "-m", "tests.support.fake_target", "--db", str(self.db),
-                "--port-file", str(self.port_file)]  # fmt: skip
+        args = [
+            sys.executable,
+            "-m",
+            "tests.support.fake_target",
+            "--db",
+            str(self.db),
+            "--port-file",
+            str(self.port_file),
+        ]
         if not self.idempotent:
             args.append("--non-idempotent")
         root = Path(__file__).resolve().parents[2]
@@ -337,8 +358,11 @@ class FakeTarget:
             "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]),
         }
         proc = self.proc = subprocess.Popen(args, cwd=root, env=env)
-        wait_for(lambda: self.port_file.exists() or proc.poll() is not None,
-                 "the fake target's port file", 30)  # fmt: skip
+        wait_for(
+            lambda: self.port_file.exists() or proc.poll() is not None,
+            "the fake target's port file",
+            30,
+        )
         if proc.poll() is not None:
             raise RuntimeError(f"the fake target exited with {proc.returncode}")
         client = FakeTargetClient(f"http://127.0.0.1:{self.port_file.read_text().strip()}")

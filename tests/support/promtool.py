@@ -70,5 +70,6 @@ def alert_test(
     }
     test_file = tmp_path / "alerts-test.yml"
     test_file.write_text(yaml.safe_dump(test), encoding="utf-8")
-    return subprocess.run(["promtool", "test", "rules", str(test_file)], capture_output=True,
-                          text=True, timeout=120)  # fmt: skip
+    return subprocess.run(
+        ["promtool", "test", "rules", str(test_file)], capture_output=True, text=True, timeout=120
+    )

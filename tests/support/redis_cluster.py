@@ -45,13 +45,19 @@ class ClusterNode(RedisServer):
     def args(self) -> list[str]:
         return [
             *super().args(),
-            "--cluster-replica-no-failover", "no" if self.failover else "yes",
-            "--cluster-enabled", "yes",
-            "--cluster-config-file", str(self.workdir / "nodes.conf"),
-            "--cluster-node-timeout", str(NODE_TIMEOUT_MS),
-            "--cluster-require-full-coverage", "yes",
-            "--repl-diskless-sync-delay", "0",  # the replica syncs at once, not after 5 s
-        ]  # fmt: skip
+            "--cluster-replica-no-failover",
+            "no" if self.failover else "yes",
+            "--cluster-enabled",
+            "yes",
+            "--cluster-config-file",
+            str(self.workdir / "nodes.conf"),
+            "--cluster-node-timeout",
+            str(NODE_TIMEOUT_MS),
+            "--cluster-require-full-coverage",
+            "yes",
+            "--repl-diskless-sync-delay",
+            "0",  # the replica syncs at once, not after 5 s
+        ]
 
     @property
     def address(self) -> str:
@@ -109,13 +115,26 @@ class RedisCluster:
     def start(self) -> None:
         for node in self.nodes:
             node.start()
-        _cli("--cluster", "create", *(m.address for m in self.masters),
-             "--cluster-replicas", "0", "--cluster-yes")  # fmt: skip
+        _cli(
+            "--cluster",
+            "create",
+            *(m.address for m in self.masters),
+            "--cluster-replicas",
+            "0",
+            "--cluster-yes",
+        )
         self.wait_ok(self.masters)
         self.replicated_master = self.owner(REPLICATED_SLOT)
         master = self.replicated_master
-        _cli("--cluster", "add-node", self.replica.address, master.address,
-             "--cluster-slave", "--cluster-master-id", master.node_id())  # fmt: skip
+        _cli(
+            "--cluster",
+            "add-node",
+            self.replica.address,
+            master.address,
+            "--cluster-slave",
+            "--cluster-master-id",
+            master.node_id(),
+        )
         self.wait_ok(self.nodes)
         wait_until("replica in sync", lambda: self._replica_in_sync(self.replica))
 
@@ -129,8 +148,11 @@ class RedisCluster:
         raise LookupError(f"slot {slot} is not served")
 
     def live_masters(self) -> list[ClusterNode]:
-        return [n for n in self.nodes if n.proc is not None and n.proc.poll() is None
-                and n.role() == "master"]  # fmt: skip
+        return [
+            n
+            for n in self.nodes
+            if n.proc is not None and n.proc.poll() is None and n.role() == "master"
+        ]
 
     def wait_ok(self, nodes: list[ClusterNode]) -> None:
         def ok() -> bool:
@@ -212,8 +234,7 @@ class RedisCluster:
         src: Any = source.client(socket_timeout=5)
         try:
             while keys := src.execute_command("CLUSTER", "GETKEYSINSLOT", slot, 100):
-                src.execute_command("MIGRATE", "127.0.0.1", target.port, "", 0, 5000,
-                                    "KEYS", *keys)  # fmt: skip
+                src.execute_command("MIGRATE", "127.0.0.1", target.port, "", 0, 5000, "KEYS", *keys)
         finally:
             src.close()
 

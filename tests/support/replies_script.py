@@ -137,9 +137,11 @@ def dispatcher_for(
 ) -> Dispatcher:
     """A dispatcher on ``redis_at`` (a URL or a client) signing with ``reply_keyring``."""
     return Dispatcher(
-        DispatcherConfig(prefix=prefix, owner=owner), _client(redis_at), OutboxStore(db, clock),
+        DispatcherConfig(prefix=prefix, owner=owner),
+        _client(redis_at),
+        OutboxStore(db, clock),
         keyring=reply_keyring(),
-    )  # fmt: skip
+    )
 
 
 def make_dispatcher(
@@ -176,9 +178,13 @@ def receiver_for(
         prefix=prefix, principal=principal, consumer=consumer, block_ms=20, **cfg
     )
     return Receiver(
-        config, _client(redis_at), ReceiptStore(db, clock), record_effect,
-        keyring=reply_keyring(), clock=clock,
-    )  # fmt: skip
+        config,
+        _client(redis_at),
+        ReceiptStore(db, clock),
+        record_effect,
+        keyring=reply_keyring(),
+        clock=clock,
+    )
 
 
 def drain(receiver: Receiver, *, max_steps: int = 50) -> int:

@@ -35,8 +35,12 @@ async def main(argv: list[str]) -> None:
                 )
             except RequestTimeout:
                 return {"key": key, "message_id": mid, "status": "timeout"}
-            return {"key": key, "message_id": reply.message_id, "status": reply.status,
-                    "echo_of": (reply.result or {}).get("echo", {}).get("key")}  # fmt: skip
+            return {
+                "key": key,
+                "message_id": reply.message_id,
+                "status": reply.status,
+                "echo_of": (reply.result or {}).get("echo", {}).get("key"),
+            }
 
         for line in await asyncio.gather(*(one(i) for i in range(int(what)))):
             print(json.dumps(line), flush=True)

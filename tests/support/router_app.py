@@ -42,8 +42,14 @@ def _note(what: str, task: Task) -> None:
     path = os.environ.get("BA_TEST_CALLS")
     if not path:
         return
-    fields = {"what": what, "task": task.task_name, "message_id": task.message_id,
-              "attempt": task.attempt, "owner": task.owner, "pid": os.getpid()}  # fmt: skip
+    fields = {
+        "what": what,
+        "task": task.task_name,
+        "message_id": task.message_id,
+        "attempt": task.attempt,
+        "owner": task.owner,
+        "pid": os.getpid(),
+    }
     line = json.dumps(fields)
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
     try:

@@ -66,14 +66,19 @@ def run_pipeline(
     try:
         tasks = TaskStore(adapter_db, clock)
         ingestor = Ingestor(
-            IngestConfig(prefix=prefix, consumer="ingest-t-0", block_ms=20), client, tasks,
-            keyring, clock=clock,
-        )  # fmt: skip
+            IngestConfig(prefix=prefix, consumer="ingest-t-0", block_ms=20),
+            client,
+            tasks,
+            keyring,
+            clock=clock,
+        )
         drain(ingestor, client)
         worker = Worker(
-            WorkerConfig(owner="w1", redis_url=None, prefix=prefix), tasks, handler,
+            WorkerConfig(owner="w1", redis_url=None, prefix=prefix),
+            tasks,
+            handler,
             keyring=reply_keyring(),
-        )  # fmt: skip
+        )
         worker.run_once()
         dispatcher = dispatcher_for(url, adapter_db, clock, prefix, "d1")
         dispatcher.watch()

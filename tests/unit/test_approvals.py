@@ -15,6 +15,8 @@ from broker_adapter.store.effects import EffectsStore
 from tests.support.store_script import T0, Stores, open_any, reply_body, running, stores, task_row
 
 DEADLINE_S = 600.0  # store_script's envelopes: T0 + 600
+
+
 #: What an approval is bound to besides action, target and scope (the requests of
 #: store_script are alice's).
 class Bound(TypedDict):
@@ -50,8 +52,10 @@ def test_valid_approval_matches_exactly_and_not_when_expired_or_revoked(
         ("stop", "web1", "prod"),
     ):
         assert ap.valid_approval(*other, T0, **BOUND) is None
-    for unbound in (Bound(principal="bob", arguments_digest=BOUND["arguments_digest"]),
-                    Bound(principal="alice", arguments_digest="e" * 64)):  # fmt: skip
+    for unbound in (
+        Bound(principal="bob", arguments_digest=BOUND["arguments_digest"]),
+        Bound(principal="alice", arguments_digest="e" * 64),
+    ):
         assert ap.valid_approval("restart", "web1", "prod", T0, **unbound) is None
     assert ap.valid_approval("restart", "web1", "prod", T0 - 1, **BOUND) is None  # not yet
     assert ap.valid_approval("restart", "web1", "prod", T0 + 60, **BOUND) is None  # expired
@@ -106,8 +110,7 @@ def test_a_wait_past_its_approval_timeout_ends_failed_with_its_reply(
 
 def test_an_approval_wait_never_outlasts_the_deadline(s: Stores, ap: ApprovalStore) -> None:
     task_id, fence = running(s)
-    until = ap.wait_for_approval(task_id, "w1", fence, "a", "t", "s", 10 * DEADLINE_S,
-                                 **BOUND)  # fmt: skip
+    until = ap.wait_for_approval(task_id, "w1", fence, "a", "t", "s", 10 * DEADLINE_S, **BOUND)
     assert until == T0 + DEADLINE_S
     with pytest.raises(StaleError, match="not_running"):
         ap.wait_for_approval(task_id, "w1", fence, "a", "t", "s", 10, **BOUND)
@@ -161,8 +164,9 @@ def test_an_approval_lets_only_its_principal_and_arguments_run(
 def test_uses_lets_exactly_that_many_tasks_run_and_retries_use_no_more(
     s: Stores, ap: ApprovalStore, uses: int
 ) -> None:
-    approval_id = ap.grant_approval("restart", "web1", "prod", "carol", T0 + 600, uses=uses,
-                                    **BOUND)  # fmt: skip
+    approval_id = ap.grant_approval(
+        "restart", "web1", "prod", "carol", T0 + 600, uses=uses, **BOUND
+    )
     tasks = [running(s, f"m{i}") for i in range(uses + 1)]
     assert [_use(ap, task_id, fence) for task_id, fence in tasks] == [True] * uses + [False]
     # a retry of a task that used it (same task, next claim) runs under it again
@@ -203,13 +207,21 @@ def test_a_release_needs_an_approval_with_a_use_left(
     ap.grant_approval("restart", "web1", "prod", "carol", T0 + 600, **BOUND)
     assert _use(ap, used_id, used_fence)
     task_id, fence = running(s, "m2")
-    ap.wait_for_approval(task_id, "w1", fence, "restart", "web1", "prod", 120, **BOUND,
-                         arguments='{"server":"web1"}')  # fmt: skip
+    ap.wait_for_approval(
+        task_id, "w1", fence, "restart", "web1", "prod", 120, **BOUND, arguments='{"server":"web1"}'
+    )
     (wait,) = ap.waits()
     assert (wait.task_id, wait.principal, wait.arguments) == (task_id, "alice", '{"server":"web1"}')
     assert ap.release_waits()["released"] == 0  # the one approval is used up
-    ap.grant_approval("restart", "web1", "prod", "carol", T0 + 600, principal="bob",
-                      arguments_digest=BOUND["arguments_digest"])  # fmt: skip
+    ap.grant_approval(
+        "restart",
+        "web1",
+        "prod",
+        "carol",
+        T0 + 600,
+        principal="bob",
+        arguments_digest=BOUND["arguments_digest"],
+    )
     assert ap.release_waits()["released"] == 0  # another principal's
     ap.grant_approval("restart", "web1", "prod", "carol", T0 + 600, **BOUND)
     assert ap.release_waits()["released"] == 1

@@ -61,8 +61,11 @@ def test_settle_batch_commits_each_outcome_fenced_and_claims_the_next(
     ids = accept(s, clock, 5)
     first = s.tasks.claim("w1", 3)
     s.tasks.cancel(first[1].task_id)
-    items = [done(first[0]), done(first[1]), Settlement(first[2].task_id, "w1",
-             first[2].fence, None, "boom", retryable=False)]  # fmt: skip
+    items = [
+        done(first[0]),
+        done(first[1]),
+        Settlement(first[2].task_id, "w1", first[2].fence, None, "boom", retryable=False),
+    ]
     batch = s.tasks.settle_batch(items, "w1", 10)
     results, ahead = batch.results, batch.claimed
     assert results[0] == f"r-{ids[0]}"
@@ -133,8 +136,16 @@ def test_outbox_has_ready_and_mark_sent_and_claim(s: Stores, clock: FakeClock) -
     assert not s.outbox.has_ready()
     with s.db.write("test") as c:
         for i in range(4):
-            s.enqueue(c, reply_id=f"r{i}", task_id=None, principal="alice", message_id=f"m{i}",
-                    status="done", body={"i": i}, now=clock.now() - 1 + i * 0.001)  # fmt: skip
+            s.enqueue(
+                c,
+                reply_id=f"r{i}",
+                task_id=None,
+                principal="alice",
+                message_id=f"m{i}",
+                status="done",
+                body={"i": i},
+                now=clock.now() - 1 + i * 0.001,
+            )
     assert s.outbox.has_ready()
     rows = s.outbox.claim("d1", 2)
     assert [r.reply_id for r in rows] == ["r0", "r1"]
@@ -177,8 +188,9 @@ def test_writers_of_one_file_in_one_process_take_turns(tmp_path: Path) -> None:
 
 
 def _task(clock: FakeClock, task_id: str = "t1") -> Task:
-    claimed = ClaimedTask(task_id, "alice", "m1", "task", {}, 1, 3, 1, "w1", T0 + LEASE_S,
-                          T0 + 600, 0, None, None)  # fmt: skip
+    claimed = ClaimedTask(
+        task_id, "alice", "m1", "task", {}, 1, 3, 1, "w1", T0 + LEASE_S, T0 + 600, 0, None, None
+    )
     return Task(claimed, clock=clock)
 
 

@@ -44,10 +44,13 @@ def test_chain_budgets_are_counted_per_principal_so_nobody_spends_anothers(
 ) -> None:
     def spend(principal: str, n: int) -> list[Any]:
         return [
-            accept(tasks, principal, envelope(f"{principal}-{i}", sender=principal,
-                                              correlation_id="chain-1"))
+            accept(
+                tasks,
+                principal,
+                envelope(f"{principal}-{i}", sender=principal, correlation_id="chain-1"),
+            )
             for i in range(n)
-        ]  # fmt: skip
+        ]
 
     # bob names alice's correlation_id: he spends a budget of his own, not hers
     assert [r.outcome for r in spend("bob", BUDGET + 1)] == [Outcome.STORED] * BUDGET + [
@@ -82,8 +85,7 @@ def test_a_chain_that_drops_its_parent_id_but_keeps_its_correlation_id_is_still_
     parent = Task(claimed)
     # The library joins a handler's request to its task's chain ...
     child = chained(envelope("child-0", hops=0, correlation_id="mine"), parent)
-    assert (child.parent_id, child.correlation_id, child.hops) == (root.task_id,
-                                                                   root.task_id, 1)  # fmt: skip
+    assert (child.parent_id, child.correlation_id, child.hops) == (root.task_id, root.task_id, 1)
     outcomes = [accept(tasks, "alice", child).outcome]
     # ... and an agent hiding its chain drops parent_id and resets hops: its hop count
     # starts again, but the chain it names still counts every task.

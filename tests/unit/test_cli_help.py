@@ -117,8 +117,17 @@ def test_the_flag_defaults_are_the_settings_defaults() -> None:
     run = {a.dest: a.default for a in _options(dict(_commands())["run"])}
     fields = AdapterConfig.model_fields
     same = {"lease": "lease_s", "grace": "grace_s"}
-    for dest in ("workers", "lease", "grace", "claim_min_idle_ms", "prefix", "mode",
-                 "rate_limit", "rate_burst", "max_open_tasks"):  # fmt: skip
+    for dest in (
+        "workers",
+        "lease",
+        "grace",
+        "claim_min_idle_ms",
+        "prefix",
+        "mode",
+        "rate_limit",
+        "rate_burst",
+        "max_open_tasks",
+    ):
         assert run[dest] == fields[same.get(dest, dest)].default, dest
     publish = {a.dest: a.default for a in _options(dict(_commands())["publish"])}
     envelope = inspect.signature(Envelope.__init__).parameters

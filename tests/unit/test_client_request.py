@@ -89,9 +89,10 @@ def test_a_client_with_the_router_refuses_a_payload_its_task_would_fail() -> Non
         client.envelope("restart", {}, "m2", 60.0)
     with pytest.raises(ConfigError, match="unknown"):
         client.envelope("stop", {"service": "web"}, "m3", 60.0)
-    assert AsyncClient("redis://127.0.0.1:1/0", "alice", KEYS).envelope(
-        "stop", {}, "m4", 60.0
-    ).task == "stop"  # without the router, the adapter decides
+    assert (
+        AsyncClient("redis://127.0.0.1:1/0", "alice", KEYS).envelope("stop", {}, "m4", 60.0).task
+        == "stop"
+    )  # without the router, the adapter decides
 
 
 def test_client_arguments_are_checked() -> None:

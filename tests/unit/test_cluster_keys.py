@@ -55,9 +55,18 @@ def test_each_scripts_keys_hash_to_one_slot(prefix: str) -> None:
         (LIBRARY, [[s, keys.dead_for(s)] for s in streams]),  # ba_dead_letter, by FCALL
         # a terminal reply's call names its result record and index too (a conflict
         # answer's only the first two, the same slot)
-        (PUBLISH_SCRIPT, [[keys.reply_record(p, "r-1"), keys.replies(p),
-                           keys.reply_result(p, "m:1"), keys.reply_results(p)]
-                          for p in PRINCIPALS]),
+        (
+            PUBLISH_SCRIPT,
+            [
+                [
+                    keys.reply_record(p, "r-1"),
+                    keys.replies(p),
+                    keys.reply_result(p, "m:1"),
+                    keys.reply_results(p),
+                ]
+                for p in PRINCIPALS
+            ],
+        ),
         # the purge deletes records under its ARGV prefix: they share the index's tag
         (PURGE_SCRIPT, [[keys.reply_results(p)] for p in PRINCIPALS]),
         (TRIM_SCRIPT, [[s] for s in streams] + [[keys.dead_for(s)] for s in streams]),
@@ -138,8 +147,9 @@ def test_cluster_urls_are_accepted_and_name_their_seed_node() -> None:
 def test_the_partition_vectors_of_the_protocol_document_hold() -> None:
     doc = (Path(__file__).resolve().parents[2] / "docs" / "PROTOCOL.md").read_text("utf-8")
     section = doc.split("### Partitions", 1)[1].split("\n## ", 1)[0]
-    rows = re.findall(r"^\| `([\w.-]+)` \| `([0-9a-f]{16})` \| (\d+) \| (\d+) \| `(\S+)` \|$",
-                      section, re.M)  # fmt: skip
+    rows = re.findall(
+        r"^\| `([\w.-]+)` \| `([0-9a-f]{16})` \| (\d+) \| (\d+) \| `(\S+)` \|$", section, re.M
+    )
     assert len(rows) >= 3
     for principal, head, partitions, partition, stream in rows:
         assert hashlib.sha256(principal.encode()).hexdigest()[:16] == head

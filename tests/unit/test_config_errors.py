@@ -109,9 +109,18 @@ def test_task_policy_and_reader_bounds_both_sides(
 
 @pytest.mark.parametrize(
     "model",
-    [AdapterConfig, IngestConfig, ReceiverConfig, DispatcherConfig, WorkerConfig, TaskPolicy,
-     OutboxPolicy, ReaderConfig, Backoff],
-)  # fmt: skip
+    [
+        AdapterConfig,
+        IngestConfig,
+        ReceiverConfig,
+        DispatcherConfig,
+        WorkerConfig,
+        TaskPolicy,
+        OutboxPolicy,
+        ReaderConfig,
+        Backoff,
+    ],
+)
 def test_every_settings_model_refuses_through_the_one_base(model: type[ConfigModel]) -> None:
     assert issubclass(model, ConfigModel)
     with pytest.raises(ConfigError, match=f"{model.__name__}.surprise: "):

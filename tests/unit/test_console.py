@@ -80,9 +80,16 @@ def _waiting(s: Stores, mid: str = "w1", payload: Any = None) -> str:
     task_id = _accept(s, mid, payload=payload or {"server": "web1"})
     (task,) = s.tasks.claim("w1")
     ApprovalStore(s.tasks).wait_for_approval(
-        task_id, "w1", task.fence, "apply", "web1", "restart", 600, **BOUND,
+        task_id,
+        "w1",
+        task.fence,
+        "apply",
+        "web1",
+        "restart",
+        600,
+        **BOUND,
         arguments='{"server":"web1"}',
-    )  # fmt: skip
+    )
     return task_id
 
 

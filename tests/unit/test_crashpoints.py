@@ -29,8 +29,20 @@ def test_crashpoints_catalogue_covers_every_store_write() -> None:
     for source in STORE_DIR.glob("*.py"):
         ops |= set(re.findall(r"\.write\(\"([a-z_]+)\"\)", source.read_text()))
     ops |= set(SETTLE_OPS)  # settle.settle's transaction is named by its caller
-    assert ops >= {"accept", "claim", "finish", "fail", "cancel", "renew", "outbox_claim",
-                   "mark_sent", "reply_retry", "reply_dead", "reply_replay", "receipt"}  # fmt: skip
+    assert ops >= {
+        "accept",
+        "claim",
+        "finish",
+        "fail",
+        "cancel",
+        "renew",
+        "outbox_claim",
+        "mark_sent",
+        "reply_retry",
+        "reply_dead",
+        "reply_replay",
+        "receipt",
+    }
     for op in ops:
         for window in ("before_commit", "after_commit"):
             assert f"store.{op}.{window}" in crashpoints.POINTS
@@ -107,16 +119,27 @@ def prepare(tmp_path: Path, tasks: int) -> Path:
 
 
 def child_env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in (crashpoints.ENV_CRASH,
-                                                            crashpoints.ENV_PAUSE)}  # fmt: skip
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in (crashpoints.ENV_CRASH, crashpoints.ENV_PAUSE)
+    }
     env.update(extra)
     return env
 
 
 def claim_each(path: Path, times: int) -> list[str]:
     args = json.dumps({"owner": "w1", "times": times})
-    return [sys.executable, "-m", "tests.support.store_script", "op", str(path), repr(T0 + 1),
-            "claim_each", args]  # fmt: skip
+    return [
+        sys.executable,
+        "-m",
+        "tests.support.store_script",
+        "op",
+        str(path),
+        repr(T0 + 1),
+        "claim_each",
+        args,
+    ]
 
 
 def running(path: Path) -> int:
@@ -132,9 +155,14 @@ def test_crashpoints_fire_on_nth_hit_when_count_given(
     path = prepare(tmp_path, 5)
     env = child_env(**{crashpoints.ENV_CRASH: f"store.claim.{window}@3"})
     proc = subprocess.run(
-        claim_each(path, 5), cwd=ROOT, env=env, capture_output=True, text=True, timeout=60,
+        claim_each(path, 5),
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
         check=False,
-    )  # fmt: skip
+    )
     assert proc.returncode == -signal.SIGKILL, proc.stderr
     # Two claims reported back; the third died inside (before or after its COMMIT).
     assert len(proc.stdout.splitlines()) == 2
@@ -146,9 +174,13 @@ def test_crashpoints_pause_stops_process_until_continued(tmp_path: Path) -> None
     path = prepare(tmp_path, 2)
     env = child_env(**{crashpoints.ENV_PAUSE: f"{POINT}@2"})
     proc = subprocess.Popen(
-        claim_each(path, 2), cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        claim_each(path, 2),
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-    )  # fmt: skip
+    )
     try:
         _, status = os.waitpid(proc.pid, os.WUNTRACED)  # returns once the child is stopped
         assert os.WIFSTOPPED(status)

@@ -58,9 +58,11 @@ def test_the_runner_waits_for_a_locked_database_and_a_stop_ends_the_wait(
     monkeypatch.setattr("broker_adapter.app.adapter.open_store", locked)
     keyring = write_keyring(tmp_path / "keyring.json")
     config = AdapterConfig(
-        redis_url="redis://127.0.0.1:1/0", db_path=path, handler="broker_adapter.examples:echo",
+        redis_url="redis://127.0.0.1:1/0",
+        db_path=path,
+        handler="broker_adapter.examples:echo",
         keyring_path=tmp_path / "keyring.json",
-    )  # fmt: skip
+    )
     assert keyring.principals
     runner = Adapter(config)  # busy at start-up is not an error
     assert calls == [1]
@@ -87,9 +89,11 @@ def test_a_stage_retries_opening_its_store_and_connecting_while_they_fail_transi
     path = tmp_path / "adapter.db"
     write_keyring(tmp_path / "keyring.json")
     config = AdapterConfig(
-        redis_url="redis://127.0.0.1:1/0", db_path=path, handler="broker_adapter.examples:echo",
+        redis_url="redis://127.0.0.1:1/0",
+        db_path=path,
+        handler="broker_adapter.examples:echo",
         keyring_path=tmp_path / "keyring.json",
-    )  # fmt: skip
+    )
     runner = Adapter(config)
     stop = threading.Event()
     monkeypatch.setattr(stop, "wait", lambda timeout=None: False)  # backoffs take no time

@@ -86,8 +86,9 @@ def _promtool_rules(exprs: dict[str, str], tmp_path: Path) -> subprocess.Complet
     rules = [{"record": name, "expr": expr} for name, expr in exprs.items()]
     path = tmp_path / "queries.yml"
     path.write_text(yaml.safe_dump({"groups": [{"name": "queries", "rules": rules}]}))
-    return subprocess.run(["promtool", "check", "rules", str(path)], capture_output=True,
-                          text=True, timeout=60)  # fmt: skip
+    return subprocess.run(
+        ["promtool", "check", "rules", str(path)], capture_output=True, text=True, timeout=60
+    )
 
 
 needs_promtool = pytest.mark.skipif(shutil.which("promtool") is None, reason="no promtool")
@@ -135,39 +136,52 @@ def test_clock_skew_alert_fires_above_its_bound_only(
     """``promtool test rules``: a host clock 5 s or less from the server's for 15 min
     raises nothing; above it, ``BrokerAdapterClockSkew`` fires after its 10 min."""
     rules = yaml.safe_load(ALERTS.read_text(encoding="utf-8"))
-    (rule,) = [r for g in rules["groups"] for r in g["rules"]
-               if r["alert"] == "BrokerAdapterClockSkew"]  # fmt: skip
+    (rule,) = [
+        r for g in rules["groups"] for r in g["rules"] if r["alert"] == "BrokerAdapterClockSkew"
+    ]
     annotations = {
         name: text.replace("{{ $labels.instance }}", "a:9464").replace(
-            "{{ $value }}", f"{abs(skew_s):g}")
+            "{{ $value }}", f"{abs(skew_s):g}"
+        )
         for name, text in rule["annotations"].items()
-    }  # fmt: skip
+    }
     labels = {"severity": "warning", "instance": "a:9464", "job": "broker-adapter"}
     alerts = [{"exp_labels": labels, "exp_annotations": annotations}] if fires else []
     test = {
         "rule_files": [str(ALERTS)],
         "evaluation_interval": "1m",
-        "tests": [{
-            "interval": "1m",
-            "input_series": [{
-                "series": 'ba_clock_skew_seconds{instance="a:9464",job="broker-adapter"}',
-                "values": f"{skew_s}x15",
-            }],
-            "alert_rule_test": [{"eval_time": "15m", "alertname": "BrokerAdapterClockSkew",
-                                 "exp_alerts": alerts}],
-        }],
-    }  # fmt: skip
+        "tests": [
+            {
+                "interval": "1m",
+                "input_series": [
+                    {
+                        "series": 'ba_clock_skew_seconds{instance="a:9464",job="broker-adapter"}',
+                        "values": f"{skew_s}x15",
+                    }
+                ],
+                "alert_rule_test": [
+                    {
+                        "eval_time": "15m",
+                        "alertname": "BrokerAdapterClockSkew",
+                        "exp_alerts": alerts,
+                    }
+                ],
+            }
+        ],
+    }
     path = tmp_path / "skew_test.yml"
     path.write_text(yaml.safe_dump(test))
-    res = subprocess.run(["promtool", "test", "rules", str(path)], capture_output=True,
-                         text=True, timeout=60)  # fmt: skip
+    res = subprocess.run(
+        ["promtool", "test", "rules", str(path)], capture_output=True, text=True, timeout=60
+    )
     assert res.returncode == 0, res.stdout + res.stderr
 
 
 @needs_promtool
 def test_alert_rules_pass_promtool() -> None:
-    res = subprocess.run(["promtool", "check", "rules", str(ALERTS)], capture_output=True,
-                         text=True, timeout=60)  # fmt: skip
+    res = subprocess.run(
+        ["promtool", "check", "rules", str(ALERTS)], capture_output=True, text=True, timeout=60
+    )
     assert res.returncode == 0, res.stdout + res.stderr
 
 
@@ -296,8 +310,9 @@ def test_grafana_provisions_the_dashboard_and_the_data_source() -> None:
 
 @needs_promtool
 def test_prometheus_config_passes_promtool() -> None:
-    res = subprocess.run(["promtool", "check", "config", str(PROMETHEUS)], capture_output=True,
-                         text=True, timeout=60)  # fmt: skip
+    res = subprocess.run(
+        ["promtool", "check", "config", str(PROMETHEUS)], capture_output=True, text=True, timeout=60
+    )
     assert res.returncode == 0, res.stdout + res.stderr
 
 
@@ -309,8 +324,13 @@ def test_image_entrypoint_makes_a_keyring_the_adapter_accepts(tmp_path: Path) ->
     env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
 
     def start() -> bytes:
-        res = subprocess.run(["sh", str(ENTRYPOINT), "--version"], env=env,
-                             capture_output=True, text=True, timeout=60)  # fmt: skip
+        res = subprocess.run(
+            ["sh", str(ENTRYPOINT), "--version"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert res.returncode == 0, res.stderr
         assert res.stdout.startswith("broker-adapter ")
         return keyring.read_bytes()

@@ -34,8 +34,9 @@ from broker_adapter.store.approvals import ApprovalStore
 from broker_adapter.store.effects import EffectsStore
 from tests.support.store_script import T0, Stores, dump, item, open_any, stores, task_state
 
-POLICY = ReconcilePolicy(lease_s=20.0, batch=8, max_tries=3,
-                         backoff=Backoff(base_s=10.0, cap_s=40.0))  # fmt: skip
+POLICY = ReconcilePolicy(
+    lease_s=20.0, batch=8, max_tries=3, backoff=Backoff(base_s=10.0, cap_s=40.0)
+)
 
 
 @pytest.fixture
@@ -136,8 +137,9 @@ def test_a_reconcile_that_answers_nonsense_knows_nothing(s: Stores, fx: EffectsS
 
 def test_the_key_is_the_same_in_every_attempt_and_names_the_action() -> None:
     spec = EffectSpec("restart", arguments=lambda t: {"server": t.payload["q"]})
-    base = ClaimedTask("t1", "alice", "m1", "task", {"q": "web1"}, 1, 3, 1, "w1", T0, T0, 0,
-                       None, None)  # fmt: skip
+    base = ClaimedTask(
+        "t1", "alice", "m1", "task", {"q": "web1"}, 1, 3, 1, "w1", T0, T0, 0, None, None
+    )
     later = dataclasses.replace(base, task_id="t2", attempt=3, fence=7, owner="w9")
     assert spec.key(base) == spec.key(later)
     assert EffectSpec("stop").key(base) != spec.key(base)
@@ -199,8 +201,9 @@ def test_still_unknown_backs_off_then_waits_for_an_operator(
         raise ConnectionError("target down")
 
     task_id = unknown_task(s, fx)
-    reconciler = Reconciler(fx, EffectSpec("restart", reconcile=broken), "r1", POLICY,
-                            random.Random(3))  # fmt: skip
+    reconciler = Reconciler(
+        fx, EffectSpec("restart", reconcile=broken), "r1", POLICY, random.Random(3)
+    )
     for _ in range(POLICY.max_tries):
         assert reconciler.run_once() == 1
         assert reconciler.run_once() == 0  # backing off
@@ -268,16 +271,24 @@ def test_a_failing_compensation_is_recorded_failed(s: Stores, fx: EffectsStore) 
 
 def test_a_forged_approval_in_the_payload_counts_for_nothing(s: Stores) -> None:
     ap = ApprovalStore(s.tasks)
-    spec = EffectSpec("restart", requires_approval=True,
-                      approval=lambda t: (str(t.payload["server"]), "prod"))  # fmt: skip
+    spec = EffectSpec(
+        "restart", requires_approval=True, approval=lambda t: (str(t.payload["server"]), "prod")
+    )
     s.tasks.accept([item("m1", payload={"server": "web1", "human_approved": True})])
     (task,) = s.tasks.claim("w1")
     assert current_approval(ap, spec, task) is None
     hold_for_approval(ap, spec, task, 60)
     assert task_state(s, task.task_id) == "waiting_approval"
     # bound to the principal and the digest of the arguments (here the whole payload)
-    ap.grant_approval("restart", "web1", "prod", "carol", T0 + 600, principal="alice",
-                      arguments_digest=spec.approval_digest(task))  # fmt: skip
+    ap.grant_approval(
+        "restart",
+        "web1",
+        "prod",
+        "carol",
+        T0 + 600,
+        principal="alice",
+        arguments_digest=spec.approval_digest(task),
+    )
     ap.release_waits()
     (again,) = s.tasks.claim("w1")
     found = current_approval(ap, spec, again)
@@ -290,6 +301,19 @@ def _claim_view(s: Stores, task_id: str) -> ClaimedTask:
     row = s.tasks.get(task_id)
     assert row is not None
     (stored,) = [r for r in dump(s.db)["tasks"] if r["task_id"] == task_id]
-    return ClaimedTask(task_id, row.principal, row.message_id, "task",
-                       json.loads(stored["payload"]), row.attempts, row.max_attempts, row.fence,
-                       "", 0.0, row.deadline, 0, None, None)  # fmt: skip
+    return ClaimedTask(
+        task_id,
+        row.principal,
+        row.message_id,
+        "task",
+        json.loads(stored["payload"]),
+        row.attempts,
+        row.max_attempts,
+        row.fence,
+        "",
+        0.0,
+        row.deadline,
+        0,
+        None,
+        None,
+    )

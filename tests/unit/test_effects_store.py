@@ -70,11 +70,18 @@ def test_migration_7_adds_columns_and_tables_to_a_version_6_database(tmp_path: P
         assert db.conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION >= 7
         (task,) = dump(db)["tasks"]
         assert (task["reconcile_tries"], task["effect_fence"], task["cancel_requested_at"]) == (
-            0, None, None,
-        )  # fmt: skip
+            0,
+            None,
+            None,
+        )
         tables = {r[0] for r in db.conn.execute("SELECT name FROM sqlite_master")}
-        assert {"approvals", "approval_waits", "reconcile_log", "compensations",
-                "tasks_unknown"} <= tables  # fmt: skip
+        assert {
+            "approvals",
+            "approval_waits",
+            "reconcile_log",
+            "compensations",
+            "tasks_unknown",
+        } <= tables
         db.conn.execute("PRAGMA user_version = 6")
     with open_database(path) as db:  # run again on its own result: nothing added twice
         assert db.conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
@@ -224,8 +231,12 @@ def test_happened_is_done_with_the_observed_result_and_its_reply(
     assert (body["status"], body["result"]) == ("done", {"restarted": "web1"})
     (record,) = fx.reconcile_log(task_id)
     assert (record.outcome, record.by_whom, record.fence, record.observed, record.note) == (
-        "done", "r1", claim.task.fence, {"restarted": "web1"}, "found it",
-    )  # fmt: skip
+        "done",
+        "r1",
+        claim.task.fence,
+        {"restarted": "web1"},
+        "found it",
+    )
 
 
 def test_not_happened_is_pending_again_or_ends_when_nothing_is_left(
@@ -262,8 +273,10 @@ def test_still_unknown_backs_off_then_waits_for_an_operator(
     assert fx.operator_resolve(task_id, "done", "alice", observed={"seen": 1}) is TaskState.DONE
     assert reply_body(s, task_id)["result"] == {"seen": 1}
     assert [(r.outcome, r.by_whom) for r in fx.reconcile_log(task_id)] == [
-        ("unknown", "r1"), ("unknown", "r1"), ("done", "alice"),
-    ]  # fmt: skip
+        ("unknown", "r1"),
+        ("unknown", "r1"),
+        ("done", "alice"),
+    ]
 
 
 def test_an_operator_answer_fences_a_reconcile_in_flight(s: Stores, fx: EffectsStore) -> None:
@@ -293,6 +306,9 @@ def test_a_compensation_is_begun_once_and_ended_once(s: Stores, fx: EffectsStore
     assert not fx.end_compensation(task_id, "duplicate", "failed", "again")
     (record,) = fx.compensations(task_id)
     assert (record.kind, record.by_whom, record.outcome, record.detail) == (
-        "duplicate", "r1", "done", "refunded 1",
-    )  # fmt: skip
+        "duplicate",
+        "r1",
+        "done",
+        "refunded 1",
+    )
     assert fx.counts()["compensations_done"] == 1

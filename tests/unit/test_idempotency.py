@@ -41,9 +41,12 @@ def test_same_inputs_same_key_in_another_process() -> None:
         " {'n': 13, 'to': 'ops@example.com'}))"
     )
     there = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, check=True,
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
         env={"PYTHONHASHSEED": "12345"},
-    ).stdout.strip()  # fmt: skip
+    ).stdout.strip()
     assert there == here == effect_key(INTENT, "send_email", dict(reversed(ARGS.items())))
 
 

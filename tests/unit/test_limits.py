@@ -134,8 +134,15 @@ def test_run_takes_the_limits_from_flags_or_the_environment(
     from broker_adapter.app.adapter import AdapterConfig
     from broker_adapter.app.cli import build_parser
 
-    base = ["run", "--redis", "redis://127.0.0.1:1/0", "--db", str(tmp_path / "a.db"),
-            "--handler", "broker_adapter.examples:echo"]  # fmt: skip
+    base = [
+        "run",
+        "--redis",
+        "redis://127.0.0.1:1/0",
+        "--db",
+        str(tmp_path / "a.db"),
+        "--handler",
+        "broker_adapter.examples:echo",
+    ]
     monkeypatch.setenv("BA_RATE_LIMIT", "2.5")
     monkeypatch.setenv("BA_MAX_OPEN_TASKS", "7")
     args = build_parser().parse_args([*base, "--rate-burst", "9"])
@@ -145,5 +152,11 @@ def test_run_takes_the_limits_from_flags_or_the_environment(
     args = build_parser().parse_args(base)
     assert (args.rate_limit, args.rate_burst, args.max_open_tasks) == (None, None, None)
     with pytest.raises(ValueError, match="greater than 0"):
-        AdapterConfig(redis_url="redis://x", db_path=tmp_path, handler="m:f", mode="acl",
-                  acl_principals=("a",), rate_limit=0)  # fmt: skip
+        AdapterConfig(
+            redis_url="redis://x",
+            db_path=tmp_path,
+            handler="m:f",
+            mode="acl",
+            acl_principals=("a",),
+            rate_limit=0,
+        )

@@ -34,8 +34,13 @@ def tasks(store_target: str, clock: FakeClock) -> Iterator[TaskStore]:
 
 
 def _item(clock: FakeClock, message_id: str, payload: dict[str, Any], attempts: int = 3) -> Any:
-    env = Envelope.build(message_id=message_id, sender="agent-a", payload=payload,
-                         deadline=clock.now() + 3600, max_attempts=attempts)  # fmt: skip
+    env = Envelope.build(
+        message_id=message_id,
+        sender="agent-a",
+        payload=payload,
+        deadline=clock.now() + 3600,
+        max_attempts=attempts,
+    )
     return AcceptItem("agent-a", env)
 
 
@@ -54,9 +59,16 @@ def test_text_and_json_render_the_fields_and_the_traceback() -> None:
     try:
         raise KeyError("boom")
     except KeyError as exc:
-        record = log.makeRecord(log.name, logging.ERROR, __file__, 1, "task %s failed", ("t1",),
-                                (type(exc), exc, exc.__traceback__),
-                                extra={"task_id": "t1", "fence": 2, "detail": "a b"})  # fmt: skip
+        record = log.makeRecord(
+            log.name,
+            logging.ERROR,
+            __file__,
+            1,
+            "task %s failed",
+            ("t1",),
+            (type(exc), exc, exc.__traceback__),
+            extra={"task_id": "t1", "fence": 2, "detail": "a b"},
+        )
     text = TextFormatter().format(record)
     first = text.splitlines()[0]
     assert first.endswith(
@@ -66,8 +78,11 @@ def test_text_and_json_render_the_fields_and_the_traceback() -> None:
     line = json.loads(JsonFormatter().format(record))
     assert line["message"] == "task t1 failed"
     assert (line["level"], line["logger"], line["task_id"], line["fence"]) == (
-        "ERROR", "broker_adapter.test", "t1", 2,
-    )  # fmt: skip
+        "ERROR",
+        "broker_adapter.test",
+        "t1",
+        2,
+    )
     assert line["ts"].endswith("Z")
     assert "KeyError: 'boom'" in line["exc"]
 
@@ -79,8 +94,19 @@ def test_log_format_is_a_flag_and_a_variable_of_run_and_receive(
     assert build_parser().parse_args(base).log_format == "text"
     monkeypatch.setenv("BA_LOG_FORMAT", "json")
     assert build_parser().parse_args(base).log_format == "json"
-    receive = ["receive", "--redis", "redis://x", "--db", "r.db", "--principal", "p",
-               "--keyring", "k", "--log-format", "text"]  # fmt: skip
+    receive = [
+        "receive",
+        "--redis",
+        "redis://x",
+        "--db",
+        "r.db",
+        "--principal",
+        "p",
+        "--keyring",
+        "k",
+        "--log-format",
+        "text",
+    ]
     assert build_parser().parse_args(receive).log_format == "text"
     with pytest.raises(SystemExit):
         build_parser().parse_args([*base, "--log-format", "xml"])
@@ -99,10 +125,13 @@ def test_every_transition_of_a_task_is_one_line_with_its_ids(
         clock.advance(10)  # past the retry's backoff
     lines = _lines(caplog)
     by_task = {
-        tid: [(x["transition"], x.get("state"), x.get("attempt")) for x in lines
-              if x["task_id"] == tid]
+        tid: [
+            (x["transition"], x.get("state"), x.get("attempt"))
+            for x in lines
+            if x["task_id"] == tid
+        ]
         for tid in (ok.task_id, flaky.task_id)
-    }  # fmt: skip
+    }
     # m-ok's handler sees attempt 1 < 2: a retry first as well, then both are done
     for tid in (ok.task_id, flaky.task_id):
         assert by_task[tid] == [
@@ -133,8 +162,11 @@ def test_a_handler_exception_is_logged_with_its_traceback_and_ids(
     failure = next(r for r in caplog.records if r.levelno == logging.ERROR)
     line = json.loads(JsonFormatter().format(failure))
     assert (line["task_id"], line["message_id"], line["principal"], line["attempt"]) == (
-        res.task_id, "m-bad", "agent-a", 1,
-    )  # fmt: skip
+        res.task_id,
+        "m-bad",
+        "agent-a",
+        1,
+    )
     assert "Traceback (most recent call last)" in line["exc"]
     assert "ValueError" in line["exc"]
     (failed,) = [x for x in _lines(caplog) if x["transition"] == "failed"]
@@ -153,16 +185,30 @@ def test_the_take_backs_of_effects_and_cancel_requests_are_logged(
     fx.mark_effect_started(started.task_id, "w1", started.fence)
     fx.request_cancel(requested.task_id)
     clock.advance(LEASE_S + 1)
-    assert tasks.reconcile() == {"expired": 0, "requeued": 0, "exhausted": 0, "unknown": 1,
-                                 "cancelled": 1}  # fmt: skip
-    got = {x["task_id"]: (x["transition"], x["state"], x["detail"]) for x in _lines(caplog)
-           if x["transition"] in ("unknown", "cancelled")}  # fmt: skip
+    assert tasks.reconcile() == {
+        "expired": 0,
+        "requeued": 0,
+        "exhausted": 0,
+        "unknown": 1,
+        "cancelled": 1,
+    }
+    got = {
+        x["task_id"]: (x["transition"], x["state"], x["detail"])
+        for x in _lines(caplog)
+        if x["transition"] in ("unknown", "cancelled")
+    }
     assert got == {
-        started.task_id: ("unknown", "unknown",
-                          "the holder's lease or deadline ran out after its effect started"),
-        requested.task_id: ("cancelled", "cancelled",
-                            "cancel requested; the handler did not end within the grace"),
-    }  # fmt: skip
+        started.task_id: (
+            "unknown",
+            "unknown",
+            "the holder's lease or deadline ran out after its effect started",
+        ),
+        requested.task_id: (
+            "cancelled",
+            "cancelled",
+            "cancel requested; the handler did not end within the grace",
+        ),
+    }
 
 
 def test_routine_transitions_cost_no_record_at_info(

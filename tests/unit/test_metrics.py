@@ -38,14 +38,30 @@ def _samples(observed: Observed) -> dict[str, float]:
 def _fake_stages() -> Observed:
     reader = SimpleNamespace(
         stream="ba:{in}:tasks",
-        stats=ReaderStats(read=7, replayed=2, taken_over=1, acked=6, reconnects=3,
-                          group_recreated=1, by_reason={"bad_signature": 2, "poison": 1}),
-    )  # fmt: skip
+        stats=ReaderStats(
+            read=7,
+            replayed=2,
+            taken_over=1,
+            acked=6,
+            reconnects=3,
+            group_recreated=1,
+            by_reason={"bad_signature": 2, "poison": 1},
+        ),
+    )
     ingestor = SimpleNamespace(
-        stats=IngestStats(accepted=4, duplicates=2, conflicts=1, expired=1, hop_limited=1,
-                          trimmed=9, dead_letters_trimmed=2, trim_failures=1),
-        readers=[reader], tasks=SimpleNamespace(lease_takeovers=2),
-    )  # fmt: skip
+        stats=IngestStats(
+            accepted=4,
+            duplicates=2,
+            conflicts=1,
+            expired=1,
+            hop_limited=1,
+            trimmed=9,
+            dead_letters_trimmed=2,
+            trim_failures=1,
+        ),
+        readers=[reader],
+        tasks=SimpleNamespace(lease_takeovers=2),
+    )
     dispatcher = SimpleNamespace(
         stats=DispatcherStats(published=5, dead=1, wipes=1, restarts=2, requeued=4, trimmed=3)
     )
@@ -192,12 +208,23 @@ def test_collector_exports_the_effect_and_approval_counts(tmp_path: Path) -> Non
     db_path = tmp_path / "a.db"
     with open_database(db_path) as db:
         with db.write("test") as c:  # what the reconciles' transactions count
-            for name in ("reconciled_not-done", "reconciled_done", "compensations_started",
-                         "compensations_done"):  # fmt: skip
+            for name in (
+                "reconciled_not-done",
+                "reconciled_done",
+                "compensations_started",
+                "compensations_done",
+            ):
                 count_in(c, name)
         approvals = ApprovalStore(TaskStore(db))
-        approvals.grant_approval("restart", "web1", "prod", "alice", approvals.clock.now() + 600,
-                                 principal="bob", arguments_digest="d" * 64)  # fmt: skip
+        approvals.grant_approval(
+            "restart",
+            "web1",
+            "prod",
+            "alice",
+            approvals.clock.now() + 600,
+            principal="bob",
+            arguments_digest="d" * 64,
+        )
     got = _samples(Observed(db_path=db_path))
     assert got['ba_reconciles_total{outcome="not-done"}'] == 1
     assert got['ba_reconciles_total{outcome="done"}'] == 1

@@ -49,8 +49,9 @@ def effects_now(s: Stores, clock: FakeClock) -> dict[str, Any]:
 
 
 def policy(action: str) -> ReconcilePolicy:
-    return ReconcilePolicy(lease_s=20.0, operator_timeout_s=TIMEOUT_S,
-                           operator_timeout_action=action)  # fmt: skip
+    return ReconcilePolicy(
+        lease_s=20.0, operator_timeout_s=TIMEOUT_S, operator_timeout_action=action
+    )
 
 
 def test_an_operator_wait_past_its_bound_raises_the_alert_and_keeps_waiting(
@@ -75,9 +76,10 @@ def test_an_operator_wait_past_its_bound_raises_the_alert_and_keeps_waiting(
     assert effects_now(s, clock)["operator_timeouts_alert"] == 1
     if not HAVE_PROMTOOL:
         pytest.skip("no promtool: the alert's expression is not checked")
-    series = {'ba_operator_waits_overdue{job="broker-adapter",instance="a:9464"}':
-              f"{before['operator_overdue']} {before['operator_overdue']}"
-              f" {after['operator_overdue']} {after['operator_overdue']}"}  # fmt: skip
+    b, a = before["operator_overdue"], after["operator_overdue"]
+    series = {
+        'ba_operator_waits_overdue{job="broker-adapter",instance="a:9464"}': f"{b} {b} {a} {a}"
+    }
     firing = {"severity": "critical", **JOB}
     overdue = "BrokerAdapterOperatorWaitOverdue"
     res = alert_test(tmp_path, series, [("1m", overdue, []), ("2m", overdue, [firing])])
@@ -120,9 +122,14 @@ def test_an_operator_wait_past_its_bound_ends_failed_with_its_outcome_unknown(
         pytest.skip("no promtool: the alert's expression is not checked")
     name = 'ba_operator_timeouts_total{action="fail",job="broker-adapter",instance="a:9464"}'
     firing = {"severity": "critical", "job": "broker-adapter"}
-    res = alert_test(tmp_path, {name: f"{before} {before} {after} {after}"},
-                     [("1m", "BrokerAdapterOperatorTimeoutFailed", []),
-                      ("2m", "BrokerAdapterOperatorTimeoutFailed", [firing])])  # fmt: skip
+    res = alert_test(
+        tmp_path,
+        {name: f"{before} {before} {after} {after}"},
+        [
+            ("1m", "BrokerAdapterOperatorTimeoutFailed", []),
+            ("2m", "BrokerAdapterOperatorTimeoutFailed", [firing]),
+        ],
+    )
     assert res.returncode == 0, res.stdout + res.stderr
 
 
@@ -155,9 +162,13 @@ def test_reconcile_list_shows_waiting_tasks_first(s: Stores, clock: FakeClock) -
 
 @needs_promtool
 def test_uncertain_outcome_alerts_fire_past_their_bounds_only(tmp_path: Path) -> None:
-    assert {"BrokerAdapterOperatorWaiting", "BrokerAdapterUnknownOutcomeOld",
-            "BrokerAdapterCompensationFailed", "BrokerAdapterCompensationUnfinished",
-            "BrokerAdapterApprovalsWaiting"} <= set(shipped_rules())  # fmt: skip
+    assert {
+        "BrokerAdapterOperatorWaiting",
+        "BrokerAdapterUnknownOutcomeOld",
+        "BrokerAdapterCompensationFailed",
+        "BrokerAdapterCompensationUnfinished",
+        "BrokerAdapterApprovalsWaiting",
+    } <= set(shipped_rules())
     at = 'job="broker-adapter",instance="a:9464"'
     series = {
         f"ba_operator_wait_oldest_age_seconds{{{at}}}": "3540 3600 3660 3720",

@@ -52,10 +52,26 @@ def not_before(s: Stores, reply_id: str) -> float:
 def test_outbox_enqueue_stores_canonical_body_and_hash_once(s: Stores) -> None:
     body = {"b": 1, "a": "é"}
     with s.db.write("accept") as c:
-        assert s.enqueue(c, reply_id="x1", task_id=None, principal="alice", message_id="m",
-                       status="conflict", body=body, now=T0)  # fmt: skip
-        assert not s.enqueue(c, reply_id="x1", task_id=None, principal="alice", message_id="m",
-                           status="conflict", body={"other": 1}, now=T0)  # fmt: skip
+        assert s.enqueue(
+            c,
+            reply_id="x1",
+            task_id=None,
+            principal="alice",
+            message_id="m",
+            status="conflict",
+            body=body,
+            now=T0,
+        )
+        assert not s.enqueue(
+            c,
+            reply_id="x1",
+            task_id=None,
+            principal="alice",
+            message_id="m",
+            status="conflict",
+            body={"other": 1},
+            now=T0,
+        )
     r = row(s, "x1")
     assert r.body == canonical_json(body)
     assert r.content_hash == sha256_hex(r.body)
@@ -66,8 +82,16 @@ def test_outbox_enqueue_refuses_second_reply_for_same_task(s: Stores) -> None:
     reply_id = finished(s)
     task_id = row(s, reply_id).task_id
     with s.db.write("finish") as c:
-        assert not s.enqueue(c, reply_id="r-other", task_id=task_id, principal="alice",
-                           message_id="m1", status="done", body={}, now=T0)  # fmt: skip
+        assert not s.enqueue(
+            c,
+            reply_id="r-other",
+            task_id=task_id,
+            principal="alice",
+            message_id="m1",
+            status="done",
+            body={},
+            now=T0,
+        )
     assert [r["reply_id"] for r in dump(s.db)["outbox"]] == [reply_id]
 
 
@@ -170,12 +194,15 @@ def test_outbox_mark_sent_marks_fences_each_row_of_a_batch_on_its_own(
     clock.advance(OUTBOX_BACKOFF.cap_s)
     (again,) = s.outbox.claim("d1", 1)
     assert again.fence == 2
-    results = s.outbox.mark_sent_marks("d1", [
-        (one.reply_id, one.fence, "1-0", clock.now()),
-        (again.reply_id, again.fence, "2-0", clock.now()),
-        (one.reply_id, one.fence, "3-0", clock.now()),
-        (stale.reply_id, stale.fence + 1, "4-0", clock.now()),
-    ])  # fmt: skip
+    results = s.outbox.mark_sent_marks(
+        "d1",
+        [
+            (one.reply_id, one.fence, "1-0", clock.now()),
+            (again.reply_id, again.fence, "2-0", clock.now()),
+            (one.reply_id, one.fence, "3-0", clock.now()),
+            (stale.reply_id, stale.fence + 1, "4-0", clock.now()),
+        ],
+    )
     assert results[:2] == [None, None]
     assert isinstance(results[2], StaleError)
     assert results[2].reason == "not_sending"
@@ -235,8 +262,10 @@ def test_outbox_replay_records_who_and_when_and_keeps_identity(s: Stores, clock:
     assert row(s, reply_id) == replayed
     (again,) = s.outbox.claim("d2", 1)
     assert (again.reply_id, again.body, again.content_hash) == (
-        reply_id, original.body, original.content_hash,
-    )  # fmt: skip
+        reply_id,
+        original.body,
+        original.content_hash,
+    )
     assert again.fence == fence + 1  # the fence never goes back
     s.outbox.mark_dead(reply_id, "d2", again.fence, "still failing")
     clock.advance(5)

@@ -141,8 +141,16 @@ def replies(s: Stores, *message_ids: str) -> None:
     with s.db.write("accept") as c:
         for mid in message_ids:
             body = {"m": mid}
-            assert s.enqueue(c, reply_id=f"r-{mid}", task_id=None, principal="alice",
-                             message_id=mid, status="conflict", body=body, now=T0)  # fmt: skip
+            assert s.enqueue(
+                c,
+                reply_id=f"r-{mid}",
+                task_id=None,
+                principal="alice",
+                message_id=mid,
+                status="conflict",
+                body=body,
+                now=T0,
+            )
 
 
 def test_an_outbox_claim_skips_the_replies_another_session_is_claiming(
@@ -327,11 +335,20 @@ def test_two_releases_of_one_approval_wait_release_it_once(
     a, b = two
     a.tasks.accept([item("m1")])
     (task,) = a.tasks.claim("w1", 1)
-    ApprovalStore(a.tasks).wait_for_approval(task.task_id, "w1", task.fence, "restart", "web1",
-                                             "prod", 120, principal="alice",
-                                             arguments_digest="d" * 64)  # fmt: skip
-    ApprovalStore(a.tasks).grant_approval("restart", "web1", "prod", "carol", T0 + 60,
-                                          principal="alice", arguments_digest="d" * 64)  # fmt: skip
+    ApprovalStore(a.tasks).wait_for_approval(
+        task.task_id,
+        "w1",
+        task.fence,
+        "restart",
+        "web1",
+        "prod",
+        120,
+        principal="alice",
+        arguments_digest="d" * 64,
+    )
+    ApprovalStore(a.tasks).grant_approval(
+        "restart", "web1", "prod", "carol", T0 + 60, principal="alice", arguments_digest="d" * 64
+    )
     held = Held(monkeypatch, "approval_release")
     held.start(lambda: ApprovalStore(a.tasks).release_waits())
     second = ApprovalStore(b.tasks).release_waits()  # not blocked: the held wait is skipped
@@ -368,8 +385,13 @@ def test_a_reply_id_held_by_one_receiver_with_other_content_is_a_conflict_for_th
         return None
 
     def apply(s: Stores, body: bytes) -> Any:
-        return s.receipts.apply(reply_id="r-1", content_hash=sha256_hex(body), principal="alice",
-                                body=body, effect=effect)  # fmt: skip
+        return s.receipts.apply(
+            reply_id="r-1",
+            content_hash=sha256_hex(body),
+            principal="alice",
+            body=body,
+            effect=effect,
+        )
 
     held = Held(monkeypatch, "receipt")
     held.start(lambda: apply(a, first_body))

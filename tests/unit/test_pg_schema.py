@@ -131,15 +131,24 @@ def test_snapshot_counts_the_effect_records_and_approvals_alike(store_target: st
 
     with open_any(store_target) as db:
         with db.write("test") as c:
-            c.execute("INSERT INTO reconcile_log (task_id, outcome, by_whom, at, fence) VALUES"
-                      " ('t1', 'not-done', 'r', 1, 1), ('t2', 'done', 'r', 1, 1),"
-                      " ('t3', 'done', 'r', 1, 1)")  # fmt: skip
-            c.execute("INSERT INTO compensations (task_id, kind, by_whom, fence, what,"
-                      " started_at, outcome) VALUES ('t2', 'duplicate', 'r', 1, 'x', 1,"
-                      " 'done')")  # fmt: skip
+            c.execute(
+                "INSERT INTO reconcile_log (task_id, outcome, by_whom, at, fence) VALUES"
+                " ('t1', 'not-done', 'r', 1, 1), ('t2', 'done', 'r', 1, 1),"
+                " ('t3', 'done', 'r', 1, 1)"
+            )
+            c.execute(
+                "INSERT INTO compensations (task_id, kind, by_whom, fence, what,"
+                " started_at, outcome) VALUES ('t2', 'duplicate', 'r', 1, 'x', 1,"
+                " 'done')"
+            )
             # what the reconciles' own transactions count with those records
-            for name in ("reconciled_not-done", "reconciled_done", "reconciled_done",
-                         "compensations_started", "compensations_done"):  # fmt: skip
+            for name in (
+                "reconciled_not-done",
+                "reconciled_done",
+                "reconciled_done",
+                "compensations_started",
+                "compensations_done",
+            ):
                 count_in(c, name)
             c.execute(
                 "INSERT INTO approvals (approval_id, action, target, scope, approver,"
@@ -158,17 +167,32 @@ def test_snapshot_counts_the_effect_records_and_approvals_alike(store_target: st
 
             with db.read() as c:
                 assert effects == {
-                    **effect_counts(c), **approval_counts(c, T0), **outcome_gauges(c, T0)
+                    **effect_counts(c),
+                    **approval_counts(c, T0),
+                    **outcome_gauges(c, T0),
                 }
     assert effects == {
-        "unknown": 0, "awaiting_operator": 0,
-        "reconciled_done": 2, "reconciled_not-done": 1, "reconciled_unknown": 0,
-        "compensations_started": 1, "compensations_done": 1, "compensations_failed": 0,
-        "waiting_approval": 0, "approvals_valid": 1, "approvals_expired": 0,
-        "approvals_revoked": 1, "task_attempts": 0, "task_outcomes_unknown": 0,
-        "operator_timeouts_alert": 0, "operator_timeouts_fail": 0, "compensations_open": 0,
-        "oldest_unknown_age_s": 0.0, "oldest_operator_wait_age_s": 0.0, "operator_overdue": 0,
-    }  # fmt: skip
+        "unknown": 0,
+        "awaiting_operator": 0,
+        "reconciled_done": 2,
+        "reconciled_not-done": 1,
+        "reconciled_unknown": 0,
+        "compensations_started": 1,
+        "compensations_done": 1,
+        "compensations_failed": 0,
+        "waiting_approval": 0,
+        "approvals_valid": 1,
+        "approvals_expired": 0,
+        "approvals_revoked": 1,
+        "task_attempts": 0,
+        "task_outcomes_unknown": 0,
+        "operator_timeouts_alert": 0,
+        "operator_timeouts_fail": 0,
+        "compensations_open": 0,
+        "oldest_unknown_age_s": 0.0,
+        "oldest_operator_wait_age_s": 0.0,
+        "operator_overdue": 0,
+    }
 
 
 def test_pg_migration_recomputes_fingerprints_with_the_request_terms(pg_url: str) -> None:

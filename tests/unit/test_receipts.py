@@ -50,9 +50,13 @@ def test_receipt_apply_runs_effect_once_and_stores_receipt(s: Stores, clock: Fak
     body, digest = reply()
     effect = CountingEffect()
     outcome, receipt = s.receipts.apply(
-        reply_id="r-t1", content_hash=digest, principal="alice", body=body, effect=effect,
+        reply_id="r-t1",
+        content_hash=digest,
+        principal="alice",
+        body=body,
+        effect=effect,
         entry_id="5-0",
-    )  # fmt: skip
+    )
     assert outcome is ReceiptOutcome.APPLIED
     assert effect.calls == 1
     assert (receipt.reply_id, receipt.content_hash, receipt.principal) == ("r-t1", digest, "alice")
@@ -73,9 +77,13 @@ def test_receipt_apply_returns_earlier_receipt_when_duplicate(s: Stores, clock: 
     before = dump(s.db)
     clock.advance(30)
     outcome, again = s.receipts.apply(
-        reply_id="r-t1", content_hash=digest, principal="alice", body=body, effect=effect,
+        reply_id="r-t1",
+        content_hash=digest,
+        principal="alice",
+        body=body,
+        effect=effect,
         entry_id="6-0",
-    )  # fmt: skip
+    )
     assert outcome is ReceiptOutcome.DUPLICATE
     assert again == first
     assert effect.calls == 1
@@ -91,9 +99,12 @@ def test_receipt_apply_refuses_different_content_for_same_reply_id(s: Stores) ->
     before = dump(s.db)
     other_body, other_digest = reply(status="failed")
     outcome, stored = s.receipts.apply(
-        reply_id="r-t1", content_hash=other_digest, principal="alice", body=other_body,
+        reply_id="r-t1",
+        content_hash=other_digest,
+        principal="alice",
+        body=other_body,
         effect=effect,
-    )  # fmt: skip
+    )
     assert outcome is ReceiptOutcome.CONFLICT
     assert stored == first
     assert stored.content_hash == digest
@@ -152,9 +163,12 @@ def test_receipt_list_returns_receipts_in_arrival_order(s: Stores, clock: FakeCl
     for n in range(3):
         body = canonical_json({"reply_id": f"r-{n}", "status": "done"})
         s.receipts.apply(
-            reply_id=f"r-{n}", content_hash=sha256_hex(body), principal="alice", body=body,
+            reply_id=f"r-{n}",
+            content_hash=sha256_hex(body),
+            principal="alice",
+            body=body,
             effect=None,
-        )  # fmt: skip
+        )
         clock.advance(1)
     assert [r.reply_id for r in s.receipts.list()] == ["r-0", "r-1", "r-2"]
     assert [r.received_at for r in s.receipts.list()] == [T0, T0 + 1, T0 + 2]

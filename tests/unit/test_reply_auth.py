@@ -35,8 +35,14 @@ def ring() -> Keyring:
 
 
 def _fields(sig: ReplySignature, body: bytes = BODY) -> dict[bytes, bytes]:
-    return {b"v": b"2", b"reply_id": b"r-1", b"hash": hashlib.sha256(body).hexdigest().encode(),
-            b"body": body, b"kid": sig.kid.encode(), b"sig": sig.sig.encode()}  # fmt: skip
+    return {
+        b"v": b"2",
+        b"reply_id": b"r-1",
+        b"hash": hashlib.sha256(body).hexdigest().encode(),
+        b"body": body,
+        b"kid": sig.kid.encode(),
+        b"sig": sig.sig.encode(),
+    }
 
 
 def test_reply_signature_matches_independent_hmac() -> None:
@@ -132,9 +138,12 @@ def test_a_pool_of_publishing_workers_needs_a_keyring(tmp_path: Path) -> None:
 
 def _run_config(tmp_path: Path, keyring: Path | None, **over: object) -> AdapterConfig:
     return AdapterConfig(
-        redis_url="redis://127.0.0.1:1", db_path=tmp_path / "a.db",
-        handler="broker_adapter.examples:echo", keyring_path=keyring, **over,
-    )  # fmt: skip
+        redis_url="redis://127.0.0.1:1",
+        db_path=tmp_path / "a.db",
+        handler="broker_adapter.examples:echo",
+        keyring_path=keyring,
+        **over,
+    )
 
 
 def test_acl_mode_needs_a_keyring_with_every_acl_principals_keys(tmp_path: Path) -> None:

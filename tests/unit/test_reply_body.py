@@ -23,10 +23,19 @@ def test_a_terminal_body_parses_back_into_the_reply_it_describes() -> None:
     data, content_hash = encode_body(body)
     reply = parse_body(data)
     assert reply == Reply(
-        reply_id=reply_id_for("t1"), status="done", task_id="t1", principal="alice",
-        message_id="m1", correlation_id="c1", result={"ok": True}, error=None, attempts=2,
-        fence=3, finished_at=1.5, v=1,
-    )  # fmt: skip
+        reply_id=reply_id_for("t1"),
+        status="done",
+        task_id="t1",
+        principal="alice",
+        message_id="m1",
+        correlation_id="c1",
+        result={"ok": True},
+        error=None,
+        attempts=2,
+        fence=3,
+        finished_at=1.5,
+        v=1,
+    )
     assert reply.body == body
     assert reply.idempotency_key == "ba-reply:r-t1"
     assert len(content_hash) == 64

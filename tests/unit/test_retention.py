@@ -314,8 +314,10 @@ def test_a_message_id_reused_after_the_purge_is_a_new_request_within_it_a_duplic
     (dup,) = s.tasks.accept([env_item])
     (conflict,) = s.tasks.accept([item("m1", payload={"q": "x"})])
     assert (dup.outcome, dup.task_id, conflict.outcome) == (
-        Outcome.DUPLICATE, task_id, Outcome.CONFLICT,
-    )  # fmt: skip
+        Outcome.DUPLICATE,
+        task_id,
+        Outcome.CONFLICT,
+    )
     clock.set(T0 + RETENTION_S + 1)
     sent(s, [str(conflict.reply_id)])
     clock.advance(RETENTION_S)
@@ -455,10 +457,28 @@ def test_retention_flag_and_variable_reach_the_configs_and_stores(
     keyring = tmp_path / "k.json"
     keyring.write_text('{"alice": {"k1": "a secret of thirty-two bytes or more"}}')
     keyring.chmod(0o600)
-    run = ["run", "--redis", "redis://127.0.0.1:1/0", "--db", str(tmp_path / "a.db"),
-           "--handler", "broker_adapter.examples:echo", "--keyring", str(keyring)]  # fmt: skip
-    receive = ["receive", "--redis", "redis://127.0.0.1:1/0", "--db", str(tmp_path / "r.db"),
-               "--principal", "alice", "--keyring", str(keyring)]  # fmt: skip
+    run = [
+        "run",
+        "--redis",
+        "redis://127.0.0.1:1/0",
+        "--db",
+        str(tmp_path / "a.db"),
+        "--handler",
+        "broker_adapter.examples:echo",
+        "--keyring",
+        str(keyring),
+    ]
+    receive = [
+        "receive",
+        "--redis",
+        "redis://127.0.0.1:1/0",
+        "--db",
+        str(tmp_path / "r.db"),
+        "--principal",
+        "alice",
+        "--keyring",
+        str(keyring),
+    ]
 
     def configs(*extra: str) -> tuple[float, float]:
         for argv, name in ((run, "run"), (receive, "receive")):
@@ -472,9 +492,13 @@ def test_retention_flag_and_variable_reach_the_configs_and_stores(
     assert configs() == (90.0, 90.0)
     assert configs("--retention", "30") == (30.0, 30.0)  # the flag wins
     # The runner's policy (its ingest, workers and purge) carries it.
-    config = runner.AdapterConfig(redis_url="redis://x", db_path=tmp_path / "p.db",
-                              handler="broker_adapter.examples:echo",
-                              keyring_path=keyring, retention_s=30)  # fmt: skip
+    config = runner.AdapterConfig(
+        redis_url="redis://x",
+        db_path=tmp_path / "p.db",
+        handler="broker_adapter.examples:echo",
+        keyring_path=keyring,
+        retention_s=30,
+    )
     monkeypatch.undo()
     assert runner.Adapter(config).policy.retention_s == 30
     with pytest.raises(ValueError, match="greater than 0"):
@@ -492,23 +516,41 @@ def test_a_purged_task_takes_its_effect_records_and_old_approvals_go(
     (task_id,) = done_and_sent(sq, "m1")
     (kept,) = accepted(sq, "kept", deadline=T0 + RETENTION_S)
     approvals = ApprovalStore(sq.tasks)
-    old = approvals.grant_approval("restart", "web1", "prod", "alice", T0 + 0.5,
-                                   principal="alice", arguments_digest="d" * 64)  # fmt: skip
+    old = approvals.grant_approval(
+        "restart", "web1", "prod", "alice", T0 + 0.5, principal="alice", arguments_digest="d" * 64
+    )
     with sq.db.write("test") as c:
         for tid in (task_id, kept):
-            c.execute("INSERT INTO reconcile_log (task_id, outcome, by_whom, at, fence)"
-                      " VALUES (?, 'done', 'r', ?, 1)", (tid, T0))  # fmt: skip
-            c.execute("INSERT INTO compensations (task_id, kind, by_whom, fence, what,"
-                      " started_at, outcome) VALUES (?, 'duplicate', 'r', 1, 'x', ?, 'done')",
-                      (tid, T0))  # fmt: skip
-            c.execute("INSERT INTO approval_waits (task_id, action, target, scope, since,"
-                      " until) VALUES (?, 'restart', 'web1', 'prod', ?, ?)",
-                      (tid, T0, T0 + 1))  # fmt: skip
-            c.execute("INSERT INTO approval_releases (task_id, approval_id, released_at)"
-                      " VALUES (?, ?, ?)", (tid, old, T0))  # fmt: skip
+            c.execute(
+                "INSERT INTO reconcile_log (task_id, outcome, by_whom, at, fence)"
+                " VALUES (?, 'done', 'r', ?, 1)",
+                (tid, T0),
+            )
+            c.execute(
+                "INSERT INTO compensations (task_id, kind, by_whom, fence, what,"
+                " started_at, outcome) VALUES (?, 'duplicate', 'r', 1, 'x', ?, 'done')",
+                (tid, T0),
+            )
+            c.execute(
+                "INSERT INTO approval_waits (task_id, action, target, scope, since,"
+                " until) VALUES (?, 'restart', 'web1', 'prod', ?, ?)",
+                (tid, T0, T0 + 1),
+            )
+            c.execute(
+                "INSERT INTO approval_releases (task_id, approval_id, released_at)"
+                " VALUES (?, ?, ?)",
+                (tid, old, T0),
+            )
     clock.set(T0 + RETENTION_S + 1)
-    fresh = approvals.grant_approval("restart", "web2", "prod", "alice", clock.now() + 60,
-                                     principal="alice", arguments_digest="d" * 64)  # fmt: skip
+    fresh = approvals.grant_approval(
+        "restart",
+        "web2",
+        "prod",
+        "alice",
+        clock.now() + 60,
+        principal="alice",
+        arguments_digest="d" * 64,
+    )
     assert sq.tasks.purge() == 1
     d = dump(sq.db)
     with sq.db.read() as c:

@@ -44,12 +44,23 @@ def tasks(db: Database, clock: FakeClock) -> TaskStore:
 
 
 def submit(
-    tasks: TaskStore, clock: FakeClock, payload: dict[str, Any], *, task: str | None = None,
-    message_id: str = "m1", max_attempts: int = 3, deadline_in_s: float = 3600.0,
-) -> str:  # fmt: skip
-    env = Envelope.build(message_id=message_id, sender="agent-a", payload=payload,
-                         deadline=clock.now() + deadline_in_s, max_attempts=max_attempts,
-                         **({"task": task} if task else {}))  # fmt: skip
+    tasks: TaskStore,
+    clock: FakeClock,
+    payload: dict[str, Any],
+    *,
+    task: str | None = None,
+    message_id: str = "m1",
+    max_attempts: int = 3,
+    deadline_in_s: float = 3600.0,
+) -> str:
+    env = Envelope.build(
+        message_id=message_id,
+        sender="agent-a",
+        payload=payload,
+        deadline=clock.now() + deadline_in_s,
+        max_attempts=max_attempts,
+        **({"task": task} if task else {}),
+    )
     (result,) = tasks.accept([AcceptItem("agent-a", env)])
     assert result.task_id is not None
     return result.task_id
@@ -140,13 +151,21 @@ def test_the_fingerprint_covers_the_task_only_when_present() -> None:
 def test_the_same_message_id_with_another_task_name_is_a_conflict(
     tasks: TaskStore, clock: FakeClock
 ) -> None:
-    env = Envelope.build(message_id="m1", sender="agent-a", payload={"server": "web1"},
-                         deadline=clock.now() + 60, task="restart")  # fmt: skip
-    first, again, other, unnamed = tasks.accept([
-        AcceptItem("agent-a", env), AcceptItem("agent-a", env),
-        AcceptItem("agent-a", env.replace(task="resize")),
-        AcceptItem("agent-a", env.replace(task=None)),
-    ])  # fmt: skip
+    env = Envelope.build(
+        message_id="m1",
+        sender="agent-a",
+        payload={"server": "web1"},
+        deadline=clock.now() + 60,
+        task="restart",
+    )
+    first, again, other, unnamed = tasks.accept(
+        [
+            AcceptItem("agent-a", env),
+            AcceptItem("agent-a", env),
+            AcceptItem("agent-a", env.replace(task="resize")),
+            AcceptItem("agent-a", env.replace(task=None)),
+        ]
+    )
     assert first.outcome is Outcome.STORED
     assert again.outcome is Outcome.DUPLICATE
     assert other.outcome is Outcome.CONFLICT
@@ -214,8 +233,9 @@ def test_two_names_each_with_its_model_and_the_handler_gets_it(
     worker = Worker(WorkerConfig(owner="w1"), tasks, two_task_router(calls))
     assert worker.run_once() == 2
     assert sorted(calls.seen, key=lambda c: c[0]) == [
-        ("resize", Resize(server="db1", cpus=4)), ("restart", Restart(server="web1")),
-    ]  # fmt: skip
+        ("resize", Resize(server="db1", cpus=4)),
+        ("restart", Restart(server="web1")),
+    ]
     assert reply_of(db, a)["result"] == {"restarted": "web1", "forced": False}
     assert reply_of(db, b)["result"] == {"server": "db1", "cpus": 8}
 
@@ -225,8 +245,7 @@ def test_an_unknown_name_and_an_invalid_payload_fail_once_without_a_handler_call
 ) -> None:
     calls = Calls()
     unknown = submit(tasks, clock, {"server": "web1"}, task="reboot", message_id="u")
-    invalid = submit(tasks, clock, {"server": "db1", "cpus": "many"}, task="resize",
-                     message_id="i")  # fmt: skip
+    invalid = submit(tasks, clock, {"server": "db1", "cpus": "many"}, task="resize", message_id="i")
     unnamed = submit(tasks, clock, {"server": "web1"}, message_id="n")
     worker = Worker(WorkerConfig(owner="w1"), tasks, two_task_router(calls))
     assert worker.run_once() == 3
@@ -268,8 +287,7 @@ def test_a_task_that_does_not_start_leaves_no_route_behind(
     tasks: TaskStore, clock: FakeClock, db: Database
 ) -> None:
     calls = Calls()
-    submit(tasks, clock, {"server": "web1"}, task="restart", message_id="late",
-           deadline_in_s=5.0)  # fmt: skip
+    submit(tasks, clock, {"server": "web1"}, task="restart", message_id="late", deadline_in_s=5.0)
     worker = Worker(WorkerConfig(owner="w1"), tasks, two_task_router(calls))
     (claimed,) = tasks.claim("w1", 1)
     clock.advance(10.0)  # its deadline passes before it starts
@@ -416,8 +434,10 @@ def test_each_call_holds_its_task_under_its_own_lease(
         row = db.fetch_one("SELECT task_id, owner FROM tasks WHERE message_id = 'm2'")
         assert row is not None
         with db.write("steal") as c:
-            c.execute("UPDATE tasks SET owner = 'thief', fence = fence + 1 WHERE task_id = ?",
-                      (row["task_id"],))  # fmt: skip
+            c.execute(
+                "UPDATE tasks SET owner = 'thief', fence = fence + 1 WHERE task_id = ?",
+                (row["task_id"],),
+            )
         assert worker.renew_leases() == 3
         deadline = time.monotonic() + WAIT_S
         while "m2" not in lost and time.monotonic() < deadline:
@@ -461,8 +481,9 @@ def test_the_reconciler_uses_the_effect_of_each_tasks_own_handler(tasks: TaskSto
     assert charge is not None
     other = replace(charge, action="refund")
     reconciler = Reconciler(EffectsStore(tasks), other, "r1", by_task={"charge": charge})
-    claimed = ClaimedTask("t", "agent-a", "m", "task", {}, 1, 3, 1, "w", 0.0, 1.0, 0, None,
-                          None, task_name="charge")  # fmt: skip
+    claimed = ClaimedTask(
+        "t", "agent-a", "m", "task", {}, 1, 3, 1, "w", 0.0, 1.0, 0, None, None, task_name="charge"
+    )
     assert reconciler.spec_of(claimed) is charge
     assert reconciler.spec_of(replace(claimed, task_name="other")) is other
 
@@ -473,8 +494,13 @@ def test_both_databases_keep_the_task_name_and_refuse_another(store_target: str)
     db = open_any(store_target)
     try:
         store = TaskStore(db, FakeClock(1_000_000.0))
-        env = Envelope.build(message_id="m1", sender="agent-a", payload={"server": "web1"},
-                             deadline=1_000_600.0, task="restart")  # fmt: skip
+        env = Envelope.build(
+            message_id="m1",
+            sender="agent-a",
+            payload={"server": "web1"},
+            deadline=1_000_600.0,
+            task="restart",
+        )
         (stored,) = store.accept([AcceptItem("agent-a", env)])
         (other,) = store.accept([AcceptItem("agent-a", env.replace(task="resize"))])
         assert other.outcome is Outcome.CONFLICT

@@ -176,8 +176,9 @@ class StoreMachine(RuleBasedStateMachine):
         if claim is None:
             reply = MReply(reply_id, task_id, "pending", 0, 0, None, None, now, now)
         else:  # written already claimed by that publisher
-            reply = MReply(reply_id, task_id, "sending", 1, 1, claim.owner, claim.lease_until,
-                           now, now)  # fmt: skip
+            reply = MReply(
+                reply_id, task_id, "sending", 1, 1, claim.owner, claim.lease_until, now, now
+            )
         self.replies_model[reply_id] = reply
 
     def _reconcile_model(self, now: float) -> dict[str, int]:
@@ -343,8 +344,11 @@ class StoreMachine(RuleBasedStateMachine):
             t.attempts += 1
             t.fence += 1
             assert (c.attempt, c.fence, c.lease_until, c.deadline) == (
-                t.attempts, t.fence, t.lease_until, t.deadline,
-            )  # fmt: skip
+                t.attempts,
+                t.fence,
+                t.lease_until,
+                t.deadline,
+            )
             handles.append(Handle(c.task_id, worker, c.fence))
         return handles
 
@@ -378,12 +382,16 @@ class StoreMachine(RuleBasedStateMachine):
             for h in marks:
                 sent.append((h.key, h.fence, "1-0", now))
         items = [
-            Settlement(h.key, "intruder" if intruder else h.owner, h.fence,
-                       result='{"ok":1}' if kind == "done" else None,
-                       error=None if kind == "done" else "boom",
-                       retryable=kind == "retryable")
+            Settlement(
+                h.key,
+                "intruder" if intruder else h.owner,
+                h.fence,
+                result='{"ok":1}' if kind == "done" else None,
+                error=None if kind == "done" else "boom",
+                retryable=kind == "retryable",
+            )
             for h, kind, intruder in outcomes
-        ]  # fmt: skip
+        ]
         batch = self.tasks.settle_batch(
             items, worker, n, publish_as=publisher, publish_lease_s=OUTBOX_LEASE_S, sent=sent
         )
@@ -399,9 +407,9 @@ class StoreMachine(RuleBasedStateMachine):
         before = set(self.replies_model)
         for item, (h, _, _), result in zip(items, outcomes, batch.results, strict=True):
             self._settled(item, h, result, now, claim)
-        claimed_replies = [] if claim is None else [
-            rid for rid in self.replies_model if rid not in before
-        ]  # fmt: skip
+        claimed_replies = (
+            [] if claim is None else [rid for rid in self.replies_model if rid not in before]
+        )
         eligible = self._eligible(now) if n >= 1 else {}
         handles = self._claimed(batch.claimed, eligible, worker, n, now) if n >= 1 else []
         if n < 1:
@@ -411,8 +419,11 @@ class StoreMachine(RuleBasedStateMachine):
         for row in batch.replies:
             r = self.replies_model[row.reply_id]
             assert (row.state, row.owner, row.fence, row.lease_until) == (
-                r.state, r.owner, r.fence, r.lease_until,
-            )  # fmt: skip
+                r.state,
+                r.owner,
+                r.fence,
+                r.lease_until,
+            )
         return multiple(*handles)
 
     def _check_refusal(self, refused: StaleError | object | None, reason: str | None) -> None:
@@ -425,9 +436,13 @@ class StoreMachine(RuleBasedStateMachine):
         assert refused.reason == reason, (refused.reason, reason)
 
     def _settled(
-        self, item: Settlement, h: Handle, result: object, now: float,
+        self,
+        item: Settlement,
+        h: Handle,
+        result: object,
+        now: float,
         claim: PublisherClaim | None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         """Check one item's result against the model and apply it."""
         reason = self._task_refusal(h, item.owner)
         self._check_refusal(result, reason)
@@ -589,16 +604,22 @@ class StoreMachine(RuleBasedStateMachine):
             assert row["attempts"] <= row["max_attempts"]
             assert row["deadline"] == self.deadlines[task_id]
             assert (row["state"], row["attempts"], row["fence"], row["owner"]) == (
-                m.state, m.attempts, m.fence, m.owner,
-            )  # fmt: skip
+                m.state,
+                m.attempts,
+                m.fence,
+                m.owner,
+            )
             assert (row["lease_until"], row["deadline"]) == (m.lease_until, m.deadline)
             if row["state"] == "pending":
                 assert row["not_before"] == m.not_before
         for reply_id, row in outbox.items():
             r = self.replies_model[reply_id]
             assert (row["task_id"], row["state"], row["attempts"], row["fence"]) == (
-                r.task_id, r.state, r.attempts, r.fence,
-            )  # fmt: skip
+                r.task_id,
+                r.state,
+                r.attempts,
+                r.fence,
+            )
             assert (row["owner"], row["lease_until"]) == (r.owner, r.lease_until)
             if r.task_id is not None:
                 assert json.loads(row["body"])["status"] == self.tasks_model[r.task_id].state

@@ -28,8 +28,9 @@ def _database(path: Path, clock: FakeClock, n: int) -> None:
     with open_database(path) as db:
         tasks = TaskStore(db, clock, TaskPolicy(), rng=random.Random(1))
         for i in range(n):
-            env = Envelope.build(message_id=f"m{i}", sender="a", payload={"i": i},
-                                 deadline=clock.now() + 600)  # fmt: skip
+            env = Envelope.build(
+                message_id=f"m{i}", sender="a", payload={"i": i}, deadline=clock.now() + 600
+            )
             tasks.accept([AcceptItem("a", env)])
 
 
@@ -60,8 +61,9 @@ def test_watch_shows_a_view_per_interval_and_follows_the_database(
     _database(path, clock, 3)
     out, pauses = io.StringIO(), _Pauses(path, clock)
     times = iter([1000.0, 1002.0, 1004.0])
-    code = watch_status(path, None, "ba", 2.0, out=out, iterations=3, wait=pauses,
-                        now=lambda: next(times))  # fmt: skip
+    code = watch_status(
+        path, None, "ba", 2.0, out=out, iterations=3, wait=pauses, now=lambda: next(times)
+    )
     assert code == 0
     assert pauses.asked == [2.0, 2.0]
     views = out.getvalue().split("\n\n")
@@ -81,8 +83,17 @@ def test_watch_json_is_one_object_per_view(tmp_path: Path, clock: FakeClock) -> 
     before = path.stat().st_mtime_ns, path.stat().st_size
     out = io.StringIO()
     times = iter([5.0, 6.5])
-    watch_status(path, None, "ba", 1.5, as_json=True, out=out, iterations=2,
-                 wait=lambda s: None, now=lambda: next(times))  # fmt: skip
+    watch_status(
+        path,
+        None,
+        "ba",
+        1.5,
+        as_json=True,
+        out=out,
+        iterations=2,
+        wait=lambda s: None,
+        now=lambda: next(times),
+    )
     lines = [json.loads(line) for line in out.getvalue().splitlines()]
     assert [line["at"] for line in lines] == [5.0, 6.5]
     assert all(line["processing"]["pending"] == 2 for line in lines)
@@ -114,10 +125,22 @@ def test_the_command_refreshes_until_ctrl_c(tmp_path: Path, clock: FakeClock) ->
     root = Path(__file__).resolve().parents[2]
     with log.open("w") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "broker_adapter", "status", "--db", str(path), "--watch",
-             "--interval", "0.05"], cwd=root, stdout=out, stderr=subprocess.STDOUT,
+            [
+                sys.executable,
+                "-m",
+                "broker_adapter",
+                "status",
+                "--db",
+                str(path),
+                "--watch",
+                "--interval",
+                "0.05",
+            ],
+            cwd=root,
+            stdout=out,
+            stderr=subprocess.STDOUT,
             env=cli_env(),
-        )  # fmt: skip
+        )
     try:
         wait_for(lambda: log.read_text().count("Ctrl-C to stop") >= 2, "two views")
     finally:
@@ -131,10 +154,23 @@ def test_a_bad_interval_is_a_usage_error(tmp_path: Path, clock: FakeClock) -> No
     path = tmp_path / "adapter.db"
     _database(path, clock, 0)
     res = subprocess.run(
-        [sys.executable, "-m", "broker_adapter", "status", "--db", str(path), "--watch",
-         "--interval", "0"], capture_output=True, text=True, timeout=60, env=cli_env(),
+        [
+            sys.executable,
+            "-m",
+            "broker_adapter",
+            "status",
+            "--db",
+            str(path),
+            "--watch",
+            "--interval",
+            "0",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=cli_env(),
         cwd=Path(__file__).resolve().parents[2],
-    )  # fmt: skip
+    )
     assert res.returncode == 2
     assert "--interval" in res.stderr
 

@@ -476,8 +476,11 @@ def test_claim_sets_owner_lease_attempts_and_fence(s: Stores, clock: FakeClock) 
     row = s.tasks.get(task_id)
     assert row is not None
     assert (row.state, row.owner, row.lease_until, row.attempts) == (
-        "running", "w1", T0 + 2 + LEASE_S, 1,
-    )  # fmt: skip
+        "running",
+        "w1",
+        T0 + 2 + LEASE_S,
+        1,
+    )
 
 
 def test_claim_takes_at_most_n_in_not_before_order(s: Stores, clock: FakeClock) -> None:
@@ -537,11 +540,19 @@ def test_finish_writes_done_and_exactly_one_reply(s: Stores, clock: FakeClock) -
     (reply,) = replies(s, task_id)
     assert (reply["reply_id"], reply["state"], reply["status"]) == (reply_id, "pending", "done")
     assert json.loads(reply["body"]) == {
-        "v": 1, "reply_id": reply_id, "task_id": task_id, "principal": "alice",
-        "message_id": "m1", "correlation_id": "c9", "status": "done",
-        "result": {"answer": [1, "é"]}, "error": None, "attempts": 1, "fence": 1,
+        "v": 1,
+        "reply_id": reply_id,
+        "task_id": task_id,
+        "principal": "alice",
+        "message_id": "m1",
+        "correlation_id": "c9",
+        "status": "done",
+        "result": {"answer": [1, "é"]},
+        "error": None,
+        "attempts": 1,
+        "fence": 1,
         "finished_at": T0 + 3,
-    }  # fmt: skip
+    }
 
 
 def test_finish_is_refused_when_already_done(s: Stores) -> None:
@@ -945,10 +956,13 @@ def test_database_migration_recomputes_fingerprints_of_floats(tmp_path: Path) ->
     # as version 3 wrote them: SHA-256 of canonical_json(content), floats as Python's
     # repr, the deadline and max_attempts left out
     old = {
-        env.message_id: sha256_hex(canonical_json({k: v for k, v in env.content().items()
-                                                   if k not in ("deadline", "max_attempts")}))
+        env.message_id: sha256_hex(
+            canonical_json(
+                {k: v for k, v in env.content().items() if k not in ("deadline", "max_attempts")}
+            )
+        )
         for env in (first, plain)
-    }  # fmt: skip
+    }
     assert old["m-float"] != first.fingerprint()
     assert old["m-plain"] != plain.fingerprint()
     raw = sqlite3.connect(str(path), isolation_level=None)
@@ -1095,8 +1109,10 @@ def test_database_refuses_unknown_synchronous_mode(tmp_path: Path) -> None:
 def test_database_rolls_back_write_when_body_raises(tmp_path: Path) -> None:
     def write_then_raise(db: Database) -> None:
         with db.write("accept") as c:
-            c.execute("INSERT INTO receipts (reply_id, content_hash, principal, body,"
-                      " received_at) VALUES ('r', 'h', 'p', x'00', 1)")  # fmt: skip
+            c.execute(
+                "INSERT INTO receipts (reply_id, content_hash, principal, body,"
+                " received_at) VALUES ('r', 'h', 'p', x'00', 1)"
+            )
             raise RuntimeError("boom")
 
     with open_database(tmp_path / "x.db") as db:

@@ -76,8 +76,9 @@ def test_a_malformed_traceparent_is_refused(value: str) -> None:
         envelope("m-1", traceparent=value)
     assert (info.value.field, info.value.reason) == ("traceparent", "bad_value")
     with pytest.raises(EnvelopeError):
-        Envelope.from_json(envelope("m-1").to_json()[:-1] + b',"traceparent":"' +
-                           value.encode() + b'"}')  # fmt: skip
+        Envelope.from_json(
+            envelope("m-1").to_json()[:-1] + b',"traceparent":"' + value.encode() + b'"}'
+        )
 
 
 @pytest.mark.parametrize("value", [1, ["x"], {"a": 1}, True])
@@ -90,8 +91,9 @@ def test_a_traceparent_that_is_no_string_is_refused(value: Any) -> None:
 def test_traceparent_is_not_part_of_the_fingerprint() -> None:
     """A resend from another span (W3C changes the parent id at every hop) is the same
     request, as a resend with a recomputed deadline is."""
-    plain, traced, other = (envelope("m-1", **tp) for tp in
-                            ({}, {"traceparent": TP}, {"traceparent": OTHER}))  # fmt: skip
+    plain, traced, other = (
+        envelope("m-1", **tp) for tp in ({}, {"traceparent": TP}, {"traceparent": OTHER})
+    )
     assert plain.fingerprint() == traced.fingerprint() == other.fingerprint()
     assert "traceparent" not in traced.content()
     assert traced != plain  # still a member of the envelope
@@ -99,8 +101,7 @@ def test_traceparent_is_not_part_of_the_fingerprint() -> None:
 
 def test_traceparent_is_checked_after_the_other_members() -> None:
     with pytest.raises(EnvelopeError) as info:
-        Envelope.build(message_id="m-1", sender="alice", payload={}, deadline=-1,
-                       traceparent="bad")  # fmt: skip
+        Envelope.build(message_id="m-1", sender="alice", payload={}, deadline=-1, traceparent="bad")
     assert info.value.field == "deadline"
 
 
@@ -135,18 +136,22 @@ def test_every_terminal_reply_carries_the_requests_traceparent(s: Stores, clock:
     ids = {
         r.task_id: mid
         for r, mid in zip(
-            s.tasks.accept([
-                item("done", traceparent=TP), item("settled", traceparent=TP),
-                item("failed", traceparent=TP), item("cancelled", traceparent=TP),
-                item("late", traceparent=TP, deadline=T0 + 5),
-                item("lost", traceparent=TP, max_attempts=1),
-                item("past", traceparent=TP, deadline=T0 - 1),
-                item("hops", traceparent=TP, hops=MAX_HOPS + 1),
-            ]),
+            s.tasks.accept(
+                [
+                    item("done", traceparent=TP),
+                    item("settled", traceparent=TP),
+                    item("failed", traceparent=TP),
+                    item("cancelled", traceparent=TP),
+                    item("late", traceparent=TP, deadline=T0 + 5),
+                    item("lost", traceparent=TP, max_attempts=1),
+                    item("past", traceparent=TP, deadline=T0 - 1),
+                    item("hops", traceparent=TP, hops=MAX_HOPS + 1),
+                ]
+            ),
             ["done", "settled", "failed", "cancelled", "late", "lost", "past", "hops"],
             strict=True,
         )
-    }  # fmt: skip
+    }
     by_mid = {mid: tid for tid, mid in ids.items()}
     s.tasks.cancel(str(by_mid["cancelled"]))
     claims = {c.message_id: c for c in s.tasks.claim("w1", 10)}
@@ -161,9 +166,16 @@ def test_every_terminal_reply_carries_the_requests_traceparent(s: Stores, clock:
     s.tasks.reconcile()
     bodies = _bodies(s)
     statuses = {b["message_id"]: b["status"] for b in bodies.values()}
-    assert statuses == {"done": "done", "settled": "done", "failed": "failed",
-                        "cancelled": "cancelled", "late": "expired", "lost": "failed",
-                        "past": "expired", "hops": "hop_limit"}  # fmt: skip
+    assert statuses == {
+        "done": "done",
+        "settled": "done",
+        "failed": "failed",
+        "cancelled": "cancelled",
+        "late": "expired",
+        "lost": "failed",
+        "past": "expired",
+        "hops": "hop_limit",
+    }
     assert {b["message_id"]: b["traceparent"] for b in bodies.values()} == dict.fromkeys(
         statuses, TP
     )
@@ -174,9 +186,22 @@ def test_a_request_without_traceparent_gets_the_reply_it_always_got(s: Stores) -
     [c] = s.tasks.claim("w1", 1)
     s.tasks.finish(c.task_id, "w1", c.fence, {"ok": 1})
     [body] = _bodies(s).values()
-    assert sorted(body) == sorted(["v", "reply_id", "task_id", "principal", "message_id",
-                                   "correlation_id", "status", "result", "error", "attempts",
-                                   "fence", "finished_at"])  # fmt: skip
+    assert sorted(body) == sorted(
+        [
+            "v",
+            "reply_id",
+            "task_id",
+            "principal",
+            "message_id",
+            "correlation_id",
+            "status",
+            "result",
+            "error",
+            "attempts",
+            "fence",
+            "finished_at",
+        ]
+    )
 
 
 def test_a_resend_in_another_trace_is_a_duplicate_and_a_conflict_answer_carries_its_own(
