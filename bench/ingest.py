@@ -40,8 +40,8 @@ from broker_adapter.protocol.envelope import Envelope  # noqa: E402
 from broker_adapter.protocol.keys import INGEST_GROUP, Keys  # noqa: E402
 from broker_adapter.protocol.signing import Keyring  # noqa: E402
 from broker_adapter.redis.client import connect  # noqa: E402
-from broker_adapter.stages.ingest import Ingestor  # noqa: E402
-from broker_adapter.stages.ingest_config import IngestConfig  # noqa: E402
+from broker_adapter.stages.ingest.config import IngestConfig  # noqa: E402
+from broker_adapter.stages.ingest.ingest import Ingestor  # noqa: E402
 from broker_adapter.store import TaskStore, open_database  # noqa: E402
 from tests.support.redis_server import RedisServer, binary_available  # noqa: E402
 

@@ -38,8 +38,8 @@ from broker_adapter.protocol.keys import Keys
 from broker_adapter.protocol.reply import Reply
 from broker_adapter.protocol.signing import Keyring
 from broker_adapter.redis.client import connect
-from broker_adapter.stages.dispatcher import Dispatcher, DispatcherConfig
-from broker_adapter.stages.receiver import Receiver, ReceiverConfig
+from broker_adapter.stages.dispatch.dispatcher import Dispatcher, DispatcherConfig
+from broker_adapter.stages.receiver.receiver import Receiver, ReceiverConfig
 from broker_adapter.store import OutboxStore, ReceiptStore, open_database
 from broker_adapter.store.db import Database
 from broker_adapter.store.outbox import enqueue

@@ -124,7 +124,7 @@ def bench_effect(conn: sqlite3.Connection, reply: Reply) -> dict[str, Any]:
 
 def child_receive(args: argparse.Namespace) -> int:
     """The agent's receiver: apply every reply once with ``bench_effect`` until SIGTERM."""
-    from broker_adapter.stages.receiver import Receiver, ReceiverConfig
+    from broker_adapter.stages.receiver.receiver import Receiver, ReceiverConfig
     from broker_adapter.store import ReceiptStore, open_database
 
     stop = threading.Event()

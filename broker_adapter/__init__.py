@@ -46,17 +46,17 @@ from broker_adapter.errors import (
     TransientError,
 )
 from broker_adapter.fences import SqlFence, TargetFenced
+from broker_adapter.handler.router import RouteError, Router, validate_payload
+from broker_adapter.handler.task import Task
 from broker_adapter.protocol.canonical import canonical_json
 from broker_adapter.protocol.envelope import Envelope
 from broker_adapter.protocol.idempotency import effect_key as action_key
 from broker_adapter.protocol.keys import Keys
 from broker_adapter.protocol.reply import BadReply, Reply
-from broker_adapter.protocol.router import RouteError, Router, validate_payload
 from broker_adapter.protocol.signing import Keyring
 from broker_adapter.redis.client import connect, connect_async
-from broker_adapter.stages.effects import Observation, side_effect
-from broker_adapter.stages.receiver import Receiver, ReceiverConfig, effect_key
-from broker_adapter.stages.task import Task
+from broker_adapter.stages.receiver.receiver import Receiver, ReceiverConfig, effect_key
+from broker_adapter.stages.reconcile.reconciler import Observation, side_effect
 from broker_adapter.store import ReceiptStore, open_database
 from broker_adapter.store.outbox import UnknownReply
 from broker_adapter.store.tasks import UnknownTask

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from broker_adapter.stages.handlers import RetryableError, Task
+from broker_adapter.stages.shared.handlers import RetryableError, Task
 
 
 def echo(task: Task) -> dict[str, Any]:

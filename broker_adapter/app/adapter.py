@@ -44,18 +44,18 @@ from broker_adapter.protocol.keys import Keys
 from broker_adapter.protocol.signing import Keyring
 from broker_adapter.redis.client import Redis, connect
 from broker_adapter.redis.functions import load_at_start
-from broker_adapter.stages.dispatcher import Dispatcher, DispatcherConfig
-from broker_adapter.stages.effects import (
+from broker_adapter.stages.dispatch.dispatcher import Dispatcher, DispatcherConfig
+from broker_adapter.stages.ingest.config import IngestConfig
+from broker_adapter.stages.ingest.ingest import Ingestor
+from broker_adapter.stages.reconcile.reconciler import (
     EffectSpec,
     Reconciler,
     effect_spec,
     run_reconciles,
 )
-from broker_adapter.stages.handlers import load_app
-from broker_adapter.stages.handoff import Handoff
-from broker_adapter.stages.ingest import Ingestor
-from broker_adapter.stages.ingest_config import IngestConfig
-from broker_adapter.stages.worker import WorkerConfig
+from broker_adapter.stages.shared.handlers import load_app
+from broker_adapter.stages.shared.handoff import Handoff
+from broker_adapter.stages.worker.worker import WorkerConfig
 from broker_adapter.store import OutboxStore, TaskStore
 from broker_adapter.store.approvals import ApprovalStore
 from broker_adapter.store.backends import open_store, redacted_url

@@ -11,8 +11,8 @@ from pydantic import Field, field_validator, model_validator
 from broker_adapter.config import DEFAULT_CLAIM_MIN_IDLE_MS, DEFAULT_LEASE_S, ConfigModel
 from broker_adapter.protocol.keys import DEFAULT_PREFIX, MAX_PARTITIONS, KeyPrefix, Principal
 from broker_adapter.redis.client import RedisUrl
-from broker_adapter.stages.effects import ReconcilePolicy
-from broker_adapter.stages.worker_config import (
+from broker_adapter.stages.reconcile.reconciler import ReconcilePolicy
+from broker_adapter.stages.worker.config import (
     DEFAULT_CALL_TIMEOUT_S,
     DEFAULT_GRACE_S,
     MAX_CONCURRENCY,

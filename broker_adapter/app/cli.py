@@ -42,7 +42,7 @@ from broker_adapter.app.tasks_cli import add_task_commands, cmd_result, cmd_task
 from broker_adapter.config import DEFAULT_LEASE_S
 from broker_adapter.console.serve import cmd_console
 from broker_adapter.errors import BrokerAdapterError, ConfigError
-from broker_adapter.stages.worker_config import DEFAULT_CALL_TIMEOUT_S
+from broker_adapter.stages.worker.config import DEFAULT_CALL_TIMEOUT_S
 from broker_adapter.store.retention import DEFAULT_RETENTION_S
 
 if TYPE_CHECKING:

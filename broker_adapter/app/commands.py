@@ -23,7 +23,7 @@ from broker_adapter.app.audit import audit, bounded_seconds, bounded_text, os_us
 from broker_adapter.errors import ConfigError, TransientError
 
 if TYPE_CHECKING:
-    from broker_adapter.stages.receiver import Receiver
+    from broker_adapter.stages.receiver.receiver import Receiver
     from broker_adapter.store.db import Database
     from broker_adapter.store.postgres import PgDatabase
 
@@ -50,7 +50,7 @@ def _install_stop() -> threading.Event:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from broker_adapter.app.adapter import Adapter, AdapterConfig
-    from broker_adapter.stages.effects import ReconcilePolicy
+    from broker_adapter.stages.reconcile.reconciler import ReconcilePolicy
 
     if (args.handler is None) == (args.app is None):
         raise ConfigError("run needs one of --handler MOD:FUNC or --app MOD:ROUTER")
@@ -92,7 +92,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def cmd_schema(args: argparse.Namespace) -> int:
     """Print the router's tasks with their payload and result JSON Schemas, as JSON."""
-    from broker_adapter.stages.handlers import load_app
+    from broker_adapter.stages.shared.handlers import load_app
 
     router = load_app(args.app, app_dir=Path(args.app_dir))
     print(json.dumps({"tasks": router.schemas()}, indent=2, sort_keys=True))
@@ -160,7 +160,7 @@ def cmd_receive(args: argparse.Namespace) -> int:
     from broker_adapter.backoff import call_until_stopped
     from broker_adapter.protocol.signing import Keyring
     from broker_adapter.redis.client import connect
-    from broker_adapter.stages.receiver import Receiver, ReceiverConfig, record_effect
+    from broker_adapter.stages.receiver.receiver import Receiver, ReceiverConfig, record_effect
     from broker_adapter.store import ReceiptStore
     from broker_adapter.store.backends import is_postgres_url, open_store
 

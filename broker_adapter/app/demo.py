@@ -42,13 +42,18 @@ from broker_adapter.protocol.reply import Reply
 from broker_adapter.protocol.signing import Keyring
 from broker_adapter.redis.client import connect
 from broker_adapter.redis.embedded import EmbeddedRedis
-from broker_adapter.stages.dispatcher import Dispatcher, DispatcherConfig
-from broker_adapter.stages.effects import Observation, Reconciler, effect_spec, side_effect
-from broker_adapter.stages.handlers import Task
-from broker_adapter.stages.ingest import Ingestor
-from broker_adapter.stages.ingest_config import IngestConfig
-from broker_adapter.stages.receiver import Receiver, ReceiverConfig, effect_key
-from broker_adapter.stages.worker import Worker, WorkerConfig
+from broker_adapter.stages.dispatch.dispatcher import Dispatcher, DispatcherConfig
+from broker_adapter.stages.ingest.config import IngestConfig
+from broker_adapter.stages.ingest.ingest import Ingestor
+from broker_adapter.stages.receiver.receiver import Receiver, ReceiverConfig, effect_key
+from broker_adapter.stages.reconcile.reconciler import (
+    Observation,
+    Reconciler,
+    effect_spec,
+    side_effect,
+)
+from broker_adapter.stages.shared.handlers import Task
+from broker_adapter.stages.worker.worker import Worker, WorkerConfig
 from broker_adapter.store import (
     AcceptItem,
     ClaimedTask,

@@ -27,7 +27,7 @@ from broker_adapter.app import outcome_views
 from broker_adapter.app.audit import audit, bounded_seconds, bounded_text, os_user
 from broker_adapter.errors import ConfigError
 from broker_adapter.protocol.idempotency import EFFECT_KEY_VERSION
-from broker_adapter.stages.effects import DEFAULT_OPERATOR_TIMEOUT_S
+from broker_adapter.stages.reconcile.reconciler import DEFAULT_OPERATOR_TIMEOUT_S
 
 if TYPE_CHECKING:
     from broker_adapter.store.db import Database
@@ -314,7 +314,7 @@ def what_a_task_waits_for(store: Any, task_id: str) -> dict[str, Any]:
 def _what_to_approve(args: argparse.Namespace, store: Any) -> dict[str, Any]:
     """The action, target, scope, principal, arguments and their digest an approval is
     for: a waiting task's (``--task``), or the options'."""
-    from broker_adapter.stages.effects import arguments_digest
+    from broker_adapter.stages.reconcile.reconciler import arguments_digest
 
     if args.task is not None:
         if args.action or args.target or args.scope or args.principal or args.arguments:

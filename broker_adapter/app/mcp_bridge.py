@@ -35,9 +35,9 @@ from mcp import types
 
 from broker_adapter.client.request import AsyncClient
 from broker_adapter.errors import RedisUnavailable, RequestTimeout
+from broker_adapter.handler.router import Router
 from broker_adapter.protocol.canonical import canonical_json, sha256_hex
 from broker_adapter.protocol.reply import Reply
-from broker_adapter.protocol.router import Router
 
 log = logging.getLogger("broker_adapter.app.mcp")
 

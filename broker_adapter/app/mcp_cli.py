@@ -117,7 +117,7 @@ def cmd_mcp(args: argparse.Namespace) -> int:
         ) from None
     from broker_adapter.client.request import AsyncClient
     from broker_adapter.protocol.signing import Keyring
-    from broker_adapter.stages.handlers import load_app
+    from broker_adapter.stages.shared.handlers import load_app
 
     if args.timeout <= 0 or (args.deadline is not None and args.deadline <= 0):
         raise ConfigError("--timeout and --deadline must be > 0")

@@ -49,11 +49,11 @@ if TYPE_CHECKING:
 
     from broker_adapter.app.pool import WorkerPool
     from broker_adapter.redis.reader import GroupReader
-    from broker_adapter.stages.dispatcher import Dispatcher
-    from broker_adapter.stages.ingest import Ingestor
-    from broker_adapter.stages.publish import DispatcherStats
-    from broker_adapter.stages.receiver import Receiver
-    from broker_adapter.stages.worker import WorkerStats
+    from broker_adapter.stages.dispatch.dispatcher import Dispatcher
+    from broker_adapter.stages.ingest.ingest import Ingestor
+    from broker_adapter.stages.receiver.receiver import Receiver
+    from broker_adapter.stages.shared.publish import DispatcherStats
+    from broker_adapter.stages.worker.worker import WorkerStats
 
 log = logging.getLogger("broker_adapter.app.metrics")
 

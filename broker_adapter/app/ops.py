@@ -293,7 +293,7 @@ def replay_dead_letter(
     if row is not None:
         if client is None:
             raise ConfigError("replaying a reply needs --redis (it checks Redis first)")
-        from broker_adapter.stages.replay import Replayer
+        from broker_adapter.stages.dispatch.replay import Replayer
 
         result = Replayer(client, outbox, Keys(prefix)).replay(item_id, by=by)
         return {

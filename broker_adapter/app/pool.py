@@ -35,9 +35,9 @@ from types import FrameType
 from broker_adapter.app.logforward import ChildLogs, forward_to_parent
 from broker_adapter.errors import ConfigError
 from broker_adapter.protocol.signing import Keyring
-from broker_adapter.stages.handlers import load_app
-from broker_adapter.stages.handoff import Handoff, HandoffEndpoint
-from broker_adapter.stages.worker import Worker, WorkerConfig
+from broker_adapter.stages.shared.handlers import load_app
+from broker_adapter.stages.shared.handoff import Handoff, HandoffEndpoint
+from broker_adapter.stages.worker.worker import Worker, WorkerConfig
 from broker_adapter.store import OutboxStore, TaskStore
 from broker_adapter.store.backends import is_postgres_url, open_store
 from broker_adapter.store.gate import WriteGate

@@ -42,10 +42,10 @@ from broker_adapter.errors import (
     RequestHopLimit,
     RequestTimeout,
 )
+from broker_adapter.handler.router import RouteError, Router, validate_payload
 from broker_adapter.protocol.envelope import Envelope, check_principal
 from broker_adapter.protocol.keys import DEFAULT_PREFIX, Keys
 from broker_adapter.protocol.reply import BadReply, Reply
-from broker_adapter.protocol.router import RouteError, Router, validate_payload
 from broker_adapter.protocol.signing import Keyring
 from broker_adapter.redis.client import connect_async
 

@@ -21,10 +21,10 @@ from typing import Any
 
 from broker_adapter.clock import FakeClock
 from broker_adapter.errors import ConfigError
+from broker_adapter.handler.router import Router
 from broker_adapter.protocol.envelope import Envelope
 from broker_adapter.protocol.reply import Reply
-from broker_adapter.protocol.router import Router
-from broker_adapter.stages.worker import Worker, WorkerConfig
+from broker_adapter.stages.worker.worker import Worker, WorkerConfig
 from broker_adapter.store import AcceptItem, OutboxStore, TaskStore, open_database
 
 #: The states a task leaves no more.

@@ -31,8 +31,8 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from broker_adapter.protocol.signing import Keyring
-from broker_adapter.stages import receiver
-from broker_adapter.stages.ingest import Ingestor
+from broker_adapter.stages.ingest.ingest import Ingestor
+from broker_adapter.stages.receiver import receiver
 from broker_adapter.store.inbox import Intake
 from broker_adapter.store.tasks import AcceptItem, AcceptResult, TaskStore
 

@@ -27,7 +27,7 @@ from broker_adapter.errors import TransientError
 from broker_adapter.protocol.reply import Reply
 from broker_adapter.protocol.signing import Keyring
 from broker_adapter.redis.client import connect
-from broker_adapter.stages.receiver import Receiver, ReceiverConfig
+from broker_adapter.stages.receiver.receiver import Receiver, ReceiverConfig
 from broker_adapter.store import ReceiptStore, open_database
 from tests.chaos import planted  # noqa: F401 - applies the bug named in CHAOS_PLANTED, if any
 

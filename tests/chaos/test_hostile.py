@@ -15,10 +15,10 @@ from broker_adapter.protocol.canonical import sha256_hex
 from broker_adapter.protocol.keys import Keys
 from broker_adapter.protocol.signing import Keyring
 from broker_adapter.redis.client import connect, text
-from broker_adapter.stages import receiver as receiver_module
-from broker_adapter.stages.ingest import Ingestor
-from broker_adapter.stages.ingest_config import IngestConfig
-from broker_adapter.stages.receiver import Receiver, ReceiverConfig
+from broker_adapter.stages.ingest.config import IngestConfig
+from broker_adapter.stages.ingest.ingest import Ingestor
+from broker_adapter.stages.receiver import receiver as receiver_module
+from broker_adapter.stages.receiver.receiver import Receiver, ReceiverConfig
 from broker_adapter.store import ReceiptStore, TaskStore, open_database
 from broker_adapter.store.tasks import reply_id_for
 from tests.chaos.checker import check

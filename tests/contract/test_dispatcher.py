@@ -15,8 +15,8 @@ from broker_adapter.clock import FakeClock
 from broker_adapter.errors import ReplyConflict, StaleError
 from broker_adapter.protocol.canonical import sha256_hex
 from broker_adapter.protocol.keys import Keys
-from broker_adapter.stages.loss import LossEvent, parse_version
-from broker_adapter.stages.replay import ReplayOutcome
+from broker_adapter.stages.dispatch.loss import LossEvent, parse_version
+from broker_adapter.stages.dispatch.replay import ReplayOutcome
 from broker_adapter.store import open_database
 from broker_adapter.store.db import Database
 from broker_adapter.store.outbox import OutboxPolicy

@@ -17,7 +17,7 @@ from broker_adapter.errors import ConfigError
 from broker_adapter.protocol.canonical import canonical_json, sha256_hex
 from broker_adapter.protocol.keys import RECEIVER_GROUP, Keys
 from broker_adapter.protocol.reply import Reply, parse_body
-from broker_adapter.stages.receiver import Receiver, ReceiverConfig, effect_key
+from broker_adapter.stages.receiver.receiver import Receiver, ReceiverConfig, effect_key
 from broker_adapter.store import ReceiptStore
 from broker_adapter.store.db import Database
 from tests.support.backends import Backend

@@ -27,7 +27,7 @@ from broker_adapter.app.pool import WorkerPool
 from broker_adapter.clock import FakeClock
 from broker_adapter.errors import ConfigError
 from broker_adapter.protocol.envelope import Envelope
-from broker_adapter.stages.worker import WorkerConfig
+from broker_adapter.stages.worker.worker import WorkerConfig
 from broker_adapter.store import AcceptItem, OutboxStore, TaskStore
 from broker_adapter.store.tasks import TaskRow, idempotency_key_for
 from tests.support.handlers import effects, init_effects_db, ledger

@@ -21,7 +21,7 @@ from broker_adapter.clock import FakeClock
 from broker_adapter.protocol.envelope import Envelope
 from broker_adapter.protocol.keys import Keys
 from broker_adapter.redis.client import connect
-from broker_adapter.stages.dispatcher import Dispatcher, DispatcherConfig
+from broker_adapter.stages.dispatch.dispatcher import Dispatcher, DispatcherConfig
 from broker_adapter.store import AcceptItem, OutboxStore, TaskStore
 from broker_adapter.store.outbox import OutboxPolicy, OutboxRow
 from tests.support.redis_server import RedisServer

@@ -23,10 +23,10 @@ from broker_adapter.errors import BrokerAdapterError
 from broker_adapter.protocol.keys import INGEST_GROUP, Keys
 from broker_adapter.protocol.signing import Keyring, unsigned_fields
 from broker_adapter.redis.client import connect, text
-from broker_adapter.stages.dispatcher import Dispatcher, DispatcherConfig
-from broker_adapter.stages.ingest import Ingestor
-from broker_adapter.stages.ingest_config import IngestConfig
-from broker_adapter.stages.receiver import Receiver, ReceiverConfig, record_effect
+from broker_adapter.stages.dispatch.dispatcher import Dispatcher, DispatcherConfig
+from broker_adapter.stages.ingest.config import IngestConfig
+from broker_adapter.stages.ingest.ingest import Ingestor
+from broker_adapter.stages.receiver.receiver import Receiver, ReceiverConfig, record_effect
 from broker_adapter.store import OutboxStore, ReceiptStore, TaskStore, open_database
 from broker_adapter.store.db import Database
 from tests.support.ingest_script import (

@@ -15,9 +15,10 @@ from typing import Any
 import pytest
 
 from broker_adapter.clock import FakeClock
+from broker_adapter.handler.task import Task
 from broker_adapter.protocol.envelope import Envelope
 from broker_adapter.protocol.idempotency import Intent, effect_key
-from broker_adapter.stages.effects import (
+from broker_adapter.stages.reconcile.reconciler import (
     CompensateFn,
     Observation,
     ReconcilePolicy,
@@ -25,8 +26,7 @@ from broker_adapter.stages.effects import (
     effect_spec,
     side_effect,
 )
-from broker_adapter.stages.task import Task
-from broker_adapter.stages.worker import Worker, WorkerConfig
+from broker_adapter.stages.worker.worker import Worker, WorkerConfig
 from broker_adapter.store import AcceptItem, OutboxStore, TaskStore, open_database
 from broker_adapter.store.effects import EffectsStore
 from broker_adapter.store.evidence import key_digest

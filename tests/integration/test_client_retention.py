@@ -19,7 +19,7 @@ from broker_adapter import AsyncClient
 from broker_adapter.clock import FakeClock
 from broker_adapter.protocol.keys import Keys
 from broker_adapter.redis.client import connect, text
-from broker_adapter.stages.dispatcher import Dispatcher, DispatcherConfig
+from broker_adapter.stages.dispatch.dispatcher import Dispatcher, DispatcherConfig
 from broker_adapter.store import OutboxStore
 from broker_adapter.store.db import Database
 from tests.support.cli import wait_for

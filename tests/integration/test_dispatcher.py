@@ -16,8 +16,8 @@ from redis.retry import Retry
 from broker_adapter.clock import FakeClock
 from broker_adapter.errors import RedisUnavailable
 from broker_adapter.protocol.keys import Keys
-from broker_adapter.stages.loss import LossEvent
-from broker_adapter.stages.publish import PUBLISH_SCRIPT
+from broker_adapter.stages.dispatch.loss import LossEvent
+from broker_adapter.stages.shared.publish import PUBLISH_SCRIPT
 from broker_adapter.store.db import Database
 from tests.support.backends import real_backend
 from tests.support.redis_server import RedisServer

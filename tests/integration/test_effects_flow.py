@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from broker_adapter.clock import FakeClock
-from broker_adapter.stages.effects import (
+from broker_adapter.stages.reconcile.reconciler import (
     AfterCall,
     CallEnd,
     EffectSpec,

@@ -10,7 +10,7 @@ import pytest
 
 from broker_adapter.clock import FakeClock
 from broker_adapter.protocol.keys import Keys
-from broker_adapter.stages.loss import LossEvent
+from broker_adapter.stages.dispatch.loss import LossEvent
 from broker_adapter.store.db import Database
 from tests.support.backends import real_backend
 from tests.support.redis_server import RedisServer

@@ -31,7 +31,7 @@ from broker_adapter.protocol.envelope import Envelope
 from broker_adapter.protocol.keys import Keys
 from broker_adapter.protocol.signing import Keyring, signature
 from broker_adapter.redis.client import text
-from broker_adapter.stages.receiver import Receiver
+from broker_adapter.stages.receiver.receiver import Receiver
 from broker_adapter.store import open_database
 from tests.support.redis_server import RedisServer, require_binary
 from tests.support.replies_script import drain, receiver_for, reply_keyring

@@ -31,10 +31,10 @@ from broker_adapter.protocol.reply import Reply
 from broker_adapter.protocol.signing import Keyring
 from broker_adapter.redis.client import connect, text
 from broker_adapter.redis.internals import exchange
-from broker_adapter.stages import receiver as receiver_module
-from broker_adapter.stages.ingest import Ingestor
-from broker_adapter.stages.ingest_config import IngestConfig
-from broker_adapter.stages.receiver import Receiver, ReceiverConfig
+from broker_adapter.stages.ingest.config import IngestConfig
+from broker_adapter.stages.ingest.ingest import Ingestor
+from broker_adapter.stages.receiver import receiver as receiver_module
+from broker_adapter.stages.receiver.receiver import Receiver, ReceiverConfig
 from broker_adapter.store import ReceiptStore, TaskStore, open_database
 from broker_adapter.store.db import Database
 from tests.support.cli import cli_env, count_rows

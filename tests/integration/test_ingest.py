@@ -22,8 +22,8 @@ from broker_adapter.errors import AuthError, ConfigError, RedisUnavailable
 from broker_adapter.protocol.keys import INGEST_GROUP, Keys
 from broker_adapter.protocol.signing import Keyring, signature
 from broker_adapter.redis.client import connect, connect_async, text
-from broker_adapter.stages.ingest import Ingestor
-from broker_adapter.stages.ingest_config import IngestConfig
+from broker_adapter.stages.ingest.config import IngestConfig
+from broker_adapter.stages.ingest.ingest import Ingestor
 from broker_adapter.store import AcceptItem, AcceptResult, OutboxStore, TaskStore
 from tests.support.ingest_script import (
     DEADLINE,

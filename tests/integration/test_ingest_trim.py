@@ -14,8 +14,8 @@ from broker_adapter.clock import FakeClock
 from broker_adapter.protocol.keys import Keys
 from broker_adapter.protocol.signing import Keyring
 from broker_adapter.redis.client import connect, text
-from broker_adapter.stages.ingest import Ingestor
-from broker_adapter.stages.ingest_config import IngestConfig
+from broker_adapter.stages.ingest.config import IngestConfig
+from broker_adapter.stages.ingest.ingest import Ingestor
 from broker_adapter.store import TaskStore
 from tests.support.ingest_script import drain, envelope, real_deadline
 from tests.support.redis_server import RedisServer

@@ -17,8 +17,8 @@ from broker_adapter.clock import FakeClock
 from broker_adapter.protocol.keys import Keys
 from broker_adapter.protocol.signing import Keyring
 from broker_adapter.redis.client import connect
-from broker_adapter.stages.ingest import Ingestor
-from broker_adapter.stages.ingest_config import IngestConfig
+from broker_adapter.stages.ingest.config import IngestConfig
+from broker_adapter.stages.ingest.ingest import Ingestor
 from broker_adapter.store import TaskStore, open_database
 from tests.support.ingest_script import drain, envelope, pending_total, task_counts
 from tests.support.redis_server import RedisServer

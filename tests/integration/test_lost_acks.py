@@ -21,9 +21,9 @@ from broker_adapter.clock import FakeClock
 from broker_adapter.errors import RedisUnavailable
 from broker_adapter.protocol.keys import Keys
 from broker_adapter.redis.client import connect
-from broker_adapter.stages.dispatcher import Dispatcher, DispatcherConfig
-from broker_adapter.stages.publish import PUBLISH_SCRIPT
-from broker_adapter.stages.replay import ReplayOutcome
+from broker_adapter.stages.dispatch.dispatcher import Dispatcher, DispatcherConfig
+from broker_adapter.stages.dispatch.replay import ReplayOutcome
+from broker_adapter.stages.shared.publish import PUBLISH_SCRIPT
 from broker_adapter.store import Database, OutboxStore
 from broker_adapter.store.outbox import OutboxPolicy
 from tests.chaos.proxy import ChaosProxy

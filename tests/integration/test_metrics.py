@@ -249,7 +249,7 @@ def test_metrics_port_off_by_default_serves_nothing(tmp_path: Path) -> None:
     """Without ``--metrics-port`` the CLI never imports prometheus_client."""
     code = (
         "import sys, broker_adapter.app.cli, broker_adapter.app.adapter,"
-        " broker_adapter.stages.worker;"
+        " broker_adapter.stages.worker.worker;"
         " print('prometheus_client' in sys.modules)"
     )
     res = subprocess.run(

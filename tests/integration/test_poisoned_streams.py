@@ -23,8 +23,8 @@ from broker_adapter.protocol.signing import Keyring
 from broker_adapter.redis.client import connect, text
 from broker_adapter.redis.repair import repair_stream
 from broker_adapter.redis.trimming import FUTURE_TOLERANCE_MS, trim_stream
-from broker_adapter.stages.ingest import Ingestor
-from broker_adapter.stages.ingest_config import IngestConfig
+from broker_adapter.stages.ingest.config import IngestConfig
+from broker_adapter.stages.ingest.ingest import Ingestor
 from broker_adapter.store import TaskStore
 from tests.support.cli import cli_env
 from tests.support.ingest_script import drain, envelope, real_deadline, task_counts

@@ -18,9 +18,9 @@ from broker_adapter.protocol.envelope import Envelope
 from broker_adapter.protocol.keys import Keys
 from broker_adapter.protocol.signing import Keyring, reply_signature
 from broker_adapter.redis.client import connect
-from broker_adapter.stages.ingest import Ingestor
-from broker_adapter.stages.ingest_config import IngestConfig
-from broker_adapter.stages.receiver import Receiver, ReceiverConfig, parse_entry
+from broker_adapter.stages.ingest.config import IngestConfig
+from broker_adapter.stages.ingest.ingest import Ingestor
+from broker_adapter.stages.receiver.receiver import Receiver, ReceiverConfig, parse_entry
 from broker_adapter.store import ReceiptStore, TaskStore, open_database
 from tests.support.ingest_script import drain, task_counts
 from tests.support.redis_server import RedisServer

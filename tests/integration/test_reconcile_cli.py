@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from broker_adapter.protocol.envelope import Envelope
-from broker_adapter.stages.effects import EffectSpec, ReconcilePolicy, Reconciler
+from broker_adapter.stages.reconcile.reconciler import EffectSpec, ReconcilePolicy, Reconciler
 from broker_adapter.store import TaskStore
 from broker_adapter.store.db import open_database
 from broker_adapter.store.effects import EffectsStore

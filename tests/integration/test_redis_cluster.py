@@ -24,9 +24,9 @@ from broker_adapter.protocol.signing import Keyring
 from broker_adapter.redis.client import connect, connect_async, text
 from broker_adapter.redis.reader import GroupReader, ReaderConfig
 from broker_adapter.redis.scripts import eval_many
-from broker_adapter.stages.ingest import Ingestor
-from broker_adapter.stages.ingest_config import IngestConfig
-from broker_adapter.stages.loss import LossEvent
+from broker_adapter.stages.dispatch.loss import LossEvent
+from broker_adapter.stages.ingest.config import IngestConfig
+from broker_adapter.stages.ingest.ingest import Ingestor
 from broker_adapter.store import TaskStore, open_database
 from broker_adapter.store.db import Database
 from tests.support.cli import count_rows, wait_for

@@ -12,7 +12,7 @@ from broker_adapter.clock import FakeClock
 from broker_adapter.errors import ConfigError, StaleError
 from broker_adapter.protocol.keys import Keys
 from broker_adapter.protocol.reply import conflict_body, encode_body, parse_body
-from broker_adapter.stages.receiver import ReceiverConfig
+from broker_adapter.stages.receiver.receiver import ReceiverConfig
 from broker_adapter.store import OutboxStore, ReceiptStore
 from broker_adapter.store.db import Database
 from broker_adapter.store.outbox import OutboxPolicy

@@ -23,9 +23,9 @@ from broker_adapter.protocol.envelope import Envelope
 from broker_adapter.protocol.keys import Keys
 from broker_adapter.protocol.signing import Keyring, reply_signature, signature
 from broker_adapter.redis.client import connect
-from broker_adapter.stages.dispatcher import Dispatcher, DispatcherConfig
-from broker_adapter.stages.loss import LossEvent
-from broker_adapter.stages.receiver import Receiver, ReceiverConfig
+from broker_adapter.stages.dispatch.dispatcher import Dispatcher, DispatcherConfig
+from broker_adapter.stages.dispatch.loss import LossEvent
+from broker_adapter.stages.receiver.receiver import Receiver, ReceiverConfig
 from broker_adapter.store import AcceptItem, OutboxStore, ReceiptStore, TaskStore
 from broker_adapter.store.db import Database
 from tests.support.redis_server import RedisServer

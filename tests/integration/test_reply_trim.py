@@ -19,8 +19,8 @@ from broker_adapter.app.adapter import Adapter, AdapterConfig
 from broker_adapter.clock import FakeClock
 from broker_adapter.protocol.keys import RECEIVER_GROUP, Keys
 from broker_adapter.redis.client import connect, text
-from broker_adapter.stages.dispatcher import Dispatcher, DispatcherConfig
-from broker_adapter.stages.replay import ReplayOutcome
+from broker_adapter.stages.dispatch.dispatcher import Dispatcher, DispatcherConfig
+from broker_adapter.stages.dispatch.replay import ReplayOutcome
 from broker_adapter.store import OutboxStore
 from broker_adapter.store.db import Database
 from tests.support.ingest_script import write_keyring

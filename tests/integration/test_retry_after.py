@@ -16,9 +16,9 @@ import pytest
 from broker_adapter.backoff import Backoff
 from broker_adapter.clock import FakeClock
 from broker_adapter.errors import RetryableError
+from broker_adapter.handler.task import Task
 from broker_adapter.protocol.envelope import Envelope
-from broker_adapter.stages.task import Task
-from broker_adapter.stages.worker import Worker, WorkerConfig
+from broker_adapter.stages.worker.worker import Worker, WorkerConfig
 from broker_adapter.store import AcceptItem, OutboxStore, TaskStore, open_database
 from broker_adapter.store.tasks import TaskPolicy
 from tests.support.fake_target import FakeTarget, FakeTargetClient, TargetError

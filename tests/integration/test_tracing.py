@@ -20,9 +20,9 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from broker_adapter.clock import FakeClock
-from broker_adapter.stages import tracing
-from broker_adapter.stages.calls import call_handler
-from broker_adapter.stages.task import Task
+from broker_adapter.handler.task import Task
+from broker_adapter.stages.shared import tracing
+from broker_adapter.stages.shared.calls import call_handler
 from broker_adapter.store.tasks import ClaimedTask
 from tests.support.redis_server import RedisServer
 from tests.support.replies_script import REPO_ROOT

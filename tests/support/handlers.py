@@ -16,7 +16,7 @@ from contextlib import closing
 from pathlib import Path
 from typing import Any
 
-from broker_adapter.stages.handlers import RetryableError, Task
+from broker_adapter.stages.shared.handlers import RetryableError, Task
 
 NOT_CALLABLE = {"a": "dict"}  # for load_handler's "not callable" message
 EFFECTS_SCHEMA = (

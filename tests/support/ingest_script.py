@@ -25,8 +25,8 @@ from broker_adapter.protocol.envelope import Envelope
 from broker_adapter.protocol.keys import INGEST_GROUP, Keys
 from broker_adapter.protocol.signing import Keyring
 from broker_adapter.redis.client import connect, text
-from broker_adapter.stages.ingest import Ingestor
-from broker_adapter.stages.ingest_config import IngestConfig
+from broker_adapter.stages.ingest.config import IngestConfig
+from broker_adapter.stages.ingest.ingest import Ingestor
 from broker_adapter.store import TaskStore
 from broker_adapter.store.backends import open_store
 from tests.support.store_script import dump

@@ -26,8 +26,8 @@ from broker_adapter.protocol.envelope import Envelope
 from broker_adapter.protocol.reply import Reply
 from broker_adapter.protocol.signing import Keyring
 from broker_adapter.redis.client import connect
-from broker_adapter.stages.dispatcher import Dispatcher, DispatcherConfig
-from broker_adapter.stages.receiver import Receiver, ReceiverConfig
+from broker_adapter.stages.dispatch.dispatcher import Dispatcher, DispatcherConfig
+from broker_adapter.stages.receiver.receiver import Receiver, ReceiverConfig
 from broker_adapter.store import AcceptItem, OutboxStore, ReceiptStore, TaskStore
 from broker_adapter.store.backends import is_postgres_url, open_store
 from broker_adapter.store.db import Database

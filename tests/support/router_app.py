@@ -15,8 +15,8 @@ from typing import Any
 from pydantic import BaseModel, Field
 
 from broker_adapter import Observation, side_effect
-from broker_adapter.protocol.router import Router
-from broker_adapter.stages.task import Task
+from broker_adapter.handler.router import Router
+from broker_adapter.handler.task import Task
 from broker_adapter.store.tasks import ClaimedTask
 
 router = Router()

@@ -13,9 +13,9 @@ import pytest
 
 from broker_adapter.clock import FakeClock
 from broker_adapter.errors import FencedError, StaleError, TaskCancelled
-from broker_adapter.stages.calls import call_handler
-from broker_adapter.stages.task import Task
-from broker_adapter.stages.worker import Worker, WorkerConfig
+from broker_adapter.handler.task import Task
+from broker_adapter.stages.shared.calls import call_handler
+from broker_adapter.stages.worker.worker import Worker, WorkerConfig
 from broker_adapter.store import ClaimedTask, FailOutcome, open_database
 from broker_adapter.store.tasks import Settlement
 from tests.support.store_script import LEASE_S, T0, Stores, item, open_any, stores

@@ -12,8 +12,8 @@ import pytest
 
 from broker_adapter.client.publisher import chained
 from broker_adapter.clock import FakeClock
+from broker_adapter.handler.task import Task
 from broker_adapter.protocol.envelope import Envelope
-from broker_adapter.stages.task import Task
 from broker_adapter.store import AcceptItem, Outcome, TaskStore
 from broker_adapter.store.tasks import TaskPolicy
 from tests.support.store_script import T0, dump, envelope, open_any

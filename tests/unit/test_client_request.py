@@ -22,8 +22,8 @@ from broker_adapter.client.request import (
     message_id_for,
     outcome,
 )
+from broker_adapter.handler.router import Router
 from broker_adapter.protocol.reply import Reply
-from broker_adapter.protocol.router import Router
 from broker_adapter.protocol.signing import Keyring
 
 KEYS = Keyring({"alice": {"k1": "alice's secret for the unit tests: 32+ bytes"}})

@@ -17,7 +17,7 @@ from broker_adapter.redis.client import check_redis_url
 from broker_adapter.redis.functions import LIBRARY
 from broker_adapter.redis.results import PURGE_SCRIPT
 from broker_adapter.redis.trimming import TRIM_SCRIPT
-from broker_adapter.stages.publish import PUBLISH_SCRIPT
+from broker_adapter.stages.shared.publish import PUBLISH_SCRIPT
 
 PRINCIPALS = ["alice", "agent-7", "a.b_c-d", "Z" * 64]
 PREFIXES = ["ba", "other", "x:y"]

@@ -15,11 +15,11 @@ from broker_adapter.errors import BrokerAdapterError, ConfigError, StageError
 from broker_adapter.protocol.reply import BadReply
 from broker_adapter.redis.client import check_redis_url, connect
 from broker_adapter.redis.reader import ReaderConfig
-from broker_adapter.stages.dispatcher import DispatcherConfig
-from broker_adapter.stages.handlers import RetryableError as RetryableFromHandlers
-from broker_adapter.stages.ingest_config import IngestConfig
-from broker_adapter.stages.receiver import ReceiverConfig
-from broker_adapter.stages.worker import WorkerConfig
+from broker_adapter.stages.dispatch.dispatcher import DispatcherConfig
+from broker_adapter.stages.ingest.config import IngestConfig
+from broker_adapter.stages.receiver.receiver import ReceiverConfig
+from broker_adapter.stages.shared.handlers import RetryableError as RetryableFromHandlers
+from broker_adapter.stages.worker.worker import WorkerConfig
 from broker_adapter.store.outbox import OutboxPolicy
 from broker_adapter.store.tasks import TaskPolicy
 

@@ -14,7 +14,7 @@ import pytest
 from broker_adapter.backoff import Backoff
 from broker_adapter.clock import FakeClock
 from broker_adapter.errors import ConfigError
-from broker_adapter.stages.effects import (
+from broker_adapter.stages.reconcile.reconciler import (
     AfterCall,
     CallEnd,
     EffectSpec,

@@ -13,15 +13,15 @@ import pytest
 
 from broker_adapter.clock import FakeClock
 from broker_adapter.errors import ConfigError, StaleError
-from broker_adapter.stages.calls import CallRun, RunOutcome, StopRun, call_handler
-from broker_adapter.stages.handlers import (
+from broker_adapter.handler.task import Task, TaskControl
+from broker_adapter.stages.shared.calls import CallRun, RunOutcome, StopRun, call_handler
+from broker_adapter.stages.shared.handlers import (
     ERROR_TEXT_MAX_CHARS,
     RetryableError,
     describe_error,
     is_retryable,
     load_handler,
 )
-from broker_adapter.stages.task import Task, TaskControl
 from broker_adapter.store import ClaimedTask
 from broker_adapter.store.tasks import idempotency_key_for
 from tests.support import handlers as sample

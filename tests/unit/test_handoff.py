@@ -13,9 +13,9 @@ import pytest
 from broker_adapter.clock import FakeClock
 from broker_adapter.errors import StoreBusy
 from broker_adapter.protocol.envelope import Envelope
-from broker_adapter.stages.handlers import Task
-from broker_adapter.stages.handoff import CLAIM, LOOK, Handed, Handoff, HandoffEndpoint
-from broker_adapter.stages.worker import Worker, WorkerConfig
+from broker_adapter.stages.shared.handlers import Task
+from broker_adapter.stages.shared.handoff import CLAIM, LOOK, Handed, Handoff, HandoffEndpoint
+from broker_adapter.stages.worker.worker import Worker, WorkerConfig
 from broker_adapter.store import AcceptItem, TaskStore
 from broker_adapter.store.db import Database
 from broker_adapter.store.tasks import TaskPolicy

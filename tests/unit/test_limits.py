@@ -8,7 +8,12 @@ from pathlib import Path
 import pytest
 
 from broker_adapter.clock import FakeClock
-from broker_adapter.stages.limits import QUOTA_EXCEEDED, RATE_LIMITED, IngressLimits, default_burst
+from broker_adapter.stages.ingest.limits import (
+    QUOTA_EXCEEDED,
+    RATE_LIMITED,
+    IngressLimits,
+    default_burst,
+)
 from broker_adapter.store import AcceptItem, TaskStore
 from tests.support.ingest_script import envelope
 

@@ -15,7 +15,7 @@ from broker_adapter.app.cli import build_parser
 from broker_adapter.app.logs import JsonFormatter, TextFormatter, fields_of
 from broker_adapter.clock import FakeClock
 from broker_adapter.protocol.envelope import Envelope
-from broker_adapter.stages.worker import Worker, WorkerConfig
+from broker_adapter.stages.worker.worker import Worker, WorkerConfig
 from broker_adapter.store import AcceptItem, TaskStore
 from broker_adapter.store.effects import EffectsStore
 from broker_adapter.store.tasks import TaskPolicy, reply_id_for

@@ -16,10 +16,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from broker_adapter.app.metrics import AdapterCollector, Observed, WorkerMetrics, stages_down
 from broker_adapter.app.serving import MetricsServer
 from broker_adapter.redis.reader import ReaderStats
-from broker_adapter.stages.ingest_config import IngestStats
-from broker_adapter.stages.publish import DispatcherStats
-from broker_adapter.stages.receiver import ReceiverStats
-from broker_adapter.stages.worker import WorkerStats
+from broker_adapter.stages.ingest.config import IngestStats
+from broker_adapter.stages.receiver.receiver import ReceiverStats
+from broker_adapter.stages.shared.publish import DispatcherStats
+from broker_adapter.stages.worker.worker import WorkerStats
 from broker_adapter.store import open_database
 
 

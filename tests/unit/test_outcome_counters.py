@@ -13,7 +13,7 @@ import pytest
 
 from broker_adapter.app.metrics import AdapterCollector, Observed
 from broker_adapter.clock import FakeClock
-from broker_adapter.stages.effects import (
+from broker_adapter.stages.reconcile.reconciler import (
     EffectSpec,
     Observation,
     ReconcilePolicy,

@@ -15,8 +15,8 @@ from broker_adapter.clock import FakeClock
 from broker_adapter.errors import AuthError, ConfigError
 from broker_adapter.protocol.reply import BadReply
 from broker_adapter.protocol.signing import Keyring, ReplySignature, reply_signature, signature
-from broker_adapter.stages.receiver import parse_entry
-from broker_adapter.stages.worker import Worker, WorkerConfig
+from broker_adapter.stages.receiver.receiver import parse_entry
+from broker_adapter.stages.worker.worker import Worker, WorkerConfig
 from broker_adapter.store import TaskStore, open_database
 
 KEYS = {

@@ -436,7 +436,7 @@ def test_retention_flag_and_variable_reach_the_configs_and_stores(
 ) -> None:
     from broker_adapter.app import adapter as runner
     from broker_adapter.app import cli
-    from broker_adapter.stages import receiver
+    from broker_adapter.stages.receiver import receiver
 
     seen: dict[str, Any] = {}
 

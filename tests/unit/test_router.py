@@ -16,10 +16,10 @@ from pydantic import BaseModel, Field
 
 from broker_adapter.clock import FakeClock
 from broker_adapter.errors import ConfigError, EnvelopeError, RetryableError
+from broker_adapter.handler.router import RouteError, Router, validate_payload
 from broker_adapter.protocol.envelope import TASK_NAME_MAX_BYTES, Envelope
-from broker_adapter.protocol.router import RouteError, Router, validate_payload
-from broker_adapter.stages.handlers import Task
-from broker_adapter.stages.worker import Worker, WorkerConfig
+from broker_adapter.stages.shared.handlers import Task
+from broker_adapter.stages.worker.worker import Worker, WorkerConfig
 from broker_adapter.store import AcceptItem, Database, OutboxStore, TaskStore
 from broker_adapter.store.inbox import Outcome
 from broker_adapter.store.tasks import TaskPolicy
@@ -473,7 +473,7 @@ def test_status_counts_tasks_by_name_once_one_has_a_name(
 def test_the_reconciler_uses_the_effect_of_each_tasks_own_handler(tasks: TaskStore) -> None:
     from dataclasses import replace
 
-    from broker_adapter.stages.effects import Reconciler, effect_spec
+    from broker_adapter.stages.reconcile.reconciler import Reconciler, effect_spec
     from broker_adapter.store.effects import EffectsStore
     from broker_adapter.store.tasks import ClaimedTask
 

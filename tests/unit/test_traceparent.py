@@ -16,7 +16,7 @@ from broker_adapter.errors import EnvelopeError
 from broker_adapter.protocol.envelope import Envelope, check_traceparent
 from broker_adapter.protocol.keys import Keys
 from broker_adapter.protocol.signing import Keyring
-from broker_adapter.stages import tracing
+from broker_adapter.stages.shared import tracing
 from broker_adapter.store import Outcome
 from broker_adapter.store.tasks import Settlement
 from tests.support.ingest_script import KEYRING

@@ -11,7 +11,7 @@ from pydantic import Field
 from broker_adapter.config import ConfigModel
 from broker_adapter.protocol.keys import DEFAULT_PREFIX, KeyPrefix
 from broker_adapter.redis.client import RedisUrl
-from broker_adapter.stages.publish import DEFAULT_RECORD_TTL_S, DispatcherStats
+from broker_adapter.stages.shared.publish import DEFAULT_RECORD_TTL_S, DispatcherStats
 
 DEFAULT_BATCH = 128
 DEFAULT_BATCH_WINDOW_S = 0.05

@@ -53,7 +53,7 @@ from broker_adapter.protocol.keys import Keys
 from broker_adapter.redis.client import text, translated
 from broker_adapter.redis.cluster import cluster_server_info, is_cluster
 from broker_adapter.redis.internals import exchange
-from broker_adapter.stages.publish import DispatcherStats
+from broker_adapter.stages.shared.publish import DispatcherStats
 from broker_adapter.store.interface import OutboxAPI
 
 if TYPE_CHECKING:

@@ -27,9 +27,9 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from broker_adapter.stages import tracing
-from broker_adapter.stages.handlers import Handler
-from broker_adapter.stages.task import Task, TaskControl
+from broker_adapter.handler.task import Task, TaskControl
+from broker_adapter.stages.shared import tracing
+from broker_adapter.stages.shared.handlers import Handler
 
 #: After an async call's timeout, how long its cancelled coroutine may take to unwind.
 ASYNC_CANCEL_WAIT_S = 1.0

@@ -40,7 +40,7 @@ from broker_adapter.protocol.reply import CONFLICT_STATUS
 from broker_adapter.protocol.signing import REPLY_WIRE_VERSION, Keyring, ReplySignature
 from broker_adapter.redis.client import text
 from broker_adapter.redis.scripts import eval_many
-from broker_adapter.stages import tracing
+from broker_adapter.stages.shared import tracing
 from broker_adapter.store import transitions
 from broker_adapter.store.interface import OutboxAPI, TaskStoreAPI
 from broker_adapter.store.outbox import OutboxRow, SentMark

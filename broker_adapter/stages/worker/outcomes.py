@@ -15,9 +15,9 @@ from functools import partial
 from broker_adapter import crashpoints
 from broker_adapter.errors import EnvelopeError, RetryableError, StaleError, TaskCancelled
 from broker_adapter.protocol.bounds import check_result
-from broker_adapter.stages.calls import CallOutcome
-from broker_adapter.stages.handlers import describe_error, is_retryable
-from broker_adapter.stages.worker_config import WorkerStats
+from broker_adapter.stages.shared.calls import CallOutcome
+from broker_adapter.stages.shared.handlers import describe_error, is_retryable
+from broker_adapter.stages.worker.config import WorkerStats
 from broker_adapter.store import transitions
 from broker_adapter.store.tasks import ClaimedTask, FailOutcome, Settlement, SettleResult
 

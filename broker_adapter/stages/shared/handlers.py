@@ -17,8 +17,8 @@ from typing import Any, cast
 
 from broker_adapter.errors import ConfigError
 from broker_adapter.errors import RetryableError as RetryableError  # its old home, kept
-from broker_adapter.protocol.router import Router, load_router
-from broker_adapter.stages.task import Task as Task  # what handler modules import
+from broker_adapter.handler.router import Router, load_router
+from broker_adapter.handler.task import Task as Task  # what handler modules import
 
 #: A handler takes one ``Task`` and returns a JSON value, or an awaitable of one.
 Handler = Callable[[Task], Any]

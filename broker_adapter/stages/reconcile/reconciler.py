@@ -51,11 +51,11 @@ from pydantic import Field
 from broker_adapter.backoff import Backoff
 from broker_adapter.config import ConfigModel
 from broker_adapter.errors import ConfigError, StaleError, TransientError
+from broker_adapter.handler.task import Task
 from broker_adapter.protocol.canonical import canonical_json, sha256_hex
 from broker_adapter.protocol.idempotency import EFFECT_KEY_VERSION, Intent, effect_key
-from broker_adapter.stages.calls import call_handler
-from broker_adapter.stages.handlers import describe_error
-from broker_adapter.stages.task import Task
+from broker_adapter.stages.shared.calls import call_handler
+from broker_adapter.stages.shared.handlers import describe_error
 from broker_adapter.store.approvals import Approval, ApprovalStore
 from broker_adapter.store.cancel_reconcile import resolve_cancelled
 from broker_adapter.store.effects import EffectsStore, ReconcileClaim

@@ -20,9 +20,9 @@ import threading
 import time
 from collections.abc import Callable
 
-from broker_adapter.stages.calls import CallRun, RunOutcome
-from broker_adapter.stages.handlers import Handler
-from broker_adapter.stages.task import Task
+from broker_adapter.handler.task import Task
+from broker_adapter.stages.shared.calls import CallRun, RunOutcome
+from broker_adapter.stages.shared.handlers import Handler
 
 
 class ConcurrentRun:

@@ -24,10 +24,10 @@ from typing import Any
 from pydantic import BaseModel
 
 from broker_adapter.errors import RetryableError
-from broker_adapter.protocol.router import RouteError, Router, TaskDef
-from broker_adapter.stages.effect_gate import EffectGate
-from broker_adapter.stages.effects import EffectSpec, effect_spec
-from broker_adapter.stages.task import Task, TaskControl
+from broker_adapter.handler.router import RouteError, Router, TaskDef
+from broker_adapter.handler.task import Task, TaskControl
+from broker_adapter.stages.reconcile.reconciler import EffectSpec, effect_spec
+from broker_adapter.stages.worker.effect_gate import EffectGate
 from broker_adapter.store.settle import Settlement
 from broker_adapter.store.tasks import ClaimedTask
 

@@ -128,16 +128,16 @@ from broker_adapter.redis.trimming import (
     trim_with_dead_letters,
 )
 from broker_adapter.redis.trimming import now_ms as trim_now_ms
-from broker_adapter.stages.loop import IdlePolicy, look
-from broker_adapter.stages.loss import LossWatch, Watch
-from broker_adapter.stages.publish import (
+from broker_adapter.stages.dispatch.loss import LossWatch, Watch
+from broker_adapter.stages.dispatch.replay import Replayer, ReplayResult
+from broker_adapter.stages.shared.loop import IdlePolicy, look
+from broker_adapter.stages.shared.publish import (
     DEFAULT_RECORD_TTL_S,
     DEFAULT_RESULT_TTL_S,
     DispatcherStats,
     Publication,
     ReplyPublisher,
 )
-from broker_adapter.stages.replay import Replayer, ReplayResult
 from broker_adapter.store.interface import OutboxAPI
 from broker_adapter.store.outbox import OutboxRow
 from broker_adapter.store.retention import DEFAULT_RETENTION_S

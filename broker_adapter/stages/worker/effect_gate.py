@@ -24,8 +24,8 @@ import logging
 from functools import partial
 
 from broker_adapter.errors import StaleError, TaskCancelled
-from broker_adapter.stages.calls import CallOutcome
-from broker_adapter.stages.effects import (
+from broker_adapter.handler.task import Task, TaskControl
+from broker_adapter.stages.reconcile.reconciler import (
     AfterCall,
     CallEnd,
     EffectSpec,
@@ -33,10 +33,10 @@ from broker_adapter.stages.effects import (
     current_approval,
     hold_for_approval,
 )
-from broker_adapter.stages.handlers import describe_error, is_retryable
-from broker_adapter.stages.lease import Leases
-from broker_adapter.stages.task import Task, TaskControl
-from broker_adapter.stages.worker_config import WorkerStats
+from broker_adapter.stages.shared.calls import CallOutcome
+from broker_adapter.stages.shared.handlers import describe_error, is_retryable
+from broker_adapter.stages.worker.config import WorkerStats
+from broker_adapter.stages.worker.lease import Leases
 from broker_adapter.store import transitions
 from broker_adapter.store.approvals import ApprovalStore
 from broker_adapter.store.effects import EffectsStore, EffectTasks

@@ -17,10 +17,10 @@ from typing import Literal
 from broker_adapter import crashpoints
 from broker_adapter.clock import Clock
 from broker_adapter.errors import TransientError
-from broker_adapter.stages.effect_gate import EffectGate
-from broker_adapter.stages.lease import Leases
-from broker_adapter.stages.task import Task
-from broker_adapter.stages.worker_config import WorkerStats
+from broker_adapter.handler.task import Task
+from broker_adapter.stages.worker.config import WorkerStats
+from broker_adapter.stages.worker.effect_gate import EffectGate
+from broker_adapter.stages.worker.lease import Leases
 from broker_adapter.store import transitions
 from broker_adapter.store.effects import EffectsStore
 from broker_adapter.store.interface import TaskStoreAPI

@@ -41,32 +41,32 @@ from broker_adapter.errors import (
     ConfigError,
     TransientError,
 )
+from broker_adapter.handler.router import Router
+from broker_adapter.handler.task import Task
 from broker_adapter.protocol.keys import Keys
-from broker_adapter.protocol.router import Router
 from broker_adapter.protocol.signing import Keyring
 from broker_adapter.redis.client import connect
-from broker_adapter.stages.calls import CallOutcome, CallRun, RunOutcome, StopRun
-from broker_adapter.stages.concurrent_run import ConcurrentRun
-from broker_adapter.stages.effect_gate import EffectGate, stopped_how
-from broker_adapter.stages.handlers import Handler, load_handler
-from broker_adapter.stages.lease import Leases, renew_interval
-from broker_adapter.stages.loop import CLAIM, Handed, IdlePolicy, IdleWait, look
-from broker_adapter.stages.outcomes import count_committed, note_cancelled, settlement
-from broker_adapter.stages.publish import (
+from broker_adapter.stages.shared.calls import CallOutcome, CallRun, RunOutcome, StopRun
+from broker_adapter.stages.shared.handlers import Handler, load_handler
+from broker_adapter.stages.shared.loop import CLAIM, Handed, IdlePolicy, IdleWait, look
+from broker_adapter.stages.shared.publish import (
     DispatcherStats,
     OwnReplies,
     ReplyPublisher,
 )
-from broker_adapter.stages.routing import Routes, TaskLimits
-from broker_adapter.stages.task import Task
-from broker_adapter.stages.task_start import TaskStart
-from broker_adapter.stages.worker_config import (
+from broker_adapter.stages.worker.concurrent_run import ConcurrentRun
+from broker_adapter.stages.worker.config import (
     HANDLER_TIME_WEIGHT,
     INITIAL_CLAIM,
     WorkerMetricsSink,
 )
-from broker_adapter.stages.worker_config import WorkerConfig as WorkerConfig
-from broker_adapter.stages.worker_config import WorkerStats as WorkerStats
+from broker_adapter.stages.worker.config import WorkerConfig as WorkerConfig
+from broker_adapter.stages.worker.config import WorkerStats as WorkerStats
+from broker_adapter.stages.worker.effect_gate import EffectGate, stopped_how
+from broker_adapter.stages.worker.lease import Leases, renew_interval
+from broker_adapter.stages.worker.outcomes import count_committed, note_cancelled, settlement
+from broker_adapter.stages.worker.routing import Routes, TaskLimits
+from broker_adapter.stages.worker.task_start import TaskStart
 from broker_adapter.store import transitions
 from broker_adapter.store.interface import OutboxAPI, TaskStoreAPI
 from broker_adapter.store.outbox import OutboxPolicy, OutboxRow, OutboxStore

@@ -25,7 +25,7 @@ from broker_adapter.errors import (
     TaskCancelled,
     TransientError,
 )
-from broker_adapter.stages.task import Task, TaskControl
+from broker_adapter.handler.task import Task, TaskControl
 from broker_adapter.store.interface import TaskStoreAPI
 from broker_adapter.store.tasks import ClaimedTask
 

@@ -76,10 +76,11 @@ from broker_adapter.redis.entry import StreamEntry
 from broker_adapter.redis.reader import GroupReader, ReaderConfig
 from broker_adapter.redis.trimming import now_ms as trim_now_ms
 from broker_adapter.redis.trimming import trim_with_dead_letters
-from broker_adapter.stages import intake, tracing
-from broker_adapter.stages.cancels import CANCEL_KIND, apply_cancel
-from broker_adapter.stages.ingest_config import IngestConfig, IngestStats
-from broker_adapter.stages.limits import IngressLimits
+from broker_adapter.stages.ingest import intake
+from broker_adapter.stages.ingest.cancels import CANCEL_KIND, apply_cancel
+from broker_adapter.stages.ingest.config import IngestConfig, IngestStats
+from broker_adapter.stages.ingest.limits import IngressLimits
+from broker_adapter.stages.shared import tracing
 from broker_adapter.store.interface import TaskStoreAPI
 from broker_adapter.store.tasks import AcceptItem, AcceptResult, Outcome
 

@@ -100,7 +100,7 @@ from broker_adapter.redis.reader import (
     GroupReader,
     ReaderConfig,
 )
-from broker_adapter.stages import tracing
+from broker_adapter.stages.shared import tracing
 from broker_adapter.store.interface import ReceiptsAPI
 from broker_adapter.store.receipts import AppliedItem, Effect, ReceiptItem, ReceiptOutcome
 from broker_adapter.store.retention import DEFAULT_RETENTION_S, PurgeBatch, PurgeSchedule
