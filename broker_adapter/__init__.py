@@ -46,6 +46,7 @@ from broker_adapter.errors import (
     TransientError,
 )
 from broker_adapter.fences import SqlFence, TargetFenced
+from broker_adapter.handler.effects import Observation, side_effect
 from broker_adapter.handler.router import RouteError, Router, validate_payload
 from broker_adapter.handler.task import Task
 from broker_adapter.protocol.canonical import canonical_json
@@ -56,7 +57,6 @@ from broker_adapter.protocol.reply import BadReply, Reply
 from broker_adapter.protocol.signing import Keyring
 from broker_adapter.redis.client import connect, connect_async
 from broker_adapter.stages.receiver.receiver import Receiver, ReceiverConfig, effect_key
-from broker_adapter.stages.reconcile.reconciler import Observation, side_effect
 from broker_adapter.store import ReceiptStore, open_database
 from broker_adapter.store.outbox import UnknownReply
 from broker_adapter.store.tasks import UnknownTask

@@ -40,6 +40,7 @@ from broker_adapter.errors import (
     StoreBusy,
     TransientError,
 )
+from broker_adapter.handler.effects import EffectSpec, effect_spec
 from broker_adapter.protocol.keys import Keys
 from broker_adapter.protocol.signing import Keyring
 from broker_adapter.redis.client import Redis, connect
@@ -47,12 +48,7 @@ from broker_adapter.redis.functions import load_at_start
 from broker_adapter.stages.dispatch.dispatcher import Dispatcher, DispatcherConfig
 from broker_adapter.stages.ingest.config import IngestConfig
 from broker_adapter.stages.ingest.ingest import Ingestor
-from broker_adapter.stages.reconcile.reconciler import (
-    EffectSpec,
-    Reconciler,
-    effect_spec,
-    run_reconciles,
-)
+from broker_adapter.stages.reconcile.reconciler import Reconciler, run_reconciles
 from broker_adapter.stages.shared.handlers import load_app
 from broker_adapter.stages.shared.handoff import Handoff
 from broker_adapter.stages.worker.worker import WorkerConfig

@@ -314,7 +314,7 @@ def what_a_task_waits_for(store: Any, task_id: str) -> dict[str, Any]:
 def _what_to_approve(args: argparse.Namespace, store: Any) -> dict[str, Any]:
     """The action, target, scope, principal, arguments and their digest an approval is
     for: a waiting task's (``--task``), or the options'."""
-    from broker_adapter.stages.reconcile.reconciler import arguments_digest
+    from broker_adapter.handler.effects import arguments_digest
 
     if args.task is not None:
         if args.action or args.target or args.scope or args.principal or args.arguments:

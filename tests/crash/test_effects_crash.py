@@ -23,9 +23,10 @@ import pytest
 
 from broker_adapter.app.ops import collect_status, format_status
 from broker_adapter.clock import FakeClock
+from broker_adapter.handler.effects import effect_spec
 from broker_adapter.protocol.envelope import Envelope
 from broker_adapter.protocol.idempotency import Intent, effect_key
-from broker_adapter.stages.reconcile.reconciler import ReconcilePolicy, Reconciler, effect_spec
+from broker_adapter.stages.reconcile.reconciler import ReconcilePolicy, Reconciler
 from broker_adapter.stages.shared.handlers import load_handler
 from broker_adapter.store import AcceptItem, Database, OutboxStore, TaskStore, open_database
 from broker_adapter.store.effects import EffectsStore

@@ -15,17 +15,11 @@ from typing import Any
 import pytest
 
 from broker_adapter.clock import FakeClock
+from broker_adapter.handler.effects import CompensateFn, Observation, effect_spec, side_effect
 from broker_adapter.handler.task import Task
 from broker_adapter.protocol.envelope import Envelope
 from broker_adapter.protocol.idempotency import Intent, effect_key
-from broker_adapter.stages.reconcile.reconciler import (
-    CompensateFn,
-    Observation,
-    ReconcilePolicy,
-    Reconciler,
-    effect_spec,
-    side_effect,
-)
+from broker_adapter.stages.reconcile.reconciler import ReconcilePolicy, Reconciler
 from broker_adapter.stages.worker.worker import Worker, WorkerConfig
 from broker_adapter.store import AcceptItem, OutboxStore, TaskStore, open_database
 from broker_adapter.store.effects import EffectsStore

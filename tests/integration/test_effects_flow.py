@@ -11,14 +11,9 @@ from pathlib import Path
 import pytest
 
 from broker_adapter.clock import FakeClock
-from broker_adapter.stages.reconcile.reconciler import (
-    AfterCall,
-    CallEnd,
-    EffectSpec,
-    ReconcilePolicy,
-    Reconciler,
-    after_call,
-)
+from broker_adapter.handler.effects import EffectSpec
+from broker_adapter.stages.reconcile.reconciler import ReconcilePolicy, Reconciler
+from broker_adapter.stages.worker.effect_gate import AfterCall, CallEnd, after_call
 from broker_adapter.store import ClaimedTask, TaskState, open_database
 from broker_adapter.store.effects import EffectsStore
 from tests.support.fake_target import (

@@ -16,9 +16,9 @@ import pytest
 
 from broker_adapter.clock import FakeClock
 from broker_adapter.errors import RetryableError, TaskCancelled
+from broker_adapter.handler.effects import arguments_digest, side_effect
 from broker_adapter.handler.task import Task
 from broker_adapter.protocol.envelope import Envelope
-from broker_adapter.stages.reconcile.reconciler import arguments_digest, side_effect
 from broker_adapter.stages.worker.worker import Worker, WorkerConfig
 from broker_adapter.store import AcceptItem, Database, OutboxStore, TaskStore, open_database
 from broker_adapter.store.approvals import ApprovalStore

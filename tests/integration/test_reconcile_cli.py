@@ -9,8 +9,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+from broker_adapter.handler.effects import EffectSpec
 from broker_adapter.protocol.envelope import Envelope
-from broker_adapter.stages.reconcile.reconciler import EffectSpec, ReconcilePolicy, Reconciler
+from broker_adapter.stages.reconcile.reconciler import ReconcilePolicy, Reconciler
 from broker_adapter.store import TaskStore
 from broker_adapter.store.db import open_database
 from broker_adapter.store.effects import EffectsStore

@@ -22,8 +22,8 @@ import os
 import signal
 from typing import Any
 
+from broker_adapter.handler.effects import Observation, side_effect
 from broker_adapter.handler.task import Task
-from broker_adapter.stages.reconcile.reconciler import Observation, side_effect
 from broker_adapter.store.tasks import ClaimedTask
 from tests.support.fake_target import FakeTargetClient
 

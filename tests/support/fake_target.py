@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from broker_adapter.fences import SqlFence, TargetFenced
-from broker_adapter.stages.reconcile.reconciler import CompensateFn, Observation, ReconcileFn
+from broker_adapter.handler.effects import CompensateFn, Observation, ReconcileFn
 from broker_adapter.store.tasks import ClaimedTask
 from tests.support.cli import wait_for
 

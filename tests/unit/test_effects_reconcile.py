@@ -1,5 +1,6 @@
-"""``stages.effects``: the decisions after a call and after a reconcile (pure), and the
-``Reconciler`` applying them through the store, on a FakeClock."""
+"""Declared effects (``handler.effects``), the worker's decision after a call (``after_call``), the
+decision after a reconcile (pure) and the ``Reconciler`` applying them through the store, on a
+FakeClock."""
 
 from __future__ import annotations
 
@@ -14,20 +15,19 @@ import pytest
 from broker_adapter.backoff import Backoff
 from broker_adapter.clock import FakeClock
 from broker_adapter.errors import ConfigError
+from broker_adapter.handler.effects import EffectSpec, Observation, effect_spec, side_effect
 from broker_adapter.stages.reconcile.reconciler import (
-    AfterCall,
-    CallEnd,
-    EffectSpec,
-    Observation,
     ReconcilePolicy,
     Reconciler,
     Step,
-    after_call,
     after_reconcile,
+)
+from broker_adapter.stages.worker.effect_gate import (
+    AfterCall,
+    CallEnd,
+    after_call,
     current_approval,
-    effect_spec,
     hold_for_approval,
-    side_effect,
 )
 from broker_adapter.store import ClaimedTask
 from broker_adapter.store.approvals import ApprovalStore

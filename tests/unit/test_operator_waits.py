@@ -13,7 +13,8 @@ import pytest
 
 from broker_adapter.clock import FakeClock
 from broker_adapter.errors import StaleError
-from broker_adapter.stages.reconcile.reconciler import EffectSpec, ReconcilePolicy, Reconciler
+from broker_adapter.handler.effects import EffectSpec
+from broker_adapter.stages.reconcile.reconciler import ReconcilePolicy, Reconciler
 from broker_adapter.store.effects import EffectsStore
 from broker_adapter.store.operator_waits import OperatorWaits
 from broker_adapter.store.report import snapshot

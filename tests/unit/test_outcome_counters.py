@@ -13,12 +13,8 @@ import pytest
 
 from broker_adapter.app.metrics import AdapterCollector, Observed
 from broker_adapter.clock import FakeClock
-from broker_adapter.stages.reconcile.reconciler import (
-    EffectSpec,
-    Observation,
-    ReconcilePolicy,
-    Reconciler,
-)
+from broker_adapter.handler.effects import EffectSpec, Observation
+from broker_adapter.stages.reconcile.reconciler import ReconcilePolicy, Reconciler
 from broker_adapter.store import outcome_schema
 from broker_adapter.store.counters import monotonic_counts
 from broker_adapter.store.db import open_database

@@ -473,7 +473,8 @@ def test_status_counts_tasks_by_name_once_one_has_a_name(
 def test_the_reconciler_uses_the_effect_of_each_tasks_own_handler(tasks: TaskStore) -> None:
     from dataclasses import replace
 
-    from broker_adapter.stages.reconcile.reconciler import Reconciler, effect_spec
+    from broker_adapter.handler.effects import effect_spec
+    from broker_adapter.stages.reconcile.reconciler import Reconciler
     from broker_adapter.store.effects import EffectsStore
     from broker_adapter.store.tasks import ClaimedTask
 

@@ -1,16 +1,11 @@
-"""Declared side effects: what a handler registers, what happens after its call, and the
-reconciler that finds out what an ``unknown`` task did.
+"""The reconciler: finds out what an ``unknown`` task's declared side effect did
+(``handler.effects``), and ends the task, lets it run again, or leaves it to an operator.
 
-A handler that reaches a system we do not commit with declares it (``side_effect``):
-
-    @side_effect("restart_server", reconcile=server_restarted, compensate=undo_restart)
-    def restart(task): ...
-
-For such a handler (``irreversible``, or a call that marked its effect started) a timeout, a
-crash or a lost lease after the start is never retried blindly: the task goes to ``unknown``
-(``after_call``), and the reconciler (``Reconciler``) asks the registered reconcile
-function, with the task and the effect's idempotency key (``EffectSpec.key``), what
-happened (``after_reconcile``):
+A task goes to ``unknown`` when a call of a handler declared with ``side_effect`` ended
+after its effect started without a result the worker may settle (a timeout, a crash, a
+lost lease; ``stages.worker.effect_gate``). The ``Reconciler`` asks the registered
+reconcile function, with the task and the effect's idempotency key (``EffectSpec.key``),
+what happened (``after_reconcile``):
 
 * it happened: ``done``, with the result it observed; if the target applied it more than
   once (a duplicate it could not refuse), the compensation runs once, under its own record;
@@ -26,14 +21,12 @@ cancel cannot undo what happened): its reconcile ends it ``cancelled``, and when
 did happen, the registered ``compensate_cancelled`` undoes it once, under its own record
 (kind ``cancelled``).
 
-An action that ``requires_approval`` runs only while an approval record exists for its
-action, target and scope (``ApprovalStore.valid_approval``, asked right before the effect);
-without one the task waits in ``waiting_approval``.
+Between two passes, ``run_reconciles`` also releases the approval waits that ended
+(``ApprovalStore.release_waits``).
 
-The decisions (``after_call``, ``after_reconcile``) are pure functions; the ``Reconciler``
-applies them through ``EffectsStore`` (approvals: ``ApprovalStore``), each in its own short
-transaction, with the reconcile and compensation functions called between them
-(``docs/RULES.md`` rule 9).
+The decision (``after_reconcile``) is a pure function; the ``Reconciler`` applies it
+through ``EffectsStore``, each step in its own short transaction, with the reconcile and
+compensation functions called between them (``docs/RULES.md`` rule 9).
 """
 
 from __future__ import annotations
@@ -41,22 +34,21 @@ from __future__ import annotations
 import logging
 import random
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from enum import StrEnum
-from typing import Any, Literal, TypeVar
+from typing import Literal
 
 from pydantic import Field
 
 from broker_adapter.backoff import Backoff
 from broker_adapter.config import ConfigModel
-from broker_adapter.errors import ConfigError, StaleError, TransientError
+from broker_adapter.errors import StaleError, TransientError
+from broker_adapter.handler.effects import CompensateFn, EffectSpec, Observation
 from broker_adapter.handler.task import Task
-from broker_adapter.protocol.canonical import canonical_json, sha256_hex
-from broker_adapter.protocol.idempotency import EFFECT_KEY_VERSION, Intent, effect_key
+from broker_adapter.protocol.canonical import canonical_json
 from broker_adapter.stages.shared.calls import call_handler
 from broker_adapter.stages.shared.handlers import describe_error
-from broker_adapter.store.approvals import Approval, ApprovalStore
+from broker_adapter.store.approvals import ApprovalStore
 from broker_adapter.store.cancel_reconcile import resolve_cancelled
 from broker_adapter.store.effects import EffectsStore, ReconcileClaim
 from broker_adapter.store.operator_waits import OperatorTimeoutAction, OperatorWaits
@@ -71,211 +63,6 @@ DEFAULT_OPERATOR_TIMEOUT_S = 24 * 3600.0
 DUPLICATE = "duplicate"
 #: The compensation kind for the effect of a task whose cancel was requested.
 CANCELLED = "cancelled"
-
-
-@dataclass(frozen=True)
-class Observation:
-    """What a reconcile function found at the target.
-
-    Attributes:
-        outcome: ``done`` (the effect happened), ``not-done`` (it did not), ``unknown``.
-        result: for ``done``, what the effect produced: the task's result (a JSON value).
-        applied: for ``done``, how many times the target applied it (more than 1: a
-            duplicate the target could not refuse, which the compensation undoes).
-        note: a short text kept in the audit record.
-    """
-
-    outcome: Literal["done", "not-done", "unknown"]
-    result: Any = None
-    applied: int = 1
-    note: str | None = None
-
-    def __post_init__(self) -> None:
-        if self.outcome not in ("done", "not-done", "unknown"):
-            raise ValueError(f"outcome must be done, not-done or unknown, got {self.outcome!r}")
-        if isinstance(self.applied, bool) or not isinstance(self.applied, int):
-            raise ValueError(f"applied must be an integer, got {self.applied!r}")
-        if self.outcome == "done" and self.applied < 1:
-            raise ValueError(
-                f"an effect that happened was applied at least once, not {self.applied}"
-            )
-
-    @classmethod
-    def happened(
-        cls, result: Any = None, *, applied: int = 1, note: str | None = None
-    ) -> Observation:
-        return cls("done", result, applied, note)
-
-    @classmethod
-    def not_happened(cls, note: str | None = None) -> Observation:
-        return cls("not-done", note=note)
-
-    @classmethod
-    def still_unknown(cls, note: str | None = None) -> Observation:
-        return cls("unknown", note=note)
-
-
-#: Called with the task and the effect's idempotency key; says what the target did.
-ReconcileFn = Callable[[ClaimedTask, str], Observation]
-#: Called once for a duplicate effect, with the task and what the reconcile observed; what
-#: it returns (a JSON value) is kept as the compensation's outcome detail.
-CompensateFn = Callable[[ClaimedTask, Observation], Any]
-#: The approval's ``(target, scope)`` for a task.
-ApprovalFn = Callable[[ClaimedTask], tuple[str, str]]
-
-
-@dataclass(frozen=True)
-class EffectSpec:
-    """What a handler declares about its external effect.
-
-    Attributes:
-        action: the effect's name (part of its idempotency key and of its approvals).
-        irreversible: every call starts the effect (marked before the call); ``False``: a
-            call marks it itself when it starts it.
-        reconcile: finds out what an ``unknown`` task did (``None``: an operator does).
-        compensate: undoes a duplicate, once (``None``: a duplicate is only recorded).
-        compensate_cancelled: undoes the effect of a task cancelled after the effect
-            happened, once (``None``: the effect stays, recorded as not undone).
-        requires_approval: run only with a valid approval (``approval`` names it).
-        approval: the approval's ``(target, scope)`` for a task.
-        arguments: the effect's arguments for its key (default: the whole payload).
-        version: the key's derivation (``protocol.idempotency``).
-    """
-
-    action: str
-    irreversible: bool = True
-    reconcile: ReconcileFn | None = None
-    compensate: CompensateFn | None = None
-    requires_approval: bool = False
-    approval: ApprovalFn | None = None
-    arguments: Callable[[ClaimedTask], Any] | None = None
-    version: int = EFFECT_KEY_VERSION
-    compensate_cancelled: CompensateFn | None = None
-
-    def __post_init__(self) -> None:
-        if not self.action:
-            raise ConfigError("a side effect needs an action name")
-        if self.requires_approval and self.approval is None:
-            raise ConfigError(
-                f"action {self.action!r} requires approval: give approval=(task -> (target, scope))"
-            )
-
-    def key(self, task: ClaimedTask) -> str:
-        """The idempotency key of this effect for ``task`` (the same in every attempt)."""
-        arguments = self.arguments_of(task)
-        intent = Intent(task.principal, task.message_id)
-        return effect_key(intent, self.action, arguments, version=self.version)
-
-    def arguments_of(self, task: ClaimedTask) -> Any:
-        """The effect's arguments for ``task`` (``arguments``; default: the payload)."""
-        return task.payload if self.arguments is None else self.arguments(task)
-
-    def approval_digest(self, task: ClaimedTask) -> str:
-        """What an approval of ``task`` is bound to besides its principal:
-        ``arguments_digest`` of this action, its arguments for ``task`` and the version."""
-        return arguments_digest(self.action, self.arguments_of(task), self.version)
-
-    def approval_of(self, task: ClaimedTask) -> tuple[str, str]:
-        """The ``(target, scope)`` an approval of ``task`` must name."""
-        if self.approval is None:
-            raise ConfigError(f"action {self.action!r} has no approval target")
-        return self.approval(task)
-
-
-def arguments_digest(action: str, arguments: Any, version: int = EFFECT_KEY_VERSION) -> str:
-    """SHA-256 (hex) of the canonical JSON of ``{"action", "arguments", "version"}``: what
-    an approval allows, besides its target, scope and requesting principal. The approver
-    is shown it with the arguments (``broker-adapter approve --task``); a task whose
-    effect has other arguments, or another key version, does not run under it.
-
-    Raises:
-        ValueError: ``arguments`` is not JSON (NaN, a set, ...).
-    """
-    body = canonical_json({"action": action, "arguments": arguments, "version": version})
-    return sha256_hex(body)
-
-
-H = TypeVar("H", bound=Callable[..., Any])
-_SPEC_ATTR = "__ba_side_effect__"
-
-
-def side_effect(
-    action: str,
-    *,
-    irreversible: bool = True,
-    reconcile: ReconcileFn | None = None,
-    compensate: CompensateFn | None = None,
-    requires_approval: bool = False,
-    approval: ApprovalFn | None = None,
-    arguments: Callable[[ClaimedTask], Any] | None = None,
-    version: int = EFFECT_KEY_VERSION,
-    compensate_cancelled: CompensateFn | None = None,
-) -> Callable[[H], H]:
-    """Declare a handler's external effect (see ``EffectSpec``); the handler is returned
-    as it is, with the declaration attached (``effect_spec`` reads it)."""
-    spec = EffectSpec(
-        action,
-        irreversible,
-        reconcile,
-        compensate,
-        requires_approval,
-        approval,
-        arguments,
-        version,
-        compensate_cancelled,
-    )
-
-    def register(handler: H) -> H:
-        setattr(handler, _SPEC_ATTR, spec)
-        return handler
-
-    return register
-
-
-def effect_spec(handler: Callable[..., Any]) -> EffectSpec | None:
-    """The declaration ``side_effect`` attached to ``handler``, or ``None``."""
-    spec = getattr(handler, _SPEC_ATTR, None)
-    return spec if isinstance(spec, EffectSpec) else None
-
-
-# -- decisions ------------------------------------------------------------------------------
-
-
-class CallEnd(StrEnum):
-    """How a handler call ended, as the worker saw it."""
-
-    RETURNED = "returned"
-    RAISED = "raised"
-    TIMED_OUT = "timed_out"
-    STOPPED = "stopped"  # the worker stopped past its grace
-    LEASE_LOST = "lease_lost"
-
-
-class AfterCall(StrEnum):
-    """What the worker writes after a call."""
-
-    SETTLE = "settle"  # as without a declared effect: done, or fail (retried per budget)
-    UNKNOWN = "unknown"  # EffectsStore.to_unknown: the reconcile decides
-    NOTHING = "nothing"  # no claim left to write with: the store's take-back decides
-
-
-def after_call(end: CallEnd, *, effect_started: bool, retryable: bool = False) -> AfterCall:
-    """The worker's next write after a call.
-
-    A call that returned is settled. A lost lease leaves nothing to write (the commit would
-    be refused; the store sends an effect-started task to ``unknown`` when it takes the
-    lease back). Before the effect started, everything is settled as usual (a retry cannot
-    repeat an effect that never began). After it, a non-retryable error fails the task (no
-    second call follows), while a timeout, a stop or an error asking for a retry would
-    retry blindly: ``unknown``.
-    """
-    if end is CallEnd.RETURNED:
-        return AfterCall.SETTLE
-    if end is CallEnd.LEASE_LOST:
-        return AfterCall.NOTHING
-    if not effect_started or (end is CallEnd.RAISED and not retryable):
-        return AfterCall.SETTLE
-    return AfterCall.UNKNOWN
 
 
 class ReconcilePolicy(ConfigModel):
@@ -508,55 +295,6 @@ class Reconciler:
         except ValueError:
             text = repr(detail)
         self.effects.end_compensation(task.task_id, kind, "done", text)
-
-
-# -- approvals ------------------------------------------------------------------------------
-
-
-def current_approval(
-    approvals: ApprovalStore, spec: EffectSpec, task: ClaimedTask
-) -> Approval | None:
-    """The approval that lets ``task`` (of an effect that ``requires_approval``) run its
-    effect now, one of its uses taken for ``task`` (``ApprovalStore.use_approval``), or
-    ``None``. Ask right before the effect: a record revoked, expired or used up since the
-    claim stops it. It must name ``task``'s principal and the digest of its arguments
-    (``EffectSpec.approval_digest``); nothing in the task's payload counts.
-
-    Raises:
-        StaleError: the caller no longer holds ``task``.
-    """
-    target, scope = spec.approval_of(task)
-    return approvals.use_approval(
-        task.task_id,
-        task.owner,
-        task.fence,
-        spec.action,
-        target,
-        scope,
-        principal=task.principal,
-        arguments_digest=spec.approval_digest(task),
-    )
-
-
-def hold_for_approval(
-    approvals: ApprovalStore, spec: EffectSpec, task: ClaimedTask, timeout_s: float
-) -> float:
-    """Park ``task`` in ``waiting_approval`` for its approval (its holder found none).
-    Returns when the wait ends without one."""
-    target, scope = spec.approval_of(task)
-    arguments = spec.arguments_of(task)
-    return approvals.wait_for_approval(
-        task.task_id,
-        task.owner,
-        task.fence,
-        spec.action,
-        target,
-        scope,
-        timeout_s,
-        principal=task.principal,
-        arguments_digest=spec.approval_digest(task),
-        arguments=canonical_json(arguments).decode("utf-8"),
-    )
 
 
 def run_reconciles(

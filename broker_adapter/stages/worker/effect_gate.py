@@ -1,4 +1,4 @@
-"""The worker's side of a declared side effect (``effects.side_effect``): what happens right
+"""The worker's side of a declared side effect (``handler.effects.side_effect``): what happens right
 before the handler's call and right after it.
 
 Before the call (on the call thread, no transaction held): an action that
@@ -11,7 +11,7 @@ marked started (``EffectsStore.mark_effect_started``), which also refuses a task
 cancel was requested. A handler declared ``irreversible=False`` marks it itself, per call
 (``Task.effect_started()``).
 
-After the call: ``effects.after_call`` decides. A timeout, a stop past the grace, or an
+After the call: ``after_call`` decides. A timeout, a stop past the grace, or an
 error asking for a retry after the effect started goes to ``unknown``
 (``EffectsStore.to_unknown``, its own short transaction) for the reconcile, never to a
 blind retry; everything else is settled with the batch as usual. An ordinary handler
@@ -21,31 +21,109 @@ blind retry; everything else is settled with the batch as usual. An ordinary han
 from __future__ import annotations
 
 import logging
+from enum import StrEnum
 from functools import partial
 
 from broker_adapter.errors import StaleError, TaskCancelled
+from broker_adapter.handler.effects import EffectSpec
 from broker_adapter.handler.task import Task, TaskControl
-from broker_adapter.stages.reconcile.reconciler import (
-    AfterCall,
-    CallEnd,
-    EffectSpec,
-    after_call,
-    current_approval,
-    hold_for_approval,
-)
+from broker_adapter.protocol.canonical import canonical_json
 from broker_adapter.stages.shared.calls import CallOutcome
 from broker_adapter.stages.shared.handlers import describe_error, is_retryable
 from broker_adapter.stages.worker.config import WorkerStats
 from broker_adapter.stages.worker.lease import Leases
 from broker_adapter.store import transitions
-from broker_adapter.store.approvals import ApprovalStore
+from broker_adapter.store.approvals import Approval, ApprovalStore
 from broker_adapter.store.effects import EffectsStore, EffectTasks
 from broker_adapter.store.evidence import key_digest
 from broker_adapter.store.tasks import ClaimedTask
 
 
+class CallEnd(StrEnum):
+    """How a handler call ended, as the worker saw it."""
+
+    RETURNED = "returned"
+    RAISED = "raised"
+    TIMED_OUT = "timed_out"
+    STOPPED = "stopped"  # the worker stopped past its grace
+    LEASE_LOST = "lease_lost"
+
+
+class AfterCall(StrEnum):
+    """What the worker writes after a call."""
+
+    SETTLE = "settle"  # as without a declared effect: done, or fail (retried per budget)
+    UNKNOWN = "unknown"  # EffectsStore.to_unknown: the reconcile decides
+    NOTHING = "nothing"  # no claim left to write with: the store's take-back decides
+
+
+def after_call(end: CallEnd, *, effect_started: bool, retryable: bool = False) -> AfterCall:
+    """The worker's next write after a call.
+
+    A call that returned is settled. A lost lease leaves nothing to write (the commit would
+    be refused; the store sends an effect-started task to ``unknown`` when it takes the
+    lease back). Before the effect started, everything is settled as usual (a retry cannot
+    repeat an effect that never began). After it, a non-retryable error fails the task (no
+    second call follows), while a timeout, a stop or an error asking for a retry would
+    retry blindly: ``unknown``.
+    """
+    if end is CallEnd.RETURNED:
+        return AfterCall.SETTLE
+    if end is CallEnd.LEASE_LOST:
+        return AfterCall.NOTHING
+    if not effect_started or (end is CallEnd.RAISED and not retryable):
+        return AfterCall.SETTLE
+    return AfterCall.UNKNOWN
+
+
+def current_approval(
+    approvals: ApprovalStore, spec: EffectSpec, task: ClaimedTask
+) -> Approval | None:
+    """The approval that lets ``task`` (of an effect that ``requires_approval``) run its
+    effect now, one of its uses taken for ``task`` (``ApprovalStore.use_approval``), or
+    ``None``. Ask right before the effect: a record revoked, expired or used up since the
+    claim stops it. It must name ``task``'s principal and the digest of its arguments
+    (``EffectSpec.approval_digest``); nothing in the task's payload counts.
+
+    Raises:
+        StaleError: the caller no longer holds ``task``.
+    """
+    target, scope = spec.approval_of(task)
+    return approvals.use_approval(
+        task.task_id,
+        task.owner,
+        task.fence,
+        spec.action,
+        target,
+        scope,
+        principal=task.principal,
+        arguments_digest=spec.approval_digest(task),
+    )
+
+
+def hold_for_approval(
+    approvals: ApprovalStore, spec: EffectSpec, task: ClaimedTask, timeout_s: float
+) -> float:
+    """Park ``task`` in ``waiting_approval`` for its approval (its holder found none).
+    Returns when the wait ends without one."""
+    target, scope = spec.approval_of(task)
+    arguments = spec.arguments_of(task)
+    return approvals.wait_for_approval(
+        task.task_id,
+        task.owner,
+        task.fence,
+        spec.action,
+        target,
+        scope,
+        timeout_s,
+        principal=task.principal,
+        arguments_digest=spec.approval_digest(task),
+        arguments=canonical_json(arguments).decode("utf-8"),
+    )
+
+
 def call_end(task: Task, outcome: CallOutcome) -> CallEnd:
-    """How a call ended, as ``effects.after_call`` takes it."""
+    """How a call ended, as ``after_call`` takes it."""
     if outcome.ok:
         return CallEnd.RETURNED
     if task.stop_reason == "lease_lost":

@@ -24,9 +24,9 @@ from typing import Any
 from pydantic import BaseModel
 
 from broker_adapter.errors import RetryableError
+from broker_adapter.handler.effects import EffectSpec, effect_spec
 from broker_adapter.handler.router import RouteError, Router, TaskDef
 from broker_adapter.handler.task import Task, TaskControl
-from broker_adapter.stages.reconcile.reconciler import EffectSpec, effect_spec
 from broker_adapter.stages.worker.effect_gate import EffectGate
 from broker_adapter.store.settle import Settlement
 from broker_adapter.store.tasks import ClaimedTask
