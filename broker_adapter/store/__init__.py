@@ -5,18 +5,46 @@ Only this package imports ``sqlite3`` and ``psycopg``; it never imports redis.
 ``interface`` names what the stages ask of a store (``typing.Protocol``s).
 """
 
-from broker_adapter.store.db import Database, open_database
-from broker_adapter.store.outbox import OutboxRow, OutboxStore
-from broker_adapter.store.receipts import Receipt, ReceiptOutcome, ReceiptStore
-from broker_adapter.store.tasks import (
-    AcceptItem,
-    AcceptResult,
-    ClaimedTask,
-    FailOutcome,
-    Outcome,
-    TaskState,
-    TaskStore,
-)
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from broker_adapter.lazy_exports import lazy_exports
+
+if TYPE_CHECKING:
+    from broker_adapter.store.db import Database, open_database
+    from broker_adapter.store.outbox import OutboxRow, OutboxStore
+    from broker_adapter.store.receipts import Receipt, ReceiptOutcome, ReceiptStore
+    from broker_adapter.store.tasks import (
+        AcceptItem,
+        AcceptResult,
+        ClaimedTask,
+        FailOutcome,
+        Outcome,
+        TaskState,
+        TaskStore,
+    )
+
+#: Each public name, and the module and attribute it is read from when first used.
+_EXPORTS: dict[str, tuple[str, str]] = {
+    "AcceptItem": ("broker_adapter.store.tasks", "AcceptItem"),
+    "AcceptResult": ("broker_adapter.store.tasks", "AcceptResult"),
+    "ClaimedTask": ("broker_adapter.store.tasks", "ClaimedTask"),
+    "Database": ("broker_adapter.store.db", "Database"),
+    "FailOutcome": ("broker_adapter.store.tasks", "FailOutcome"),
+    "open_database": ("broker_adapter.store.db", "open_database"),
+    "OutboxRow": ("broker_adapter.store.outbox", "OutboxRow"),
+    "OutboxStore": ("broker_adapter.store.outbox", "OutboxStore"),
+    "Outcome": ("broker_adapter.store.tasks", "Outcome"),
+    "Receipt": ("broker_adapter.store.receipts", "Receipt"),
+    "ReceiptOutcome": ("broker_adapter.store.receipts", "ReceiptOutcome"),
+    "ReceiptStore": ("broker_adapter.store.receipts", "ReceiptStore"),
+    "TaskState": ("broker_adapter.store.tasks", "TaskState"),
+    "TaskStore": ("broker_adapter.store.tasks", "TaskStore"),
+}
+
+if not TYPE_CHECKING:
+    __getattr__, __dir__ = lazy_exports(globals(), _EXPORTS)
 
 __all__ = [
     "AcceptItem",

@@ -17,10 +17,28 @@ Nothing here is imported by ``import broker_adapter``: it is for tests.
 
 from __future__ import annotations
 
-from broker_adapter.redis.server import RedisServer, binary_available, free_port
-from broker_adapter.testing.adapter import RunningAdapter
-from broker_adapter.testing.keyrings import write_keyring
-from broker_adapter.testing.runner import TaskRunner
+from typing import TYPE_CHECKING
+
+from broker_adapter.lazy_exports import lazy_exports
+
+if TYPE_CHECKING:
+    from broker_adapter.redis.server import RedisServer, binary_available, free_port
+    from broker_adapter.testing.adapter import RunningAdapter
+    from broker_adapter.testing.keyrings import write_keyring
+    from broker_adapter.testing.runner import TaskRunner
+
+#: Each public name, and the module and attribute it is read from when first used.
+_EXPORTS: dict[str, tuple[str, str]] = {
+    "binary_available": ("broker_adapter.redis.server", "binary_available"),
+    "free_port": ("broker_adapter.redis.server", "free_port"),
+    "RedisServer": ("broker_adapter.redis.server", "RedisServer"),
+    "RunningAdapter": ("broker_adapter.testing.adapter", "RunningAdapter"),
+    "TaskRunner": ("broker_adapter.testing.runner", "TaskRunner"),
+    "write_keyring": ("broker_adapter.testing.keyrings", "write_keyring"),
+}
+
+if not TYPE_CHECKING:
+    __getattr__, __dir__ = lazy_exports(globals(), _EXPORTS)
 
 __all__ = [
     "RedisServer",
