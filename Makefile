@@ -20,6 +20,7 @@ test: $(STAMP)
 	$(PY) -m ruff format --check broker_adapter tests
 	$(PY) -m mypy
 	$(VENV)/bin/lint-imports
+	$(PY) tests/tools/check_cycles.py
 	$(MAKE) --no-print-directory dist
 	$(PY) -m pytest -q
 
@@ -39,6 +40,7 @@ typecheck: $(STAMP)
 
 layers: $(STAMP)
 	$(VENV)/bin/lint-imports
+	$(PY) tests/tools/check_cycles.py
 
 bench: $(STAMP)
 	$(PY) bench/run.py

@@ -1,0 +1,1 @@
+"""Checks run by ``make test`` beside the tests (``check_cycles``)."""
