@@ -101,7 +101,7 @@ class Adapter:
         # The pool imports it again (a cached module); importing it here first means a
         # handler that cannot be found is refused before anything starts.
         self.router = load_app(config.handler, app_dir=config.app_dir)
-        #: The side effects the tasks declare (``effects.side_effect``), by task name: with
+        #: The side effects the tasks declare (``handler.effects.side_effect``), by task name: with
         #: one, a reconcile thread releases approval waits and reconciles ``unknown`` tasks.
         #: (``None``: what an envelope without a name goes to, the router's default).
         routes = {name: self.router.get(name) for name in (None, *self.router.names)}
@@ -305,9 +305,9 @@ class Adapter:
 
     def _reconcile(self, stop: threading.Event, gate: WriteGate | None) -> None:
         """For a handler that declared a side effect: release approval waits and reconcile
-        ``unknown`` tasks (``effects.run_reconciles``), on a connection of its own. Each
-        reconcile holds its task under a lease and a fence, and its function is called with
-        a timeout, outside any transaction."""
+        ``unknown`` tasks (``stages.reconcile.reconciler.run_reconciles``), on a connection
+        of its own. Each reconcile holds its task under a lease and a fence, and its function
+        is called with a timeout, outside any transaction."""
         assert self.effect is not None
         db = open_store(self.config.db_path, gate=gate)
         try:

@@ -40,7 +40,7 @@ if TYPE_CHECKING:
 
 
 class ChainLink(Protocol):
-    """The task a request is made on behalf of (a handler's ``stages.task.Task``)."""
+    """The task a request is made on behalf of (a handler's ``handler.task.Task``)."""
 
     @property
     def task_id(self) -> str: ...
@@ -167,7 +167,7 @@ class Publisher:
             parent: the task a handler publishes it for: the request joins that task's
                 chain (``chained``: ``parent_id``, ``correlation_id``, ``hops``).
             traceparent: the W3C trace context to send it in (e.g.
-                ``stages.tracing.current_traceparent()``), set as the envelope's
+                ``stages.shared.tracing.current_traceparent()``), set as the envelope's
                 ``traceparent`` member; ``None`` sends the envelope as it is. Not part of
                 the request's content: a resend in another trace is still a duplicate.
 

@@ -4,8 +4,9 @@
 ``time_left_s()``, ``effect_key()``, and ``effect_started()`` for a handler declared with
 ``effects.side_effect(..., irreversible=False)``). What the worker writes on it (a cancel
 seen at a lease renewal, a lost lease, an abandoned call, a renewed lease) goes through
-``TaskControl``, the worker's side of the same task (``lease``, ``calls``), so a handler
-has no public method that changes its own task's state."""
+``TaskControl``, the worker's side of the same task (``stages.worker.lease``,
+``stages.shared.calls``), so a handler has no public method that changes its own task's
+state."""
 
 from __future__ import annotations
 

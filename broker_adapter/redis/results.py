@@ -1,6 +1,6 @@
 """Result records: the signed reply of a request, kept by message id for a bounded time.
 
-When a terminal reply is published (``stages.publish``), the same script writes the reply
+When a terminal reply is published (``stages.shared.publish``), the same script writes the reply
 entry's fields (``v``, ``reply_id``, ``hash``, ``body``, ``kid``, ``sig``) into a hash under
 ``keys.reply_result(P, message_id)`` with a TTL, and adds the message id to the principal's
 index ``keys.reply_results(P)`` (a sorted set scored by the publication time, ms). A

@@ -1,7 +1,7 @@
 """Approvals: an action that ``requires_approval`` runs only while a separate record allows
 that action, on that target, in that scope, for that requesting principal and those
 arguments (``arguments_digest``: the digest of the effect's canonical arguments and key
-version, ``stages.effects.arguments_digest``), until an expiry, for a number of tasks
+version, ``handler.effects.arguments_digest``), until an expiry, for a number of tasks
 (``uses``, default one) (schema migrations 7 and 10).
 
 ::

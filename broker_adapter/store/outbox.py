@@ -71,7 +71,7 @@ __all__ = [
 ]
 
 _COLUMNS = ", ".join(OutboxRow.__dataclass_fields__)
-#: The ``meta`` row of the Redis epoch the dispatcher saw last (``stages.loss``).
+#: The ``meta`` row of the Redis epoch the dispatcher saw last (``stages.dispatch.loss``).
 REDIS_EPOCH_META = "redis_epoch"
 
 

@@ -1,6 +1,6 @@
 """Handlers: what a handler is, loading ``module:callable`` specs, and how its errors read.
 
-A handler takes one ``task.Task`` (re-exported here, where handler modules import it from)
+A handler takes one ``handler.task.Task`` (re-exported here, where handler modules import it from)
 and returns a JSON value, or an awaitable of one; raising ``RetryableError`` asks for
 another attempt. The calls themselves are made by ``calls.CallRun``.
 """

@@ -61,7 +61,7 @@ class WorkerConfig(ConfigModel):
             takes enough tasks to fill each slot; async handlers wait together on the
             process's one event loop, sync ones run on a thread per slot.
         approval_timeout_s: for a handler whose effect ``requires_approval``
-            (``effects.side_effect``): how long a task waits in ``waiting_approval`` for a
+            (``handler.effects.side_effect``): how long a task waits in ``waiting_approval`` for a
             valid approval record before it ends ``failed`` (never past its deadline).
     """
 

@@ -146,7 +146,7 @@ class Worker:
         loaded = load_handler(handler) if isinstance(handler, str) else handler
         router = loaded if isinstance(loaded, Router) else Router.of_handler(loaded)
         self.clock = clock or tasks.clock
-        self.log = logger or logging.getLogger(__name__)
+        self.log = logger or logging.getLogger("broker_adapter.stages.worker")
         self.renew_every_s = renew_interval(tasks.policy.lease_s, config.renew_every_s)
         self.stats = WorkerStats()
         #: The lease of every claimed task, kept from its claim until its commit.
