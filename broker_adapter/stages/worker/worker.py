@@ -16,7 +16,7 @@ from claim to commit (``lease.Leases``). Idle, ``run`` waits on the ingest's han
 (``loop.IdleWait``) or follows the idle policy (``loop.IdlePolicy``).
 
 Replies (with ``WorkerConfig.redis_url``): the commit writes each reply already claimed by
-this worker's publisher (rules 13, 14), published right after it (``publish.OwnReplies``);
+this worker's publisher (rules 13, 14), published right after it (``replies.OwnReplies``);
 their sent marks ride on the next commit or a small transaction of their own. A kill in
 between leaves rows ``sending`` that the dispatcher takes back after the publisher lease.
 
@@ -49,11 +49,7 @@ from broker_adapter.redis.client import connect
 from broker_adapter.stages.shared.calls import CallOutcome, CallRun, RunOutcome, StopRun
 from broker_adapter.stages.shared.handlers import Handler, load_handler
 from broker_adapter.stages.shared.loop import CLAIM, Handed, IdlePolicy, IdleWait, look
-from broker_adapter.stages.shared.publish import (
-    DispatcherStats,
-    OwnReplies,
-    ReplyPublisher,
-)
+from broker_adapter.stages.shared.publish import DispatcherStats, ReplyPublisher
 from broker_adapter.stages.worker.concurrent_run import ConcurrentRun
 from broker_adapter.stages.worker.config import (
     HANDLER_TIME_WEIGHT,
@@ -65,6 +61,7 @@ from broker_adapter.stages.worker.config import WorkerStats as WorkerStats
 from broker_adapter.stages.worker.effect_gate import EffectGate, stopped_how
 from broker_adapter.stages.worker.lease import Leases, renew_interval
 from broker_adapter.stages.worker.outcomes import count_committed, note_cancelled, settlement
+from broker_adapter.stages.worker.replies import OwnReplies
 from broker_adapter.stages.worker.routing import Routes, TaskLimits
 from broker_adapter.stages.worker.task_start import TaskStart
 from broker_adapter.store import transitions
@@ -118,7 +115,7 @@ class Worker:
         limits: per-task concurrency limits to share with other workers of this process
             (``routing.TaskLimits``); ``None``: its own.
 
-    Publishing its own replies: see the module's text and ``publish.OwnReplies``.
+    Publishing its own replies: see the module's text and ``replies.OwnReplies``.
 
     Raises:
         ConfigError: the handler spec cannot be loaded, renewals would come no sooner than
