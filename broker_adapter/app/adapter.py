@@ -22,13 +22,13 @@ import multiprocessing
 import os
 import signal
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from functools import partial
 from typing import TYPE_CHECKING, Literal, TypeVar
 
 from broker_adapter.app.adapter_config import DEFAULT_WORKERS, AdapterConfig
 from broker_adapter.app.binding import PrefixGuard, bind, claim_name, refuse_sqlite_copies
-from broker_adapter.app.metrics import Observed, stages_down
+from broker_adapter.app.metrics import Observed
 from broker_adapter.app.pool import WorkerPool
 from broker_adapter.app.serving import serve_metrics
 from broker_adapter.backoff import Backoff, call_until_stopped
@@ -77,6 +77,13 @@ FIRST_LOOK_TIMEOUT_S = 5.0
 #: A database locked at start-up is tried again after this pause, doubling up to the max.
 DB_WAIT_FIRST_S = 0.1
 DB_WAIT_MAX_S = 5.0
+
+
+def stages_down(threads: Iterable[threading.Thread], pool: WorkerPool) -> list[str]:
+    """The runner's stages that do not run: its threads by name, ``workers`` when no
+    worker process is alive (what ``/healthz`` reports, ``Observed.stages``)."""
+    down = [t.name for t in threads if not t.is_alive()]
+    return down if pool.alive() else [*down, "workers"]
 
 
 class Adapter:

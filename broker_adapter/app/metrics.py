@@ -47,7 +47,6 @@ from broker_adapter.store.probe import DatabaseError
 if TYPE_CHECKING:
     from prometheus_client.metrics_core import Metric
 
-    from broker_adapter.app.pool import WorkerPool
     from broker_adapter.redis.reader import GroupReader
     from broker_adapter.stages.dispatch.dispatcher import Dispatcher
     from broker_adapter.stages.ingest.ingest import Ingestor
@@ -153,13 +152,6 @@ class Observed:
     def add_receiver(self, receiver: Receiver) -> None:
         self.receivers.append(receiver)
         self.streams.append(receiver.reader.stream)
-
-
-def stages_down(threads: Iterable[threading.Thread], pool: WorkerPool) -> list[str]:
-    """The runner's stages that do not run: its threads by name, ``workers`` when no
-    worker process is alive."""
-    down = [t.name for t in threads if not t.is_alive()]
-    return down if pool.alive() else [*down, "workers"]
 
 
 # -- the collector --------------------------------------------------------------------------

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from broker_adapter.errors import BrokerAdapterError, TransientError
 from broker_adapter.protocol import deadletter
@@ -43,7 +43,24 @@ from broker_adapter.redis.internals import exchange
 if TYPE_CHECKING:
     import redis
 
-    from broker_adapter.redis.reader import ReaderConfig, ReaderStats
+
+class EntryLimits(Protocol):
+    """How much of an entry a dead letter copies (a reader's ``ReaderConfig``)."""
+
+    @property
+    def max_entry_fields(self) -> int: ...
+
+    @property
+    def max_entry_bytes(self) -> int: ...
+
+
+class DeadLetterCounters(Protocol):
+    """The counters a writer moves (a reader's ``ReaderStats``)."""
+
+    dead_lettered: int
+    dead_letter_failures: int
+    dead_letters_capped: int
+    by_reason: dict[str, int]
 
 
 class DeadLetterWriter:
@@ -70,8 +87,8 @@ class DeadLetterWriter:
         group: str,
         consumer: str,
         dead_stream: str,
-        config: ReaderConfig,
-        stats: ReaderStats,
+        config: EntryLimits,
+        stats: DeadLetterCounters,
         logger: logging.Logger,
         cap: int = DEFAULT_DEAD_LETTER_CAP,
     ) -> None:

@@ -13,7 +13,8 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest, values
 from prometheus_client.parser import text_string_to_metric_families
 
-from broker_adapter.app.metrics import AdapterCollector, Observed, WorkerMetrics, stages_down
+from broker_adapter.app.adapter import stages_down
+from broker_adapter.app.metrics import AdapterCollector, Observed, WorkerMetrics
 from broker_adapter.app.serving import MetricsServer
 from broker_adapter.redis.reader import ReaderStats
 from broker_adapter.stages.ingest.config import IngestStats
