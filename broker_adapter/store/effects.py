@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
 from broker_adapter.clock import Clock
-from broker_adapter.errors import FencedError, StaleError, TaskCancelled
+from broker_adapter.errors import StaleError, TaskCancelled
 from broker_adapter.protocol.bounds import check_result
 from broker_adapter.protocol.canonical import canonical_json
 from broker_adapter.store.counters import (
@@ -50,10 +50,22 @@ from broker_adapter.store.counters import (
 )
 from broker_adapter.store.dbclock import tx_now
 from broker_adapter.store.evidence import ADAPTER_VERSION, EVIDENCE
+from broker_adapter.store.fencing import (
+    TASK_HELD_PAST_DEADLINE,
+    TASK_OWNED,
+    held_params,
+    refusal,
+)
 from broker_adapter.store.housekeeping import unknown_from_lapsed_in
 from broker_adapter.store.lifecycle import to_terminal
 from broker_adapter.store.sql import Conn, Db
-from broker_adapter.store.tasks import ClaimedTask, TaskState, TaskStore, UnknownTask
+from broker_adapter.store.task_types import (
+    CLAIM_COLUMNS,
+    ClaimedTask,
+    TaskState,
+    UnknownTask,
+    claimed_task,
+)
 
 ReconcileOutcome = Literal["done", "not-done", "unknown"]
 CompensationOutcome = Literal["done", "failed"]
@@ -90,12 +102,6 @@ class CompensationRecord:
     outcome: str
     detail: str | None
     ended_at: float | None
-
-
-_CLAIM_COLUMNS = (
-    "task_id, principal, message_id, kind, payload, attempts, max_attempts, fence, deadline,"
-    " hops, correlation_id, parent_id, traceparent, task_name, lease_until, reconcile_tries"
-)
 
 
 class EffectTasks(Protocol):
@@ -161,10 +167,9 @@ class EffectsStore:
         with self.db.write("cancel_request") as c:
             now = tx_now(c, self.clock)
             row = c.execute(
-                "SELECT cancel_requested_at FROM tasks WHERE task_id = ? AND state = 'running'"
-                " AND owner = ? AND fence = ? AND cancel_requested_at IS NOT NULL"
-                f"{c.dialect.for_update}",
-                (task_id, owner, fence),
+                f"SELECT cancel_requested_at FROM tasks WHERE task_id = ? AND {TASK_OWNED}"
+                f" AND cancel_requested_at IS NOT NULL{c.dialect.for_update}",
+                (task_id, *held_params(fence, owner, now, deadline=False, lease=False)),
             ).fetchone()
             if row is None:
                 return False
@@ -202,9 +207,16 @@ class EffectsStore:
             hit = c.execute(
                 "UPDATE tasks SET effect_fence = fence, effect_started_at = ?, updated_at = ?,"
                 " effect_key_digest = coalesce(?, effect_key_digest), adapter_version = ?"
-                " WHERE task_id = ? AND state = 'running' AND owner = ? AND fence = ?"
-                " AND lease_until > ? AND cancel_requested_at IS NULL",
-                (now, now, key_digest, ADAPTER_VERSION, task_id, owner, fence, now),
+                f" WHERE task_id = ? AND {TASK_HELD_PAST_DEADLINE}"
+                " AND cancel_requested_at IS NULL",
+                (
+                    now,
+                    now,
+                    key_digest,
+                    ADAPTER_VERSION,
+                    task_id,
+                    *held_params(fence, owner, now, deadline=False),
+                ),
             ).rowcount
         if not hit:
             refusal = self.tasks.refusal(task_id, owner, fence)
@@ -224,9 +236,14 @@ class EffectsStore:
             hit = c.execute(
                 "UPDATE tasks SET state = 'unknown', owner = NULL, lease_until = NULL,"
                 " not_before = ?, error = ?, reconcile_tries = 0, operator_since = NULL,"
-                " updated_at = ? WHERE task_id = ? AND state = 'running' AND owner = ?"
-                " AND fence = ? AND lease_until > ?",
-                (now, self.db.dialect.text(reason), now, task_id, owner, fence, now),
+                f" updated_at = ? WHERE task_id = ? AND {TASK_HELD_PAST_DEADLINE}",
+                (
+                    now,
+                    self.db.dialect.text(reason),
+                    now,
+                    task_id,
+                    *held_params(fence, owner, now, deadline=False),
+                ),
             ).rowcount
             count_in(c, TASK_UNKNOWN, hit)
         if not hit:
@@ -261,12 +278,11 @@ class EffectsStore:
                 " updated_at = ? WHERE task_id IN (SELECT task_id FROM tasks"
                 f"{c.dialect.indexed_by('tasks_unknown')} WHERE state = 'unknown'"
                 " AND not_before <= ? AND operator_since IS NULL ORDER BY not_before LIMIT ?"
-                f"{c.dialect.skip_locked}) RETURNING {_CLAIM_COLUMNS}",
+                f"{c.dialect.skip_locked}) RETURNING {CLAIM_COLUMNS}, lease_until, reconcile_tries",
                 (owner, until, until, now, now, n),
             ).fetchall()
         return [
-            ReconcileClaim(TaskStore._claimed_task(r, owner, until), int(r["reconcile_tries"]))
-            for r in rows
+            ReconcileClaim(claimed_task(r, owner, until), int(r["reconcile_tries"])) for r in rows
         ]
 
     def resolve_done(
@@ -394,9 +410,9 @@ class EffectsStore:
         return [ReconcileRecord(**{**dict(r), "observed": _loads(r["observed"])}) for r in rows]
 
     def _unknown_holder(self, c: Conn, task_id: str, owner: str, fence: int, now: float) -> Any:
-        """Rule 10 for a reconcile: the task is ``unknown``, held by ``owner`` under
-        ``fence``, the lease not run out (the deadline does not count here). The row stays
-        locked for the caller's writes (``for_update``)."""
+        """Rule 10 for a reconcile (``fencing.refusal``): the task is ``unknown``, held by
+        ``owner`` under ``fence``, the lease not run out (the deadline does not count here:
+        see ``fencing``). The row stays locked for the caller's writes (``for_update``)."""
         row = c.execute(
             "SELECT task_id, state, owner, fence, lease_until, attempts, max_attempts, deadline"
             f" FROM tasks WHERE task_id = ?{c.dialect.for_update}",
@@ -404,16 +420,9 @@ class EffectsStore:
         ).fetchone()
         if row is None:
             raise UnknownTask(task_id)
-        if row["fence"] != fence:
-            raise FencedError(task_id, fence, row["fence"])
-        if row["state"] == TaskState.CANCELLED:
-            raise TaskCancelled(task_id)
-        if row["state"] != TaskState.UNKNOWN:
-            raise StaleError(task_id, "not_unknown", f"state is {row['state']}")
-        if row["owner"] != owner:
-            raise StaleError(task_id, "owner", f"held by {row['owner']}")
-        if row["lease_until"] is None or row["lease_until"] <= now:
-            raise StaleError(task_id, "lease_expired")
+        refused = refusal(row, task_id, owner, fence, now, state=TaskState.UNKNOWN, deadline=False)
+        if refused is not None:
+            raise refused
         return row
 
     def _done_in(
@@ -427,7 +436,7 @@ class EffectsStore:
         now: float,
     ) -> str:
         self._log(c, task_id, "done", by, fence, encoded, note, now, raw=True)
-        effects = _reply_member(c, task_id, "done", by, note)
+        effects = reply_member(c, task_id, "done", by, note)
         return to_terminal(c, task_id, TaskState.DONE, now, result=encoded, effects=effects)
 
     def _not_done_in(
@@ -442,7 +451,7 @@ class EffectsStore:
     ) -> TaskState:
         task_id = row["task_id"]
         self._log(c, task_id, "not-done", by, fence, observed, note, now)
-        effects = _reply_member(c, task_id, "not-done", by, note)
+        effects = reply_member(c, task_id, "not-done", by, note)
         if row["deadline"] <= now:
             error = "deadline reached; the reconcile found the effect not done"
             to_terminal(c, task_id, TaskState.EXPIRED, now, error=error, effects=effects)
@@ -561,7 +570,7 @@ def effect_counts(c: Conn) -> dict[str, int]:
     return {"unknown": row["n"], "awaiting_operator": row["waiting"], **monotonic_counts(c)}
 
 
-def _reply_member(c: Conn, task_id: str, outcome: str, by: str, note: str | None) -> dict[str, Any]:
+def reply_member(c: Conn, task_id: str, outcome: str, by: str, note: str | None) -> dict[str, Any]:
     """The reply body's ``effects`` member for a task a reconcile ends: how it was
     reconciled (``outcome``, ``by``, ``note``, and ``tries`` that found nothing before) and
     its compensations (``docs/PROTOCOL.md`` section 11)."""

@@ -21,13 +21,12 @@ from typing import Protocol
 from broker_adapter.clock import Clock
 from broker_adapter.errors import StaleError
 from broker_adapter.store.inbox import AcceptItem, AcceptResult, Intake
-from broker_adapter.store.lifecycle import TaskState
 from broker_adapter.store.outbox import OutboxPolicy, OutboxRow, SentMark
 from broker_adapter.store.receipts import AppliedItem, Effect, Receipt, ReceiptItem
 from broker_adapter.store.retention import PurgeBatch
 from broker_adapter.store.settle import SettledBatch, Settlement
 from broker_adapter.store.sql import Db
-from broker_adapter.store.tasks import ClaimedTask, TaskPolicy, TaskRow
+from broker_adapter.store.task_types import ClaimedTask, TaskPolicy, TaskRow, TaskState
 
 
 class TaskStoreAPI(Protocol):
