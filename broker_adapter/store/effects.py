@@ -33,17 +33,14 @@ under them; on SQLite, one writer at a time, both clauses are empty.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
 from broker_adapter.clock import Clock
 from broker_adapter.errors import StaleError, TaskCancelled
 from broker_adapter.protocol.bounds import check_result
-from broker_adapter.protocol.canonical import canonical_json
 from broker_adapter.store.counters import (
     COMPENSATIONS,
-    RECONCILED,
     TASK_UNKNOWN,
     count_in,
     monotonic_counts,
@@ -53,11 +50,18 @@ from broker_adapter.store.evidence import ADAPTER_VERSION, EVIDENCE
 from broker_adapter.store.fencing import (
     TASK_HELD_PAST_DEADLINE,
     TASK_OWNED,
+    claim_rows,
     held_params,
-    refusal,
 )
 from broker_adapter.store.housekeeping import unknown_from_lapsed_in
 from broker_adapter.store.lifecycle import to_terminal
+from broker_adapter.store.reconcile_log import (
+    ReconcileRecord,
+    log_reconcile,
+    reconcile_records,
+    reply_member,
+    unknown_holder,
+)
 from broker_adapter.store.sql import Conn, Db
 from broker_adapter.store.task_types import (
     CLAIM_COLUMNS,
@@ -67,7 +71,6 @@ from broker_adapter.store.task_types import (
     claimed_task,
 )
 
-ReconcileOutcome = Literal["done", "not-done", "unknown"]
 CompensationOutcome = Literal["done", "failed"]
 
 
@@ -78,17 +81,6 @@ class ReconcileClaim:
 
     task: ClaimedTask
     tries: int
-
-
-@dataclass(frozen=True)
-class ReconcileRecord:
-    task_id: str
-    outcome: str
-    by_whom: str
-    at: float
-    fence: int
-    observed: Any
-    note: str | None
 
 
 @dataclass(frozen=True)
@@ -267,20 +259,24 @@ class EffectsStore:
         """Hold up to ``n`` ``unknown`` tasks due for a reconcile (oldest due first; none
         waiting for an operator): owner, lease, fence + 1. The attempt count is left alone.
         While held, a task is not due (``not_before`` is its lease's end), so a reconciler
-        that dies frees it when its lease runs out."""
+        that dies frees it when its lease runs out. The claim is ``fencing.claim_rows``."""
         if n < 1:
             return []
         with self.db.write("claim_unknown") as c:
             now = tx_now(c, self.clock)
             until = now + lease_s
-            rows = c.execute(
+            rows = claim_rows(
+                c,
+                f"SELECT task_id FROM tasks{c.dialect.indexed_by('tasks_unknown')}"
+                " WHERE state = 'unknown' AND not_before <= ? AND operator_since IS NULL"
+                f" ORDER BY not_before LIMIT ?{c.dialect.skip_locked}",
+                (now, n),
                 "UPDATE tasks SET owner = ?, lease_until = ?, not_before = ?, fence = fence + 1,"
-                " updated_at = ? WHERE task_id IN (SELECT task_id FROM tasks"
-                f"{c.dialect.indexed_by('tasks_unknown')} WHERE state = 'unknown'"
-                " AND not_before <= ? AND operator_since IS NULL ORDER BY not_before LIMIT ?"
-                f"{c.dialect.skip_locked}) RETURNING {CLAIM_COLUMNS}, lease_until, reconcile_tries",
-                (owner, until, until, now, now, n),
-            ).fetchall()
+                " updated_at = ? WHERE task_id IN ({ids})"
+                f" RETURNING {CLAIM_COLUMNS}, reconcile_tries",
+                (owner, until, until, now),
+                "task_id",
+            )
         return [
             ReconcileClaim(claimed_task(r, owner, until), int(r["reconcile_tries"])) for r in rows
         ]
@@ -300,7 +296,7 @@ class EffectsStore:
         encoded = check_result(observed).decode("utf-8")
         with self.db.write("reconcile_done") as c:
             now = tx_now(c, self.clock)
-            self._unknown_holder(c, task_id, owner, fence, now)
+            unknown_holder(c, task_id, owner, fence, now)
             return self._done_in(c, task_id, owner, fence, encoded, note, now)
 
     def resolve_not_done(
@@ -323,7 +319,7 @@ class EffectsStore:
         """
         with self.db.write("reconcile_not_done") as c:
             now = tx_now(c, self.clock)
-            row = self._unknown_holder(c, task_id, owner, fence, now)
+            row = unknown_holder(c, task_id, owner, fence, now)
             return self._not_done_in(c, row, owner, fence, observed, note, now)
 
     def resolve_unknown(
@@ -344,8 +340,8 @@ class EffectsStore:
         """
         with self.db.write("reconcile_unknown") as c:
             now = tx_now(c, self.clock)
-            self._unknown_holder(c, task_id, owner, fence, now)
-            self._log(c, task_id, "unknown", owner, fence, observed, note, now)
+            unknown_holder(c, task_id, owner, fence, now)
+            log_reconcile(c, task_id, "unknown", owner, fence, observed, note, now)
             c.execute(
                 "UPDATE tasks SET owner = NULL, lease_until = NULL, not_before = ?,"
                 " reconcile_tries = reconcile_tries + 1, operator_since = ?, updated_at = ?"
@@ -402,28 +398,7 @@ class EffectsStore:
     def reconcile_log(self, task_id: str) -> list[ReconcileRecord]:
         """The reconcile audit of one task, oldest first."""
         with self.db.read() as c:
-            rows = c.execute(
-                "SELECT task_id, outcome, by_whom, at, fence, observed, note FROM reconcile_log"
-                " WHERE task_id = ? ORDER BY at, fence",
-                (task_id,),
-            ).fetchall()
-        return [ReconcileRecord(**{**dict(r), "observed": _loads(r["observed"])}) for r in rows]
-
-    def _unknown_holder(self, c: Conn, task_id: str, owner: str, fence: int, now: float) -> Any:
-        """Rule 10 for a reconcile (``fencing.refusal``): the task is ``unknown``, held by
-        ``owner`` under ``fence``, the lease not run out (the deadline does not count here:
-        see ``fencing``). The row stays locked for the caller's writes (``for_update``)."""
-        row = c.execute(
-            "SELECT task_id, state, owner, fence, lease_until, attempts, max_attempts, deadline"
-            f" FROM tasks WHERE task_id = ?{c.dialect.for_update}",
-            (task_id,),
-        ).fetchone()
-        if row is None:
-            raise UnknownTask(task_id)
-        refused = refusal(row, task_id, owner, fence, now, state=TaskState.UNKNOWN, deadline=False)
-        if refused is not None:
-            raise refused
-        return row
+            return reconcile_records(c, task_id)
 
     def _done_in(
         self,
@@ -435,7 +410,7 @@ class EffectsStore:
         note: str | None,
         now: float,
     ) -> str:
-        self._log(c, task_id, "done", by, fence, encoded, note, now, raw=True)
+        log_reconcile(c, task_id, "done", by, fence, encoded, note, now, raw=True)
         effects = reply_member(c, task_id, "done", by, note)
         return to_terminal(c, task_id, TaskState.DONE, now, result=encoded, effects=effects)
 
@@ -450,7 +425,7 @@ class EffectsStore:
         now: float,
     ) -> TaskState:
         task_id = row["task_id"]
-        self._log(c, task_id, "not-done", by, fence, observed, note, now)
+        log_reconcile(c, task_id, "not-done", by, fence, observed, note, now)
         effects = reply_member(c, task_id, "not-done", by, note)
         if row["deadline"] <= now:
             error = "deadline reached; the reconcile found the effect not done"
@@ -471,37 +446,6 @@ class EffectsStore:
         )
         return TaskState.PENDING
 
-    @staticmethod
-    def _log(
-        c: Conn,
-        task_id: str,
-        outcome: ReconcileOutcome,
-        by: str,
-        fence: int,
-        observed: Any,
-        note: str | None,
-        now: float,
-        *,
-        raw: bool = False,
-    ) -> None:
-        text = observed if raw else None if observed is None else canonical_json(observed).decode()
-        c.execute(
-            "INSERT INTO reconcile_log (task_id, outcome, by_whom, at, fence, observed, note,"
-            f" adapter_version, effect_key_digest) VALUES (?, ?, ?, ?, ?, ?, ?, ?, {EVIDENCE})",
-            (
-                task_id,
-                outcome,
-                by,
-                now,
-                fence,
-                text,
-                c.dialect.text(note),
-                ADAPTER_VERSION,
-                task_id,
-            ),
-        )
-        count_in(c, RECONCILED + outcome)
-
     # -- compensation ---------------------------------------------------------------------
 
     def begin_compensation(
@@ -516,7 +460,7 @@ class EffectsStore:
         """
         with self.db.write("compensation_begin") as c:
             now = tx_now(c, self.clock)
-            self._unknown_holder(c, task_id, owner, fence, now)
+            unknown_holder(c, task_id, owner, fence, now)
             made = c.execute(
                 "INSERT INTO compensations (task_id, kind, by_whom, fence, what, started_at,"
                 " outcome, adapter_version, effect_key_digest) VALUES (?, ?, ?, ?, ?, ?,"
@@ -568,37 +512,3 @@ def effect_counts(c: Conn) -> dict[str, int]:
         "SELECT count(*) AS n, count(operator_since) AS waiting FROM tasks WHERE state = 'unknown'"
     ).fetchone()
     return {"unknown": row["n"], "awaiting_operator": row["waiting"], **monotonic_counts(c)}
-
-
-def reply_member(c: Conn, task_id: str, outcome: str, by: str, note: str | None) -> dict[str, Any]:
-    """The reply body's ``effects`` member for a task a reconcile ends: how it was
-    reconciled (``outcome``, ``by``, ``note``, and ``tries`` that found nothing before) and
-    its compensations (``docs/PROTOCOL.md`` section 11)."""
-    tries = c.execute(
-        "SELECT count(*) AS n FROM reconcile_log WHERE task_id = ? AND outcome = 'unknown'",
-        (task_id,),
-    ).fetchone()["n"]
-    member: dict[str, Any] = {
-        "reconciled": {"outcome": outcome, "by": by, "note": note, "tries": tries},
-    }
-    rows = c.execute(
-        "SELECT kind, outcome, by_whom, what, detail FROM compensations WHERE task_id = ?"
-        " ORDER BY started_at, kind",
-        (task_id,),
-    ).fetchall()
-    if rows:
-        member["compensations"] = [
-            {
-                "kind": r["kind"],
-                "outcome": r["outcome"],
-                "by": r["by_whom"],
-                "what": r["what"],
-                "detail": r["detail"],
-            }
-            for r in rows
-        ]
-    return member
-
-
-def _loads(text: str | None) -> Any:
-    return None if text is None else json.loads(text)

@@ -1,4 +1,5 @@
-"""The fencing rule (``docs/RULES.md`` rule 10), defined once for tasks and outbox rows.
+"""The fencing rule (``docs/RULES.md`` rule 10), defined once for tasks and outbox rows,
+and the claim that makes a holder (``claim_rows``, rule 9).
 
 A worker holds a task, and a publisher holds a reply row, while the row is in its held
 state (``running`` / ``sending``), names the holder as ``owner``, carries the holder's
@@ -103,6 +104,24 @@ def update_held(
             )
             out.extend(c.execute(sql, params).fetchall())
     return out
+
+
+def claim_rows(
+    c: Conn, pick: str, pick_params: Sequence[Any], take: str, take_params: Sequence[Any], key: str
+) -> list[Any]:
+    """The claim idiom, for tasks, reply rows and ``unknown`` tasks alike: ``pick`` selects
+    the keys (column ``key``) of the rows to take, in claim order, skipping those another
+    transaction is taking (``dialect.skip_locked``: two claimers on two hosts never take one
+    row and never wait on each other's); ``take`` is ONE ``UPDATE ... WHERE key IN ({ids})
+    ... RETURNING`` over them (its parameters ``take_params``, then the keys), which sets the
+    holder. RETURNING order is unspecified, so the rows come back in claim order; a row the
+    UPDATE left alone is left out."""
+    ids = [r[key] for r in c.execute(pick, tuple(pick_params)).fetchall()]
+    if not ids:
+        return []
+    rows = c.execute(take.format(ids=marks(len(ids))), (*take_params, *ids)).fetchall()
+    by_id = {r[key]: r for r in rows}
+    return [by_id[i] for i in ids if i in by_id]
 
 
 def refusal(

@@ -28,7 +28,7 @@ from broker_adapter.protocol.reply import CONFLICT_STATUS, conflict_body, reply_
 from broker_adapter.store import transitions
 from broker_adapter.store.dbclock import tx_now
 from broker_adapter.store.lifecycle import write_reply
-from broker_adapter.store.outbox import enqueue
+from broker_adapter.store.outbox_writes import enqueue
 from broker_adapter.store.sql import Conn, in_lists
 from broker_adapter.store.task_tx import TaskTx
 from broker_adapter.store.task_types import TERMINAL_STATES, TaskPolicy, TaskState

@@ -28,7 +28,8 @@ from typing import Any
 
 from broker_adapter.errors import StaleError
 from broker_adapter.protocol.reply import encode_body, reply_id_for, terminal_body
-from broker_adapter.store.outbox import PublisherClaim, ReplySpec, enqueue_many
+from broker_adapter.store.outbox_types import PublisherClaim, ReplySpec
+from broker_adapter.store.outbox_writes import enqueue_many
 from broker_adapter.store.sql import Conn
 from broker_adapter.store.task_types import LIVE_STATES, TERMINAL_STATES, TaskState
 

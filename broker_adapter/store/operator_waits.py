@@ -25,8 +25,9 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from broker_adapter.store.counters import OPERATOR_TIMEOUTS, count_in
-from broker_adapter.store.effects import EffectsStore, reply_member
+from broker_adapter.store.effects import EffectsStore
 from broker_adapter.store.lifecycle import to_terminal
+from broker_adapter.store.reconcile_log import log_reconcile, reply_member
 from broker_adapter.store.sql import Conn
 from broker_adapter.store.task_types import TaskState
 
@@ -177,7 +178,7 @@ def _fail_in(
         (by, now, task_id),
     )
     note = f"no operator answered within {timeout_s:g} s (waited {waited:.0f} s)"
-    EffectsStore._log(c, task_id, "unknown", by, fence, None, note, now)
+    log_reconcile(c, task_id, "unknown", by, fence, None, note, now)
     effects = reply_member(c, task_id, "unknown", by, note)
     error = f"the outcome of its effect is unknown: {note}; ended failed by operator_timeout_s"
     to_terminal(c, task_id, TaskState.FAILED, now, error=error, effects=effects)

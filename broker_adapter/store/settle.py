@@ -32,14 +32,8 @@ from broker_adapter.protocol.reply import encode_body, reply_id_for, terminal_bo
 from broker_adapter.store.dbclock import tx_now, uses_server
 from broker_adapter.store.fencing import TASK_HELD, update_held
 from broker_adapter.store.lifecycle import ReplyKey, reply_key, reply_spec, to_terminal
-from broker_adapter.store.outbox import (
-    OutboxRow,
-    PublisherClaim,
-    ReplySpec,
-    SentMark,
-    enqueue_many,
-    mark_sent_in,
-)
+from broker_adapter.store.outbox_types import OutboxRow, PublisherClaim, ReplySpec, SentMark
+from broker_adapter.store.outbox_writes import enqueue_many, mark_sent_in
 from broker_adapter.store.sql import Conn
 from broker_adapter.store.task_tx import TaskTx
 from broker_adapter.store.task_types import ClaimedTask, TaskState

@@ -8,9 +8,8 @@ transaction of their own: intake, ``inbox.accept_and_claim``; settlement,
 take-back moved is logged by ``log_reconciled`` once that transaction committed
 (``transitions.reconciled``), never from inside it.
 
-A claim is "select the oldest ready ids, locked where several processes claim at once
-(``skip_locked``), then take them in one UPDATE ... RETURNING, then put the rows back in
-claim order" (rule 9: owner, lease, attempts + 1, fence + 1, one short transaction).
+A claim (rule 9: owner, lease, attempts + 1, fence + 1, one short transaction) is
+``fencing.claim_rows``, as for reply rows and ``unknown`` tasks.
 """
 
 from __future__ import annotations
@@ -22,9 +21,9 @@ from broker_adapter.clock import Clock
 from broker_adapter.store import transitions
 from broker_adapter.store.counters import TASK_ATTEMPTS, count_in
 from broker_adapter.store.dbclock import tx_now
-from broker_adapter.store.fencing import TASK_HELD_STATE, refusal
+from broker_adapter.store.fencing import TASK_HELD_STATE, claim_rows, refusal
 from broker_adapter.store.housekeeping import reconcile_in
-from broker_adapter.store.sql import Conn, marks
+from broker_adapter.store.sql import Conn
 from broker_adapter.store.task_types import (
     CLAIM_COLUMNS,
     ClaimedTask,
@@ -76,36 +75,26 @@ class TaskTx:
         after the take-back (``reconcile_in``); the rows in claim order (``claimed`` makes
         them claims once the transaction committed).
 
-        The oldest ready tasks are picked first, locked where several processes claim at
-        once (``skip_locked``: two workers on two hosts never take one task and never wait
-        on each other's rows), then taken in one UPDATE."""
+        The oldest ready tasks first, taken by ``fencing.claim_rows``."""
         self.reconcile_in(c, now)
         d = c.dialect
-        ids = [
-            r["task_id"]
-            for r in c.execute(
-                f"SELECT task_id FROM tasks{d.indexed_by('tasks_ready')}"
-                " WHERE state = 'pending' AND not_before <= ? ORDER BY not_before LIMIT ?"
-                + d.skip_locked,
-                (now, n),
-            ).fetchall()
-        ]
-        if not ids:
-            return []
-        # One statement for the whole batch; RETURNING order is unspecified, so the rows are
-        # put back in claim order (oldest not_before first). ``+state`` keeps SQLite's
-        # planner on the primary key whatever index on ``state`` a database may carry.
-        rows = c.execute(
+        # ``+state`` keeps SQLite's planner on the primary key whatever index on ``state`` a
+        # database may carry.
+        rows = claim_rows(
+            c,
+            f"SELECT task_id FROM tasks{d.indexed_by('tasks_ready')}"
+            " WHERE state = 'pending' AND not_before <= ? ORDER BY not_before LIMIT ?"
+            + d.skip_locked,
+            (now, n),
             "UPDATE tasks SET state = 'running', owner = ?, lease_until = ?,"
             " attempts = attempts + 1, fence = fence + 1, updated_at = ?"
-            f" WHERE task_id IN ({marks(len(ids))})"
-            f" AND {d.unindexed('state')} = 'pending'"
+            f" WHERE task_id IN ({{ids}}) AND {d.unindexed('state')} = 'pending'"
             f" RETURNING {CLAIM_COLUMNS}",
-            (owner, now + self.policy.lease_s, now, *ids),
-        ).fetchall()
+            (owner, now + self.policy.lease_s, now),
+            "task_id",
+        )
         count_in(c, TASK_ATTEMPTS, len(rows))  # with the claim: a killed worker's counts
-        by_id = {r["task_id"]: r for r in rows}
-        return [by_id[i] for i in ids if i in by_id]
+        return rows
 
     def claimed(self, rows: list[Any], owner: str, now: float) -> list[ClaimedTask]:
         """The claims of ``claim_in``'s rows, made at ``now`` (built after COMMIT: decoding
