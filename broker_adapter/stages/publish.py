@@ -42,9 +42,8 @@ from broker_adapter.redis.client import text
 from broker_adapter.redis.scripts import eval_many
 from broker_adapter.stages import tracing
 from broker_adapter.store import transitions
-from broker_adapter.store.interface import OutboxAPI, TaskStoreAPI
-from broker_adapter.store.outbox import OutboxRow, SentMark
-from broker_adapter.store.tasks import SettledBatch, Settlement
+from broker_adapter.store.outbox import OutboxRow, OutboxStore, SentMark
+from broker_adapter.store.tasks import SettledBatch, Settlement, TaskStore
 
 if TYPE_CHECKING:
     from broker_adapter.redis.client import Redis
@@ -166,7 +165,7 @@ class ReplyPublisher:
     def __init__(
         self,
         client: Redis,
-        outbox: OutboxAPI,
+        outbox: OutboxStore,
         keys: Keys,
         owner: str,
         *,
@@ -403,7 +402,7 @@ class OwnReplies:
         self.publisher.count_marked([(row, pub) for row, pub, _ in confirmed], refused)
 
     def settle_batch(
-        self, tasks: TaskStoreAPI, items: list[Settlement], owner: str, n: int
+        self, tasks: TaskStore, items: list[Settlement], owner: str, n: int
     ) -> SettledBatch:
         """A worker's batch commit (``TaskStore.settle_batch``: outcomes, the next claim of
         up to ``n``) that also writes its replies claimed by the publisher and carries the

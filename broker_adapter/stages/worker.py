@@ -68,7 +68,6 @@ from broker_adapter.stages.worker_config import (
 from broker_adapter.stages.worker_config import WorkerConfig as WorkerConfig
 from broker_adapter.stages.worker_config import WorkerStats as WorkerStats
 from broker_adapter.store import transitions
-from broker_adapter.store.interface import OutboxAPI, TaskStoreAPI
 from broker_adapter.store.outbox import OutboxPolicy, OutboxRow, OutboxStore
 from broker_adapter.store.tasks import (
     ClaimedTask,
@@ -128,7 +127,7 @@ class Worker:
     def __init__(
         self,
         config: WorkerConfig,
-        tasks: TaskStoreAPI,
+        tasks: TaskStore,
         handler: Router | Handler | str,
         *,
         clock: Clock | None = None,
@@ -137,7 +136,7 @@ class Worker:
         outbox_policy: OutboxPolicy | None = None,
         keyring: Keyring | None = None,
         handoff: IdleWait | None = None,
-        outbox: OutboxAPI | None = None,
+        outbox: OutboxStore | None = None,
         metrics: WorkerMetricsSink | None = None,
         limits: TaskLimits | None = None,
     ) -> None:

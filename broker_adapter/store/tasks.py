@@ -7,7 +7,7 @@ not reached (``fencing``, ``docs/RULES.md`` rule 10), so an expired lease is fen
 before anyone reclaims it. A refused write raises (or reports) ``StaleError`` and writes
 nothing.
 
-``TaskStore`` is the one object the stages use (``interface.TaskStoreAPI``): intake is
+``TaskStore`` is the one object the stages use: intake is
 ``inbox``'s, outcomes are ``settle``'s, deadlines and leases ``housekeeping``'s, and the
 claim, the holder check and the take-back they share are ``task_tx.TaskTx``'s (the
 store's ``tx``, which those modules take); this module holds renew, cancel and the reads.
