@@ -20,7 +20,6 @@ from broker_adapter.redis.client import call, connect, text
 from broker_adapter.store import OutboxStore
 from broker_adapter.store.backends import open_store
 from broker_adapter.store.dbclock import clock_report, read_now
-from broker_adapter.store.interface import OutboxAPI
 from broker_adapter.store.report import snapshot, task_counts
 
 
@@ -277,7 +276,7 @@ def dead_letter_entries(client: Any, prefix: str, limit: int | None = None) -> l
 
 
 def replay_dead_letter(
-    outbox: OutboxAPI, client: Any, prefix: str, item_id: str, by: str
+    outbox: OutboxStore, client: Any, prefix: str, item_id: str, by: str
 ) -> dict[str, Any]:
     """``dead-letters replay``'s and the console's: publish a dead reply again (through
     the fenced replay, recorded under ``by``), or put a dead-letter entry back on the

@@ -15,7 +15,7 @@
   column) applies the effect once however often it is asked. Two actions of one request
   (charge the card, then send the receipt) get two keys; changing the arguments changes the
   key (it is another effect, not a retry of the same one). The request-wide key a task
-  carries today (``store.tasks.idempotency_key_for``: principal and message id only) is the
+  carries today (``idempotency_key_for``: principal and message id only) is the
   special case of a request with one effect whose arguments never change.
 
 The derivation, version 1: SHA-256 over the canonical JSON (``canonical.canonical_json``,
@@ -91,3 +91,17 @@ def effect_key(
         )
     )
     return f"ba{version}-{sha256_hex(material)[:32]}"
+
+
+def idempotency_key_for(principal: str, message_id: str) -> str:
+    """The idempotency key of a request: ``"ba:"`` and the first 32 hex digits of
+    SHA-256 over the UTF-8 of ``principal``, a NUL byte and ``message_id``.
+
+    Derived from the request's identity, not from its task: a second task for the same
+    request (a replay accepted anew after the retention window, a message id reused once
+    it was forgotten) carries the same key, so an effect keyed by it is applied once.
+    Neither part can hold a NUL (principals are letters, digits, ``._-``; message ids
+    have no control characters), so distinct identities give distinct inputs.
+    """
+    digest = sha256_hex(f"{principal}\0{message_id}".encode())
+    return f"ba:{digest[:32]}"

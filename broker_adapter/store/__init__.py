@@ -2,7 +2,6 @@
 machine, the outbox and reply receipts, one text for both (``sql``).
 
 Only this package imports ``sqlite3`` and ``psycopg``; it never imports redis.
-``interface`` names what the stages ask of a store (``typing.Protocol``s).
 """
 
 from __future__ import annotations

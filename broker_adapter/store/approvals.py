@@ -30,9 +30,10 @@ from dataclasses import dataclass
 from broker_adapter.errors import StaleError
 from broker_adapter.store.dbclock import read_now, tx_now
 from broker_adapter.store.effects import EffectTasks
-from broker_adapter.store.fencing import TASK_HELD, held_params
-from broker_adapter.store.lifecycle import TaskState, to_terminal
+from broker_adapter.store.fencing import TASK_HELD, TASK_HELD_PAST_DEADLINE, held_params
+from broker_adapter.store.lifecycle import to_terminal
 from broker_adapter.store.sql import Conn
+from broker_adapter.store.task_types import TaskState
 
 
 @dataclass(frozen=True)
@@ -264,9 +265,9 @@ class ApprovalStore:
             now = tx_now(c, self.clock)
             row = c.execute(
                 "UPDATE tasks SET state = 'waiting_approval', owner = NULL, lease_until = NULL,"
-                " attempts = attempts - 1, updated_at = ? WHERE task_id = ? AND state = 'running'"
-                " AND owner = ? AND fence = ? AND lease_until > ? RETURNING deadline",
-                (now, task_id, owner, fence, now),
+                " attempts = attempts - 1, updated_at = ? WHERE task_id = ?"
+                f" AND {TASK_HELD_PAST_DEADLINE} RETURNING deadline",
+                (now, task_id, *held_params(fence, owner, now, deadline=False)),
             ).fetchone()
             if row is None:
                 raise self.tasks.refusal(task_id, owner, fence) or StaleError(

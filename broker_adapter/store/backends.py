@@ -18,39 +18,22 @@ database (``store.sql``). What applies to one backend only:
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Final
-from urllib.parse import urlsplit, urlunsplit
+from typing import TYPE_CHECKING
 
 from broker_adapter.errors import ConfigError
 from broker_adapter.store.db import Database, open_database
 from broker_adapter.store.gate import WriteGate
+from broker_adapter.store.urls import is_postgres_url, redacted_url
 
 if TYPE_CHECKING:
     from broker_adapter.store.postgres import PgDatabase
 
-#: URL schemes that select the PostgreSQL backend.
-POSTGRES_SCHEMES: Final = ("postgresql://", "postgres://")
-
-
-def is_postgres_url(target: object) -> bool:
-    """Whether ``target`` (a ``--db`` value) names a PostgreSQL database."""
-    return isinstance(target, str) and target.startswith(POSTGRES_SCHEMES)
-
-
-def redacted_url(url: str) -> str:
-    """``url`` without its password (``user:secret@`` becomes ``user@``, a ``password=``
-    query parameter's value becomes ``***``): what messages and logs may show."""
-    parts = urlsplit(url)
-    if parts.password is not None:
-        host = parts.netloc.rsplit("@", 1)[1]
-        parts = parts._replace(netloc=f"{parts.username or ''}@{host}")
-    if "password" in parts.query.lower():
-        query = "&".join(
-            f"{p.split('=', 1)[0]}=***" if p.split("=", 1)[0].lower() == "password" else p
-            for p in parts.query.split("&")
-        )
-        parts = parts._replace(query=query)
-    return urlunsplit(parts)
+__all__ = [
+    "is_postgres_url",
+    "open_store",
+    "probe",
+    "redacted_url",
+]
 
 
 def open_store(

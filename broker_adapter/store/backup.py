@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from broker_adapter.errors import ConfigError, StoreError
-from broker_adapter.store.backends import is_postgres_url, redacted_url
 from broker_adapter.store.identity import STORE_ID_KEY
+from broker_adapter.store.urls import is_postgres_url, redacted_url
 
 #: The tables a snapshot reports the row counts of (those present).
 COUNTED_TABLES = ("tasks", "inbox", "outbox", "receipts")

@@ -15,8 +15,10 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from broker_adapter.store.effects import EffectsStore, _reply_member
-from broker_adapter.store.lifecycle import TaskState, to_terminal
+from broker_adapter.store.effects import EffectsStore
+from broker_adapter.store.lifecycle import to_terminal
+from broker_adapter.store.reconcile_log import log_reconcile, reply_member, unknown_holder
+from broker_adapter.store.task_types import TaskState
 
 
 def resolve_cancelled(
@@ -44,9 +46,9 @@ def resolve_cancelled(
         raise ValueError(f"a cancelled task ends on done or not-done, not {outcome!r}")
     now = effects.clock.now()
     with effects.db.write("reconcile_cancelled") as c:
-        effects._unknown_holder(c, task_id, owner, fence, now)
-        EffectsStore._log(c, task_id, outcome, owner, fence, observed, note, now)
-        member = _reply_member(c, task_id, outcome, owner, note)
+        unknown_holder(c, task_id, owner, fence, now)
+        log_reconcile(c, task_id, outcome, owner, fence, observed, note, now)
+        member = reply_member(c, task_id, outcome, owner, note)
         undone = [x for x in member.get("compensations", []) if x["kind"] == "cancelled"]
         if outcome == "not-done":
             error = "cancel requested; the reconcile found its effect did not happen"

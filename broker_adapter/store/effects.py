@@ -33,29 +33,44 @@ under them; on SQLite, one writer at a time, both clauses are empty.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
 from broker_adapter.clock import Clock
-from broker_adapter.errors import FencedError, StaleError, TaskCancelled
+from broker_adapter.errors import StaleError, TaskCancelled
 from broker_adapter.protocol.bounds import check_result
-from broker_adapter.protocol.canonical import canonical_json
 from broker_adapter.store.counters import (
     COMPENSATIONS,
-    RECONCILED,
     TASK_UNKNOWN,
     count_in,
     monotonic_counts,
 )
 from broker_adapter.store.dbclock import tx_now
 from broker_adapter.store.evidence import ADAPTER_VERSION, EVIDENCE
+from broker_adapter.store.fencing import (
+    TASK_HELD_PAST_DEADLINE,
+    TASK_OWNED,
+    claim_rows,
+    held_params,
+)
 from broker_adapter.store.housekeeping import unknown_from_lapsed_in
 from broker_adapter.store.lifecycle import to_terminal
+from broker_adapter.store.reconcile_log import (
+    ReconcileRecord,
+    log_reconcile,
+    reconcile_records,
+    reply_member,
+    unknown_holder,
+)
 from broker_adapter.store.sql import Conn, Db
-from broker_adapter.store.tasks import ClaimedTask, TaskState, TaskStore, UnknownTask
+from broker_adapter.store.task_types import (
+    CLAIM_COLUMNS,
+    ClaimedTask,
+    TaskState,
+    UnknownTask,
+    claimed_task,
+)
 
-ReconcileOutcome = Literal["done", "not-done", "unknown"]
 CompensationOutcome = Literal["done", "failed"]
 
 
@@ -69,17 +84,6 @@ class ReconcileClaim:
 
 
 @dataclass(frozen=True)
-class ReconcileRecord:
-    task_id: str
-    outcome: str
-    by_whom: str
-    at: float
-    fence: int
-    observed: Any
-    note: str | None
-
-
-@dataclass(frozen=True)
 class CompensationRecord:
     task_id: str
     kind: str
@@ -90,12 +94,6 @@ class CompensationRecord:
     outcome: str
     detail: str | None
     ended_at: float | None
-
-
-_CLAIM_COLUMNS = (
-    "task_id, principal, message_id, kind, payload, attempts, max_attempts, fence, deadline,"
-    " hops, correlation_id, parent_id, traceparent, task_name, lease_until, reconcile_tries"
-)
 
 
 class EffectTasks(Protocol):
@@ -161,10 +159,9 @@ class EffectsStore:
         with self.db.write("cancel_request") as c:
             now = tx_now(c, self.clock)
             row = c.execute(
-                "SELECT cancel_requested_at FROM tasks WHERE task_id = ? AND state = 'running'"
-                " AND owner = ? AND fence = ? AND cancel_requested_at IS NOT NULL"
-                f"{c.dialect.for_update}",
-                (task_id, owner, fence),
+                f"SELECT cancel_requested_at FROM tasks WHERE task_id = ? AND {TASK_OWNED}"
+                f" AND cancel_requested_at IS NOT NULL{c.dialect.for_update}",
+                (task_id, *held_params(fence, owner, now, deadline=False, lease=False)),
             ).fetchone()
             if row is None:
                 return False
@@ -202,9 +199,16 @@ class EffectsStore:
             hit = c.execute(
                 "UPDATE tasks SET effect_fence = fence, effect_started_at = ?, updated_at = ?,"
                 " effect_key_digest = coalesce(?, effect_key_digest), adapter_version = ?"
-                " WHERE task_id = ? AND state = 'running' AND owner = ? AND fence = ?"
-                " AND lease_until > ? AND cancel_requested_at IS NULL",
-                (now, now, key_digest, ADAPTER_VERSION, task_id, owner, fence, now),
+                f" WHERE task_id = ? AND {TASK_HELD_PAST_DEADLINE}"
+                " AND cancel_requested_at IS NULL",
+                (
+                    now,
+                    now,
+                    key_digest,
+                    ADAPTER_VERSION,
+                    task_id,
+                    *held_params(fence, owner, now, deadline=False),
+                ),
             ).rowcount
         if not hit:
             refusal = self.tasks.refusal(task_id, owner, fence)
@@ -224,9 +228,14 @@ class EffectsStore:
             hit = c.execute(
                 "UPDATE tasks SET state = 'unknown', owner = NULL, lease_until = NULL,"
                 " not_before = ?, error = ?, reconcile_tries = 0, operator_since = NULL,"
-                " updated_at = ? WHERE task_id = ? AND state = 'running' AND owner = ?"
-                " AND fence = ? AND lease_until > ?",
-                (now, self.db.dialect.text(reason), now, task_id, owner, fence, now),
+                f" updated_at = ? WHERE task_id = ? AND {TASK_HELD_PAST_DEADLINE}",
+                (
+                    now,
+                    self.db.dialect.text(reason),
+                    now,
+                    task_id,
+                    *held_params(fence, owner, now, deadline=False),
+                ),
             ).rowcount
             count_in(c, TASK_UNKNOWN, hit)
         if not hit:
@@ -250,23 +259,26 @@ class EffectsStore:
         """Hold up to ``n`` ``unknown`` tasks due for a reconcile (oldest due first; none
         waiting for an operator): owner, lease, fence + 1. The attempt count is left alone.
         While held, a task is not due (``not_before`` is its lease's end), so a reconciler
-        that dies frees it when its lease runs out."""
+        that dies frees it when its lease runs out. The claim is ``fencing.claim_rows``."""
         if n < 1:
             return []
         with self.db.write("claim_unknown") as c:
             now = tx_now(c, self.clock)
             until = now + lease_s
-            rows = c.execute(
+            rows = claim_rows(
+                c,
+                f"SELECT task_id FROM tasks{c.dialect.indexed_by('tasks_unknown')}"
+                " WHERE state = 'unknown' AND not_before <= ? AND operator_since IS NULL"
+                f" ORDER BY not_before LIMIT ?{c.dialect.skip_locked}",
+                (now, n),
                 "UPDATE tasks SET owner = ?, lease_until = ?, not_before = ?, fence = fence + 1,"
-                " updated_at = ? WHERE task_id IN (SELECT task_id FROM tasks"
-                f"{c.dialect.indexed_by('tasks_unknown')} WHERE state = 'unknown'"
-                " AND not_before <= ? AND operator_since IS NULL ORDER BY not_before LIMIT ?"
-                f"{c.dialect.skip_locked}) RETURNING {_CLAIM_COLUMNS}",
-                (owner, until, until, now, now, n),
-            ).fetchall()
+                " updated_at = ? WHERE task_id IN ({ids})"
+                f" RETURNING {CLAIM_COLUMNS}, reconcile_tries",
+                (owner, until, until, now),
+                "task_id",
+            )
         return [
-            ReconcileClaim(TaskStore._claimed_task(r, owner, until), int(r["reconcile_tries"]))
-            for r in rows
+            ReconcileClaim(claimed_task(r, owner, until), int(r["reconcile_tries"])) for r in rows
         ]
 
     def resolve_done(
@@ -284,7 +296,7 @@ class EffectsStore:
         encoded = check_result(observed).decode("utf-8")
         with self.db.write("reconcile_done") as c:
             now = tx_now(c, self.clock)
-            self._unknown_holder(c, task_id, owner, fence, now)
+            unknown_holder(c, task_id, owner, fence, now)
             return self._done_in(c, task_id, owner, fence, encoded, note, now)
 
     def resolve_not_done(
@@ -307,7 +319,7 @@ class EffectsStore:
         """
         with self.db.write("reconcile_not_done") as c:
             now = tx_now(c, self.clock)
-            row = self._unknown_holder(c, task_id, owner, fence, now)
+            row = unknown_holder(c, task_id, owner, fence, now)
             return self._not_done_in(c, row, owner, fence, observed, note, now)
 
     def resolve_unknown(
@@ -328,8 +340,8 @@ class EffectsStore:
         """
         with self.db.write("reconcile_unknown") as c:
             now = tx_now(c, self.clock)
-            self._unknown_holder(c, task_id, owner, fence, now)
-            self._log(c, task_id, "unknown", owner, fence, observed, note, now)
+            unknown_holder(c, task_id, owner, fence, now)
+            log_reconcile(c, task_id, "unknown", owner, fence, observed, note, now)
             c.execute(
                 "UPDATE tasks SET owner = NULL, lease_until = NULL, not_before = ?,"
                 " reconcile_tries = reconcile_tries + 1, operator_since = ?, updated_at = ?"
@@ -386,35 +398,7 @@ class EffectsStore:
     def reconcile_log(self, task_id: str) -> list[ReconcileRecord]:
         """The reconcile audit of one task, oldest first."""
         with self.db.read() as c:
-            rows = c.execute(
-                "SELECT task_id, outcome, by_whom, at, fence, observed, note FROM reconcile_log"
-                " WHERE task_id = ? ORDER BY at, fence",
-                (task_id,),
-            ).fetchall()
-        return [ReconcileRecord(**{**dict(r), "observed": _loads(r["observed"])}) for r in rows]
-
-    def _unknown_holder(self, c: Conn, task_id: str, owner: str, fence: int, now: float) -> Any:
-        """Rule 10 for a reconcile: the task is ``unknown``, held by ``owner`` under
-        ``fence``, the lease not run out (the deadline does not count here). The row stays
-        locked for the caller's writes (``for_update``)."""
-        row = c.execute(
-            "SELECT task_id, state, owner, fence, lease_until, attempts, max_attempts, deadline"
-            f" FROM tasks WHERE task_id = ?{c.dialect.for_update}",
-            (task_id,),
-        ).fetchone()
-        if row is None:
-            raise UnknownTask(task_id)
-        if row["fence"] != fence:
-            raise FencedError(task_id, fence, row["fence"])
-        if row["state"] == TaskState.CANCELLED:
-            raise TaskCancelled(task_id)
-        if row["state"] != TaskState.UNKNOWN:
-            raise StaleError(task_id, "not_unknown", f"state is {row['state']}")
-        if row["owner"] != owner:
-            raise StaleError(task_id, "owner", f"held by {row['owner']}")
-        if row["lease_until"] is None or row["lease_until"] <= now:
-            raise StaleError(task_id, "lease_expired")
-        return row
+            return reconcile_records(c, task_id)
 
     def _done_in(
         self,
@@ -426,8 +410,8 @@ class EffectsStore:
         note: str | None,
         now: float,
     ) -> str:
-        self._log(c, task_id, "done", by, fence, encoded, note, now, raw=True)
-        effects = _reply_member(c, task_id, "done", by, note)
+        log_reconcile(c, task_id, "done", by, fence, encoded, note, now, raw=True)
+        effects = reply_member(c, task_id, "done", by, note)
         return to_terminal(c, task_id, TaskState.DONE, now, result=encoded, effects=effects)
 
     def _not_done_in(
@@ -441,8 +425,8 @@ class EffectsStore:
         now: float,
     ) -> TaskState:
         task_id = row["task_id"]
-        self._log(c, task_id, "not-done", by, fence, observed, note, now)
-        effects = _reply_member(c, task_id, "not-done", by, note)
+        log_reconcile(c, task_id, "not-done", by, fence, observed, note, now)
+        effects = reply_member(c, task_id, "not-done", by, note)
         if row["deadline"] <= now:
             error = "deadline reached; the reconcile found the effect not done"
             to_terminal(c, task_id, TaskState.EXPIRED, now, error=error, effects=effects)
@@ -462,37 +446,6 @@ class EffectsStore:
         )
         return TaskState.PENDING
 
-    @staticmethod
-    def _log(
-        c: Conn,
-        task_id: str,
-        outcome: ReconcileOutcome,
-        by: str,
-        fence: int,
-        observed: Any,
-        note: str | None,
-        now: float,
-        *,
-        raw: bool = False,
-    ) -> None:
-        text = observed if raw else None if observed is None else canonical_json(observed).decode()
-        c.execute(
-            "INSERT INTO reconcile_log (task_id, outcome, by_whom, at, fence, observed, note,"
-            f" adapter_version, effect_key_digest) VALUES (?, ?, ?, ?, ?, ?, ?, ?, {EVIDENCE})",
-            (
-                task_id,
-                outcome,
-                by,
-                now,
-                fence,
-                text,
-                c.dialect.text(note),
-                ADAPTER_VERSION,
-                task_id,
-            ),
-        )
-        count_in(c, RECONCILED + outcome)
-
     # -- compensation ---------------------------------------------------------------------
 
     def begin_compensation(
@@ -507,7 +460,7 @@ class EffectsStore:
         """
         with self.db.write("compensation_begin") as c:
             now = tx_now(c, self.clock)
-            self._unknown_holder(c, task_id, owner, fence, now)
+            unknown_holder(c, task_id, owner, fence, now)
             made = c.execute(
                 "INSERT INTO compensations (task_id, kind, by_whom, fence, what, started_at,"
                 " outcome, adapter_version, effect_key_digest) VALUES (?, ?, ?, ?, ?, ?,"
@@ -559,37 +512,3 @@ def effect_counts(c: Conn) -> dict[str, int]:
         "SELECT count(*) AS n, count(operator_since) AS waiting FROM tasks WHERE state = 'unknown'"
     ).fetchone()
     return {"unknown": row["n"], "awaiting_operator": row["waiting"], **monotonic_counts(c)}
-
-
-def _reply_member(c: Conn, task_id: str, outcome: str, by: str, note: str | None) -> dict[str, Any]:
-    """The reply body's ``effects`` member for a task a reconcile ends: how it was
-    reconciled (``outcome``, ``by``, ``note``, and ``tries`` that found nothing before) and
-    its compensations (``docs/PROTOCOL.md`` section 11)."""
-    tries = c.execute(
-        "SELECT count(*) AS n FROM reconcile_log WHERE task_id = ? AND outcome = 'unknown'",
-        (task_id,),
-    ).fetchone()["n"]
-    member: dict[str, Any] = {
-        "reconciled": {"outcome": outcome, "by": by, "note": note, "tries": tries},
-    }
-    rows = c.execute(
-        "SELECT kind, outcome, by_whom, what, detail FROM compensations WHERE task_id = ?"
-        " ORDER BY started_at, kind",
-        (task_id,),
-    ).fetchall()
-    if rows:
-        member["compensations"] = [
-            {
-                "kind": r["kind"],
-                "outcome": r["outcome"],
-                "by": r["by_whom"],
-                "what": r["what"],
-                "detail": r["detail"],
-            }
-            for r in rows
-        ]
-    return member
-
-
-def _loads(text: str | None) -> Any:
-    return None if text is None else json.loads(text)

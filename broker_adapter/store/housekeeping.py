@@ -20,9 +20,9 @@ from __future__ import annotations
 import functools
 
 from broker_adapter.store.counters import TASK_UNKNOWN, count_in
-from broker_adapter.store.lifecycle import TaskState, to_terminal
+from broker_adapter.store.lifecycle import to_terminal
 from broker_adapter.store.sql import Conn, Dialect
-from broker_adapter.store.transitions import Reconciled
+from broker_adapter.store.task_types import CLOCKED_SQL, Reconciled, TaskState
 
 
 def reconcile_in(c: Conn, now: float, taken: list[Reconciled] | None = None) -> dict[str, int]:
@@ -93,7 +93,7 @@ _LAPSED_LEASE = (
 )
 _LAPSED_DEADLINE = (
     "SELECT task_id FROM tasks{hint}"
-    " WHERE state IN ('pending', 'running') AND deadline <= ? AND state = 'running'"
+    f" WHERE state IN {CLOCKED_SQL} AND deadline <= ? AND state = 'running'"
     " AND effect_fence = fence{lock}"
 )
 
@@ -106,7 +106,7 @@ def _statements(dialect: Dialect) -> tuple[str, str, tuple[str, str]]:
     lock = dialect.skip_locked
     expired = (
         f"SELECT task_id FROM tasks{hint('tasks_live_deadline')}"
-        f" WHERE state IN ('pending', 'running') AND deadline <= ?{lock}"
+        f" WHERE state IN {CLOCKED_SQL} AND deadline <= ?{lock}"
     )
     lapsed = (
         "SELECT task_id, attempts, max_attempts, owner, cancel_requested_at FROM tasks"

@@ -20,36 +20,18 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
+from typing import Any, NamedTuple
 
 from broker_adapter.errors import EnvelopeError
-from broker_adapter.protocol.canonical import sha256_hex
 from broker_adapter.protocol.envelope import Envelope
 from broker_adapter.protocol.reply import CONFLICT_STATUS, conflict_body, reply_id_for
 from broker_adapter.store import transitions
 from broker_adapter.store.dbclock import tx_now
-from broker_adapter.store.lifecycle import TERMINAL_STATES, TaskState, write_reply
-from broker_adapter.store.outbox import enqueue
-from broker_adapter.store.sql import Conn, Db, in_lists
-
-if TYPE_CHECKING:
-    from broker_adapter.clock import Clock
-    from broker_adapter.store.task_types import TaskPolicy
-
-
-class AcceptingStore(Protocol):
-    """What intake needs of a task store (``tasks.TaskStore``)."""
-
-    @property
-    def clock(self) -> Clock: ...
-    @property
-    def policy(self) -> TaskPolicy: ...
-    @property
-    def db(self) -> Db: ...
-
-    def conflict_reply_id(self, principal: str, message_id: str, fingerprint: str) -> str: ...
-    def _claim_in(self, c: Any, owner: str, n: int, now: float) -> list[Any]: ...
-    def _log_reconciled(self) -> None: ...
+from broker_adapter.store.lifecycle import write_reply
+from broker_adapter.store.outbox_writes import enqueue
+from broker_adapter.store.sql import Conn, in_lists
+from broker_adapter.store.task_tx import TaskTx
+from broker_adapter.store.task_types import TERMINAL_STATES, TaskPolicy, TaskState
 
 
 class Outcome(StrEnum):
@@ -95,20 +77,6 @@ class Intake(NamedTuple):
 
     results: list[AcceptResult]
     claimed: list[list[tuple[str, int]]]
-
-
-def idempotency_key_for(principal: str, message_id: str) -> str:
-    """The idempotency key of a request: ``"ba:"`` and the first 32 hex digits of
-    SHA-256 over the UTF-8 of ``principal``, a NUL byte and ``message_id``.
-
-    Derived from the request's identity, not from its task: a second task for the same
-    request (a replay accepted anew after the retention window, a message id reused once
-    it was forgotten) carries the same key, so an effect keyed by it is applied once.
-    Neither part can hold a NUL (principals are letters, digits, ``._-``; message ids
-    have no control characters), so distinct identities give distinct inputs.
-    """
-    digest = sha256_hex(f"{principal}\0{message_id}".encode())
-    return f"ba:{digest[:32]}"
 
 
 def conflict_reply_id(key: bytes, principal: str, message_id: str, fingerprint: str) -> str:
@@ -165,6 +133,8 @@ class _AcceptBatch:
     chains: dict[str, int]
     #: Fresh task ids, one per item of the batch at most (drawn in one go).
     ids: Iterator[str]
+    #: The database's key of conflict reply ids (``conflict_reply_id``).
+    conflict_key: bytes
     tasks: list[tuple[Any, ...]] = field(default_factory=list)
     inbox: list[tuple[Any, ...]] = field(default_factory=list)
     duplicates: list[tuple[str, str]] = field(default_factory=list)
@@ -204,13 +174,18 @@ def _hops(env: Envelope, parent_hops: Mapping[str, int]) -> int:
 
 
 def accept_and_claim(
-    store: AcceptingStore, items: Sequence[AcceptItem], claim_for: Sequence[tuple[str, int]]
+    tx: TaskTx,
+    conflict_key: bytes,
+    items: Sequence[AcceptItem],
+    claim_for: Sequence[tuple[str, int]],
 ) -> Intake:
     """``TaskStore.accept``, and in the same transaction a ``claim`` of up to ``n`` ready tasks
     for each ``(owner, n)`` of ``claim_for``, in that order: the ingest hands new tasks
     to idle workers without a claim transaction of theirs (``handoff.Handoff``). The
     claims are the very claims ``claim`` makes (reconcile first, oldest ready first,
-    lease, attempts+1, fence+1); each owner takes them up with ``handed``.
+    lease, attempts+1, fence+1: ``tx.claim_in``); each owner takes them up with
+    ``handed``. ``conflict_key`` is the database's key of conflict reply ids
+    (``conflict_reply_id``).
 
     Returns:
         the ``accept`` results, and per owner of ``claim_for`` the ``(task_id, fence)``
@@ -222,23 +197,24 @@ def accept_and_claim(
     fingerprints = [item.envelope.fingerprint() for item in items]
     payloads = [item.envelope.payload_json() for item in items]
     ids = new_task_ids(len(items))
-    with store.db.write("accept") as c:
-        now = tx_now(c, store.clock)  # the server's on PostgreSQL (``dbclock``)
-        results = accept_in(store, c, items, now, fingerprints, payloads, ids)
+    with tx.db.write("accept") as c:
+        now = tx_now(c, tx.clock)  # the server's on PostgreSQL (``dbclock``)
+        results = accept_in(tx.policy, conflict_key, c, items, now, fingerprints, payloads, ids)
         stored = any(r.outcome is Outcome.STORED for r in results)
         claimed = [
-            [(r["task_id"], r["fence"]) for r in store._claim_in(c, owner, n, now)]
+            [(r["task_id"], r["fence"]) for r in tx.claim_in(c, owner, n, now)]
             if stored and n >= 1
             else []
             for owner, n in claim_for
         ]
-    store._log_reconciled()
+    tx.log_reconciled()
     transitions.accepted(items, results)
     return Intake(results, claimed)
 
 
 def accept_in(
-    store: AcceptingStore,
+    policy: TaskPolicy,
+    conflict_key: bytes,
     c: Conn,
     items: Sequence[AcceptItem],
     now: float,
@@ -246,8 +222,8 @@ def accept_in(
     payloads: Sequence[str],
     ids: Sequence[str],
 ) -> list[AcceptResult]:
-    """Read the batch's inbox records, decide every item and write the decisions, in the
-    caller's transaction.
+    """Read the batch's inbox records, decide every item (by ``policy``'s limits) and
+    write the decisions, in the caller's transaction.
 
     Where several processes write the database at once (PostgreSQL), two transactions
     could both find no record for one identity and both store a task. So where the
@@ -271,10 +247,11 @@ def accept_in(
         parent_hops=_parent_hops(c, items),
         chains=_chain_counts(c, items),
         ids=iter(ids),
+        conflict_key=conflict_key,
         now=now,
     )
     results = [
-        _accept_one(store, batch, item, now, fingerprint, payload)
+        _accept_one(policy, batch, item, now, fingerprint, payload)
         for item, fingerprint, payload in zip(items, fingerprints, payloads, strict=True)
     ]
     batch.write(c)
@@ -349,7 +326,7 @@ def _chain_counts(c: Conn, items: Sequence[AcceptItem]) -> dict[str, int]:
 
 
 def _accept_one(
-    store: AcceptingStore,
+    policy: TaskPolicy,
     batch: _AcceptBatch,
     item: AcceptItem,
     now: float,
@@ -364,16 +341,16 @@ def _accept_one(
         return AcceptResult(Outcome.NOT_TASK, detail=detail, refusal=refusal)
     key = (item.principal, env.message_id)
     row = batch.known.get(key)
-    if row is not None and not _forgotten(store.policy.retention_s, row, now):
-        return _known(store, batch, item, row, fingerprint, now)
-    latest = now + store.policy.retention_s
+    if row is not None and not _forgotten(policy.retention_s, row, now):
+        return _known(batch, item, row, fingerprint, now)
+    latest = now + policy.retention_s
     if env.deadline > latest:
         # Refused before anything is written: stored, it would outlive the inbox record
         # that makes a replay of the same bytes a duplicate; and the sender can correct
         # the deadline and resend under the same message id.
         detail = (
             f"deadline {env.deadline!r} is more than the retention window"
-            f" ({store.policy.retention_s:g} s) ahead of now ({now!r})"
+            f" ({policy.retention_s:g} s) ahead of now ({now!r})"
         )
         refusal = EnvelopeError("deadline", "too_large", detail)
         return AcceptResult(Outcome.REFUSED, detail=detail, refusal=refusal)
@@ -384,19 +361,19 @@ def _accept_one(
     error = None
     if env.deadline <= now:
         state, outcome, error = TaskState.EXPIRED, Outcome.EXPIRED, "deadline already past"
-    elif hops > store.policy.max_hops:
+    elif hops > policy.max_hops:
         state, outcome = TaskState.HOP_LIMIT, Outcome.HOP_LIMIT
-        error = f"hops {hops} exceed the limit {store.policy.max_hops}"
+        error = f"hops {hops} exceed the limit {policy.max_hops}"
     elif (chain := chain_of(item)) is not None:
         # The chain budget: counted by the system per principal and correlation_id, so a
         # request that leaves out its parent_id (its hops start again) still spends its
         # chain's budget, and nobody else's naming of the correlation_id spends it.
         stored = batch.chains.get(chain, 0)
-        if stored >= store.policy.max_chain_tasks:
+        if stored >= policy.max_chain_tasks:
             state, outcome = TaskState.HOP_LIMIT, Outcome.HOP_LIMIT
             error = (
                 f"chain {env.correlation_id!r} of {item.principal} has {stored} tasks: its"
-                f" budget of {store.policy.max_chain_tasks} is spent"
+                f" budget of {policy.max_chain_tasks} is spent"
             )
         else:
             batch.chains[chain] = stored + 1
@@ -461,7 +438,6 @@ def _forgotten(retention_s: float, row: Mapping[str, Any], now: float) -> bool:
 
 
 def _known(
-    store: AcceptingStore,
     batch: _AcceptBatch,
     item: AcceptItem,
     row: Mapping[str, Any],
@@ -473,7 +449,7 @@ def _known(
     if row["fingerprint"] == fingerprint:
         batch.duplicates.append(key)
         return AcceptResult(Outcome.DUPLICATE, row["task_id"])
-    reply_id = store.conflict_reply_id(item.principal, env.message_id, fingerprint)
+    reply_id = conflict_reply_id(batch.conflict_key, item.principal, env.message_id, fingerprint)
     detail = "message_id reused with different content; the first request stands"
     body = conflict_body(
         reply_id,

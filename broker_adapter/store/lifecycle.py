@@ -1,4 +1,5 @@
-"""Task states, and the one way into a terminal state: with the task's one reply.
+"""The task states' arrows (the states: ``task_types.TaskState``), and the one way into a
+terminal state: with the task's one reply.
 
 ::
 
@@ -23,31 +24,26 @@ caller's ``Conn``).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from enum import StrEnum
 from typing import Any
 
 from broker_adapter.errors import StaleError
 from broker_adapter.protocol.reply import encode_body, reply_id_for, terminal_body
-from broker_adapter.store.outbox import PublisherClaim, ReplySpec, enqueue_many
+from broker_adapter.store.outbox_types import PublisherClaim, ReplySpec
+from broker_adapter.store.outbox_writes import enqueue_many
 from broker_adapter.store.sql import Conn
+from broker_adapter.store.task_types import LIVE_STATES, TERMINAL_STATES, TaskState
 
+__all__ = [
+    "LIVE_STATES",
+    "TERMINAL_STATES",
+    "ReplyKey",
+    "TaskState",
+    "reply_key",
+    "reply_spec",
+    "to_terminal",
+    "write_reply",
+]
 
-class TaskState(StrEnum):
-    PENDING = "pending"
-    RUNNING = "running"
-    DONE = "done"
-    FAILED = "failed"
-    CANCELLED = "cancelled"
-    EXPIRED = "expired"
-    HOP_LIMIT = "hop_limit"
-    UNKNOWN = "unknown"
-    WAITING_APPROVAL = "waiting_approval"
-
-
-TERMINAL_STATES = frozenset(
-    {TaskState.DONE, TaskState.FAILED, TaskState.CANCELLED, TaskState.EXPIRED, TaskState.HOP_LIMIT}
-)
-LIVE_STATES = frozenset({TaskState.PENDING, TaskState.RUNNING, TaskState.WAITING_APPROVAL})
 
 #: What a reply body takes from the task row besides the outcome: principal, message id,
 #: correlation id, attempts, fence.

@@ -25,9 +25,11 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from broker_adapter.store.counters import OPERATOR_TIMEOUTS, count_in
-from broker_adapter.store.effects import EffectsStore, _reply_member
-from broker_adapter.store.lifecycle import TaskState, to_terminal
+from broker_adapter.store.effects import EffectsStore
+from broker_adapter.store.lifecycle import to_terminal
+from broker_adapter.store.reconcile_log import log_reconcile, reply_member
 from broker_adapter.store.sql import Conn
+from broker_adapter.store.task_types import TaskState
 
 OperatorTimeoutAction = Literal["alert", "fail"]
 #: Tasks one ``bound_waits`` pass handles at most.
@@ -176,8 +178,8 @@ def _fail_in(
         (by, now, task_id),
     )
     note = f"no operator answered within {timeout_s:g} s (waited {waited:.0f} s)"
-    EffectsStore._log(c, task_id, "unknown", by, fence, None, note, now)
-    effects = _reply_member(c, task_id, "unknown", by, note)
+    log_reconcile(c, task_id, "unknown", by, fence, None, note, now)
+    effects = reply_member(c, task_id, "unknown", by, note)
     error = f"the outcome of its effect is unknown: {note}; ended failed by operator_timeout_s"
     to_terminal(c, task_id, TaskState.FAILED, now, error=error, effects=effects)
 

@@ -2,7 +2,8 @@
 
 One implementation for both stores, written against ``store.sql.Conn``. What it holds and
 hands out (``OutboxRow``, ``OutboxPolicy``, ``PublisherClaim``, ...) is ``outbox_types``'s,
-imported from here as well.
+and what other transactions write into it (``enqueue``, ``mark_sent_in``) is
+``outbox_writes``'s; both are imported from here as well.
 
 A reply row is inserted inside the same transaction that makes its task terminal
 (``enqueue`` takes the caller's connection), so a terminal task without its reply, or a
@@ -35,15 +36,8 @@ from typing import Any
 
 from broker_adapter.clock import Clock, SystemClock
 from broker_adapter.errors import StaleError
-from broker_adapter.protocol.reply import encode_body
 from broker_adapter.store.dbclock import read_now, tx_now
-from broker_adapter.store.fencing import (
-    REPLY_HELD,
-    REPLY_HELD_STATE,
-    held_params,
-    refusal,
-    update_held,
-)
+from broker_adapter.store.fencing import REPLY_HELD, claim_rows
 from broker_adapter.store.outbox_types import (
     OUTBOX_STATES,
     OutboxPolicy,
@@ -53,7 +47,15 @@ from broker_adapter.store.outbox_types import (
     SentMark,
     UnknownReply,
 )
-from broker_adapter.store.sql import Conn, Db, in_lists, marks
+from broker_adapter.store.outbox_writes import (
+    OUTBOX_COLUMNS,
+    enqueue,
+    enqueue_many,
+    held_write,
+    holder_refusal,
+    mark_sent_in,
+)
+from broker_adapter.store.sql import Conn, Db, in_lists
 
 __all__ = [
     "OUTBOX_STATES",
@@ -70,142 +72,8 @@ __all__ = [
     "mark_sent_in",
 ]
 
-_COLUMNS = ", ".join(OutboxRow.__dataclass_fields__)
 #: The ``meta`` row of the Redis epoch the dispatcher saw last (``stages.dispatch.loss``).
 REDIS_EPOCH_META = "redis_epoch"
-
-
-def enqueue(
-    conn: Conn,
-    *,
-    reply_id: str,
-    task_id: str | None,
-    principal: str,
-    message_id: str,
-    status: str,
-    body: dict[str, Any],
-    now: float,
-) -> bool:
-    """Insert a reply inside the caller's open transaction (either store's: ``store.sql``).
-    Returns False if it existed."""
-    data, content_hash = encode_body(body)
-    spec = (reply_id, task_id, principal, message_id, status, data, content_hash)
-    return enqueue_many(conn, [spec], now) == 1
-
-
-#: Replies per INSERT of ``enqueue_many`` (at most 11 parameters each: within SQLite's
-#: limit on bound parameters).
-_ENQUEUE_CHUNK = 64
-_INSERT_NAMES = "reply_id, task_id, principal, message_id, status, body, content_hash"
-
-
-def enqueue_many(
-    conn: Conn, replies: Sequence[ReplySpec], now: float, claim: PublisherClaim | None = None
-) -> int:
-    """Insert replies inside the caller's open transaction, a batch in one statement (a
-    settled batch's replies: one round trip on PostgreSQL, not one per reply). A reply id,
-    or a task's one reply, already there is skipped (``ON CONFLICT DO NOTHING``: the unique
-    indexes decide). Returns how many were inserted.
-
-    With ``claim`` the rows are written already claimed by that publisher (``sending``, its
-    owner and lease, attempts 1, fence 1: what ``OutboxStore.claim`` would set) and are
-    appended to ``claim.rows`` in the order of ``replies``; nobody else takes them before
-    the lease runs out.
-    """
-    inserted = 0
-    for start in range(0, len(replies), _ENQUEUE_CHUNK):
-        chunk = replies[start : start + _ENQUEUE_CHUNK]
-        if claim is None:
-            cur = conn.execute(
-                f"INSERT INTO outbox ({_INSERT_NAMES}, state, not_before, created_at) VALUES "
-                + ", ".join(["(?, ?, ?, ?, ?, ?, ?, 'pending', ?, ?)"] * len(chunk))
-                + " ON CONFLICT DO NOTHING",
-                [v for spec in chunk for v in (*spec, now, now)],
-            )
-            inserted += cur.rowcount
-            continue
-        rows = conn.execute(
-            f"INSERT INTO outbox ({_INSERT_NAMES}, state, owner, lease_until, attempts, fence,"
-            " not_before, created_at) VALUES "
-            + ", ".join(["(?, ?, ?, ?, ?, ?, ?, 'sending', ?, ?, 1, 1, ?, ?)"] * len(chunk))
-            + f" ON CONFLICT DO NOTHING RETURNING {_COLUMNS}",
-            [v for spec in chunk for v in (*spec, claim.owner, claim.lease_until, now, now)],
-        ).fetchall()
-        written = {r["reply_id"]: OutboxRow.from_row(r) for r in rows}
-        claim.rows.extend(written[spec[0]] for spec in chunk if spec[0] in written)
-        inserted += len(rows)
-    return inserted
-
-
-def holder_refusal(
-    c: Conn, reply_id: str, owner: str, fence: int, now: float
-) -> StaleError | UnknownReply:
-    """Why a fenced write of ``reply_id`` matched nothing (``UnknownReply`` if no row):
-    ``fencing.refusal`` on the row as it is now."""
-    row = c.execute(
-        "SELECT state, owner, fence, lease_until FROM outbox WHERE reply_id = ?", (reply_id,)
-    ).fetchone()
-    if row is None:
-        return UnknownReply(reply_id)
-    why = refusal(row, reply_id, owner, fence, now, state=REPLY_HELD_STATE, deadline=False)
-    return why or StaleError(reply_id, "lease_expired")  # the clock moved on meanwhile
-
-
-def _held(
-    c: Conn, sql: str, params: Sequence[Any], reply_id: str, owner: str, fence: int, now: float
-) -> Any:
-    """The row of ONE fenced statement on ``reply_id`` (``sql`` ends in the holder check,
-    ``REPLY_HELD``, and returns a row); raises the precise refusal when it matched nothing,
-    having written nothing."""
-    row = c.execute(sql, (*params, reply_id, *held_params(fence, owner, now, deadline=False)))
-    found = row.fetchone()
-    if found is None:
-        raise holder_refusal(c, reply_id, owner, fence, now)
-    return found
-
-
-#: Mark sent, fenced: the rows of one fence, ``(reply_id, entry_id, sent_at)`` each (its
-#: ``VALUES`` list, columns ``column1``..``column3`` on both engines), held by one owner
-#: (``fencing.update_held``).
-_MARK_SENT = (
-    "UPDATE outbox SET state = 'sent', owner = NULL, lease_until = NULL,"
-    " entry_id = v.column2, sent_at = v.column3, last_error = NULL FROM (VALUES {rows}) AS v"
-    " WHERE reply_id = v.column1 AND " + REPLY_HELD + " RETURNING reply_id"
-)
-
-
-def mark_sent_in(
-    c: Conn, owner: str, items: Sequence[SentMark], now: float
-) -> builtins.list[StaleError | None]:
-    """Record confirmed publications inside the caller's transaction, each fenced on its
-    own: the holder check (``fencing.REPLY_HELD``) is the WHERE clause of the update, one
-    statement for the items of one fence (a batch's usually share it); an item it left
-    alone wrote nothing and gets ``holder_refusal``'s precise refusal (as does a second
-    mark of one reply). The one way a reply is marked sent.
-
-    Returns:
-        one entry per item, in order: ``None`` when marked sent, else the ``StaleError``.
-
-    Raises:
-        UnknownReply: an item names no reply (the transaction is to be abandoned).
-    """
-    first: dict[str, int] = {}
-    by_holder: dict[tuple[int, str], builtins.list[tuple[str, str, float]]] = {}
-    for i, (reply_id, fence, entry_id, sent_at) in enumerate(items):
-        if first.setdefault(reply_id, i) == i:
-            by_holder.setdefault((fence, owner), []).append((reply_id, entry_id, sent_at))
-    rows = update_held(c, _MARK_SENT, by_holder, now, deadline=False)
-    marked = {r["reply_id"] for r in rows}
-    out: builtins.list[StaleError | None] = []
-    for i, (reply_id, fence, _, _) in enumerate(items):
-        if first[reply_id] == i and reply_id in marked:
-            out.append(None)
-            continue
-        why = holder_refusal(c, reply_id, owner, fence, now)
-        if isinstance(why, UnknownReply):
-            raise why
-        out.append(why)
-    return out
 
 
 class OutboxStore:
@@ -257,27 +125,19 @@ class OutboxStore:
             f" WHERE state = 'sending' AND lease_until <= ?{d.skip_locked})",
             (self.policy.max_attempts, self.policy.max_attempts, now),
         )
-        ids = [
-            r["reply_id"]
-            for r in c.execute(
-                f"SELECT reply_id FROM outbox{d.indexed_by('outbox_ready')}"
-                " WHERE state = 'pending' AND not_before <= ?"
-                f" ORDER BY not_before, created_at LIMIT ?{d.skip_locked}",
-                (now, n),
-            ).fetchall()
-        ]
-        if not ids:
-            return []
-        # One statement for the batch (its rows are this transaction's: locked, or the
-        # single writer's); RETURNING order is unspecified: re-sorted below.
-        found = c.execute(
+        rows = claim_rows(
+            c,
+            f"SELECT reply_id FROM outbox{d.indexed_by('outbox_ready')}"
+            " WHERE state = 'pending' AND not_before <= ?"
+            f" ORDER BY not_before, created_at LIMIT ?{d.skip_locked}",
+            (now, n),
             "UPDATE outbox SET state = 'sending', owner = ?, lease_until = ?,"
             " attempts = attempts + 1, fence = fence + 1"
-            f" WHERE reply_id IN ({marks(len(ids))}) RETURNING {_COLUMNS}",
-            (owner, now + self.policy.lease_s, *ids),
-        ).fetchall()
-        by_id = {r["reply_id"]: r for r in found}
-        return [OutboxRow.from_row(by_id[i]) for i in ids if i in by_id]
+            f" WHERE reply_id IN ({{ids}}) RETURNING {OUTBOX_COLUMNS}",
+            (owner, now + self.policy.lease_s),
+            "reply_id",
+        )
+        return [OutboxRow.from_row(r) for r in rows]
 
     def has_ready(self) -> bool:
         """Whether ``claim`` would find a row now (ready, or a publisher lease run out). One
@@ -312,7 +172,7 @@ class OutboxStore:
         with self.db.write("reply_retry") as c:
             now = tx_now(c, self.clock)
             # The fenced read takes the row (``for_update``): the backoff needs its attempts.
-            row = _held(
+            row = held_write(
                 c,
                 f"SELECT attempts FROM outbox WHERE reply_id = ? AND {REPLY_HELD}"
                 f"{c.dialect.for_update}",
@@ -338,7 +198,7 @@ class OutboxStore:
         """A permanent failure (e.g. a content conflict in Redis): ``dead`` at once, fenced."""
         with self.db.write("reply_dead") as c:
             now = tx_now(c, self.clock)
-            _held(
+            held_write(
                 c,
                 "UPDATE outbox SET state = 'dead', owner = NULL, lease_until = NULL,"
                 f" last_error = ? WHERE reply_id = ? AND {REPLY_HELD} RETURNING reply_id",
@@ -383,7 +243,8 @@ class OutboxStore:
             now = tx_now(c, self.clock)
             new = c.execute(
                 f"UPDATE outbox SET {assignments}, replays = replays + 1, replayed_by = ?,"
-                f" replayed_at = ? WHERE reply_id = ? AND state = 'dead' RETURNING {_COLUMNS}",
+                " replayed_at = ? WHERE reply_id = ? AND state = 'dead'"
+                f" RETURNING {OUTBOX_COLUMNS}",
                 (*params, by, now, reply_id),
             ).fetchone()
             if new is None:
@@ -422,11 +283,13 @@ class OutboxStore:
         return cur.rowcount
 
     def get(self, reply_id: str) -> OutboxRow | None:
-        found = self.db.fetch_one(f"SELECT {_COLUMNS} FROM outbox WHERE reply_id = ?", (reply_id,))
+        found = self.db.fetch_one(
+            f"SELECT {OUTBOX_COLUMNS} FROM outbox WHERE reply_id = ?", (reply_id,)
+        )
         return OutboxRow.from_row(found) if found else None
 
     def list(self, state: str | None = None, limit: int = 1000) -> list[OutboxRow]:
-        sql = f"SELECT {_COLUMNS} FROM outbox"
+        sql = f"SELECT {OUTBOX_COLUMNS} FROM outbox"
         args: tuple[Any, ...] = ()
         if state is not None:
             sql += " WHERE state = ?"
@@ -467,7 +330,7 @@ class OutboxStore:
         """The ``sent`` row sent last at or before ``sent_before`` (its publication record is
         the data-loss watch's evidence that Redis kept its data)."""
         found = self.db.fetch_one(
-            f"SELECT {_COLUMNS} FROM outbox WHERE state = 'sent' AND sent_at <= ?"
+            f"SELECT {OUTBOX_COLUMNS} FROM outbox WHERE state = 'sent' AND sent_at <= ?"
             " ORDER BY sent_at DESC LIMIT 1",
             (sent_before,),
         )
@@ -481,7 +344,7 @@ class OutboxStore:
             return None
         return max(0.0, read_now(self.db, self.clock) - float(row["oldest"]))
 
-    # -- added for the reply dispatcher (broker_adapter.stages.dispatcher) ------------------------
+    # -- the dispatcher's batches ----------------------------------------------------------
 
     def mark_sent_and_claim(
         self, owner: str, items: Sequence[tuple[str, int, str]], n: int

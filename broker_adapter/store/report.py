@@ -9,7 +9,9 @@ from typing import Any
 from broker_adapter.store.approvals import approval_counts
 from broker_adapter.store.effects import effect_counts
 from broker_adapter.store.operator_waits import outcome_gauges
+from broker_adapter.store.outbox_types import OUTBOX_STATES
 from broker_adapter.store.sql import Conn, Db
+from broker_adapter.store.task_types import TERMINAL_STATES, TaskState
 
 
 def snapshot(db: Db, now: float) -> dict[str, Any]:
@@ -78,8 +80,8 @@ def _by(c: Conn, sql: str) -> dict[str, int]:
     return {r["k"]: r["n"] for r in c.execute(sql).fetchall()}
 
 
-#: The terminal states ``snapshot`` counts under ``terminal``.
-TERMINAL_NAMES = ("done", "failed", "cancelled", "expired", "hop_limit")
+#: The terminal states ``snapshot`` counts under ``terminal``, in ``TaskState``'s order.
+TERMINAL_NAMES = tuple(s.value for s in TaskState if s in TERMINAL_STATES)
 
 
 def shape(
@@ -109,7 +111,7 @@ def shape(
         },
         "terminal": {name: states.get(name, 0) for name in TERMINAL_NAMES},
         "delivery": {
-            **{s: outbox.get(s, 0) for s in ("pending", "sending", "sent", "dead")},
+            **{s: outbox.get(s, 0) for s in OUTBOX_STATES},
             "oldest_unsent_age_s": None if oldest is None else round(max(0.0, now - oldest), 3),
         },
         "receipts": {"replies": receipts[0], "effects": receipts[1]},

@@ -56,9 +56,9 @@ from broker_adapter.clock import Clock
 from broker_adapter.errors import BrokerAdapterError
 from broker_adapter.store.db import Database
 from broker_adapter.store.sql import Conn, Db, Dialect, in_lists
+from broker_adapter.store.task_types import DEFAULT_RETENTION_S as DEFAULT_RETENTION_S
+from broker_adapter.store.task_types import TERMINAL_SQL
 
-#: The published dedupe window, seconds: 7 days.
-DEFAULT_RETENTION_S = 7 * 24 * 3600.0
 #: Requests (or receipts) deleted per transaction at most.
 PURGE_BATCH = 100
 #: Rows a candidate read looks at per batch at most (it stops earlier at the window).
@@ -70,8 +70,6 @@ PURGE_EVERY_S = 5.0
 #: lock's time (about 6,000 requests a second with 8 ms commits), the live writers the rest.
 PURGE_PAUSE_S = 0.002
 PURGE_PAUSE_FACTOR = 1.0
-
-TERMINAL_SQL = "('done', 'failed', 'cancelled', 'expired', 'hop_limit')"
 
 
 def purgeable_sql(d: Dialect) -> str:

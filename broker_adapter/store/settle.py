@@ -1,7 +1,8 @@
 """Settlement: a batch of handler outcomes committed in ONE fenced transaction.
 
 ``settle`` is the one way an outcome is committed (``TaskStore.settle_batch``; its
-one-outcome forms ``TaskStore.finish`` and ``TaskStore.fail`` go through it too). Each
+one-outcome forms ``TaskStore.finish`` and ``TaskStore.fail`` go through it too), on the
+store's ``task_tx.TaskTx`` (its holder check, claim and take-back). Each
 item is fenced on its own (``docs/RULES.md`` rule 10): an item the store refuses (stale
 fence, lost lease, cancelled, deadline) is refused at its holder check, before it writes
 anything, and reported; the others commit together, with the next batch's claim, in one
@@ -23,27 +24,19 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import TYPE_CHECKING, Any, Final, Literal
+from typing import Any, Final, Literal
 
 from broker_adapter.config import DEFAULT_LEASE_S
 from broker_adapter.errors import BrokerAdapterError, StaleError
 from broker_adapter.protocol.reply import encode_body, reply_id_for, terminal_body
 from broker_adapter.store.dbclock import tx_now, uses_server
 from broker_adapter.store.fencing import TASK_HELD, update_held
-from broker_adapter.store.lifecycle import ReplyKey, TaskState, reply_key, reply_spec, to_terminal
-from broker_adapter.store.outbox import (
-    OutboxRow,
-    PublisherClaim,
-    ReplySpec,
-    SentMark,
-    enqueue_many,
-    mark_sent_in,
-)
+from broker_adapter.store.lifecycle import ReplyKey, reply_key, reply_spec, to_terminal
+from broker_adapter.store.outbox_types import OutboxRow, PublisherClaim, ReplySpec, SentMark
+from broker_adapter.store.outbox_writes import enqueue_many, mark_sent_in
 from broker_adapter.store.sql import Conn
-
-if TYPE_CHECKING:
-    from broker_adapter.store.tasks import ClaimedTask, TaskStore
-
+from broker_adapter.store.task_tx import TaskTx
+from broker_adapter.store.task_types import ClaimedTask, TaskState
 
 #: The names of a settling transaction (its crash points are ``store.<name>.*``): ``finish``,
 #: and ``fail`` for ``TaskStore.fail``.
@@ -108,7 +101,7 @@ _MARK_DONE = (
 
 
 def settle(
-    store: TaskStore,
+    tx: TaskTx,
     items: Sequence[Settlement],
     owner: str,
     n: int,
@@ -150,8 +143,8 @@ def settle(
     # used only if the row still says the same (it does whenever the fence matches). Where
     # the server's clock is the time (``dbclock``: PostgreSQL, whose writers lock rows, not
     # the database), they are built inside instead, at the transaction's time.
-    server = uses_server(store.db.dialect.server_clock, store.clock)
-    stamp = store.clock.now()
+    server = uses_server(tx.db.dialect.server_clock, tx.clock)
+    stamp = tx.clock.now()
     bodies = [None if server else _done_reply(item, stamp) for item in items]
     marks: list[StaleError | None] = []
     # A task named once in the batch (the rule) is marked done with the batch's others in
@@ -160,23 +153,23 @@ def settle(
     named = Counter(item.task_id for item in items)
     together = [i for i in items if i.result is not None and named[i.task_id] == 1]
     replies: list[ReplySpec] = []
-    with store.db.write(op) as c:
-        now = tx_now(c, store.clock)
+    with tx.db.write(op) as c:
+        now = tx_now(c, tx.clock)
         stamp = now if server else stamp
         claim = None if publish_as is None else PublisherClaim(publish_as, now + publish_lease_s)
         if sent:
             assert publish_as is not None
             marks = mark_sent_in(c, publish_as, sent, now)
-        done = _mark_done(store, c, together, stamp, now)
+        done = _mark_done(c, together, stamp, now)
         for item, body in zip(items, bodies, strict=True):
             # A refusal (StaleError) comes from the holder check, before this item wrote
             # anything; an error after its first write aborts the whole transaction.
             if item.result is not None:
                 if named[item.task_id] > 1:
-                    done.update(_mark_done(store, c, [item], stamp, now))
+                    done.update(_mark_done(c, [item], stamp, now))
                 row = done.pop(item.task_id, None)
                 if row is None:
-                    out.append(_refusal(store, c, item))
+                    out.append(_refusal(tx, c, item))
                     continue
                 encoded = body[1] if body is not None and body[0] == reply_key(row) else None
                 replies.append(
@@ -185,14 +178,14 @@ def settle(
                 out.append(replies[-1][0])
                 continue
             try:
-                row = store._holder(c, item.task_id, item.owner, item.fence)
+                row = tx.holder(c, item.task_id, item.owner, item.fence)
             except StaleError as exc:
                 out.append(exc)
                 continue
             error = item.error or ""
             out.append(
                 _fail_row(
-                    store,
+                    tx,
                     c,
                     row,
                     item.task_id,
@@ -205,16 +198,14 @@ def settle(
             )
         if enqueue_many(c, replies, now, claim) != len(replies):  # the unique indexes
             raise BrokerAdapterError("a task of this batch was finished twice")
-        rows = store._claim_in(c, owner, n, now) if n >= 1 else []
+        rows = tx.claim_in(c, owner, n, now) if n >= 1 else []
     if n >= 1:
-        store._log_reconciled()
+        tx.log_reconciled()
     written = [] if claim is None else _in_item_order(claim.rows, items)
-    return SettledBatch(out, store._claimed(rows, owner, now), written, marks)
+    return SettledBatch(out, tx.claimed(rows, owner, now), written, marks)
 
 
-def _mark_done(
-    store: TaskStore, c: Conn, items: Sequence[Settlement], stamp: float, now: float
-) -> dict[str, Any]:
+def _mark_done(c: Conn, items: Sequence[Settlement], stamp: float, now: float) -> dict[str, Any]:
     """Mark the successes ``items`` done at ``stamp`` (``_MARK_DONE``: one statement per
     fence and owner they share, usually one), each fenced at ``now``: the rows it changed,
     by task id (what their replies are built from). An item it left alone wrote nothing."""
@@ -225,10 +216,10 @@ def _mark_done(
     return {r["task_id"]: r for r in rows}
 
 
-def _refusal(store: TaskStore, c: Conn, item: Settlement) -> StaleError:
+def _refusal(tx: TaskTx, c: Conn, item: Settlement) -> StaleError:
     """Why ``_mark_done`` left ``item`` alone: the holder check's precise refusal."""
     try:
-        store._holder(c, item.task_id, item.owner, item.fence)
+        tx.holder(c, item.task_id, item.owner, item.fence)
     except StaleError as exc:
         return exc
     return StaleError(item.task_id, "lease_expired")  # the clock moved on meanwhile
@@ -241,7 +232,7 @@ def _in_item_order(rows: list[OutboxRow], items: Sequence[Settlement]) -> list[O
 
 
 def _fail_row(
-    store: TaskStore,
+    tx: TaskTx,
     c: Conn,
     row: Any,
     task_id: str,
@@ -252,7 +243,7 @@ def _fail_row(
     retry_after_s: float | None = None,
 ) -> FailOutcome:
     if retryable and row["attempts"] < row["max_attempts"]:
-        delay = store.policy.backoff.delay(row["attempts"], store.rng)
+        delay = tx.policy.backoff.delay(row["attempts"], tx.rng)
         not_before = now + max(delay, retry_after_s or 0.0)  # a target's Retry-After
         if not_before < row["deadline"]:
             c.execute(

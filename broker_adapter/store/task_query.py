@@ -6,8 +6,8 @@ from __future__ import annotations
 from typing import Any
 
 from broker_adapter.errors import ConfigError
-from broker_adapter.store.lifecycle import TaskState
 from broker_adapter.store.sql import Db
+from broker_adapter.store.task_types import TaskState
 
 #: What a listed task shows (the payload and result stay out of the list).
 LIST_COLUMNS = (

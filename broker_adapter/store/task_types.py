@@ -1,20 +1,67 @@
-"""What the task store hands out and how it is set: ``TaskPolicy`` (its limits),
-``ClaimedTask`` (a claim, with the fence its holder must present), ``TaskRow`` (a task as
-the reads return it) and ``UnknownTask``.
+"""The task store's records and policies, imported by every store module and importing
+none: the task states (``TaskState``, the sets of them and their SQL lists), ``TaskPolicy``
+(the store's limits), ``ClaimedTask`` (a claim, with the fence its holder must present) and
+the columns a claim reads (``CLAIM_COLUMNS``, derived from its fields), ``TaskRow`` (a task
+as the reads return it), ``Reconciled`` (what the clock did to one task) and
+``UnknownTask``.
+
+The schemas' ``CHECK`` on ``tasks.state`` and the partial indexes repeat the states in
+their migrations, which are never edited; a state added here needs a migration too.
 """
 
 from __future__ import annotations
 
+import json
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from enum import StrEnum
+from typing import Any, Final
 
 from pydantic import Field
 
 from broker_adapter.backoff import Backoff
 from broker_adapter.config import DEFAULT_LEASE_S, ConfigModel
 from broker_adapter.errors import BrokerAdapterError
-from broker_adapter.store.inbox import idempotency_key_for
-from broker_adapter.store.retention import DEFAULT_RETENTION_S
+from broker_adapter.protocol.idempotency import idempotency_key_for
+
+#: The published dedupe window, seconds: 7 days.
+DEFAULT_RETENTION_S = 7 * 24 * 3600.0
+
+
+class TaskState(StrEnum):
+    PENDING = "pending"
+    RUNNING = "running"
+    DONE = "done"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+    EXPIRED = "expired"
+    HOP_LIMIT = "hop_limit"
+    UNKNOWN = "unknown"
+    WAITING_APPROVAL = "waiting_approval"
+
+
+TERMINAL_STATES = frozenset(
+    {TaskState.DONE, TaskState.FAILED, TaskState.CANCELLED, TaskState.EXPIRED, TaskState.HOP_LIMIT}
+)
+LIVE_STATES = frozenset({TaskState.PENDING, TaskState.RUNNING, TaskState.WAITING_APPROVAL})
+#: The states the clock ends at the deadline (``housekeeping``): the predicate of the
+#: partial index ``tasks_live_deadline``.
+CLOCKED_STATES = frozenset({TaskState.PENDING, TaskState.RUNNING})
+
+
+def states_sql(states: Iterable[TaskState]) -> str:
+    """``states`` as an SQL list, in ``TaskState``'s order: ``('pending', 'running')``.
+    A partial index is used only by a statement that repeats its predicate, so the text
+    is the migrations' own."""
+    chosen = set(states)
+    return "(" + ", ".join(f"'{s.value}'" for s in TaskState if s in chosen) + ")"
+
+
+TERMINAL_SQL: Final = states_sql(TERMINAL_STATES)
+CLOCKED_SQL: Final = states_sql(CLOCKED_STATES)
+
+#: ``(task_id, transition, state, owner, attempts)`` of a transition the clock made.
+Reconciled = tuple[str, str, str, str | None, int | None]
 
 
 class TaskPolicy(ConfigModel):
@@ -78,6 +125,30 @@ class ClaimedTask:
         return idempotency_key_for(self.principal, self.message_id)
 
 
+#: The task column behind each ``ClaimedTask`` field whose name is not the column's.
+_CLAIM_COLUMN_OF: Final = {"attempt": "attempts"}
+#: The fields a claim sets itself rather than reads from the row.
+_SET_BY_CLAIM: Final = frozenset({"owner", "lease_until"})
+#: ``(field, column)`` of what a claim reads from the task row, in field order.
+_CLAIM_READS: Final = tuple(
+    (name, _CLAIM_COLUMN_OF.get(name, name))
+    for name in ClaimedTask.__dataclass_fields__
+    if name not in _SET_BY_CLAIM
+)
+#: The task columns a ``ClaimedTask`` is built from (``claimed_task``): the list a claim's
+#: ``RETURNING`` or a read of claimed tasks selects.
+CLAIM_COLUMNS: Final = ", ".join(column for _, column in _CLAIM_READS)
+
+
+def claimed_task(row: Any, owner: str, lease_until: float) -> ClaimedTask:
+    """The claim of ``owner`` until ``lease_until`` on the task ``row`` (``CLAIM_COLUMNS``
+    read; the payload decoded)."""
+    values = {name: row[column] for name, column in _CLAIM_READS}
+    values["payload"] = json.loads(values["payload"])
+    values["deadline"] = float(values["deadline"])
+    return ClaimedTask(owner=owner, lease_until=lease_until, **values)
+
+
 @dataclass(frozen=True)
 class TaskRow:
     task_id: str
@@ -95,6 +166,10 @@ class TaskRow:
     finished_at: float | None
     result: str | None
     error: str | None
+
+
+#: The columns of a ``TaskRow``.
+TASK_COLUMNS: Final = ", ".join(TaskRow.__dataclass_fields__)
 
 
 class UnknownTask(BrokerAdapterError, KeyError):

@@ -7,9 +7,10 @@ not reached (``fencing``, ``docs/RULES.md`` rule 10), so an expired lease is fen
 before anyone reclaims it. A refused write raises (or reports) ``StaleError`` and writes
 nothing.
 
-``TaskStore`` is the one object the stages use (``interface.TaskStoreAPI``): intake is
-``inbox``'s, outcomes are ``settle``'s, deadlines and leases ``housekeeping``'s; this
-module holds the claims, the holder check, renew, cancel and the reads.
+``TaskStore`` is the one object the stages use: intake is
+``inbox``'s, outcomes are ``settle``'s, deadlines and leases ``housekeeping``'s, and the
+claim, the holder check and the take-back they share are ``task_tx.TaskTx``'s (the
+store's ``tx``, which those modules take); this module holds renew, cancel and the reads.
 
 Retries never extend the absolute deadline. Attempts are counted in the claim transaction,
 before any handler runs, so a task whose handler kills its worker still spends its budget.
@@ -17,7 +18,6 @@ before any handler runs, so a task whose handler kills its worker still spends i
 
 from __future__ import annotations
 
-import json
 import random
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -26,23 +26,21 @@ from broker_adapter.clock import Clock, SystemClock
 from broker_adapter.config import DEFAULT_LEASE_S
 from broker_adapter.errors import StaleError, TaskCancelled
 from broker_adapter.protocol.bounds import check_result
+from broker_adapter.protocol.idempotency import idempotency_key_for
 from broker_adapter.protocol.reply import reply_id_for
 from broker_adapter.store import inbox, settle, transitions
-from broker_adapter.store.counters import TASK_ATTEMPTS, count_in
 from broker_adapter.store.db import Database
 from broker_adapter.store.dbclock import read_now, tx_now
 from broker_adapter.store.fencing import TASK_HELD_STATE, refusal
-from broker_adapter.store.housekeeping import reconcile_in
 from broker_adapter.store.inbox import (
     AcceptItem,
     AcceptResult,
     Intake,
     Outcome,
     conflict_reply_id,
-    idempotency_key_for,
     new_task_ids,
 )
-from broker_adapter.store.lifecycle import LIVE_STATES, TERMINAL_STATES, TaskState, to_terminal
+from broker_adapter.store.lifecycle import to_terminal
 from broker_adapter.store.migrations import CONFLICT_ID_KEY
 from broker_adapter.store.outbox import SentMark
 from broker_adapter.store.retention import (
@@ -52,8 +50,21 @@ from broker_adapter.store.retention import (
     whole_pass,
 )
 from broker_adapter.store.settle import FailOutcome, SettledBatch, Settlement, SettleResult
-from broker_adapter.store.sql import Conn, in_lists, marks
-from broker_adapter.store.task_types import ClaimedTask, TaskPolicy, TaskRow, UnknownTask
+from broker_adapter.store.sql import in_lists
+from broker_adapter.store.task_tx import TaskTx
+from broker_adapter.store.task_types import (
+    CLAIM_COLUMNS,
+    CLOCKED_SQL,
+    LIVE_STATES,
+    TASK_COLUMNS,
+    TERMINAL_STATES,
+    ClaimedTask,
+    TaskPolicy,
+    TaskRow,
+    TaskState,
+    UnknownTask,
+    claimed_task,
+)
 
 if TYPE_CHECKING:
     from broker_adapter.store.postgres.db import PgDatabase
@@ -82,9 +93,6 @@ __all__ = [
 ]
 
 
-_TASK_COLUMNS = ", ".join(TaskRow.__dataclass_fields__)
-
-
 class TaskStore:
     """The inbox and the task state machine on one database: a SQLite ``Database`` or a
     ``PgDatabase`` that several processes share (the same statements, ``store.sql``).
@@ -103,22 +111,42 @@ class TaskStore:
         policy: TaskPolicy | None = None,
         rng: random.Random | None = None,
     ) -> None:
-        self.db: Database | PgDatabase = db
-        self.clock = clock or SystemClock()
-        self.policy = policy or TaskPolicy()
-        self.rng = rng or random.Random()
-        self._conflict_id_key = db.meta(CONFLICT_ID_KEY)
-        #: Expired leases this store took back (requeued or failed on the last attempt),
-        #: counted in the reconciling transaction (one that then fails counts them again
-        #: when it is retried): the ``ba_lease_takeovers_total`` metric.
-        self.lease_takeovers = 0
-        #: what the last reconcile did, logged after its transaction (``transitions``)
-        self._reconciled: list[transitions.Reconciled] = []
+        #: The claim, the holder check and the take-back, for the transactions of this
+        #: store's modules (``task_tx``).
+        self.tx = TaskTx(db, clock or SystemClock(), policy or TaskPolicy(), rng or random.Random())
+        self.conflict_key = db.meta(CONFLICT_ID_KEY)
+
+    @property
+    def db(self) -> Database | PgDatabase:
+        return self.tx.db
+
+    @property
+    def clock(self) -> Clock:
+        return self.tx.clock
+
+    @property
+    def policy(self) -> TaskPolicy:
+        return self.tx.policy
+
+    @property
+    def rng(self) -> random.Random:
+        """Randomness for backoff jitter (a seeded one in tests)."""
+        return self.tx.rng
+
+    @rng.setter
+    def rng(self, rng: random.Random) -> None:
+        self.tx.rng = rng
+
+    @property
+    def lease_takeovers(self) -> int:
+        """Expired leases this store took back (``TaskTx.lease_takeovers``): the
+        ``ba_lease_takeovers_total`` metric."""
+        return self.tx.lease_takeovers
 
     def conflict_reply_id(self, principal: str, message_id: str, fingerprint: str) -> str:
         """The id of the conflict answer to ``(principal, message_id)`` reused with content
         ``fingerprint``, in this database (``conflict_reply_id`` with its key)."""
-        return conflict_reply_id(self._conflict_id_key, principal, message_id, fingerprint)
+        return conflict_reply_id(self.conflict_key, principal, message_id, fingerprint)
 
     # -- intake (``inbox``) ---------------------------------------------------------------
 
@@ -137,7 +165,7 @@ class TaskStore:
     ) -> Intake:
         """``accept``, and in the same transaction a ``claim`` of up to ``n`` ready tasks
         for each ``(owner, n)`` of ``claim_for`` (``inbox.accept_and_claim``)."""
-        return inbox.accept_and_claim(self, items, claim_for)
+        return inbox.accept_and_claim(self.tx, self.conflict_key, items, claim_for)
 
     # -- workers --------------------------------------------------------------------------
 
@@ -150,45 +178,9 @@ class TaskStore:
             return []
         with self.db.write("claim") as c:
             now = tx_now(c, self.clock)
-            rows = self._claim_in(c, owner, n, now)
-        self._log_reconciled()
-        return self._claimed(rows, owner, now)
-
-    def _claim_in(self, c: Conn, owner: str, n: int, now: float) -> list[Any]:
-        """``claim``'s writes inside the caller's transaction; rows in claim order.
-
-        The oldest ready tasks are picked first, locked where several processes claim at
-        once (``skip_locked``: two workers on two hosts never take one task and never wait
-        on each other's rows), then taken in one UPDATE."""
-        self._reconcile(c, now)
-        d = c.dialect
-        ids = [
-            r["task_id"]
-            for r in c.execute(
-                f"SELECT task_id FROM tasks{d.indexed_by('tasks_ready')}"
-                " WHERE state = 'pending' AND not_before <= ? ORDER BY not_before LIMIT ?"
-                + d.skip_locked,
-                (now, n),
-            ).fetchall()
-        ]
-        if not ids:
-            return []
-        # One statement for the whole batch; RETURNING order is unspecified, so the rows are
-        # put back in claim order (oldest not_before first). ``+state`` keeps SQLite's
-        # planner on the primary key whatever index on ``state`` a database may carry.
-        rows = c.execute(
-            "UPDATE tasks SET state = 'running', owner = ?, lease_until = ?,"
-            " attempts = attempts + 1, fence = fence + 1, updated_at = ?"
-            f" WHERE task_id IN ({marks(len(ids))})"
-            f" AND {d.unindexed('state')} = 'pending'"
-            " RETURNING task_id, principal, message_id, kind, payload, attempts,"
-            " max_attempts, fence, deadline, hops, correlation_id, parent_id, traceparent,"
-            " task_name",
-            (owner, now + self.policy.lease_s, now, *ids),
-        ).fetchall()
-        count_in(c, TASK_ATTEMPTS, len(rows))  # with the claim: a killed worker's counts
-        by_id = {r["task_id"]: r for r in rows}
-        return [by_id[i] for i in ids if i in by_id]
+            rows = self.tx.claim_in(c, owner, n, now)
+        self.tx.log_reconciled()
+        return self.tx.claimed(rows, owner, now)
 
     def handed(self, owner: str, handles: Sequence[tuple[str, int]]) -> list[ClaimedTask]:
         """The tasks ``accept_and_claim`` claimed for ``owner``, as its own ``claim`` would
@@ -202,9 +194,7 @@ class TaskStore:
         with self.db.read() as c:
             for chunk, placeholders in in_lists(list(fences)):
                 for r in c.execute(
-                    "SELECT task_id, principal, message_id, kind, payload, attempts,"
-                    " max_attempts, fence, deadline, hops, correlation_id, parent_id,"
-                    " traceparent, task_name, lease_until"
+                    f"SELECT {CLAIM_COLUMNS}, lease_until"
                     f" FROM tasks WHERE task_id IN ({placeholders})"
                     " AND state = 'running' AND owner = ?",
                     (*chunk, owner),
@@ -212,63 +202,10 @@ class TaskStore:
                     if fences[r["task_id"]] == r["fence"]:
                         by_id[r["task_id"]] = r
         return [
-            self._claimed_task(by_id[task_id], owner, float(by_id[task_id]["lease_until"]))
+            claimed_task(by_id[task_id], owner, float(by_id[task_id]["lease_until"]))
             for task_id, _ in handles
             if task_id in by_id
         ]
-
-    def _claimed(self, rows: list[Any], owner: str, now: float) -> list[ClaimedTask]:
-        """The claims of ``_claim_in``'s rows (built after COMMIT: decoding payloads need not
-        hold the write lock)."""
-        lease_until = now + self.policy.lease_s
-        return [self._claimed_task(r, owner, lease_until) for r in rows]
-
-    @staticmethod
-    def _claimed_task(r: Any, owner: str, lease_until: float) -> ClaimedTask:
-        return ClaimedTask(
-            task_id=r["task_id"],
-            principal=r["principal"],
-            message_id=r["message_id"],
-            kind=r["kind"],
-            payload=json.loads(r["payload"]),
-            attempt=r["attempts"],
-            max_attempts=r["max_attempts"],
-            fence=r["fence"],
-            owner=owner,
-            lease_until=lease_until,
-            deadline=float(r["deadline"]),
-            hops=r["hops"],
-            correlation_id=r["correlation_id"],
-            parent_id=r["parent_id"],
-            traceparent=r["traceparent"],
-            task_name=r["task_name"],
-        )
-
-    def _holder(self, c: Conn, task_id: str, owner: str, fence: int) -> Any:
-        """Check rule 10 (``fencing.refusal``); raise ``StaleError`` (and roll back) if any
-        part fails. Returns the row (what ``lifecycle.write_reply`` and a failure need),
-        locked for the rest of the transaction where writers run at once (``for_update``):
-        what was checked cannot change before the caller writes."""
-        row = c.execute(
-            "SELECT state, owner, fence, lease_until, deadline, attempts, max_attempts,"
-            " principal, message_id, correlation_id, traceparent, cancel_requested_at"
-            " FROM tasks WHERE task_id = ?" + c.dialect.for_update,
-            (task_id,),
-        ).fetchone()
-        if row is None:
-            raise UnknownTask(task_id)
-        refused = refusal(
-            row,
-            task_id,
-            owner,
-            fence,
-            tx_now(c, self.clock),
-            state=TASK_HELD_STATE,
-            deadline=True,
-        )
-        if refused is not None:
-            raise refused
-        return row
 
     def renew(self, task_id: str, owner: str, fence: int) -> float:
         """Extend the lease by ``policy.lease_s``.
@@ -283,7 +220,7 @@ class TaskStore:
         with self.db.write("renew") as c:
             now = tx_now(c, self.clock)
             lease_until = now + self.policy.lease_s
-            row = self._holder(c, task_id, owner, fence)
+            row = self.tx.holder(c, task_id, owner, fence)
             requested = row["cancel_requested_at"]
             if requested is not None and now >= requested + self.policy.cancel_grace_s:
                 raise TaskCancelled(task_id)  # the grace of a requested cancel is over
@@ -309,7 +246,7 @@ class TaskStore:
         ``claim(owner, n)``; nothing when ``n`` is 0) in ONE transaction: ``settle.settle``,
         where the arguments and results are described."""
         return settle.settle(
-            self,
+            self.tx,
             items,
             owner,
             n,
@@ -355,7 +292,7 @@ class TaskStore:
             StaleError: refused; nothing is written.
         """
         item = Settlement(task_id, owner, fence, error=error, retryable=retryable)
-        (out,) = settle.settle(self, [item], "", 0, op="fail").results
+        (out,) = settle.settle(self.tx, [item], "", 0, op="fail").results
         if isinstance(out, StaleError):
             raise out
         assert isinstance(out, FailOutcome)
@@ -441,19 +378,8 @@ class TaskStore:
             counts by what happened: ``expired``, ``requeued``, ``exhausted``.
         """
         with self.db.write("reconcile") as c:
-            counts = self._reconcile(c, tx_now(c, self.clock))
-        self._log_reconciled()
-        return counts
-
-    def _log_reconciled(self) -> None:
-        taken, self._reconciled = self._reconciled, []
-        transitions.reconciled(taken)
-
-    def _reconcile(self, c: Conn, now: float) -> dict[str, int]:
-        taken: list[transitions.Reconciled] = []  # logged once the caller's transaction commits
-        self._reconciled = taken
-        counts = reconcile_in(c, now, taken)
-        self.lease_takeovers += counts["requeued"] + counts["exhausted"]
+            counts = self.tx.reconcile_in(c, tx_now(c, self.clock))
+        self.tx.log_reconciled()
         return counts
 
     def purge_batch(self, after: int = 0, limit: int = PURGE_BATCH) -> PurgeBatch:
@@ -473,7 +399,7 @@ class TaskStore:
     def get(self, task_id: str) -> TaskRow | None:
         with self.db.read() as c:
             row = c.execute(
-                f"SELECT {_TASK_COLUMNS} FROM tasks WHERE task_id = ?", (task_id,)
+                f"SELECT {TASK_COLUMNS} FROM tasks WHERE task_id = ?", (task_id,)
             ).fetchone()
         return TaskRow(**dict(row)) if row else None
 
@@ -506,7 +432,7 @@ class TaskStore:
             rows = c.execute(
                 f"SELECT principal, count(*) AS n FROM tasks"
                 f"{c.dialect.indexed_by('tasks_live_deadline')}"
-                " WHERE state IN ('pending', 'running') GROUP BY principal"
+                f" WHERE state IN {CLOCKED_SQL} GROUP BY principal"
             ).fetchall()
         return {r["principal"]: r["n"] for r in rows}
 

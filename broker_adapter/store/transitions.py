@@ -27,16 +27,18 @@ import logging
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
+from broker_adapter.errors import StaleError, TaskCancelled
+from broker_adapter.protocol.reply import reply_id_for
+from broker_adapter.store.task_types import Reconciled
+
 if TYPE_CHECKING:
-    from broker_adapter.store.tasks import AcceptItem, AcceptResult
+    from broker_adapter.store.inbox import AcceptItem, AcceptResult
 
 log = logging.getLogger("broker_adapter.tasks")
 
 #: The transitions every task makes: DEBUG. The others are INFO.
 ROUTINE = frozenset({"accepted", "claimed", "done"})
 
-#: ``(task_id, transition, state, owner, attempts)`` of a transition the clock made.
-Reconciled = tuple[str, str, str, str | None, int | None]
 
 _ACCEPT_TRANSITION = {
     "stored": ("accepted", "pending"),
@@ -73,12 +75,6 @@ def enabled(transition: str = "retry") -> bool:
     return log.isEnabledFor(level_of(transition))
 
 
-def reply_id_of(task_id: str) -> str:
-    from broker_adapter.store.tasks import reply_id_for
-
-    return reply_id_for(task_id)
-
-
 def task_transition(transition: str, task_id: str, state: str | None, **fields: Any) -> None:
     """Log one transition; ``fields`` with the value ``None`` are left out."""
     level = level_of(transition)
@@ -97,7 +93,7 @@ def claim_fields(claim: Claim) -> dict[str, Any]:
         "task_id": claim.task_id,
         "message_id": claim.message_id,
         "principal": claim.principal,
-        "reply_id": reply_id_of(claim.task_id),
+        "reply_id": reply_id_for(claim.task_id),
         "owner": claim.owner,
         "fence": claim.fence,
         "attempt": claim.attempt,
@@ -150,7 +146,7 @@ def accepted(items: Sequence[AcceptItem], results: Sequence[AcceptResult]) -> No
             state,
             message_id=item.envelope.message_id,
             principal=item.principal,
-            reply_id=result.reply_id or reply_id_of(result.task_id),
+            reply_id=result.reply_id or reply_id_for(result.task_id),
         )
 
 
@@ -166,7 +162,7 @@ def reconciled(taken_back: Iterable[Reconciled]) -> None:
             transition,
             task_id,
             state,
-            reply_id=reply_id_of(task_id),
+            reply_id=reply_id_for(task_id),
             owner=owner,
             attempt=attempts,
             detail=_CLOCK_DETAIL[transition],
@@ -191,8 +187,6 @@ def settled(
     routine = enabled("done")
     if not routine and not enabled():
         return
-    from broker_adapter.errors import StaleError, TaskCancelled
-
     for claim, result in zip(claims, results, strict=True):
         if not routine and isinstance(result, str) and result not in ("retry", "failed"):
             continue  # done, not logged at this level: the common case costs one look

@@ -138,8 +138,7 @@ from broker_adapter.stages.shared.publish import (
     Publication,
     ReplyPublisher,
 )
-from broker_adapter.store.interface import OutboxAPI
-from broker_adapter.store.outbox import OutboxRow
+from broker_adapter.store.outbox import OutboxRow, OutboxStore
 from broker_adapter.store.retention import DEFAULT_RETENTION_S
 
 if TYPE_CHECKING:
@@ -231,7 +230,7 @@ class Dispatcher:
         self,
         config: DispatcherConfig,
         client: Redis,
-        outbox: OutboxAPI,
+        outbox: OutboxStore,
         *,
         keyring: Keyring | None = None,
         clock: Clock | None = None,

@@ -54,7 +54,7 @@ from broker_adapter.redis.client import text, translated
 from broker_adapter.redis.cluster import cluster_server_info, is_cluster
 from broker_adapter.redis.internals import exchange
 from broker_adapter.stages.shared.publish import DispatcherStats
-from broker_adapter.store.interface import OutboxAPI
+from broker_adapter.store.outbox import OutboxStore
 
 if TYPE_CHECKING:
     from broker_adapter.redis.client import Redis
@@ -118,7 +118,7 @@ class LossWatch:
     def __init__(
         self,
         client: Redis,
-        outbox: OutboxAPI,
+        outbox: OutboxStore,
         keys: Keys,
         *,
         loss_window_s: float,

@@ -21,8 +21,7 @@ from broker_adapter.errors import ReplyConflict, StaleError
 from broker_adapter.protocol.keys import Keys
 from broker_adapter.redis.client import call, text
 from broker_adapter.redis.trimming import time_id
-from broker_adapter.store.interface import OutboxAPI
-from broker_adapter.store.outbox import OutboxRow, UnknownReply
+from broker_adapter.store.outbox import OutboxRow, OutboxStore, UnknownReply
 
 if TYPE_CHECKING:
     from broker_adapter.redis.client import Redis
@@ -65,7 +64,7 @@ class Replayer:
     def __init__(
         self,
         client: Redis,
-        outbox: OutboxAPI,
+        outbox: OutboxStore,
         keys: Keys,
         logger: logging.Logger | None = None,
     ) -> None:

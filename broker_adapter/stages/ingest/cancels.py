@@ -26,9 +26,8 @@ from typing import Any
 from broker_adapter.errors import EnvelopeError
 from broker_adapter.protocol.envelope import Envelope, check_principal
 from broker_adapter.store.effects import EffectsStore
-from broker_adapter.store.interface import TaskStoreAPI
 from broker_adapter.store.lifecycle import TaskState
-from broker_adapter.store.tasks import UnknownTask
+from broker_adapter.store.tasks import TaskStore, UnknownTask
 
 CANCEL_KIND = "cancel"
 _PAYLOAD_KEYS = frozenset({"message_id", "principal"})
@@ -71,7 +70,7 @@ def check_or_repr(name: str) -> str:
         return repr(name[:64])
 
 
-def apply_cancel(tasks: TaskStoreAPI, principal: str, envelope: Envelope) -> tuple[str, TaskState]:
+def apply_cancel(tasks: TaskStore, principal: str, envelope: Envelope) -> tuple[str, TaskState]:
     """Apply ``principal``'s cancel envelope; returns the task id and the state it left.
 
     Raises:

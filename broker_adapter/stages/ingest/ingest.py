@@ -81,8 +81,7 @@ from broker_adapter.stages.ingest.cancels import CANCEL_KIND, apply_cancel
 from broker_adapter.stages.ingest.config import IngestConfig, IngestStats
 from broker_adapter.stages.ingest.limits import IngressLimits
 from broker_adapter.stages.shared import tracing
-from broker_adapter.store.interface import TaskStoreAPI
-from broker_adapter.store.tasks import AcceptItem, AcceptResult, Outcome
+from broker_adapter.store.tasks import AcceptItem, AcceptResult, Outcome, TaskStore
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -126,7 +125,7 @@ class AcceptHandoff(Protocol):
     (``handoff.Handoff``): the hook the runner gives the ingest, in place of a plain
     ``TaskStore.accept``."""
 
-    def accept(self, tasks: TaskStoreAPI, items: Sequence[AcceptItem]) -> list[AcceptResult]: ...
+    def accept(self, tasks: TaskStore, items: Sequence[AcceptItem]) -> list[AcceptResult]: ...
 
 
 class Ingestor:
@@ -151,7 +150,7 @@ class Ingestor:
         self,
         config: IngestConfig,
         client: Redis,
-        tasks: TaskStoreAPI,
+        tasks: TaskStore,
         keyring: Keyring | None,
         *,
         clock: Clock | None = None,

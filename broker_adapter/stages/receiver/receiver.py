@@ -101,8 +101,13 @@ from broker_adapter.redis.reader import (
     ReaderConfig,
 )
 from broker_adapter.stages.shared import tracing
-from broker_adapter.store.interface import ReceiptsAPI
-from broker_adapter.store.receipts import AppliedItem, Effect, ReceiptItem, ReceiptOutcome
+from broker_adapter.store.receipts import (
+    AppliedItem,
+    Effect,
+    ReceiptItem,
+    ReceiptOutcome,
+    ReceiptStore,
+)
 from broker_adapter.store.retention import DEFAULT_RETENTION_S, PurgeBatch, PurgeSchedule
 
 if TYPE_CHECKING:
@@ -342,7 +347,7 @@ class Receiver:
         self,
         config: ReceiverConfig,
         client: Redis,
-        receipts: ReceiptsAPI,
+        receipts: ReceiptStore,
         effect: Effect | None = None,
         *,
         keyring: Keyring,

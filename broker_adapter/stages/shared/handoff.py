@@ -53,8 +53,7 @@ from broker_adapter.stages.shared.loop import LOOK as LOOK
 from broker_adapter.stages.shared.loop import Handed as Handed
 from broker_adapter.stages.shared.loop import Handle as Handle
 from broker_adapter.stages.shared.loop import IdleWait as IdleWait
-from broker_adapter.store.interface import TaskStoreAPI
-from broker_adapter.store.tasks import AcceptItem, AcceptResult, Outcome
+from broker_adapter.store.tasks import AcceptItem, AcceptResult, Outcome, TaskStore
 
 log = logging.getLogger("broker_adapter.stages.handoff")
 
@@ -219,7 +218,7 @@ class Handoff:
                 "handoff to worker slot %d failed (its tasks return at lease expiry): %s", slot, exc
             )
 
-    def accept(self, tasks: TaskStoreAPI, items: Sequence[AcceptItem]) -> list[AcceptResult]:
+    def accept(self, tasks: TaskStore, items: Sequence[AcceptItem]) -> list[AcceptResult]:
         """The ingest's accept with the hand-off (``ingest.AcceptHandoff``): the accept
         transaction also claims the new tasks for idle workers (``take``), each taken worker
         gets its handles after the commit (``give``); tasks stored that no idle worker took

@@ -40,8 +40,7 @@ from broker_adapter.redis.client import text
 from broker_adapter.redis.scripts import eval_many
 from broker_adapter.stages.shared import tracing
 from broker_adapter.store import transitions
-from broker_adapter.store.interface import OutboxAPI
-from broker_adapter.store.outbox import OutboxRow
+from broker_adapter.store.outbox import OutboxRow, OutboxStore
 
 if TYPE_CHECKING:
     from broker_adapter.redis.client import Redis
@@ -161,7 +160,7 @@ class ReplyPublisher:
     def __init__(
         self,
         client: Redis,
-        outbox: OutboxAPI,
+        outbox: OutboxStore,
         keys: Keys,
         owner: str,
         *,

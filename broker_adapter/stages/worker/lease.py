@@ -26,8 +26,7 @@ from broker_adapter.errors import (
     TransientError,
 )
 from broker_adapter.handler.task import Task, TaskControl
-from broker_adapter.store.interface import TaskStoreAPI
-from broker_adapter.store.tasks import ClaimedTask
+from broker_adapter.store.tasks import ClaimedTask, TaskStore
 
 #: With ``renew_every_s=None`` a lease is renewed this many times per lease period.
 RENEWALS_PER_LEASE = 3
@@ -134,7 +133,7 @@ class LeaseKeeper:
 
     def __init__(
         self,
-        tasks: TaskStoreAPI,
+        tasks: TaskStore,
         task: Task,
         interval_s: float,
         stats: RenewalCount,
@@ -228,7 +227,7 @@ class Leases:
 
     def __init__(
         self,
-        tasks: TaskStoreAPI,
+        tasks: TaskStore,
         owner: str,
         interval_s: float,
         clock: Clock,

@@ -15,9 +15,8 @@ from broker_adapter import crashpoints
 from broker_adapter.clock import Clock
 from broker_adapter.errors import StaleError, TransientError
 from broker_adapter.stages.shared.publish import Publication, ReplyPublisher
-from broker_adapter.store.interface import TaskStoreAPI
 from broker_adapter.store.outbox import OutboxRow, SentMark
-from broker_adapter.store.tasks import SettledBatch, Settlement
+from broker_adapter.store.tasks import SettledBatch, Settlement, TaskStore
 
 #: After Redis failed a worker's publication, its replies go to the dispatcher this long.
 PUBLISH_PAUSE_S = 1.0
@@ -70,7 +69,7 @@ class OwnReplies:
         self.publisher.count_marked([(row, pub) for row, pub, _ in confirmed], refused)
 
     def settle_batch(
-        self, tasks: TaskStoreAPI, items: list[Settlement], owner: str, n: int
+        self, tasks: TaskStore, items: list[Settlement], owner: str, n: int
     ) -> SettledBatch:
         """A worker's batch commit (``TaskStore.settle_batch``: outcomes, the next claim of
         up to ``n``) that also writes its replies claimed by the publisher and carries the

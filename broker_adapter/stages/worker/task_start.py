@@ -23,8 +23,7 @@ from broker_adapter.stages.worker.effect_gate import EffectGate
 from broker_adapter.stages.worker.lease import Leases
 from broker_adapter.store import transitions
 from broker_adapter.store.effects import EffectsStore
-from broker_adapter.store.interface import TaskStoreAPI
-from broker_adapter.store.tasks import ClaimedTask
+from broker_adapter.store.tasks import ClaimedTask, TaskStore
 
 
 class TaskStart:
@@ -32,7 +31,7 @@ class TaskStart:
 
     def __init__(
         self,
-        tasks: TaskStoreAPI,
+        tasks: TaskStore,
         leases: Leases,
         clock: Clock,
         stats: WorkerStats,

@@ -65,7 +65,6 @@ from broker_adapter.stages.worker.replies import OwnReplies
 from broker_adapter.stages.worker.routing import Routes, TaskLimits
 from broker_adapter.stages.worker.task_start import TaskStart
 from broker_adapter.store import transitions
-from broker_adapter.store.interface import OutboxAPI, TaskStoreAPI
 from broker_adapter.store.outbox import OutboxPolicy, OutboxRow, OutboxStore
 from broker_adapter.store.tasks import (
     ClaimedTask,
@@ -125,7 +124,7 @@ class Worker:
     def __init__(
         self,
         config: WorkerConfig,
-        tasks: TaskStoreAPI,
+        tasks: TaskStore,
         handler: Router | Handler | str,
         *,
         clock: Clock | None = None,
@@ -134,7 +133,7 @@ class Worker:
         outbox_policy: OutboxPolicy | None = None,
         keyring: Keyring | None = None,
         handoff: IdleWait | None = None,
-        outbox: OutboxAPI | None = None,
+        outbox: OutboxStore | None = None,
         metrics: WorkerMetricsSink | None = None,
         limits: TaskLimits | None = None,
     ) -> None:

@@ -34,7 +34,6 @@ from psycopg_pool import ConnectionPool, PoolTimeout
 
 from broker_adapter import crashpoints
 from broker_adapter.errors import ConfigError, StoreBusy, StoreError
-from broker_adapter.store.backends import is_postgres_url, redacted_url
 from broker_adapter.store.postgres.schema import (
     SCHEMA_VERSION,
     SchemaTooNew,
@@ -42,6 +41,7 @@ from broker_adapter.store.postgres.schema import (
     migrate,
 )
 from broker_adapter.store.sql import POSTGRES, Dialect, pg_sql
+from broker_adapter.store.urls import is_postgres_url, redacted_url
 
 log = logging.getLogger("broker_adapter.store")
 
