@@ -263,11 +263,9 @@ def _database_families(out: Families, db_path: Path | str) -> None:
             skew,
         )
     p, delivery = report["processing"], report["delivery"]
-    doc = "Tasks by state (from the database)."
-    for state in ("pending", "running", "unknown", "waiting_approval"):
-        out.gauge("ba_tasks", doc, p[state], state=state)
-    for state, n in report["terminal"].items():
-        out.gauge("ba_tasks", doc, n, state=state)
+    live = [(state, p[state]) for state in ("pending", "running", "unknown", "waiting_approval")]
+    for state, n in [*live, *report["terminal"].items()]:
+        out.gauge("ba_tasks", "Tasks by state (from the database).", n, state=state)
     out.gauge("ba_tasks_ready", "Pending tasks whose not_before has come.", p["ready"])
     for lease in ("live", "expired"):
         out.gauge("ba_task_leases", "Running tasks by lease.", p[f"{lease}_leases"], lease=lease)
@@ -282,14 +280,15 @@ def _database_families(out: Families, db_path: Path | str) -> None:
     )
     out.gauge("ba_receipts", "Replies the receiver recorded.", report["receipts"]["replies"])
     fx = report["effects"]
-    out.gauge(
-        "ba_unknown_outcomes",
-        "Tasks whose external effect's outcome is not known"
-        " (unknown), by whether they wait for an operator.",
-        fx["unknown"] - fx["awaiting_operator"],
-        waiting="reconcile",
-    )
-    out.gauge("ba_unknown_outcomes", "", fx["awaiting_operator"], waiting="operator")
+    operator = fx["awaiting_operator"]
+    for waiting, n in (("reconcile", fx["unknown"] - operator), ("operator", operator)):
+        out.gauge(
+            "ba_unknown_outcomes",
+            "Tasks whose external effect's outcome is not known"
+            " (unknown), by whether they wait for an operator.",
+            n,
+            waiting=waiting,
+        )
     _outcome_families(out, fx)
     out.gauge("ba_approvals_waiting", "Tasks waiting for an approval.", fx["waiting_approval"])
     for state in ("valid", "expired", "revoked"):

@@ -2,10 +2,10 @@
 
 The ingest (``ingest.Ingestor``: envelopes into the inbox) and the receiver
 (``receiver.Receiver``: replies into receipts) consume a stream the same way; a
-``GroupConsumer`` is that way, and each stage gives it what is its own as a
-``ConsumerStage``: how a batch is screened (bad entries dead-lettered, each on its own),
-the transaction that commits the rest, and what follows the commit (outcomes counted,
-refusals dead-lettered, the entries to acknowledge chosen).
+``GroupConsumer`` is that way, and each stage gives it what is its own as three callbacks:
+how a batch is screened (``Screen``: bad entries dead-lettered, each on its own), the
+transaction that commits the rest (``Commit``), and what follows the commit (``Settle``:
+outcomes counted, refusals dead-lettered, the entries to acknowledge chosen).
 
 The order it keeps (``docs/RULES.md`` rules 5 and 15): the commit, then its crash point,
 then ONE XACK for the batch (with ``peek``, the next new entries are read in the same

@@ -381,12 +381,13 @@ class Dispatcher:
             if marked or self._ahead:
                 idle.worked()
                 continue
-            while not stop.wait(idle.pause_s):
-                idle.waited()
-                if time.monotonic() - stepped_at >= IDLE_STEP_EVERY_S:
-                    break
-                if look(self.outbox.has_ready, self.log, "looking at the outbox"):
-                    break
+            idle.wait_for_work(
+                stop.wait,
+                lambda: (
+                    time.monotonic() - stepped_at >= IDLE_STEP_EVERY_S  # noqa: B023
+                    or look(self.outbox.has_ready, self.log, "looking at the outbox")
+                ),
+            )
 
     # -- trimming -----------------------------------------------------------------------------
 
