@@ -36,12 +36,15 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from broker_adapter.errors import BrokerAdapterError
+from broker_adapter.metric_fields import REDIS_DATA_LOSS_ALARMS, Family, declared
 from broker_adapter.redis.probe import StreamSample, redis_client, sample_groups
+from broker_adapter.stages.shared.publish import REPLY_PUBLISH, DispatcherStats
+from broker_adapter.stages.worker.config import TASK_OUTCOMES, WorkerStats
 from broker_adapter.store.probe import DatabaseError
 
 if TYPE_CHECKING:
@@ -156,28 +159,20 @@ class Observed:
 
 # -- the collector --------------------------------------------------------------------------
 
-_INBOX_OUTCOMES = {
-    "stored": "accepted",
-    "duplicate": "duplicates",
-    "conflict": "conflicts",
-    "expired": "expired",
-    "hop_limit": "hop_limited",
-}
-_RECEIVER_OUTCOMES = {
-    "applied": "applied",
-    "duplicate": "duplicates",
-    "conflict": "conflicts",
-    "bad": "bad",
-    "effect_failure": "effect_failures",
-}
-_PUBLISH_OUTCOMES = {
-    "published": "published",
-    "already_published": "already_published",
-    "conflict": "conflicts",
-    "failed": "failed",
-    "dead": "dead",
-    "fenced": "fenced",
-}
+#: Counted by the task store (``lease_takeovers``) of the ingest's process and of each
+#: worker process.
+LEASE_TAKEOVERS = Family(
+    "ba_lease_takeovers",
+    "Expired task leases taken back (requeued, or failed on the last attempt).",
+)
+
+
+def _stats_families(out: Families, stats: object, stage: str = "") -> None:
+    """The exported fields of a stats dataclass, as declared on them (``metric_fields``);
+    ``stage``: the label of the families declared ``per_stage``."""
+    for attr, d in declared(stats):
+        labels = {"stage": stage, **d.labels} if d.family.per_stage else dict(d.labels)
+        out.counter(d.family.name, d.family.help, getattr(stats, attr), **labels)
 
 
 def _reader_families(out: Families, stage: str, reader: GroupReader) -> None:
@@ -224,90 +219,21 @@ def _reader_families(out: Families, stage: str, reader: GroupReader) -> None:
         s.reconnects,
         stage=stage,
     )
-    out.counter(
-        "ba_redis_data_loss_alarms",
-        "Redis data loss seen: a consumer group gone"
-        " (group_lost), the epoch key gone (wipe), a restart (restart).",
-        s.group_recreated,
-        stage=stage,
-        kind="group_lost",
-    )
-
-
-def _publish_families(out: Families, stage: str, s: DispatcherStats) -> None:
-    for outcome, attr in _PUBLISH_OUTCOMES.items():
-        out.counter(
-            "ba_reply_publish",
-            "Reply publications, by outcome.",
-            getattr(s, attr),
-            stage=stage,
-            outcome=outcome,
-        )
-
-
-def _trim_families(
-    out: Families, stage: str, trimmed: int, dead: int, failures: int, future: int
-) -> None:
-    out.counter("ba_stream_entries_trimmed", "Stream entries trimmed.", trimmed, stage=stage)
-    out.counter("ba_dead_letters_trimmed", "Dead letters trimmed by age.", dead, stage=stage)
-    out.counter("ba_trim_failures", "Trims that failed (retried).", failures, stage=stage)
-    out.counter(
-        "ba_stream_future_ids",
-        "Trims that found a stream read past an id ahead of"
-        " the server clock (poisoned: repair it).",
-        future,
-        stage=stage,
-    )
+    alarms = REDIS_DATA_LOSS_ALARMS
+    out.counter(alarms.name, alarms.help, s.group_recreated, stage=stage, kind="group_lost")
 
 
 def _stage_families(out: Families, observed: Observed) -> None:
     for ingestor in list(observed.ingestors):
-        i = ingestor.stats
-        for outcome, attr in _INBOX_OUTCOMES.items():
-            out.counter(
-                "ba_inbox_entries",
-                "Authenticated entries the inbox took, by outcome.",
-                getattr(i, attr),
-                outcome=outcome,
-            )
-        _trim_families(
-            out, "ingest", i.trimmed, i.dead_letters_trimmed, i.trim_failures, i.future_ids
-        )
-        out.counter(
-            "ba_lease_takeovers",
-            "Expired task leases taken back (requeued, or failed on the last attempt).",
-            ingestor.tasks.lease_takeovers,
-        )
+        _stats_families(out, ingestor.stats, "ingest")
+        takeovers = LEASE_TAKEOVERS
+        out.counter(takeovers.name, takeovers.help, ingestor.tasks.lease_takeovers)
         for reader in ingestor.readers:
             _reader_families(out, "ingest", reader)
     for dispatcher in list(observed.dispatchers):
-        s = dispatcher.stats
-        _publish_families(out, "dispatcher", s)
-        _trim_families(
-            out, "dispatcher", s.trimmed, s.dead_letters_trimmed, s.trim_failures, s.future_ids
-        )
-        out.counter(
-            "ba_reply_entries_unread_trimmed",
-            "Replies no group acknowledged, trimmed"
-            " at the retention window (their outbox rows still hold them).",
-            s.unread_trimmed,
-        )
-        out.counter(
-            "ba_replies_requeued",
-            "Sent replies put back in line after Redis data loss.",
-            s.requeued,
-        )
-        for kind, n in (("wipe", s.wipes), ("restart", s.restarts)):
-            out.counter("ba_redis_data_loss_alarms", "", n, stage="dispatcher", kind=kind)
+        _stats_families(out, dispatcher.stats, "dispatcher")
     for receiver in list(observed.receivers):
-        for outcome, attr in _RECEIVER_OUTCOMES.items():
-            out.counter(
-                "ba_receiver_replies",
-                "Replies the receiver handled, by outcome"
-                " (applied: effect run; duplicate: skipped).",
-                getattr(receiver.stats, attr),
-                outcome=outcome,
-            )
+        _stats_families(out, receiver.stats)
         _reader_families(out, "receiver", receiver.reader)
 
 
@@ -331,11 +257,9 @@ def _database_families(out: Families, db_path: Path | str) -> None:
             skew,
         )
     p, delivery = report["processing"], report["delivery"]
-    doc = "Tasks by state (from the database)."
-    for state in ("pending", "running", "unknown", "waiting_approval"):
-        out.gauge("ba_tasks", doc, p[state], state=state)
-    for state, n in report["terminal"].items():
-        out.gauge("ba_tasks", doc, n, state=state)
+    live = [(state, p[state]) for state in ("pending", "running", "unknown", "waiting_approval")]
+    for state, n in [*live, *report["terminal"].items()]:
+        out.gauge("ba_tasks", "Tasks by state (from the database).", n, state=state)
     out.gauge("ba_tasks_ready", "Pending tasks whose not_before has come.", p["ready"])
     for lease in ("live", "expired"):
         out.gauge("ba_task_leases", "Running tasks by lease.", p[f"{lease}_leases"], lease=lease)
@@ -350,14 +274,15 @@ def _database_families(out: Families, db_path: Path | str) -> None:
     )
     out.gauge("ba_receipts", "Replies the receiver recorded.", report["receipts"]["replies"])
     fx = report["effects"]
-    out.gauge(
-        "ba_unknown_outcomes",
-        "Tasks whose external effect's outcome is not known"
-        " (unknown), by whether they wait for an operator.",
-        fx["unknown"] - fx["awaiting_operator"],
-        waiting="reconcile",
-    )
-    out.gauge("ba_unknown_outcomes", "", fx["awaiting_operator"], waiting="operator")
+    operator = fx["awaiting_operator"]
+    for waiting, n in (("reconcile", fx["unknown"] - operator), ("operator", operator)):
+        out.gauge(
+            "ba_unknown_outcomes",
+            "Tasks whose external effect's outcome is not known"
+            " (unknown), by whether they wait for an operator.",
+            n,
+            waiting=waiting,
+        )
     _outcome_families(out, fx)
     out.gauge("ba_approvals_waiting", "Tasks waiting for an approval.", fx["waiting_approval"])
     for state in ("valid", "expired", "revoked"):
@@ -380,10 +305,7 @@ def _outcome_families(out: Families, fx: dict[str, Any]) -> None:
         fx["task_attempts"],
     )
     out.counter(
-        "ba_task_outcomes",
-        "Task outcomes committed by workers.",
-        fx["task_outcomes_unknown"],
-        outcome="unknown",
+        TASK_OUTCOMES.name, TASK_OUTCOMES.help, fx["task_outcomes_unknown"], outcome="unknown"
     )
     for outcome in ("done", "not-done", "unknown"):
         out.counter(
@@ -532,36 +454,6 @@ class AdapterCollector:
 
 # -- worker processes -----------------------------------------------------------------------
 
-#: ``WorkerStats`` field -> (counter, its labels), or ``None``: counted by the database in
-#: the transaction that commits it (``_outcome_families``), not from a worker's memory.
-_WORKER_COUNTERS: dict[str, tuple[str, str, dict[str, str]] | None] = {
-    "claimed": None,  # ba_task_attempts_total, at the claim's commit
-    "handed": (
-        "ba_tasks_handed",
-        "Of the attempts, tasks the ingest claimed for an idle worker.",
-        {},
-    ),
-    "done": ("ba_task_outcomes", "Task outcomes committed by workers.", {"outcome": "done"}),
-    "retried": ("ba_task_outcomes", "", {"outcome": "retry"}),
-    "failed": ("ba_task_outcomes", "", {"outcome": "failed"}),
-    "cancelled": ("ba_task_outcomes", "", {"outcome": "cancelled"}),
-    "expired": ("ba_task_outcomes", "", {"outcome": "expired"}),
-    "unknown": None,  # ba_task_outcomes_total{outcome="unknown"}, the take-back's too
-    "waiting_approval": ("ba_task_outcomes", "", {"outcome": "waiting_approval"}),
-    "stale_commits": (
-        "ba_stale_fence_refusals",
-        "Commits the store refused (fence, owner,"
-        " lease, deadline) and tasks not started after losing their lease.",
-        {},
-    ),
-    "timeouts": ("ba_handler_timeouts", "Handler calls abandoned (call timeout, stop grace).", {}),
-    "renewals": ("ba_lease_renewals", "Task lease renewals.", {}),
-    "store_errors": (
-        "ba_worker_store_errors",
-        "Task outcomes whose commit failed (left to lease expiry).",
-        {},
-    ),
-}
 #: Buckets of ``ba_handler_duration_seconds``, seconds.
 HANDLER_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 300.0)
 
@@ -581,29 +473,27 @@ class WorkerMetrics:
         # multiprocess values even if prometheus_client was imported before the variable was set
         values.ValueClass = values.get_value_class()  # type: ignore[no-untyped-call]
         registry = CollectorRegistry()  # private: nothing registers twice in a test process
-        counters: dict[str, Any] = {}
-        self._counters: dict[str, Any] = {}
-        for attr, exported in _WORKER_COUNTERS.items():
-            if exported is None:
-                continue
-            name, doc, labels = exported
-            if name not in counters:
-                counters[name] = Counter(name, doc or name, list(labels), registry=registry)
-            metric = counters[name]
-            self._counters[attr] = metric.labels(**labels) if labels else metric
-        publish = Counter(
-            "ba_reply_publish",
-            "Reply publications, by outcome.",
-            ["stage", "outcome"],
-            registry=registry,
-        )
-        self._publish = {
-            attr: publish.labels(stage="worker", outcome=outcome)
-            for outcome, attr in _PUBLISH_OUTCOMES.items()
+        families: dict[Family, Any] = {}
+
+        def child(family: Family, labels: dict[str, str]) -> Any:
+            """The counter of ``family`` with ``labels`` (registered at its first use)."""
+            if family not in families:
+                families[family] = Counter(
+                    family.name, family.help, list(labels), registry=registry
+                )
+            return families[family].labels(**labels) if labels else families[family]
+
+        #: the exported fields of ``WorkerStats``, and the publications of
+        #: ``DispatcherStats``, with their counters
+        self._counters = {
+            attr: child(d.family, dict(d.labels)) for attr, d in declared(WorkerStats)
         }
-        self._takeovers = Counter(
-            "ba_lease_takeovers", "Expired task leases taken back.", registry=registry
-        )
+        self._publish = {
+            attr: child(d.family, {"stage": "worker", **d.labels})
+            for attr, d in declared(DispatcherStats)
+            if d.family == REPLY_PUBLISH
+        }
+        self._takeovers = child(LEASE_TAKEOVERS, {})
         self._duration = Histogram(
             "ba_handler_duration_seconds",
             "Handler call time, by handler and task name.",
@@ -620,9 +510,8 @@ class WorkerMetrics:
 
     def sync(self, stats: WorkerStats, publish: DispatcherStats, takeovers: int) -> None:
         """Add what the counters gained since the last sync."""
-        for f in fields(stats):
-            if f.name in self._counters:
-                self._add(f.name, getattr(stats, f.name), self._counters[f.name])
+        for attr, counter in self._counters.items():
+            self._add(attr, getattr(stats, attr), counter)
         for attr, child in self._publish.items():
             self._add(f"publish.{attr}", getattr(publish, attr), child)
         self._add("takeovers", takeovers, self._takeovers)

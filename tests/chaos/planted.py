@@ -11,7 +11,8 @@ that applies a patch says so on stderr (``planted: <bug> active in pid N``).
 Bugs:
 
 * ``xack_before_commit``: ingest acknowledges a batch (XACK) BEFORE its inbox transaction
-  commits (docs/RULES.md rule 5). A crash between the two loses the batch.
+  commits (``consumer.GroupConsumer.commit``, for the ingest's consumers; docs/RULES.md
+  rule 5). A crash between the two loses the batch.
 * ``stale_finish``: a successful commit (``TaskStore.finish`` and the batched ``settle_*``
   methods) skips the fence check: it is made in the name of whoever holds the task now.
   A zombie worker that wakes up after another worker re-claimed its task commits its
@@ -31,10 +32,9 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from broker_adapter.protocol.signing import Keyring
-from broker_adapter.stages.ingest.ingest import Ingestor
 from broker_adapter.stages.receiver import receiver
-from broker_adapter.store.inbox import Intake
-from broker_adapter.store.tasks import AcceptItem, AcceptResult, TaskStore
+from broker_adapter.stages.shared.consumer import Checked, GroupConsumer
+from broker_adapter.store.tasks import TaskStore
 
 ENV = "CHAOS_PLANTED"
 BUGS = ("xack_before_commit", "stale_finish", "skip_reply_signature")
@@ -42,36 +42,17 @@ _applied: set[str] = set()
 
 
 def _patch_xack_before_commit() -> None:
-    """Wrap ``Ingestor._handle`` so that, while it runs, the store's ``accept`` first
+    """Wrap ``GroupConsumer.commit`` so that, for the ingest's consumers, it first
     acknowledges the batch's entries and only then commits them (the planted bug)."""
-    original_handle = Ingestor._handle
+    original_commit = GroupConsumer.commit
 
-    def handle(self: Ingestor, source: Any, entries: list[Any], *, peek: bool = False) -> int:
-        tasks = self.tasks
-        accept, accept_and_claim = tasks.accept, tasks.accept_and_claim
+    def commit(self: GroupConsumer[Any, Any], batch: Checked[Any], *, peek: bool = False) -> int:
+        if self.points.after_commit == "ingest.after_commit":  # the ingest's, not the receiver's
+            ids = [entry.entry_id for entry in batch.entries]
+            self.acked += self.reader.ack(ids)  # BUG: XACK before the commit
+        return original_commit(self, batch, peek=peek)
 
-        def ack_first(items: Sequence[AcceptItem]) -> None:
-            ids = [item.entry_id for item in items if item.entry_id]
-            self.stats.acked += source.reader.ack(ids)  # BUG: XACK before the commit
-
-        def accept_after_ack(items: Sequence[AcceptItem]) -> list[AcceptResult]:
-            ack_first(items)
-            return accept(items)
-
-        def accept_and_claim_after_ack(
-            items: Sequence[AcceptItem], claim_for: Sequence[tuple[str, int]]
-        ) -> Intake:
-            ack_first(items)  # the hand-off's accept (``handoff.Handoff.accept``)
-            return accept_and_claim(items, claim_for)
-
-        tasks.accept = accept_after_ack  # type: ignore[method-assign]
-        tasks.accept_and_claim = accept_and_claim_after_ack  # type: ignore[method-assign]
-        try:
-            return original_handle(self, source, entries, peek=peek)
-        finally:
-            del tasks.accept, tasks.accept_and_claim  # back to the class's methods
-
-    Ingestor._handle = handle  # type: ignore[method-assign]
+    GroupConsumer.commit = commit  # type: ignore[method-assign]
 
 
 def _current_holder(store: TaskStore, task_id: str) -> tuple[str, int] | None:
@@ -126,7 +107,7 @@ def _patch_skip_reply_signature() -> None:
 
 
 _PATCHES: dict[str, tuple[Any, str, Callable[[], None]]] = {
-    "xack_before_commit": (Ingestor, "_handle", _patch_xack_before_commit),
+    "xack_before_commit": (GroupConsumer, "commit", _patch_xack_before_commit),
     "stale_finish": (TaskStore, "finish", _patch_stale_finish),
     "skip_reply_signature": (receiver, "check_signature", _patch_skip_reply_signature),
 }

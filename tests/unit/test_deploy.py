@@ -20,7 +20,12 @@ from typing import Any
 import pytest
 import yaml
 
+from broker_adapter.metric_fields import declared
 from broker_adapter.protocol.signing import Keyring
+from broker_adapter.stages.ingest.config import IngestStats
+from broker_adapter.stages.receiver.receiver import ReceiverStats
+from broker_adapter.stages.shared.publish import DispatcherStats
+from broker_adapter.stages.worker.config import WorkerStats
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -35,9 +40,15 @@ PROFILE = "observability"
 
 
 def _exported_names() -> set[str]:
-    """Every metric family name written in ``broker_adapter/app/metrics.py``."""
+    """Every metric family name written in ``broker_adapter/app/metrics.py`` or declared on
+    a field of a stats dataclass it exports (``metric_fields``)."""
     source = (ROOT / "broker_adapter" / "app" / "metrics.py").read_text(encoding="utf-8")
-    return set(re.findall(r'"(ba_[a-z_]+)"', source))
+    declared_on_fields = {
+        d.family.name
+        for stats in (IngestStats, ReceiverStats, DispatcherStats, WorkerStats)
+        for _, d in declared(stats)
+    }
+    return set(re.findall(r'"(ba_[a-z_]+)"', source)) | declared_on_fields
 
 
 def _family(name: str) -> str:

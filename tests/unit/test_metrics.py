@@ -16,10 +16,11 @@ from prometheus_client.parser import text_string_to_metric_families
 from broker_adapter.app.adapter import stages_down
 from broker_adapter.app.metrics import AdapterCollector, Observed, WorkerMetrics
 from broker_adapter.app.serving import MetricsServer
+from broker_adapter.metric_fields import declared
 from broker_adapter.redis.reader import ReaderStats
 from broker_adapter.stages.ingest.config import IngestStats
 from broker_adapter.stages.receiver.receiver import ReceiverStats
-from broker_adapter.stages.shared.publish import DispatcherStats
+from broker_adapter.stages.shared.publish import REPLY_PUBLISH, DispatcherStats
 from broker_adapter.stages.worker.worker import WorkerStats
 from broker_adapter.store import open_database
 
@@ -144,6 +145,52 @@ def test_worker_counters_go_through_the_multiprocess_files_and_add_to_this_proce
     assert got['ba_handler_duration_seconds_bucket{handler="pkg.mod:fn",le="0.001",task=""}'] == 0
     assert got['ba_handler_duration_seconds_bucket{handler="pkg.mod:fn",le="0.005",task=""}'] == 1
     assert any(name.endswith(f"_{os.getpid()}.db") for name in os.listdir(tmp_path))
+
+
+def _numbered(stats_type: Any, first: int) -> Any:
+    """A stats object whose declared fields hold first, first + 1, ... in field order."""
+    return stats_type(**{attr: first + i for i, (attr, _) in enumerate(declared(stats_type))})
+
+
+def _sample_key(name: str, labels: dict[str, str]) -> str:
+    inner = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+    return f"{name}_total{{{inner}}}" if inner else f"{name}_total"
+
+
+def test_both_metric_paths_export_every_declared_field_under_its_declaration(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
+    monkeypatch.setattr(values, "ValueClass", values.ValueClass)  # restored afterwards
+    ingest, receiver = _numbered(IngestStats, 100), _numbered(ReceiverStats, 200)
+    dispatcher, worker = _numbered(DispatcherStats, 300), _numbered(WorkerStats, 400)
+    worker_publish = _numbered(DispatcherStats, 500)
+    WorkerMetrics(tmp_path, "h").sync(worker, worker_publish, takeovers=0)
+    ingestor = SimpleNamespace(stats=ingest, readers=[], tasks=SimpleNamespace(lease_takeovers=0))
+    reader = SimpleNamespace(stream="r", stats=ReaderStats())
+    observed = Observed(
+        ingestors=[ingestor],  # type: ignore[list-item]
+        dispatchers=[SimpleNamespace(stats=dispatcher)],  # type: ignore[list-item]
+        receivers=[SimpleNamespace(stats=receiver, reader=reader)],  # type: ignore[list-item]
+        worker_dir=tmp_path,
+    )
+    got = _samples(observed)
+    want: dict[str, float] = {}
+    for stats, stage, only in (
+        (ingest, "ingest", None),
+        (receiver, "receiver", None),
+        (dispatcher, "dispatcher", None),
+        (worker, "", None),
+        (worker_publish, "worker", REPLY_PUBLISH),
+    ):
+        for attr, d in declared(stats):
+            if only is not None and d.family != only:
+                continue
+            labels = {"stage": stage, **d.labels} if d.family.per_stage else dict(d.labels)
+            key = _sample_key(d.family.name, labels)
+            want[key] = want.get(key, 0) + getattr(stats, attr)
+    assert len(want) >= 40
+    assert {k: got.get(k) for k in want} == want
 
 
 def test_healthz_and_readyz_answers(tmp_path: Path) -> None:

@@ -105,11 +105,10 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
-import tenacity
 from pydantic import Field
 
 from broker_adapter import crashpoints
-from broker_adapter.backoff import retrying
+from broker_adapter.backoff import call_until_stopped
 from broker_adapter.clock import Clock
 from broker_adapter.config import ConfigModel
 from broker_adapter.errors import (
@@ -372,25 +371,22 @@ class Dispatcher:
         doubling intervals up to ``idle_poll_s``, and steps again as soon as a row is ready,
         or after ``IDLE_STEP_EVERY_S`` in any case.
         """
-        policy = retrying().copy(stop=tenacity.stop_when_event_set(stop), sleep=stop.wait)
         idle = IdlePolicy(self.config.wake_poll_s, self.config.idle_poll_s)
         while not stop.is_set() or self._ahead:  # rows claimed ahead are published first
-            try:
-                marked = policy(lambda: self.step(claim_ahead=not stop.is_set()))
-            except TransientError:
-                if stop.is_set():
-                    return
-                raise
+            marked = call_until_stopped(stop, lambda: self.step(claim_ahead=not stop.is_set()))
+            if marked is None:
+                return  # stopped during a backoff
             stepped_at = time.monotonic()
             if marked or self._ahead:
                 idle.worked()
                 continue
-            while not stop.wait(idle.pause_s):
-                idle.waited()
-                if time.monotonic() - stepped_at >= IDLE_STEP_EVERY_S:
-                    break
-                if look(self.outbox.has_ready, self.log, "looking at the outbox"):
-                    break
+            idle.wait_for_work(
+                stop.wait,
+                lambda: (
+                    time.monotonic() - stepped_at >= IDLE_STEP_EVERY_S  # noqa: B023
+                    or look(self.outbox.has_ready, self.log, "looking at the outbox")
+                ),
+            )
 
     # -- trimming -----------------------------------------------------------------------------
 

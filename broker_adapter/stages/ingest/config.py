@@ -8,6 +8,13 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 
 from broker_adapter.config import DEFAULT_CLAIM_MIN_IDLE_MS, ConfigModel
+from broker_adapter.metric_fields import (
+    DEAD_LETTERS_TRIMMED,
+    STREAM_ENTRIES_TRIMMED,
+    STREAM_FUTURE_IDS,
+    TRIM_FAILURES,
+    Family,
+)
 from broker_adapter.protocol.keys import DEFAULT_PREFIX, MAX_PARTITIONS, KeyPrefix, Principal
 from broker_adapter.redis.reader import (
     DEFAULT_BLOCK_MS,
@@ -106,26 +113,31 @@ class IngestConfig(ConfigModel):
         return self
 
 
+#: Authenticated entries the inbox took; the ``outcome`` label is ``store.inbox.Outcome``.
+INBOX_ENTRIES = Family("ba_inbox_entries", "Authenticated entries the inbox took, by outcome.")
+
+
 @dataclass
 class IngestStats:
     """Counters since start. ``dead_lettered`` is by reason, including the reader's own
-    (``payload_deleted``, ``delivery_limit``)."""
+    (``payload_deleted``, ``delivery_limit``). The exported ones declare their metric
+    (``metric_fields``)."""
 
     batches: int = 0
     entries: int = 0
-    accepted: int = 0
-    duplicates: int = 0
-    conflicts: int = 0
-    expired: int = 0
-    hop_limited: int = 0
+    accepted: int = INBOX_ENTRIES.field(outcome="stored")
+    duplicates: int = INBOX_ENTRIES.field(outcome="duplicate")
+    conflicts: int = INBOX_ENTRIES.field(outcome="conflict")
+    expired: int = INBOX_ENTRIES.field(outcome="expired")
+    hop_limited: int = INBOX_ENTRIES.field(outcome="hop_limit")
     acked: int = 0
     taken_over: int = 0
     transient_errors: int = 0
-    trimmed: int = 0
-    dead_letters_trimmed: int = 0
-    trim_failures: int = 0
+    trimmed: int = STREAM_ENTRIES_TRIMMED.field()
+    dead_letters_trimmed: int = DEAD_LETTERS_TRIMMED.field()
+    trim_failures: int = TRIM_FAILURES.field()
     #: trims that found a group past an id ahead of the server clock (a poisoned stream)
-    future_ids: int = 0
+    future_ids: int = STREAM_FUTURE_IDS.field()
     dead_lettered: dict[str, int] = field(default_factory=dict)
 
     @property

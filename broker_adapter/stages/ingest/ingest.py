@@ -15,7 +15,9 @@ Invariants kept:
   by the ``GroupReader`` before anything is parsed. Only transient failures of Redis or
   SQLite (not an entry's fault) fail the batch, which is then replayed.
 
-Settings and counters: ``ingest_config``.
+Settings and counters: ``ingest_config``. Each stream's batches go through a
+``consumer.GroupConsumer`` (the read, the hold across a busy store, commit before XACK);
+this module gives it the screening (``intake``), the accept transaction and what follows it.
 
 How one batch goes (``step``)::
 
@@ -56,31 +58,38 @@ transaction.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 import tenacity
 
 from broker_adapter import crashpoints
-from broker_adapter.backoff import run_until_stopped
 from broker_adapter.clock import Clock, SystemClock
-from broker_adapter.errors import ConfigError, EnvelopeError, StoreBusy, TransientError
+from broker_adapter.errors import ConfigError, EnvelopeError, TransientError
+from broker_adapter.metric_fields import fields_by_label
 from broker_adapter.protocol import deadletter
 from broker_adapter.protocol.keys import INGEST_GROUP, Keys
 from broker_adapter.protocol.signing import Authenticated, EntryFields, Keyring
-from broker_adapter.redis.cluster import socket_timeout
 from broker_adapter.redis.entry import StreamEntry
 from broker_adapter.redis.reader import GroupReader, ReaderConfig
 from broker_adapter.redis.trimming import now_ms as trim_now_ms
 from broker_adapter.redis.trimming import trim_with_dead_letters
 from broker_adapter.stages.ingest import intake
 from broker_adapter.stages.ingest.cancels import CANCEL_KIND, apply_cancel
-from broker_adapter.stages.ingest.config import IngestConfig, IngestStats
+from broker_adapter.stages.ingest.config import INBOX_ENTRIES, IngestConfig, IngestStats
 from broker_adapter.stages.ingest.limits import IngressLimits
 from broker_adapter.stages.shared import tracing
+from broker_adapter.stages.shared.consumer import (
+    Checked,
+    CrashPoints,
+    GroupConsumer,
+    check_block_timeout,
+    run_consumers,
+)
 from broker_adapter.store.tasks import AcceptItem, AcceptResult, Outcome, TaskStore
 
 if TYPE_CHECKING:
@@ -97,27 +106,31 @@ log = logging.getLogger("broker_adapter.stages.ingest")
 #: A cancel the database was too busy to apply: its entry stays pending.
 _NOT_NOW = EnvelopeError("payload", "busy", "the database was busy")
 
-_OUTCOME_COUNTER = {
-    Outcome.STORED: "accepted",
-    Outcome.DUPLICATE: "duplicates",
-    Outcome.CONFLICT: "conflicts",
-    Outcome.EXPIRED: "expired",
-    Outcome.HOP_LIMIT: "hop_limited",
-}
+#: ``Outcome`` -> the ``IngestStats`` field that counts it (their metric's ``outcome`` label).
+_OUTCOME_COUNTER = fields_by_label(IngestStats, INBOX_ENTRIES, "outcome")
+
+
+_POINTS = CrashPoints(
+    after_commit="ingest.after_commit",
+    after_xack="ingest.after_xack",
+    after_read="ingest.after_read",
+    after_take_over="ingest.after_autoclaim",
+)
 
 
 @dataclass
 class _Source:
     """One inbound stream and, in ACL mode, the principal its ACL binds to it."""
 
-    reader: GroupReader
     principal: str | None
     #: ``intake.authenticator`` for this stream.
     authenticate: Callable[[EntryFields], Authenticated]
-    # A checked batch whose accept transaction failed on a busy or failing store: retried
-    # as it is, without reading the entries again, so a store outage does not raise their
-    # Redis delivery counts towards the poison limit.
-    held: tuple[list[StreamEntry], list[AcceptItem]] | None = None
+    #: Reads, holds across a busy store and acknowledges this stream's batches.
+    consumer: GroupConsumer[AcceptItem, AcceptResult] = field(init=False)
+
+    @property
+    def reader(self) -> GroupReader:
+        return self.consumer.reader
 
 
 class AcceptHandoff(Protocol):
@@ -187,12 +200,7 @@ class Ingestor:
             ]
         )
         block_ms = max(1, config.block_ms // len(streams))
-        timeout = socket_timeout(client)
-        if timeout is not None and float(timeout) * 1000 <= block_ms:
-            raise ConfigError(
-                f"client socket timeout {timeout}s must exceed block_ms={block_ms}: a blocked "
-                "read would otherwise look like a dead connection"
-            )
+        check_block_timeout(client, block_ms)
         reader_config = ReaderConfig(
             count=config.count,
             block_ms=block_ms,
@@ -201,16 +209,19 @@ class Ingestor:
             max_entry_fields=config.max_entry_fields,
             max_entry_bytes=config.max_entry_bytes,
         )
-        self._sources = [
-            _Source(
+        self._sources: list[_Source] = []
+        for stream, dead, p in streams:
+            source = _Source(p, intake.authenticator(p, keyring))
+            source.consumer = GroupConsumer(
                 GroupReader(
                     client, stream, INGEST_GROUP, config.consumer, dead, reader_config, self.log
                 ),
-                p,
-                intake.authenticator(p, keyring),
+                _POINTS,
+                screen=functools.partial(self._screen, source),
+                commit=self._accept,
+                settle=functools.partial(self._after_commit, source),
             )
-            for stream, dead, p in streams
-        ]
+            self._sources.append(source)
         self._next_take_over = float("-inf")
         self._next_trim = self.clock.now() + config.trim_every_s
         #: the last ``step`` handled nothing: the next one may block on its reads
@@ -246,23 +257,7 @@ class Ingestor:
         block = self._idle_round or len(self._sources) == 1
         for source in self._sources:
             try:
-                if source.held is not None:
-                    good, items = source.held
-                    handled += self._commit(source, good, items, peek=peek)
-                    continue
-                entries = source.reader.read(block=block)
-                if entries:
-                    crashpoints.hit("ingest.after_read")
-                    if peek:
-                        source.reader.prefetch()  # the next batch, prepared meanwhile
-                    handled += self._handle(source, entries, peek=peek)
-            except StoreBusy:
-                raise  # the batch is held (see _commit); no re-read, no redelivery
-            except BaseException:
-                # Whatever failed, the batch is not acknowledged (or maybe only partly):
-                # the next read replays this consumer's pending list before new entries.
-                source.reader.reset()
-                raise
+                handled += source.consumer.step(block=block, peek=peek).handled
             finally:
                 self._sync_stats()
         self._idle_round = handled == 0
@@ -283,17 +278,18 @@ class Ingestor:
         """
         handled = 0
         for source in self._sources:
+            consumer = source.consumer
             try:
                 for _ in range(TAKE_OVER_MAX_PAGES):
-                    entries = source.reader.take_over()
+                    entries = consumer.take_over()
                     if entries:
-                        crashpoints.hit("ingest.after_autoclaim")
                         self.stats.taken_over += len(entries)
-                        handled += self._handle(source, entries)
-                    if source.reader.scan_complete:
+                        consumer.handle(entries)
+                        handled += len(entries)
+                    if consumer.reader.scan_complete:
                         break
             except BaseException:
-                source.reader.reset()
+                consumer.reader.reset()  # a busy store too: the page is read again
                 raise
             finally:
                 self._sync_stats()
@@ -364,17 +360,19 @@ class Ingestor:
             exc = state.outcome.exception() if state.outcome else None
             self.log.warning("ingest: transient failure, backing off: %s", exc)
 
-        # The shared loop and policy (``backoff.retrying``); a stop cuts the backoff short.
-        run_until_stopped(stop, self.tick, before_sleep=note)
-        if any(source.reader.has_ahead for source in self._sources):
-            try:
-                self.step(peek=False)  # entries read ahead: handled now, not replayed later
-            except TransientError as exc:
-                self.log.warning("ingest: entries read ahead stay pending (%s)", exc)
+        run_consumers(
+            stop,
+            self.tick,
+            lambda: self.step(peek=False),
+            [source.consumer for source in self._sources],
+            self.log,
+            "ingest",
+            before_sleep=note,
+        )
 
     # -- one batch --------------------------------------------------------------------------
 
-    def _handle(self, source: _Source, entries: list[StreamEntry], *, peek: bool = False) -> int:
+    def _screen(self, source: _Source, entries: list[StreamEntry]) -> Checked[AcceptItem]:
         good, items = intake.screen(
             source.reader, entries, source.authenticate, self.limits, principal=source.principal
         )
@@ -382,50 +380,26 @@ class Ingestor:
             crashpoints.hit("ingest.after_dead_letter")
         self.stats.batches += 1
         self.stats.entries += len(entries)
-        if not items:
-            return len(entries)
-        return self._commit(source, good, items, peek=peek) + len(entries) - len(good)
+        return Checked(good, items)
 
-    def _commit(
-        self,
-        source: _Source,
-        good: list[StreamEntry],
-        items: list[AcceptItem],
-        *,
-        peek: bool = False,
-    ) -> int:
-        """Accept a checked batch in one transaction, then XACK it (with ``peek``, reading
-        the next new entries in the same round trip)."""
-        reader = source.reader
-        started = tracing.now()
-        # One transaction for the whole batch; no Redis call happens inside it.
-        try:
-            handoff = self._handoff
-            results = (
-                self.tasks.accept(items) if handoff is None else handoff.accept(self.tasks, items)
-            )
-        except StoreBusy:
-            source.held = (good, items)
-            raise
-        source.held = None
-        crashpoints.hit("ingest.after_commit")
-        to_ack = self._after_commit(reader, good, items, results)
-        tracing.ingested(items, results, started)
-        # XACK after COMMIT: a crash between the two leaves the entries pending, and the
-        # inbox's unique key turns their redelivery into duplicates.
-        self.stats.acked += reader.ack(to_ack, peek=peek)
-        crashpoints.hit("ingest.after_xack")
-        return len(good)
+    def _accept(self, items: list[AcceptItem]) -> list[AcceptResult]:
+        """The batch's one transaction (handing its new tasks to idle workers with a
+        ``handoff``); no Redis call happens inside it."""
+        handoff = self._handoff
+        return self.tasks.accept(items) if handoff is None else handoff.accept(self.tasks, items)
 
     def _after_commit(
         self,
-        reader: GroupReader,
-        entries: list[StreamEntry],
-        items: list[AcceptItem],
+        source: _Source,
+        batch: Checked[AcceptItem],
         results: list[AcceptResult],
+        started: int,
     ) -> list[str]:
+        """Count the outcomes, apply the batch's cancels, dead-letter what the transaction
+        refused; returns the entry ids to acknowledge."""
+        reader = source.reader
         to_ack: list[str] = []
-        for entry, item, result in zip(entries, items, results, strict=True):
+        for entry, item, result in zip(batch.entries, batch.items, results, strict=True):
             refusal = result.refusal
             if refusal is not None and item.envelope.kind == CANCEL_KIND:
                 refusal = self._cancel(item)  # after the batch's commit, its own transaction
@@ -456,6 +430,7 @@ class Ingestor:
                     entry.entry_id,
                 )
             to_ack.append(entry.entry_id)
+        tracing.ingested(batch.items, results, started)
         return to_ack
 
     def _cancel(self, item: AcceptItem) -> EnvelopeError | None:
@@ -483,3 +458,4 @@ class Ingestor:
             for reason, n in source.reader.stats.by_reason.items():
                 merged[reason] = merged.get(reason, 0) + n
         self.stats.dead_lettered = merged
+        self.stats.acked = sum(source.consumer.acked for source in self._sources)

@@ -6,11 +6,11 @@ a duplicate skips the effect and returns the earlier result; different content u
 reply id is refused (dead-lettered with reason ``reply_conflict``) and its effect never
 runs.
 
-Reading goes through the shared ``redis.reader.GroupReader`` (consumer group ``ba-receiver`` on
-``replies(P)``): after start and after every error it re-reads its own pending entries
-first, it takes over entries idle in a dead consumer's list (XAUTOCLAIM, every
-``take_over_interval_s``), it recreates a group Redis lost, and it dead-letters deleted
-entries and entries past ``max_deliveries``.
+Reading goes through a ``consumer.GroupConsumer`` and its ``redis.reader.GroupReader``
+(consumer group ``ba-receiver`` on ``replies(P)``): after start and after every error it
+re-reads its own pending entries first, it takes over entries idle in a dead consumer's
+list (XAUTOCLAIM, every ``take_over_interval_s``), it recreates a group Redis lost, and it
+dead-letters deleted entries and entries past ``max_deliveries``.
 
 Per batch: the reader refuses entries of more than ``max_entry_fields`` fields, of more than
 ``max_reply_bytes`` bytes (inside Redis) and with a repeated field name; then check each
@@ -72,23 +72,15 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import Field, model_validator
 
-from broker_adapter import crashpoints
-from broker_adapter.backoff import run_until_stopped
 from broker_adapter.clock import Clock
 from broker_adapter.config import DEFAULT_CLAIM_MIN_IDLE_MS, ConfigModel
-from broker_adapter.errors import (
-    AuthError,
-    ConfigError,
-    GroupMissingError,
-    StoreBusy,
-    TransientError,
-)
+from broker_adapter.errors import AuthError, ConfigError, GroupMissingError, TransientError
+from broker_adapter.metric_fields import Family
 from broker_adapter.protocol.canonical import sha256_hex
 from broker_adapter.protocol.keys import DEFAULT_PREFIX, RECEIVER_GROUP, KeyPrefix, Keys, Principal
 from broker_adapter.protocol.reply import BadReply, Reply, load_body
 from broker_adapter.protocol.signing import REPLY_WIRE_VERSION, Keyring
 from broker_adapter.redis.client import text, translated
-from broker_adapter.redis.cluster import socket_timeout
 from broker_adapter.redis.entry import StreamEntry
 from broker_adapter.redis.reader import (
     DEFAULT_BLOCK_MS,
@@ -101,6 +93,13 @@ from broker_adapter.redis.reader import (
     ReaderConfig,
 )
 from broker_adapter.stages.shared import tracing
+from broker_adapter.stages.shared.consumer import (
+    Checked,
+    CrashPoints,
+    GroupConsumer,
+    check_block_timeout,
+    run_consumers,
+)
 from broker_adapter.store.receipts import (
     AppliedItem,
     Effect,
@@ -134,6 +133,11 @@ PURGE_STEP_BUDGET_S = 0.02
 REPLY_AGE_SLACK_S = 3600.0
 REPLY_FORMAT_VERSION = REPLY_WIRE_VERSION.encode()
 _HEX = frozenset("0123456789abcdef")
+_POINTS = CrashPoints(
+    before_commit="receiver.before_commit",
+    after_commit="receiver.after_commit",
+    after_xack="receiver.after_xack",
+)
 
 
 class ReceiverConfig(ConfigModel):
@@ -316,13 +320,21 @@ def parse_entry(
     return ReceiptItem(reply_id, content_hash, principal, bytes(body), entry_id, reply)
 
 
+RECEIVER_REPLIES = Family(
+    "ba_receiver_replies",
+    "Replies the receiver handled, by outcome (applied: effect run; duplicate: skipped).",
+)
+
+
 @dataclass
 class ReceiverStats:
-    applied: int = 0
-    duplicates: int = 0
-    conflicts: int = 0
-    bad: int = 0
-    effect_failures: int = 0
+    """Counters since start; each declares its metric (``metric_fields``)."""
+
+    applied: int = RECEIVER_REPLIES.field(outcome="applied")
+    duplicates: int = RECEIVER_REPLIES.field(outcome="duplicate")
+    conflicts: int = RECEIVER_REPLIES.field(outcome="conflict")
+    bad: int = RECEIVER_REPLIES.field(outcome="bad")
+    effect_failures: int = RECEIVER_REPLIES.field(outcome="effect_failure")
 
 
 class Receiver:
@@ -359,11 +371,7 @@ class Receiver:
                 f"keyring has no keys for principal {config.principal!r}: its replies"
                 " cannot be verified"
             )
-        timeout = socket_timeout(client)
-        if timeout is not None and float(timeout) * 1000 <= config.block_ms:
-            raise ConfigError(
-                f"socket timeout {timeout} s must exceed block_ms {config.block_ms} ms"
-            )
+        check_block_timeout(client, config.block_ms)
         self.config = config
         self.client = client
         self.receipts = receipts
@@ -373,7 +381,7 @@ class Receiver:
         self.log = logger or logging.getLogger("broker_adapter.stages.receiver")
         self.stats = ReceiverStats()
         keys = Keys(config.prefix)
-        self.reader = GroupReader(
+        reader = GroupReader(
             client,
             keys.replies(config.principal),
             config.group,
@@ -389,11 +397,13 @@ class Receiver:
             ),
             self.log,
         )
+        self._consumer = GroupConsumer(
+            reader, _POINTS, screen=self._screen, commit=self._apply, settle=self._settle
+        )
         self._next_take_over = float("-inf")
         self._failed_last_step = False
         #: When the own-pending replay deferred after a failed step is due (clock time).
         self._replay_at: float | None = None
-        self._held: list[tuple[StreamEntry, ReceiptItem]] | None = None
         # The receiver is its database's only writer: its batches need no pause between
         # them, only a bound on how long one step spends on them.
         self._purges = PurgeSchedule(self.clock, self.log, pause_s=0.0, pause_factor=0.0)
@@ -417,26 +427,34 @@ class Receiver:
         """
         if self._purges.due():  # old receipts, a few batches between reply batches
             self._purges.run_for(self._purge_batch, PURGE_STEP_BUDGET_S)
-        try:
-            if self._held is not None:
-                return self._commit(self._held, peek=peek)
-            if self._replay_at is not None and self.clock.now() >= self._replay_at:
-                self._replay_at = None
-                self.reader.replay()  # the pause is over: retry the failed entries
-            entries = self.reader.read()
-            if peek:
-                self.reader.prefetch()  # after a whole batch: the next one, prepared meanwhile
-            now = self.clock.now()
-            if now >= self._next_take_over:
-                entries += self.reader.take_over()
-                if self.reader.scan_complete:
-                    self._next_take_over = now + self.config.take_over_interval_s
-            return self._handle(entries, peek=peek)
-        except StoreBusy:
-            raise  # the batch is held (see _commit): retried as it is, not read again
-        except BaseException:
-            self.reader.reset()  # after ANY other error: own pending entries first next time
-            raise
+        due = self._replay_at
+        if self._consumer.held is None and due is not None and self.clock.now() >= due:
+            self._replay_at = None
+            self.reader.replay()  # the pause is over: retry the failed entries
+        self._failed_last_step = False
+        acked = self._consumer.step(peek=peek, take_over=self._take_over_page).acked
+        if self._failed_last_step:
+            # The failed entries stay pending and come back with the own-pending replay,
+            # after the pause (one pause for every failure until then).
+            if self._replay_at is None:
+                self._replay_at = self.clock.now() + self.config.failed_step_pause_s
+            self.reader.defer_replay()
+        return acked
+
+    @property
+    def reader(self) -> GroupReader:
+        """The reader of this principal's reply stream."""
+        return self._consumer.reader
+
+    def _take_over_page(self) -> list[StreamEntry]:
+        """A take-over page, when one is due (the batch read in the same step)."""
+        now = self.clock.now()
+        if now < self._next_take_over:
+            return []
+        entries = self._consumer.take_over()
+        if self.reader.scan_complete:
+            self._next_take_over = now + self.config.take_over_interval_s
+        return entries
 
     def _purge_batch(self, after: int) -> PurgeBatch:
         """One batch of the receipts purge: receipts applied more than ``retention_s`` ago,
@@ -456,9 +474,9 @@ class Receiver:
             cutoff = min(cutoff, oldest_ms / 1000 - PENDING_SLACK_S)
         return self.receipts.purge_batch(cutoff, after)
 
-    def _handle(self, entries: list[StreamEntry], *, peek: bool = False) -> int:
+    def _screen(self, entries: list[StreamEntry]) -> Checked[ReceiptItem]:
         seen: set[str] = set()
-        good: list[tuple[StreamEntry, ReceiptItem]] = []
+        good: Checked[ReceiptItem] = Checked()
         not_before = self.clock.now() - self.config.reply_age_limit_s
         for entry in entries:
             if entry.entry_id in seen or entry.fields is None:
@@ -472,7 +490,7 @@ class Receiver:
                     keyring=self.keyring,
                     not_before=not_before,
                 )
-                good.append((entry, item))
+                good.add(entry, item)
             except BadReply as bad:
                 self.stats.bad += 1
                 self.reader.dead_letter(entry, bad.reason, bad.detail)
@@ -481,37 +499,21 @@ class Receiver:
             except Exception as exc:  # noqa: BLE001 - this entry's problem, not the batch's
                 self.stats.bad += 1
                 self.reader.dead_letter_exception(entry, exc, "checking it")
-        return self._commit(good, peek=peek)
+        return good
 
-    def _commit(self, good: list[tuple[StreamEntry, ReceiptItem]], *, peek: bool = False) -> int:
-        self._failed_last_step = False
-        if not good:
-            return 0
-        crashpoints.hit("receiver.before_commit")
-        started = tracing.now()
-        try:
-            results = self.receipts.apply_many([item for _, item in good], self.effect)
-        except StoreBusy:
-            # Keep the checked batch: re-reading it would raise each entry's delivery count
-            # towards the poison limit although nothing is wrong with it.
-            self._held = good
-            raise
-        self._held = None
-        crashpoints.hit("receiver.after_commit")
-        tracing.received([item for _, item in good], results, started)
+    def _apply(self, items: list[ReceiptItem]) -> list[AppliedItem]:
+        """The batch's one transaction: a receipt and the effect per new reply."""
+        return self.receipts.apply_many(items, self.effect)
+
+    def _settle(
+        self, batch: Checked[ReceiptItem], results: list[AppliedItem], started: int
+    ) -> list[str]:
+        tracing.received(batch.items, results, started)
         ack: list[str] = []
-        for (entry, _item), result in zip(good, results, strict=True):
+        for entry, result in zip(batch.entries, results, strict=True):
             if self._outcome(entry, result):
                 ack.append(entry.entry_id)
-        self.reader.ack(ack, peek=peek)
-        crashpoints.hit("receiver.after_xack")
-        if self._failed_last_step:
-            # The failed entries stay pending and come back with the own-pending replay,
-            # after the pause (one pause for every failure until then).
-            if self._replay_at is None:
-                self._replay_at = self.clock.now() + self.config.failed_step_pause_s
-            self.reader.defer_replay()
-        return len(ack)
+        return ack
 
     def _outcome(self, entry: StreamEntry, result: AppliedItem) -> bool:
         """Count one reply's outcome; True when its entry is to be acknowledged."""
@@ -547,9 +549,6 @@ class Receiver:
         (A failing effect is retried after ``failed_step_pause_s``; ``step`` itself spaces
         the retries, and reads of new entries block for ``block_ms``, so nothing spins.)
         """
-        run_until_stopped(stop, self.step)
-        if self.reader.has_ahead:
-            try:
-                self.step(peek=False)  # entries read ahead: applied now, not replayed later
-            except TransientError as exc:
-                self.log.warning("receiver: entries read ahead stay pending (%s)", exc)
+        run_consumers(
+            stop, self.step, lambda: self.step(peek=False), [self._consumer], self.log, "receiver"
+        )

@@ -42,12 +42,13 @@ from pydantic import Field
 
 from broker_adapter.backoff import Backoff
 from broker_adapter.config import ConfigModel
-from broker_adapter.errors import StaleError, TransientError
+from broker_adapter.errors import StaleError
 from broker_adapter.handler.effects import CompensateFn, EffectSpec, Observation
 from broker_adapter.handler.task import Task
 from broker_adapter.protocol.canonical import canonical_json
 from broker_adapter.stages.shared.calls import call_handler
 from broker_adapter.stages.shared.handlers import describe_error
+from broker_adapter.stages.shared.loop import run_passes
 from broker_adapter.store.approvals import ApprovalStore
 from broker_adapter.store.cancel_reconcile import resolve_cancelled
 from broker_adapter.store.effects import EffectsStore, ReconcileClaim
@@ -307,13 +308,9 @@ def run_reconciles(
     reconcile a batch of ``unknown`` tasks (``Reconciler.run_once``), every
     ``policy.every_s`` (at once again while batches come back full). A store that is busy
     or failing is tried again at the next pass."""
-    out = logger or log
-    while not stop.is_set():
-        full = False
-        try:
-            approvals.release_waits()
-            full = reconciler.run_once() >= reconciler.policy.batch
-        except TransientError as exc:
-            out.warning("reconcile pass failed, will retry: %s", exc)
-        if not full and stop.wait(reconciler.policy.every_s):
-            return
+
+    def one_pass() -> bool:
+        approvals.release_waits()
+        return reconciler.run_once() >= reconciler.policy.batch  # full: more may wait
+
+    run_passes(stop, one_pass, reconciler.policy.every_s, logger or log, "reconcile pass")

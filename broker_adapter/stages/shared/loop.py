@@ -1,16 +1,22 @@
-"""The idle policy of a polling stage loop: how often to look for work when there is none.
+"""How stage loops wait: the idle policy of a polling loop, and the loop of a periodic pass.
 
-A shared stage helper, not a stage: the worker (``worker.Worker.run``) and the dispatcher
-(``dispatcher.Dispatcher.run``) both follow it. After its last work a loop looks again every
-``first_s`` for ``ALERT_AFTER_WORK_S``, then the pause doubles with every empty look, up to
-``longest_s``. A look is a read (``look``: no write lock, no fsync); a step follows only
-when it finds something. The pauses themselves are waits on the loop's stop event (or on a
-hand-off: ``IdleWait``, the worker's end of the ingest's hand-off), which the loop makes.
+A shared stage helper, not a stage. The worker (``worker.Worker.run``) and the dispatcher
+(``dispatcher.Dispatcher.run``) follow the idle policy: how often to look for work when
+there is none. After its last work a loop looks again every ``first_s`` for
+``ALERT_AFTER_WORK_S``, then the pause doubles with every empty look, up to ``longest_s``.
+A look is a read (``look``: no write lock, no fsync); a step follows only when it finds
+something. The pauses themselves are waits on the loop's stop event (or on a hand-off:
+``IdleWait``, the worker's end of the ingest's hand-off), which the loop gives
+``IdlePolicy.wait_for_work``.
+
+The reconcile (``effects.run_reconciles``) is a periodic pass (``run_passes``). The ingest
+and the receiver consume a stream (``consumer.run_consumers``).
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 from typing import Final, Literal, Protocol
@@ -70,6 +76,28 @@ class IdlePolicy:
         if time.monotonic() - self.busy_at >= ALERT_AFTER_WORK_S:
             self.pause_s = min(self.pause_s * 2, self.longest_s)
 
+    def wait_for_work(
+        self,
+        wait: Callable[[float], bool],
+        found: Callable[[], bool],
+        *,
+        handed: Callable[[], bool] | None = None,
+    ) -> None:
+        """Pause until there is work or the loop is to stop.
+
+        Args:
+            wait: one pause of the given length; ``True`` when the loop is to stop.
+            found: after each pause (once it has grown): whether there is work now (a look).
+            handed: after each pause, first: whether work came with it (a hand-off); then
+                the pause does not grow.
+        """
+        while not wait(self.pause_s):
+            if handed is not None and handed():
+                return
+            self.waited()
+            if found():
+                return
+
 
 def look(probe: Callable[[], bool], log: logging.Logger, what: str) -> bool:
     """Run one look for work (``probe``, a read); a transient failure is logged as ``what``
@@ -79,3 +107,23 @@ def look(probe: Callable[[], bool], log: logging.Logger, what: str) -> bool:
     except TransientError as exc:
         log.warning("%s failed, will retry: %s", what, exc)
         return False
+
+
+def run_passes(
+    stop: threading.Event,
+    one_pass: Callable[[], bool],
+    every_s: float,
+    log: logging.Logger,
+    what: str,
+) -> None:
+    """Run ``one_pass`` every ``every_s`` until ``stop`` is set, at once again while it
+    returns ``True`` (more is waiting). A transient failure is logged as ``what`` failing
+    and the pass is tried again at the next interval."""
+    while not stop.is_set():
+        more = False
+        try:
+            more = one_pass()
+        except TransientError as exc:
+            log.warning("%s failed, will retry: %s", what, exc)
+        if not more and stop.wait(every_s):
+            return

@@ -33,6 +33,14 @@ from broker_adapter.errors import (
     StaleError,
     TransientError,
 )
+from broker_adapter.metric_fields import (
+    DEAD_LETTERS_TRIMMED,
+    REDIS_DATA_LOSS_ALARMS,
+    STREAM_ENTRIES_TRIMMED,
+    STREAM_FUTURE_IDS,
+    TRIM_FAILURES,
+    Family,
+)
 from broker_adapter.protocol.keys import Keys
 from broker_adapter.protocol.reply import CONFLICT_STATUS
 from broker_adapter.protocol.signing import REPLY_WIRE_VERSION, Keyring, ReplySignature
@@ -109,25 +117,38 @@ class Publication:
     transient: bool = False
 
 
+#: Reply publications, of the dispatcher and of workers that publish their own replies.
+REPLY_PUBLISH = Family("ba_reply_publish", "Reply publications, by outcome.", per_stage=True)
+
+
 @dataclass
 class DispatcherStats:
-    published: int = 0
-    already_published: int = 0
-    conflicts: int = 0
-    failed: int = 0
-    dead: int = 0
-    fenced: int = 0
-    wipes: int = 0
-    restarts: int = 0
+    """Counters of a publisher (``stage``: the dispatcher's, or a worker's); the exported
+    ones declare their metric (``metric_fields``)."""
+
+    published: int = REPLY_PUBLISH.field(outcome="published")
+    already_published: int = REPLY_PUBLISH.field(outcome="already_published")
+    conflicts: int = REPLY_PUBLISH.field(outcome="conflict")
+    failed: int = REPLY_PUBLISH.field(outcome="failed")
+    dead: int = REPLY_PUBLISH.field(outcome="dead")
+    fenced: int = REPLY_PUBLISH.field(outcome="fenced")
+    wipes: int = REDIS_DATA_LOSS_ALARMS.field(kind="wipe")
+    restarts: int = REDIS_DATA_LOSS_ALARMS.field(kind="restart")
     #: Deleted epoch keys set back (Redis kept its data: not a wipe).
     epoch_restored: int = 0
-    requeued: int = 0
-    trimmed: int = 0
-    unread_trimmed: int = 0
-    dead_letters_trimmed: int = 0
-    trim_failures: int = 0
+    requeued: int = Family(
+        "ba_replies_requeued", "Sent replies put back in line after Redis data loss."
+    ).field()
+    trimmed: int = STREAM_ENTRIES_TRIMMED.field()
+    unread_trimmed: int = Family(
+        "ba_reply_entries_unread_trimmed",
+        "Replies no group acknowledged, trimmed"
+        " at the retention window (their outbox rows still hold them).",
+    ).field()
+    dead_letters_trimmed: int = DEAD_LETTERS_TRIMMED.field()
+    trim_failures: int = TRIM_FAILURES.field()
     #: trims that found a group past an id ahead of the server clock (a poisoned stream)
-    future_ids: int = 0
+    future_ids: int = STREAM_FUTURE_IDS.field()
     #: result records past their window, removed by the trim
     results_purged: int = 0
 

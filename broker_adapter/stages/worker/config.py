@@ -9,6 +9,7 @@ from typing import Protocol
 from pydantic import Field
 
 from broker_adapter.config import ConfigModel
+from broker_adapter.metric_fields import Family
 from broker_adapter.protocol.keys import DEFAULT_PREFIX, KeyPrefix
 from broker_adapter.redis.client import RedisUrl
 from broker_adapter.stages.shared.publish import DEFAULT_RECORD_TTL_S, DispatcherStats
@@ -82,9 +83,14 @@ class WorkerConfig(ConfigModel):
     concurrency: int = Field(default=1, ge=1, le=MAX_CONCURRENCY)
 
 
+#: Task outcomes; a worker's are counted in its memory, ``unknown`` by the database.
+TASK_OUTCOMES = Family("ba_task_outcomes", "Task outcomes committed by workers.")
+
+
 @dataclass
 class WorkerStats:
-    """Counters of one worker, since it was built.
+    """Counters of one worker, since it was built; the exported ones declare their metric
+    (``metric_fields``).
 
     Attributes:
         claimed: tasks this worker claimed, or the ingest claimed for it (``handed``).
@@ -104,19 +110,33 @@ class WorkerStats:
         waiting_approval: tasks parked for an approval record before their effect.
     """
 
+    #: not exported from here: ``ba_task_attempts_total`` is counted by the database in
+    #: the claim's transaction
     claimed: int = 0
-    handed: int = 0
-    done: int = 0
-    retried: int = 0
-    failed: int = 0
-    stale_commits: int = 0
-    cancelled: int = 0
-    timeouts: int = 0
-    expired: int = 0
-    renewals: int = 0
-    store_errors: int = 0
+    handed: int = Family(
+        "ba_tasks_handed", "Of the attempts, tasks the ingest claimed for an idle worker."
+    ).field()
+    done: int = TASK_OUTCOMES.field(outcome="done")
+    retried: int = TASK_OUTCOMES.field(outcome="retry")
+    failed: int = TASK_OUTCOMES.field(outcome="failed")
+    stale_commits: int = Family(
+        "ba_stale_fence_refusals",
+        "Commits the store refused (fence, owner,"
+        " lease, deadline) and tasks not started after losing their lease.",
+    ).field()
+    cancelled: int = TASK_OUTCOMES.field(outcome="cancelled")
+    timeouts: int = Family(
+        "ba_handler_timeouts", "Handler calls abandoned (call timeout, stop grace)."
+    ).field()
+    expired: int = TASK_OUTCOMES.field(outcome="expired")
+    renewals: int = Family("ba_lease_renewals", "Task lease renewals.").field()
+    store_errors: int = Family(
+        "ba_worker_store_errors", "Task outcomes whose commit failed (left to lease expiry)."
+    ).field()
+    #: not exported from here: ``ba_task_outcomes_total{outcome="unknown"}`` is counted by
+    #: the database, the lease take-back's unknowns too
     unknown: int = 0
-    waiting_approval: int = 0
+    waiting_approval: int = TASK_OUTCOMES.field(outcome="waiting_approval")
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)

@@ -356,17 +356,21 @@ class Worker:
                     if self._ahead or not self._found_none:
                         continue
                     # The commit's claim found nothing: look (a read) before claiming again.
-                while not self._idle_wait(stop, self._until_marks_due(idle.pause_s)):
-                    if self._marks_waiting() and self._until_marks_due(idle.pause_s) <= 0:
-                        self._mark_sent()  # no commit came in time to carry them
-                    if self._woken:
-                        break  # new tasks were committed: claim, no look first
-                    idle.waited()
-                    if look(self.tasks.has_work, self.log, "looking for work"):
-                        break
+                idle.wait_for_work(
+                    lambda pause: self._idle_wait(stop, self._until_marks_due(pause)),
+                    lambda: look(self.tasks.has_work, self.log, "looking for work"),
+                    handed=lambda: self._woken_while_idle(idle.pause_s),
+                )
             self._mark_sent()
         finally:
             self._stop = None
+
+    def _woken_while_idle(self, pause: float) -> bool:
+        """After an idle pause: mark the confirmed publications no commit came in time to
+        carry; whether the hand-off said new tasks were committed (claim, no look first)."""
+        if self._marks_waiting() and self._until_marks_due(pause) <= 0:
+            self._mark_sent()
+        return self._woken
 
     def _until_marks_due(self, pause: float) -> float:
         """How long an idle wait may last: ``pause``, or less when confirmed publications
