@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from broker_adapter.stages.handlers import RetryableError, Task
+from broker_adapter.stages.handlers import Task
 
 
 def echo(task: Task) -> dict[str, Any]:
@@ -22,10 +22,3 @@ def upper(task: Task) -> dict[str, Any]:
     if not isinstance(text, str):
         raise ValueError("payload needs a string 'text'")
     return {"text": text.upper()}
-
-
-def flaky_once(task: Task) -> dict[str, Any]:
-    """Fail the first attempt with a retryable error, succeed after."""
-    if task.attempt == 1:
-        raise RetryableError("first attempt fails on purpose")
-    return {"attempt": task.attempt}

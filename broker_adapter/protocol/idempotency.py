@@ -3,7 +3,7 @@
 * The **intent** (``Intent``): what was asked, by whom. The authenticated principal and the
   ``message_id`` it chose (``docs/RULES.md`` rule 1). Every resend, every attempt and every
   task accepted for the same request share it.
-* The **attempt** (``Attempt``): who is doing it right now. The task id and the fence of
+* The **attempt**: who is doing it right now. The task id and the fence of
   the current claim. It changes at every claim (fence + 1) and is what a holder presents to
   commit (rule 10) or to write to a fenced target (``broker_adapter.fences``). It orders
   attempts of one task; it never names an effect.
@@ -50,13 +50,6 @@ class Intent(NamedTuple):
 
     principal: str
     message_id: str
-
-
-class Attempt(NamedTuple):
-    """Who holds the work now: a task and the fence of its current claim."""
-
-    task_id: str
-    fence: int
 
 
 def effect_key(

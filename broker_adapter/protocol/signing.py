@@ -62,8 +62,6 @@ FIELD_VERSION = "v"
 FIELD_ENV = "env"
 FIELD_KID = "kid"
 FIELD_SIG = "sig"
-SIGNED_FIELDS = (FIELD_VERSION, FIELD_ENV, FIELD_KID, FIELD_SIG)
-ACL_FIELDS = (FIELD_VERSION, FIELD_ENV)
 KID_MAX_BYTES = 64
 #: A shorter secret is refused: a short one is found offline, from one signed entry, by
 #: trying candidates against its HMAC.

@@ -24,7 +24,7 @@ none:
 * record, same hash: already published, the earlier entry id is returned, nothing added;
 * record, other hash: a permanent conflict; the row goes ``dead`` with the reason.
 
-Every entry is signed for the principal it is addressed to (``auth.Keyring.sign_reply``:
+Every entry is signed for the principal it is addressed to (``signing.Keyring.sign_reply``:
 ``kid`` and ``sig``), at publish time: the HMAC is deterministic, so publishing a row again
 gives the same entry and the outbox stores nothing about it; the record still dedupes by the
 body's content hash (after a key rotation a re-publish is still "already published"). A row
@@ -218,7 +218,7 @@ class Dispatcher:
 
     Args:
         config: batch size, retention window, loss window.
-        client: a client from ``streams.connect`` (no automatic re-sends).
+        client: a client from ``redis.client.connect`` (no automatic re-sends).
         outbox: the outbox of this process's database.
         keyring: signs the replies (``ReplyPublisher``). Without one the dispatcher only
             watches, lists and replays (the operator's ``dead-letters replay``, which puts

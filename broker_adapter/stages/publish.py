@@ -152,7 +152,7 @@ class ReplyPublisher:
     around it instead of ``settle``'s mark step.
 
     Args:
-        client: a client from ``streams.connect`` (no automatic re-sends).
+        client: a client from ``redis.client.connect`` (no automatic re-sends).
         outbox: the outbox of this process's database.
         keys: the key layout.
         owner: the publisher's name on the rows it holds.

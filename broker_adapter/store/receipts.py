@@ -115,7 +115,7 @@ class ReceiptStore:
             content_hash: SHA-256 of ``body``, as published.
             principal: whose reply stream it came from.
             body: the reply's canonical JSON bytes.
-            effect: called with (connection, reply dict) inside the transaction, only for a
+            effect: called with (connection, ``Reply``) inside the transaction, only for a
                 reply not seen before; an exception rolls everything back and propagates.
             entry_id: the stream entry it arrived in (for diagnostics).
 
@@ -170,7 +170,7 @@ class ReceiptStore:
 
         Args:
             items: the replies, in stream order.
-            effect: called with (connection, reply dict) for each new reply, inside the
+            effect: called with (connection, ``Reply``) for each new reply, inside the
                 transaction; a local database write only (see the module docstring).
 
         Returns:

@@ -1,9 +1,8 @@
-"""The PostgreSQL store's own parts: the connection pool and its transactions (``db``), the
-schema and its migrations (``schema``), and the batch statements only PostgreSQL has
-(``outbox``). ``--db postgresql://...`` selects it; the store's classes (``TaskStore``,
-``OutboxStore``, ``ReceiptStore``, ``EffectsStore``, ``ApprovalStore``) are one text for
-both databases (``store.sql``) and take a ``PgDatabase`` as they take a SQLite
-``Database``.
+"""The PostgreSQL store's own parts: the connection pool and its transactions (``db``) and
+the schema and its migrations (``schema``). ``--db postgresql://...`` selects it; the
+store's classes (``TaskStore``, ``OutboxStore``, ``ReceiptStore``, ``EffectsStore``,
+``ApprovalStore``) are one text for both databases (``store.sql``) and take a
+``PgDatabase`` as they take a SQLite ``Database``.
 
 Needs the ``postgres`` extra (psycopg 3 and psycopg-pool). Only ``broker_adapter.store``
 imports database drivers.
