@@ -44,13 +44,12 @@ Crash safety: this module is pure computation with no state; a crash loses nothi
 from __future__ import annotations
 
 import hmac
-import json
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
 
 from broker_adapter.errors import AuthError, ConfigError, EnvelopeError
-from broker_adapter.private_files import read_private_file
+from broker_adapter.private_files import read_private_json
 from broker_adapter.protocol.envelope import Envelope, check_principal
 
 WIRE_VERSION = "1"
@@ -216,11 +215,7 @@ class Keyring:
             ConfigError: the file cannot be read, is readable or writable by its group or
                 others (``chmod 600`` it), is not UTF-8 JSON, or has the wrong shape.
         """
-        raw = read_private_file(path, "keyring", refused_bits=0o066)
-        try:
-            data = json.loads(raw.decode("utf-8"))
-        except (UnicodeDecodeError, ValueError) as exc:
-            raise ConfigError(f"keyring {path} is not valid JSON: {exc}") from None
+        data = read_private_json(path, "keyring", refused_bits=0o066)
         return cls.from_json_value(data, source=str(path))
 
     @classmethod
