@@ -1,4 +1,5 @@
-"""Example handlers, used by the demo and handy for a first ``broker-adapter run``.
+"""An example handler for a first ``broker-adapter run --handler broker_adapter.examples:echo``
+(docs/CLI.md, docker-compose.yml).
 
 A handler takes one ``Task`` and returns a JSON value (the reply's ``result``). Raise
 ``RetryableError`` for a failure worth retrying; any other exception fails the task.
@@ -14,11 +15,3 @@ from broker_adapter.stages.handlers import Task
 def echo(task: Task) -> dict[str, Any]:
     """Return the payload, with the task's identity."""
     return {"echo": task.payload, "message_id": task.message_id, "attempt": task.attempt}
-
-
-def upper(task: Task) -> dict[str, Any]:
-    """Upper-case ``payload["text"]``; fails (not retried) when it is missing."""
-    text = task.payload.get("text")
-    if not isinstance(text, str):
-        raise ValueError("payload needs a string 'text'")
-    return {"text": text.upper()}
