@@ -43,7 +43,7 @@ from broker_adapter.redis.client import connect  # noqa: E402
 from broker_adapter.stages.ingest import Ingestor  # noqa: E402
 from broker_adapter.stages.ingest_config import IngestConfig  # noqa: E402
 from broker_adapter.store import TaskStore, open_database  # noqa: E402
-from tests.support.redis_server import RedisServer, binary_available  # noqa: E402
+from broker_adapter.testing import RedisServer, binary_available  # noqa: E402
 
 KEYRING = Keyring({"agent-a": {"k1": "a benchmark secret of reasonable length, 32+ bytes"}})
 

@@ -15,8 +15,8 @@
   column) applies the effect once however often it is asked. Two actions of one request
   (charge the card, then send the receipt) get two keys; changing the arguments changes the
   key (it is another effect, not a retry of the same one). The request-wide key a task
-  carries today (``store.tasks.idempotency_key_for``: principal and message id only) is the
-  special case of a request with one effect whose arguments never change.
+  carries (``Task.idempotency_key``: principal and message id only) is the special case of
+  a request with one effect whose arguments never change.
 
 The derivation, version 1: SHA-256 over the canonical JSON (``canonical.canonical_json``,
 numbers written by ``canonical.canonical_numbers``, so ``13.0`` and ``13`` are one argument)

@@ -481,7 +481,7 @@ class OutboxStore:
             return None
         return max(0.0, read_now(self.db, self.clock) - float(row["oldest"]))
 
-    # -- added for the reply dispatcher (broker_adapter.stages.dispatcher) ------------------------
+    # -- batches (the dispatcher) ---------------------------------------------------------
 
     def mark_sent_and_claim(
         self, owner: str, items: Sequence[tuple[str, int, str]], n: int

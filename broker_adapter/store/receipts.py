@@ -154,7 +154,7 @@ class ReceiptStore:
         cutoff = self.clock.now() - retention_s
         return whole_pass(lambda after: self.purge_batch(cutoff, after, limit)).receipts
 
-    # -- added for the batched receiver (broker_adapter.stages.receiver) --------------------------
+    # -- batches (the receiver) -----------------------------------------------------------
 
     def apply_many(
         self, items: Sequence[ReceiptItem], effect: Effect | None
