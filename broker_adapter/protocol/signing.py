@@ -54,7 +54,7 @@ from broker_adapter.protocol.envelope import Envelope, check_principal
 
 WIRE_VERSION = "1"
 SIGNATURE_DOMAIN = b"ba.v1\n"
-#: Version of a reply entry; ``"1"`` was the unsigned form, which receivers now refuse.
+#: Version of a reply entry; a receiver refuses any other (``"1"``, an unsigned form, too).
 REPLY_WIRE_VERSION = "2"
 REPLY_SIGNATURE_DOMAIN = b"ba.reply.v1\n"
 FIELD_VERSION = "v"
