@@ -3,7 +3,7 @@ go to and its fixed constants; see ``worker``."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Protocol
 
 from pydantic import Field
@@ -117,9 +117,6 @@ class WorkerStats:
     store_errors: int = 0
     unknown: int = 0
     waiting_approval: int = 0
-
-    def as_dict(self) -> dict[str, int]:
-        return asdict(self)
 
 
 class WorkerMetricsSink(Protocol):
