@@ -473,14 +473,6 @@ class OutboxStore:
         )
         return OutboxRow.from_row(found) if found else None
 
-    def oldest_unsent_age(self) -> float | None:
-        row = self.db.fetch_one(
-            "SELECT min(created_at) AS oldest FROM outbox WHERE state IN ('pending', 'sending')"
-        )
-        if row is None or row["oldest"] is None:
-            return None
-        return max(0.0, read_now(self.db, self.clock) - float(row["oldest"]))
-
     # -- batches (the dispatcher) ---------------------------------------------------------
 
     def mark_sent_and_claim(
