@@ -2,7 +2,7 @@
 process memory and the JSON results file.
 
 Not a test and not part of the library. Every number these helpers produce comes from the
-redis-server started here (``tests.support.redis_server.RedisServer``, a free loopback port,
+redis-server started here (``broker_adapter.testing.RedisServer``, a free loopback port,
 its own data directory) and from SQLite files in the same temporary directory, so the Redis
 floor, the SQLite floor and the end-to-end runs share one disk and one server config.
 """
@@ -35,7 +35,7 @@ from broker_adapter.protocol.keys import INGEST_GROUP  # noqa: E402
 from broker_adapter.protocol.signing import Keyring  # noqa: E402
 from broker_adapter.redis.client import connect  # noqa: E402
 from broker_adapter.store import open_database  # noqa: E402
-from tests.support.redis_server import RedisServer, binary_available  # noqa: E402
+from broker_adapter.testing import RedisServer, binary_available  # noqa: E402
 
 #: The server config the README and docker-compose.yml recommend: every acknowledged write
 #: is fsynced before the reply.

@@ -1,6 +1,6 @@
 """Reply-path throughput, beside raw Redis on the same server in the same run.
 
-Starts a private redis-server (``tests.support.redis_server.RedisServer``), then, for each of
+Starts a private redis-server (``broker_adapter.testing.RedisServer``), then, for each of
 ``--runs`` rounds (fresh keys and databases every round), measures:
 
 * raw XADD: ``--n`` entries of the reply's size, pipelined ``--batch`` at a time;
@@ -43,7 +43,7 @@ from broker_adapter.stages.receiver.receiver import Receiver, ReceiverConfig
 from broker_adapter.store import OutboxStore, ReceiptStore, open_database
 from broker_adapter.store.db import Database
 from broker_adapter.store.outbox import enqueue
-from tests.support.redis_server import RedisServer
+from broker_adapter.testing import RedisServer
 
 PRINCIPAL = "bench"
 KEYRING = Keyring({PRINCIPAL: {"k1": "a benchmark secret of reasonable length, 32+ bytes"}})

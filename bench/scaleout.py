@@ -52,7 +52,7 @@ from common import KEYRING, PRINCIPAL, ROOT
 from broker_adapter.protocol.keys import Keys, partition_of
 from broker_adapter.redis.client import connect
 from tests.support.redis_cluster import ClusterNode, RedisCluster, _cli, cluster_supported
-from tests.support.redis_server import RedisServer
+from broker_adapter.testing import RedisServer
 
 RESULTS = ROOT / "bench" / "results" / "scaleout.json"
 PUBLISH_BATCH = 200

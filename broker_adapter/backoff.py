@@ -72,10 +72,9 @@ def run_until_stopped(
     """Call ``tick`` until ``stop`` is set; on ``TransientError`` back off with the
     ``retrying`` policy (a stop request cuts the backoff short) and go on.
 
-    The policy wraps a run of ticks, not each tick: its bookkeeping costs about 20 µs a
-    call, as much as the work of a one-entry batch. A run ends at the first tick that
-    succeeds after a backoff, so that the backoff grows over consecutive failures only,
-    as it did with one policy call per tick.
+    The policy wraps a run of ticks, not each tick: its bookkeeping costs as much as the
+    work of a one-entry batch. A run ends at the first tick that succeeds after a backoff,
+    so that the backoff grows over consecutive failures only.
 
     Args:
         stop: set it to return (after the tick in progress).

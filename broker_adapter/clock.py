@@ -22,18 +22,6 @@ class SystemClock:
         return time.time()
 
 
-class SkewedClock(SystemClock):
-    """The host's clock off by ``offset_s`` seconds (ahead when positive): a host whose
-    clock is wrong. Still the host's clock: on PostgreSQL a store judges by the server's
-    instead (``store.dbclock``)."""
-
-    def __init__(self, offset_s: float) -> None:
-        self.offset_s = offset_s
-
-    def now(self) -> float:
-        return time.time() + self.offset_s
-
-
 class FakeClock:
     """A clock that moves only when told to. Thread-safe."""
 

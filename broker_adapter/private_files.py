@@ -3,9 +3,11 @@ password files. One reader for all of them, so the rule and its message are said
 
 from __future__ import annotations
 
+import json
 import os
 import stat
 from pathlib import Path
+from typing import Any
 
 from broker_adapter.errors import ConfigError
 
@@ -44,3 +46,16 @@ def read_private_file(
             return file.read()
     except OSError as exc:
         raise ConfigError(f"cannot read {what} {path}: {exc.strerror or exc}") from None
+
+
+def read_private_json(path: str | Path, what: str, *, refused_bits: int = GROUP_OR_OTHERS) -> Any:
+    """``read_private_file``, then the file's UTF-8 JSON value.
+
+    Raises:
+        ConfigError: as ``read_private_file``, or the file is not UTF-8 JSON.
+    """
+    raw = read_private_file(path, what, refused_bits=refused_bits)
+    try:
+        return json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise ConfigError(f"{what} {path} is not valid JSON: {exc}") from None

@@ -32,7 +32,6 @@ class AdapterConfig(ConfigModel):
             PostgreSQL store (``store.postgres``), which several adapter processes on
             several hosts may share; the hand-off gives new tasks to the idle workers of
             this host's pool, the workers of other hosts claim the rest (``SKIP LOCKED``).
-            A handler declaring a side effect needs SQLite for now (``ConfigError``).
         handler: ``module:callable`` run for each task, or ``module:router``: a ``Router``
             of named tasks (``run --app``).
         app_dir: put first on the import path (here and in the worker processes) before
@@ -102,10 +101,6 @@ class AdapterConfig(ConfigModel):
     def _db_target(cls, v: object) -> object:
         """A ``postgresql://`` URL stays a string; anything else is a SQLite path."""
         return v if is_postgres_url(v) else Path(str(v)) if isinstance(v, str) else v
-
-    @property
-    def on_postgres(self) -> bool:
-        return is_postgres_url(self.db_path)
 
     @field_validator("name")
     @classmethod

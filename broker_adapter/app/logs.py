@@ -25,7 +25,6 @@ import unicodedata
 from typing import Any, Literal
 
 LogFormat = Literal["text", "json"]
-LOG_FORMATS: tuple[LogFormat, ...] = ("text", "json")
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 #: The attributes every ``LogRecord`` has; any other is a field given with ``extra=``.

@@ -18,10 +18,9 @@ What is counted where:
   by ``WorkerMetrics`` into prometheus-client's multiprocess files, in a directory the
   runner makes and removes, once per batch after its commit (a counter then moves with
   what was committed, and a worker killed mid-batch loses only that batch's counts, which
-  its commit lost too), plus one histogram observation per handler call. Counting
-  attempts or stale-fence refusals from the database at scrape time was the other way:
-  but a refusal writes nothing, and the database only holds each task's latest attempt.
-  The files of dead workers stay, so their counts stay in the sums.
+  its commit lost too), plus one histogram observation per handler call. The database
+  cannot give these counts: a refusal writes nothing, and it holds only each task's latest
+  attempt. The files of dead workers stay, so their counts stay in the sums.
 
 Counters of this process and of the workers that share a name (reply publications, lease
 takeovers) are added up into one family (``Families``).

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from broker_adapter.app.audit import audit, bounded_text, os_user
+from broker_adapter.client.dead_letters import letter_view
 from broker_adapter.clock import SystemClock
 from broker_adapter.protocol.deadletter import DeadLetter
 from broker_adapter.protocol.keys import INGEST_GROUP, Keys
@@ -194,12 +195,7 @@ def _entry_view(stream: str, entry_id: str, fields: dict[bytes, bytes]) -> dict[
     letter = DeadLetter.parse(fields)
     return {
         "type": "entry",
-        "stream": stream,
-        "entry_id": entry_id,
-        "reason": letter.reason,
-        "detail": letter.detail,
-        "source": letter.source,
-        "source_entry_id": letter.source_entry_id,
+        **letter_view(stream, entry_id, letter),
         "deliveries": letter.deliveries,
         "fields": letter.fields,
     }

@@ -17,7 +17,8 @@ if TYPE_CHECKING:
 SCAN_PER_STREAM = 1000
 
 
-def _view(stream: str, entry_id: str, letter: DeadLetter) -> dict[str, Any]:
+def letter_view(stream: str, entry_id: str, letter: DeadLetter) -> dict[str, Any]:
+    """What a listing shows of one dead letter (``ops`` adds its own fields)."""
     return {
         "stream": stream,
         "entry_id": entry_id,
@@ -46,7 +47,7 @@ async def principal_dead_letters(
             letter = DeadLetter.parse(fields)
             if stream in shared and letter.fields.get("dl.principal") != principal:
                 continue
-            found.append(_view(stream, text(entry_id), letter))
+            found.append(letter_view(stream, text(entry_id), letter))
             if len(found) >= limit:
                 return found
     return found

@@ -19,7 +19,7 @@ read yet, which would lose them.
 Modes:
 
 * signed (a ``Keyring`` is given): the entry goes to the shared stream ``keys.inbound()`` with
-  ``v``, ``env``, ``kid`` and ``sig`` (see ``auth`` and ``docs/PROTOCOL.md``);
+  ``v``, ``env``, ``kid`` and ``sig`` (see ``protocol.signing`` and ``docs/PROTOCOL.md``);
 * ACL (``keyring=None``): the entry goes to the principal's own stream
   ``keys.inbound(principal)`` with only ``v`` and ``env``; Redis ACLs must let this
   connection's user write only that stream.

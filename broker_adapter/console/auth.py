@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
 from broker_adapter.errors import ConfigError
-from broker_adapter.private_files import read_private_file
+from broker_adapter.private_files import read_private_json
 
 #: The cookie the login page sets (the operator's token itself).
 COOKIE: Final = "ba_console"
@@ -68,11 +67,7 @@ class Tokens:
             ConfigError: it cannot be read, its group or others may read or change it
                 (``chmod 600`` it), it is not UTF-8 JSON, or has the wrong shape.
         """
-        raw = read_private_file(path, "tokens file")
-        try:
-            data = json.loads(raw.decode("utf-8"))
-        except (UnicodeDecodeError, ValueError) as exc:
-            raise ConfigError(f"tokens file {path} is not valid JSON: {exc}") from None
+        data = read_private_json(path, "tokens file")
         return cls.from_json_value(data, source=str(path))
 
     @classmethod

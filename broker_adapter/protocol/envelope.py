@@ -1,7 +1,7 @@
 """The task envelope: what an agent sends, validated strictly, with one canonical encoding.
 
 Identity is (authenticated principal, ``message_id``); the principal is never taken from the
-body alone (see ``auth``). Two envelopes with the same identity are the *same request* when
+body alone (see ``signing``). Two envelopes with the same identity are the *same request* when
 their fingerprints match, and a *conflict* otherwise. The fingerprint covers what the request
 asks for (``kind``, ``payload``, ``correlation_id``, ``parent_id``, and ``task`` when the
 request names one) and the terms it is asked on (``deadline``, ``max_attempts``), not how it
@@ -104,7 +104,6 @@ def check_principal(value: str, field: str = "sender") -> str:
 
 _PRINCIPAL = re.compile(f"[A-Za-z0-9._-]{{1,{PRINCIPAL_MAX_BYTES}}}")
 _TASK_NAME = re.compile(f"[A-Za-z0-9._:-]{{1,{TASK_NAME_MAX_BYTES}}}")
-TASK_NAME_CHARS = PRINCIPAL_CHARS | {":"}
 
 
 def check_task_name(value: Any, field: str = "task") -> str | None:

@@ -3,7 +3,7 @@
 * The **intent** (``Intent``): what was asked, by whom. The authenticated principal and the
   ``message_id`` it chose (``docs/RULES.md`` rule 1). Every resend, every attempt and every
   task accepted for the same request share it.
-* The **attempt** (``Attempt``): who is doing it right now. The task id and the fence of
+* The **attempt**: who is doing it right now. The task id and the fence of
   the current claim. It changes at every claim (fence + 1) and is what a holder presents to
   commit (rule 10) or to write to a fenced target (``broker_adapter.fences``). It orders
   attempts of one task; it never names an effect.
@@ -15,8 +15,8 @@
   column) applies the effect once however often it is asked. Two actions of one request
   (charge the card, then send the receipt) get two keys; changing the arguments changes the
   key (it is another effect, not a retry of the same one). The request-wide key a task
-  carries today (``idempotency_key_for``: principal and message id only) is the
-  special case of a request with one effect whose arguments never change.
+  carries (``Task.idempotency_key``: principal and message id only) is the special case of
+  a request with one effect whose arguments never change.
 
 The derivation, version 1: SHA-256 over the canonical JSON (``canonical.canonical_json``,
 numbers written by ``canonical.canonical_numbers``, so ``13.0`` and ``13`` are one argument)
@@ -50,13 +50,6 @@ class Intent(NamedTuple):
 
     principal: str
     message_id: str
-
-
-class Attempt(NamedTuple):
-    """Who holds the work now: a task and the fence of its current claim."""
-
-    task_id: str
-    fence: int
 
 
 def effect_key(

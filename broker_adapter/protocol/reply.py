@@ -21,8 +21,9 @@ task ends and published unchanged, so every resend carries the same bytes. Its f
 
 A terminal reply carries ``attempts``, ``fence`` and ``finished_at``; a conflict answer
 carries the two fingerprints and ``answered_at`` instead. Either time is the reply's age
-(``Reply.made_at``), which a receiver checks against its window. The receiver parses a
-body with ``parse_body`` into a ``Reply``, the value an effect is given.
+(``Reply.made_at``), which a receiver checks against its window. The receiver decodes a
+body with ``load_body`` and makes it a ``Reply`` (``Reply.from_mapping``), the value an
+effect is given.
 
 The entry around the body (``v``, ``reply_id``, ``hash``, ``body``, ``kid``, ``sig``) and its
 signature are ``signing``'s (``Keyring.sign_reply`` / ``verify_reply``).
@@ -244,15 +245,6 @@ def load_body(body: bytes) -> dict[str, Any]:
     if body.count(b"{") + body.count(b"[") > REPLY_MAX_DEPTH and _depth(reply) > REPLY_MAX_DEPTH:
         raise BadReply("bad_reply", f"body nests deeper than {REPLY_MAX_DEPTH} levels")
     return reply
-
-
-def parse_body(body: bytes) -> Reply:
-    """``load_body``, then ``Reply.from_mapping``.
-
-    Raises:
-        BadReply: ``bad_reply``.
-    """
-    return Reply.from_mapping(load_body(body))
 
 
 def _depth(value: Any) -> int:

@@ -44,26 +44,23 @@ Crash safety: this module is pure computation with no state; a crash loses nothi
 from __future__ import annotations
 
 import hmac
-import json
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
 
 from broker_adapter.errors import AuthError, ConfigError, EnvelopeError
-from broker_adapter.private_files import read_private_file
+from broker_adapter.private_files import read_private_json
 from broker_adapter.protocol.envelope import Envelope, check_principal
 
 WIRE_VERSION = "1"
 SIGNATURE_DOMAIN = b"ba.v1\n"
-#: Version of a reply entry; ``"1"`` was the unsigned form, which receivers now refuse.
+#: Version of a reply entry; a receiver refuses any other (``"1"``, an unsigned form, too).
 REPLY_WIRE_VERSION = "2"
 REPLY_SIGNATURE_DOMAIN = b"ba.reply.v1\n"
 FIELD_VERSION = "v"
 FIELD_ENV = "env"
 FIELD_KID = "kid"
 FIELD_SIG = "sig"
-SIGNED_FIELDS = (FIELD_VERSION, FIELD_ENV, FIELD_KID, FIELD_SIG)
-ACL_FIELDS = (FIELD_VERSION, FIELD_ENV)
 KID_MAX_BYTES = 64
 #: A shorter secret is refused: a short one is found offline, from one signed entry, by
 #: trying candidates against its HMAC.
@@ -218,11 +215,7 @@ class Keyring:
             ConfigError: the file cannot be read, is readable or writable by its group or
                 others (``chmod 600`` it), is not UTF-8 JSON, or has the wrong shape.
         """
-        raw = read_private_file(path, "keyring", refused_bits=0o066)
-        try:
-            data = json.loads(raw.decode("utf-8"))
-        except (UnicodeDecodeError, ValueError) as exc:
-            raise ConfigError(f"keyring {path} is not valid JSON: {exc}") from None
+        data = read_private_json(path, "keyring", refused_bits=0o066)
         return cls.from_json_value(data, source=str(path))
 
     @classmethod

@@ -9,7 +9,7 @@ against one Redis:
   connection failure refreshes the slot map and is raised, never re-sent
   (``Retry(NoBackoff(), 0)``, as on one Redis): the caller's retry loop sends it again
   after a backoff, by then to the promoted replica.
-* The hot paths' pipelined round trips (``streams.exchange``) go through
+* The hot paths' pipelined round trips (``internals.exchange``) go through
   ``routed_exchange``: the commands are grouped by the master that serves their slot, one
   exchange per master on that master's own connection pool (with the same raw replies),
   and a command answered MOVED or ASK (it did not run) is sent again where the answer
@@ -96,7 +96,7 @@ def connect_cluster(url: str, options: dict[str, Any]) -> RedisCluster:
     Args:
         url: ``redis+cluster://[user:password@]host:port`` (no database: a cluster has
             only database 0).
-        options: the socket options ``streams.connect`` gives every client.
+        options: the socket options ``client.connect`` gives every client.
 
     Raises:
         RedisUnavailable: no node answered: unlike a single Redis's client, a cluster's

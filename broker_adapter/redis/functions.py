@@ -101,15 +101,6 @@ def load_at_start(client: redis.Redis, logger: logging.Logger) -> bool:
     return True
 
 
-def functions_loaded(client: redis.Redis) -> bool:
-    """Whether the library is loaded (on the node that answers)."""
-    with translated():
-        listed = client.execute_command(  # type: ignore[no-untyped-call]
-            "FUNCTION", "LIST", "LIBRARYNAME", LIBRARY_NAME
-        )
-    return bool(listed)
-
-
 def fcall_many(client: redis.Redis, function: str, calls: Sequence[Call]) -> list[Any]:
     """Call ``function`` once per ``(keys, args)``, pipelined in ONE round trip
     (``scripts.call_many``).

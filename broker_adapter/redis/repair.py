@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 
 from broker_adapter.errors import BrokerAdapterError
 from broker_adapter.redis.client import text
+from broker_adapter.redis.group_positions import GROUP_POSITIONS_LUA
 from broker_adapter.redis.scripts import eval_many
 
 if TYPE_CHECKING:
@@ -50,31 +51,13 @@ MAX_FIELDS = 1_000
 # Returns {status, moved, poisoned name, group1, start1, group2, start2, ...};
 # status: 'repaired', 'missing' (no such stream), 'exists' (KEYS[2] taken), 'too_many'
 # (moved = how many live entries, at least ARGV[1] + 1).
-REPAIR_SCRIPT = """
-local function older(a, b)
-  local am, as = string.match(a, '^(%d+)-(%d+)$')
-  local bm, bs = string.match(b, '^(%d+)-(%d+)$')
-  if #am ~= #bm then return #am < #bm end
-  if am ~= bm then return am < bm end
-  if #as ~= #bs then return #as < #bs end
-  return as < bs
-end
+REPAIR_SCRIPT = (
+    GROUP_POSITIONS_LUA
+    + """
 if redis.call('EXISTS', KEYS[1]) == 0 then return {'missing', 0, ''} end
 if redis.call('EXISTS', KEYS[2]) == 1 then return {'exists', 0, KEYS[2]} end
 local limit, max_fields = tonumber(ARGV[1]), tonumber(ARGV[2])
-local groups, from, incl = {}, nil, false
-for _, g in ipairs(redis.call('XINFO', 'GROUPS', KEYS[1])) do
-  local info = {}
-  for i = 1, #g, 2 do info[g[i]] = g[i + 1] end
-  local id, inc = info['last-delivered-id'], false
-  local pending = nil
-  if tonumber(info['pending']) > 0 then
-    pending = redis.call('XPENDING', KEYS[1], info['name'])[2]
-    id, inc = pending, true
-  end
-  groups[#groups + 1] = {info['name'], info['last-delivered-id'], pending}
-  if from == nil or older(id, from) or (id == from and inc) then from, incl = id, inc end
-end
+local groups, from, incl = group_positions(KEYS[1])
 local range_from = '-'
 if from ~= nil then
   if incl then range_from = from else range_from = '(' .. from end
@@ -112,6 +95,7 @@ for _, g in ipairs(groups) do
 end
 return out
 """
+)
 
 
 @dataclass(frozen=True)

@@ -1,10 +1,9 @@
 """Screened reads: entries measured inside Redis before any of them crosses the network.
 
-A group reader that asked Redis for a batch and measured it afterwards held the whole batch
-first: ten 64 MB entries were 640 MB in the reading process before any check ran. Here the
-reads of a ``GroupReader`` go through a Redis Function (library ``ba_screen_1``, loaded by
-whoever reads first: ``FUNCTION LOAD REPLACE``, idempotent) that takes the entries one at a
-time inside Redis and
+A reader that measured entries once they had arrived would hold a whole batch of them,
+however large, before any check ran. So the reads of a ``GroupReader`` go through a Redis
+Function (library ``ba_screen_1``, loaded by whoever reads first: ``FUNCTION LOAD
+REPLACE``, idempotent) that takes the entries one at a time inside Redis and
 
 * returns an entry only if it has at most ``max_fields`` fields and ``max_bytes`` bytes,
   and only while the entries returned so far fit in ``budget`` bytes (the first always

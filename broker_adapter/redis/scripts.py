@@ -20,8 +20,8 @@ from broker_adapter.redis.internals import exchange
 
 @functools.lru_cache(maxsize=64)
 def script_sha(source: str) -> str:
-    """The SHA-1 Redis files a script under (what EVALSHA takes); computed once per script
-    (a worker publishing one reply per batch hashed the whole script every time)."""
+    """The SHA-1 Redis files a script under (what EVALSHA takes); computed once per script,
+    not once per call."""
     return hashlib.sha1(source.encode("utf-8")).hexdigest()
 
 

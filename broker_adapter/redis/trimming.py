@@ -51,6 +51,7 @@ from typing import TYPE_CHECKING
 
 from broker_adapter.errors import BrokerAdapterError, TransientError
 from broker_adapter.redis.client import text, translated
+from broker_adapter.redis.group_positions import GROUP_POSITIONS_LUA
 from broker_adapter.redis.scripts import eval_many
 
 #: How often the ingest and the dispatcher trim the streams they own, seconds.
@@ -81,31 +82,19 @@ FUTURE_TOLERANCE_MS = 60_000
 # ahead of the clock ('' if none): then the keep floor and the expiry are not applied.
 # ``read``: the bound is a last-delivered id that every group acknowledged (the entry at it
 # is not listed as expired, only trimmed).
-TRIM_SCRIPT = """
-local function older(a, b)
-  local am, as = string.match(a, '^(%d+)-(%d+)$')
-  local bm, bs = string.match(b, '^(%d+)-(%d+)$')
-  if #am ~= #bm then return #am < #bm end
-  if am ~= bm then return am < bm end
-  if #as ~= #bs then return #as < #bs end
-  return as < bs
-end
+TRIM_SCRIPT = (
+    GROUP_POSITIONS_LUA
+    + """
 if redis.call('EXISTS', KEYS[1]) == 0 then return {0, 0, ''} end
 local t = redis.call('TIME')
 local horizon = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) + tonumber(ARGV[4])
-local bound, read, future = nil, false, ''
-for _, g in ipairs(redis.call('XINFO', 'GROUPS', KEYS[1])) do
-  local info = {}
-  for i = 1, #g, 2 do info[g[i]] = g[i + 1] end
-  local b, r = info['last-delivered-id'], true
+local groups, bound, needed = group_positions(KEYS[1])
+local read, future = bound ~= nil and not needed, ''
+for _, g in ipairs(groups) do
+  local b = g[2]
   if tonumber(string.match(b, '^(%d+)-')) > horizon and (future == '' or older(future, b)) then
     future = b
   end
-  if tonumber(info['pending']) > 0 then
-    local summary = redis.call('XPENDING', KEYS[1], info['name'])
-    if summary[2] then b, r = summary[2], false end
-  end
-  if bound == nil or older(b, bound) or (b == bound and not r) then bound, read = b, r end
 end
 if bound == nil then
   if ARGV[2] == '' then return {0, 0, ''} end
@@ -142,6 +131,7 @@ end
 out[1] = redis.call('XTRIM', KEYS[1], 'MINID', target)
 return out
 """
+)
 
 
 @dataclass

@@ -13,7 +13,7 @@ behind would commit past its own. So:
   ``tx_now`` returns it.
 
 The store's injected ``Clock`` decides which: the host's clock (``SystemClock``, and
-subclasses such as ``SkewedClock``) yields to the server's on PostgreSQL; any other
+its subclasses) yields to the server's on PostgreSQL; any other
 ``Clock`` (a test's ``FakeClock``) is taken as the time on both engines, so tests that move
 time by hand keep doing so.
 

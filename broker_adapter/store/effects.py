@@ -12,8 +12,8 @@ reconciliation, compensation and cancel requests (schema migration 7; approvals 
 
 A task's attempt marks its effect as started (``mark_effect_started``: the fence of that
 attempt in ``effect_fence``) before the effect; a lease that runs out on an attempt so marked
-sends the task to ``unknown`` instead of back to ``pending`` (``unknown_from_lapsed_claims``,
-for the store's lease take-back). An ``unknown`` task is held under a lease and a fence like
+sends the task to ``unknown`` instead of back to ``pending`` (the store's lease take-back:
+``housekeeping.unknown_from_lapsed_in``). An ``unknown`` task is held under a lease and a fence like
 any claim (``claim_unknown``); its deadline does not end it (it bounds new attempts, not
 finding out what one did). Every reconcile outcome, automatic or an operator's, is written
 to ``reconcile_log`` in the transaction that acts on it. A compensation has one record per
@@ -53,7 +53,6 @@ from broker_adapter.store.fencing import (
     claim_rows,
     held_params,
 )
-from broker_adapter.store.housekeeping import unknown_from_lapsed_in
 from broker_adapter.store.lifecycle import to_terminal
 from broker_adapter.store.reconcile_log import (
     ReconcileRecord,
@@ -240,18 +239,6 @@ class EffectsStore:
             count_in(c, TASK_UNKNOWN, hit)
         if not hit:
             raise self.tasks.refusal(task_id, owner, fence) or StaleError(task_id, "lease_expired")
-
-    @staticmethod
-    def unknown_from_lapsed_claims(c: Conn, now: float) -> int:
-        """``housekeeping.unknown_from_lapsed_in``: the store's take-back of leases and
-        deadlines runs it first in its transaction (``reconcile_in``); here for callers
-        holding a transaction of their own. Returns how many went to ``unknown``."""
-        return unknown_from_lapsed_in(c, now)
-
-    def take_back_lapsed(self) -> int:
-        """``unknown_from_lapsed_claims`` in a transaction of its own."""
-        with self.db.write("unknown_lapsed") as c:
-            return self.unknown_from_lapsed_claims(c, tx_now(c, self.clock))
 
     # -- reconcile ------------------------------------------------------------------------
 

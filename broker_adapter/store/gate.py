@@ -4,9 +4,7 @@ SQLite never blocks on its write lock: a writer that finds it taken has to try a
 later (``Database._begin_immediate`` retries every 0.05 to 0.5 ms). Polling is unfair and
 slow to notice: a writer that arrives just as the lock frees takes it before one that has
 waited through several tries, and a freed lock idles until the next try of whoever
-waits. Measured at 1,000 msg/s with the ingest and two workers taking turns, the write lock
-was held 75% of the time and its waits reached 4.7 ms at p99 for commits that each took
-about a millisecond.
+waits; under load the waits, not the commits, make the latency's tail (bench/RESULTS.md).
 
 ``WriteGate`` is a process-shared lock (a POSIX semaphore) that the writers of one
 database file in the processes of one pool take around their transaction: a writer

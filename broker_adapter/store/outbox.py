@@ -336,15 +336,7 @@ class OutboxStore:
         )
         return OutboxRow.from_row(found) if found else None
 
-    def oldest_unsent_age(self) -> float | None:
-        row = self.db.fetch_one(
-            "SELECT min(created_at) AS oldest FROM outbox WHERE state IN ('pending', 'sending')"
-        )
-        if row is None or row["oldest"] is None:
-            return None
-        return max(0.0, read_now(self.db, self.clock) - float(row["oldest"]))
-
-    # -- the dispatcher's batches ----------------------------------------------------------
+    # -- batches (the dispatcher) ---------------------------------------------------------
 
     def mark_sent_and_claim(
         self, owner: str, items: Sequence[tuple[str, int, str]], n: int

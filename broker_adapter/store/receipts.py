@@ -1,10 +1,11 @@
 """Receiver-side receipts: each reply applied once, its effect committed with its receipt.
 
-``apply`` runs in ONE transaction: look up the reply id; if new, run the caller's effect on
-the same connection and keep the receipt; commit. A crash before COMMIT leaves neither
-the receipt nor the effect, so the redelivered reply applies cleanly; a crash after it
-leaves both, so the redelivery is recognised as a duplicate and the effect is skipped.
-The same reply id with another content hash is refused and nothing is written.
+``apply_many`` applies a batch in ONE transaction, each reply under a savepoint of its own:
+look up the reply id; if new, run the caller's effect on the same connection and keep the
+receipt; commit. A crash before COMMIT leaves neither the receipt nor the effect, so the
+redelivered reply applies cleanly; a crash after it leaves both, so the redelivery is
+recognised as a duplicate and the effect is skipped. The same reply id with another content
+hash is refused and nothing is written.
 
 One text for both stores (``store.sql``). What differs is how a new reply id is held
 while its effect runs:
@@ -98,40 +99,6 @@ class ReceiptStore:
         self.db = db
         self.clock = clock or SystemClock()
 
-    def apply(
-        self,
-        *,
-        reply_id: str,
-        content_hash: str,
-        principal: str,
-        body: bytes,
-        effect: Effect | None,
-        entry_id: str | None = None,
-    ) -> tuple[ReceiptOutcome, Receipt]:
-        """Apply one reply at most once.
-
-        Args:
-            reply_id: the stable reply id.
-            content_hash: SHA-256 of ``body``, as published.
-            principal: whose reply stream it came from.
-            body: the reply's canonical JSON bytes.
-            effect: called with (connection, reply dict) inside the transaction, only for a
-                reply not seen before; an exception rolls everything back and propagates.
-            entry_id: the stream entry it arrived in (for diagnostics).
-
-        Returns:
-            the outcome and the receipt (the earlier one for a duplicate or a conflict).
-        """
-        item = ReceiptItem(
-            reply_id=reply_id,
-            content_hash=content_hash,
-            principal=principal,
-            body=body,
-            entry_id=entry_id,
-        )
-        with self.db.write("receipt") as c:
-            return self._apply_in(c, item, effect, self.clock.now())
-
     def get(self, reply_id: str) -> Receipt | None:
         row = self.db.fetch_one(f"{_SELECT} WHERE reply_id = ?", (reply_id,))
         return None if row is None else _receipt(row)
@@ -154,23 +121,23 @@ class ReceiptStore:
         cutoff = self.clock.now() - retention_s
         return whole_pass(lambda after: self.purge_batch(cutoff, after, limit)).receipts
 
-    # -- added for the batched receiver (broker_adapter.stages.receiver) --------------------------
+    # -- batches (the receiver) -----------------------------------------------------------
 
     def apply_many(
         self, items: Sequence[ReceiptItem], effect: Effect | None
     ) -> builtins.list[AppliedItem]:
         """Apply a batch of replies, each at most once, in ONE transaction.
 
-        Each reply runs under its own SAVEPOINT, exactly like ``apply`` runs in its own
-        transaction: new → effect and receipt; known with the same hash → ``DUPLICATE`` with
-        the earlier receipt, effect skipped; known with another hash → ``CONFLICT``, nothing
-        written. An effect that raises rolls back to its savepoint (neither its receipt nor
-        any of its writes are kept) and is reported; the rest of the batch commits. The
-        same reply id twice in one batch is a duplicate the second time.
+        Each reply runs under its own SAVEPOINT: new → effect and receipt; known with the
+        same hash → ``DUPLICATE`` with the earlier receipt, effect skipped; known with
+        another hash → ``CONFLICT``, nothing written. An effect that raises rolls back to
+        its savepoint (neither its receipt nor any of its writes are kept) and is reported;
+        the rest of the batch commits. The same reply id twice in one batch is a duplicate
+        the second time.
 
         Args:
             items: the replies, in stream order.
-            effect: called with (connection, reply dict) for each new reply, inside the
+            effect: called with (connection, ``Reply``) for each new reply, inside the
                 transaction; a local database write only (see the module docstring).
 
         Returns:
@@ -294,7 +261,7 @@ def _new(item: ReceiptItem, reply: Reply, now: float, effects: int, result: str 
 
 @dataclass(frozen=True)
 class ReceiptItem:
-    """One reply to apply: what ``apply`` takes, as a value for ``apply_many``."""
+    """One reply for ``apply_many``."""
 
     reply_id: str
     content_hash: str

@@ -366,10 +366,6 @@ class TaskStore:
             return TaskCancelled(task_id)  # requested (``EffectsStore.request_cancel``)
         return refused
 
-    def is_cancelled(self, task_id: str) -> bool:
-        row = self.db.fetch_one("SELECT state FROM tasks WHERE task_id = ?", (task_id,))
-        return row is not None and row["state"] == TaskState.CANCELLED
-
     def reconcile(self) -> dict[str, int]:
         """Apply the clock: expire deadlines, take back expired leases
         (``housekeeping.reconcile_in``).

@@ -16,7 +16,7 @@ from broker_adapter.clock import FakeClock
 from broker_adapter.errors import ConfigError
 from broker_adapter.protocol.canonical import canonical_json, sha256_hex
 from broker_adapter.protocol.keys import RECEIVER_GROUP, Keys
-from broker_adapter.protocol.reply import Reply, parse_body
+from broker_adapter.protocol.reply import Reply, load_body
 from broker_adapter.stages.receiver.receiver import Receiver, ReceiverConfig, effect_key
 from broker_adapter.store import ReceiptStore
 from broker_adapter.store.db import Database
@@ -266,7 +266,7 @@ def test_receiver_refuses_a_keyring_without_the_principals_keys(
 def test_effect_key_is_stable_and_carries_the_fence() -> None:
     body = {"reply_id": "r-abc", "task_id": "abc", "fence": 3, "status": "done"}
     key = effect_key(Reply.from_mapping(body))
-    assert key == effect_key(parse_body(canonical_json(body)))
+    assert key == effect_key(Reply.from_mapping(load_body(canonical_json(body))))
     assert (key.idempotency_key, key.task_id, key.fence) == ("ba-reply:r-abc", "abc", 3)
 
 

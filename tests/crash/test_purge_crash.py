@@ -20,7 +20,16 @@ from broker_adapter.clock import FakeClock
 from broker_adapter.store import Database, Outcome
 from broker_adapter.store.tasks import Settlement
 from tests.crash.test_store_crash import run_child
-from tests.support.store_script import RETENTION_S, T0, Stores, dump, item, open_any, stores
+from tests.support.store_script import (
+    RETENTION_S,
+    T0,
+    Stores,
+    apply_receipt,
+    dump,
+    item,
+    open_any,
+    stores,
+)
 
 pytestmark = pytest.mark.crash
 
@@ -108,7 +117,8 @@ def test_receipt_purge_killed_in_a_batch_keeps_or_removes_whole_batches(
     with open_any(path) as db:
         s = stores(db, clock)
         for i in range(3):
-            s.receipts.apply(
+            apply_receipt(
+                s.receipts,
                 reply_id=f"r-{i}",
                 content_hash="h",
                 principal="alice",

@@ -11,7 +11,7 @@ import pytest
 from broker_adapter.clock import FakeClock
 from broker_adapter.errors import ConfigError, StaleError
 from broker_adapter.protocol.keys import Keys
-from broker_adapter.protocol.reply import conflict_body, encode_body, parse_body
+from broker_adapter.protocol.reply import Reply, conflict_body, encode_body, load_body
 from broker_adapter.stages.receiver.receiver import ReceiverConfig
 from broker_adapter.store import OutboxStore, ReceiptStore
 from broker_adapter.store.db import Database
@@ -120,7 +120,7 @@ def test_receiver_window_must_be_below_its_retention_and_defaults_below_it() -> 
 
 def test_conflict_answer_carries_its_time() -> None:
     body = conflict_body("r-c", "t-1", P, "m1", None, "reused", "f1", "f0", answered_at=12.5)
-    assert parse_body(encode_body(body)[0]).made_at == 12.5
+    assert Reply.from_mapping(load_body(encode_body(body)[0])).made_at == 12.5
 
 
 def test_adapter_never_puts_back_or_replays_a_reply_older_than_its_window(

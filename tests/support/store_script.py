@@ -46,6 +46,7 @@ from broker_adapter.store import (
 from broker_adapter.store.backends import open_store
 from broker_adapter.store.outbox import OutboxPolicy, enqueue
 from broker_adapter.store.postgres import PgDatabase
+from broker_adapter.store.receipts import Effect, Receipt, ReceiptItem, ReceiptOutcome
 from broker_adapter.store.tasks import TaskPolicy
 
 T0 = 1_800_000_000.0
@@ -333,8 +334,30 @@ def _reply_replay(s: Stores, a: dict[str, Any]) -> Json:
     return s.outbox.replay(a["reply_id"], a["by"]).replays
 
 
+def apply_receipt(
+    receipts: ReceiptStore,
+    *,
+    reply_id: str,
+    content_hash: str,
+    principal: str,
+    body: bytes,
+    effect: Effect | None,
+    entry_id: str | None = None,
+) -> tuple[ReceiptOutcome, Receipt]:
+    """One reply through ``ReceiptStore.apply_many`` (the receiver's path); an exception of
+    the effect is raised again, as the receiver reports it."""
+    item = ReceiptItem(reply_id, content_hash, principal, body, entry_id)
+    (done,) = receipts.apply_many([item], effect)
+    if done.error is not None:
+        raise done.error
+    assert done.outcome is not None
+    assert done.receipt is not None
+    return done.outcome, done.receipt
+
+
 def _receipt(s: Stores, a: dict[str, Any]) -> Json:
-    outcome, receipt = s.receipts.apply(
+    outcome, receipt = apply_receipt(
+        s.receipts,
         reply_id=a["reply_id"],
         content_hash=a["content_hash"],
         principal=a["principal"],

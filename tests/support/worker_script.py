@@ -16,6 +16,7 @@ Crash points come from the environment (``BA_CRASHPOINT`` / ``BA_PAUSEPOINT``).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import signal
 import sys
@@ -79,7 +80,7 @@ def drain(args: argparse.Namespace) -> int:
             if processed == 0:
                 break
             total += processed
-        _say("STATS " + json.dumps(worker.stats.as_dict(), sort_keys=True))
+        _say("STATS " + json.dumps(dataclasses.asdict(worker.stats), sort_keys=True))
     finally:
         db.close()
     return 0

@@ -14,7 +14,6 @@ from collections.abc import Iterator
 
 import pytest
 
-from broker_adapter.clock import SkewedClock
 from broker_adapter.errors import StaleError
 from broker_adapter.store import AcceptItem, Outcome, TaskStore
 from broker_adapter.store.dbclock import (
@@ -27,6 +26,7 @@ from broker_adapter.store.dbclock import (
 )
 from broker_adapter.store.postgres.db import PgDatabase
 from broker_adapter.store.task_types import TaskPolicy
+from tests.support.clocks import SkewedClock
 from tests.support.store_script import AnyDatabase, envelope, open_any
 
 LEASE_S = 30.0

@@ -12,6 +12,7 @@ from broker_adapter.errors import FencedError, StaleError
 from broker_adapter.protocol.canonical import canonical_json, sha256_hex
 from broker_adapter.store import OutboxRow, OutboxStore
 from broker_adapter.store.outbox import UnknownReply
+from broker_adapter.store.report import snapshot
 from tests.support.store_script import (
     OUTBOX_BACKOFF,
     OUTBOX_LEASE_S,
@@ -305,13 +306,17 @@ def test_outbox_requeue_sent_puts_back_rows_sent_since(s: Stores, clock: FakeClo
 
 
 def test_outbox_oldest_unsent_age_follows_clock(s: Stores, clock: FakeClock) -> None:
-    assert s.outbox.oldest_unsent_age() is None
+    def oldest_unsent_age() -> float | None:
+        age: float | None = snapshot(s.db, clock.now())["delivery"]["oldest_unsent_age_s"]
+        return age
+
+    assert oldest_unsent_age() is None
     reply_id = finished(s)
     clock.advance(7)
-    assert s.outbox.oldest_unsent_age() == 7
+    assert oldest_unsent_age() == 7
     (r,) = s.outbox.claim("d1", 1)
     s.outbox.mark_sent(reply_id, "d1", r.fence, "1-0")
-    assert s.outbox.oldest_unsent_age() is None
+    assert oldest_unsent_age() is None
 
 
 def test_outbox_reply_body_is_fixed_at_enqueue(s: Stores, clock: FakeClock) -> None:

@@ -31,6 +31,7 @@ from tests.support.store_script import (
     OUTBOX_LEASE_S,
     T0,
     Stores,
+    apply_receipt,
     create_effects_table,
     dump,
     item,
@@ -385,7 +386,8 @@ def test_a_reply_id_held_by_one_receiver_with_other_content_is_a_conflict_for_th
         return None
 
     def apply(s: Stores, body: bytes) -> Any:
-        return s.receipts.apply(
+        return apply_receipt(
+            s.receipts,
             reply_id="r-1",
             content_hash=sha256_hex(body),
             principal="alice",

@@ -14,6 +14,7 @@ from broker_adapter.store import ReceiptOutcome
 from tests.support.store_script import (
     T0,
     Stores,
+    apply_receipt,
     create_effects_table,
     dump,
     open_any,
@@ -49,7 +50,8 @@ class CountingEffect:
 def test_receipt_apply_runs_effect_once_and_stores_receipt(s: Stores, clock: FakeClock) -> None:
     body, digest = reply()
     effect = CountingEffect()
-    outcome, receipt = s.receipts.apply(
+    outcome, receipt = apply_receipt(
+        s.receipts,
         reply_id="r-t1",
         content_hash=digest,
         principal="alice",
@@ -71,12 +73,18 @@ def test_receipt_apply_runs_effect_once_and_stores_receipt(s: Stores, clock: Fak
 def test_receipt_apply_returns_earlier_receipt_when_duplicate(s: Stores, clock: FakeClock) -> None:
     body, digest = reply()
     effect = CountingEffect()
-    _, first = s.receipts.apply(
-        reply_id="r-t1", content_hash=digest, principal="alice", body=body, effect=effect
+    _, first = apply_receipt(
+        s.receipts,
+        reply_id="r-t1",
+        content_hash=digest,
+        principal="alice",
+        body=body,
+        effect=effect,
     )
     before = dump(s.db)
     clock.advance(30)
-    outcome, again = s.receipts.apply(
+    outcome, again = apply_receipt(
+        s.receipts,
         reply_id="r-t1",
         content_hash=digest,
         principal="alice",
@@ -93,12 +101,18 @@ def test_receipt_apply_returns_earlier_receipt_when_duplicate(s: Stores, clock: 
 def test_receipt_apply_refuses_different_content_for_same_reply_id(s: Stores) -> None:
     body, digest = reply()
     effect = CountingEffect()
-    _, first = s.receipts.apply(
-        reply_id="r-t1", content_hash=digest, principal="alice", body=body, effect=effect
+    _, first = apply_receipt(
+        s.receipts,
+        reply_id="r-t1",
+        content_hash=digest,
+        principal="alice",
+        body=body,
+        effect=effect,
     )
     before = dump(s.db)
     other_body, other_digest = reply(status="failed")
-    outcome, stored = s.receipts.apply(
+    outcome, stored = apply_receipt(
+        s.receipts,
         reply_id="r-t1",
         content_hash=other_digest,
         principal="alice",
@@ -121,14 +135,24 @@ def test_receipt_apply_rolls_back_effect_and_receipt_when_effect_raises(s: Store
 
     before = dump(s.db)
     with pytest.raises(RuntimeError, match="downstream refused"):
-        s.receipts.apply(
-            reply_id="r-t1", content_hash=digest, principal="alice", body=body, effect=half_done
+        apply_receipt(
+            s.receipts,
+            reply_id="r-t1",
+            content_hash=digest,
+            principal="alice",
+            body=body,
+            effect=half_done,
         )
     assert dump(s.db) == before
     assert s.receipts.get("r-t1") is None
     # The redelivery then applies cleanly, exactly once.
-    outcome, _ = s.receipts.apply(
-        reply_id="r-t1", content_hash=digest, principal="alice", body=body, effect=record_effect
+    outcome, _ = apply_receipt(
+        s.receipts,
+        reply_id="r-t1",
+        content_hash=digest,
+        principal="alice",
+        body=body,
+        effect=record_effect,
     )
     assert outcome is ReceiptOutcome.APPLIED
     assert len(dump(s.db)["effects"]) == 1
@@ -142,8 +166,13 @@ def test_receipt_apply_rolls_back_when_effect_result_is_not_json(s: Stores) -> N
         return {1, 2}
 
     with pytest.raises(ValueError):  # noqa: PT011 - canonical_json's contract
-        s.receipts.apply(
-            reply_id="r-t1", content_hash=digest, principal="alice", body=body, effect=returns_set
+        apply_receipt(
+            s.receipts,
+            reply_id="r-t1",
+            content_hash=digest,
+            principal="alice",
+            body=body,
+            effect=returns_set,
         )
     assert dump(s.db)["effects"] == []
     assert dump(s.db)["receipts"] == []
@@ -151,8 +180,8 @@ def test_receipt_apply_rolls_back_when_effect_result_is_not_json(s: Stores) -> N
 
 def test_receipt_apply_records_no_effect_when_effect_is_none(s: Stores) -> None:
     body, digest = reply()
-    outcome, receipt = s.receipts.apply(
-        reply_id="r-t1", content_hash=digest, principal="alice", body=body, effect=None
+    outcome, receipt = apply_receipt(
+        s.receipts, reply_id="r-t1", content_hash=digest, principal="alice", body=body, effect=None
     )
     assert outcome is ReceiptOutcome.APPLIED
     assert (receipt.effects, receipt.effect_result) == (0, None)
@@ -162,7 +191,8 @@ def test_receipt_apply_records_no_effect_when_effect_is_none(s: Stores) -> None:
 def test_receipt_list_returns_receipts_in_arrival_order(s: Stores, clock: FakeClock) -> None:
     for n in range(3):
         body = canonical_json({"reply_id": f"r-{n}", "status": "done"})
-        s.receipts.apply(
+        apply_receipt(
+            s.receipts,
             reply_id=f"r-{n}",
             content_hash=sha256_hex(body),
             principal="alice",

@@ -12,7 +12,7 @@ from broker_adapter.protocol.reply import (
     Reply,
     conflict_body,
     encode_body,
-    parse_body,
+    load_body,
     reply_id_for,
     terminal_body,
 )
@@ -21,7 +21,7 @@ from broker_adapter.protocol.reply import (
 def test_a_terminal_body_parses_back_into_the_reply_it_describes() -> None:
     body = terminal_body("t1", "done", "alice", "m1", "c1", '{"ok":true}', None, 2, 3, 1.5)
     data, content_hash = encode_body(body)
-    reply = parse_body(data)
+    reply = Reply.from_mapping(load_body(data))
     assert reply == Reply(
         reply_id=reply_id_for("t1"),
         status="done",
@@ -45,7 +45,7 @@ def test_a_terminal_body_parses_back_into_the_reply_it_describes() -> None:
 
 def test_a_conflict_body_carries_both_fingerprints_and_no_fence() -> None:
     body = conflict_body("c-x", "t1", "alice", "m1", None, "reused", "f-new", "f-old")
-    reply = parse_body(canonical_json(body))
+    reply = Reply.from_mapping(load_body(canonical_json(body)))
     assert (reply.status, reply.task_id, reply.error) == ("conflict", "t1", "reused")
     assert (reply.fingerprint, reply.stored_fingerprint) == ("f-new", "f-old")
     assert reply.fence is None
@@ -66,6 +66,6 @@ def test_a_body_with_a_field_of_the_wrong_type_is_a_bad_reply(
     body: dict[str, object], detail: str
 ) -> None:
     with pytest.raises(BadReply) as caught:
-        parse_body(canonical_json(body))
+        Reply.from_mapping(load_body(canonical_json(body)))
     assert caught.value.reason == "bad_reply"
     assert detail in caught.value.detail

@@ -28,6 +28,7 @@ from tests.support.store_script import (
     T0,
     SqliteStores,
     Stores,
+    apply_receipt,
     dump,
     item,
     open_any,
@@ -335,7 +336,9 @@ def test_a_message_id_reused_after_the_purge_is_a_new_request_within_it_a_duplic
 
 def _receipt(s: Stores, reply_id: str) -> None:
     body = b'{"reply_id": "' + reply_id.encode() + b'"}'
-    s.receipts.apply(reply_id=reply_id, content_hash="h", principal="alice", body=body, effect=None)
+    apply_receipt(
+        s.receipts, reply_id=reply_id, content_hash="h", principal="alice", body=body, effect=None
+    )
 
 
 def test_receipts_go_after_the_window_to_the_edge_in_batches(s: Stores, clock: FakeClock) -> None:

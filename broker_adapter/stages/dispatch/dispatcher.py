@@ -14,25 +14,12 @@ with the bytes fixed in the outbox; the publisher holds each row under its own c
 and fence; after the retry budget a row is ``dead`` with its last error, and the operator's
 replay checks Redis by reply id first.
 
-Publication is idempotent in Redis itself (``publish``). ONE Lua script on two keys of one hash tag,
-``reply_record(P, reply_id)`` and ``replies(P)``, looks up the reply's publication record
-(``"<content hash> <entry id>"``, kept ``record_window_s``) and XADDs only when there is
-none:
+Publication is ``publish.ReplyPublisher``'s: one Lua script per reply, whose publication
+record (kept ``record_window_s``) makes a second publication of a reply id add nothing and
+refuses other content under it, and a signature made at publish time (a row that cannot be
+signed is never published unsigned). A dispatcher built without a keyring (the operator's
+replay) publishes nothing.
 
-* no record: XADD the entry (``v``, ``reply_id``, ``hash``, ``body``, ``kid``, ``sig``),
-  record it (SET NX, TTL);
-* record, same hash: already published, the earlier entry id is returned, nothing added;
-* record, other hash: a permanent conflict; the row goes ``dead`` with the reason.
-
-Every entry is signed for the principal it is addressed to (``auth.Keyring.sign_reply``:
-``kid`` and ``sig``), at publish time: the HMAC is deterministic, so publishing a row again
-gives the same entry and the outbox stores nothing about it; the record still dedupes by the
-body's content hash (after a key rotation a re-publish is still "already published"). A row
-whose principal has no key in the keyring cannot be signed: it fails like an unconfirmed
-publication (retried with backoff, ``dead`` past the budget), and is never published
-unsigned. A dispatcher built without a keyring (the operator's replay) publishes nothing.
-
-The script's two writes reach the AOF as one MULTI/EXEC, so they survive or vanish together.
 The scripts of a claimed batch are pipelined (one round trip) and the batch is marked sent
 in one SQLite transaction (each row fenced on its own: a fenced-out row is refused before it
 writes anything and does not sink the rest). In ``run`` that transaction also claims the next
@@ -40,8 +27,6 @@ batch (one fsync instead of two); rows claimed ahead are published by the next s
 when a stop arrives in between. When idle, ``run`` looks at the outbox with a read
 (``OutboxStore.has_ready``) every ``wake_poll_s`` for a second after its last publication,
 then less and less often, up to ``idle_poll_s``.
-Redis >= 8.6 has ``XADD ... IDMP`` (detected and logged); it keeps ids for at most a day and
-does not compare content, so the script stays the path that also catches conflicts.
 
 Publication records: who publishes a reply id a second time, and how long each path needs
 the record (defaults: ``lease_s`` 30 s, 20 attempts, backoff up to 30 s):
@@ -216,7 +201,7 @@ class Dispatcher:
 
     Args:
         config: batch size, retention window, loss window.
-        client: a client from ``streams.connect`` (no automatic re-sends).
+        client: a client from ``redis.client.connect`` (no automatic re-sends).
         outbox: the outbox of this process's database.
         keyring: signs the replies (``ReplyPublisher``). Without one the dispatcher only
             watches, lists and replays (the operator's ``dead-letters replay``, which puts

@@ -106,7 +106,7 @@ class LossWatch:
     and puts the replies it may have lost back in line (see the module's text).
 
     Args:
-        client: a client from ``streams.connect``.
+        client: a client from ``redis.client.connect``.
         outbox: the outbox whose ``sent`` rows are put back.
         keys: the key layout (the epoch key).
         loss_window_s: how far back a restart can have lost acknowledged writes, seconds.

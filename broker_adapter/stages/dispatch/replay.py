@@ -55,7 +55,7 @@ class Replayer:
     """Lists and replays ``dead`` replies (see the module's text).
 
     Args:
-        client: a client from ``streams.connect``.
+        client: a client from ``redis.client.connect``.
         outbox: the outbox of this process's database.
         keys: the key layout.
         logger: where replays are reported.

@@ -139,7 +139,3 @@ class IngestStats:
     #: trims that found a group past an id ahead of the server clock (a poisoned stream)
     future_ids: int = STREAM_FUTURE_IDS.field()
     dead_lettered: dict[str, int] = field(default_factory=dict)
-
-    @property
-    def dead_lettered_total(self) -> int:
-        return sum(self.dead_lettered.values())

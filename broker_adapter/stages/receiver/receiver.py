@@ -30,7 +30,7 @@ one XACK for the batch, ``after_xack``. Surviving a crash:
 
 Forged replies. Any client that can write the reply stream can append entries to it, so
 only a signature proves an entry came from the adapter: ``sig`` is an HMAC with a key of the
-principal the reply is for (see ``auth``). An unsigned or badly signed entry is
+principal the reply is for (see ``protocol.signing``). An unsigned or badly signed entry is
 dead-lettered (``missing_field``, ``unknown_key``, ``bad_signature``) before anything is
 written for it: no receipt, so a forgery published ahead of the real reply under the real
 reply id cannot take its place, and the real reply is still applied when it comes.

@@ -9,12 +9,19 @@ the dispatcher's name whoever publishes).
 Publication is idempotent in Redis itself. ONE Lua script (``PUBLISH_SCRIPT``) on two keys of
 one hash tag, ``reply_record(P, reply_id)`` and ``replies(P)``, looks up the reply's
 publication record (``"<content hash> <entry id>"``) and XADDs only when there is none: no
-record, a new entry and its record (SET NX, TTL); a record with the same hash, the earlier
-entry id and nothing added; a record with another hash, a permanent conflict. The script's
-two writes reach the AOF as one MULTI/EXEC. Every entry is signed for its principal at
-publish time (``signing.Keyring.sign_reply``); a row that cannot be signed fails like an
-unconfirmed publication and is never published unsigned. See ``dispatcher`` for how long
-records live and the crash order (XADD, then mark sent).
+record, a new entry (``v``, ``reply_id``, ``hash``, ``body``, ``kid``, ``sig``) and its
+record (SET NX, TTL); a record with the same hash, the earlier entry id and nothing added; a
+record with another hash, a permanent conflict. The script's two writes reach the AOF as
+one MULTI/EXEC. Redis's own ``XADD ... IDMP`` (Redis >= 8.6, noted by ``loss.LossWatch``)
+keeps ids for at most a day and does not compare content, so the script stays the path.
+
+Every entry is signed for its principal at publish time (``signing.Keyring.sign_reply``:
+``kid`` and ``sig``). The HMAC is deterministic, so publishing a row again gives the same
+entry and the outbox stores nothing about it; the record dedupes by the body's content
+hash, so after a key rotation a re-publish is still "already published". A row whose
+principal has no key cannot be signed: it fails like an unconfirmed publication (retried
+with backoff, ``dead`` past the budget) and is never published unsigned. See
+``dispatcher`` for how long records live and the crash order (XADD, then mark sent).
 """
 
 from __future__ import annotations
@@ -167,7 +174,7 @@ class ReplyPublisher:
     around it instead of ``settle``'s mark step.
 
     Args:
-        client: a client from ``streams.connect`` (no automatic re-sends).
+        client: a client from ``redis.client.connect`` (no automatic re-sends).
         outbox: the outbox of this process's database.
         keys: the key layout.
         owner: the publisher's name on the rows it holds.

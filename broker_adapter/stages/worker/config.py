@@ -3,7 +3,7 @@ go to and its fixed constants; see ``worker``."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Protocol
 
 from pydantic import Field
@@ -137,9 +137,6 @@ class WorkerStats:
     #: the database, the lease take-back's unknowns too
     unknown: int = 0
     waiting_approval: int = TASK_OUTCOMES.field(outcome="waiting_approval")
-
-    def as_dict(self) -> dict[str, int]:
-        return asdict(self)
 
 
 class WorkerMetricsSink(Protocol):

@@ -78,10 +78,6 @@ class Routes:
         #: What ``route`` decided per claimed task, until its call takes it.
         self._routed: dict[str, TaskDef | RouteError] = {}
 
-    @property
-    def declares_effects(self) -> bool:
-        return bool(self._gates)
-
     def route(self, task: Task) -> TaskDef | None:
         """Resolve ``task`` (its ``args`` set); ``None`` when it cannot be routed (its call
         will raise why)."""

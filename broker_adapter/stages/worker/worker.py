@@ -97,7 +97,7 @@ class Worker:
             a callable (a router of one), or a ``"module:callable"`` spec to load.
         clock: the time source for deadlines; the store's clock by default.
         logger: where to report; ``broker_adapter.stages.worker`` by default.
-        redis_client: the client to publish replies with (a ``streams.connect`` client);
+        redis_client: the client to publish replies with (a ``redis.client.connect`` client);
             by default one for ``config.redis_url``, or none: the dispatcher publishes.
         outbox_policy: the publisher's lease and retry budget (as the dispatcher's).
         keyring: signs the replies this worker publishes (``ReplyPublisher``); required

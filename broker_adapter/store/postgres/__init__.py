@@ -1,6 +1,6 @@
-"""The PostgreSQL store's own parts: the connection pool and its transactions (``db``), the
-schema and its migrations (``schema``). ``--db postgresql://...`` selects it; the store's
-classes (``TaskStore``, ``OutboxStore``, ``ReceiptStore``, ``EffectsStore``,
+"""The PostgreSQL store's own parts: the connection pool and its transactions (``db``) and
+the schema and its migrations (``schema``). ``--db postgresql://...`` selects it; the
+store's classes (``TaskStore``, ``OutboxStore``, ``ReceiptStore``, ``EffectsStore``,
 ``ApprovalStore``) are one text for both databases (``store.sql``) and take a
 ``PgDatabase`` as they take a SQLite ``Database``.
 

@@ -277,16 +277,6 @@ def probe(url: str, timeout_s: float) -> str | None:
     return None
 
 
-def free_text(value: str | None) -> str | None:
-    """``value`` as a PostgreSQL ``text`` can hold it: a NUL character (which SQLite keeps
-    and PostgreSQL refuses) becomes U+FFFD. For the free-text columns (errors, reasons),
-    never for keys: principals and message ids cannot hold control characters, and reply
-    bodies and results are canonical JSON, where a NUL is written ``\\u0000``."""
-    if value is None or "\x00" not in value:
-        return value
-    return value.replace("\x00", "\ufffd")
-
-
 def translate(exc: psycopg.Error, where: str) -> Exception:
     """The library's error for a driver error: ``StoreBusy`` when nothing was committed and
     trying again may succeed (a lost connection, a lock or deadlock timeout), else
