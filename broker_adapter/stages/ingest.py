@@ -67,6 +67,7 @@ import tenacity
 from broker_adapter import crashpoints
 from broker_adapter.backoff import run_until_stopped
 from broker_adapter.clock import Clock, SystemClock
+from broker_adapter.config import derive
 from broker_adapter.errors import ConfigError, EnvelopeError, StoreBusy, TransientError
 from broker_adapter.protocol import deadletter
 from broker_adapter.protocol.keys import INGEST_GROUP, Keys
@@ -193,14 +194,7 @@ class Ingestor:
                 f"client socket timeout {timeout}s must exceed block_ms={block_ms}: a blocked "
                 "read would otherwise look like a dead connection"
             )
-        reader_config = ReaderConfig(
-            count=config.count,
-            block_ms=block_ms,
-            claim_min_idle_ms=config.claim_min_idle_ms,
-            max_deliveries=config.max_deliveries,
-            max_entry_fields=config.max_entry_fields,
-            max_entry_bytes=config.max_entry_bytes,
-        )
+        reader_config = derive(ReaderConfig, config, block_ms=block_ms)
         self._sources = [
             _Source(
                 GroupReader(

@@ -57,8 +57,6 @@ from broker_adapter.errors import BrokerAdapterError
 from broker_adapter.store.db import Database
 from broker_adapter.store.sql import Conn, Db, Dialect, in_lists
 
-#: The published dedupe window, seconds: 7 days.
-DEFAULT_RETENTION_S = 7 * 24 * 3600.0
 #: Requests (or receipts) deleted per transaction at most.
 PURGE_BATCH = 100
 #: Rows a candidate read looks at per batch at most (it stops earlier at the window).

@@ -11,10 +11,36 @@ from typing import Any
 from pydantic import Field
 
 from broker_adapter.backoff import Backoff
-from broker_adapter.config import DEFAULT_LEASE_S, ConfigModel
+from broker_adapter.config import LEASE_SETTING, RETENTION_SETTING, ConfigModel, setting
 from broker_adapter.errors import BrokerAdapterError
 from broker_adapter.store.inbox import idempotency_key_for
-from broker_adapter.store.retention import DEFAULT_RETENTION_S
+
+MAX_HOPS_SETTING = setting(
+    16,
+    ge=0,
+    help="requests further from their root task are answered hop_limit",
+    flag="--max-hops",
+    env="BA_MAX_HOPS",
+    metavar="N",
+)
+MAX_CHAIN_TASKS_SETTING = setting(
+    1000,
+    ge=1,
+    help="requests naming a correlation id under which this many tasks were stored"
+    " (within the retention window) are answered hop_limit",
+    flag="--max-chain-tasks",
+    env="BA_MAX_CHAIN_TASKS",
+    metavar="N",
+)
+CANCEL_GRACE_SETTING = setting(
+    30.0,
+    ge=0,
+    help="a running task whose cancel was requested keeps its lease this long for its"
+    " handler to stop, seconds",
+    flag="--cancel-grace",
+    env="BA_CANCEL_GRACE_S",
+    metavar="S",
+)
 
 
 class TaskPolicy(ConfigModel):
@@ -40,12 +66,12 @@ class TaskPolicy(ConfigModel):
         ConfigError: a lease or retention not above 0, or a negative ``max_hops``.
     """
 
-    lease_s: float = Field(default=DEFAULT_LEASE_S, gt=0)
-    max_hops: int = Field(default=16, ge=0)
-    retention_s: float = Field(default=DEFAULT_RETENTION_S, gt=0)
+    lease_s: float = LEASE_SETTING
+    max_hops: int = MAX_HOPS_SETTING
+    retention_s: float = RETENTION_SETTING
     backoff: Backoff = Field(default_factory=Backoff)
-    max_chain_tasks: int = Field(default=1000, ge=1)
-    cancel_grace_s: float = Field(default=30.0, ge=0)
+    max_chain_tasks: int = MAX_CHAIN_TASKS_SETTING
+    cancel_grace_s: float = CANCEL_GRACE_SETTING
 
 
 @dataclass(frozen=True)

@@ -108,6 +108,26 @@ def test_task_policy_and_reader_bounds_both_sides(
 
 
 @pytest.mark.parametrize(
+    ("fields", "ok"),
+    [
+        ({"claim_min_idle_ms": 0}, False),  # the ingest's bound: refused before it starts
+        ({"claim_min_idle_ms": 1}, True),
+        ({"max_entry_bytes": 1023}, False),
+        ({"max_entry_bytes": 1024}, True),
+        ({"mode": "signed", "acl_principals": ("alice",)}, False),
+        ({"name": "bad/name"}, False),  # the ingest's consumer name would refuse it
+        ({"name": "adapter-1"}, True),
+    ],
+)
+def test_the_adapter_refuses_what_its_ingest_would(fields: dict[str, Any], ok: bool) -> None:
+    if ok:
+        _run(**fields).ingest_config("a-ingest")
+    else:
+        with pytest.raises(ConfigError, match=r"^AdapterConfig"):
+            _run(**fields)
+
+
+@pytest.mark.parametrize(
     "model",
     [
         AdapterConfig,
