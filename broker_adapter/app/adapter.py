@@ -167,10 +167,7 @@ class Adapter:
             self.config,
             # unique per incarnation: a leftover of an earlier run never shares an owner name
             owner=f"{self.name}-w{i}-{os.getpid()}",
-            redis_url=self.config.redis_url if self.config.worker_publish else None,
             record_ttl_s=self._dispatcher_config().record_window_s,
-            metrics_dir=None if self.observed.worker_dir is None else str(self.observed.worker_dir),
-            handler_name=self.config.handler,
         )
 
     def _dispatcher_config(self) -> DispatcherConfig:
@@ -186,6 +183,8 @@ class Adapter:
             handoff=True,
             keyring=self.keyring,
             app_dir=self.config.app_dir,
+            publish_url=self.config.redis_url if self.config.worker_publish else None,
+            metrics_dir=self.observed.worker_dir,
         )
 
     def _thread(self, name: str, body: Callable[[], None]) -> threading.Thread:

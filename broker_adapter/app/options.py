@@ -76,24 +76,36 @@ def option(
 _CHECK = ConfigDict(allow_inf_nan=False)
 
 
-def _checker(flag: str, kind: Any) -> Any:
+def _checker(base: type, kind: Any) -> Any:
     """An argparse ``type`` that checks a value as ``kind`` within its bounds, refusing it
-    with the bound it breaks; a number comes back parsed, any other value as it was typed
-    (the model converts it when it is built)."""
+    with the bound it breaks (argparse's own "invalid int value" for one that is not a
+    ``base`` at all); a number comes back parsed, any other value as it was typed (the model
+    converts it when it is built)."""
     adapter: TypeAdapter[Any] = TypeAdapter(kind, config=_CHECK)
 
     def check(text: str) -> Any:
         try:
             value = adapter.validate_python(text)
         except ValidationError as exc:
-            why = "; ".join(str(e.get("msg", "invalid")) for e in exc.errors(include_url=False))
+            errors = exc.errors(include_url=False)
+            if all(e["type"].endswith("_parsing") for e in errors):
+                raise ValueError(text) from None  # argparse: "invalid int value: 'x'"
+            why = "; ".join(str(e.get("msg", "invalid")) for e in errors)
             raise argparse.ArgumentTypeError(
                 f"{text!r}: {why.removeprefix('Value error, ')}"
             ) from None
         return value if isinstance(value, int | float) else text  # a path stays as typed
 
-    check.__name__ = flag  # argparse names the type in some of its messages
+    check.__name__ = base.__name__  # argparse names the type in its messages
     return check
+
+
+def _base(annotation: Any) -> type:
+    """The plain type a value must parse as: ``int`` for ``int | None``, ..."""
+    for candidate in (annotation, *get_args(annotation)):
+        if isinstance(candidate, type) and candidate is not type(None):
+            return candidate
+    return str
 
 
 def _flagged(model: type[BaseModel], path: tuple[str, ...] = ()) -> Iterator[tuple[str, ...]]:
@@ -170,13 +182,13 @@ def _add(
         return
     if get_origin(field.annotation) is tuple:
         item = get_args(field.annotation)[0]
-        given["type"] = _checker(cli.flag, item)
+        given["type"] = _checker(str, item)
         option(p, cli.flag, text, env=cli.env, default=[], action=AppendOrEnv, **given)
         return
     if get_origin(field.annotation) is Literal:
         given["choices"] = get_args(field.annotation)
     else:
-        given["type"] = _checker(cli.flag, kind)
+        given["type"] = _checker(_base(field.annotation), kind)
     option(p, cli.flag, text, env=cli.env, default=default, **given)
 
 

@@ -10,7 +10,6 @@ from pydantic import Field
 
 from broker_adapter.config import ConfigModel, setting
 from broker_adapter.protocol.keys import PREFIX_SETTING, KeyPrefix
-from broker_adapter.redis.client import RedisUrl
 from broker_adapter.stages.publish import DEFAULT_RECORD_TTL_S, DispatcherStats
 
 DEFAULT_BATCH = 128
@@ -74,16 +73,9 @@ class WorkerConfig(ConfigModel):
             work, seconds; after that it doubles with every empty look, up to
             ``idle_poll_s``.
         grace_s: on stop, how long the running handler may still take.
-        redis_url: the Redis of the reply streams. With it the worker publishes the replies
-            of its own batches right after their commit (see ``Worker``); without it (or
-            ``None``) they wait in the outbox for the dispatcher.
         prefix: the key prefix (see ``keys``), as the dispatcher's.
         record_ttl_s: how long its publication records live (the dispatcher's
             ``DispatcherConfig.record_window_s``).
-        metrics_dir: with it, the worker's counters and handler times go to
-            prometheus-client's multiprocess files there (``app.metrics.WorkerMetrics``,
-            made by the worker pool); ``None`` (default): no metrics, nothing imported.
-        handler_name: the ``handler`` label of its handler duration histogram.
         concurrency: how many handler calls run at once (``concurrent_run``): a claim
             takes enough tasks to fill each slot; async handlers wait together on the
             process's one event loop, sync ones run on a thread per slot.
@@ -100,11 +92,8 @@ class WorkerConfig(ConfigModel):
     idle_poll_s: float = Field(default=DEFAULT_IDLE_POLL_S, gt=0)
     wake_poll_s: float = Field(default=DEFAULT_WAKE_POLL_S, gt=0)
     grace_s: float = GRACE_SETTING
-    redis_url: RedisUrl | None = None
     prefix: KeyPrefix = PREFIX_SETTING
     record_ttl_s: float = Field(default=DEFAULT_RECORD_TTL_S, gt=0)
-    metrics_dir: str | None = None
-    handler_name: str = "handler"
     approval_timeout_s: float = Field(default=DEFAULT_APPROVAL_TIMEOUT_S, gt=0)
     concurrency: int = CONCURRENCY_SETTING
 

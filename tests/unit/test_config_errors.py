@@ -46,7 +46,7 @@ def _run(**fields: Any) -> AdapterConfig:
         (lambda: IngestConfig(consumer="c", count=0), "IngestConfig.count: "),
         (lambda: ReceiverConfig(principal="a b"), "ReceiverConfig.principal: may hold only"),
         (lambda: DispatcherConfig(prefix="{x}"), "DispatcherConfig.prefix: bad key prefix"),
-        (lambda: WorkerConfig(owner="w", redis_url="http://x"), "WorkerConfig.redis_url: bad"),
+        (lambda: WorkerConfig(owner="w", prefix="{x}"), "WorkerConfig.prefix: bad key prefix"),
         (lambda: OutboxPolicy(max_attempts=0), "OutboxPolicy.max_attempts: "),
         (lambda: Backoff(base_s=-1), "Backoff.base_s: "),
         (lambda: TaskPolicy(lease_s=-5), "TaskPolicy.lease_s: "),
