@@ -12,13 +12,30 @@ from collections.abc import Callable
 from typing import TypeVar
 
 import tenacity
-from pydantic import Field
 
-from broker_adapter.config import ConfigModel
+from broker_adapter.config import ConfigModel, setting
 from broker_adapter.errors import TransientError
 
 log = logging.getLogger("broker_adapter.backoff")
 T = TypeVar("T")
+
+#: A retried task's backoff (``Backoff``'s defaults are the tasks').
+BACKOFF_BASE_SETTING = setting(
+    1.0,
+    ge=0,
+    help="a retried task's first backoff, seconds (doubling per attempt, half of it random)",
+    flag="--backoff-base",
+    env="BA_BACKOFF_BASE_S",
+    metavar="S",
+)
+BACKOFF_CAP_SETTING = setting(
+    60.0,
+    ge=0,
+    help="the longest backoff, seconds (a RetryableError's retry_after_s may ask for longer)",
+    flag="--backoff-cap",
+    env="BA_BACKOFF_CAP_S",
+    metavar="S",
+)
 
 
 class Backoff(ConfigModel):
@@ -33,8 +50,8 @@ class Backoff(ConfigModel):
         ConfigError: a negative ``base_s`` or ``cap_s``.
     """
 
-    base_s: float = Field(default=1.0, ge=0)
-    cap_s: float = Field(default=60.0, ge=0)
+    base_s: float = BACKOFF_BASE_SETTING
+    cap_s: float = BACKOFF_CAP_SETTING
 
     def ceiling(self, n: int) -> float:
         """The largest delay the n-th retry can get."""

@@ -6,13 +6,22 @@ and validators. ``Model(...)`` stays the way to build one; what it refuses comes
 ``ConfigError`` (a ``ValueError``, like pydantic's own error) naming the model and each
 field at fault, so callers and the CLI handle one error class and never see a pydantic
 traceback.
+
+A setting that several models hold is declared once, as a field made with ``setting`` (its
+bound, default, help text, and the flag and ``BA_*`` variable that set it on the command
+line), named ``*_SETTING`` in the module of the stage that owns it; each model that holds it
+uses that field, and ``derive`` builds a stage's model from the settings of the one above
+it. ``app.options`` makes the command
+line's flags from these declarations.
 """
 
 from __future__ import annotations
 
-from typing import Any, Self
+from dataclasses import dataclass
+from typing import Annotated, Any, Self, TypeVar
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic.fields import FieldInfo
 
 from broker_adapter.errors import ConfigError, EnvelopeError
 
@@ -20,6 +29,76 @@ from broker_adapter.errors import ConfigError, EnvelopeError
 DEFAULT_LEASE_S = 30.0
 #: Pending stream entries idle this long are taken over from a consumer presumed dead.
 DEFAULT_CLAIM_MIN_IDLE_MS = 60_000
+#: The dedupe window: how long a request's identity is remembered, seconds (seven days).
+DEFAULT_RETENTION_S = 7 * 24 * 3600.0
+
+M = TypeVar("M", bound="ConfigModel")
+
+
+@dataclass(frozen=True)
+class Flag:
+    """How a setting is set on the command line (``app.options`` reads it).
+
+    Attributes:
+        flag: the option, e.g. ``--lease``.
+        env: the ``BA_*`` variable that is its default (the flag wins).
+        metavar: the value's name in ``--help``.
+        shown: what ``--help`` shows as the default when it is not a value (e.g. "off").
+        cli_default: the command line's default where it differs from the model's.
+    """
+
+    flag: str
+    env: str
+    metavar: str | None = None
+    shown: str | None = None
+    cli_default: Any = None
+
+
+def setting(
+    default: Any = ...,
+    *,
+    help: str,
+    flag: str | None = None,
+    env: str | None = None,
+    metavar: str | None = None,
+    shown: str | None = None,
+    cli_default: Any = None,
+    **bounds: Any,
+) -> Any:
+    """A settings field: ``default``, pydantic ``bounds`` (``ge=``, ``gt=``, ``le=``...),
+    its ``help`` text and, for a setting the command line sets, its ``flag`` and ``env``
+    variable (``Flag``). A setting that several models hold is one such field, made once
+    and named by each (``lease_s: float = LEASE_SETTING``)."""
+    extra = None
+    if flag is not None:
+        if env is None:
+            raise TypeError(f"setting {flag} needs its BA_* variable")
+        extra = {"cli": Flag(flag, env, metavar, shown, cli_default)}
+    return Field(default, description=help, json_schema_extra=extra, **bounds)  # type: ignore[arg-type]
+
+
+def flag_of(field: FieldInfo) -> Flag | None:
+    """The command-line side of a field made by ``setting``, or ``None``."""
+    extra = field.json_schema_extra
+    cli = extra.get("cli") if isinstance(extra, dict) else None
+    return cli if isinstance(cli, Flag) else None
+
+
+def field_type(field: FieldInfo) -> Any:
+    """The field's type with its bounds and validators, for checking one value alone."""
+    return Annotated[(field.annotation, *field.metadata)] if field.metadata else field.annotation
+
+
+def derive(model: type[M], source: BaseModel, **given: Any) -> M:
+    """``model`` built from the settings of ``source`` it has a field of the same name for,
+    and ``given`` (which wins): how a stage's settings come from the tree above it, without
+    copying them one by one."""
+    shared = {
+        name: getattr(source, name)
+        for name in model.model_fields
+        if name in type(source).model_fields and name not in given
+    }
+    return model(**shared, **given)
 
 
 def refusal(model: str, exc: ValidationError) -> ConfigError:
@@ -54,3 +133,24 @@ class ConfigModel(BaseModel):
             return super().model_validate(obj, **kwargs)
         except ValidationError as exc:
             raise refusal(cls.__name__, exc) from None
+
+
+#: A claimed task's lease (and a publisher's claim on an outbox row), seconds.
+LEASE_SETTING = setting(
+    DEFAULT_LEASE_S,
+    gt=0,
+    help="a claimed task's lease, seconds; renewed every third of it",
+    flag="--lease",
+    env="BA_LEASE_S",
+    metavar="S",
+)
+#: The dedupe window (``DEFAULT_RETENTION_S``): what each stage forgets past it is said
+#: where the stage holds it (``TaskPolicy``, ``IngestConfig``, ``ReceiverConfig``...).
+RETENTION_SETTING = setting(
+    DEFAULT_RETENTION_S,
+    gt=0,
+    help="the dedupe window, seconds",
+    flag="--retention",
+    env="BA_RETENTION_S",
+    metavar="SECONDS",
+)

@@ -33,6 +33,7 @@ from broker_adapter.app.pool import WorkerPool
 from broker_adapter.app.serving import serve_metrics
 from broker_adapter.backoff import Backoff, call_until_stopped
 from broker_adapter.clock import SystemClock
+from broker_adapter.config import derive
 from broker_adapter.errors import (
     BrokerAdapterError,
     ConfigError,
@@ -46,7 +47,6 @@ from broker_adapter.protocol.signing import Keyring
 from broker_adapter.redis.client import Redis, connect
 from broker_adapter.redis.functions import load_at_start
 from broker_adapter.stages.dispatch.dispatcher import Dispatcher, DispatcherConfig
-from broker_adapter.stages.ingest.config import IngestConfig
 from broker_adapter.stages.ingest.ingest import Ingestor
 from broker_adapter.stages.reconcile.reconciler import Reconciler, run_reconciles
 from broker_adapter.stages.shared.handlers import load_app
@@ -119,12 +119,11 @@ class Adapter:
         }
         #: The first of them (the one a router of one declares), or ``None``.
         self.effect: EffectSpec | None = next(iter(self.effects.values()), None)
-        self.policy = TaskPolicy(
-            lease_s=config.lease_s,
-            retention_s=config.retention_s,
+        self.policy = derive(
+            TaskPolicy,
+            config,
             backoff=Backoff(base_s=config.backoff_base_s, cap_s=config.backoff_cap_s),
         )
-        self.policy = TaskPolicy(lease_s=config.lease_s, retention_s=config.retention_s)
         #: The store's identity (read with the database's first open), and this adapter's
         #: consumer name once it holds it (``run``).
         self.identity: StoreIdentity | None = None
@@ -166,24 +165,16 @@ class Adapter:
         return True
 
     def _worker_config(self, i: int) -> WorkerConfig:
-        return WorkerConfig(
+        return derive(
+            WorkerConfig,
+            self.config,
             # unique per incarnation: a leftover of an earlier run never shares an owner name
             owner=f"{self.name}-w{i}-{os.getpid()}",
-            call_timeout_s=self.config.call_timeout_s,
-            concurrency=self.config.concurrency,
-            grace_s=self.config.grace_s,
-            redis_url=self.config.redis_url if self.config.worker_publish else None,
-            prefix=self.config.prefix,
             record_ttl_s=self._dispatcher_config().record_window_s,
-            metrics_dir=None if self.observed.worker_dir is None else str(self.observed.worker_dir),
-            handler_name=self.config.handler,
         )
 
     def _dispatcher_config(self) -> DispatcherConfig:
-        cfg = self.config
-        return DispatcherConfig(
-            prefix=cfg.prefix, owner=f"{self.name}-dispatcher", retention_s=cfg.retention_s
-        )
+        return derive(DispatcherConfig, self.config, owner=f"{self.name}-dispatcher")
 
     def _pool(self) -> WorkerPool:
         return WorkerPool(
@@ -195,6 +186,8 @@ class Adapter:
             handoff=True,
             keyring=self.keyring,
             app_dir=self.config.app_dir,
+            publish_url=self.config.redis_url if self.config.worker_publish else None,
+            metrics_dir=self.observed.worker_dir,
         )
 
     def _thread(self, name: str, body: Callable[[], None]) -> threading.Thread:
@@ -243,23 +236,11 @@ class Adapter:
     def _ingest(
         self, stop: threading.Event, handoff: Handoff | None, gate: WriteGate | None
     ) -> None:
-        cfg = self.config
         tasks = self._store(stop, gate, lambda db: TaskStore(db, SystemClock(), self.policy))
         if tasks is None:
             return  # stopped before the database could be opened
         try:
-            ingest_cfg = IngestConfig(
-                prefix=cfg.prefix,
-                consumer=f"{self.name}-ingest",
-                mode=cfg.mode,
-                acl_principals=cfg.acl_principals,
-                partitions=cfg.partitions,
-                claim_min_idle_ms=cfg.claim_min_idle_ms,
-                rate_limit=cfg.rate_limit,
-                rate_burst=cfg.rate_burst,
-                max_open_tasks=cfg.max_open_tasks,
-                retention_s=cfg.retention_s,
-            )
+            ingest_cfg = self.config.ingest_config(f"{self.name}-ingest")
             client = self._connect(stop)
             if client is None:
                 return  # stopped before Redis could be reached

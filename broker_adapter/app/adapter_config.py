@@ -1,24 +1,57 @@
 """``AdapterConfig``: everything ``broker-adapter run`` needs, validated before anything
-starts (``adapter.Adapter`` runs it)."""
+starts (``adapter.Adapter`` runs it).
+
+It is the root of the settings tree: a setting that a stage holds too is named here by the
+type its stage declares it with (its bound, default, help and flag, once), and the adapter
+builds each stage's settings from this one (``config.derive``). ``run``'s flags and ``BA_*``
+variables are made from these fields (``app.options``).
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from broker_adapter.config import DEFAULT_CLAIM_MIN_IDLE_MS, DEFAULT_LEASE_S, ConfigModel
-from broker_adapter.protocol.keys import DEFAULT_PREFIX, MAX_PARTITIONS, KeyPrefix, Principal
+from broker_adapter.backoff import BACKOFF_BASE_SETTING, BACKOFF_CAP_SETTING
+from broker_adapter.config import (
+    LEASE_SETTING,
+    RETENTION_SETTING,
+    ConfigModel,
+    derive,
+    setting,
+)
+from broker_adapter.protocol.keys import (
+    PARTITIONS_SETTING,
+    PREFIX_SETTING,
+    KeyPrefix,
+    Principal,
+)
 from broker_adapter.redis.client import RedisUrl
+from broker_adapter.redis.reader import MAX_DELIVERIES_SETTING, MAX_ENTRY_FIELDS_SETTING
+from broker_adapter.stages.ingest.config import (
+    ACL_PRINCIPALS_SETTING,
+    CLAIM_MIN_IDLE_SETTING,
+    MAX_ENTRY_BYTES_SETTING,
+    MAX_OPEN_TASKS_SETTING,
+    MODE_SETTING,
+    RATE_BURST_SETTING,
+    RATE_LIMIT_SETTING,
+    IngestConfig,
+    Mode,
+)
 from broker_adapter.stages.reconcile.reconciler import ReconcilePolicy
 from broker_adapter.stages.worker.config import (
-    DEFAULT_CALL_TIMEOUT_S,
-    DEFAULT_GRACE_S,
-    MAX_CONCURRENCY,
+    CALL_TIMEOUT_SETTING,
+    CONCURRENCY_SETTING,
+    GRACE_SETTING,
 )
 from broker_adapter.store.backends import is_postgres_url
-from broker_adapter.store.retention import DEFAULT_RETENTION_S
+from broker_adapter.store.task_types import (
+    CANCEL_GRACE_SETTING,
+    MAX_CHAIN_TASKS_SETTING,
+    MAX_HOPS_SETTING,
+)
 
 DEFAULT_WORKERS = 2
 
@@ -53,7 +86,8 @@ class AdapterConfig(ConfigModel):
             handlers share the process's one event loop, sync ones a thread per slot.
         backoff_base_s, backoff_cap_s: a retried task's backoff (``backoff.Backoff``).
         grace_s: how long running handlers may finish on stop.
-        claim_min_idle_ms: pending entries idle this long are taken over from dead consumers.
+        claim_min_idle_ms: pending entries idle this long are taken over from dead consumers
+            (at least 1 ms: the ingest's bound).
         worker_publish: workers publish their replies right after their commit (the
             dispatcher then only sweeps what they could not publish); off, the dispatcher
             publishes every reply.
@@ -66,35 +100,90 @@ class AdapterConfig(ConfigModel):
         metrics_port: serve ``/metrics``, ``/healthz`` and ``/readyz`` on this port
             (``metrics``); ``None`` (default): off. 0 picks a free port.
         metrics_host: the address the metrics port binds.
+        max_hops, max_chain_tasks, cancel_grace_s: the task policy's (``TaskPolicy``).
+        max_deliveries, max_entry_bytes, max_entry_fields: the ingest's limits on an
+            inbound entry (``IngestConfig``).
     """
 
     redis_url: RedisUrl
     db_path: Path | str
     handler: str
-    app_dir: Path | None = None
-    workers: int = Field(default=DEFAULT_WORKERS, ge=1, le=64)
     keyring_path: Path | None = None
-    mode: Literal["signed", "acl"] = "signed"
-    acl_principals: tuple[Principal, ...] = ()
-    partitions: int = Field(default=1, ge=1, le=MAX_PARTITIONS)
-    prefix: KeyPrefix = DEFAULT_PREFIX
-    name: str | None = Field(default=None, min_length=1, max_length=200)
-    lease_s: float = Field(default=DEFAULT_LEASE_S, gt=0)
+    prefix: KeyPrefix = PREFIX_SETTING
+    concurrency: int = CONCURRENCY_SETTING
+    call_timeout_s: float = CALL_TIMEOUT_SETTING
+    backoff_base_s: float = BACKOFF_BASE_SETTING
+    backoff_cap_s: float = BACKOFF_CAP_SETTING
+    app_dir: Path | None = setting(
+        None,
+        help="directory put first on the import path to find the handler (in the worker"
+        " processes too)",
+        flag="--app-dir",
+        env="BA_APP_DIR",
+        metavar="DIR",
+        cli_default=".",
+    )
+    workers: int = setting(
+        DEFAULT_WORKERS,
+        ge=1,
+        le=64,
+        help="worker processes (1..64)",
+        flag="--workers",
+        env="BA_WORKERS",
+        metavar="N",
+    )
+    mode: Mode = MODE_SETTING
+    acl_principals: tuple[Principal, ...] = ACL_PRINCIPALS_SETTING
+    partitions: int = PARTITIONS_SETTING
+    name: str | None = setting(
+        None,
+        min_length=1,
+        max_length=200,
+        help="this adapter's consumer name (owner names derive from it); two live processes"
+        " never hold one",
+        flag="--name",
+        env="BA_NAME",
+        shown="a logical id unique per store and host",
+    )
+    lease_s: float = LEASE_SETTING
+    grace_s: float = GRACE_SETTING
+    claim_min_idle_ms: int = CLAIM_MIN_IDLE_SETTING
+    rate_limit: float | None = RATE_LIMIT_SETTING
+    rate_burst: int | None = RATE_BURST_SETTING
+    max_open_tasks: int | None = MAX_OPEN_TASKS_SETTING
+    retention_s: float = RETENTION_SETTING
     #: the reconciler's policy (operator timeout and its action, ...), for a declared effect
     reconcile: ReconcilePolicy = Field(default_factory=ReconcilePolicy)
-    call_timeout_s: float = Field(default=DEFAULT_CALL_TIMEOUT_S, gt=0)
-    concurrency: int = Field(default=1, ge=1, le=MAX_CONCURRENCY)
-    backoff_base_s: float = Field(default=1.0, ge=0)
-    backoff_cap_s: float = Field(default=60.0, ge=0)
-    grace_s: float = Field(default=DEFAULT_GRACE_S, ge=0)
-    claim_min_idle_ms: int = Field(default=DEFAULT_CLAIM_MIN_IDLE_MS, ge=0)
-    worker_publish: bool = True
-    rate_limit: float | None = Field(default=None, gt=0)
-    rate_burst: int | None = Field(default=None, ge=1)
-    max_open_tasks: int | None = Field(default=None, ge=1)
-    retention_s: float = Field(default=DEFAULT_RETENTION_S, gt=0)
-    metrics_port: int | None = Field(default=None, ge=0, le=65535)
-    metrics_host: str = "127.0.0.1"
+    metrics_port: int | None = setting(
+        None,
+        ge=0,
+        le=65535,
+        help="serve /metrics, /healthz and /readyz on this port",
+        flag="--metrics-port",
+        env="BA_METRICS_PORT",
+        metavar="PORT",
+        shown="off",
+    )
+    metrics_host: str = setting(
+        "127.0.0.1",
+        help="the address the metrics port binds",
+        flag="--metrics-host",
+        env="BA_METRICS_HOST",
+        metavar="HOST",
+    )
+    worker_publish: bool = setting(
+        True,
+        help="workers publish their replies right after their commit (the dispatcher sweeps"
+        " the rest); off, the dispatcher publishes every reply",
+        flag="--worker-publish",
+        env="BA_WORKER_PUBLISH",
+    )
+    max_hops: int = MAX_HOPS_SETTING
+    max_chain_tasks: int = MAX_CHAIN_TASKS_SETTING
+    cancel_grace_s: float = CANCEL_GRACE_SETTING
+    max_deliveries: int = MAX_DELIVERIES_SETTING
+    max_entry_bytes: int = MAX_ENTRY_BYTES_SETTING
+    max_entry_fields: int = MAX_ENTRY_FIELDS_SETTING
 
     @field_validator("db_path", mode="before")
     @classmethod
@@ -128,8 +217,9 @@ class AdapterConfig(ConfigModel):
             raise ValueError(
                 f"{self.mode} mode needs a keyring {need} (--keyring FILE or BA_KEYRING)"
             )
-        if self.mode == "acl" and not self.acl_principals:
-            raise ValueError("acl mode needs at least one principal (--acl-principal P)")
-        if self.mode == "acl" and self.partitions != 1:
-            raise ValueError("--partitions is for signed mode (ACL mode reads one stream each)")
+        self.ingest_config(f"{self.name or 'adapter'}-ingest")  # refused here, not in its thread
         return self
+
+    def ingest_config(self, consumer: str) -> IngestConfig:
+        """The ingest's settings, ``consumer`` reading."""
+        return derive(IngestConfig, self, consumer=consumer)

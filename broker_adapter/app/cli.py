@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import NoReturn
 
 from broker_adapter import __version__
+from broker_adapter.app.adapter_config import AdapterConfig
 from broker_adapter.app.audit import os_user
 from broker_adapter.app.commands import (
     cmd_backup,
@@ -31,22 +31,17 @@ from broker_adapter.app.commands import (
 )
 from broker_adapter.app.effects_cli import COMMANDS as EFFECT_COMMANDS
 from broker_adapter.app.effects_cli import add_commands as add_effect_commands
-from broker_adapter.app.effects_cli import add_run_options as add_effect_run_options
 from broker_adapter.app.mcp_cli import add_command as add_mcp_command
 from broker_adapter.app.mcp_cli import cmd_mcp
+from broker_adapter.app.options import add_settings
+from broker_adapter.app.options import option as _option
 from broker_adapter.app.passwords import resolve_redis_url
 from broker_adapter.app.rebind import add_rebind, rebind_command
 from broker_adapter.app.streams_cli import COMMANDS as STREAM_COMMANDS
 from broker_adapter.app.streams_cli import add_commands as add_stream_commands
 from broker_adapter.app.tasks_cli import add_task_commands, cmd_result, cmd_tasks
-from broker_adapter.config import DEFAULT_LEASE_S
 from broker_adapter.console.serve import cmd_console
 from broker_adapter.errors import BrokerAdapterError, ConfigError
-from broker_adapter.stages.worker.config import DEFAULT_CALL_TIMEOUT_S
-from broker_adapter.store.retention import DEFAULT_RETENTION_S
-
-if TYPE_CHECKING:
-    pass
 
 log = logging.getLogger("broker_adapter.app.cli")
 
@@ -57,58 +52,6 @@ EXIT_FAILURE = 1
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         self.exit(EXIT_USAGE, f"broker-adapter: error: {message}\n")
-
-
-class _AppendOrEnv(argparse.Action):
-    """``append``, except that the first flag replaces a list that came from the
-    environment (the flag wins) instead of adding to it."""
-
-    def __call__(
-        self,
-        parser: argparse.ArgumentParser,
-        namespace: argparse.Namespace,
-        values: str | Sequence[Any] | None,
-        option_string: str | None = None,
-    ) -> None:
-        current = getattr(namespace, self.dest)
-        items = [] if current is self.default else list(current)
-        items.append(values)
-        setattr(namespace, self.dest, items)
-
-
-def _option(
-    p: argparse.ArgumentParser,
-    flag: str,
-    help: str,
-    *,
-    env: str | None = None,
-    default: Any = None,
-    shown: str | None = None,
-    required: bool = False,
-    **kwargs: Any,
-) -> None:
-    """Add ``flag`` to ``p`` with its help text, default and environment variable.
-
-    ``--help`` shows ``[default: D; env NAME]`` (``shown`` names a default that is not a
-    value, e.g. "off"), or ``[required; env NAME]``. When ``NAME`` is set it is the
-    default, parsed like the flag's own value (a list option takes comma-separated
-    values), and the flag is no longer required. The table of variables in
-    docs/CONFIGURATION.md is checked against these (tests/unit/test_cli_help.py).
-    """
-    notes = []
-    if required:
-        notes.append("required")
-    elif shown is not None or default not in (None, []):
-        notes.append(f"default: {default if shown is None else shown}")
-    if env is not None:
-        notes.append(f"env {env}")
-        value = os.environ.get(env)
-        if value is not None:
-            split = kwargs.get("action") is _AppendOrEnv
-            default = [v.strip() for v in value.split(",") if v.strip()] if split else value
-            required = False
-    text = f"{help} [{'; '.join(notes)}]" if notes else help
-    p.add_argument(flag, default=default, required=required, help=text.replace("%", "%%"), **kwargs)
 
 
 def _add_redis(p: argparse.ArgumentParser, required: bool = True) -> None:
@@ -137,9 +80,7 @@ def _add_db(p: argparse.ArgumentParser, what: str) -> None:
 
 
 def _add_prefix(p: argparse.ArgumentParser) -> None:
-    _option(
-        p, "--prefix", "Redis key prefix (no braces or white space)", env="BA_PREFIX", default="ba"
-    )
+    add_settings(p, AdapterConfig, ["prefix"])
 
 
 def _add_keyring(p: argparse.ArgumentParser, what: str, *, required: bool = True) -> None:
@@ -153,49 +94,8 @@ def _add_keyring(p: argparse.ArgumentParser, what: str, *, required: bool = True
     )
 
 
-def _add_retention(p: argparse.ArgumentParser, what: str) -> None:
-    _option(
-        p,
-        "--retention",
-        f"the dedupe window, seconds: {what}",
-        env="BA_RETENTION_S",
-        default=DEFAULT_RETENTION_S,
-        type=float,
-        metavar="SECONDS",
-    )
-
-
-def _add_metrics(p: argparse.ArgumentParser) -> None:
-    _option(
-        p,
-        "--metrics-port",
-        "serve /metrics, /healthz and /readyz on this port",
-        env="BA_METRICS_PORT",
-        shown="off",
-        type=int,
-        metavar="PORT",
-    )
-    _option(
-        p,
-        "--metrics-host",
-        "the address the metrics port binds",
-        env="BA_METRICS_HOST",
-        default="127.0.0.1",
-        metavar="HOST",
-    )
-
-
 def _add_partitions(p: argparse.ArgumentParser) -> None:
-    _option(
-        p,
-        "--partitions",
-        "signed mode: inbound partition streams, a principal's by a"
-        " stable hash (docs/PROTOCOL.md); publishers and the adapter must agree",
-        env="BA_PARTITIONS",
-        default=1,
-        type=int,
-        metavar="P",
-    )
+    add_settings(p, AdapterConfig, ["partitions"])
 
 
 def _add_log_format(p: argparse.ArgumentParser) -> None:
@@ -213,9 +113,13 @@ def _add_json(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="one JSON object per line")
 
 
-def _add_run(sub: argparse._SubParsersAction[_Parser]) -> None:
-    from broker_adapter.config import DEFAULT_CLAIM_MIN_IDLE_MS
+#: What ``--retention`` does for each command that takes it.
+_RUN_RETENTION = "requests older than this are forgotten, and deadlines further ahead refused"
+_RECEIVE_RETENTION = "receipts older than this are forgotten"
+_METRICS = ["metrics_port", "metrics_host"]
 
+
+def _add_run(sub: argparse._SubParsersAction[_Parser]) -> None:
     run = sub.add_parser("run", help="run ingest, worker processes and the dispatcher")
     _add_redis(run)
     _add_db(
@@ -239,151 +143,18 @@ def _add_run(sub: argparse._SubParsersAction[_Parser]) -> None:
         env="BA_APP",
         metavar="MOD:ROUTER",
     )
-    _option(
-        run,
-        "--concurrency",
-        "tasks each worker process runs at once; async handlers share its one event loop",
-        env="BA_CONCURRENCY",
-        default=1,
-        type=int,
-        metavar="N",
-    )
-    _option(
-        run,
-        "--call-timeout",
-        "a handler call's timeout, seconds (a task's own overrides it; the deadline caps it)",
-        env="BA_CALL_TIMEOUT_S",
-        default=DEFAULT_CALL_TIMEOUT_S,
-        type=float,
-        metavar="S",
-    )
-    _option(
-        run,
-        "--backoff-base",
-        "a retried task's first backoff, seconds (doubling per attempt, half of it random)",
-        env="BA_BACKOFF_BASE_S",
-        default=1.0,
-        type=float,
-        metavar="S",
-    )
-    _option(
-        run,
-        "--backoff-cap",
-        "the longest backoff, seconds (a RetryableError's retry_after_s may ask for longer)",
-        env="BA_BACKOFF_CAP_S",
-        default=60.0,
-        type=float,
-        metavar="S",
-    )
-    _option(
-        run,
-        "--app-dir",
-        "directory put first on the import path to find the handler (in the worker processes too)",
-        env="BA_APP_DIR",
-        default=".",
-        metavar="DIR",
-    )
-    _option(
-        run,
-        "--workers",
-        "worker processes (1..64)",
-        env="BA_WORKERS",
-        default=2,
-        type=int,
-        metavar="N",
-    )
     # Checked by AdapterConfig, whose refusal says what each mode needs it for.
     _add_keyring(
         run, "needed: verifies requests and signs every reply (in ACL mode too)", required=False
     )
-    _option(
+    # Every other setting of the tree, from its declaration (metrics last, as on receive).
+    add_settings(
         run,
-        "--mode",
-        "signed: one stream, an HMAC per entry; acl: one stream per"
-        " principal, Redis ACLs decide who writes it",
-        env="BA_MODE",
-        default="signed",
-        choices=("signed", "acl"),
+        AdapterConfig,
+        exclude=["prefix", *_METRICS],
+        what={"retention_s": _RUN_RETENTION},
     )
-    _option(
-        run,
-        "--acl-principal",
-        "in ACL mode, a principal whose stream is read"
-        " (repeat the flag; the variable takes a comma-separated list)",
-        env="BA_ACL_PRINCIPALS",
-        default=[],
-        action=_AppendOrEnv,
-        dest="acl_principals",
-        metavar="P",
-    )
-    _add_partitions(run)
-    _option(
-        run,
-        "--name",
-        "this adapter's consumer name (owner names derive from it); two"
-        " live processes never hold one",
-        env="BA_NAME",
-        shown="a logical id unique per store and host",
-    )
-    _option(
-        run,
-        "--lease",
-        "a claimed task's lease, seconds; renewed every third of it",
-        env="BA_LEASE_S",
-        default=DEFAULT_LEASE_S,
-        type=float,
-        metavar="S",
-    )
-    _option(
-        run,
-        "--grace",
-        "on SIGTERM, how long running handlers may finish, seconds",
-        env="BA_GRACE_S",
-        default=10.0,
-        type=float,
-        metavar="S",
-    )
-    _option(
-        run,
-        "--claim-min-idle-ms",
-        "pending entries of a dead consumer idle this long are taken over",
-        env="BA_CLAIM_MIN_IDLE_MS",
-        default=DEFAULT_CLAIM_MIN_IDLE_MS,
-        type=int,
-        metavar="MS",
-    )
-    _option(
-        run,
-        "--rate-limit",
-        "entries per second per principal; over it they are dead-lettered rate_limited",
-        env="BA_RATE_LIMIT",
-        shown="off",
-        type=float,
-        metavar="N",
-    )
-    _option(
-        run,
-        "--rate-burst",
-        "the rate limit's bucket size",
-        env="BA_RATE_BURST",
-        shown="one second's worth",
-        type=int,
-        metavar="N",
-    )
-    _option(
-        run,
-        "--max-open-tasks",
-        "a principal with this many pending or running tasks gets no new one (quota_exceeded)",
-        env="BA_MAX_OPEN_TASKS",
-        shown="off",
-        type=int,
-        metavar="N",
-    )
-    _add_retention(
-        run, "requests older than this are forgotten, and deadlines further ahead refused"
-    )
-    add_effect_run_options(run, _option)
-    _add_metrics(run)
+    add_settings(run, AdapterConfig, _METRICS)
     _add_log_format(run)
 
 
@@ -502,9 +273,8 @@ def _add_receive(sub: argparse._SubParsersAction[_Parser]) -> None:
         type=float,
         metavar="S",
     )
-
-    _add_retention(rcv, "receipts older than this are forgotten")
-    _add_metrics(rcv)
+    add_settings(rcv, AdapterConfig, ["retention_s"], what={"retention_s": _RECEIVE_RETENTION})
+    add_settings(rcv, AdapterConfig, _METRICS)
     _add_log_format(rcv)
 
 

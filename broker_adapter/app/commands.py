@@ -50,42 +50,20 @@ def _install_stop() -> threading.Event:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from broker_adapter.app.adapter import Adapter, AdapterConfig
-    from broker_adapter.stages.reconcile.reconciler import ReconcilePolicy
+    from broker_adapter.app.options import settings_from
 
     if (args.handler is None) == (args.app is None):
         raise ConfigError("run needs one of --handler MOD:FUNC or --app MOD:ROUTER")
-    fields: dict[str, Any] = {
-        "redis_url": args.redis,
-        "db_path": args.db,  # a SQLite file, or a postgresql:// URL (AdapterConfig decides)
-        "handler": args.handler or args.app,
-        "concurrency": args.concurrency,
-        "call_timeout_s": args.call_timeout,
-        "backoff_base_s": args.backoff_base,
-        "backoff_cap_s": args.backoff_cap,
-        "app_dir": Path(args.app_dir),
-        "workers": args.workers,
-        "keyring_path": Path(args.keyring) if args.keyring else None,
-        "mode": args.mode,
-        "acl_principals": tuple(args.acl_principals),
-        "partitions": args.partitions,
-        "prefix": args.prefix,
-        "lease_s": args.lease,
-        "grace_s": args.grace,
-        "claim_min_idle_ms": args.claim_min_idle_ms,
-        "rate_limit": args.rate_limit,
-        "rate_burst": args.rate_burst,
-        "max_open_tasks": args.max_open_tasks,
-        "retention_s": args.retention,
-        "metrics_port": args.metrics_port,
-        "metrics_host": args.metrics_host,
-        "reconcile": ReconcilePolicy(
-            operator_timeout_s=args.operator_timeout,
-            operator_timeout_action=args.operator_timeout_action,
-        ),
-    }
-    if args.name:
-        fields["name"] = args.name
-    config = AdapterConfig(**fields)
+    settings = settings_from(args, AdapterConfig)
+    if not settings.get("name"):
+        settings.pop("name", None)  # an empty --name or BA_NAME: the default
+    config = AdapterConfig(
+        redis_url=args.redis,
+        db_path=args.db,  # a SQLite file, or a postgresql:// URL (AdapterConfig decides)
+        handler=args.handler or args.app,
+        keyring_path=Path(args.keyring) if args.keyring else None,
+        **settings,
+    )
     stop = _install_stop()
     return Adapter(config).run(stop)
 
@@ -169,7 +147,7 @@ def cmd_receive(args: argparse.Namespace) -> int:
         prefix=args.prefix,
         principal=args.principal,
         consumer=consumer,
-        retention_s=args.retention,
+        retention_s=args.retention_s,
     )
     keyring = Keyring.load(args.keyring)
     stop = _install_stop()

@@ -27,7 +27,6 @@ from broker_adapter.app import outcome_views
 from broker_adapter.app.audit import audit, bounded_seconds, bounded_text, os_user
 from broker_adapter.errors import ConfigError
 from broker_adapter.protocol.idempotency import EFFECT_KEY_VERSION
-from broker_adapter.stages.reconcile.reconciler import DEFAULT_OPERATOR_TIMEOUT_S
 
 if TYPE_CHECKING:
     from broker_adapter.store.db import Database
@@ -38,30 +37,6 @@ if TYPE_CHECKING:
 MAX_APPROVAL_S = 366 * 86_400
 
 Option = Callable[..., None]
-
-
-def add_run_options(run: argparse.ArgumentParser, option: Option) -> None:
-    """``run``'s bound on how long a task waits for an operator (``ReconcilePolicy``)."""
-    option(
-        run,
-        "--operator-timeout",
-        "a task whose effect's outcome is unknown waits this"
-        " long for an operator's answer, seconds; then the alert, or the action below",
-        env="BA_OPERATOR_TIMEOUT_S",
-        default=DEFAULT_OPERATOR_TIMEOUT_S,
-        type=float,
-        metavar="S",
-    )
-    option(
-        run,
-        "--operator-timeout-action",
-        "past --operator-timeout: alert (it keeps"
-        " waiting, marked overdue) or fail (it ends failed, its reply saying the"
-        " effect's outcome is unknown)",
-        env="BA_OPERATOR_TIMEOUT_ACTION",
-        default="alert",
-        choices=("alert", "fail"),
-    )
 
 
 def add_commands(sub: Any, option: Option, add_db: Callable[[Any, str], None]) -> None:

@@ -35,6 +35,7 @@ from types import FrameType
 from broker_adapter.app.logforward import ChildLogs, forward_to_parent
 from broker_adapter.errors import ConfigError
 from broker_adapter.protocol.signing import Keyring
+from broker_adapter.redis.client import connect
 from broker_adapter.stages.shared.handlers import load_app
 from broker_adapter.stages.shared.handoff import Handoff, HandoffEndpoint
 from broker_adapter.stages.worker.worker import Worker, WorkerConfig
@@ -63,11 +64,17 @@ class WorkerPool:
         handoff: give the children a ``Handoff`` (``self.handoff``): idle workers wait on
             it, ``idle_poll_s`` at most, instead of polling every ``wake_poll_s``; whoever
             accepts tasks in this process hands them over with ``accept_and_claim``.
-        keyring: signs the replies of children that publish them (``redis_url`` in their
-            config); handed to each child with its arguments (a pipe to the child, never a
-            file or the command line).
+        keyring: signs the replies of children that publish them (``publish_url``); handed
+            to each child with its arguments (a pipe to the child, never a file or the
+            command line).
         app_dir: a directory put first on the import path, here and in every child,
             before the handler is imported (``handlers.load_handler``).
+        publish_url: the Redis of the reply streams: each child publishes the replies of
+            its own batches right after their commit (``Worker``); ``None``: they wait in
+            the outbox for the dispatcher.
+        metrics_dir: each child's counters and handler times (labelled ``handler_spec``)
+            go to prometheus-client's multiprocess files there (``app.metrics.WorkerMetrics``);
+            ``None``: no metrics, nothing imported.
 
     The children's writers queue on one ``WriteGate`` (``self.gate``); give it to this
     process's ``Database`` of the same file too (``open_database(db_path, gate=pool.gate)``).
@@ -88,6 +95,8 @@ class WorkerPool:
         handoff: bool = False,
         keyring: Keyring | None = None,
         app_dir: str | Path | None = None,
+        publish_url: str | None = None,
+        metrics_dir: Path | None = None,
     ) -> None:
         if n < 1:
             raise ConfigError(f"a worker pool needs at least one process, got {n}")
@@ -97,9 +106,11 @@ class WorkerPool:
         owners = [c.owner for c in self.configs]
         if len(set(owners)) != n:
             raise ConfigError(f"worker owners must be unique, got {owners}")
-        if keyring is None and any(c.redis_url is not None for c in self.configs):
+        if keyring is None and publish_url is not None:
             raise ConfigError("workers that publish replies need a keyring to sign them")
         self.keyring = keyring
+        self.publish_url = publish_url
+        self.metrics_dir = None if metrics_dir is None else str(metrics_dir)
         self.db_path = db_path if is_postgres_url(db_path) else Path(db_path)
         self.handler_spec = handler_spec
         self.policy = policy
@@ -131,6 +142,8 @@ class WorkerPool:
                 self.app_dir,
                 log_pipe,
                 self.logs.level,
+                self.publish_url,
+                self.metrics_dir,
             ),
             name=f"ba-worker-{config.owner}",
         )
@@ -246,6 +259,8 @@ def _child_main(
     app_dir: str | None = None,
     log_pipe: Connection | None = None,
     log_level: int = logging.INFO,
+    publish_url: str | None = None,
+    metrics_dir: str | None = None,
 ) -> None:
     """A child's whole life: its log records sent to the parent, its own database, one
     worker, SIGTERM/SIGINT to drain.
@@ -265,10 +280,10 @@ def _child_main(
     db = open_store(db_path, gate=gate)
     try:
         metrics = None
-        if config.metrics_dir is not None:
+        if metrics_dir is not None:
             from broker_adapter.app.metrics import WorkerMetrics
 
-            metrics = WorkerMetrics(Path(config.metrics_dir), config.handler_name)
+            metrics = WorkerMetrics(Path(metrics_dir), handler_spec)
         worker = Worker(
             config,
             TaskStore(db, policy=policy),
@@ -277,6 +292,7 @@ def _child_main(
             keyring=keyring,
             outbox=OutboxStore(db),
             metrics=metrics,
+            redis_client=None if publish_url is None else connect(publish_url),
         )
         ready.set()
         worker.run(stop)

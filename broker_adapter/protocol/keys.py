@@ -53,6 +53,7 @@ from typing import Annotated
 
 from pydantic import AfterValidator
 
+from broker_adapter.config import setting
 from broker_adapter.errors import ConfigError
 from broker_adapter.protocol.envelope import check_principal
 
@@ -160,5 +161,23 @@ def _principal(value: str) -> str:
 
 #: A Redis key prefix as a settings field (``Keys``): no braces, no white space.
 KeyPrefix = Annotated[str, AfterValidator(_key_prefix)]
+#: The key prefix as a setting, with its default and its flag (every model naming a prefix).
+PREFIX_SETTING = setting(
+    DEFAULT_PREFIX,
+    help="Redis key prefix (no braces or white space)",
+    flag="--prefix",
+    env="BA_PREFIX",
+)
 #: A principal name as a settings field (``envelope.check_principal``).
 Principal = Annotated[str, AfterValidator(_principal)]
+#: How many inbound partition streams a signed-mode deployment uses (``partition_of``).
+PARTITIONS_SETTING = setting(
+    1,
+    ge=1,
+    le=MAX_PARTITIONS,
+    help="signed mode: inbound partition streams, a principal's by a stable hash"
+    " (docs/PROTOCOL.md); publishers and the adapter must agree",
+    flag="--partitions",
+    env="BA_PARTITIONS",
+    metavar="P",
+)

@@ -36,7 +36,7 @@ from typing import Any
 import redis
 from pydantic import Field
 
-from broker_adapter.config import DEFAULT_CLAIM_MIN_IDLE_MS, ConfigModel
+from broker_adapter.config import DEFAULT_CLAIM_MIN_IDLE_MS, ConfigModel, setting
 from broker_adapter.errors import BrokerAdapterError, GroupMissingError, RedisUnavailable
 from broker_adapter.protocol.deadletter import UNTRUSTED_COPY_BYTES
 from broker_adapter.redis import cluster
@@ -46,8 +46,9 @@ from broker_adapter.redis.entry import StreamEntry
 from broker_adapter.redis.internals import discard, exchange, read_ahead, send_ahead
 from broker_adapter.redis.screening import Screened, ScreenedReads, ScreenLimits
 
-#: The most entries one read may ask for (``count``).
+#: The most entries one read may ask for (``count``), and how many by default.
 MAX_COUNT = 10_000
+DEFAULT_COUNT = 256
 #: How long a read of new entries blocks by default, milliseconds.
 DEFAULT_BLOCK_MS = 1000
 #: Entries delivered more often than this go to the dead-letter stream (by default).
@@ -65,6 +66,41 @@ READER_MAX_ENTRY_BYTES = 1024 * 1024
 DEFAULT_MAX_BATCH_BYTES = 8 * 1024 * 1024
 
 log = logging.getLogger("broker_adapter.redis.reader")
+
+#: The reading settings that the ingest and the receiver hold too, declared once.
+COUNT_SETTING = setting(
+    DEFAULT_COUNT, ge=1, le=MAX_COUNT, help="entries per read (and per transaction)"
+)
+BLOCK_MS_SETTING = setting(
+    DEFAULT_BLOCK_MS,
+    ge=1,
+    help="how long a read of new entries blocks, ms (Redis reads BLOCK 0 as for ever)",
+)
+#: 0 takes an idle entry over at once (the ingest, and so ``run``, refuses it:
+#: ``ingest_config.CLAIM_MIN_IDLE_SETTING``).
+IDLE_MS_SETTING = setting(
+    DEFAULT_CLAIM_MIN_IDLE_MS,
+    ge=0,
+    help="entries idle this long in another consumer's list are taken over, ms",
+)
+MAX_DELIVERIES_SETTING = setting(
+    DEFAULT_MAX_DELIVERIES,
+    ge=1,
+    help="entries delivered more often go to the dead-letter stream",
+    flag="--max-deliveries",
+    env="BA_MAX_DELIVERIES",
+    metavar="N",
+)
+MAX_ENTRY_FIELDS_SETTING = setting(
+    DEFAULT_MAX_ENTRY_FIELDS,
+    ge=MIN_ENTRY_FIELDS,
+    le=MAX_ENTRY_FIELDS,
+    help="entries of more fields are dead-lettered too_many_fields unread; also the"
+    " most fields a dead letter copies",
+    flag="--max-entry-fields",
+    env="BA_MAX_ENTRY_FIELDS",
+    metavar="N",
+)
 
 
 class ReaderConfig(ConfigModel):
@@ -89,13 +125,11 @@ class ReaderConfig(ConfigModel):
         ConfigError: a value outside its bounds.
     """
 
-    count: int = Field(default=256, ge=1, le=MAX_COUNT)
-    block_ms: int = Field(default=DEFAULT_BLOCK_MS, ge=1)
-    claim_min_idle_ms: int = Field(default=DEFAULT_CLAIM_MIN_IDLE_MS, ge=0)
-    max_deliveries: int = Field(default=DEFAULT_MAX_DELIVERIES, ge=1)
-    max_entry_fields: int = Field(
-        default=DEFAULT_MAX_ENTRY_FIELDS, ge=MIN_ENTRY_FIELDS, le=MAX_ENTRY_FIELDS
-    )
+    count: int = COUNT_SETTING
+    block_ms: int = BLOCK_MS_SETTING
+    claim_min_idle_ms: int = IDLE_MS_SETTING
+    max_deliveries: int = MAX_DELIVERIES_SETTING
+    max_entry_fields: int = MAX_ENTRY_FIELDS_SETTING
     max_entry_bytes: int = Field(default=READER_MAX_ENTRY_BYTES, ge=1)
     max_batch_bytes: int = Field(default=DEFAULT_MAX_BATCH_BYTES, ge=1)
 

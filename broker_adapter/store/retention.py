@@ -56,7 +56,6 @@ from broker_adapter.clock import Clock
 from broker_adapter.errors import BrokerAdapterError
 from broker_adapter.store.db import Database
 from broker_adapter.store.sql import Conn, Db, Dialect, in_lists
-from broker_adapter.store.task_types import DEFAULT_RETENTION_S as DEFAULT_RETENTION_S
 from broker_adapter.store.task_types import TERMINAL_SQL
 
 #: Requests (or receipts) deleted per transaction at most.

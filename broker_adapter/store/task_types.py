@@ -20,12 +20,14 @@ from typing import Any, Final
 from pydantic import Field
 
 from broker_adapter.backoff import Backoff
-from broker_adapter.config import DEFAULT_LEASE_S, ConfigModel
+from broker_adapter.config import (
+    LEASE_SETTING,
+    RETENTION_SETTING,
+    ConfigModel,
+    setting,
+)
 from broker_adapter.errors import BrokerAdapterError
 from broker_adapter.protocol.idempotency import idempotency_key_for
-
-#: The published dedupe window, seconds: 7 days.
-DEFAULT_RETENTION_S = 7 * 24 * 3600.0
 
 
 class TaskState(StrEnum):
@@ -63,6 +65,33 @@ CLOCKED_SQL: Final = states_sql(CLOCKED_STATES)
 #: ``(task_id, transition, state, owner, attempts)`` of a transition the clock made.
 Reconciled = tuple[str, str, str, str | None, int | None]
 
+MAX_HOPS_SETTING = setting(
+    16,
+    ge=0,
+    help="requests further from their root task are answered hop_limit",
+    flag="--max-hops",
+    env="BA_MAX_HOPS",
+    metavar="N",
+)
+MAX_CHAIN_TASKS_SETTING = setting(
+    1000,
+    ge=1,
+    help="requests naming a correlation id under which this many tasks were stored"
+    " (within the retention window) are answered hop_limit",
+    flag="--max-chain-tasks",
+    env="BA_MAX_CHAIN_TASKS",
+    metavar="N",
+)
+CANCEL_GRACE_SETTING = setting(
+    30.0,
+    ge=0,
+    help="a running task whose cancel was requested keeps its lease this long for its"
+    " handler to stop, seconds",
+    flag="--cancel-grace",
+    env="BA_CANCEL_GRACE_S",
+    metavar="S",
+)
+
 
 class TaskPolicy(ConfigModel):
     """Limits of the task state machine.
@@ -87,12 +116,12 @@ class TaskPolicy(ConfigModel):
         ConfigError: a lease or retention not above 0, or a negative ``max_hops``.
     """
 
-    lease_s: float = Field(default=DEFAULT_LEASE_S, gt=0)
-    max_hops: int = Field(default=16, ge=0)
-    retention_s: float = Field(default=DEFAULT_RETENTION_S, gt=0)
+    lease_s: float = LEASE_SETTING
+    max_hops: int = MAX_HOPS_SETTING
+    retention_s: float = RETENTION_SETTING
     backoff: Backoff = Field(default_factory=Backoff)
-    max_chain_tasks: int = Field(default=1000, ge=1)
-    cancel_grace_s: float = Field(default=30.0, ge=0)
+    max_chain_tasks: int = MAX_CHAIN_TASKS_SETTING
+    cancel_grace_s: float = CANCEL_GRACE_SETTING
 
 
 @dataclass(frozen=True)

@@ -71,9 +71,16 @@ def _worker(
     task_lease_s: float = 30.0,
     **cfg: Any,
 ) -> Worker:
-    config = WorkerConfig(owner="w1", redis_url=url, prefix=prefix, **cfg)
+    config = WorkerConfig(owner="w1", prefix=prefix, **cfg)
     tasks = TaskStore(db, clock, TaskPolicy(lease_s=task_lease_s))
-    return Worker(config, tasks, handler, outbox_policy=outbox_policy, keyring=reply_keyring())
+    return Worker(
+        config,
+        tasks,
+        handler,
+        outbox_policy=outbox_policy,
+        keyring=reply_keyring(),
+        redis_client=None if url is None else connect(url),
+    )
 
 
 def _dispatcher(url: str, db: Database, clock: FakeClock, prefix: str) -> Dispatcher:
@@ -330,14 +337,15 @@ def _run_idle(
     """Run a publishing worker ``w1`` whose idle waits are ``wake`` until ``stop``; returns
     the write transactions it made, in order."""
     config = WorkerConfig(
-        owner="w1",
-        redis_url=redis_server.url,
-        prefix=prefix,
-        batch_window_s=batch_window_s,
-        idle_poll_s=0.25,
+        owner="w1", prefix=prefix, batch_window_s=batch_window_s, idle_poll_s=0.25
     )
     worker = Worker(
-        config, TaskStore(db, clock), _echo, handoff=ScriptedWait(wake), keyring=reply_keyring()
+        config,
+        TaskStore(db, clock),
+        _echo,
+        handoff=ScriptedWait(wake),
+        keyring=reply_keyring(),
+        redis_client=connect(redis_server.url),
     )
     with _ops(db) as ops:
         worker.run(stop)

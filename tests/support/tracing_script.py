@@ -74,7 +74,7 @@ def run_pipeline(
         )
         drain(ingestor, client)
         worker = Worker(
-            WorkerConfig(owner="w1", redis_url=None, prefix=prefix),
+            WorkerConfig(owner="w1", prefix=prefix),
             tasks,
             handler,
             keyring=reply_keyring(),

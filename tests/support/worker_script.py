@@ -26,6 +26,7 @@ from types import FrameType
 
 from broker_adapter.app.pool import WorkerPool
 from broker_adapter.clock import FakeClock
+from broker_adapter.redis.client import connect
 from broker_adapter.stages.worker.worker import Worker, WorkerConfig
 from broker_adapter.store import OutboxStore, TaskStore
 from broker_adapter.store.backends import open_store
@@ -67,11 +68,17 @@ def drain(args: argparse.Namespace) -> int:
             batch=args.batch,
             call_timeout_s=args.call_timeout_s,
             renew_every_s=args.renew_every_s,
-            redis_url=args.redis_url,
             prefix=args.prefix,
         )
-        keyring = reply_keyring() if args.redis_url is not None else None
-        worker = Worker(config, tasks, args.handler, keyring=keyring, outbox=OutboxStore(db, clock))
+        publishes = args.redis_url is not None
+        worker = Worker(
+            config,
+            tasks,
+            args.handler,
+            keyring=reply_keyring() if publishes else None,
+            outbox=OutboxStore(db, clock),
+            redis_client=connect(args.redis_url) if publishes else None,
+        )
         _say("READY")
         total = 0
         while args.max_tasks is None or total < args.max_tasks:

@@ -18,7 +18,11 @@ import pytest
 import broker_adapter
 from broker_adapter.app.adapter import AdapterConfig
 from broker_adapter.app.cli import build_parser
+from broker_adapter.app.options import settings_from
+from broker_adapter.config import derive, flag_of
 from broker_adapter.protocol.envelope import Envelope
+from broker_adapter.stages.reconcile.reconciler import ReconcilePolicy
+from broker_adapter.store.task_types import TaskPolicy
 
 CONFIGURATION = Path(__file__).resolve().parents[2] / "docs" / "CONFIGURATION.md"
 ENV_COMMANDS = ("run", "publish", "receive")
@@ -60,7 +64,8 @@ def _parser_variables() -> dict[tuple[str, str], set[str]]:
         for action in _options(parser):
             env = _env_of(action)
             if env is not None:
-                found.setdefault((env, action.option_strings[-1]), set()).add(name.split()[0])
+                flag = next(o for o in action.option_strings if o.startswith("--"))
+                found.setdefault((env, flag), set()).add(name.split()[0])
     return found
 
 
@@ -116,11 +121,10 @@ def test_help_shows_defaults_and_variables() -> None:
 def test_the_flag_defaults_are_the_settings_defaults() -> None:
     run = {a.dest: a.default for a in _options(dict(_commands())["run"])}
     fields = AdapterConfig.model_fields
-    same = {"lease": "lease_s", "grace": "grace_s"}
     for dest in (
         "workers",
-        "lease",
-        "grace",
+        "lease_s",
+        "grace_s",
         "claim_min_idle_ms",
         "prefix",
         "mode",
@@ -128,10 +132,120 @@ def test_the_flag_defaults_are_the_settings_defaults() -> None:
         "rate_burst",
         "max_open_tasks",
     ):
-        assert run[dest] == fields[same.get(dest, dest)].default, dest
+        assert run[dest] == fields[dest].default, dest
     publish = {a.dest: a.default for a in _options(dict(_commands())["publish"])}
     envelope = inspect.signature(Envelope.__init__).parameters
     assert publish["max_attempts"] == envelope["max_attempts"].default
+
+
+def test_every_setting_of_the_tree_with_a_flag_is_a_flag_of_run_with_its_default() -> None:
+    run = {a.dest: a for a in _options(dict(_commands())["run"])}
+    flagged = [
+        (name, field)
+        for name, field in AdapterConfig.model_fields.items()
+        if flag_of(field) is not None
+    ] + [
+        (f"reconcile.{name}", field)
+        for name, field in ReconcilePolicy.model_fields.items()
+        if flag_of(field) is not None
+    ]
+    # every setting of the tree has a flag; these four come from the flags every command
+    # shares (--redis, --db, --handler or --app, --keyring), the section from its own
+    wiring = {"redis_url", "db_path", "handler", "keyring_path", "reconcile"}
+    assert {name for name, _ in flagged} == set(AdapterConfig.model_fields) - wiring | {
+        "reconcile.operator_timeout_s",
+        "reconcile.operator_timeout_action",
+    }
+    for dest, field in flagged:
+        cli = flag_of(field)
+        assert cli is not None
+        action = run[dest]
+        assert action.option_strings[0] == cli.flag, dest
+        assert cli.env in (action.help or ""), dest
+        if cli.cli_default is None:
+            default = list(field.default) if isinstance(field.default, tuple) else field.default
+            assert action.default == default, dest
+    # the settings the review found unreachable from the command line
+    for dest in ("call_timeout_s", "worker_publish", "max_hops", "max_chain_tasks"):
+        assert dest in run
+
+
+_RUN = ["run", "--redis", "redis://127.0.0.1:1/0", "--db", "a.db", "--handler", "m:f"]
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "ok"),
+    [
+        ("--claim-min-idle-ms", "0", False),  # the ingest refuses it: so does the parser
+        ("--claim-min-idle-ms", "1", True),
+        ("--workers", "0", False),
+        ("--workers", "64", True),
+        ("--workers", "65", False),
+        ("--lease", "0", False),
+        ("--lease", "inf", False),
+        ("--lease", "0.001", True),
+        ("--max-entry-bytes", "1023", False),
+        ("--max-entry-bytes", "1024", True),
+        ("--max-entry-fields", "7", False),
+        ("--max-entry-fields", "8", True),
+        ("--max-hops", "-1", False),
+        ("--max-hops", "0", True),
+        ("--partitions", "0", False),
+        ("--partitions", "1024", True),
+        ("--partitions", "1025", False),
+    ],
+)
+def test_a_bound_of_the_settings_is_checked_as_the_flag_is_parsed(
+    flag: str, value: str, ok: bool, capsys: pytest.CaptureFixture[str]
+) -> None:
+    if ok:
+        build_parser().parse_args([*_RUN, flag, value])
+        return
+    with pytest.raises(SystemExit) as caught:
+        build_parser().parse_args([*_RUN, flag, value])
+    assert caught.value.code == 2
+    assert f"argument {flag}: {value!r}: " in capsys.readouterr().err
+
+
+def test_a_variable_out_of_bounds_fails_at_parse_time_too(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("BA_CLAIM_MIN_IDLE_MS", "0")
+    with pytest.raises(SystemExit) as caught:
+        build_parser().parse_args(_RUN)
+    assert caught.value.code == 2
+    assert "--claim-min-idle-ms: '0': Input should be greater than or equal to 1" in (
+        capsys.readouterr().err
+    )
+    monkeypatch.setenv("BA_CLAIM_MIN_IDLE_MS", "1")
+    assert build_parser().parse_args(_RUN).claim_min_idle_ms == 1
+
+
+def test_the_flags_of_run_build_the_settings_tree(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("BA_WORKER_PUBLISH", "false")
+    monkeypatch.setenv("BA_OPERATOR_TIMEOUT_S", "60")
+    args = build_parser().parse_args(
+        [*_RUN, "--max-hops", "3", "--call-timeout", "5", "--operator-timeout-action", "fail"]
+    )
+    config = AdapterConfig(
+        redis_url=args.redis,
+        db_path=args.db,
+        handler=args.handler,
+        keyring_path=Path("k.json"),
+        **settings_from(args, AdapterConfig),
+    )
+    assert (config.max_hops, config.call_timeout_s, config.worker_publish) == (3, 5.0, False)
+    assert config.reconcile.operator_timeout_s == 60.0
+    assert config.reconcile.operator_timeout_action == "fail"
+    assert config.app_dir == Path()  # the command line's default: the working directory
+    policy = derive(TaskPolicy, config)
+    assert (policy.max_hops, policy.lease_s, policy.retention_s) == (3, 30.0, 604800.0)
+    ingest = config.ingest_config("a-ingest")
+    assert (ingest.claim_min_idle_ms, ingest.prefix, ingest.max_entry_bytes) == (
+        60_000,
+        "ba",
+        256 * 1024,
+    )
 
 
 def test_variables_are_defaults_and_the_flag_wins(monkeypatch: pytest.MonkeyPatch) -> None:

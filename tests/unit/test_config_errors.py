@@ -46,7 +46,7 @@ def _run(**fields: Any) -> AdapterConfig:
         (lambda: IngestConfig(consumer="c", count=0), "IngestConfig.count: "),
         (lambda: ReceiverConfig(principal="a b"), "ReceiverConfig.principal: may hold only"),
         (lambda: DispatcherConfig(prefix="{x}"), "DispatcherConfig.prefix: bad key prefix"),
-        (lambda: WorkerConfig(owner="w", redis_url="http://x"), "WorkerConfig.redis_url: bad"),
+        (lambda: WorkerConfig(owner="w", prefix="{x}"), "WorkerConfig.prefix: bad key prefix"),
         (lambda: OutboxPolicy(max_attempts=0), "OutboxPolicy.max_attempts: "),
         (lambda: Backoff(base_s=-1), "Backoff.base_s: "),
         (lambda: TaskPolicy(lease_s=-5), "TaskPolicy.lease_s: "),
@@ -105,6 +105,26 @@ def test_task_policy_and_reader_bounds_both_sides(
     else:
         with pytest.raises(ConfigError, match=rf"{model.__name__}\.{next(iter(fields))}: "):
             model(**fields)
+
+
+@pytest.mark.parametrize(
+    ("fields", "ok"),
+    [
+        ({"claim_min_idle_ms": 0}, False),  # the ingest's bound: refused before it starts
+        ({"claim_min_idle_ms": 1}, True),
+        ({"max_entry_bytes": 1023}, False),
+        ({"max_entry_bytes": 1024}, True),
+        ({"mode": "signed", "acl_principals": ("alice",)}, False),
+        ({"name": "bad/name"}, False),  # the ingest's consumer name would refuse it
+        ({"name": "adapter-1"}, True),
+    ],
+)
+def test_the_adapter_refuses_what_its_ingest_would(fields: dict[str, Any], ok: bool) -> None:
+    if ok:
+        _run(**fields).ingest_config("a-ingest")
+    else:
+        with pytest.raises(ConfigError, match=r"^AdapterConfig"):
+            _run(**fields)
 
 
 @pytest.mark.parametrize(

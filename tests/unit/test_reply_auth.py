@@ -15,6 +15,7 @@ from broker_adapter.clock import FakeClock
 from broker_adapter.errors import AuthError, ConfigError
 from broker_adapter.protocol.reply import BadReply
 from broker_adapter.protocol.signing import Keyring, ReplySignature, reply_signature, signature
+from broker_adapter.redis.client import connect
 from broker_adapter.stages.receiver.receiver import parse_entry
 from broker_adapter.stages.worker.worker import Worker, WorkerConfig
 from broker_adapter.store import TaskStore, open_database
@@ -117,12 +118,13 @@ def test_parse_entry_checks_the_signature_before_the_body(ring: Keyring) -> None
 
 
 def test_a_worker_that_publishes_needs_a_keyring(tmp_path: Path) -> None:
-    config = WorkerConfig(owner="w1", redis_url="redis://127.0.0.1:1")
+    config = WorkerConfig(owner="w1")
+    client = connect("redis://127.0.0.1:1")
     with open_database(tmp_path / "w.db") as db:
         tasks = TaskStore(db, FakeClock(1000.0))
         with pytest.raises(ConfigError, match="keyring"):
-            Worker(config, tasks, lambda task: {})
-        worker = Worker(config, tasks, lambda task: {}, keyring=Keyring(KEYS))
+            Worker(config, tasks, lambda task: {}, redis_client=client)
+        worker = Worker(config, tasks, lambda task: {}, keyring=Keyring(KEYS), redis_client=client)
         assert worker.publisher is not None
         assert worker.publisher.keyring is not None
         assert Worker(WorkerConfig(owner="w2"), tasks, lambda task: {}).publisher is None
@@ -130,10 +132,16 @@ def test_a_worker_that_publishes_needs_a_keyring(tmp_path: Path) -> None:
 
 def test_a_pool_of_publishing_workers_needs_a_keyring(tmp_path: Path) -> None:
     def config(i: int) -> WorkerConfig:
-        return WorkerConfig(owner=f"w{i}", redis_url="redis://127.0.0.1:1")
+        return WorkerConfig(owner=f"w{i}")
 
     with pytest.raises(ConfigError, match="keyring"):
-        WorkerPool(1, tmp_path / "p.db", "broker_adapter.examples:echo", config)
+        WorkerPool(
+            1,
+            tmp_path / "p.db",
+            "broker_adapter.examples:echo",
+            config,
+            publish_url="redis://127.0.0.1:1",
+        )
 
 
 def _run_config(tmp_path: Path, keyring: Path | None, **over: object) -> AdapterConfig:

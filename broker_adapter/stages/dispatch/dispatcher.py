@@ -95,7 +95,7 @@ from pydantic import Field
 from broker_adapter import crashpoints
 from broker_adapter.backoff import call_until_stopped
 from broker_adapter.clock import Clock
-from broker_adapter.config import ConfigModel
+from broker_adapter.config import RETENTION_SETTING, ConfigModel
 from broker_adapter.errors import (
     BrokerAdapterError,
     ConfigError,
@@ -103,7 +103,7 @@ from broker_adapter.errors import (
     TransientError,
 )
 from broker_adapter.protocol.deadletter import encodable
-from broker_adapter.protocol.keys import DEFAULT_PREFIX, KeyPrefix, Keys
+from broker_adapter.protocol.keys import PREFIX_SETTING, KeyPrefix, Keys
 from broker_adapter.protocol.signing import Keyring
 from broker_adapter.redis.results import purge_results
 from broker_adapter.redis.trimming import (
@@ -123,7 +123,6 @@ from broker_adapter.stages.shared.publish import (
     ReplyPublisher,
 )
 from broker_adapter.store.outbox import OutboxRow, OutboxStore
-from broker_adapter.store.retention import DEFAULT_RETENTION_S
 
 if TYPE_CHECKING:
     from broker_adapter.redis.client import Redis
@@ -173,14 +172,14 @@ class DispatcherConfig(ConfigModel):
             ``retention_s``); ``trim`` purges older ones.
     """
 
-    prefix: KeyPrefix = DEFAULT_PREFIX
+    prefix: KeyPrefix = PREFIX_SETTING
     owner: str = Field(default_factory=default_owner, min_length=1, max_length=200)
     batch: int = Field(default=DEFAULT_BATCH, ge=1, le=10_000)
     record_ttl_s: float = Field(default=DEFAULT_RECORD_TTL_S, gt=0)
     idle_poll_s: float = Field(default=DEFAULT_IDLE_POLL_S, gt=0)
     wake_poll_s: float = Field(default=DEFAULT_WAKE_POLL_S, gt=0)
     loss_window_s: float = Field(default=DEFAULT_LOSS_WINDOW_S, ge=0)
-    retention_s: float = Field(default=DEFAULT_RETENTION_S, gt=0)
+    retention_s: float = RETENTION_SETTING
     trim_every_s: float = Field(default=DEFAULT_TRIM_EVERY_S, gt=0)
     trim_keep_s: float = Field(default=DEFAULT_TRIM_KEEP_S, ge=0)
     result_ttl_s: float = Field(default=DEFAULT_RESULT_TTL_S, gt=0)

@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from broker_adapter.config import DEFAULT_CLAIM_MIN_IDLE_MS, ConfigModel
+from broker_adapter.config import DEFAULT_CLAIM_MIN_IDLE_MS, RETENTION_SETTING, ConfigModel, setting
 from broker_adapter.metric_fields import (
     DEAD_LETTERS_TRIMMED,
     STREAM_ENTRIES_TRIMMED,
@@ -15,22 +15,88 @@ from broker_adapter.metric_fields import (
     TRIM_FAILURES,
     Family,
 )
-from broker_adapter.protocol.keys import DEFAULT_PREFIX, MAX_PARTITIONS, KeyPrefix, Principal
+from broker_adapter.protocol.keys import (
+    PARTITIONS_SETTING,
+    PREFIX_SETTING,
+    KeyPrefix,
+    Principal,
+)
 from broker_adapter.redis.reader import (
-    DEFAULT_BLOCK_MS,
-    DEFAULT_MAX_DELIVERIES,
-    DEFAULT_MAX_ENTRY_FIELDS,
-    MAX_COUNT,
-    MAX_ENTRY_FIELDS,
-    MIN_ENTRY_FIELDS,
+    BLOCK_MS_SETTING,
+    COUNT_SETTING,
+    MAX_DELIVERIES_SETTING,
+    MAX_ENTRY_FIELDS_SETTING,
 )
 from broker_adapter.redis.trimming import DEFAULT_TRIM_EVERY_S, DEFAULT_TRIM_KEEP_S
-from broker_adapter.store.retention import DEFAULT_RETENTION_S
 
-DEFAULT_COUNT = 256
 DEFAULT_CLAIM_EVERY_S = 5.0
 DEFAULT_MAX_ENTRY_BYTES = 256 * 1024
 _CONSUMER_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._:-")
+
+#: ``signed``: one stream, an HMAC per entry; ``acl``: one stream per principal.
+Mode = Literal["signed", "acl"]
+
+#: The ingest's settings that ``run`` sets (``AdapterConfig`` holds them too), declared once.
+MODE_SETTING = setting(
+    "signed",
+    help="signed: one stream, an HMAC per entry; acl: one stream per principal, Redis"
+    " ACLs decide who writes it",
+    flag="--mode",
+    env="BA_MODE",
+)
+ACL_PRINCIPALS_SETTING = setting(
+    (),
+    help="in ACL mode, a principal whose stream is read (repeat the flag; the variable"
+    " takes a comma-separated list)",
+    flag="--acl-principal",
+    env="BA_ACL_PRINCIPALS",
+    metavar="P",
+)
+#: At least 1 ms: the ingest's takeover scan needs a consumer to have been idle.
+CLAIM_MIN_IDLE_SETTING = setting(
+    DEFAULT_CLAIM_MIN_IDLE_MS,
+    ge=1,
+    help="pending entries of a dead consumer idle this long are taken over",
+    flag="--claim-min-idle-ms",
+    env="BA_CLAIM_MIN_IDLE_MS",
+    metavar="MS",
+)
+MAX_ENTRY_BYTES_SETTING = setting(
+    DEFAULT_MAX_ENTRY_BYTES,
+    ge=1024,
+    help="larger inbound entries (all field names and values) are dead-lettered"
+    " oversize unread, bytes",
+    flag="--max-entry-bytes",
+    env="BA_MAX_ENTRY_BYTES",
+    metavar="BYTES",
+)
+RATE_LIMIT_SETTING = setting(
+    None,
+    gt=0,
+    help="entries per second per principal; over it they are dead-lettered rate_limited",
+    flag="--rate-limit",
+    env="BA_RATE_LIMIT",
+    metavar="N",
+    shown="off",
+)
+RATE_BURST_SETTING = setting(
+    None,
+    ge=1,
+    help="the rate limit's bucket size",
+    flag="--rate-burst",
+    env="BA_RATE_BURST",
+    metavar="N",
+    shown="one second's worth",
+)
+MAX_OPEN_TASKS_SETTING = setting(
+    None,
+    ge=1,
+    help="a principal with this many pending or running tasks gets no new one (quota_exceeded)",
+    flag="--max-open-tasks",
+    env="BA_MAX_OPEN_TASKS",
+    metavar="N",
+    shown="off",
+)
 
 
 class IngestConfig(ConfigModel):
@@ -67,24 +133,22 @@ class IngestConfig(ConfigModel):
             ``retention_s``, if shorter) are kept, seconds.
     """
 
-    prefix: KeyPrefix = DEFAULT_PREFIX
+    prefix: KeyPrefix = PREFIX_SETTING
     consumer: str
-    mode: Literal["signed", "acl"] = "signed"
-    acl_principals: tuple[Principal, ...] = ()
-    partitions: int = Field(default=1, ge=1, le=MAX_PARTITIONS)
-    count: int = Field(default=DEFAULT_COUNT, ge=1, le=MAX_COUNT)
-    block_ms: int = Field(default=DEFAULT_BLOCK_MS, ge=1)
-    claim_min_idle_ms: int = Field(default=DEFAULT_CLAIM_MIN_IDLE_MS, ge=1)
+    mode: Mode = MODE_SETTING
+    acl_principals: tuple[Principal, ...] = ACL_PRINCIPALS_SETTING
+    partitions: int = PARTITIONS_SETTING
+    count: int = COUNT_SETTING
+    block_ms: int = BLOCK_MS_SETTING
+    claim_min_idle_ms: int = CLAIM_MIN_IDLE_SETTING
     claim_every_s: float = Field(default=DEFAULT_CLAIM_EVERY_S, gt=0)
-    max_deliveries: int = Field(default=DEFAULT_MAX_DELIVERIES, ge=1)
-    max_entry_bytes: int = Field(default=DEFAULT_MAX_ENTRY_BYTES, ge=1024)
-    max_entry_fields: int = Field(
-        default=DEFAULT_MAX_ENTRY_FIELDS, ge=MIN_ENTRY_FIELDS, le=MAX_ENTRY_FIELDS
-    )
-    rate_limit: float | None = Field(default=None, gt=0)
-    rate_burst: int | None = Field(default=None, ge=1)
-    max_open_tasks: int | None = Field(default=None, ge=1)
-    retention_s: float = Field(default=DEFAULT_RETENTION_S, gt=0)
+    max_deliveries: int = MAX_DELIVERIES_SETTING
+    max_entry_bytes: int = MAX_ENTRY_BYTES_SETTING
+    max_entry_fields: int = MAX_ENTRY_FIELDS_SETTING
+    rate_limit: float | None = RATE_LIMIT_SETTING
+    rate_burst: int | None = RATE_BURST_SETTING
+    max_open_tasks: int | None = MAX_OPEN_TASKS_SETTING
+    retention_s: float = RETENTION_SETTING
     trim_every_s: float = Field(default=DEFAULT_TRIM_EVERY_S, gt=0)
     trim_keep_s: float = Field(default=DEFAULT_TRIM_KEEP_S, ge=0)
 

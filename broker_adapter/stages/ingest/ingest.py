@@ -69,6 +69,7 @@ import tenacity
 
 from broker_adapter import crashpoints
 from broker_adapter.clock import Clock, SystemClock
+from broker_adapter.config import derive
 from broker_adapter.errors import ConfigError, EnvelopeError, TransientError
 from broker_adapter.metric_fields import fields_by_label
 from broker_adapter.protocol import deadletter
@@ -201,14 +202,7 @@ class Ingestor:
         )
         block_ms = max(1, config.block_ms // len(streams))
         check_block_timeout(client, block_ms)
-        reader_config = ReaderConfig(
-            count=config.count,
-            block_ms=block_ms,
-            claim_min_idle_ms=config.claim_min_idle_ms,
-            max_deliveries=config.max_deliveries,
-            max_entry_fields=config.max_entry_fields,
-            max_entry_bytes=config.max_entry_bytes,
-        )
+        reader_config = derive(ReaderConfig, config, block_ms=block_ms)
         self._sources: list[_Source] = []
         for stream, dead, p in streams:
             source = _Source(p, intake.authenticator(p, keyring))

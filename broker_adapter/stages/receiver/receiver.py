@@ -73,22 +73,32 @@ from typing import TYPE_CHECKING, Any
 from pydantic import Field, model_validator
 
 from broker_adapter.clock import Clock
-from broker_adapter.config import DEFAULT_CLAIM_MIN_IDLE_MS, ConfigModel
-from broker_adapter.errors import AuthError, ConfigError, GroupMissingError, TransientError
+from broker_adapter.config import RETENTION_SETTING, ConfigModel, derive
+from broker_adapter.errors import (
+    AuthError,
+    ConfigError,
+    GroupMissingError,
+    TransientError,
+)
 from broker_adapter.metric_fields import Family
 from broker_adapter.protocol.canonical import sha256_hex
-from broker_adapter.protocol.keys import DEFAULT_PREFIX, RECEIVER_GROUP, KeyPrefix, Keys, Principal
+from broker_adapter.protocol.keys import (
+    PREFIX_SETTING,
+    RECEIVER_GROUP,
+    KeyPrefix,
+    Keys,
+    Principal,
+)
 from broker_adapter.protocol.reply import BadReply, Reply, load_body
 from broker_adapter.protocol.signing import REPLY_WIRE_VERSION, Keyring
 from broker_adapter.redis.client import text, translated
 from broker_adapter.redis.entry import StreamEntry
 from broker_adapter.redis.reader import (
-    DEFAULT_BLOCK_MS,
-    DEFAULT_MAX_DELIVERIES,
-    DEFAULT_MAX_ENTRY_FIELDS,
+    BLOCK_MS_SETTING,
+    IDLE_MS_SETTING,
     MAX_COUNT,
-    MAX_ENTRY_FIELDS,
-    MIN_ENTRY_FIELDS,
+    MAX_DELIVERIES_SETTING,
+    MAX_ENTRY_FIELDS_SETTING,
     GroupReader,
     ReaderConfig,
 )
@@ -107,7 +117,7 @@ from broker_adapter.store.receipts import (
     ReceiptOutcome,
     ReceiptStore,
 )
-from broker_adapter.store.retention import DEFAULT_RETENTION_S, PurgeBatch, PurgeSchedule
+from broker_adapter.store.retention import PurgeBatch, PurgeSchedule
 
 if TYPE_CHECKING:
     import sqlite3
@@ -170,21 +180,19 @@ class ReceiverConfig(ConfigModel):
             adapter's ``reply_window_s`` (docs/OPERATIONS.md, "Reply windows").
     """
 
-    prefix: KeyPrefix = DEFAULT_PREFIX
+    prefix: KeyPrefix = PREFIX_SETTING
     principal: Principal
     group: str = Field(default=RECEIVER_GROUP, min_length=1)
     consumer: str = Field(default="receiver-1", min_length=1)
     count: int = Field(default=DEFAULT_COUNT, ge=1, le=MAX_COUNT)
-    block_ms: int = Field(default=DEFAULT_BLOCK_MS, ge=1)
-    claim_min_idle_ms: int = Field(default=DEFAULT_CLAIM_MIN_IDLE_MS, ge=0)
-    max_deliveries: int = Field(default=DEFAULT_MAX_DELIVERIES, ge=1)
+    block_ms: int = BLOCK_MS_SETTING
+    claim_min_idle_ms: int = IDLE_MS_SETTING
+    max_deliveries: int = MAX_DELIVERIES_SETTING
     take_over_interval_s: float = Field(default=DEFAULT_TAKE_OVER_INTERVAL_S, gt=0)
     max_reply_bytes: int = Field(default=DEFAULT_MAX_REPLY_BYTES, ge=1024)
-    max_entry_fields: int = Field(
-        default=DEFAULT_MAX_ENTRY_FIELDS, ge=MIN_ENTRY_FIELDS, le=MAX_ENTRY_FIELDS
-    )
+    max_entry_fields: int = MAX_ENTRY_FIELDS_SETTING
     failed_step_pause_s: float = Field(default=DEFAULT_FAILED_STEP_PAUSE_S, ge=0)
-    retention_s: float = Field(default=DEFAULT_RETENTION_S, gt=0)
+    retention_s: float = RETENTION_SETTING
     max_reply_age_s: float | None = Field(default=None, gt=0)
 
     @model_validator(mode="after")
@@ -387,14 +395,7 @@ class Receiver:
             config.group,
             config.consumer,
             keys.replies_dead(config.principal),
-            ReaderConfig(
-                count=config.count,
-                block_ms=config.block_ms,
-                claim_min_idle_ms=config.claim_min_idle_ms,
-                max_deliveries=config.max_deliveries,
-                max_entry_fields=config.max_entry_fields,
-                max_entry_bytes=config.max_reply_bytes,
-            ),
+            derive(ReaderConfig, config, max_entry_bytes=config.max_reply_bytes),
             self.log,
         )
         self._consumer = GroupConsumer(
@@ -516,7 +517,7 @@ class Receiver:
         return ack
 
     def _outcome(self, entry: StreamEntry, result: AppliedItem) -> bool:
-        """Count one reply's outcome; True when its entry is to be acknowledged."""
+        """COUNT_SETTING one reply's outcome; True when its entry is to be acknowledged."""
         if result.outcome is None:
             self.stats.effect_failures += 1
             self._failed_last_step = True

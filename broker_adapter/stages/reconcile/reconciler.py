@@ -41,7 +41,7 @@ from typing import Literal
 from pydantic import Field
 
 from broker_adapter.backoff import Backoff
-from broker_adapter.config import ConfigModel
+from broker_adapter.config import ConfigModel, setting
 from broker_adapter.errors import StaleError
 from broker_adapter.handler.effects import CompensateFn, EffectSpec, Observation
 from broker_adapter.handler.task import Task
@@ -89,8 +89,22 @@ class ReconcilePolicy(ConfigModel):
     batch: int = Field(default=16, ge=1)
     max_tries: int = Field(default=8, ge=1)
     backoff: Backoff = Field(default_factory=lambda: Backoff(base_s=5.0, cap_s=600.0))
-    operator_timeout_s: float = Field(default=DEFAULT_OPERATOR_TIMEOUT_S, gt=0)
-    operator_timeout_action: OperatorTimeoutAction = "alert"
+    operator_timeout_s: float = setting(
+        DEFAULT_OPERATOR_TIMEOUT_S,
+        gt=0,
+        help="a task whose effect's outcome is unknown waits this long for an operator's"
+        " answer, seconds; then the alert, or the action below",
+        flag="--operator-timeout",
+        env="BA_OPERATOR_TIMEOUT_S",
+        metavar="S",
+    )
+    operator_timeout_action: OperatorTimeoutAction = setting(
+        "alert",
+        help="past --operator-timeout: alert (it keeps waiting, marked overdue) or fail (it"
+        " ends failed, its reply saying the effect's outcome is unknown)",
+        flag="--operator-timeout-action",
+        env="BA_OPERATOR_TIMEOUT_ACTION",
+    )
 
 
 @dataclass(frozen=True)

@@ -8,10 +8,9 @@ from typing import Protocol
 
 from pydantic import Field
 
-from broker_adapter.config import ConfigModel
+from broker_adapter.config import ConfigModel, setting
 from broker_adapter.metric_fields import Family
-from broker_adapter.protocol.keys import DEFAULT_PREFIX, KeyPrefix
-from broker_adapter.redis.client import RedisUrl
+from broker_adapter.protocol.keys import PREFIX_SETTING, KeyPrefix
 from broker_adapter.stages.shared.publish import DEFAULT_RECORD_TTL_S, DispatcherStats
 
 DEFAULT_BATCH = 128
@@ -23,6 +22,33 @@ DEFAULT_GRACE_S = 10.0
 DEFAULT_APPROVAL_TIMEOUT_S = 3600.0
 #: The most tasks one worker process runs at once (``WorkerConfig.concurrency``).
 MAX_CONCURRENCY = 256
+
+#: The worker's settings that ``run`` sets (``AdapterConfig`` holds them too), declared once.
+CALL_TIMEOUT_SETTING = setting(
+    DEFAULT_CALL_TIMEOUT_S,
+    gt=0,
+    help="a handler call's timeout, seconds (a task's own overrides it; the deadline caps it)",
+    flag="--call-timeout",
+    env="BA_CALL_TIMEOUT_S",
+    metavar="S",
+)
+GRACE_SETTING = setting(
+    DEFAULT_GRACE_S,
+    ge=0,
+    help="on SIGTERM, how long running handlers may finish, seconds",
+    flag="--grace",
+    env="BA_GRACE_S",
+    metavar="S",
+)
+CONCURRENCY_SETTING = setting(
+    1,
+    ge=1,
+    le=MAX_CONCURRENCY,
+    help="tasks each worker process runs at once; async handlers share its one event loop",
+    flag="--concurrency",
+    env="BA_CONCURRENCY",
+    metavar="N",
+)
 
 
 class WorkerConfig(ConfigModel):
@@ -48,16 +74,9 @@ class WorkerConfig(ConfigModel):
             work, seconds; after that it doubles with every empty look, up to
             ``idle_poll_s``.
         grace_s: on stop, how long the running handler may still take.
-        redis_url: the Redis of the reply streams. With it the worker publishes the replies
-            of its own batches right after their commit (see ``Worker``); without it (or
-            ``None``) they wait in the outbox for the dispatcher.
         prefix: the key prefix (see ``keys``), as the dispatcher's.
         record_ttl_s: how long its publication records live (the dispatcher's
             ``DispatcherConfig.record_window_s``).
-        metrics_dir: with it, the worker's counters and handler times go to
-            prometheus-client's multiprocess files there (``app.metrics.WorkerMetrics``,
-            made by the worker pool); ``None`` (default): no metrics, nothing imported.
-        handler_name: the ``handler`` label of its handler duration histogram.
         concurrency: how many handler calls run at once (``concurrent_run``): a claim
             takes enough tasks to fill each slot; async handlers wait together on the
             process's one event loop, sync ones run on a thread per slot.
@@ -69,18 +88,15 @@ class WorkerConfig(ConfigModel):
     owner: str = Field(min_length=1, max_length=128)
     batch: int = Field(default=DEFAULT_BATCH, ge=1, le=1000)
     batch_window_s: float = Field(default=DEFAULT_BATCH_WINDOW_S, ge=0)
-    call_timeout_s: float = Field(default=DEFAULT_CALL_TIMEOUT_S, gt=0)
+    call_timeout_s: float = CALL_TIMEOUT_SETTING
     renew_every_s: float | None = Field(default=None, gt=0)
     idle_poll_s: float = Field(default=DEFAULT_IDLE_POLL_S, gt=0)
     wake_poll_s: float = Field(default=DEFAULT_WAKE_POLL_S, gt=0)
-    grace_s: float = Field(default=DEFAULT_GRACE_S, ge=0)
-    redis_url: RedisUrl | None = None
-    prefix: KeyPrefix = DEFAULT_PREFIX
+    grace_s: float = GRACE_SETTING
+    prefix: KeyPrefix = PREFIX_SETTING
     record_ttl_s: float = Field(default=DEFAULT_RECORD_TTL_S, gt=0)
-    metrics_dir: str | None = None
-    handler_name: str = "handler"
     approval_timeout_s: float = Field(default=DEFAULT_APPROVAL_TIMEOUT_S, gt=0)
-    concurrency: int = Field(default=1, ge=1, le=MAX_CONCURRENCY)
+    concurrency: int = CONCURRENCY_SETTING
 
 
 #: Task outcomes; a worker's are counted in its memory, ``unknown`` by the database.

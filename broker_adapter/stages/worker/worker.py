@@ -15,7 +15,7 @@ its own), which in ``run`` also claims the next batch. Every claimed task's leas
 from claim to commit (``lease.Leases``). Idle, ``run`` waits on the ingest's hand-off
 (``loop.IdleWait``) or follows the idle policy (``loop.IdlePolicy``).
 
-Replies (with ``WorkerConfig.redis_url``): the commit writes each reply already claimed by
+Replies (given a Redis client): the commit writes each reply already claimed by
 this worker's publisher (rules 13, 14), published right after it (``replies.OwnReplies``);
 their sent marks ride on the next commit or a small transaction of their own. A kill in
 between leaves rows ``sending`` that the dispatcher takes back after the publisher lease.
@@ -45,7 +45,6 @@ from broker_adapter.handler.router import Router
 from broker_adapter.handler.task import Task
 from broker_adapter.protocol.keys import Keys
 from broker_adapter.protocol.signing import Keyring
-from broker_adapter.redis.client import connect
 from broker_adapter.stages.shared.calls import CallOutcome, CallRun, RunOutcome, StopRun
 from broker_adapter.stages.shared.handlers import Handler, load_handler
 from broker_adapter.stages.shared.loop import CLAIM, Handed, IdlePolicy, IdleWait, look
@@ -97,11 +96,11 @@ class Worker:
             a callable (a router of one), or a ``"module:callable"`` spec to load.
         clock: the time source for deadlines; the store's clock by default.
         logger: where to report; ``broker_adapter.stages.worker`` by default.
-        redis_client: the client to publish replies with (a ``redis.client.connect`` client);
-            by default one for ``config.redis_url``, or none: the dispatcher publishes.
+        redis_client: the client to publish replies with (a ``redis.client.connect``
+            client); ``None``: none, the dispatcher publishes them.
         outbox_policy: the publisher's lease and retry budget (as the dispatcher's).
         keyring: signs the replies this worker publishes (``ReplyPublisher``); required
-            when it publishes (a Redis client or ``config.redis_url``).
+            when it publishes (a ``redis_client``).
         handoff: this worker's end of the ingest's hand-off (``handoff.HandoffEndpoint``).
             With it an idle worker waits on it (``idle_poll_s`` at most) and runs the tasks
             the ingest claimed for it, or looks or claims when told to, instead of polling
@@ -110,7 +109,7 @@ class Worker:
             (its own policy applies); ``None``: an ``OutboxStore`` on a SQLite
             ``TaskStore``'s database, with ``outbox_policy``.
         metrics: where handler times and counters go (the pool gives one when
-            ``config.metrics_dir`` is set: ``app.metrics.WorkerMetrics``); ``None``: none.
+            it has a ``metrics_dir``: ``app.metrics.WorkerMetrics``); ``None``: none.
         limits: per-task concurrency limits to share with other workers of this process
             (``routing.TaskLimits``); ``None``: its own.
 
@@ -159,8 +158,6 @@ class Worker:
         #: What this worker's own publications did (``ReplyPublisher``'s counters).
         self.publish_stats = DispatcherStats()
         self.publisher: ReplyPublisher | None = None
-        if redis_client is None and config.redis_url is not None:
-            redis_client = connect(config.redis_url)  # connects at its first command
         if redis_client is not None:
             if keyring is None:
                 raise ConfigError(
