@@ -321,9 +321,13 @@ class Adapter:
             tasks = TaskStore(db, SystemClock(), self.policy)
             owner = f"{self.name}-reconciler-{os.getpid()}"
             reconciler = Reconciler(
-                EffectsStore(tasks), self.effect, owner, self.config.reconcile, by_task=self.effects
+                EffectsStore(tasks.tx),
+                self.effect,
+                owner,
+                self.config.reconcile,
+                by_task=self.effects,
             )
-            run_reconciles(stop, reconciler, ApprovalStore(tasks), self.log)
+            run_reconciles(stop, reconciler, ApprovalStore(tasks.tx), self.log)
         finally:
             db.close()
 

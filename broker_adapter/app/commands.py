@@ -321,7 +321,7 @@ def cancel_task(db: Database | PgDatabase, task_id: str, reason: str, by: str) -
     from broker_adapter.store import TaskStore
     from broker_adapter.store.effects import EffectsStore
 
-    state = EffectsStore(TaskStore(db)).request_cancel(task_id, f"{reason} [by {by}]")
+    state = EffectsStore(TaskStore(db).tx).request_cancel(task_id, f"{reason} [by {by}]")
     out: dict[str, Any] = {"task_id": task_id, "state": state.value, "by": by}
     if state == "running":
         out["cancel_requested"] = True

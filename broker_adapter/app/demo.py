@@ -390,7 +390,7 @@ def _unknown_story(db_path: str) -> bool:
     )
     retried = Worker(WorkerConfig(owner="worker-D"), tasks, charge_card).run_once(10)
     _say(f"   another worker finds nothing to retry blindly: {retried} claimed")
-    fx = EffectsStore(tasks)
+    fx = EffectsStore(tasks.tx)
     spec = effect_spec(charge_card)
     assert spec is not None
     Reconciler(fx, spec, "reconciler").run_once()

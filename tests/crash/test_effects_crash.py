@@ -119,7 +119,7 @@ class Setup:
         assert spec is not None
         db = open_database(self.db_path)
         self.dbs.append(db)
-        fx = EffectsStore(TaskStore(db, FakeClock(now), TaskPolicy(lease_s=LEASE_S)))
+        fx = EffectsStore(TaskStore(db, FakeClock(now), TaskPolicy(lease_s=LEASE_S)).tx)
         reconciler = Reconciler(fx, spec, "reconciler", ReconcilePolicy(lease_s=LEASE_S))
         reconciler.run_once()
         return reconciler, fx

@@ -179,7 +179,7 @@ def test_the_take_backs_of_effects_and_cancel_requests_are_logged(
     """A lapsed lease after an effect started (``unknown``) and after a requested cancel
     (``cancelled``): each taken back once, each logged with why."""
     caplog.set_level(logging.INFO, logger="broker_adapter")
-    fx = EffectsStore(tasks)
+    fx = EffectsStore(tasks.tx)
     tasks.accept([_item(clock, "m1", {"v": 1}), _item(clock, "m2", {"v": 2})])
     started, requested = tasks.claim("w1", 2)
     fx.mark_effect_started(started.task_id, "w1", started.fence)

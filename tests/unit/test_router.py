@@ -481,7 +481,7 @@ def test_the_reconciler_uses_the_effect_of_each_tasks_own_handler(tasks: TaskSto
     charge = effect_spec(router_app.charge)
     assert charge is not None
     other = replace(charge, action="refund")
-    reconciler = Reconciler(EffectsStore(tasks), other, "r1", by_task={"charge": charge})
+    reconciler = Reconciler(EffectsStore(tasks.tx), other, "r1", by_task={"charge": charge})
     claimed = ClaimedTask(
         "t", "agent-a", "m", "task", {}, 1, 3, 1, "w", 0.0, 1.0, 0, None, None, task_name="charge"
     )

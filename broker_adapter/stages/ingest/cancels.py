@@ -85,7 +85,7 @@ def apply_cancel(tasks: TaskStore, principal: str, envelope: Envelope) -> tuple[
         )
     reason = f"cancelled by {principal!r} (cancel {envelope.message_id!r})"
     try:
-        return row.task_id, EffectsStore(tasks).request_cancel(row.task_id, reason)
+        return row.task_id, EffectsStore(tasks.tx).request_cancel(row.task_id, reason)
     except UnknownTask:  # purged between the look and the cancel
         raise EnvelopeError(
             "payload", "unknown_task", f"{principal!r} has no request {target!r} to cancel"

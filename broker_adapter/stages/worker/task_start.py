@@ -100,7 +100,7 @@ class TaskStart:
         as ``cancelled``, its reply saying ``what`` happened; nothing when it was cancelled
         outright (``TaskStore.cancel``: already terminal)."""
         if self._cancels is None:
-            self._cancels = EffectsStore(self.tasks)
+            self._cancels = EffectsStore(self.tasks.tx)
         try:
             self._cancels.end_requested_cancel(claimed.task_id, claimed.owner, claimed.fence, what)
         except TransientError as exc:  # the lease lapses: the take-back ends it cancelled
