@@ -167,11 +167,6 @@ class Worker:
                     f"worker {config.owner} publishes replies: it needs a keyring to sign them"
                 )
             if outbox is None:
-                if not isinstance(tasks, TaskStore):
-                    raise ConfigError(
-                        f"worker {config.owner} publishes replies: give it the outbox of its"
-                        " store (outbox=)"
-                    )
                 outbox = OutboxStore(tasks.db, self.clock, outbox_policy)
             self.publisher = ReplyPublisher(
                 redis_client,
