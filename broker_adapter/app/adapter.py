@@ -61,7 +61,7 @@ from broker_adapter.store.effects import EffectsStore
 from broker_adapter.store.gate import WriteGate
 from broker_adapter.store.identity import StoreIdentity, store_identity
 from broker_adapter.store.retention import PurgeSchedule, run_purges
-from broker_adapter.store.tasks import TaskPolicy
+from broker_adapter.store.task_types import TaskPolicy
 
 if TYPE_CHECKING:
     from broker_adapter.store.postgres import PgDatabase

@@ -38,6 +38,7 @@ from broker_adapter.handler.effects import Observation, effect_spec, side_effect
 from broker_adapter.protocol.canonical import canonical_json, sha256_hex
 from broker_adapter.protocol.deadletter import DeadLetter
 from broker_adapter.protocol.envelope import Envelope
+from broker_adapter.protocol.idempotency import idempotency_key_for
 from broker_adapter.protocol.keys import Keys
 from broker_adapter.protocol.reply import Reply
 from broker_adapter.protocol.signing import Keyring
@@ -59,7 +60,7 @@ from broker_adapter.store import (
     open_database,
 )
 from broker_adapter.store.effects import EffectsStore
-from broker_adapter.store.tasks import TaskPolicy, idempotency_key_for
+from broker_adapter.store.task_types import TaskPolicy
 
 PREFIX = "demo"
 LEASE_S = 1.0

@@ -26,8 +26,6 @@ from broker_adapter.clock import Clock, SystemClock
 from broker_adapter.config import DEFAULT_LEASE_S
 from broker_adapter.errors import StaleError, TaskCancelled
 from broker_adapter.protocol.bounds import check_result
-from broker_adapter.protocol.idempotency import idempotency_key_for
-from broker_adapter.protocol.reply import reply_id_for
 from broker_adapter.store import inbox, settle
 from broker_adapter.store.db import Database
 from broker_adapter.store.dbclock import read_now, tx_now
@@ -35,9 +33,7 @@ from broker_adapter.store.inbox import (
     AcceptItem,
     AcceptResult,
     Intake,
-    Outcome,
     conflict_reply_id,
-    new_task_ids,
 )
 from broker_adapter.store.migrations import CONFLICT_ID_KEY
 from broker_adapter.store.outbox import SentMark
@@ -47,48 +43,22 @@ from broker_adapter.store.retention import (
     purge_requests,
     whole_pass,
 )
-from broker_adapter.store.settle import FailOutcome, SettledBatch, Settlement, SettleResult
+from broker_adapter.store.settle import FailOutcome, SettledBatch, Settlement
 from broker_adapter.store.sql import in_lists
 from broker_adapter.store.task_tx import TaskTx
 from broker_adapter.store.task_types import (
     CLAIM_COLUMNS,
     CLOCKED_SQL,
-    LIVE_STATES,
     TASK_COLUMNS,
-    TERMINAL_STATES,
     ClaimedTask,
     TaskPolicy,
     TaskRow,
     TaskState,
-    UnknownTask,
     claimed_task,
 )
 
 if TYPE_CHECKING:
     from broker_adapter.store.postgres.db import PgDatabase
-
-__all__ = [
-    "LIVE_STATES",
-    "TERMINAL_STATES",
-    "AcceptItem",
-    "AcceptResult",
-    "ClaimedTask",
-    "FailOutcome",
-    "Intake",
-    "Outcome",
-    "SettleResult",
-    "SettledBatch",
-    "Settlement",
-    "TaskPolicy",
-    "TaskRow",
-    "TaskState",
-    "TaskStore",
-    "UnknownTask",
-    "conflict_reply_id",
-    "idempotency_key_for",
-    "new_task_ids",
-    "reply_id_for",
-]
 
 
 class TaskStore:

@@ -50,7 +50,7 @@ _ACCEPT_TRANSITION = {
 
 
 class Claim(Protocol):
-    """What a line needs of a claimed task (``store.tasks.ClaimedTask``)."""
+    """What a line needs of a claimed task (``task_types.ClaimedTask``)."""
 
     @property
     def task_id(self) -> str: ...

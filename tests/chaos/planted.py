@@ -33,8 +33,8 @@ from typing import Any
 from broker_adapter.protocol.signing import Keyring
 from broker_adapter.stages.ingest.ingest import Ingestor
 from broker_adapter.stages.receiver import receiver
-from broker_adapter.store.inbox import Intake
-from broker_adapter.store.tasks import AcceptItem, AcceptResult, TaskStore
+from broker_adapter.store.inbox import AcceptItem, AcceptResult, Intake
+from broker_adapter.store.tasks import TaskStore
 
 ENV = "CHAOS_PLANTED"
 BUGS = ("xack_before_commit", "stale_finish", "skip_reply_signature")

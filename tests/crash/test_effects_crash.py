@@ -30,7 +30,7 @@ from broker_adapter.stages.reconcile.reconciler import ReconcilePolicy, Reconcil
 from broker_adapter.stages.shared.handlers import load_handler
 from broker_adapter.store import AcceptItem, Database, OutboxStore, TaskStore, open_database
 from broker_adapter.store.effects import EffectsStore
-from broker_adapter.store.tasks import TaskPolicy, TaskRow
+from broker_adapter.store.task_types import TaskPolicy, TaskRow
 from tests.support import effect_handlers
 from tests.support.cli import wait_for
 from tests.support.fake_target import FakeTarget, FakeTargetClient

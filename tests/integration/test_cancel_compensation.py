@@ -24,7 +24,7 @@ from broker_adapter.stages.worker.worker import Worker, WorkerConfig
 from broker_adapter.store import AcceptItem, OutboxStore, TaskStore, open_database
 from broker_adapter.store.effects import EffectsStore
 from broker_adapter.store.evidence import key_digest
-from broker_adapter.store.tasks import ClaimedTask, TaskPolicy
+from broker_adapter.store.task_types import ClaimedTask, TaskPolicy
 from tests.support import effect_handlers
 from tests.support.fake_target import FakeTarget, FakeTargetClient
 

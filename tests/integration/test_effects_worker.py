@@ -23,7 +23,7 @@ from broker_adapter.stages.worker.worker import Worker, WorkerConfig
 from broker_adapter.store import AcceptItem, Database, OutboxStore, TaskStore, open_database
 from broker_adapter.store.approvals import ApprovalStore
 from broker_adapter.store.effects import EffectsStore
-from broker_adapter.store.tasks import TaskPolicy
+from broker_adapter.store.task_types import TaskPolicy
 from tests.support import effect_handlers
 from tests.support.cli import cli_env
 from tests.support.fake_target import FakeTarget, FakeTargetClient

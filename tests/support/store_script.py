@@ -46,7 +46,7 @@ from broker_adapter.store import (
 from broker_adapter.store.backends import open_store
 from broker_adapter.store.outbox import OutboxPolicy, enqueue
 from broker_adapter.store.postgres import PgDatabase
-from broker_adapter.store.tasks import TaskPolicy
+from broker_adapter.store.task_types import TaskPolicy
 
 T0 = 1_800_000_000.0
 LEASE_S = 30.0

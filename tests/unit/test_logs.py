@@ -15,10 +15,11 @@ from broker_adapter.app.cli import build_parser
 from broker_adapter.app.logs import JsonFormatter, TextFormatter, fields_of
 from broker_adapter.clock import FakeClock
 from broker_adapter.protocol.envelope import Envelope
+from broker_adapter.protocol.reply import reply_id_for
 from broker_adapter.stages.worker.worker import Worker, WorkerConfig
 from broker_adapter.store import AcceptItem, TaskStore
 from broker_adapter.store.effects import EffectsStore
-from broker_adapter.store.tasks import TaskPolicy, reply_id_for
+from broker_adapter.store.task_types import TaskPolicy
 from tests.support import handlers as sample
 from tests.support.store_script import open_any
 

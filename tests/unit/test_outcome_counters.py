@@ -20,7 +20,8 @@ from broker_adapter.store.counters import monotonic_counts
 from broker_adapter.store.db import open_database
 from broker_adapter.store.effects import EffectsStore
 from broker_adapter.store.report import snapshot
-from broker_adapter.store.tasks import ClaimedTask, Settlement
+from broker_adapter.store.settle import Settlement
+from broker_adapter.store.task_types import ClaimedTask
 from tests.support.store_script import LEASE_S, RETENTION_S, Stores, item, open_any, stores
 
 POLICY = ReconcilePolicy(lease_s=20.0)

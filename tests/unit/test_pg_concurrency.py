@@ -25,7 +25,7 @@ from broker_adapter.store.approvals import ApprovalStore
 from broker_adapter.store.effects import EffectsStore
 from broker_adapter.store.postgres import PgDatabase
 from broker_adapter.store.receipts import ReceiptItem
-from broker_adapter.store.tasks import Settlement
+from broker_adapter.store.settle import Settlement
 from tests.support.cli import wait_for
 from tests.support.store_script import (
     OUTBOX_LEASE_S,

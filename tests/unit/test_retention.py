@@ -22,7 +22,8 @@ from broker_adapter.store.retention import (
     PurgeBatch,
     PurgeSchedule,
 )
-from broker_adapter.store.tasks import Settlement, TaskPolicy
+from broker_adapter.store.settle import Settlement
+from broker_adapter.store.task_types import TaskPolicy
 from tests.support.store_script import (
     RETENTION_S,
     T0,

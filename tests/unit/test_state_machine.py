@@ -42,6 +42,7 @@ from hypothesis.stateful import (
 
 from broker_adapter.clock import FakeClock
 from broker_adapter.errors import StaleError
+from broker_adapter.protocol.reply import reply_id_for
 from broker_adapter.store import (
     AcceptItem,
     FailOutcome,
@@ -51,7 +52,7 @@ from broker_adapter.store import (
 from broker_adapter.store.db import Database
 from broker_adapter.store.outbox import OutboxPolicy, PublisherClaim, SentMark
 from broker_adapter.store.postgres import PgDatabase
-from broker_adapter.store.tasks import Settlement, reply_id_for
+from broker_adapter.store.settle import Settlement
 from tests.support.postgres import ThrowawayDatabase
 from tests.support.store_script import (
     LEASE_S,

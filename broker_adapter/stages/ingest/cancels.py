@@ -27,7 +27,8 @@ from broker_adapter.errors import EnvelopeError
 from broker_adapter.protocol.envelope import Envelope, check_principal
 from broker_adapter.store.effects import EffectsStore
 from broker_adapter.store.lifecycle import TaskState
-from broker_adapter.store.tasks import TaskStore, UnknownTask
+from broker_adapter.store.task_types import UnknownTask
+from broker_adapter.store.tasks import TaskStore
 
 CANCEL_KIND = "cancel"
 _PAYLOAD_KEYS = frozenset({"message_id", "principal"})

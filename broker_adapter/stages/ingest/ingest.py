@@ -81,7 +81,8 @@ from broker_adapter.stages.ingest.cancels import CANCEL_KIND, apply_cancel
 from broker_adapter.stages.ingest.config import IngestConfig, IngestStats
 from broker_adapter.stages.ingest.limits import IngressLimits
 from broker_adapter.stages.shared import tracing
-from broker_adapter.store.tasks import AcceptItem, AcceptResult, Outcome, TaskStore
+from broker_adapter.store.inbox import AcceptItem, AcceptResult, Outcome
+from broker_adapter.store.tasks import TaskStore
 
 if TYPE_CHECKING:
     from collections.abc import Callable

@@ -23,7 +23,8 @@ from broker_adapter.stages.worker.effect_gate import EffectGate
 from broker_adapter.stages.worker.lease import Leases
 from broker_adapter.store import transitions
 from broker_adapter.store.effects import EffectsStore
-from broker_adapter.store.tasks import ClaimedTask, TaskStore
+from broker_adapter.store.task_types import ClaimedTask
+from broker_adapter.store.tasks import TaskStore
 
 
 class TaskStart:

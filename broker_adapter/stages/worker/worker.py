@@ -66,12 +66,9 @@ from broker_adapter.stages.worker.routing import Routes, TaskLimits
 from broker_adapter.stages.worker.task_start import TaskStart
 from broker_adapter.store import transitions
 from broker_adapter.store.outbox import OutboxPolicy, OutboxRow, OutboxStore
-from broker_adapter.store.tasks import (
-    ClaimedTask,
-    SettledBatch,
-    Settlement,
-    TaskStore,
-)
+from broker_adapter.store.settle import SettledBatch, Settlement
+from broker_adapter.store.task_types import ClaimedTask
+from broker_adapter.store.tasks import TaskStore
 
 if TYPE_CHECKING:
     from broker_adapter.redis.client import Redis
