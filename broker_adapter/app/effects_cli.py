@@ -31,8 +31,8 @@ from broker_adapter.stages.reconcile.reconciler import DEFAULT_OPERATOR_TIMEOUT_
 
 if TYPE_CHECKING:
     from broker_adapter.store.db import Database
-    from broker_adapter.store.lifecycle import TaskState
     from broker_adapter.store.postgres import PgDatabase
+    from broker_adapter.store.task_types import TaskState
 
 #: The longest an approval may last, seconds (a year).
 MAX_APPROVAL_S = 366 * 86_400

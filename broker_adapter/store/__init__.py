@@ -13,7 +13,8 @@ from broker_adapter.lazy_exports import lazy_exports
 if TYPE_CHECKING:
     from broker_adapter.store.db import Database, open_database
     from broker_adapter.store.inbox import AcceptItem, AcceptResult, Outcome
-    from broker_adapter.store.outbox import OutboxRow, OutboxStore
+    from broker_adapter.store.outbox import OutboxStore
+    from broker_adapter.store.outbox_types import OutboxRow
     from broker_adapter.store.receipts import Receipt, ReceiptOutcome, ReceiptStore
     from broker_adapter.store.settle import FailOutcome
     from broker_adapter.store.task_types import ClaimedTask, TaskState
@@ -27,7 +28,7 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     "Database": ("broker_adapter.store.db", "Database"),
     "FailOutcome": ("broker_adapter.store.settle", "FailOutcome"),
     "open_database": ("broker_adapter.store.db", "open_database"),
-    "OutboxRow": ("broker_adapter.store.outbox", "OutboxRow"),
+    "OutboxRow": ("broker_adapter.store.outbox_types", "OutboxRow"),
     "OutboxStore": ("broker_adapter.store.outbox", "OutboxStore"),
     "Outcome": ("broker_adapter.store.inbox", "Outcome"),
     "Receipt": ("broker_adapter.store.receipts", "Receipt"),

@@ -36,7 +36,7 @@ from broker_adapter.store.inbox import (
     conflict_reply_id,
 )
 from broker_adapter.store.migrations import CONFLICT_ID_KEY
-from broker_adapter.store.outbox import SentMark
+from broker_adapter.store.outbox_types import SentMark
 from broker_adapter.store.retention import (
     PURGE_BATCH,
     PurgeBatch,

@@ -31,7 +31,7 @@ from broker_adapter.stages.receiver.receiver import Receiver, ReceiverConfig
 from broker_adapter.store import AcceptItem, OutboxStore, ReceiptStore, TaskStore
 from broker_adapter.store.backends import is_postgres_url, open_store
 from broker_adapter.store.db import Database
-from broker_adapter.store.outbox import OutboxPolicy
+from broker_adapter.store.outbox_types import OutboxPolicy
 from broker_adapter.store.postgres import PgDatabase
 from tests.support.backends import Backend
 

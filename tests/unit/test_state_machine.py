@@ -50,7 +50,7 @@ from broker_adapter.store import (
     open_database,
 )
 from broker_adapter.store.db import Database
-from broker_adapter.store.outbox import OutboxPolicy, PublisherClaim, SentMark
+from broker_adapter.store.outbox_types import OutboxPolicy, PublisherClaim, SentMark
 from broker_adapter.store.postgres import PgDatabase
 from broker_adapter.store.settle import Settlement
 from tests.support.postgres import ThrowawayDatabase

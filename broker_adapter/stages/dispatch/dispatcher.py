@@ -138,7 +138,8 @@ from broker_adapter.stages.shared.publish import (
     Publication,
     ReplyPublisher,
 )
-from broker_adapter.store.outbox import OutboxRow, OutboxStore
+from broker_adapter.store.outbox import OutboxStore
+from broker_adapter.store.outbox_types import OutboxRow
 from broker_adapter.store.retention import DEFAULT_RETENTION_S
 
 if TYPE_CHECKING:

@@ -26,8 +26,7 @@ from typing import Any
 from broker_adapter.errors import EnvelopeError
 from broker_adapter.protocol.envelope import Envelope, check_principal
 from broker_adapter.store.effects import EffectsStore
-from broker_adapter.store.lifecycle import TaskState
-from broker_adapter.store.task_types import UnknownTask
+from broker_adapter.store.task_types import TaskState, UnknownTask
 from broker_adapter.store.tasks import TaskStore
 
 CANCEL_KIND = "cancel"

@@ -42,7 +42,7 @@ from broker_adapter.protocol.envelope import check_traceparent
 
 if TYPE_CHECKING:
     from broker_adapter.store.inbox import AcceptItem, AcceptResult
-    from broker_adapter.store.outbox import OutboxRow
+    from broker_adapter.store.outbox_types import OutboxRow
     from broker_adapter.store.receipts import AppliedItem, ReceiptItem
 
 INSTRUMENTATION_NAME = "broker_adapter"

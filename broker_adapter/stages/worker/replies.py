@@ -15,7 +15,7 @@ from broker_adapter import crashpoints
 from broker_adapter.clock import Clock
 from broker_adapter.errors import StaleError, TransientError
 from broker_adapter.stages.shared.publish import Publication, ReplyPublisher
-from broker_adapter.store.outbox import OutboxRow, SentMark
+from broker_adapter.store.outbox_types import OutboxRow, SentMark
 from broker_adapter.store.settle import SettledBatch, Settlement
 from broker_adapter.store.tasks import TaskStore
 

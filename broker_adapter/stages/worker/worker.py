@@ -65,7 +65,8 @@ from broker_adapter.stages.worker.replies import OwnReplies
 from broker_adapter.stages.worker.routing import Routes, TaskLimits
 from broker_adapter.stages.worker.task_start import TaskStart
 from broker_adapter.store import transitions
-from broker_adapter.store.outbox import OutboxPolicy, OutboxRow, OutboxStore
+from broker_adapter.store.outbox import OutboxStore
+from broker_adapter.store.outbox_types import OutboxPolicy, OutboxRow
 from broker_adapter.store.settle import SettledBatch, Settlement
 from broker_adapter.store.task_types import ClaimedTask
 from broker_adapter.store.tasks import TaskStore
