@@ -54,7 +54,7 @@ from broker_adapter.stages.shared.handoff import Handoff
 from broker_adapter.stages.worker.worker import WorkerConfig
 from broker_adapter.store import OutboxStore, TaskStore
 from broker_adapter.store.approvals import ApprovalStore
-from broker_adapter.store.backends import open_store, redacted_url
+from broker_adapter.store.backends import open_store
 from broker_adapter.store.db import Database
 from broker_adapter.store.dbclock import report_clock_skew
 from broker_adapter.store.effects import EffectsStore
@@ -62,6 +62,7 @@ from broker_adapter.store.gate import WriteGate
 from broker_adapter.store.identity import StoreIdentity, store_identity
 from broker_adapter.store.retention import PurgeSchedule, run_purges
 from broker_adapter.store.task_types import TaskPolicy
+from broker_adapter.store.urls import redacted_url
 
 if TYPE_CHECKING:
     from broker_adapter.store.postgres import PgDatabase

@@ -17,8 +17,8 @@ from broker_adapter.stages.worker.config import (
     DEFAULT_GRACE_S,
     MAX_CONCURRENCY,
 )
-from broker_adapter.store.backends import is_postgres_url
-from broker_adapter.store.retention import DEFAULT_RETENTION_S
+from broker_adapter.store.task_types import DEFAULT_RETENTION_S
+from broker_adapter.store.urls import is_postgres_url
 
 DEFAULT_WORKERS = 2
 

@@ -43,7 +43,7 @@ from broker_adapter.config import DEFAULT_LEASE_S
 from broker_adapter.console.serve import cmd_console
 from broker_adapter.errors import BrokerAdapterError, ConfigError
 from broker_adapter.stages.worker.config import DEFAULT_CALL_TIMEOUT_S
-from broker_adapter.store.retention import DEFAULT_RETENTION_S
+from broker_adapter.store.task_types import DEFAULT_RETENTION_S
 
 if TYPE_CHECKING:
     pass

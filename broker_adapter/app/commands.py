@@ -162,7 +162,8 @@ def cmd_receive(args: argparse.Namespace) -> int:
     from broker_adapter.redis.client import connect
     from broker_adapter.stages.receiver.receiver import Receiver, ReceiverConfig, record_effect
     from broker_adapter.store import ReceiptStore
-    from broker_adapter.store.backends import is_postgres_url, open_store
+    from broker_adapter.store.backends import open_store
+    from broker_adapter.store.urls import is_postgres_url
 
     consumer = args.consumer or f"receive-{args.principal}"
     config = ReceiverConfig(
@@ -292,7 +293,7 @@ def cmd_backup(args: argparse.Namespace) -> int:
 
 def cmd_status(args: argparse.Namespace) -> int:
     from broker_adapter.app.ops import collect_status, format_status, watch_status
-    from broker_adapter.store.backends import is_postgres_url
+    from broker_adapter.store.urls import is_postgres_url
 
     db = args.db if is_postgres_url(args.db) else Path(args.db)
     if args.watch:

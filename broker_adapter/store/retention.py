@@ -10,7 +10,7 @@ only when all of these hold, re-checked inside the deleting transaction:
 * the task is terminal and its deadline has passed (a replay of the envelope can then only
   be accepted as ``expired``, never run);
 * it was accepted at least ``retention_s`` ago (the inbox record dedupes that long:
-  ``TaskStore._forgotten``);
+  the intake, ``inbox``);
 * its reply was sent, at least ``retention_s`` ago (the outbox row outlives the reply's
   stream entry, so an operator can still publish it again under the same id).
 
@@ -56,7 +56,6 @@ from broker_adapter.clock import Clock
 from broker_adapter.errors import BrokerAdapterError
 from broker_adapter.store.db import Database
 from broker_adapter.store.sql import Conn, Db, Dialect, in_lists
-from broker_adapter.store.task_types import DEFAULT_RETENTION_S as DEFAULT_RETENTION_S
 from broker_adapter.store.task_types import TERMINAL_SQL
 
 #: Requests (or receipts) deleted per transaction at most.

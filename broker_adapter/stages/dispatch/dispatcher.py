@@ -140,7 +140,7 @@ from broker_adapter.stages.shared.publish import (
 )
 from broker_adapter.store.outbox import OutboxStore
 from broker_adapter.store.outbox_types import OutboxRow
-from broker_adapter.store.retention import DEFAULT_RETENTION_S
+from broker_adapter.store.task_types import DEFAULT_RETENTION_S
 
 if TYPE_CHECKING:
     from broker_adapter.redis.client import Redis

@@ -18,7 +18,7 @@ from broker_adapter.redis.reader import (
     MIN_ENTRY_FIELDS,
 )
 from broker_adapter.redis.trimming import DEFAULT_TRIM_EVERY_S, DEFAULT_TRIM_KEEP_S
-from broker_adapter.store.retention import DEFAULT_RETENTION_S
+from broker_adapter.store.task_types import DEFAULT_RETENTION_S
 
 DEFAULT_COUNT = 256
 DEFAULT_CLAIM_EVERY_S = 5.0

@@ -108,7 +108,8 @@ from broker_adapter.store.receipts import (
     ReceiptOutcome,
     ReceiptStore,
 )
-from broker_adapter.store.retention import DEFAULT_RETENTION_S, PurgeBatch, PurgeSchedule
+from broker_adapter.store.retention import PurgeBatch, PurgeSchedule
+from broker_adapter.store.task_types import DEFAULT_RETENTION_S
 
 if TYPE_CHECKING:
     import sqlite3
