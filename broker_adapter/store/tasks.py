@@ -9,8 +9,9 @@ nothing.
 
 ``TaskStore`` is the one object the stages use: intake is
 ``inbox``'s, outcomes are ``settle``'s, deadlines and leases ``housekeeping``'s, and the
-claim, the holder check and the take-back they share are ``task_tx.TaskTx``'s (the
-store's ``tx``, which those modules take); this module holds renew, cancel and the reads.
+claim, the holder check, the take-back and the outright cancel are ``task_tx.TaskTx``'s
+(the store's ``tx``, which those modules and the effect and approval records take); this
+module holds renew and the reads.
 
 Retries never extend the absolute deadline. Attempts are counted in the claim transaction,
 before any handler runs, so a task whose handler kills its worker still spends its budget.
