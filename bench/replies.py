@@ -42,7 +42,7 @@ from broker_adapter.stages.dispatch.dispatcher import Dispatcher, DispatcherConf
 from broker_adapter.stages.receiver.receiver import Receiver, ReceiverConfig
 from broker_adapter.store import OutboxStore, ReceiptStore, open_database
 from broker_adapter.store.db import Database
-from broker_adapter.store.outbox import enqueue
+from broker_adapter.store.outbox_writes import enqueue
 from broker_adapter.testing import RedisServer
 
 PRINCIPAL = "bench"

@@ -51,8 +51,8 @@ from common import KEYRING, PRINCIPAL, ROOT
 
 from broker_adapter.protocol.keys import Keys, partition_of
 from broker_adapter.redis.client import connect
-from tests.support.redis_cluster import ClusterNode, RedisCluster, _cli, cluster_supported
 from broker_adapter.testing import RedisServer
+from tests.support.redis_cluster import ClusterNode, RedisCluster, _cli, cluster_supported
 
 RESULTS = ROOT / "bench" / "results" / "scaleout.json"
 PUBLISH_BATCH = 200

@@ -68,8 +68,8 @@ if TYPE_CHECKING:
     from broker_adapter.redis.client import connect, connect_async
     from broker_adapter.stages.receiver.receiver import Receiver, ReceiverConfig, effect_key
     from broker_adapter.store import ReceiptStore, open_database
-    from broker_adapter.store.outbox import UnknownReply
-    from broker_adapter.store.tasks import UnknownTask
+    from broker_adapter.store.outbox_types import UnknownReply
+    from broker_adapter.store.task_types import UnknownTask
 
 #: Each public name, and the module and attribute it is read from when first used.
 _EXPORTS: dict[str, tuple[str, str]] = {
@@ -125,8 +125,8 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     "Task": ("broker_adapter.handler.task", "Task"),
     "TaskCancelled": ("broker_adapter.errors", "TaskCancelled"),
     "TransientError": ("broker_adapter.errors", "TransientError"),
-    "UnknownReply": ("broker_adapter.store.outbox", "UnknownReply"),
-    "UnknownTask": ("broker_adapter.store.tasks", "UnknownTask"),
+    "UnknownReply": ("broker_adapter.store.outbox_types", "UnknownReply"),
+    "UnknownTask": ("broker_adapter.store.task_types", "UnknownTask"),
     "validate_payload": ("broker_adapter.handler.router", "validate_payload"),
 }
 

@@ -54,14 +54,15 @@ from broker_adapter.stages.shared.handoff import Handoff
 from broker_adapter.stages.worker.worker import WorkerConfig
 from broker_adapter.store import OutboxStore, TaskStore
 from broker_adapter.store.approvals import ApprovalStore
-from broker_adapter.store.backends import open_store, redacted_url
+from broker_adapter.store.backends import open_store
 from broker_adapter.store.db import Database
 from broker_adapter.store.dbclock import report_clock_skew
 from broker_adapter.store.effects import EffectsStore
 from broker_adapter.store.gate import WriteGate
 from broker_adapter.store.identity import StoreIdentity, store_identity
 from broker_adapter.store.retention import PurgeSchedule, run_purges
-from broker_adapter.store.tasks import TaskPolicy
+from broker_adapter.store.task_types import TaskPolicy
+from broker_adapter.store.urls import redacted_url
 
 if TYPE_CHECKING:
     from broker_adapter.store.postgres import PgDatabase
@@ -302,9 +303,13 @@ class Adapter:
             tasks = TaskStore(db, SystemClock(), self.policy)
             owner = f"{self.name}-reconciler-{os.getpid()}"
             reconciler = Reconciler(
-                EffectsStore(tasks), self.effect, owner, self.config.reconcile, by_task=self.effects
+                EffectsStore(tasks.tx),
+                self.effect,
+                owner,
+                self.config.reconcile,
+                by_task=self.effects,
             )
-            run_reconciles(stop, reconciler, ApprovalStore(tasks), self.log)
+            run_reconciles(stop, reconciler, ApprovalStore(tasks.tx), self.log)
         finally:
             db.close()
 

@@ -46,12 +46,12 @@ from broker_adapter.stages.worker.config import (
     CONCURRENCY_SETTING,
     GRACE_SETTING,
 )
-from broker_adapter.store.backends import is_postgres_url
 from broker_adapter.store.task_types import (
     CANCEL_GRACE_SETTING,
     MAX_CHAIN_TASKS_SETTING,
     MAX_HOPS_SETTING,
 )
+from broker_adapter.store.urls import is_postgres_url
 
 DEFAULT_WORKERS = 2
 

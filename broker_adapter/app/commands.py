@@ -140,7 +140,8 @@ def cmd_receive(args: argparse.Namespace) -> int:
     from broker_adapter.redis.client import connect
     from broker_adapter.stages.receiver.receiver import Receiver, ReceiverConfig, record_effect
     from broker_adapter.store import ReceiptStore
-    from broker_adapter.store.backends import is_postgres_url, open_store
+    from broker_adapter.store.backends import open_store
+    from broker_adapter.store.urls import is_postgres_url
 
     consumer = args.consumer or f"receive-{args.principal}"
     config = ReceiverConfig(
@@ -270,7 +271,7 @@ def cmd_backup(args: argparse.Namespace) -> int:
 
 def cmd_status(args: argparse.Namespace) -> int:
     from broker_adapter.app.ops import collect_status, format_status, watch_status
-    from broker_adapter.store.backends import is_postgres_url
+    from broker_adapter.store.urls import is_postgres_url
 
     db = args.db if is_postgres_url(args.db) else Path(args.db)
     if args.watch:
@@ -299,7 +300,7 @@ def cancel_task(db: Database | PgDatabase, task_id: str, reason: str, by: str) -
     from broker_adapter.store import TaskStore
     from broker_adapter.store.effects import EffectsStore
 
-    state = EffectsStore(TaskStore(db)).request_cancel(task_id, f"{reason} [by {by}]")
+    state = EffectsStore(TaskStore(db).tx).request_cancel(task_id, f"{reason} [by {by}]")
     out: dict[str, Any] = {"task_id": task_id, "state": state.value, "by": by}
     if state == "running":
         out["cancel_requested"] = True

@@ -38,6 +38,7 @@ from broker_adapter.handler.effects import Observation, effect_spec, side_effect
 from broker_adapter.protocol.canonical import canonical_json, sha256_hex
 from broker_adapter.protocol.deadletter import DeadLetter
 from broker_adapter.protocol.envelope import Envelope
+from broker_adapter.protocol.idempotency import idempotency_key_for
 from broker_adapter.protocol.keys import Keys
 from broker_adapter.protocol.reply import Reply
 from broker_adapter.protocol.signing import Keyring
@@ -59,7 +60,7 @@ from broker_adapter.store import (
     open_database,
 )
 from broker_adapter.store.effects import EffectsStore
-from broker_adapter.store.tasks import TaskPolicy, idempotency_key_for
+from broker_adapter.store.task_types import TaskPolicy
 
 PREFIX = "demo"
 LEASE_S = 1.0
@@ -390,7 +391,7 @@ def _unknown_story(db_path: str) -> bool:
     )
     retried = Worker(WorkerConfig(owner="worker-D"), tasks, charge_card).run_once(10)
     _say(f"   another worker finds nothing to retry blindly: {retried} claimed")
-    fx = EffectsStore(tasks)
+    fx = EffectsStore(tasks.tx)
     spec = effect_spec(charge_card)
     assert spec is not None
     Reconciler(fx, spec, "reconciler").run_once()

@@ -30,8 +30,8 @@ from broker_adapter.protocol.idempotency import EFFECT_KEY_VERSION
 
 if TYPE_CHECKING:
     from broker_adapter.store.db import Database
-    from broker_adapter.store.lifecycle import TaskState
     from broker_adapter.store.postgres import PgDatabase
+    from broker_adapter.store.task_types import TaskState
 
 #: The longest an approval may last, seconds (a year).
 MAX_APPROVAL_S = 366 * 86_400
@@ -182,7 +182,7 @@ def resolve_unknown(
         observed = json.loads(result)
     except ValueError as exc:
         raise ConfigError(f"--result is not JSON: {exc}") from None
-    return EffectsStore(TaskStore(db)).operator_resolve(
+    return EffectsStore(TaskStore(db).tx).operator_resolve(
         task_id, outcome, who, observed=observed, note=note
     )
 
@@ -205,7 +205,7 @@ def grant_approval(
         raise ConfigError("--expires-in must be above 0")
     if uses < 1:
         raise ConfigError("--uses must be 1 or more")
-    store = ApprovalStore(TaskStore(db))
+    store = ApprovalStore(TaskStore(db).tx)
     try:
         return store.grant_approval(
             what["action"],
@@ -256,7 +256,7 @@ def cmd_approve(args: argparse.Namespace) -> int:
         uses=args.uses,
     )
     with open_store(args.db) as db:
-        what = _what_to_approve(args, ApprovalStore(TaskStore(db)))
+        what = _what_to_approve(args, ApprovalStore(TaskStore(db).tx))
         approval_id = grant_approval(db, what, _who(args.by), args.expires_in, args.uses)
     print(json.dumps({"approval_id": approval_id, **what, "uses": args.uses}, sort_keys=True))
     return 0
@@ -332,7 +332,7 @@ def cmd_approvals(args: argparse.Namespace) -> int:
     from broker_adapter.store.backends import open_store
 
     with open_store(args.db) as db:
-        waits = ApprovalStore(TaskStore(db)).waits()
+        waits = ApprovalStore(TaskStore(db).tx).waits()
     for wait in waits:
         row = dict(wait.__dict__)
         row["arguments"] = None if wait.arguments is None else json.loads(wait.arguments)
@@ -347,7 +347,7 @@ def cmd_revoke(args: argparse.Namespace) -> int:
 
     audit("revoke", approval_id=args.approval_id, by=args.by)
     with open_store(args.db) as db:
-        revoked = ApprovalStore(TaskStore(db)).revoke_approval(args.approval_id, _who(args.by))
+        revoked = ApprovalStore(TaskStore(db).tx).revoke_approval(args.approval_id, _who(args.by))
     print(json.dumps({"approval_id": args.approval_id, "revoked": revoked}, sort_keys=True))
     return 0 if revoked else 1
 

@@ -28,7 +28,7 @@ def show_outcomes(args: argparse.Namespace) -> int:
     if args.limit < 1:
         raise ConfigError("--limit must be at least 1")
     with open_store(args.db, read_only=True) as db:
-        waits = OperatorWaits(EffectsStore(TaskStore(db)))
+        waits = OperatorWaits(EffectsStore(TaskStore(db).tx))
         if args.task_id == "list":
             for task in waits.waiting(args.limit):
                 print(json.dumps(dataclasses.asdict(task), sort_keys=True))

@@ -40,9 +40,10 @@ from broker_adapter.stages.shared.handlers import load_app
 from broker_adapter.stages.shared.handoff import Handoff, HandoffEndpoint
 from broker_adapter.stages.worker.worker import Worker, WorkerConfig
 from broker_adapter.store import OutboxStore, TaskStore
-from broker_adapter.store.backends import is_postgres_url, open_store
+from broker_adapter.store.backends import open_store
 from broker_adapter.store.gate import WriteGate
-from broker_adapter.store.tasks import TaskPolicy
+from broker_adapter.store.task_types import TaskPolicy
+from broker_adapter.store.urls import is_postgres_url
 
 #: How long ``stop`` waits beyond the longest grace before it SIGKILLs a child.
 STOP_MARGIN_S = 5.0

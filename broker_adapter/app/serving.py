@@ -51,7 +51,8 @@ def database_check(path: Path | str) -> Callable[[], str | None]:
     """The file exists and its write lock can be had within ``CHECK_TIMEOUT_S``
     (``store.probe.writable_check``). A PostgreSQL database: the server answers within
     ``CHECK_TIMEOUT_S`` and is not in recovery (a standby cannot be written)."""
-    from broker_adapter.store.backends import is_postgres_url, probe
+    from broker_adapter.store.backends import probe
+    from broker_adapter.store.urls import is_postgres_url
 
     if is_postgres_url(path):
         return lambda: probe(str(path), CHECK_TIMEOUT_S)

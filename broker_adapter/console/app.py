@@ -392,7 +392,7 @@ class _Console:
         who = self._who(operator)
 
         def approve() -> str:
-            what = what_a_task_waits_for(ApprovalStore(TaskStore(ctx.store.db)), task_id)
+            what = what_a_task_waits_for(ApprovalStore(TaskStore(ctx.store.db).tx), task_id)
             return grant_approval(ctx.store.db, what, who, expires_in)
 
         try:

@@ -17,8 +17,9 @@ from typing import TYPE_CHECKING, Any, Final
 
 from broker_adapter.app.ops import dead_letter_entries
 from broker_adapter.errors import ConfigError
-from broker_adapter.store.backends import is_postgres_url, open_store, redacted_url
+from broker_adapter.store.backends import open_store
 from broker_adapter.store.db import Database
+from broker_adapter.store.urls import is_postgres_url, redacted_url
 
 if TYPE_CHECKING:
     from broker_adapter.store.postgres import PgDatabase

@@ -26,7 +26,7 @@ from typing import Any, Literal, TypeVar
 from broker_adapter.errors import ConfigError
 from broker_adapter.protocol.canonical import canonical_json, sha256_hex
 from broker_adapter.protocol.idempotency import EFFECT_KEY_VERSION, Intent, effect_key
-from broker_adapter.store.tasks import ClaimedTask
+from broker_adapter.store.task_types import ClaimedTask
 
 
 @dataclass(frozen=True)

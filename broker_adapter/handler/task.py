@@ -17,7 +17,7 @@ from typing import Any, Literal
 from broker_adapter.clock import Clock, SystemClock
 from broker_adapter.errors import ConfigError, StaleError
 from broker_adapter.protocol.idempotency import EFFECT_KEY_VERSION, Intent, effect_key
-from broker_adapter.store.tasks import ClaimedTask
+from broker_adapter.store.task_types import ClaimedTask
 
 #: Why a task's ``cancelled()`` turned True.
 StopReason = Literal["cancelled", "lease_lost", "timeout", "stopping"]
@@ -135,8 +135,8 @@ class Task:
     @property
     def idempotency_key(self) -> str:
         """Stable across attempts, fences and every task of the same request (it is derived
-        from the principal and message id: ``store.tasks.idempotency_key_for``): key every
-        external effect by it."""
+        from the principal and message id: ``protocol.idempotency.idempotency_key_for``):
+        key every external effect by it."""
         return self.claimed.idempotency_key
 
     @property

@@ -29,10 +29,10 @@ from dataclasses import dataclass
 
 from broker_adapter.errors import StaleError
 from broker_adapter.store.dbclock import read_now, tx_now
-from broker_adapter.store.effects import EffectTasks
 from broker_adapter.store.fencing import TASK_HELD, TASK_HELD_PAST_DEADLINE, held_params
 from broker_adapter.store.lifecycle import to_terminal
 from broker_adapter.store.sql import Conn
+from broker_adapter.store.task_tx import TaskTx
 from broker_adapter.store.task_types import TaskState
 
 
@@ -84,16 +84,17 @@ _APPROVAL_COLUMNS = ", ".join(Approval.__dataclass_fields__)
 
 
 class ApprovalStore:
-    """The approval records and waits on the database of ``tasks``.
+    """The approval records and waits on the database of a task store.
 
     Args:
-        tasks: the task store, either backend's (its database and clock).
+        tx: the task store's transaction object (``TaskStore.tx``): its database, its
+            clock and its holder check.
     """
 
-    def __init__(self, tasks: EffectTasks) -> None:
-        self.tasks = tasks
-        self.db = tasks.db
-        self.clock = tasks.clock
+    def __init__(self, tx: TaskTx) -> None:
+        self.tx = tx
+        self.db = tx.db
+        self.clock = tx.clock
 
     def grant_approval(
         self,
@@ -212,9 +213,7 @@ class ApprovalStore:
                 (task_id, *held_params(fence, owner, now, deadline=True)),
             ).fetchone()
             if held is None:
-                raise self.tasks.refusal(task_id, owner, fence) or StaleError(
-                    task_id, "lease_expired"
-                )
+                raise self.tx.refusal(task_id, owner, fence) or StaleError(task_id, "lease_expired")
             if held["approval_id"] is not None:
                 row = c.execute(
                     f"SELECT {_APPROVAL_COLUMNS} FROM approvals WHERE approval_id = ?"
@@ -270,9 +269,7 @@ class ApprovalStore:
                 (now, task_id, *held_params(fence, owner, now, deadline=False)),
             ).fetchone()
             if row is None:
-                raise self.tasks.refusal(task_id, owner, fence) or StaleError(
-                    task_id, "lease_expired"
-                )
+                raise self.tx.refusal(task_id, owner, fence) or StaleError(task_id, "lease_expired")
             until = min(now + timeout_s, float(row["deadline"]))
             c.execute(
                 "INSERT INTO approval_waits (task_id, action, target, scope, since, until,"

@@ -23,17 +23,12 @@ from typing import TYPE_CHECKING
 from broker_adapter.errors import ConfigError
 from broker_adapter.store.db import Database, open_database
 from broker_adapter.store.gate import WriteGate
-from broker_adapter.store.urls import is_postgres_url, redacted_url
+from broker_adapter.store.urls import is_postgres_url
 
 if TYPE_CHECKING:
     from broker_adapter.store.postgres import PgDatabase
 
-__all__ = [
-    "is_postgres_url",
-    "open_store",
-    "probe",
-    "redacted_url",
-]
+__all__ = ["open_store", "probe"]
 
 
 def open_store(

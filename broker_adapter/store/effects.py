@@ -34,9 +34,8 @@ under them; on SQLite, one writer at a time, both clauses are empty.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol
+from typing import Any, Literal
 
-from broker_adapter.clock import Clock
 from broker_adapter.errors import StaleError, TaskCancelled
 from broker_adapter.protocol.bounds import check_result
 from broker_adapter.store.counters import (
@@ -61,7 +60,8 @@ from broker_adapter.store.reconcile_log import (
     reply_member,
     unknown_holder,
 )
-from broker_adapter.store.sql import Conn, Db
+from broker_adapter.store.sql import Conn
+from broker_adapter.store.task_tx import TaskTx
 from broker_adapter.store.task_types import (
     CLAIM_COLUMNS,
     ClaimedTask,
@@ -95,30 +95,18 @@ class CompensationRecord:
     ended_at: float | None
 
 
-class EffectTasks(Protocol):
-    """What the effect and approval records need of a task store, either backend's
-    (``TaskStore``, on either database): its database, its clock, and its answers for a
-    refused holder and a cancel."""
-
-    @property
-    def db(self) -> Db: ...
-    @property
-    def clock(self) -> Clock: ...
-    def refusal(self, task_id: str, owner: str, fence: int) -> StaleError | None: ...
-    def cancel(self, task_id: str, reason: str = "cancelled") -> TaskState: ...
-
-
 class EffectsStore:
-    """The effect records on the database of ``tasks``, with its clock.
+    """The effect records on the database of a task store, with its clock.
 
     Args:
-        tasks: the task store, either backend's.
+        tx: the task store's transaction object (``TaskStore.tx``): its database, its
+            clock, its holder check and its cancel.
     """
 
-    def __init__(self, tasks: EffectTasks) -> None:
-        self.tasks = tasks
-        self.db = tasks.db
-        self.clock = tasks.clock
+    def __init__(self, tx: TaskTx) -> None:
+        self.tx = tx
+        self.db = tx.db
+        self.clock = tx.clock
 
     # -- cancel requests ------------------------------------------------------------------
 
@@ -126,11 +114,11 @@ class EffectsStore:
         """Cancel a task: a running one gets ``cancel_requested_at`` (its handler sees it
         at its next check and its outcome says what was done), and so does an ``unknown``
         one (its reconcile ends it ``cancelled``: ``cancel_reconcile``); any other live one
-        is cancelled at once (``TaskStore.cancel``).
+        is cancelled at once (``TaskTx.cancel``).
 
         Returns:
             ``RUNNING`` or ``UNKNOWN`` when the request was recorded (or already was),
-            else the state ``TaskStore.cancel`` left.
+            else the state ``TaskTx.cancel`` left.
 
         Raises:
             UnknownTask: no such task.
@@ -149,7 +137,7 @@ class EffectsStore:
                     (now, now, task_id),
                 )
                 return TaskState(row["state"])
-        return self.tasks.cancel(task_id, reason)
+        return self.tx.cancel(task_id, reason)
 
     def end_requested_cancel(self, task_id: str, owner: str, fence: int, what: str) -> bool:
         """The holder of a running task whose cancel was requested stopped it: ``cancelled``
@@ -210,7 +198,7 @@ class EffectsStore:
                 ),
             ).rowcount
         if not hit:
-            refusal = self.tasks.refusal(task_id, owner, fence)
+            refusal = self.tx.refusal(task_id, owner, fence)
             if refusal is None and self.cancel_requested(task_id) is not None:
                 refusal = TaskCancelled(task_id)
             raise refusal or StaleError(task_id, "lease_expired")
@@ -238,7 +226,7 @@ class EffectsStore:
             ).rowcount
             count_in(c, TASK_UNKNOWN, hit)
         if not hit:
-            raise self.tasks.refusal(task_id, owner, fence) or StaleError(task_id, "lease_expired")
+            raise self.tx.refusal(task_id, owner, fence) or StaleError(task_id, "lease_expired")
 
     # -- reconcile ------------------------------------------------------------------------
 

@@ -31,19 +31,7 @@ from broker_adapter.protocol.reply import encode_body, reply_id_for, terminal_bo
 from broker_adapter.store.outbox_types import PublisherClaim, ReplySpec
 from broker_adapter.store.outbox_writes import enqueue_many
 from broker_adapter.store.sql import Conn
-from broker_adapter.store.task_types import LIVE_STATES, TERMINAL_STATES, TaskState
-
-__all__ = [
-    "LIVE_STATES",
-    "TERMINAL_STATES",
-    "ReplyKey",
-    "TaskState",
-    "reply_key",
-    "reply_spec",
-    "to_terminal",
-    "write_reply",
-]
-
+from broker_adapter.store.task_types import TaskState
 
 #: What a reply body takes from the task row besides the outcome: principal, message id,
 #: correlation id, attempts, fence.
@@ -109,7 +97,7 @@ def reply_spec(
     encoded: tuple[bytes, str] | None = None,
     effects: Mapping[str, Any] | None = None,
 ) -> ReplySpec:
-    """The outbox row of ``task_id``'s terminal reply (``outbox.enqueue_many``), from the
+    """The outbox row of ``task_id``'s terminal reply (``outbox_writes.enqueue_many``), from the
     task's ``t`` (``write_reply``); ``encoded``: its body if built already."""
     if encoded is None:
         encoded = encode_body(

@@ -42,35 +42,15 @@ from broker_adapter.store.outbox_types import (
     OUTBOX_STATES,
     OutboxPolicy,
     OutboxRow,
-    PublisherClaim,
-    ReplySpec,
     SentMark,
     UnknownReply,
 )
 from broker_adapter.store.outbox_writes import (
     OUTBOX_COLUMNS,
-    enqueue,
-    enqueue_many,
     held_write,
-    holder_refusal,
     mark_sent_in,
 )
 from broker_adapter.store.sql import Conn, Db, in_lists
-
-__all__ = [
-    "OUTBOX_STATES",
-    "OutboxPolicy",
-    "OutboxRow",
-    "OutboxStore",
-    "PublisherClaim",
-    "ReplySpec",
-    "SentMark",
-    "UnknownReply",
-    "enqueue",
-    "enqueue_many",
-    "holder_refusal",
-    "mark_sent_in",
-]
 
 #: The ``meta`` row of the Redis epoch the dispatcher saw last (``stages.dispatch.loss``).
 REDIS_EPOCH_META = "redis_epoch"

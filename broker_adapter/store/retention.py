@@ -10,7 +10,7 @@ only when all of these hold, re-checked inside the deleting transaction:
 * the task is terminal and its deadline has passed (a replay of the envelope can then only
   be accepted as ``expired``, never run);
 * it was accepted at least ``retention_s`` ago (the inbox record dedupes that long:
-  ``TaskStore._forgotten``);
+  the intake, ``inbox``);
 * its reply was sent, at least ``retention_s`` ago (the outbox row outlives the reply's
   stream entry, so an operator can still publish it again under the same id).
 

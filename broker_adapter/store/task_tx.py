@@ -4,9 +4,13 @@ holder check (``docs/RULES.md`` rule 10) and the take-back of the clock with its
 ``TaskTx`` holds the database, the clock, the policy and the randomness of one task store
 (``tasks.TaskStore`` makes one and hands it to the modules that write tasks in a
 transaction of their own: intake, ``inbox.accept_and_claim``; settlement,
-``settle.settle``). Its ``*_in`` methods run inside the caller's transaction; what a
-take-back moved is logged by ``log_reconciled`` once that transaction committed
-(``transitions.reconciled``), never from inside it.
+``settle.settle``; the effect and approval records, ``effects.EffectsStore`` and
+``approvals.ApprovalStore``). Its ``*_in`` methods run inside the caller's transaction;
+what a take-back moved is logged by ``log_reconciled`` once that transaction committed
+(``transitions.reconciled``), never from inside it. Beside them, the two answers the
+effect and approval records need of the task table: ``refusal`` (the holder check as one
+read, for a write that found its task gone) and ``cancel`` (a live task ended at once, in a
+transaction of its own).
 
 A claim (rule 9: owner, lease, attempts + 1, fence + 1, one short transaction) is
 ``fencing.claim_rows``, as for reply rows and ``unknown`` tasks.
@@ -18,17 +22,22 @@ import random
 from typing import TYPE_CHECKING, Any
 
 from broker_adapter.clock import Clock
+from broker_adapter.errors import StaleError, TaskCancelled
+from broker_adapter.protocol.reply import reply_id_for
 from broker_adapter.store import transitions
 from broker_adapter.store.counters import TASK_ATTEMPTS, count_in
-from broker_adapter.store.dbclock import tx_now
+from broker_adapter.store.dbclock import read_now, tx_now
 from broker_adapter.store.fencing import TASK_HELD_STATE, claim_rows, refusal
 from broker_adapter.store.housekeeping import reconcile_in
+from broker_adapter.store.lifecycle import to_terminal
 from broker_adapter.store.sql import Conn
 from broker_adapter.store.task_types import (
     CLAIM_COLUMNS,
+    TERMINAL_STATES,
     ClaimedTask,
     Reconciled,
     TaskPolicy,
+    TaskState,
     UnknownTask,
     claimed_task,
 )
@@ -144,3 +153,58 @@ class TaskTx:
         """Log what the last take-back moved (after its transaction committed)."""
         taken, self.reconciled = self.reconciled, []
         transitions.reconciled(taken)
+
+    def refusal(self, task_id: str, owner: str, fence: int) -> StaleError | None:
+        """Whether ``owner`` still holds ``task_id`` under ``fence``: rule 10's check as one
+        read statement (no transaction), the deadline left to the caller. Returns the
+        refusal (``TaskCancelled``, ``FencedError``, or a ``StaleError`` saying why the
+        claim is gone), or None while it holds. A worker asks it before a handler starts
+        and whenever the handler asks ``Task.cancelled()``. A running task whose cancel was
+        requested is refused as ``TaskCancelled`` here (its handler is to stop), while its
+        renewals still hold during the grace."""
+        row = self.db.fetch_one(
+            "SELECT state, owner, fence, lease_until, deadline, cancel_requested_at FROM tasks"
+            " WHERE task_id = ?",
+            (task_id,),
+        )
+        if row is None:
+            return StaleError(task_id, "not_running", "no such task")
+        refused = refusal(
+            row,
+            task_id,
+            owner,
+            fence,
+            read_now(self.db, self.clock),
+            state=TASK_HELD_STATE,
+            deadline=False,
+        )
+        if refused is None and row["cancel_requested_at"] is not None:
+            return TaskCancelled(task_id)  # requested (``EffectsStore.request_cancel``)
+        return refused
+
+    def cancel(self, task_id: str, reason: str = "cancelled") -> TaskState:
+        """Cancel a live task durably (with its reply), in a transaction of its own. A
+        running handler is fenced out: its renew and commit are refused from now on. An
+        effect it already caused stays.
+
+        Returns:
+            the task's state afterwards (unchanged if it was already terminal).
+
+        Raises:
+            UnknownTask: no such task.
+        """
+        with self.db.write("cancel") as c:
+            now = tx_now(c, self.clock)
+            row = c.execute(
+                "SELECT state FROM tasks WHERE task_id = ?" + c.dialect.for_update, (task_id,)
+            ).fetchone()
+            if row is None:
+                raise UnknownTask(task_id)
+            state = TaskState(row["state"])
+            if state in TERMINAL_STATES:
+                return state
+            to_terminal(c, task_id, TaskState.CANCELLED, now, error=reason)
+        transitions.task_transition(
+            "cancelled", task_id, "cancelled", detail=reason, reply_id=reply_id_for(task_id)
+        )
+        return TaskState.CANCELLED

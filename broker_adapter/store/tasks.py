@@ -9,8 +9,9 @@ nothing.
 
 ``TaskStore`` is the one object the stages use: intake is
 ``inbox``'s, outcomes are ``settle``'s, deadlines and leases ``housekeeping``'s, and the
-claim, the holder check and the take-back they share are ``task_tx.TaskTx``'s (the
-store's ``tx``, which those modules take); this module holds renew, cancel and the reads.
+claim, the holder check, the take-back and the outright cancel are ``task_tx.TaskTx``'s
+(the store's ``tx``, which those modules and the effect and approval records take); this
+module holds renew and the reads.
 
 Retries never extend the absolute deadline. Attempts are counted in the claim transaction,
 before any handler runs, so a task whose handler kills its worker still spends its budget.
@@ -26,71 +27,39 @@ from broker_adapter.clock import Clock, SystemClock
 from broker_adapter.config import DEFAULT_LEASE_S
 from broker_adapter.errors import StaleError, TaskCancelled
 from broker_adapter.protocol.bounds import check_result
-from broker_adapter.protocol.idempotency import idempotency_key_for
-from broker_adapter.protocol.reply import reply_id_for
-from broker_adapter.store import inbox, settle, transitions
+from broker_adapter.store import inbox, settle
 from broker_adapter.store.db import Database
 from broker_adapter.store.dbclock import read_now, tx_now
-from broker_adapter.store.fencing import TASK_HELD_STATE, refusal
 from broker_adapter.store.inbox import (
     AcceptItem,
     AcceptResult,
     Intake,
-    Outcome,
     conflict_reply_id,
-    new_task_ids,
 )
-from broker_adapter.store.lifecycle import to_terminal
 from broker_adapter.store.migrations import CONFLICT_ID_KEY
-from broker_adapter.store.outbox import SentMark
+from broker_adapter.store.outbox_types import SentMark
 from broker_adapter.store.retention import (
     PURGE_BATCH,
     PurgeBatch,
     purge_requests,
     whole_pass,
 )
-from broker_adapter.store.settle import FailOutcome, SettledBatch, Settlement, SettleResult
+from broker_adapter.store.settle import FailOutcome, SettledBatch, Settlement
 from broker_adapter.store.sql import in_lists
 from broker_adapter.store.task_tx import TaskTx
 from broker_adapter.store.task_types import (
     CLAIM_COLUMNS,
     CLOCKED_SQL,
-    LIVE_STATES,
     TASK_COLUMNS,
-    TERMINAL_STATES,
     ClaimedTask,
     TaskPolicy,
     TaskRow,
     TaskState,
-    UnknownTask,
     claimed_task,
 )
 
 if TYPE_CHECKING:
     from broker_adapter.store.postgres.db import PgDatabase
-
-__all__ = [
-    "LIVE_STATES",
-    "TERMINAL_STATES",
-    "AcceptItem",
-    "AcceptResult",
-    "ClaimedTask",
-    "FailOutcome",
-    "Intake",
-    "Outcome",
-    "SettleResult",
-    "SettledBatch",
-    "Settlement",
-    "TaskPolicy",
-    "TaskRow",
-    "TaskState",
-    "TaskStore",
-    "UnknownTask",
-    "conflict_reply_id",
-    "idempotency_key_for",
-    "new_task_ids",
-    "reply_id_for",
-]
 
 
 class TaskStore:
@@ -313,58 +282,17 @@ class TaskStore:
         return row is not None and bool(row["work"])
 
     def cancel(self, task_id: str, reason: str = "cancelled") -> TaskState:
-        """Cancel a live task durably (with its reply). A running handler is fenced out:
-        its renew and commit are refused from now on. An effect it already caused stays.
-
-        Returns:
-            the task's state afterwards (unchanged if it was already terminal).
+        """Cancel a live task durably, with its reply (``TaskTx.cancel``).
 
         Raises:
             UnknownTask: no such task.
         """
-        with self.db.write("cancel") as c:
-            now = tx_now(c, self.clock)
-            row = c.execute(
-                "SELECT state FROM tasks WHERE task_id = ?" + c.dialect.for_update, (task_id,)
-            ).fetchone()
-            if row is None:
-                raise UnknownTask(task_id)
-            state = TaskState(row["state"])
-            if state in TERMINAL_STATES:
-                return state
-            to_terminal(c, task_id, TaskState.CANCELLED, now, error=reason)
-        transitions.task_transition(
-            "cancelled", task_id, "cancelled", detail=reason, reply_id=reply_id_for(task_id)
-        )
-        return TaskState.CANCELLED
+        return self.tx.cancel(task_id, reason)
 
     def refusal(self, task_id: str, owner: str, fence: int) -> StaleError | None:
-        """Whether ``owner`` still holds ``task_id`` under ``fence``: rule 10's check as one
-        read statement (no transaction), the deadline left to the caller. Returns the
-        refusal (``TaskCancelled``, ``FencedError``, or a ``StaleError`` saying why the
-        claim is gone), or None while it holds. A worker asks it before a handler starts
-        and whenever the handler asks ``Task.cancelled()``. A running task whose cancel was
-        requested is refused as ``TaskCancelled`` here (its handler is to stop), while its
-        renewals still hold during the grace."""
-        row = self.db.fetch_one(
-            "SELECT state, owner, fence, lease_until, deadline, cancel_requested_at FROM tasks"
-            " WHERE task_id = ?",
-            (task_id,),
-        )
-        if row is None:
-            return StaleError(task_id, "not_running", "no such task")
-        refused = refusal(
-            row,
-            task_id,
-            owner,
-            fence,
-            read_now(self.db, self.clock),
-            state=TASK_HELD_STATE,
-            deadline=False,
-        )
-        if refused is None and row["cancel_requested_at"] is not None:
-            return TaskCancelled(task_id)  # requested (``EffectsStore.request_cancel``)
-        return refused
+        """Whether ``owner`` still holds ``task_id`` under ``fence`` (``TaskTx.refusal``):
+        the refusal, or None while it holds."""
+        return self.tx.refusal(task_id, owner, fence)
 
     def reconcile(self) -> dict[str, int]:
         """Apply the clock: expire deadlines, take back expired leases

@@ -50,7 +50,7 @@ _ACCEPT_TRANSITION = {
 
 
 class Claim(Protocol):
-    """What a line needs of a claimed task (``store.tasks.ClaimedTask``)."""
+    """What a line needs of a claimed task (``task_types.ClaimedTask``)."""
 
     @property
     def task_id(self) -> str: ...
@@ -203,7 +203,7 @@ def settled(
 
 
 def reply_fields(row: Any, transition: str = "reply_dead") -> dict[str, Any]:
-    """The ids of an outbox row (``store.outbox.OutboxRow``), for a delivery line's
+    """The ids of an outbox row (``outbox_types.OutboxRow``), for a delivery line's
     ``extra``: the reply's own transition (``reply_dead``), its task and request."""
     fields = {
         "transition": transition,

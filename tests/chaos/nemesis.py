@@ -79,8 +79,8 @@ import redis
 from broker_adapter import crashpoints
 from broker_adapter.protocol.canonical import sha256_hex
 from broker_adapter.protocol.keys import INGEST_GROUP, RECEIVER_GROUP, Keys, partition_of
+from broker_adapter.protocol.reply import reply_id_for
 from broker_adapter.redis.client import text
-from broker_adapter.store.tasks import reply_id_for
 from tests.chaos.cluster import Cluster, Component
 from tests.chaos.finalread import CHAOS_KEY_FIELD, StoreTarget, store_rows
 from tests.chaos.history import INFO, INVOKE, OK, History

@@ -13,6 +13,7 @@ import pytest
 
 from broker_adapter.protocol.canonical import sha256_hex
 from broker_adapter.protocol.keys import Keys
+from broker_adapter.protocol.reply import reply_id_for
 from broker_adapter.protocol.signing import Keyring
 from broker_adapter.redis.client import connect, text
 from broker_adapter.stages.ingest.config import IngestConfig
@@ -20,7 +21,6 @@ from broker_adapter.stages.ingest.ingest import Ingestor
 from broker_adapter.stages.receiver import receiver as receiver_module
 from broker_adapter.stages.receiver.receiver import Receiver, ReceiverConfig
 from broker_adapter.store import ReceiptStore, TaskStore, open_database
-from broker_adapter.store.tasks import reply_id_for
 from tests.chaos.checker import check
 from tests.chaos.finalread import dead_letter, read_receiver, xrange_all
 from tests.chaos.history import Event

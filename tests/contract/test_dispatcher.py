@@ -19,7 +19,7 @@ from broker_adapter.stages.dispatch.loss import LossEvent, parse_version
 from broker_adapter.stages.dispatch.replay import ReplayOutcome
 from broker_adapter.store import open_database
 from broker_adapter.store.db import Database
-from broker_adapter.store.outbox import OutboxPolicy
+from broker_adapter.store.outbox_types import OutboxPolicy
 from tests.support.backends import Backend
 from tests.support.replies_script import (
     entries_per_reply,

@@ -30,7 +30,7 @@ from broker_adapter.stages.reconcile.reconciler import ReconcilePolicy, Reconcil
 from broker_adapter.stages.shared.handlers import load_handler
 from broker_adapter.store import AcceptItem, Database, OutboxStore, TaskStore, open_database
 from broker_adapter.store.effects import EffectsStore
-from broker_adapter.store.tasks import TaskPolicy, TaskRow
+from broker_adapter.store.task_types import TaskPolicy, TaskRow
 from tests.support import effect_handlers
 from tests.support.cli import wait_for
 from tests.support.fake_target import FakeTarget, FakeTargetClient
@@ -119,7 +119,7 @@ class Setup:
         assert spec is not None
         db = open_database(self.db_path)
         self.dbs.append(db)
-        fx = EffectsStore(TaskStore(db, FakeClock(now), TaskPolicy(lease_s=LEASE_S)))
+        fx = EffectsStore(TaskStore(db, FakeClock(now), TaskPolicy(lease_s=LEASE_S)).tx)
         reconciler = Reconciler(fx, spec, "reconciler", ReconcilePolicy(lease_s=LEASE_S))
         reconciler.run_once()
         return reconciler, fx

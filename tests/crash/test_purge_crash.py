@@ -18,7 +18,7 @@ import pytest
 
 from broker_adapter.clock import FakeClock
 from broker_adapter.store import Database, Outcome
-from broker_adapter.store.tasks import Settlement
+from broker_adapter.store.settle import Settlement
 from tests.crash.test_store_crash import run_child
 from tests.support.store_script import (
     RETENTION_S,

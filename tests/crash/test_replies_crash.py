@@ -18,7 +18,7 @@ from broker_adapter.clock import FakeClock
 from broker_adapter.errors import RedisUnavailable
 from broker_adapter.protocol.keys import Keys
 from broker_adapter.store import OutboxStore
-from broker_adapter.store.outbox import OutboxPolicy
+from broker_adapter.store.outbox_types import OutboxPolicy
 from tests.support.postgres import STORE_BACKENDS, ThrowawayDatabase
 from tests.support.redis_server import RedisServer
 from tests.support.replies_script import (

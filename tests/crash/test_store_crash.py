@@ -27,8 +27,8 @@ import pytest
 
 from broker_adapter.clock import FakeClock
 from broker_adapter.protocol.canonical import canonical_json, sha256_hex
+from broker_adapter.protocol.reply import reply_id_for
 from broker_adapter.store import Database, open_database
-from broker_adapter.store.tasks import reply_id_for
 from tests.support.postgres import STORE_BACKENDS, ThrowawayDatabase, require_server
 from tests.support.store_script import (
     LEASE_S,

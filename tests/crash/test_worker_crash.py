@@ -27,9 +27,10 @@ from broker_adapter.app.pool import WorkerPool
 from broker_adapter.clock import FakeClock
 from broker_adapter.errors import ConfigError
 from broker_adapter.protocol.envelope import Envelope
+from broker_adapter.protocol.idempotency import idempotency_key_for
 from broker_adapter.stages.worker.worker import WorkerConfig
 from broker_adapter.store import AcceptItem, OutboxStore, TaskStore
-from broker_adapter.store.tasks import TaskRow, idempotency_key_for
+from broker_adapter.store.task_types import TaskRow
 from tests.support.handlers import effects, init_effects_db, ledger
 from tests.support.store_script import open_any
 

@@ -23,7 +23,7 @@ from broker_adapter.protocol.keys import Keys
 from broker_adapter.redis.client import connect
 from broker_adapter.stages.dispatch.dispatcher import Dispatcher, DispatcherConfig
 from broker_adapter.store import AcceptItem, OutboxStore, TaskStore
-from broker_adapter.store.outbox import OutboxPolicy, OutboxRow
+from broker_adapter.store.outbox_types import OutboxPolicy, OutboxRow
 from tests.support.redis_server import RedisServer
 from tests.support.replies_script import entries_per_reply, reply_keyring
 from tests.support.store_script import open_any

@@ -24,7 +24,7 @@ from broker_adapter.stages.worker.worker import Worker, WorkerConfig
 from broker_adapter.store import AcceptItem, OutboxStore, TaskStore, open_database
 from broker_adapter.store.effects import EffectsStore
 from broker_adapter.store.evidence import key_digest
-from broker_adapter.store.tasks import ClaimedTask, TaskPolicy
+from broker_adapter.store.task_types import ClaimedTask, TaskPolicy
 from tests.support import effect_handlers
 from tests.support.fake_target import FakeTarget, FakeTargetClient
 
@@ -62,7 +62,7 @@ def handler_cancelled_after_its_effect(
     def handler(task: Task) -> Any:
         if apply:
             FakeTargetClient(str(task.payload["target"])).apply(1, key=task.effect_key(ACTION))
-        EffectsStore(tasks).request_cancel(task.task_id)  # the operator's
+        EffectsStore(tasks.tx).request_cancel(task.task_id)  # the operator's
         assert task.cancelled()
         raise RuntimeError("stopped on the cancel")
 
@@ -83,7 +83,7 @@ def run_and_reconcile(tasks: TaskStore, handler: Callable[[Task], Any]) -> Recon
     assert worker.run_once() == 1
     spec = effect_spec(handler)
     assert spec is not None
-    return Reconciler(EffectsStore(tasks), spec, "r1", ReconcilePolicy(lease_s=20.0))
+    return Reconciler(EffectsStore(tasks.tx), spec, "r1", ReconcilePolicy(lease_s=20.0))
 
 
 def reply(tasks: TaskStore, task_id: str) -> dict[str, Any]:
@@ -109,7 +109,7 @@ def test_a_cancelled_tasks_effect_that_happened_is_undone_once(
     assert reconciler.run_once() == 1
     assert target.effects() == []  # the effect was compensated at the target
     assert state(tasks, task_id) == "cancelled"
-    fx = EffectsStore(tasks)
+    fx = EffectsStore(tasks.tx)
     (record,) = fx.compensations(task_id)
     assert (record.kind, record.outcome, record.by_whom) == ("cancelled", "done", "r1")
     body = reply(tasks, task_id)
@@ -149,7 +149,7 @@ def test_a_cancelled_tasks_effect_that_did_not_happen_ends_cancelled_without_a_r
     assert state(tasks, task_id) == "unknown"
     assert reconciler.run_once() == 1
     assert state(tasks, task_id) == "cancelled"  # not pending: what was cancelled stays so
-    assert EffectsStore(tasks).compensations(task_id) == []
+    assert EffectsStore(tasks.tx).compensations(task_id) == []
     body = reply(tasks, task_id)
     assert "did not happen" in body["error"]
     assert body["effects"]["reconciled"]["outcome"] == "not-done"
@@ -163,7 +163,7 @@ def test_without_a_registered_undo_the_effect_stays_and_is_recorded(
     reconciler = run_and_reconcile(tasks, handler_cancelled_after_its_effect(tasks, None))
     assert reconciler.run_once() == 1
     assert state(tasks, task_id) == "cancelled"
-    (record,) = EffectsStore(tasks).compensations(task_id)
+    (record,) = EffectsStore(tasks.tx).compensations(task_id)
     assert (record.kind, record.outcome, record.detail) == (
         "cancelled",
         "failed",
@@ -178,7 +178,7 @@ def test_a_cancel_of_an_unknown_task_waits_for_its_reconcile(
 ) -> None:
     task_id = submit(tasks, target)
     (claimed,) = tasks.claim("w1")
-    fx = EffectsStore(tasks)
+    fx = EffectsStore(tasks.tx)
     fx.mark_effect_started(task_id, "w1", claimed.fence)
     fx.to_unknown(task_id, "w1", claimed.fence, "timed out")
     assert fx.request_cancel(task_id) == "unknown"  # recorded, not ended blind

@@ -72,7 +72,7 @@ def state(s: SqliteStores, task_id: str) -> str:
 def test_a_lost_answer_goes_to_unknown_and_the_reconcile_finds_one_effect(
     s: SqliteStores, idempotent: FakeTargetClient
 ) -> None:
-    fx, spec = EffectsStore(s.tasks), spec_for(idempotent)
+    fx, spec = EffectsStore(s.tasks.tx), spec_for(idempotent)
     s.tasks.accept([item("m1")])
     task = start(s, fx)
     with pytest.raises((OSError, http.client.HTTPException)):
@@ -88,7 +88,7 @@ def test_a_lost_answer_goes_to_unknown_and_the_reconcile_finds_one_effect(
 def test_a_worker_lost_after_the_start_is_reconciled_not_retried(
     s: SqliteStores, idempotent: FakeTargetClient, clock: FakeClock
 ) -> None:
-    fx, spec = EffectsStore(s.tasks), spec_for(idempotent)
+    fx, spec = EffectsStore(s.tasks.tx), spec_for(idempotent)
     s.tasks.accept([item("m1")])
     task = start(s, fx)
     idempotent.apply("restart web1", key=spec.key(task))  # then the worker is gone
@@ -103,7 +103,7 @@ def test_a_worker_lost_after_the_start_is_reconciled_not_retried(
 def test_an_effect_that_never_happened_is_retried_once(
     s: SqliteStores, idempotent: FakeTargetClient, clock: FakeClock
 ) -> None:
-    fx, spec = EffectsStore(s.tasks), spec_for(idempotent)
+    fx, spec = EffectsStore(s.tasks.tx), spec_for(idempotent)
     s.tasks.accept([item("m1")])
     task = start(s, fx)  # marked, then lost before the call reached the target
     clock.advance(LEASE_S + 1)
@@ -120,7 +120,7 @@ def test_an_effect_that_never_happened_is_retried_once(
 def test_a_duplicate_at_a_non_idempotent_target_is_compensated_once(
     s: SqliteStores, non_idempotent: FakeTargetClient
 ) -> None:
-    fx, spec = EffectsStore(s.tasks), spec_for(non_idempotent)
+    fx, spec = EffectsStore(s.tasks.tx), spec_for(non_idempotent)
     s.tasks.accept([item("m1")])
     task = start(s, fx)
     key = spec.key(task)

@@ -23,7 +23,7 @@ from broker_adapter.stages.worker.worker import Worker, WorkerConfig
 from broker_adapter.store import AcceptItem, Database, OutboxStore, TaskStore, open_database
 from broker_adapter.store.approvals import ApprovalStore
 from broker_adapter.store.effects import EffectsStore
-from broker_adapter.store.tasks import TaskPolicy
+from broker_adapter.store.task_types import TaskPolicy
 from tests.support import effect_handlers
 from tests.support.cli import cli_env
 from tests.support.fake_target import FakeTarget, FakeTargetClient
@@ -107,7 +107,7 @@ def test_a_forged_approval_in_the_payload_leaves_the_task_waiting(
     w = worker(tasks, effect_handlers.approved)
     assert w.run_once() == 1
     assert state(tasks, task_id) == "waiting_approval"
-    assert ApprovalStore(tasks).release_waits()["released"] == 0
+    assert ApprovalStore(tasks.tx).release_waits()["released"] == 0
     assert state(tasks, task_id) == "waiting_approval"
     assert w.run_once() == 0  # nothing to claim: it waits
     assert target.effects() == []
@@ -117,7 +117,7 @@ def test_a_forged_approval_in_the_payload_leaves_the_task_waiting(
 def test_a_valid_approval_lets_the_task_run_once(
     tasks: TaskStore, target: FakeTargetClient, clock: FakeClock
 ) -> None:
-    approvals = ApprovalStore(tasks)
+    approvals = ApprovalStore(tasks.tx)
     task_id = submit(tasks, target)
     w = worker(tasks, effect_handlers.approved)
     w.run_once()
@@ -142,7 +142,7 @@ def test_an_approval_runs_only_its_principals_tasks_with_its_arguments_uses_time
     """One approval of ``apply`` on web1 (once, the measured defect, it let every task of
     every principal run): bound to agent-a and its arguments, it lets ``uses`` of agent-a's
     identical requests run, none of agent-b's, none with other arguments."""
-    approvals = ApprovalStore(tasks)
+    approvals = ApprovalStore(tasks.tx)
     same = [submit(tasks, target, f"m{i}") for i in range(3)]
     fields = {"target": target.url, "server": "web1"}
     envelope = Envelope.build(message_id="b1", sender="agent-b", deadline=T0 + 3600, payload=fields)
@@ -172,7 +172,7 @@ def test_an_approval_runs_only_its_principals_tasks_with_its_arguments_uses_time
 def test_an_approval_revoked_in_between_stops_the_effect(
     tasks: TaskStore, target: FakeTargetClient
 ) -> None:
-    approvals = ApprovalStore(tasks)
+    approvals = ApprovalStore(tasks.tx)
     task_id = submit(tasks, target)
     w = worker(tasks, effect_handlers.approved)
     w.run_once()
@@ -193,7 +193,7 @@ def test_past_the_approval_timeout_the_task_ends_with_a_reply(
     task_id = submit(tasks, target)
     worker(tasks, effect_handlers.approved).run_once()
     clock.advance(APPROVAL_TIMEOUT_S + 1)
-    assert ApprovalStore(tasks).release_waits()["timed_out"] == 1
+    assert ApprovalStore(tasks.tx).release_waits()["timed_out"] == 1
     assert state(tasks, task_id) == "failed"
     body = reply(tasks, task_id)
     assert body["status"] == "failed"
@@ -274,7 +274,7 @@ def test_cli_reconcile_answers_an_unknown_task_and_is_audited(tmp_path: Path) ->
         )
         (accepted,) = store.accept([AcceptItem("agent-a", envelope)])
         (claimed,) = store.claim("w1")
-        fx = EffectsStore(store)
+        fx = EffectsStore(store.tx)
         fx.mark_effect_started(claimed.task_id, "w1", claimed.fence)
         fx.to_unknown(claimed.task_id, "w1", claimed.fence, "timeout")
     task_id = str(accepted.task_id)
@@ -295,7 +295,7 @@ def test_cli_reconcile_answers_an_unknown_task_and_is_audited(tmp_path: Path) ->
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout) == {"task_id": task_id, "state": "done"}
     with open_database(path) as db:
-        (record,) = EffectsStore(TaskStore(db)).reconcile_log(task_id)
+        (record,) = EffectsStore(TaskStore(db).tx).reconcile_log(task_id)
     assert (record.outcome, record.observed, record.note) == (
         "done",
         {"restarted": True},
@@ -340,7 +340,7 @@ def test_cli_approve_and_revoke(tmp_path: Path) -> None:
     )
     bound = AskedBy(principal="agent-a", arguments_digest=digest)
     with open_database(path) as db:
-        found = ApprovalStore(TaskStore(db)).valid_approval("restart", "web1", "prod", **bound)
+        found = ApprovalStore(TaskStore(db).tx).valid_approval("restart", "web1", "prod", **bound)
     assert found is not None
     assert found.approval_id == approval_id
     assert found.approver.startswith("alice (os user ")
@@ -348,7 +348,8 @@ def test_cli_approve_and_revoke(tmp_path: Path) -> None:
     assert (revoked.returncode, json.loads(revoked.stdout)["revoked"]) == (0, True)
     with open_database(path) as db:
         assert (
-            ApprovalStore(TaskStore(db)).valid_approval("restart", "web1", "prod", **bound) is None
+            ApprovalStore(TaskStore(db).tx).valid_approval("restart", "web1", "prod", **bound)
+            is None
         )
     twice = _cli("revoke", "--db", str(path), approval_id, "--by", "bob")
     assert twice.returncode == 1
@@ -377,7 +378,7 @@ def test_a_cancel_requested_while_the_handler_runs_is_seen_and_the_reply_says_wh
 
     def stops_on_cancel(task: Task) -> None:
         assert not task.cancelled()
-        state_now = EffectsStore(tasks).request_cancel(task.task_id)  # the operator's
+        state_now = EffectsStore(tasks.tx).request_cancel(task.task_id)  # the operator's
         assert state_now == "running"
         seen.append(task.cancelled())  # seen at its next check
         raise RuntimeError("stopped half way")
@@ -397,7 +398,7 @@ def test_a_requested_cancel_stops_renewals_after_the_grace_and_the_lapse_ends_it
 ) -> None:
     task_id = submit(tasks, target)
     (claimed,) = tasks.claim("w1")
-    EffectsStore(tasks).request_cancel(task_id)
+    EffectsStore(tasks.tx).request_cancel(task_id)
     grace = tasks.policy.cancel_grace_s
     clock.advance(min(grace, tasks.policy.lease_s) - 1)
     assert tasks.renew(task_id, "w1", claimed.fence) > clock.now()  # within the grace
@@ -416,7 +417,7 @@ def test_a_requested_cancel_of_a_started_effect_whose_lease_lapses_is_unknown(
 ) -> None:
     task_id = submit(tasks, target)
     (claimed,) = tasks.claim("w1")
-    fx = EffectsStore(tasks)
+    fx = EffectsStore(tasks.tx)
     fx.mark_effect_started(task_id, "w1", claimed.fence)
     fx.request_cancel(task_id)
     clock.advance(tasks.policy.lease_s + 1)

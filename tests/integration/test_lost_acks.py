@@ -25,7 +25,7 @@ from broker_adapter.stages.dispatch.dispatcher import Dispatcher, DispatcherConf
 from broker_adapter.stages.dispatch.replay import ReplayOutcome
 from broker_adapter.stages.shared.publish import PUBLISH_SCRIPT
 from broker_adapter.store import Database, OutboxStore
-from broker_adapter.store.outbox import OutboxPolicy
+from broker_adapter.store.outbox_types import OutboxPolicy
 from tests.chaos.proxy import ChaosProxy
 from tests.support.redis_server import RedisServer
 from tests.support.replies_script import (

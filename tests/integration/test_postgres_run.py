@@ -428,7 +428,7 @@ def test_the_effect_commands_work_on_a_postgres_database(pg_url: str) -> None:
         s = stores(db, FakeClock())
         s.tasks.accept([item("m1")])
         (task,) = s.tasks.claim("w1")
-        fx = EffectsStore(s.tasks)
+        fx = EffectsStore(s.tasks.tx)
         fx.mark_effect_started(task.task_id, "w1", task.fence)
         fx.to_unknown(task.task_id, "w1", task.fence, "timed out")
     answered = _cli(

@@ -39,7 +39,7 @@ def _unknown(store: TaskStore, mid: str) -> str:
     )
     store.accept([AcceptItem("agent-a", envelope)])
     (claimed,) = store.claim("w1")
-    fx = EffectsStore(store)
+    fx = EffectsStore(store.tx)
     key = EffectSpec("restart").key(claimed)
     fx.mark_effect_started(claimed.task_id, "w1", claimed.fence, key_digest=key_digest(key))
     fx.to_unknown(claimed.task_id, "w1", claimed.fence, "timeout")
@@ -52,7 +52,7 @@ def test_reconcile_list_and_show(tmp_path: Path) -> None:
         store = TaskStore(db)
         reconciled = _unknown(store, "m1")
         waiting = _unknown(store, "m2")
-        fx = EffectsStore(store)
+        fx = EffectsStore(store.tx)
         policy = ReconcilePolicy(max_tries=1)
         Reconciler(fx, EffectSpec("restart"), "r1", policy).run_once()  # both: operator
         fx.operator_resolve(reconciled, "not-done", "carol")  # back to pending

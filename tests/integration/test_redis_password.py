@@ -19,7 +19,7 @@ from broker_adapter.app.passwords import (
     with_password,
 )
 from broker_adapter.errors import ConfigError
-from broker_adapter.store.backends import redacted_url
+from broker_adapter.store.urls import redacted_url
 from tests.support.cli import cli_env
 from tests.support.redis_server import RedisServer
 

@@ -15,7 +15,7 @@ from broker_adapter.protocol.reply import Reply, conflict_body, encode_body, loa
 from broker_adapter.stages.receiver.receiver import ReceiverConfig
 from broker_adapter.store import OutboxStore, ReceiptStore
 from broker_adapter.store.db import Database
-from broker_adapter.store.outbox import OutboxPolicy
+from broker_adapter.store.outbox_types import OutboxPolicy
 from tests.support.redis_server import RedisServer
 from tests.support.replies_script import (
     dispatcher_for,

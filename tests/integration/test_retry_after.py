@@ -20,7 +20,7 @@ from broker_adapter.handler.task import Task
 from broker_adapter.protocol.envelope import Envelope
 from broker_adapter.stages.worker.worker import Worker, WorkerConfig
 from broker_adapter.store import AcceptItem, OutboxStore, TaskStore, open_database
-from broker_adapter.store.tasks import TaskPolicy
+from broker_adapter.store.task_types import TaskPolicy
 from tests.support.fake_target import FakeTarget, FakeTargetClient, TargetError
 
 pytestmark = pytest.mark.integration

@@ -23,7 +23,7 @@ from broker_adapter.clock import FakeClock
 from broker_adapter.handler.task import Task
 from broker_adapter.stages.shared import tracing
 from broker_adapter.stages.shared.calls import call_handler
-from broker_adapter.store.tasks import ClaimedTask
+from broker_adapter.store.task_types import ClaimedTask
 from tests.support.redis_server import RedisServer
 from tests.support.replies_script import REPO_ROOT
 from tests.support.tracing_script import PAYLOAD_MARKER, echo, run_pipeline

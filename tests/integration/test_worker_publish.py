@@ -30,8 +30,9 @@ from broker_adapter.stages.shared.publish import ReplyPublisher
 from broker_adapter.stages.worker.worker import Worker, WorkerConfig
 from broker_adapter.store import AcceptItem, OutboxStore, TaskStore, open_database
 from broker_adapter.store.db import Database
-from broker_adapter.store.outbox import OutboxPolicy
-from broker_adapter.store.tasks import SettledBatch, Settlement, TaskPolicy
+from broker_adapter.store.outbox_types import OutboxPolicy
+from broker_adapter.store.settle import SettledBatch, Settlement
+from broker_adapter.store.task_types import TaskPolicy
 from tests.support.handoff_script import ScriptedWait
 from tests.support.redis_server import RedisServer, free_port
 from tests.support.replies_script import entries_per_reply, reply_keyring

@@ -24,7 +24,7 @@ from typing import Any
 
 from broker_adapter.handler.effects import Observation, side_effect
 from broker_adapter.handler.task import Task
-from broker_adapter.store.tasks import ClaimedTask
+from broker_adapter.store.task_types import ClaimedTask
 from tests.support.fake_target import FakeTargetClient
 
 ACTION = "apply"

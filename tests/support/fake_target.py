@@ -46,7 +46,7 @@ from typing import Any
 
 from broker_adapter.fences import SqlFence, TargetFenced
 from broker_adapter.handler.effects import CompensateFn, Observation, ReconcileFn
-from broker_adapter.store.tasks import ClaimedTask
+from broker_adapter.store.task_types import ClaimedTask
 from tests.support.cli import wait_for
 
 _SCHEMA = """

@@ -29,10 +29,11 @@ from broker_adapter.redis.client import connect
 from broker_adapter.stages.dispatch.dispatcher import Dispatcher, DispatcherConfig
 from broker_adapter.stages.receiver.receiver import Receiver, ReceiverConfig
 from broker_adapter.store import AcceptItem, OutboxStore, ReceiptStore, TaskStore
-from broker_adapter.store.backends import is_postgres_url, open_store
+from broker_adapter.store.backends import open_store
 from broker_adapter.store.db import Database
-from broker_adapter.store.outbox import OutboxPolicy
+from broker_adapter.store.outbox_types import OutboxPolicy
 from broker_adapter.store.postgres import PgDatabase
+from broker_adapter.store.urls import is_postgres_url
 from tests.support.backends import Backend
 
 REPO_ROOT = Path(__file__).resolve().parents[2]

@@ -17,7 +17,7 @@ from pydantic import BaseModel, Field
 from broker_adapter import Observation, side_effect
 from broker_adapter.handler.router import Router
 from broker_adapter.handler.task import Task
-from broker_adapter.store.tasks import ClaimedTask
+from broker_adapter.store.task_types import ClaimedTask
 
 router = Router()
 

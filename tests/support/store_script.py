@@ -44,10 +44,11 @@ from broker_adapter.store import (
     TaskStore,
 )
 from broker_adapter.store.backends import open_store
-from broker_adapter.store.outbox import OutboxPolicy, enqueue
+from broker_adapter.store.outbox_types import OutboxPolicy
+from broker_adapter.store.outbox_writes import enqueue
 from broker_adapter.store.postgres import PgDatabase
 from broker_adapter.store.receipts import Effect, Receipt, ReceiptItem, ReceiptOutcome
-from broker_adapter.store.tasks import TaskPolicy
+from broker_adapter.store.task_types import TaskPolicy
 
 T0 = 1_800_000_000.0
 LEASE_S = 30.0
@@ -90,7 +91,7 @@ class Stores:
         return "postgresql" if isinstance(self.db, PgDatabase) else "sqlite"
 
     def enqueue(self, c: Any, **reply: Any) -> bool:
-        """``outbox.enqueue`` in transaction ``c`` of ``db``."""
+        """``outbox_writes.enqueue`` in transaction ``c`` of ``db``."""
         return enqueue(c, **reply)
 
     def sql(self, statement: str, params: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:

@@ -30,7 +30,7 @@ from broker_adapter.redis.client import connect
 from broker_adapter.stages.worker.worker import Worker, WorkerConfig
 from broker_adapter.store import OutboxStore, TaskStore
 from broker_adapter.store.backends import open_store
-from broker_adapter.store.tasks import TaskPolicy
+from broker_adapter.store.task_types import TaskPolicy
 from tests.support.replies_script import reply_keyring
 
 

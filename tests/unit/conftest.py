@@ -27,4 +27,4 @@ def s(db: Database, clock: FakeClock) -> SqliteStores:
 @pytest.fixture
 def fx(s: Stores) -> EffectsStore:
     """The effects and approvals store on the test's task store."""
-    return EffectsStore(s.tasks)
+    return EffectsStore(s.tasks.tx)

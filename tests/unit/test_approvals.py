@@ -36,7 +36,7 @@ def s(store_target: str, clock: FakeClock) -> Iterator[Stores]:
 
 @pytest.fixture
 def ap(s: Stores) -> ApprovalStore:
-    return ApprovalStore(s.tasks)
+    return ApprovalStore(s.tasks.tx)
 
 
 def test_valid_approval_matches_exactly_and_not_when_expired_or_revoked(
@@ -119,7 +119,7 @@ def test_an_approval_wait_never_outlasts_the_deadline(s: Stores, ap: ApprovalSto
 def test_the_wait_of_a_cancelled_task_is_dropped(s: Stores, ap: ApprovalStore) -> None:
     task_id, fence = running(s)
     ap.wait_for_approval(task_id, "w1", fence, "a", "t", "s", 60, **BOUND)
-    assert EffectsStore(s.tasks).request_cancel(task_id) is TaskState.CANCELLED
+    assert EffectsStore(s.tasks.tx).request_cancel(task_id) is TaskState.CANCELLED
     assert ap.release_waits()["dropped"] == 1
     assert ap.counts()["waiting_approval"] == 0
 

@@ -17,7 +17,7 @@ from broker_adapter.handler.task import Task
 from broker_adapter.stages.shared.calls import call_handler
 from broker_adapter.stages.worker.worker import Worker, WorkerConfig
 from broker_adapter.store import ClaimedTask, FailOutcome, open_database
-from broker_adapter.store.tasks import Settlement
+from broker_adapter.store.settle import Settlement
 from tests.support.store_script import LEASE_S, T0, Stores, item, open_any, stores
 
 WAIT_S = 10.0

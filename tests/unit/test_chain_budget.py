@@ -15,7 +15,7 @@ from broker_adapter.clock import FakeClock
 from broker_adapter.handler.task import Task
 from broker_adapter.protocol.envelope import Envelope
 from broker_adapter.store import AcceptItem, Outcome, TaskStore
-from broker_adapter.store.tasks import TaskPolicy
+from broker_adapter.store.task_types import TaskPolicy
 from tests.support.store_script import T0, dump, envelope, open_any
 
 BUDGET = 3

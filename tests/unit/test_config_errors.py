@@ -20,8 +20,8 @@ from broker_adapter.stages.ingest.config import IngestConfig
 from broker_adapter.stages.receiver.receiver import ReceiverConfig
 from broker_adapter.stages.shared.handlers import RetryableError as RetryableFromHandlers
 from broker_adapter.stages.worker.worker import WorkerConfig
-from broker_adapter.store.outbox import OutboxPolicy
-from broker_adapter.store.tasks import TaskPolicy
+from broker_adapter.store.outbox_types import OutboxPolicy
+from broker_adapter.store.task_types import TaskPolicy
 
 
 def _run(**fields: Any) -> AdapterConfig:

@@ -79,7 +79,7 @@ def _accept(s: Stores, mid: str, principal: str = "alice", **over: Any) -> str:
 def _waiting(s: Stores, mid: str = "w1", payload: Any = None) -> str:
     task_id = _accept(s, mid, payload=payload or {"server": "web1"})
     (task,) = s.tasks.claim("w1")
-    ApprovalStore(s.tasks).wait_for_approval(
+    ApprovalStore(s.tasks.tx).wait_for_approval(
         task_id,
         "w1",
         task.fence,
@@ -96,7 +96,7 @@ def _waiting(s: Stores, mid: str = "w1", payload: Any = None) -> str:
 def _unknown(s: Stores, mid: str = "u1") -> str:
     task_id = _accept(s, mid)
     (task,) = s.tasks.claim("w1")
-    fx = EffectsStore(s.tasks)
+    fx = EffectsStore(s.tasks.tx)
     fx.mark_effect_started(task_id, "w1", task.fence)
     fx.to_unknown(task_id, "w1", task.fence, "timed out")
     return task_id
@@ -196,7 +196,7 @@ def test_without_a_token_every_action_is_refused_and_changes_nothing(
     row = s.tasks.get(task_id)
     assert row is not None
     assert row.state == "waiting_approval"
-    assert ApprovalStore(s.tasks).counts()["approvals_valid"] == 0
+    assert ApprovalStore(s.tasks.tx).counts()["approvals_valid"] == 0
     assert client.get("/actions/approve", headers=_bearer(ALICE)).status_code == 405
 
 
@@ -260,7 +260,7 @@ def test_approve_records_the_operator_and_the_task_page_shows_who_approved(
         "/actions/approve", data={"task_id": task_id, "expires_in": "60"}, headers=_bearer(ALICE)
     )
     assert res.status_code == 200, res.text
-    approvals = ApprovalStore(s.tasks)
+    approvals = ApprovalStore(s.tasks.tx)
     now_clock.set(time.time())  # the console granted it on the wall clock
     found = approvals.valid_approval(
         "apply", "web1", "restart", principal="alice", arguments_digest="d" * 64
@@ -287,7 +287,7 @@ def test_an_approval_needs_a_positive_expiry(
         headers=_bearer(ALICE),
     )
     assert res.status_code in (400, 409)
-    assert ApprovalStore(s.tasks).counts()["approvals_valid"] == 0
+    assert ApprovalStore(s.tasks.tx).counts()["approvals_valid"] == 0
 
 
 def test_deny_cancels_the_waiting_task_under_the_operators_name(
@@ -303,7 +303,7 @@ def test_deny_cancels_the_waiting_task_under_the_operators_name(
     assert row.state == "cancelled"
     assert row.error is not None
     assert "approval denied: not today [by alice (console)]" in row.error
-    assert ApprovalStore(s.tasks).counts()["approvals_valid"] == 0
+    assert ApprovalStore(s.tasks.tx).counts()["approvals_valid"] == 0
 
 
 def test_an_unknown_outcome_answered_done_ends_done_with_the_observed_result(

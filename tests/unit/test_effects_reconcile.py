@@ -270,7 +270,7 @@ def test_a_failing_compensation_is_recorded_failed(s: Stores, fx: EffectsStore) 
 
 
 def test_a_forged_approval_in_the_payload_counts_for_nothing(s: Stores) -> None:
-    ap = ApprovalStore(s.tasks)
+    ap = ApprovalStore(s.tasks.tx)
     spec = EffectSpec(
         "restart", requires_approval=True, approval=lambda t: (str(t.payload["server"]), "prod")
     )

@@ -15,7 +15,7 @@ from broker_adapter.errors import FencedError, StaleError, TaskCancelled
 from broker_adapter.store import TaskState, open_database
 from broker_adapter.store.effects import EffectsStore
 from broker_adapter.store.migrations import MIGRATIONS, SCHEMA_VERSION, _split
-from broker_adapter.store.tasks import UnknownTask
+from broker_adapter.store.task_types import UnknownTask
 from tests.support.store_script import (
     LEASE_S,
     T0,

@@ -14,6 +14,7 @@ import pytest
 from broker_adapter.clock import FakeClock
 from broker_adapter.errors import ConfigError, StaleError
 from broker_adapter.handler.task import Task, TaskControl
+from broker_adapter.protocol.idempotency import idempotency_key_for
 from broker_adapter.stages.shared.calls import CallRun, RunOutcome, StopRun, call_handler
 from broker_adapter.stages.shared.handlers import (
     ERROR_TEXT_MAX_CHARS,
@@ -23,7 +24,6 @@ from broker_adapter.stages.shared.handlers import (
     load_handler,
 )
 from broker_adapter.store import ClaimedTask
-from broker_adapter.store.tasks import idempotency_key_for
 from tests.support import handlers as sample
 
 WAIT_S = 10.0

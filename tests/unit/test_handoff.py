@@ -18,7 +18,7 @@ from broker_adapter.stages.shared.handoff import CLAIM, LOOK, Handed, Handoff, H
 from broker_adapter.stages.worker.worker import Worker, WorkerConfig
 from broker_adapter.store import AcceptItem, TaskStore
 from broker_adapter.store.db import Database
-from broker_adapter.store.tasks import TaskPolicy
+from broker_adapter.store.task_types import TaskPolicy
 from tests.support.handoff_script import ScriptedWait
 from tests.support.store_script import open_any
 

@@ -15,10 +15,11 @@ from broker_adapter.app.cli import build_parser
 from broker_adapter.app.logs import JsonFormatter, TextFormatter, fields_of
 from broker_adapter.clock import FakeClock
 from broker_adapter.protocol.envelope import Envelope
+from broker_adapter.protocol.reply import reply_id_for
 from broker_adapter.stages.worker.worker import Worker, WorkerConfig
 from broker_adapter.store import AcceptItem, TaskStore
 from broker_adapter.store.effects import EffectsStore
-from broker_adapter.store.tasks import TaskPolicy, reply_id_for
+from broker_adapter.store.task_types import TaskPolicy
 from tests.support import handlers as sample
 from tests.support.store_script import open_any
 
@@ -179,7 +180,7 @@ def test_the_take_backs_of_effects_and_cancel_requests_are_logged(
     """A lapsed lease after an effect started (``unknown``) and after a requested cancel
     (``cancelled``): each taken back once, each logged with why."""
     caplog.set_level(logging.INFO, logger="broker_adapter")
-    fx = EffectsStore(tasks)
+    fx = EffectsStore(tasks.tx)
     tasks.accept([_item(clock, "m1", {"v": 1}), _item(clock, "m2", {"v": 2})])
     started, requested = tasks.claim("w1", 2)
     fx.mark_effect_started(started.task_id, "w1", started.fence)

@@ -263,7 +263,7 @@ def test_collector_exports_the_effect_and_approval_counts(tmp_path: Path) -> Non
                 "compensations_done",
             ):
                 count_in(c, name)
-        approvals = ApprovalStore(TaskStore(db))
+        approvals = ApprovalStore(TaskStore(db).tx)
         approvals.grant_approval(
             "restart",
             "web1",

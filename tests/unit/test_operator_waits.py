@@ -58,7 +58,7 @@ def policy(action: str) -> ReconcilePolicy:
 def test_an_operator_wait_past_its_bound_raises_the_alert_and_keeps_waiting(
     s: Stores, clock: FakeClock, tmp_path: Path
 ) -> None:
-    fx = EffectsStore(s.tasks)
+    fx = EffectsStore(s.tasks.tx)
     task_id = waiting_for_operator(s, fx, policy("alert"))
     reconciler = Reconciler(fx, EffectSpec("restart"), "r1", policy("alert"))
     clock.advance(TIMEOUT_S - 0.001)  # just inside the bound
@@ -93,7 +93,7 @@ def test_an_operator_wait_past_its_bound_raises_the_alert_and_keeps_waiting(
 def test_an_operator_wait_past_its_bound_ends_failed_with_its_outcome_unknown(
     s: Stores, clock: FakeClock, tmp_path: Path
 ) -> None:
-    fx = EffectsStore(s.tasks)
+    fx = EffectsStore(s.tasks.tx)
     task_id = waiting_for_operator(s, fx, policy("fail"))
     reconciler = Reconciler(fx, EffectSpec("restart"), "r1", policy("fail"))
     clock.advance(TIMEOUT_S - 0.001)
@@ -136,7 +136,7 @@ def test_an_operator_wait_past_its_bound_ends_failed_with_its_outcome_unknown(
 
 def test_the_timeout_action_must_be_alert_or_fail(s: Stores) -> None:
     with pytest.raises(ValueError, match="alert or fail"):
-        OperatorWaits(EffectsStore(s.tasks)).bound_waits(1.0, "shrug", "r1")  # type: ignore[arg-type]
+        OperatorWaits(EffectsStore(s.tasks.tx)).bound_waits(1.0, "shrug", "r1")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="operator_timeout_action"):
         ReconcilePolicy(operator_timeout_action="shrug")
     with pytest.raises(ValueError, match="operator_timeout_s"):
@@ -144,7 +144,7 @@ def test_the_timeout_action_must_be_alert_or_fail(s: Stores) -> None:
 
 
 def test_reconcile_list_shows_waiting_tasks_first(s: Stores, clock: FakeClock) -> None:
-    fx = EffectsStore(s.tasks)
+    fx = EffectsStore(s.tasks.tx)
     waiting = waiting_for_operator(s, fx, policy("alert"))
     s.tasks.accept([item("m2")])
     (task,) = s.tasks.claim("w1")

@@ -11,7 +11,7 @@ from broker_adapter.clock import FakeClock
 from broker_adapter.errors import FencedError, StaleError
 from broker_adapter.protocol.canonical import canonical_json, sha256_hex
 from broker_adapter.store import OutboxRow, OutboxStore
-from broker_adapter.store.outbox import UnknownReply
+from broker_adapter.store.outbox_types import UnknownReply
 from broker_adapter.store.report import snapshot
 from tests.support.store_script import (
     OUTBOX_BACKOFF,
@@ -336,7 +336,7 @@ def test_outbox_claim_marks_dead_a_row_whose_publishers_keep_dying(
 ) -> None:
     from broker_adapter.protocol.envelope import Envelope
     from broker_adapter.store import AcceptItem
-    from broker_adapter.store.outbox import OutboxPolicy
+    from broker_adapter.store.outbox_types import OutboxPolicy
 
     db = open_any(store_target)
     tasks = stores(db, clock).tasks

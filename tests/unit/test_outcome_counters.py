@@ -20,7 +20,8 @@ from broker_adapter.store.counters import monotonic_counts
 from broker_adapter.store.db import open_database
 from broker_adapter.store.effects import EffectsStore
 from broker_adapter.store.report import snapshot
-from broker_adapter.store.tasks import ClaimedTask, Settlement
+from broker_adapter.store.settle import Settlement
+from broker_adapter.store.task_types import ClaimedTask
 from tests.support.store_script import LEASE_S, RETENTION_S, Stores, item, open_any, stores
 
 POLICY = ReconcilePolicy(lease_s=20.0)
@@ -88,7 +89,7 @@ def send_all(s: Stores) -> None:
 def test_counters_read_before_and_after_a_purge_never_fall(
     s: Stores, clock: FakeClock, target: str
 ) -> None:
-    fx = EffectsStore(s.tasks)
+    fx = EffectsStore(s.tasks.tx)
     applied: dict[str, int] = {}
 
     def reconcile(task: ClaimedTask, key: str) -> Observation:
@@ -142,7 +143,7 @@ def test_an_attempt_counts_at_its_claims_commit(s: Stores, clock: FakeClock) -> 
 def test_the_lease_take_back_to_unknown_counts_at_the_lease_edge(
     s: Stores, clock: FakeClock
 ) -> None:
-    fx = EffectsStore(s.tasks)
+    fx = EffectsStore(s.tasks.tx)
     started(s, fx, "m1")
     clock.advance(LEASE_S - 0.001)
     assert s.tasks.claim("w2") == []  # the lease holds: nothing taken back
@@ -156,7 +157,7 @@ def test_the_lease_take_back_to_unknown_counts_at_the_lease_edge(
 def test_a_refused_transition_counts_nothing(s: Stores, clock: FakeClock) -> None:
     from broker_adapter.errors import StaleError
 
-    fx = EffectsStore(s.tasks)
+    fx = EffectsStore(s.tasks.tx)
     task = started(s, fx, "m1")
     with pytest.raises(StaleError):
         fx.to_unknown(task.task_id, "w1", task.fence + 1, "a zombie's")

@@ -25,7 +25,7 @@ from broker_adapter.store.approvals import ApprovalStore
 from broker_adapter.store.effects import EffectsStore
 from broker_adapter.store.postgres import PgDatabase
 from broker_adapter.store.receipts import ReceiptItem
-from broker_adapter.store.tasks import Settlement
+from broker_adapter.store.settle import Settlement
 from tests.support.cli import wait_for
 from tests.support.store_script import (
     OUTBOX_LEASE_S,
@@ -273,7 +273,7 @@ RECONCILE_LEASE_S = 20.0
 
 def unknown_tasks(s: Stores, n: int) -> list[str]:
     """``n`` tasks whose worker timed out after their effect started, oldest first."""
-    fx = EffectsStore(s.tasks)
+    fx = EffectsStore(s.tasks.tx)
     ids = []
     for i in range(n):
         s.tasks.accept([item(f"m{i}")])
@@ -292,12 +292,12 @@ def test_two_reconcilers_claiming_at_once_take_each_unknown_task_once(
     a, b = two
     ids = unknown_tasks(a, 3)
     held = Held(monkeypatch, "claim_unknown")
-    held.start(lambda: EffectsStore(a.tasks).claim_unknown("ra", 1, RECONCILE_LEASE_S))
-    got_b = EffectsStore(b.tasks).claim_unknown("rb", 5, RECONCILE_LEASE_S)  # not blocked
+    held.start(lambda: EffectsStore(a.tasks.tx).claim_unknown("ra", 1, RECONCILE_LEASE_S))
+    got_b = EffectsStore(b.tasks.tx).claim_unknown("rb", 5, RECONCILE_LEASE_S)  # not blocked
     (got_a,) = held.release()
     assert got_a.task.task_id == ids[0]  # the oldest due, taken by the held one
     assert sorted(c.task.task_id for c in got_b) == sorted(ids[1:])
-    assert EffectsStore(b.tasks).claim_unknown("rb", 5, RECONCILE_LEASE_S) == []
+    assert EffectsStore(b.tasks.tx).claim_unknown("rb", 5, RECONCILE_LEASE_S) == []
     owners = {r["task_id"]: r["owner"] for r in dump(a.db)["tasks"]}
     assert owners == {ids[0]: "ra", ids[1]: "rb", ids[2]: "rb"}
 
@@ -310,10 +310,10 @@ def test_a_reconcile_answer_waits_for_an_operator_answer_and_is_then_fenced(
     writes nothing. The task is pending again, with no reply."""
     a, b = two
     (task_id,) = unknown_tasks(a, 1)
-    (claim,) = EffectsStore(a.tasks).claim_unknown("ra", 1, RECONCILE_LEASE_S)
+    (claim,) = EffectsStore(a.tasks.tx).claim_unknown("ra", 1, RECONCILE_LEASE_S)
     held = Held(monkeypatch, "reconcile_operator")
-    held.start(lambda: EffectsStore(b.tasks).operator_resolve(task_id, "not-done", "alice"))
-    fx = EffectsStore(a.tasks)
+    held.start(lambda: EffectsStore(b.tasks.tx).operator_resolve(task_id, "not-done", "alice"))
+    fx = EffectsStore(a.tasks.tx)
     thread, out = in_thread(
         lambda: _raised(lambda: fx.resolve_done(task_id, "ra", claim.task.fence, 1))
     )
@@ -336,7 +336,7 @@ def test_two_releases_of_one_approval_wait_release_it_once(
     a, b = two
     a.tasks.accept([item("m1")])
     (task,) = a.tasks.claim("w1", 1)
-    ApprovalStore(a.tasks).wait_for_approval(
+    ApprovalStore(a.tasks.tx).wait_for_approval(
         task.task_id,
         "w1",
         task.fence,
@@ -347,17 +347,17 @@ def test_two_releases_of_one_approval_wait_release_it_once(
         principal="alice",
         arguments_digest="d" * 64,
     )
-    ApprovalStore(a.tasks).grant_approval(
+    ApprovalStore(a.tasks.tx).grant_approval(
         "restart", "web1", "prod", "carol", T0 + 60, principal="alice", arguments_digest="d" * 64
     )
     held = Held(monkeypatch, "approval_release")
-    held.start(lambda: ApprovalStore(a.tasks).release_waits())
-    second = ApprovalStore(b.tasks).release_waits()  # not blocked: the held wait is skipped
+    held.start(lambda: ApprovalStore(a.tasks.tx).release_waits())
+    second = ApprovalStore(b.tasks.tx).release_waits()  # not blocked: the held wait is skipped
     assert held.release()["released"] == 1
     assert second == {"released": 0, "timed_out": 0, "dropped": 0}
     d = dump(a.db)
     assert d["tasks"][0]["state"] == "pending"
-    assert ApprovalStore(b.tasks).release_waits()["released"] == 0
+    assert ApprovalStore(b.tasks.tx).release_waits()["released"] == 0
 
 
 def _raised(op: Callable[[], Any]) -> Any:

@@ -7,12 +7,14 @@ import pytest
 
 from broker_adapter import crashpoints
 from broker_adapter.errors import ConfigError, StoreError
-from broker_adapter.store.backends import is_postgres_url, probe
+from broker_adapter.store.backends import probe
 from broker_adapter.store.db import Database, open_database
 from broker_adapter.store.identity import STORE_ID_KEY
+from broker_adapter.store.migrations import CONFLICT_ID_KEY
 from broker_adapter.store.postgres.db import PgDatabase
-from broker_adapter.store.postgres.schema import CONFLICT_ID_KEY, MIGRATIONS, SCHEMA_VERSION
+from broker_adapter.store.postgres.schema import MIGRATIONS, SCHEMA_VERSION
 from broker_adapter.store.report import snapshot
+from broker_adapter.store.urls import is_postgres_url
 
 
 def versions(url: str) -> list[int]:

@@ -22,7 +22,8 @@ from broker_adapter.store.retention import (
     PurgeBatch,
     PurgeSchedule,
 )
-from broker_adapter.store.tasks import Settlement, TaskPolicy
+from broker_adapter.store.settle import Settlement
+from broker_adapter.store.task_types import TaskPolicy
 from tests.support.store_script import (
     RETENTION_S,
     T0,
@@ -518,7 +519,7 @@ def test_a_purged_task_takes_its_effect_records_and_old_approvals_go(
 
     (task_id,) = done_and_sent(sq, "m1")
     (kept,) = accepted(sq, "kept", deadline=T0 + RETENTION_S)
-    approvals = ApprovalStore(sq.tasks)
+    approvals = ApprovalStore(sq.tasks.tx)
     old = approvals.grant_approval(
         "restart", "web1", "prod", "alice", T0 + 0.5, principal="alice", arguments_digest="d" * 64
     )

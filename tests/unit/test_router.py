@@ -22,7 +22,7 @@ from broker_adapter.stages.shared.handlers import Task
 from broker_adapter.stages.worker.worker import Worker, WorkerConfig
 from broker_adapter.store import AcceptItem, Database, OutboxStore, TaskStore
 from broker_adapter.store.inbox import Outcome
-from broker_adapter.store.tasks import TaskPolicy
+from broker_adapter.store.task_types import TaskPolicy
 from tests.support import router_app
 
 WAIT_S = 10.0
@@ -476,12 +476,12 @@ def test_the_reconciler_uses_the_effect_of_each_tasks_own_handler(tasks: TaskSto
     from broker_adapter.handler.effects import effect_spec
     from broker_adapter.stages.reconcile.reconciler import Reconciler
     from broker_adapter.store.effects import EffectsStore
-    from broker_adapter.store.tasks import ClaimedTask
+    from broker_adapter.store.task_types import ClaimedTask
 
     charge = effect_spec(router_app.charge)
     assert charge is not None
     other = replace(charge, action="refund")
-    reconciler = Reconciler(EffectsStore(tasks), other, "r1", by_task={"charge": charge})
+    reconciler = Reconciler(EffectsStore(tasks.tx), other, "r1", by_task={"charge": charge})
     claimed = ClaimedTask(
         "t", "agent-a", "m", "task", {}, 1, 3, 1, "w", 0.0, 1.0, 0, None, None, task_name="charge"
     )

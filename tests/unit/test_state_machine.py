@@ -42,6 +42,7 @@ from hypothesis.stateful import (
 
 from broker_adapter.clock import FakeClock
 from broker_adapter.errors import StaleError
+from broker_adapter.protocol.reply import reply_id_for
 from broker_adapter.store import (
     AcceptItem,
     FailOutcome,
@@ -49,9 +50,9 @@ from broker_adapter.store import (
     open_database,
 )
 from broker_adapter.store.db import Database
-from broker_adapter.store.outbox import OutboxPolicy, PublisherClaim, SentMark
+from broker_adapter.store.outbox_types import OutboxPolicy, PublisherClaim, SentMark
 from broker_adapter.store.postgres import PgDatabase
-from broker_adapter.store.tasks import Settlement, reply_id_for
+from broker_adapter.store.settle import Settlement
 from tests.support.postgres import ThrowawayDatabase
 from tests.support.store_script import (
     LEASE_S,

@@ -19,7 +19,7 @@ from broker_adapter.clock import FakeClock
 from broker_adapter.errors import ConfigError
 from broker_adapter.protocol.envelope import Envelope
 from broker_adapter.store import AcceptItem, TaskStore, open_database
-from broker_adapter.store.tasks import TaskPolicy
+from broker_adapter.store.task_types import TaskPolicy
 from tests.support.cli import cli_env, wait_for
 from tests.support.redis_server import free_port
 

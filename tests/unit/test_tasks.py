@@ -27,6 +27,7 @@ from broker_adapter.errors import (
 from broker_adapter.protocol.bounds import PAYLOAD_MAX_BYTES
 from broker_adapter.protocol.canonical import canonical_json, sha256_hex
 from broker_adapter.protocol.envelope import Envelope
+from broker_adapter.protocol.reply import reply_id_for
 from broker_adapter.store import (
     AcceptItem,
     Database,
@@ -36,13 +37,9 @@ from broker_adapter.store import (
     TaskStore,
     open_database,
 )
+from broker_adapter.store.inbox import conflict_reply_id
 from broker_adapter.store.migrations import CONFLICT_ID_KEY, MIGRATIONS, SCHEMA_VERSION
-from broker_adapter.store.tasks import (
-    TaskPolicy,
-    UnknownTask,
-    conflict_reply_id,
-    reply_id_for,
-)
+from broker_adapter.store.task_types import TaskPolicy, UnknownTask
 from tests.support.store_script import (
     LEASE_S,
     MAX_HOPS,

@@ -18,7 +18,7 @@ from broker_adapter.protocol.keys import Keys
 from broker_adapter.protocol.signing import Keyring
 from broker_adapter.stages.shared import tracing
 from broker_adapter.store import Outcome
-from broker_adapter.store.tasks import Settlement
+from broker_adapter.store.settle import Settlement
 from tests.support.ingest_script import KEYRING
 from tests.support.store_script import (
     LEASE_S,

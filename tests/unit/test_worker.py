@@ -32,7 +32,7 @@ from broker_adapter.store import (
     TaskStore,
     open_database,
 )
-from broker_adapter.store.tasks import TaskPolicy
+from broker_adapter.store.task_types import TaskPolicy
 from tests.support import handlers as sample
 
 WAIT_S = 10.0

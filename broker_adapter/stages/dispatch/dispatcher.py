@@ -122,7 +122,8 @@ from broker_adapter.stages.shared.publish import (
     Publication,
     ReplyPublisher,
 )
-from broker_adapter.store.outbox import OutboxRow, OutboxStore
+from broker_adapter.store.outbox import OutboxStore
+from broker_adapter.store.outbox_types import OutboxRow
 
 if TYPE_CHECKING:
     from broker_adapter.redis.client import Redis

@@ -21,7 +21,8 @@ from broker_adapter.errors import ReplyConflict, StaleError
 from broker_adapter.protocol.keys import Keys
 from broker_adapter.redis.client import call, text
 from broker_adapter.redis.trimming import time_id
-from broker_adapter.store.outbox import OutboxRow, OutboxStore, UnknownReply
+from broker_adapter.store.outbox import OutboxStore
+from broker_adapter.store.outbox_types import OutboxRow, UnknownReply
 
 if TYPE_CHECKING:
     from broker_adapter.redis.client import Redis

@@ -26,8 +26,8 @@ from typing import Any
 from broker_adapter.errors import EnvelopeError
 from broker_adapter.protocol.envelope import Envelope, check_principal
 from broker_adapter.store.effects import EffectsStore
-from broker_adapter.store.lifecycle import TaskState
-from broker_adapter.store.tasks import TaskStore, UnknownTask
+from broker_adapter.store.task_types import TaskState, UnknownTask
+from broker_adapter.store.tasks import TaskStore
 
 CANCEL_KIND = "cancel"
 _PAYLOAD_KEYS = frozenset({"message_id", "principal"})
@@ -85,7 +85,7 @@ def apply_cancel(tasks: TaskStore, principal: str, envelope: Envelope) -> tuple[
         )
     reason = f"cancelled by {principal!r} (cancel {envelope.message_id!r})"
     try:
-        return row.task_id, EffectsStore(tasks).request_cancel(row.task_id, reason)
+        return row.task_id, EffectsStore(tasks.tx).request_cancel(row.task_id, reason)
     except UnknownTask:  # purged between the look and the cancel
         raise EnvelopeError(
             "payload", "unknown_task", f"{principal!r} has no request {target!r} to cancel"

@@ -7,7 +7,12 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from broker_adapter.config import DEFAULT_CLAIM_MIN_IDLE_MS, RETENTION_SETTING, ConfigModel, setting
+from broker_adapter.config import (
+    DEFAULT_CLAIM_MIN_IDLE_MS,
+    RETENTION_SETTING,
+    ConfigModel,
+    setting,
+)
 from broker_adapter.metric_fields import (
     DEAD_LETTERS_TRIMMED,
     STREAM_ENTRIES_TRIMMED,

@@ -91,7 +91,8 @@ from broker_adapter.stages.shared.consumer import (
     check_block_timeout,
     run_consumers,
 )
-from broker_adapter.store.tasks import AcceptItem, AcceptResult, Outcome, TaskStore
+from broker_adapter.store.inbox import AcceptItem, AcceptResult, Outcome
+from broker_adapter.store.tasks import TaskStore
 
 if TYPE_CHECKING:
     from collections.abc import Callable

@@ -30,7 +30,7 @@ from broker_adapter.protocol.signing import (
 from broker_adapter.redis.entry import StreamEntry
 from broker_adapter.redis.reader import GroupReader
 from broker_adapter.stages.ingest.limits import IngressLimits
-from broker_adapter.store.tasks import AcceptItem
+from broker_adapter.store.inbox import AcceptItem
 
 
 def authenticator(

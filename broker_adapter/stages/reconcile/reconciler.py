@@ -53,7 +53,7 @@ from broker_adapter.store.approvals import ApprovalStore
 from broker_adapter.store.cancel_reconcile import resolve_cancelled
 from broker_adapter.store.effects import EffectsStore, ReconcileClaim
 from broker_adapter.store.operator_waits import OperatorTimeoutAction, OperatorWaits
-from broker_adapter.store.tasks import ClaimedTask
+from broker_adapter.store.task_types import ClaimedTask
 
 log = logging.getLogger("broker_adapter.effects")
 

@@ -53,7 +53,8 @@ from broker_adapter.stages.shared.loop import LOOK as LOOK
 from broker_adapter.stages.shared.loop import Handed as Handed
 from broker_adapter.stages.shared.loop import Handle as Handle
 from broker_adapter.stages.shared.loop import IdleWait as IdleWait
-from broker_adapter.store.tasks import AcceptItem, AcceptResult, Outcome, TaskStore
+from broker_adapter.store.inbox import AcceptItem, AcceptResult, Outcome
+from broker_adapter.store.tasks import TaskStore
 
 log = logging.getLogger("broker_adapter.stages.handoff")
 

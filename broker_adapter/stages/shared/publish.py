@@ -55,7 +55,8 @@ from broker_adapter.redis.client import text
 from broker_adapter.redis.scripts import eval_many
 from broker_adapter.stages.shared import tracing
 from broker_adapter.store import transitions
-from broker_adapter.store.outbox import OutboxRow, OutboxStore
+from broker_adapter.store.outbox import OutboxStore
+from broker_adapter.store.outbox_types import OutboxRow
 
 if TYPE_CHECKING:
     from broker_adapter.redis.client import Redis

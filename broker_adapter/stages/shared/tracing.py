@@ -41,9 +41,9 @@ from broker_adapter.protocol.canonical import loads_strict
 from broker_adapter.protocol.envelope import check_traceparent
 
 if TYPE_CHECKING:
-    from broker_adapter.store.outbox import OutboxRow
+    from broker_adapter.store.inbox import AcceptItem, AcceptResult
+    from broker_adapter.store.outbox_types import OutboxRow
     from broker_adapter.store.receipts import AppliedItem, ReceiptItem
-    from broker_adapter.store.tasks import AcceptItem, AcceptResult
 
 INSTRUMENTATION_NAME = "broker_adapter"
 log = logging.getLogger("broker_adapter.stages.tracing")

@@ -34,9 +34,10 @@ from broker_adapter.stages.worker.config import WorkerStats
 from broker_adapter.stages.worker.lease import Leases
 from broker_adapter.store import transitions
 from broker_adapter.store.approvals import Approval, ApprovalStore
-from broker_adapter.store.effects import EffectsStore, EffectTasks
+from broker_adapter.store.effects import EffectsStore
 from broker_adapter.store.evidence import key_digest
-from broker_adapter.store.tasks import ClaimedTask
+from broker_adapter.store.task_types import ClaimedTask
+from broker_adapter.store.tasks import TaskStore
 
 
 class CallEnd(StrEnum):
@@ -166,7 +167,7 @@ class EffectGate:
 
     def __init__(
         self,
-        tasks: EffectTasks,
+        tasks: TaskStore,
         spec: EffectSpec,
         leases: Leases,
         approval_timeout_s: float,
@@ -175,8 +176,8 @@ class EffectGate:
     ) -> None:
         self.tasks = tasks
         self.spec = spec
-        self.effects = EffectsStore(tasks)
-        self.approvals = ApprovalStore(tasks)
+        self.effects = EffectsStore(tasks.tx)
+        self.approvals = ApprovalStore(tasks.tx)
         self.leases = leases
         self.approval_timeout_s = approval_timeout_s
         self.stats = stats

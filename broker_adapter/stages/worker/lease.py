@@ -26,7 +26,8 @@ from broker_adapter.errors import (
     TransientError,
 )
 from broker_adapter.handler.task import Task, TaskControl
-from broker_adapter.store.tasks import ClaimedTask, TaskStore
+from broker_adapter.store.task_types import ClaimedTask
+from broker_adapter.store.tasks import TaskStore
 
 #: With ``renew_every_s=None`` a lease is renewed this many times per lease period.
 RENEWALS_PER_LEASE = 3

@@ -19,7 +19,8 @@ from broker_adapter.stages.shared.calls import CallOutcome
 from broker_adapter.stages.shared.handlers import describe_error, is_retryable
 from broker_adapter.stages.worker.config import WorkerStats
 from broker_adapter.store import transitions
-from broker_adapter.store.tasks import ClaimedTask, FailOutcome, Settlement, SettleResult
+from broker_adapter.store.settle import FailOutcome, Settlement, SettleResult
+from broker_adapter.store.task_types import ClaimedTask
 
 #: The error a task fails with when its handler's result is over the result bounds
 #: (``bounds.check_result``); not retried: the handler would return as much again.

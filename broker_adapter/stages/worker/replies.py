@@ -15,8 +15,9 @@ from broker_adapter import crashpoints
 from broker_adapter.clock import Clock
 from broker_adapter.errors import StaleError, TransientError
 from broker_adapter.stages.shared.publish import Publication, ReplyPublisher
-from broker_adapter.store.outbox import OutboxRow, SentMark
-from broker_adapter.store.tasks import SettledBatch, Settlement, TaskStore
+from broker_adapter.store.outbox_types import OutboxRow, SentMark
+from broker_adapter.store.settle import SettledBatch, Settlement
+from broker_adapter.store.tasks import TaskStore
 
 #: After Redis failed a worker's publication, its replies go to the dispatcher this long.
 PUBLISH_PAUSE_S = 1.0

@@ -29,7 +29,7 @@ from broker_adapter.handler.router import RouteError, Router, TaskDef
 from broker_adapter.handler.task import Task, TaskControl
 from broker_adapter.stages.worker.effect_gate import EffectGate
 from broker_adapter.store.settle import Settlement
-from broker_adapter.store.tasks import ClaimedTask
+from broker_adapter.store.task_types import ClaimedTask
 
 #: How often a call waiting for its task's concurrency permit looks whether it was stopped.
 PERMIT_POLL_S = 0.05

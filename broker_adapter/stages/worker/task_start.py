@@ -23,7 +23,8 @@ from broker_adapter.stages.worker.effect_gate import EffectGate
 from broker_adapter.stages.worker.lease import Leases
 from broker_adapter.store import transitions
 from broker_adapter.store.effects import EffectsStore
-from broker_adapter.store.tasks import ClaimedTask, TaskStore
+from broker_adapter.store.task_types import ClaimedTask
+from broker_adapter.store.tasks import TaskStore
 
 
 class TaskStart:
@@ -100,7 +101,7 @@ class TaskStart:
         as ``cancelled``, its reply saying ``what`` happened; nothing when it was cancelled
         outright (``TaskStore.cancel``: already terminal)."""
         if self._cancels is None:
-            self._cancels = EffectsStore(self.tasks)
+            self._cancels = EffectsStore(self.tasks.tx)
         try:
             self._cancels.end_requested_cancel(claimed.task_id, claimed.owner, claimed.fence, what)
         except TransientError as exc:  # the lease lapses: the take-back ends it cancelled

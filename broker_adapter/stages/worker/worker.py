@@ -64,13 +64,11 @@ from broker_adapter.stages.worker.replies import OwnReplies
 from broker_adapter.stages.worker.routing import Routes, TaskLimits
 from broker_adapter.stages.worker.task_start import TaskStart
 from broker_adapter.store import transitions
-from broker_adapter.store.outbox import OutboxPolicy, OutboxRow, OutboxStore
-from broker_adapter.store.tasks import (
-    ClaimedTask,
-    SettledBatch,
-    Settlement,
-    TaskStore,
-)
+from broker_adapter.store.outbox import OutboxStore
+from broker_adapter.store.outbox_types import OutboxPolicy, OutboxRow
+from broker_adapter.store.settle import SettledBatch, Settlement
+from broker_adapter.store.task_types import ClaimedTask
+from broker_adapter.store.tasks import TaskStore
 
 if TYPE_CHECKING:
     from broker_adapter.redis.client import Redis
@@ -164,11 +162,6 @@ class Worker:
                     f"worker {config.owner} publishes replies: it needs a keyring to sign them"
                 )
             if outbox is None:
-                if not isinstance(tasks, TaskStore):
-                    raise ConfigError(
-                        f"worker {config.owner} publishes replies: give it the outbox of its"
-                        " store (outbox=)"
-                    )
                 outbox = OutboxStore(tasks.db, self.clock, outbox_policy)
             self.publisher = ReplyPublisher(
                 redis_client,

@@ -41,7 +41,7 @@ from broker_adapter.store.migrations import (
 #: ``pg_advisory_xact_lock`` key of the migrating transaction (any fixed 64-bit number).
 MIGRATION_LOCK: Final = 0x62615F736368656D  # "ba_schem"
 
-__all__ = ["CONFLICT_ID_KEY", "MIGRATIONS", "SCHEMA_VERSION", "current_version", "migrate"]
+__all__ = ["MIGRATIONS", "SCHEMA_VERSION", "current_version", "migrate"]
 
 _V1_TABLES = """
 CREATE TABLE tasks (
