@@ -61,6 +61,9 @@ READ_FUNCTION = "ba_screen_read_1"
 CLAIM_FUNCTION = "ba_screen_claim_1"
 #: A reader in fallback mode tries the function again after this many reads.
 RETRY_EVERY_READS = 256
+#: A submit-list item may be this many times ``max_bytes`` long before it is refused
+#: unparsed: JSON's longest escape (``\u0000``) writes one byte as six.
+ITEM_EXPANSION = 6
 
 #: The library (Lua). Both functions take KEYS[1] the stream, KEYS[2] its dead-letter
 #: stream, and ARGV: 1 group, 2 consumer, 3 count, 4 max_fields, 5 max_bytes, 6 budget,
@@ -71,12 +74,36 @@ RETRY_EVERY_READS = 256
 #: delivered but not returned (the budget was spent), ``entries`` as XREADGROUP returns
 #: them, ``refused`` ``{id, reason, detail}`` per entry dead-lettered here, ``deleted`` the
 #: ids XAUTOCLAIM found deleted.
+#:
+#: The read takes an optional KEYS[3], the stream's submit list, with ARGV 10 the most
+#: items to move and 11 the most bytes of one item: before reading, it moves items from
+#: the list into the stream (``admit``: XADD with ``*``; an item that is not a JSON array
+#: of an even number of strings, has too many fields or bytes is dead-lettered instead,
+#: with a bounded prefix copy) and adds a sixth element to its reply,
+#: ``{admitted, refused reasons, more, error}``. Commands inside: LPOP, LPUSH (an item
+#: whose XADD failed goes back), LLEN on KEYS[3], XADD on KEYS[1] and KEYS[2].
 SOURCE = r"""#!lua name=ba_screen_1
 
 local function measure(fields)
   local size = 0
   for i = 1, #fields do size = size + #fields[i] end
   return size
+end
+
+-- A bounded prefix of flat name/value pairs: {orig.<name>, value, ...}, and the bytes copied.
+local function prefix_copy(fields, max_fields, copy_bytes)
+  local copy = {}
+  local room = copy_bytes
+  local last = math.min(#fields - 1, 2 * max_fields)
+  for i = 1, last, 2 do
+    if room <= 0 then break end
+    local name = string.sub(fields[i], 1, room)
+    local value = string.sub(fields[i + 1], 1, room - #name)
+    room = room - #name - #value
+    copy[#copy + 1] = 'orig.' .. name
+    copy[#copy + 1] = value
+  end
+  return copy, copy_bytes - room
 end
 
 -- The dead letter of an entry refused here: notes, then a bounded prefix copy; then XACK.
@@ -92,20 +119,10 @@ local function refuse(stream, dead, a, id, fields, size, reason, detail)
   local out = {'dl.reason', reason, 'dl.detail', detail, 'dl.source', stream,
                'dl.entry_id', id, 'dl.deliveries', tostring(deliveries),
                'dl.group', a.group, 'dl.consumer', a.consumer, 'dl.field', ''}
-  local copy = {}
-  local room = a.copy_bytes
-  local last = math.min(#fields - 1, 2 * a.max_fields)
-  for i = 1, last, 2 do
-    if room <= 0 then break end
-    local name = string.sub(fields[i], 1, room)
-    local value = string.sub(fields[i + 1], 1, room - #name)
-    room = room - #name - #value
-    copy[#copy + 1] = 'orig.' .. name
-    copy[#copy + 1] = value
-  end
+  local copy, copied = prefix_copy(fields, a.max_fields, a.copy_bytes)
   out[#out + 1] = 'dl.truncated'
   out[#out + 1] = 'copied ' .. (#copy / 2) .. ' of ' .. math.floor(#fields / 2) ..
-    ' fields, ' .. (a.copy_bytes - room) .. ' of ' .. size .. ' bytes; the entry stays in ' ..
+    ' fields, ' .. copied .. ' of ' .. size .. ' bytes; the entry stays in ' ..
     stream .. ' under dl.entry_id until the stream is trimmed past it'
   for i = 1, #copy do out[#out + 1] = copy[i] end
   redis.call('XADD', dead, '*', unpack(out))
@@ -162,9 +179,101 @@ local function screen(keys, a, st, entry)
   return st.seen < a.budget
 end
 
+-- The fields of a submit-list item (a JSON array of an even number of strings: names and
+-- values), or nil, the reason and a detail.
+local function item_fields(item, a)
+  if #item > a.item_bytes then
+    return nil, 'oversize', 'item is ' .. #item .. ' bytes, limit ' .. a.item_bytes
+  end
+  local ok, fields = pcall(cjson.decode, item)
+  if not ok or type(fields) ~= 'table' or #fields < 2 or #fields % 2 ~= 0 then
+    return nil, 'bad_item', 'not a JSON array of an even number of strings'
+  end
+  for i = 1, #fields do
+    if type(fields[i]) ~= 'string' then
+      return nil, 'bad_item', 'element ' .. i .. ' is not a string'
+    end
+  end
+  local n = #fields / 2
+  if n > a.max_fields then
+    return fields, 'too_many_fields', 'entry has ' .. n .. ' fields, limit ' .. a.max_fields
+  end
+  local size = measure(fields)
+  if size > a.max_bytes then
+    return fields, 'oversize', 'entry is ' .. size .. ' bytes, limit ' .. a.max_bytes
+  end
+  return fields, nil, nil
+end
+
+-- The dead letter of a refused submit-list item (never added to the stream): notes and a
+-- bounded prefix of its fields (or of the item itself when it has none). Returns false
+-- when neither it nor a minimal one could be written.
+local function refuse_item(keys, a, item, fields, reason, detail)
+  local notes = {'dl.reason', reason, 'dl.detail', detail, 'dl.source', keys[1],
+                 'dl.entry_id', '', 'dl.deliveries', '0', 'dl.group', a.group,
+                 'dl.consumer', a.consumer, 'dl.field', '', 'dl.submit', keys[3]}
+  local copy, copied
+  if fields and reason ~= 'bad_item' then
+    copy, copied = prefix_copy(fields, a.max_fields, a.copy_bytes)
+  else
+    copy, copied = prefix_copy({'item', item}, 1, a.copy_bytes)
+  end
+  local out = {}
+  for i = 1, #notes do out[#out + 1] = notes[i] end
+  out[#out + 1] = 'dl.truncated'
+  out[#out + 1] = 'copied ' .. copied .. ' of ' .. #item .. ' bytes of the item, ' ..
+    'removed from ' .. keys[3]
+  for i = 1, #copy do out[#out + 1] = copy[i] end
+  local r = redis.pcall('XADD', keys[2], '*', unpack(out))
+  if type(r) == 'table' and r.err then
+    r = redis.pcall('XADD', keys[2], '*', 'dl.reason', 'internal_error',
+                    'dl.failed_reason', reason, 'dl.detail', 'the ' .. reason ..
+                    ' dead letter failed: ' .. tostring(r.err), 'dl.field', '',
+                    'dl.source', keys[1], 'dl.entry_id', '', 'dl.submit', keys[3])
+    if type(r) == 'table' and r.err then return false end
+  end
+  return true
+end
+
+-- Move up to a.admit items of the submit list KEYS[3] into the stream KEYS[1] (XADD with
+-- '*': the server picks the id), the refused ones into KEYS[2] instead, stopping once
+-- a.budget bytes of items were taken. An item whose XADD fails goes back to the head.
+-- Returns {admitted, refused reasons, more left, error or ''}.
+local function admit(keys, a)
+  local admitted, refused, taken, err = 0, {}, 0, ''
+  for _ = 1, a.admit do
+    local item = redis.call('LPOP', keys[3])
+    if not item then break end
+    taken = taken + #item
+    local fields, reason, detail = item_fields(item, a)
+    if reason then
+      if not refuse_item(keys, a, item, fields, reason, detail) then
+        reason = 'dropped:' .. reason  -- not even a minimal dead letter: the reader alarms
+      end
+      refused[#refused + 1] = reason
+    else
+      local r = redis.pcall('XADD', keys[1], '*', unpack(fields))
+      if type(r) == 'table' and r.err then
+        redis.call('LPUSH', keys[3], item)
+        err = tostring(r.err)
+        break
+      end
+      admitted = admitted + 1
+    end
+    if taken >= a.budget then break end
+  end
+  local more = redis.call('LLEN', keys[3]) > 0 and 1 or 0
+  return {admitted, refused, more, err}
+end
+
 local function read(keys, argv)
   local a = args(argv)
   local start = argv[9]
+  local admitted = nil
+  if keys[3] then
+    a.admit, a.item_bytes = tonumber(argv[10]), tonumber(argv[11])
+    admitted = admit(keys, a)
+  end
   local st = {entries = {}, refused = {}, taken = 0, seen = 0, left = 0}
   local pos = start
   local done = 0
@@ -184,7 +293,7 @@ local function read(keys, argv)
     done = done + #items
     if not go or #items < n then break end
   end
-  return {'', st.left, st.entries, st.refused, {}}
+  return {'', st.left, st.entries, st.refused, {}, admitted}
 end
 
 local function claim(keys, argv)
@@ -246,6 +355,8 @@ class Screened:
         left: an entry was delivered but not returned: replay the pending list next.
         cursor: the takeover's next cursor (``""`` for reads).
         deleted: ids XAUTOCLAIM found deleted (they left the pending list).
+        admitted: what the read moved from the submit list first (None: it moved
+            nothing, or had no list).
     """
 
     entries: list[StreamEntry]
@@ -253,6 +364,25 @@ class Screened:
     left: bool
     cursor: str = ""
     deleted: Sequence[str] = ()
+    admitted: Admitted | None = None
+
+
+@dataclass(frozen=True)
+class Admitted:
+    """What a read moved from the submit list into its stream before reading.
+
+    Attributes:
+        count: items added to the stream.
+        refused: the reason of each item dead-lettered instead (``dropped:<reason>``:
+            not even a minimal dead letter could be written).
+        more: items are still waiting in the list.
+        error: why the last item could not be added (it went back to the head), or ``""``.
+    """
+
+    count: int
+    refused: list[str]
+    more: bool
+    error: str
 
 
 def _limit_args(limits: ScreenLimits) -> list[int]:
@@ -267,11 +397,22 @@ def _limit_args(limits: ScreenLimits) -> list[int]:
 
 
 def read_command(
-    stream: str, dead: str, group: str, consumer: str, start: str, limits: ScreenLimits
+    stream: str,
+    dead: str,
+    group: str,
+    consumer: str,
+    start: str,
+    limits: ScreenLimits,
+    submit: str | None = None,
 ) -> tuple[Any, ...]:
     """The FCALL of a screened read of ``stream`` from ``start`` (``>``: new entries; an
-    id: this consumer's pending entries after it)."""
-    return ("FCALL", READ_FUNCTION, 2, stream, dead, group, consumer, *_limit_args(limits), start)
+    id: this consumer's pending entries after it), moving items of the ``submit`` list into
+    the stream first when one is given (at most ``count`` items, ``budget`` bytes)."""
+    args = (group, consumer, *_limit_args(limits), start)
+    if submit is None:
+        return ("FCALL", READ_FUNCTION, 2, stream, dead, *args)
+    item_bytes = ITEM_EXPANSION * limits.max_bytes
+    return ("FCALL", READ_FUNCTION, 3, stream, dead, submit, *args, limits.count, item_bytes)
 
 
 def claim_command(
@@ -305,13 +446,18 @@ def load_command() -> tuple[Any, ...]:
 
 def parse(reply: Any) -> Screened:
     """The ``Screened`` of a raw (RESP2) reply of either function."""
-    cursor, left, items, refused, deleted = reply
+    cursor, left, items, refused, deleted, *rest = reply
+    admitted = None
+    if rest and rest[0]:
+        count, reasons, more, error = rest[0]
+        admitted = Admitted(int(count), [text(r) for r in reasons or ()], bool(more), text(error))
     return Screened(
         entries=stream_entries(items),
         refused=[(text(r[0]), text(r[1])) for r in refused or ()],
         left=bool(int(left)),
         cursor=text(cursor),
         deleted=[text(d) for d in deleted or ()],
+        admitted=admitted,
     )
 
 
@@ -327,6 +473,13 @@ def is_unavailable(exc: BaseException) -> bool:
     return any(w in said for w in ("noperm", "no permissions", "unknown command"))
 
 
+def _admission_refused(exc: BaseException) -> bool:
+    """Whether a read that moves a submit list was refused for want of a right (a command
+    refused inside the function: "The user executing the script can't run this command")."""
+    said = str(exc).lower()
+    return is_unavailable(exc) or "user executing the script can't" in said
+
+
 class ScreenedReads:
     """The reads of one group reader (one stream, group and consumer), screened when the
     function can be called and one entry at a time when it cannot (see the module's text).
@@ -339,6 +492,8 @@ class ScreenedReads:
         consumer: the reader's consumer name.
         limits: what a read lets through.
         logger: where the fallback's alarm goes.
+        submit: the stream's submit list, whose items each read of new entries moves into
+            the stream first (``admit``), and on which an idle reader waits; None: none.
     """
 
     def __init__(
@@ -350,6 +505,7 @@ class ScreenedReads:
         consumer: str,
         limits: ScreenLimits,
         logger: logging.Logger,
+        submit: str | None = None,
     ) -> None:
         self.client = client
         self.stream = stream
@@ -363,6 +519,12 @@ class ScreenedReads:
         #: The last call's reply came from a plain read (the function could not be used).
         self.plain_reply = False
         self._unscreened_reads = 0
+        self.submit = submit
+        #: Whether reads may move the submit list (False: this user may not, see ``_call``).
+        self.admitting = submit is not None
+        #: Whether an idle reader may wait on the submit list (False: no BLMOVE right).
+        self.waiting_on_submit = submit is not None
+        self._unadmitted_reads = 0
 
     # -- commands ---------------------------------------------------------------------------
 
@@ -370,8 +532,9 @@ class ScreenedReads:
         """The command of one read from ``start`` (screened unless the function is known not
         to work, or the read blocks: a blocking read is a plain one of ONE entry)."""
         if block_ms is None and self.screening is not False:
+            submit = self.submit if self.admitting and start == ">" else None
             return read_command(
-                self.stream, self.dead, self.group, self.consumer, start, self.limits
+                self.stream, self.dead, self.group, self.consumer, start, self.limits, submit
             )
         block = () if block_ms is None else ("BLOCK", block_ms)
         return (
@@ -409,6 +572,36 @@ class ScreenedReads:
         if command[0] == "FCALL" and not self.plain_reply:
             return parse(reply)
         return Screened(entries=reply_entries(reply), refused=[], left=False)
+
+    def wait(self, block_ms: int) -> None:
+        """Wait up to ``block_ms`` for an item in the submit list, without taking it:
+        ``BLMOVE <list> <list> RIGHT RIGHT`` puts the last item back where it was (nothing
+        leaves Redis, the order stays); it returns at once when the list holds one. The
+        reply is that item: ONE item this reader did not measure, bounded by the server's
+        ``proto-max-bulk-len`` like the plain blocking read's entry.
+
+        Raises:
+            RedisUnavailable: the call failed.
+        """
+        assert self.submit is not None
+        command = ("BLMOVE", self.submit, self.submit, "RIGHT", "RIGHT", f"{block_ms / 1000:.3f}")
+        try:
+            with translated():
+                exchange(self.client, [command], raw=True)
+        except TransientError:
+            raise
+        except BrokerAdapterError as exc:
+            if not is_unavailable(exc):
+                raise
+            self.log.error(
+                "ALARM: cannot wait on %s (%s): an idle reader waits on %s instead, and "
+                "wakes up for published entries only after block_ms. Grant the reader's "
+                "Redis user +blmove (docs/PROTOCOL.md section 9)",
+                self.submit,
+                exc,
+                self.stream,
+            )
+            self.waiting_on_submit = False
 
     def claim(self, cursor: str, min_idle_ms: int) -> Screened:
         """One takeover page from ``cursor`` (XAUTOCLAIM of entries idle ``min_idle_ms``).
@@ -481,6 +674,8 @@ class ScreenedReads:
         except BrokerAdapterError as exc:
             if command[0] != "FCALL":
                 raise
+            if len(command) > 2 and command[2] == 3 and _admission_refused(exc):
+                return self._call(self._stop_admitting(exc, fallback), fallback)
             reply = self._load_and_call(command, exc)
             if reply is None:
                 again = fallback()
@@ -491,6 +686,21 @@ class ScreenedReads:
         if command[0] == "FCALL":
             self.screening = True
         return reply
+
+    def _stop_admitting(self, exc: BaseException, fallback: Any) -> tuple[Any, ...]:
+        """A read that moves the submit list was refused (a user without ``+lpop``): log
+        the alarm, read without moving it from now on; the command to send instead."""
+        self.log.error(
+            "ALARM: cannot move %s into %s (%s): entries published there wait until the "
+            "reader's Redis user may run LPOP, LPUSH and LLEN on it (docs/PROTOCOL.md "
+            "section 9)",
+            self.submit,
+            self.stream,
+            exc,
+        )
+        self.admitting = False
+        command: tuple[Any, ...] = fallback()
+        return command
 
     def _load_and_call(self, command: tuple[Any, ...], exc: BrokerAdapterError) -> Any:
         """After ``exc`` from the function: load it and call again (the reply), or fall
@@ -531,6 +741,11 @@ class ScreenedReads:
             self.screening = None
 
     def _maybe_retry(self) -> None:
+        if self.submit is not None and not (self.admitting and self.waiting_on_submit):
+            self._unadmitted_reads += 1
+            if self._unadmitted_reads >= RETRY_EVERY_READS:
+                self.admitting = self.waiting_on_submit = True
+                self._unadmitted_reads = 0
         if self.screening is False:
             self._unscreened_reads += 1
             if self._unscreened_reads >= RETRY_EVERY_READS:

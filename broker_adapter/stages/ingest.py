@@ -204,7 +204,14 @@ class Ingestor:
         self._sources = [
             _Source(
                 GroupReader(
-                    client, stream, INGEST_GROUP, config.consumer, dead, reader_config, self.log
+                    client,
+                    stream,
+                    INGEST_GROUP,
+                    config.consumer,
+                    dead,
+                    reader_config,
+                    self.log,
+                    submit=self.keys.submit_for(stream),
                 ),
                 p,
                 intake.authenticator(p, keyring),
