@@ -15,7 +15,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import redis
@@ -127,7 +127,7 @@ def test_the_agent_user_cannot_choose_an_id_and_intake_goes_on_for_everyone(
     future, ``*``); what it may send, items in the submit list that look like ids, is added
     with ``*`` and refused as an entry: bob's request behind them is done, and the stream's
     ids stay at the server's clock."""
-    keys, admin = Keys(prefix), server.client()
+    keys, admin = Keys(prefix), cast(Any, server.client())
     keyring = tmp_path / "keyring.json"
     write_keyring(keyring)
     alice = connect(_agent_user(server, admin, keys, "alice"))
@@ -163,7 +163,7 @@ def test_a_64mb_item_and_a_malformed_one_are_dead_lettered_and_the_valid_one_don
     while it waits on the list), a malformed item and a valid request. The large and the
     malformed ones go to the dead-letter stream with a bounded prefix, never into the
     tasks stream; the valid one is done."""
-    keys, client = Keys(prefix), server.client()
+    keys, client = Keys(prefix), cast(Any, server.client())
     keyring = tmp_path / "keyring.json"
     write_keyring(keyring)
     big = submit_item({"v": b"1", "env": b"x" * BIG})
@@ -199,7 +199,7 @@ def test_a_64mb_item_and_a_malformed_one_are_dead_lettered_and_the_valid_one_don
 def test_items_published_while_the_adapter_is_down_or_killed_are_all_done_once(
     server: RedisServer, tmp_path: Path, prefix: str
 ) -> None:
-    keys, client = Keys(prefix), server.client()
+    keys, client = Keys(prefix), cast(Any, server.client())
     keyring = tmp_path / "keyring.json"
     write_keyring(keyring)
     pub = Publisher(client, keys, "alice", Keyring(KEYRING))
