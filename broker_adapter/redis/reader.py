@@ -276,7 +276,13 @@ class GroupReader:
         more = admitted is not None and admitted.more and not admitted.error
         if not done.entries and not done.refused and not done.left and block and not more:
             reads = self.reads
-            if reads.submit is not None and reads.admitting and reads.waiting_on_submit:
+            stuck = admitted is not None and bool(admitted.error)  # nothing to wait on
+            if (
+                reads.submit is not None
+                and reads.admitting
+                and reads.waiting_on_submit
+                and not stuck
+            ):
                 # Wait for an item to be published (it stays in the list), then move it.
                 reads.wait(self.config.block_ms)
                 if reads.waiting_on_submit:

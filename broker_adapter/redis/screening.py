@@ -242,7 +242,13 @@ end
 local function admit(keys, a)
   local admitted, refused, taken, err = 0, {}, 0, ''
   for _ = 1, a.admit do
-    local item = redis.call('LPOP', keys[3])
+    local item = redis.pcall('LPOP', keys[3])
+    if type(item) == 'table' and item.err then
+      -- A key of another type is reported; a refused right stops the call.
+      if not string.find(item.err, 'WRONGTYPE', 1, true) then error(item) end
+      err = item.err
+      break
+    end
     if not item then break end
     taken = taken + #item
     local fields, reason, detail = item_fields(item, a)
@@ -262,7 +268,8 @@ local function admit(keys, a)
     end
     if taken >= a.budget then break end
   end
-  local more = redis.call('LLEN', keys[3]) > 0 and 1 or 0
+  local left = redis.pcall('LLEN', keys[3])
+  local more = (type(left) == 'number' and left > 0) and 1 or 0
   return {admitted, refused, more, err}
 end
 

@@ -27,11 +27,18 @@ from broker_adapter.protocol.deadletter import UNTRUSTED_COPY_BYTES
 from broker_adapter.protocol.keys import Keys
 from broker_adapter.protocol.signing import Keyring
 from broker_adapter.redis.client import connect
+from broker_adapter.redis.repair import repair_stream
 from broker_adapter.stages.ingest import Ingestor
 from broker_adapter.stages.ingest_config import IngestConfig
 from broker_adapter.store import TaskStore, open_database
 from tests.support.cli import cli_env, count_rows, wait_for
-from tests.support.ingest_script import KEYRING, envelope, real_deadline, write_keyring
+from tests.support.ingest_script import (
+    KEYRING,
+    envelope,
+    real_deadline,
+    task_counts,
+    write_keyring,
+)
 from tests.support.redis_server import RedisServer, require_binary
 
 pytestmark = pytest.mark.integration
@@ -251,3 +258,28 @@ def test_an_idle_ingest_wakes_up_on_a_push_to_its_submit_list(
     assert not stepping.is_alive()
     assert handled == [1]
     assert time.monotonic() - started < 10  # not the 30-second wait
+
+
+def test_an_item_that_cannot_be_added_waits_in_its_list_and_the_ingest_goes_on(
+    server: RedisServer, tmp_path: Path, prefix: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A stream at the largest id (a user with ``+xadd``): the item goes back to the head of
+    its list (one alarm, no loss, the ingest keeps running), and is added after the repair."""
+    keys, client = Keys(prefix), connect(server.url)
+    tasks = TaskStore(open_database(tmp_path / "inbox.db"), FakeClock())
+    config = IngestConfig(prefix=prefix, consumer="ingest-stuck-0", block_ms=20)
+    ingestor = Ingestor(config, client, tasks, Keyring(KEYRING))
+    client.xadd(keys.inbound(), {"v": "1"}, id=MAX_ID)
+    pub = Publisher(client, keys, "alice", Keyring(KEYRING))
+    pub.publish(envelope("waits", deadline=real_deadline()))
+    for _ in range(4):
+        ingestor.step()  # the poisoned entry is dead-lettered; the item cannot be added
+    assert client.llen(keys.submit()) == 1  # back at the head, not lost
+    alarms = [r for r in caplog.records if "cannot add entries" in r.getMessage()]
+    assert len(alarms) == 1
+    (server_s, _) = cast(Any, client).time()
+    repair_stream(client, keys.inbound(), server_ms=server_s * 1000)
+    for _ in range(3):
+        ingestor.step()
+    assert client.llen(keys.submit()) == 0
+    assert task_counts(tasks) == {("alice", "waits"): 1}
