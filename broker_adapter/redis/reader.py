@@ -46,11 +46,12 @@ from broker_adapter.config import DEFAULT_CLAIM_MIN_IDLE_MS, ConfigModel
 from broker_adapter.errors import BrokerAdapterError, GroupMissingError, RedisUnavailable
 from broker_adapter.protocol.deadletter import UNTRUSTED_COPY_BYTES
 from broker_adapter.redis import cluster
+from broker_adapter.redis.admission import Admitted
 from broker_adapter.redis.client import text, translated
 from broker_adapter.redis.dead_lettering import DeadLetterWriter
 from broker_adapter.redis.entry import StreamEntry
 from broker_adapter.redis.internals import discard, exchange, read_ahead, send_ahead
-from broker_adapter.redis.screening import Admitted, Screened, ScreenedReads, ScreenLimits
+from broker_adapter.redis.screening import Screened, ScreenedReads, ScreenLimits
 
 #: The most entries one read may ask for (``count``).
 MAX_COUNT = 10_000

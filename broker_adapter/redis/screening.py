@@ -30,6 +30,10 @@ block: when a screened read of new entries finds nothing, the reader blocks with
 deployment's ``client-query-buffer-limit`` and ``proto-max-bulk-len`` bound that entry
 (docs/OPERATIONS.md, "Redis memory and entry size").
 
+A read of new entries of an inbound stream also moves the stream's submit list into it
+first, in the same call (``admission``); an idle reader of such a stream waits on the list
+(``wait``: ``BLMOVE <list> <list> RIGHT RIGHT`` leaves the item where it was).
+
 When the function cannot be called (a user without ``+fcall``, a Redis before 7.0, a
 function that is not loaded and the user may not load it) the reader falls back to plain
 reads of ONE entry each, measured in the process, and logs an alarm; it tries the function
@@ -47,6 +51,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from broker_adapter.errors import BrokerAdapterError, GroupMissingError, TransientError
+from broker_adapter.redis.admission import (
+    ADMIT_LUA,
+    ITEM_EXPANSION,
+    Admitted,
+    admission_refused,
+    parse_admitted,
+    wait_for_item,
+)
 from broker_adapter.redis.client import text, translated
 from broker_adapter.redis.entry import StreamEntry
 from broker_adapter.redis.internals import exchange, reply_entries, stream_entries
@@ -61,9 +73,6 @@ READ_FUNCTION = "ba_screen_read_1"
 CLAIM_FUNCTION = "ba_screen_claim_1"
 #: A reader in fallback mode tries the function again after this many reads.
 RETRY_EVERY_READS = 256
-#: A submit-list item may be this many times ``max_bytes`` long before it is refused
-#: unparsed: JSON's longest escape (``\u0000``) writes one byte as six.
-ITEM_EXPANSION = 6
 
 #: The library (Lua). Both functions take KEYS[1] the stream, KEYS[2] its dead-letter
 #: stream, and ARGV: 1 group, 2 consumer, 3 count, 4 max_fields, 5 max_bytes, 6 budget,
@@ -179,100 +188,7 @@ local function screen(keys, a, st, entry)
   return st.seen < a.budget
 end
 
--- The fields of a submit-list item (a JSON array of an even number of strings: names and
--- values), or nil, the reason and a detail.
-local function item_fields(item, a)
-  if #item > a.item_bytes then
-    return nil, 'oversize', 'item is ' .. #item .. ' bytes, limit ' .. a.item_bytes
-  end
-  local ok, fields = pcall(cjson.decode, item)
-  if not ok or type(fields) ~= 'table' or #fields < 2 or #fields % 2 ~= 0 then
-    return nil, 'bad_item', 'not a JSON array of an even number of strings'
-  end
-  for i = 1, #fields do
-    if type(fields[i]) ~= 'string' then
-      return nil, 'bad_item', 'element ' .. i .. ' is not a string'
-    end
-  end
-  local n = #fields / 2
-  if n > a.max_fields then
-    return fields, 'too_many_fields', 'entry has ' .. n .. ' fields, limit ' .. a.max_fields
-  end
-  local size = measure(fields)
-  if size > a.max_bytes then
-    return fields, 'oversize', 'entry is ' .. size .. ' bytes, limit ' .. a.max_bytes
-  end
-  return fields, nil, nil
-end
-
--- The dead letter of a refused submit-list item (never added to the stream): notes and a
--- bounded prefix of its fields (or of the item itself when it has none). Returns false
--- when neither it nor a minimal one could be written.
-local function refuse_item(keys, a, item, fields, reason, detail)
-  local notes = {'dl.reason', reason, 'dl.detail', detail, 'dl.source', keys[1],
-                 'dl.entry_id', '', 'dl.deliveries', '0', 'dl.group', a.group,
-                 'dl.consumer', a.consumer, 'dl.field', '', 'dl.submit', keys[3]}
-  local copy, copied
-  if fields and reason ~= 'bad_item' then
-    copy, copied = prefix_copy(fields, a.max_fields, a.copy_bytes)
-  else
-    copy, copied = prefix_copy({'item', item}, 1, a.copy_bytes)
-  end
-  local out = {}
-  for i = 1, #notes do out[#out + 1] = notes[i] end
-  out[#out + 1] = 'dl.truncated'
-  out[#out + 1] = 'copied ' .. copied .. ' of ' .. #item .. ' bytes of the item, ' ..
-    'removed from ' .. keys[3]
-  for i = 1, #copy do out[#out + 1] = copy[i] end
-  local r = redis.pcall('XADD', keys[2], '*', unpack(out))
-  if type(r) == 'table' and r.err then
-    r = redis.pcall('XADD', keys[2], '*', 'dl.reason', 'internal_error',
-                    'dl.failed_reason', reason, 'dl.detail', 'the ' .. reason ..
-                    ' dead letter failed: ' .. tostring(r.err), 'dl.field', '',
-                    'dl.source', keys[1], 'dl.entry_id', '', 'dl.submit', keys[3])
-    if type(r) == 'table' and r.err then return false end
-  end
-  return true
-end
-
--- Move up to a.admit items of the submit list KEYS[3] into the stream KEYS[1] (XADD with
--- '*': the server picks the id), the refused ones into KEYS[2] instead, stopping once
--- a.budget bytes of items were taken. An item whose XADD fails goes back to the head.
--- Returns {admitted, refused reasons, more left, error or ''}.
-local function admit(keys, a)
-  local admitted, refused, taken, err = 0, {}, 0, ''
-  for _ = 1, a.admit do
-    local item = redis.pcall('LPOP', keys[3])
-    if type(item) == 'table' and item.err then
-      -- A key of another type is reported; a refused right stops the call.
-      if not string.find(item.err, 'WRONGTYPE', 1, true) then error(item) end
-      err = item.err
-      break
-    end
-    if not item then break end
-    taken = taken + #item
-    local fields, reason, detail = item_fields(item, a)
-    if reason then
-      if not refuse_item(keys, a, item, fields, reason, detail) then
-        reason = 'dropped:' .. reason  -- not even a minimal dead letter: the reader alarms
-      end
-      refused[#refused + 1] = reason
-    else
-      local r = redis.pcall('XADD', keys[1], '*', unpack(fields))
-      if type(r) == 'table' and r.err then
-        redis.call('LPUSH', keys[3], item)
-        err = tostring(r.err)
-        break
-      end
-      admitted = admitted + 1
-    end
-    if taken >= a.budget then break end
-  end
-  local left = redis.pcall('LLEN', keys[3])
-  local more = (type(left) == 'number' and left > 0) and 1 or 0
-  return {admitted, refused, more, err}
-end
-
+-- (admit: the submit list, ADMIT_LUA of redis.admission)
 local function read(keys, argv)
   local a = args(argv)
   local start = argv[9]
@@ -325,7 +241,7 @@ redis.register_function{function_name = 'ba_screen_read_1', callback = read,
                         flags = {'allow-oom'}}
 redis.register_function{function_name = 'ba_screen_claim_1', callback = claim,
                         flags = {'allow-oom'}}
-"""
+""".replace("-- (admit: the submit list, ADMIT_LUA of redis.admission)\n", ADMIT_LUA)
 
 
 @dataclass(frozen=True)
@@ -372,24 +288,6 @@ class Screened:
     cursor: str = ""
     deleted: Sequence[str] = ()
     admitted: Admitted | None = None
-
-
-@dataclass(frozen=True)
-class Admitted:
-    """What a read moved from the submit list into its stream before reading.
-
-    Attributes:
-        count: items added to the stream.
-        refused: the reason of each item dead-lettered instead (``dropped:<reason>``:
-            not even a minimal dead letter could be written).
-        more: items are still waiting in the list.
-        error: why the last item could not be added (it went back to the head), or ``""``.
-    """
-
-    count: int
-    refused: list[str]
-    more: bool
-    error: str
 
 
 def _limit_args(limits: ScreenLimits) -> list[int]:
@@ -454,10 +352,7 @@ def load_command() -> tuple[Any, ...]:
 def parse(reply: Any) -> Screened:
     """The ``Screened`` of a raw (RESP2) reply of either function."""
     cursor, left, items, refused, deleted, *rest = reply
-    admitted = None
-    if rest and rest[0]:
-        count, reasons, more, error = rest[0]
-        admitted = Admitted(int(count), [text(r) for r in reasons or ()], bool(more), text(error))
+    admitted = parse_admitted(rest[0]) if rest else None
     return Screened(
         entries=stream_entries(items),
         refused=[(text(r[0]), text(r[1])) for r in refused or ()],
@@ -478,13 +373,6 @@ def is_unavailable(exc: BaseException) -> bool:
     ``+fcall`` or ``+function|load``, or a Redis before 7.0): read without it."""
     said = str(exc).lower()  # redis-py drops the NOPERM code word from its message
     return any(w in said for w in ("noperm", "no permissions", "unknown command"))
-
-
-def _admission_refused(exc: BaseException) -> bool:
-    """Whether a read that moves a submit list was refused for want of a right (a command
-    refused inside the function: "The user executing the script can't run this command")."""
-    said = str(exc).lower()
-    return is_unavailable(exc) or "user executing the script can't" in said
 
 
 class ScreenedReads:
@@ -581,33 +469,10 @@ class ScreenedReads:
         return Screened(entries=reply_entries(reply), refused=[], left=False)
 
     def wait(self, block_ms: int) -> None:
-        """Wait up to ``block_ms`` for an item in the submit list, without taking it:
-        ``BLMOVE <list> <list> RIGHT RIGHT`` puts the last item back where it was (nothing
-        leaves Redis, the order stays); it returns at once when the list holds one. The
-        reply is that item: ONE item this reader did not measure, bounded by the server's
-        ``proto-max-bulk-len`` like the plain blocking read's entry.
-
-        Raises:
-            RedisUnavailable: the call failed.
-        """
+        """Wait up to ``block_ms`` for an item in the submit list, without taking it
+        (``admission.wait_for_item``); a user without ``+blmove`` turns it off."""
         assert self.submit is not None
-        command = ("BLMOVE", self.submit, self.submit, "RIGHT", "RIGHT", f"{block_ms / 1000:.3f}")
-        try:
-            with translated():
-                exchange(self.client, [command], raw=True)
-        except TransientError:
-            raise
-        except BrokerAdapterError as exc:
-            if not is_unavailable(exc):
-                raise
-            self.log.error(
-                "ALARM: cannot wait on %s (%s): an idle reader waits on %s instead, and "
-                "wakes up for published entries only after block_ms. Grant the reader's "
-                "Redis user +blmove (docs/PROTOCOL.md section 9)",
-                self.submit,
-                exc,
-                self.stream,
-            )
+        if not wait_for_item(self.client, self.submit, block_ms, self.stream, self.log):
             self.waiting_on_submit = False
 
     def claim(self, cursor: str, min_idle_ms: int) -> Screened:
@@ -681,7 +546,7 @@ class ScreenedReads:
         except BrokerAdapterError as exc:
             if command[0] != "FCALL":
                 raise
-            if len(command) > 2 and command[2] == 3 and _admission_refused(exc):
+            if len(command) > 2 and command[2] == 3 and admission_refused(exc):
                 return self._call(self._stop_admitting(exc, fallback), fallback)
             reply = self._load_and_call(command, exc)
             if reply is None:
@@ -746,6 +611,9 @@ class ScreenedReads:
         is at fault, the next plain read finds out again (and loads it)."""
         if is_missing(exc) or is_unavailable(exc):
             self.screening = None
+        elif self.admitting and admission_refused(exc):
+            self._stop_admitting(exc, lambda: ())
+            self.screening = None  # the caller reads again, plainly, and goes on
 
     def _maybe_retry(self) -> None:
         if self.submit is not None and not (self.admitting and self.waiting_on_submit):
