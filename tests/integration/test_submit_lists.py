@@ -28,6 +28,7 @@ from broker_adapter.protocol.keys import Keys
 from broker_adapter.protocol.signing import Keyring
 from broker_adapter.redis.client import connect
 from broker_adapter.redis.repair import repair_stream
+from broker_adapter.redis.screening import SOURCE
 from broker_adapter.stages.ingest import Ingestor
 from broker_adapter.stages.ingest_config import IngestConfig
 from broker_adapter.store import TaskStore, open_database
@@ -283,3 +284,23 @@ def test_an_item_that_cannot_be_added_waits_in_its_list_and_the_ingest_goes_on(
         ingestor.step()
     assert client.llen(keys.submit()) == 0
     assert task_counts(tasks) == {("alice", "waits"): 1}
+
+
+def test_a_screening_library_without_admission_loaded_by_an_older_release_is_replaced(
+    server: RedisServer, tmp_path: Path, prefix: str
+) -> None:
+    """An older adapter sharing the server loaded ``ba_screen_1`` without admission: the
+    first read that finds its reply short loads this one, and the published item moves."""
+    keys, client = Keys(prefix), connect(server.url)
+    start = SOURCE.index("  if keys[3] then")
+    older = SOURCE[:start] + SOURCE[SOURCE.index("  local st = {", start) :]
+    older = older.replace("{}, admitted}", "{}}")
+    client.execute_command("FUNCTION", "LOAD", "REPLACE", older)  # type: ignore[no-untyped-call]
+    tasks = TaskStore(open_database(tmp_path / "inbox.db"), FakeClock())
+    config = IngestConfig(prefix=prefix, consumer="ingest-old-0", block_ms=20)
+    ingestor = Ingestor(config, client, tasks, Keyring(KEYRING))
+    Publisher(client, keys, "alice", Keyring(KEYRING)).publish(envelope("moved"))
+    for _ in range(3):
+        ingestor.step()
+    assert client.llen(keys.submit()) == 0
+    assert task_counts(tasks) == {("alice", "moved"): 1}
