@@ -58,6 +58,7 @@ import async_handlers
 import common
 from common import KEYRING, PRINCIPAL, ROOT
 
+from broker_adapter.client.publisher import submit_item
 from broker_adapter.protocol.keys import Keys
 from broker_adapter.protocol.reply import Reply
 from broker_adapter.redis.client import connect
@@ -75,9 +76,10 @@ log = logging.getLogger("bench")
 
 
 def child_publish(args: argparse.Namespace) -> int:
-    """An agent: publish ``--count`` signed envelopes, pipelined, or paced at ``--rate``."""
+    """An agent: publish ``--count`` signed envelopes to the submit list, pipelined, or paced
+    at ``--rate``."""
     client = connect(args.redis)
-    stream = Keys(args.prefix).inbound()
+    submit = Keys(args.prefix).submit()
     sent = 0
     start = time.time()
     if args.rate > 0:
@@ -88,14 +90,14 @@ def child_publish(args: argparse.Namespace) -> int:
             if delay > 0:
                 time.sleep(delay)  # pacing an offered load, not waiting for a result
             fields = KEYRING.sign(common.envelope(i, time.time(), args.tag, args.deadline_in))
-            client.xadd(stream, fields)  # type: ignore[arg-type]
+            client.rpush(submit, submit_item(fields))
             sent += 1
     else:
         for lo in range(0, args.count, PUBLISH_BATCH):
             pipe = client.pipeline(transaction=False)
             for i in range(lo, min(lo + PUBLISH_BATCH, args.count)):
                 env = common.envelope(i, time.time(), args.tag, args.deadline_in)
-                pipe.xadd(stream, KEYRING.sign(env))  # type: ignore[arg-type]
+                pipe.rpush(submit, submit_item(KEYRING.sign(env)))
             pipe.execute()
             sent = min(lo + PUBLISH_BATCH, args.count)
     print(json.dumps({"sent": sent, "start": start, "end": time.time()}), flush=True)

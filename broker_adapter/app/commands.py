@@ -113,11 +113,11 @@ def cmd_publish(args: argparse.Namespace) -> int:
         key_id=args.key_id,
         partitions=args.partitions,
     )
-    entry_id = publisher.publish(envelope)
+    publisher.publish(envelope)
     _print_json(
         {
             "stream": publisher.stream,
-            "entry_id": entry_id,
+            "submit": publisher.submit,
             "principal": args.principal,
             "message_id": args.message_id,
             "fingerprint": envelope.fingerprint(),

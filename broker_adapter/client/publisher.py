@@ -1,4 +1,6 @@
-"""The agent side of the inbound protocol: sign an envelope and XADD it to the inbound stream.
+"""The agent side of the inbound protocol: sign an envelope and RPUSH it to the inbound
+stream's submit list, from which the adapter adds it to the stream (``XADD`` with ``*``: an
+agent never chooses a stream id, docs/PROTOCOL.md section 3).
 
 Invariant kept: a request's identity is (principal, ``message_id``), fixed by the sender
 and unchanged across resends (``docs/RULES.md`` rule 1). Publishing the same envelope twice is
@@ -6,37 +8,47 @@ therefore safe: the ingest's inbox answers the second copy as a duplicate of the
 
 Crash and fault behaviour: the client must not re-send commands by itself (use
 ``redis.client.connect`` / ``connect_async``, which set ``Retry(NoBackoff(), 0)``), because a
-library retry after a lost reply appends a second entry without the caller knowing. A failed
-publish raises ``RedisUnavailable``, which means *maybe published*: the entry may or may not
-be in the stream. The agent then retries with the SAME envelope (same ``message_id``, same
+library retry after a lost reply appends a second item without the caller knowing. A failed
+publish raises ``RedisUnavailable``, which means *maybe published*: the item may or may not
+be in the list. The agent then retries with the SAME envelope (same ``message_id``, same
 content); the inbox turns any extra copy into a duplicate. A publisher that crashes before
-it saw an entry id must do the same after it restarts. Never publish the retry under a new
-``message_id``: that is a second request.
-
-Entries are never trimmed here (no MAXLEN): trimming can delete entries the ingest has not
-read yet, which would lose them.
+its RPUSH was answered must do the same after it restarts. Never publish the retry under a
+new ``message_id``: that is a second request.
 
 Modes:
 
-* signed (a ``Keyring`` is given): the entry goes to the shared stream ``keys.inbound()`` with
-  ``v``, ``env``, ``kid`` and ``sig`` (see ``protocol.signing`` and ``docs/PROTOCOL.md``);
-* ACL (``keyring=None``): the entry goes to the principal's own stream
-  ``keys.inbound(principal)`` with only ``v`` and ``env``; Redis ACLs must let this
-  connection's user write only that stream.
+* signed (a ``Keyring`` is given): the entry goes to the shared stream's submit list
+  ``keys.submit()`` (or its partition's) with ``v``, ``env``, ``kid`` and ``sig`` (see
+  ``protocol.signing`` and ``docs/PROTOCOL.md``);
+* ACL (``keyring=None``): the entry goes to the principal's own submit list
+  ``keys.submit(principal)`` with only ``v`` and ``env``; Redis ACLs must let this
+  connection's user write only that list.
 """
 
 from __future__ import annotations
 
+import json
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Protocol
 
 from broker_adapter.errors import AuthError, ConfigError, EnvelopeError
 from broker_adapter.protocol.envelope import Envelope, check_principal
 from broker_adapter.protocol.keys import Keys, partition_of
 from broker_adapter.protocol.signing import Keyring, unsigned_fields
-from broker_adapter.redis.client import text, translated
+from broker_adapter.redis.client import translated
 
 if TYPE_CHECKING:
     from broker_adapter.redis.client import AsyncRedis, Redis
+
+
+def submit_item(fields: Mapping[str, bytes] | Mapping[bytes, bytes]) -> bytes:
+    """The submit-list item of an entry's ``fields``: a JSON array of its names and values,
+    in order, each a string (docs/PROTOCOL.md section 3). Values are UTF-8 text (the
+    envelope is canonical JSON, the others ASCII)."""
+    flat: list[str] = []
+    for name, value in fields.items():
+        flat += [name if isinstance(name, str) else name.decode(), value.decode()]
+    return json.dumps(flat, ensure_ascii=False, separators=(",", ":")).encode()
 
 
 class ChainLink(Protocol):
@@ -87,6 +99,7 @@ class _Signer:
                 raise ConfigError("key_id needs a keyring (ACL mode sends no signature)")
             self.key_id: str | None = None
             self.stream = keys.inbound(principal)
+            self.submit = keys.submit(principal)
         else:
             kids = keyring.key_ids(principal)
             if not kids:
@@ -95,6 +108,7 @@ class _Signer:
                 raise ConfigError(f"principal {principal!r} has no key {key_id!r}")
             self.key_id = key_id or kids[0]
             self.stream = keys.inbound_partition(partition_of(principal, partitions))
+            self.submit = keys.submit_for(self.stream)
 
     def fields(self, envelope: Envelope, traceparent: str | None = None) -> dict[str, bytes]:
         """The entry fields for ``envelope`` (signed unless in ACL mode), with its
@@ -150,8 +164,13 @@ class Publisher:
 
     @property
     def stream(self) -> str:
-        """The stream this publisher writes to."""
+        """The stream this publisher's entries go to."""
         return self._signer.stream
+
+    @property
+    def submit(self) -> str:
+        """The submit list this publisher writes to (the adapter moves it into ``stream``)."""
+        return self._signer.submit
 
     def publish(
         self,
@@ -160,7 +179,7 @@ class Publisher:
         traceparent: str | None = None,
         parent: ChainLink | None = None,
     ) -> str:
-        """XADD ``envelope`` to the inbound stream.
+        """RPUSH ``envelope`` to the inbound stream's submit list.
 
         Args:
             envelope: the request.
@@ -172,8 +191,9 @@ class Publisher:
                 the request's content: a resend in another trace is still a duplicate.
 
         Returns:
-            the stream entry id Redis assigned. It is *not* the request's identity (that is
-            the ``message_id``) and it means only "Redis has the entry", not "done".
+            the envelope's ``message_id`` (with ``parent``, of the chained envelope):
+            returning means only "Redis has the request", not "done". The stream entry id
+            is chosen later, by the adapter, when it adds the entry to the stream.
 
         Raises:
             AuthError: ``envelope.sender`` is not this publisher's principal.
@@ -185,8 +205,8 @@ class Publisher:
             envelope = chained(envelope, parent)
         fields = self._signer.fields(envelope, traceparent)
         with translated():
-            entry_id = self.client.xadd(self._signer.stream, fields)  # type: ignore[arg-type]
-        return text(entry_id)
+            self.client.rpush(self._signer.submit, submit_item(fields))
+        return envelope.message_id
 
 
 class AsyncPublisher:
@@ -219,6 +239,10 @@ class AsyncPublisher:
     def stream(self) -> str:
         return self._signer.stream
 
+    @property
+    def submit(self) -> str:
+        return self._signer.submit
+
     async def publish(
         self,
         envelope: Envelope,
@@ -226,15 +250,15 @@ class AsyncPublisher:
         traceparent: str | None = None,
         parent: ChainLink | None = None,
     ) -> str:
-        """XADD ``envelope`` (in trace ``traceparent``, for task ``parent``, if given); see
+        """RPUSH ``envelope`` (in trace ``traceparent``, for task ``parent``, if given); see
         ``Publisher.publish`` (``RedisUnavailable`` = maybe published).
 
         Returns:
-            the stream entry id.
+            the envelope's ``message_id``.
         """
         if parent is not None:
             envelope = chained(envelope, parent)
         fields = self._signer.fields(envelope, traceparent)
         with translated():
-            entry_id = await self.client.xadd(self._signer.stream, fields)  # type: ignore[arg-type]
-        return text(entry_id)
+            await self.client.rpush(self._signer.submit, submit_item(fields))
+        return envelope.message_id

@@ -9,6 +9,10 @@ key                             what it holds
 ``{p}:{in#K}:dead``             dead letters of partition K
 ``{p}:{in.P}:tasks``            inbound task stream of principal P (ACL mode)
 ``{p}:{in}:dead``               dead letters of the shared inbound stream
+``{p}:{in}:submit``             submit list of the shared inbound stream: what agents
+                                publish (RPUSH); the adapter moves it into the stream
+``{p}:{in#K}:submit``           submit list of partition K
+``{p}:{in.P}:submit``           submit list of P's inbound stream (ACL mode)
 ``{p}:{in.P}:dead``             dead letters of P's inbound stream
 ``{p}:{out.P}:replies``         replies addressed to principal P
 ``{p}:{out.P}:dead``            replies P's receiver refused (content conflicts, poison)
@@ -93,6 +97,22 @@ class Keys:
 
     def inbound_dead(self, principal: str | None = None) -> str:
         return f"{self.prefix}:{{{self._in_tag(principal)}}}:dead"
+
+    def submit(self, principal: str | None = None) -> str:
+        """The submit list of ``inbound(principal)``: agents RPUSH entries there and the
+        adapter adds them to the stream with ``*`` (``redis.screening``)."""
+        return f"{self.prefix}:{{{self._in_tag(principal)}}}:submit"
+
+    def submit_partition(self, partition: int) -> str:
+        """The submit list of inbound partition ``partition``."""
+        return self.submit_for(self.inbound_partition(partition))
+
+    def submit_for(self, stream: str) -> str:
+        """The submit list that goes with the inbound ``stream`` (same hash tag)."""
+        head, sep, _ = stream.rpartition(":")
+        if not sep:
+            raise ValueError(f"not a broker_adapter stream key: {stream!r}")
+        return f"{head}:submit"
 
     def inbound_partition(self, partition: int) -> str:
         """Inbound partition ``partition`` of the shared stream (0 is ``inbound()``)."""

@@ -24,6 +24,12 @@ Delivery discipline:
   entries, entries delivered more than ``max_deliveries`` times, too many fields or bytes
   (a plain read's), and a repeated field name (``duplicate_field``). Each is moved to the
   dead-letter stream with its reason and acknowledged (``dead_lettering``).
+* A stream with a submit list (inbound streams: agents RPUSH there, they never XADD) has
+  each read of new entries move the list's items into the stream first, inside the same
+  function call (``screening``: XADD with ``*``, the server picks every id; malformed and
+  oversize items are dead-lettered instead). An idle reader waits on the list
+  (``BLMOVE``, which leaves the item in place) for at most ``block_ms``, then reads again,
+  so entries added to the stream directly are read too.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ from broker_adapter.config import DEFAULT_CLAIM_MIN_IDLE_MS, ConfigModel, settin
 from broker_adapter.errors import BrokerAdapterError, GroupMissingError, RedisUnavailable
 from broker_adapter.protocol.deadletter import UNTRUSTED_COPY_BYTES
 from broker_adapter.redis import cluster
+from broker_adapter.redis.admission import Admitted
 from broker_adapter.redis.client import text, translated
 from broker_adapter.redis.dead_lettering import DeadLetterWriter
 from broker_adapter.redis.entry import StreamEntry
@@ -148,6 +155,8 @@ class ReaderStats:
     dead_letter_failures: int = 0
     #: Dead letters trimmed because their stream was at its cap.
     dead_letters_capped: int = 0
+    #: Items moved from the submit list into the stream.
+    admitted: int = 0
     by_reason: dict[str, int] = field(default_factory=dict)
 
 
@@ -162,6 +171,8 @@ class GroupReader:
         dead_stream: where poison and deleted entries go (same hash tag as ``stream``).
         config: batch sizes and limits.
         logger: where alarms go.
+        submit: the stream's submit list (same hash tag), moved into the stream by every
+            read of new entries and waited on when idle; None: the stream has none.
     """
 
     def __init__(
@@ -173,6 +184,8 @@ class GroupReader:
         dead_stream: str,
         config: ReaderConfig | None = None,
         logger: logging.Logger | None = None,
+        *,
+        submit: str | None = None,
     ) -> None:
         self.client = client
         self.stream = stream
@@ -204,7 +217,11 @@ class GroupReader:
             copy_bytes=min(cfg.max_entry_bytes, UNTRUSTED_COPY_BYTES),  # refused unread
             max_deliveries=cfg.max_deliveries,
         )
-        self.reads = ScreenedReads(client, stream, dead_stream, group, consumer, limits, self.log)
+        self.reads = ScreenedReads(
+            client, stream, dead_stream, group, consumer, limits, self.log, submit
+        )
+        #: The last admission error logged (one alarm per error, not one per read).
+        self._admit_error = ""
 
     # -- group ----------------------------------------------------------------------------
 
@@ -290,10 +307,24 @@ class GroupReader:
             self.stats.replayed += len(entries)
             return self._with_deliveries(entries) if entries else []
         done = self._screened(self.reads.read(">"))
-        if not done.entries and not done.refused and not done.left and block:
+        admitted = done.admitted
+        more = admitted is not None and admitted.more and not admitted.error
+        if not done.entries and not done.refused and not done.left and block and not more:
+            reads = self.reads
+            stuck = admitted is not None and bool(admitted.error)  # nothing to wait on
+            if (
+                reads.submit is not None
+                and reads.admitting
+                and reads.waiting_on_submit
+                and not stuck
+            ):
+                # Wait for an item to be published (it stays in the list), then move it.
+                reads.wait(self.config.block_ms)
+                if reads.waiting_on_submit:
+                    return self._counted(self._screened(reads.read(">")))
             # Nothing new: wait for an entry. A function cannot block, so this read is a
             # plain one, of ONE entry (measured by ``_screen`` once it is here).
-            done = self.reads.read(">", block_ms=self.config.block_ms)
+            done = reads.read(">", block_ms=self.config.block_ms)
         return self._counted(done)
 
     def _screened(self, done: Screened) -> Screened:
@@ -307,12 +338,49 @@ class GroupReader:
             )
         if done.left:
             self._replaying = True
+        if done.admitted is not None:
+            self._admission(done.admitted)
         return done
+
+    def _admission(self, admitted: Admitted) -> None:
+        """Count and log what a read moved from the submit list (or refused there)."""
+        self.stats.admitted += admitted.count
+        for reason in admitted.refused:
+            dropped = reason.startswith("dropped:")
+            reason = reason.removeprefix("dropped:")
+            self.stats.dead_lettered += 1
+            self.stats.by_reason[reason] = self.stats.by_reason.get(reason, 0) + 1
+            if dropped:
+                self.stats.dead_letter_failures += 1
+                self.log.error(
+                    "ALARM: an item of %s was refused (%s) and no dead letter could be "
+                    "written to %s: it is gone",
+                    self.reads.submit,
+                    reason,
+                    self.dead_stream,
+                )
+            else:
+                self.log.warning(
+                    "dead-lettered an item of %s: %s (screened in Redis)", self.reads.submit, reason
+                )
+        if admitted.error and admitted.error != self._admit_error:
+            self.log.error(
+                "ALARM: cannot add entries of %s to %s (%s): they wait in the list "
+                '(docs/OPERATIONS.md, "A stream with ids in the future")',
+                self.reads.submit,
+                self.stream,
+                admitted.error,
+            )
+        self._admit_error = admitted.error
 
     def _counted(self, done: Screened) -> list[StreamEntry]:
         """The entries of a read of new ones (``_full`` notes whether more are waiting)."""
         self.stats.read += len(done.entries)
-        self._full = done.left or len(done.entries) + len(done.refused) >= self.config.count
+        self._full = (
+            done.left
+            or len(done.entries) + len(done.refused) >= self.config.count
+            or (done.admitted is not None and done.admitted.more and not done.admitted.error)
+        )
         return done.entries
 
     # -- reading ahead ----------------------------------------------------------------------

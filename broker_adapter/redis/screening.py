@@ -29,6 +29,10 @@ block: when a screened read of new entries finds nothing, the reader blocks with
 deployment's ``client-query-buffer-limit`` and ``proto-max-bulk-len`` bound that entry
 (docs/OPERATIONS.md, "Redis memory and entry size").
 
+A read of new entries of an inbound stream also moves the stream's submit list into it
+first, in the same call (``admission``); an idle reader of such a stream waits on the list
+(``wait``: ``BLMOVE <list> <list> RIGHT RIGHT`` leaves the item where it was).
+
 When the function cannot be called (a user without ``+fcall``, a Redis before 7.0, a
 function that is not loaded and the user may not load it) the reader falls back to plain
 reads of ONE entry each, measured in the process, and logs an alarm; it tries the function
@@ -46,6 +50,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from broker_adapter.errors import BrokerAdapterError, GroupMissingError, TransientError
+from broker_adapter.redis.admission import (
+    ADMIT_LUA,
+    ITEM_EXPANSION,
+    Admitted,
+    admission_refused,
+    parse_admitted,
+    wait_for_item,
+)
 from broker_adapter.redis.client import text, translated
 from broker_adapter.redis.entry import StreamEntry
 from broker_adapter.redis.internals import exchange, reply_entries, stream_entries
@@ -70,12 +82,36 @@ RETRY_EVERY_READS = 256
 #: delivered but not returned (the budget was spent), ``entries`` as XREADGROUP returns
 #: them, ``refused`` ``{id, reason, detail}`` per entry dead-lettered here, ``deleted`` the
 #: ids XAUTOCLAIM found deleted.
+#:
+#: The read takes an optional KEYS[3], the stream's submit list, with ARGV 10 the most
+#: items to move and 11 the most bytes of one item: before reading, it moves items from
+#: the list into the stream (``admit``: XADD with ``*``; an item that is not a JSON array
+#: of an even number of strings, has too many fields or bytes is dead-lettered instead,
+#: with a bounded prefix copy) and adds a sixth element to its reply,
+#: ``{admitted, refused reasons, more, error}``. Commands inside: LPOP, LPUSH (an item
+#: whose XADD failed goes back), LLEN on KEYS[3], XADD on KEYS[1] and KEYS[2].
 SOURCE = r"""#!lua name=ba_screen_1
 
 local function measure(fields)
   local size = 0
   for i = 1, #fields do size = size + #fields[i] end
   return size
+end
+
+-- A bounded prefix of flat name/value pairs: {orig.<name>, value, ...}, and the bytes copied.
+local function prefix_copy(fields, max_fields, copy_bytes)
+  local copy = {}
+  local room = copy_bytes
+  local last = math.min(#fields - 1, 2 * max_fields)
+  for i = 1, last, 2 do
+    if room <= 0 then break end
+    local name = string.sub(fields[i], 1, room)
+    local value = string.sub(fields[i + 1], 1, room - #name)
+    room = room - #name - #value
+    copy[#copy + 1] = 'orig.' .. name
+    copy[#copy + 1] = value
+  end
+  return copy, copy_bytes - room
 end
 
 -- The dead letter of an entry refused here: notes, then a bounded prefix copy; then XACK.
@@ -91,20 +127,10 @@ local function refuse(stream, dead, a, id, fields, size, reason, detail)
   local out = {'dl.reason', reason, 'dl.detail', detail, 'dl.source', stream,
                'dl.entry_id', id, 'dl.deliveries', tostring(deliveries),
                'dl.group', a.group, 'dl.consumer', a.consumer, 'dl.field', ''}
-  local copy = {}
-  local room = a.copy_bytes
-  local last = math.min(#fields - 1, 2 * a.max_fields)
-  for i = 1, last, 2 do
-    if room <= 0 then break end
-    local name = string.sub(fields[i], 1, room)
-    local value = string.sub(fields[i + 1], 1, room - #name)
-    room = room - #name - #value
-    copy[#copy + 1] = 'orig.' .. name
-    copy[#copy + 1] = value
-  end
+  local copy, copied = prefix_copy(fields, a.max_fields, a.copy_bytes)
   out[#out + 1] = 'dl.truncated'
   out[#out + 1] = 'copied ' .. (#copy / 2) .. ' of ' .. math.floor(#fields / 2) ..
-    ' fields, ' .. (a.copy_bytes - room) .. ' of ' .. size .. ' bytes; the entry stays in ' ..
+    ' fields, ' .. copied .. ' of ' .. size .. ' bytes; the entry stays in ' ..
     stream .. ' under dl.entry_id until the stream is trimmed past it'
   for i = 1, #copy do out[#out + 1] = copy[i] end
   redis.call('XADD', dead, '*', unpack(out))
@@ -161,9 +187,15 @@ local function screen(keys, a, st, entry)
   return st.seen < a.budget
 end
 
+-- (admit: the submit list, ADMIT_LUA of redis.admission)
 local function read(keys, argv)
   local a = args(argv)
   local start = argv[9]
+  local admitted = nil
+  if keys[3] then
+    a.admit, a.item_bytes = tonumber(argv[10]), tonumber(argv[11])
+    admitted = admit(keys, a)
+  end
   local st = {entries = {}, refused = {}, taken = 0, seen = 0, left = 0}
   local pos = start
   local done = 0
@@ -183,7 +215,7 @@ local function read(keys, argv)
     done = done + #items
     if not go or #items < n then break end
   end
-  return {'', st.left, st.entries, st.refused, {}}
+  return {'', st.left, st.entries, st.refused, {}, admitted}
 end
 
 local function claim(keys, argv)
@@ -208,7 +240,7 @@ redis.register_function{function_name = 'ba_screen_read_1', callback = read,
                         flags = {'allow-oom'}}
 redis.register_function{function_name = 'ba_screen_claim_1', callback = claim,
                         flags = {'allow-oom'}}
-"""
+""".replace("-- (admit: the submit list, ADMIT_LUA of redis.admission)\n", ADMIT_LUA)
 
 
 @dataclass(frozen=True)
@@ -245,6 +277,8 @@ class Screened:
         left: an entry was delivered but not returned: replay the pending list next.
         cursor: the takeover's next cursor (``""`` for reads).
         deleted: ids XAUTOCLAIM found deleted (they left the pending list).
+        admitted: what the read moved from the submit list first (None: it moved
+            nothing, or had no list).
     """
 
     entries: list[StreamEntry]
@@ -252,6 +286,7 @@ class Screened:
     left: bool
     cursor: str = ""
     deleted: Sequence[str] = ()
+    admitted: Admitted | None = None
 
 
 def _limit_args(limits: ScreenLimits) -> list[int]:
@@ -266,11 +301,22 @@ def _limit_args(limits: ScreenLimits) -> list[int]:
 
 
 def read_command(
-    stream: str, dead: str, group: str, consumer: str, start: str, limits: ScreenLimits
+    stream: str,
+    dead: str,
+    group: str,
+    consumer: str,
+    start: str,
+    limits: ScreenLimits,
+    submit: str | None = None,
 ) -> tuple[Any, ...]:
     """The FCALL of a screened read of ``stream`` from ``start`` (``>``: new entries; an
-    id: this consumer's pending entries after it)."""
-    return ("FCALL", READ_FUNCTION, 2, stream, dead, group, consumer, *_limit_args(limits), start)
+    id: this consumer's pending entries after it), moving items of the ``submit`` list into
+    the stream first when one is given (at most ``count`` items, ``budget`` bytes)."""
+    args = (group, consumer, *_limit_args(limits), start)
+    if submit is None:
+        return ("FCALL", READ_FUNCTION, 2, stream, dead, *args)
+    item_bytes = ITEM_EXPANSION * limits.max_bytes
+    return ("FCALL", READ_FUNCTION, 3, stream, dead, submit, *args, limits.count, item_bytes)
 
 
 def claim_command(
@@ -304,13 +350,15 @@ def load_command() -> tuple[Any, ...]:
 
 def parse(reply: Any) -> Screened:
     """The ``Screened`` of a raw (RESP2) reply of either function."""
-    cursor, left, items, refused, deleted = reply
+    cursor, left, items, refused, deleted, *rest = reply
+    admitted = parse_admitted(rest[0]) if rest else None
     return Screened(
         entries=stream_entries(items),
         refused=[(text(r[0]), text(r[1])) for r in refused or ()],
         left=bool(int(left)),
         cursor=text(cursor),
         deleted=[text(d) for d in deleted or ()],
+        admitted=admitted,
     )
 
 
@@ -338,6 +386,8 @@ class ScreenedReads:
         consumer: the reader's consumer name.
         limits: what a read lets through.
         logger: where the fallback's alarm goes.
+        submit: the stream's submit list, whose items each read of new entries moves into
+            the stream first (``admit``), and on which an idle reader waits; None: none.
     """
 
     def __init__(
@@ -349,6 +399,7 @@ class ScreenedReads:
         consumer: str,
         limits: ScreenLimits,
         logger: logging.Logger,
+        submit: str | None = None,
     ) -> None:
         self.client = client
         self.stream = stream
@@ -362,6 +413,12 @@ class ScreenedReads:
         #: The last call's reply came from a plain read (the function could not be used).
         self.plain_reply = False
         self._unscreened_reads = 0
+        self.submit = submit
+        #: Whether reads may move the submit list (False: this user may not, see ``_call``).
+        self.admitting = submit is not None
+        #: Whether an idle reader may wait on the submit list (False: no BLMOVE right).
+        self.waiting_on_submit = submit is not None
+        self._unadmitted_reads = 0
 
     # -- commands ---------------------------------------------------------------------------
 
@@ -369,8 +426,9 @@ class ScreenedReads:
         """The command of one read from ``start`` (screened unless the function is known not
         to work, or the read blocks: a blocking read is a plain one of ONE entry)."""
         if block_ms is None and self.screening is not False:
+            submit = self.submit if self.admitting and start == ">" else None
             return read_command(
-                self.stream, self.dead, self.group, self.consumer, start, self.limits
+                self.stream, self.dead, self.group, self.consumer, start, self.limits, submit
             )
         block = () if block_ms is None else ("BLOCK", block_ms)
         return (
@@ -406,8 +464,20 @@ class ScreenedReads:
         command = self.read_command(start, block_ms=block_ms)
         reply = self._call(command, lambda: self.read_command(start))
         if command[0] == "FCALL" and not self.plain_reply:
+            if command[2] == 3 and len(reply) < 6:
+                # A library loaded by an older release, whose read ignores the list: load
+                # this one (it reads as the older one did for callers without a list).
+                with translated():
+                    _, reply = exchange(self.client, [load_command(), command], raw=True)
             return parse(reply)
         return Screened(entries=reply_entries(reply), refused=[], left=False)
+
+    def wait(self, block_ms: int) -> None:
+        """Wait up to ``block_ms`` for an item in the submit list, without taking it
+        (``admission.wait_for_item``); a user without ``+blmove`` turns it off."""
+        assert self.submit is not None
+        if not wait_for_item(self.client, self.submit, block_ms, self.stream, self.log):
+            self.waiting_on_submit = False
 
     def claim(self, cursor: str, min_idle_ms: int) -> Screened:
         """One takeover page from ``cursor`` (XAUTOCLAIM of entries idle ``min_idle_ms``).
@@ -480,6 +550,8 @@ class ScreenedReads:
         except BrokerAdapterError as exc:
             if command[0] != "FCALL":
                 raise
+            if len(command) > 2 and command[2] == 3 and admission_refused(exc):
+                return self._call(self._stop_admitting(exc, fallback), fallback)
             reply = self._load_and_call(command, exc)
             if reply is None:
                 again = fallback()
@@ -490,6 +562,21 @@ class ScreenedReads:
         if command[0] == "FCALL":
             self.screening = True
         return reply
+
+    def _stop_admitting(self, exc: BaseException, fallback: Any) -> tuple[Any, ...]:
+        """A read that moves the submit list was refused (a user without ``+lpop``): log
+        the alarm, read without moving it from now on; the command to send instead."""
+        self.log.error(
+            "ALARM: cannot move %s into %s (%s): entries published there wait until the "
+            "reader's Redis user may run LPOP, LPUSH and LLEN on it (docs/PROTOCOL.md "
+            "section 9)",
+            self.submit,
+            self.stream,
+            exc,
+        )
+        self.admitting = False
+        command: tuple[Any, ...] = fallback()
+        return command
 
     def _load_and_call(self, command: tuple[Any, ...], exc: BrokerAdapterError) -> Any:
         """After ``exc`` from the function: load it and call again (the reply), or fall
@@ -528,8 +615,16 @@ class ScreenedReads:
         is at fault, the next plain read finds out again (and loads it)."""
         if is_missing(exc) or is_unavailable(exc):
             self.screening = None
+        elif self.admitting and admission_refused(exc):
+            self._stop_admitting(exc, lambda: ())
+            self.screening = None  # the caller reads again, plainly, and goes on
 
     def _maybe_retry(self) -> None:
+        if self.submit is not None and not (self.admitting and self.waiting_on_submit):
+            self._unadmitted_reads += 1
+            if self._unadmitted_reads >= RETRY_EVERY_READS:
+                self.admitting = self.waiting_on_submit = True
+                self._unadmitted_reads = 0
         if self.screening is False:
             self._unscreened_reads += 1
             if self._unscreened_reads >= RETRY_EVERY_READS:

@@ -299,7 +299,7 @@ class Agent(threading.Thread):
                 },
             )
             try:
-                entry_id = self.publisher.publish(envelope)
+                message_id = self.publisher.publish(envelope)
             except (AuthError, ConfigError) as exc:
                 self.history.log(FAIL, "publish", key=key, error=str(exc))
                 return False
@@ -312,7 +312,10 @@ class Agent(threading.Thread):
                 continue
             self.published += 1
             self.history.log(
-                OK, "publish", key=key, value={"entry_id": entry_id, "fingerprint": fingerprint}
+                OK,
+                "publish",
+                key=key,
+                value={"message_id": message_id, "fingerprint": fingerprint},
             )
             return True
         return False

@@ -16,7 +16,7 @@ from typing import Any, cast
 import pytest
 import redis
 
-from broker_adapter.client.publisher import Publisher
+from broker_adapter.client.publisher import Publisher, submit_item
 from broker_adapter.client.request import Client
 from broker_adapter.clock import FakeClock
 from broker_adapter.errors import BrokerAdapterError
@@ -47,12 +47,11 @@ PASSWORDS = {"alice": "alice-pw", "bob": "bob-pw"}
 
 @pytest.fixture
 def acl_users(fresh_redis: RedisServer, prefix: str) -> Iterator[dict[str, redis.Redis]]:
-    """One Redis user per principal, allowed only XADD on its own key pattern."""
+    """One Redis user per principal, allowed only RPUSH on its own submit list."""
     admin = fresh_redis.client()
     keys = Keys(prefix)
     clients: dict[str, redis.Redis] = {}
     for principal, password in PASSWORDS.items():
-        pattern = keys.inbound(principal).rsplit(":", 1)[0] + ":*"  # {p}:{in.P}:*
         admin.execute_command(  # type: ignore[no-untyped-call]
             "ACL",
             "SETUSER",
@@ -60,10 +59,10 @@ def acl_users(fresh_redis: RedisServer, prefix: str) -> Iterator[dict[str, redis
             "reset",
             "on",
             f">{password}",
-            f"~{pattern}",
+            f"~{keys.submit(principal)}",
             "resetchannels",
             "-@all",
-            "+xadd",
+            "+rpush",
         )
         clients[principal] = connect(
             f"redis://{principal}:{password}@127.0.0.1:{fresh_redis.port}/0"
@@ -82,13 +81,16 @@ def test_acl_principal_cannot_write_another_principals_stream(
     fields = unsigned_fields(envelope("m1", sender="bob"))
     # NOPERM (redis-py turns the error code into NoPermissionError)
     with pytest.raises(redis.exceptions.NoPermissionError, match="no permissions"):
-        alice.xadd(keys.inbound("bob"), fields)  # type: ignore[arg-type]
+        alice.rpush(keys.submit("bob"), submit_item(fields))
     with pytest.raises(redis.exceptions.NoPermissionError, match="no permissions"):
-        alice.xadd(keys.inbound(), fields)  # type: ignore[arg-type]  # nor the shared stream
+        alice.rpush(keys.submit(), submit_item(fields))  # nor the shared list
     # through the library: a publisher for bob on alice's connection is refused by Redis
     with pytest.raises(BrokerAdapterError, match="no permissions"):
         Publisher(alice, keys, "bob", None).publish(envelope("m1", sender="bob"))
-    assert text(alice.xadd(keys.inbound("alice"), unsigned_fields(envelope("m1"))))  # type: ignore[arg-type]
+    assert Publisher(alice, keys, "alice", None).publish(envelope("m1")) == "m1"
+    # no XADD at all, so no id of her choosing, even on her own stream
+    with pytest.raises(redis.exceptions.NoPermissionError, match="no permissions"):
+        alice.xadd(keys.inbound("alice"), unsigned_fields(envelope("m1")), id="9999999999999-0")  # type: ignore[arg-type]
 
 
 def test_acl_ingest_charges_entries_to_the_streams_principal(
@@ -105,8 +107,8 @@ def test_acl_ingest_charges_entries_to_the_streams_principal(
     for i in range(4):
         alice_pub.publish(envelope(f"m{i}"))
     Publisher(bob, keys, "bob", None).publish(envelope("m0", sender="bob"))
-    # alice writes her own stream (allowed) but claims to be bob in the body
-    alice.xadd(keys.inbound("alice"), unsigned_fields(envelope("m9", sender="bob")))  # type: ignore[arg-type]
+    # alice writes her own list (allowed) but claims to be bob in the body
+    alice.rpush(keys.submit("alice"), submit_item(unsigned_fields(envelope("m9", sender="bob"))))
 
     client = connect(fresh_redis.url)
     tasks = TaskStore(open_database(tmp_path / "inbox.db"), clock)
@@ -257,10 +259,10 @@ def test_documented_acl_runs_the_whole_pipeline_and_refuses_everything_else(
         Publisher(bob, keys, "bob", None).publish(
             envelope("b1", sender="bob", deadline=real_deadline())
         )
-        # alice on her own stream, claiming to be bob: the adapter dead-letters it there
-        alice.xadd(
-            keys.inbound("alice"),
-            cast(Any, unsigned_fields(envelope("x", sender="bob", deadline=real_deadline()))),
+        # alice on her own list, claiming to be bob: the adapter dead-letters it
+        alice.rpush(
+            keys.submit("alice"),
+            submit_item(unsigned_fields(envelope("x", sender="bob", deadline=real_deadline()))),
         )
         receiver = make_receiver(acl_server, "alice", agent_db)
         deadline = time.monotonic() + 60
@@ -338,7 +340,17 @@ def test_documented_acl_runs_the_whole_pipeline_and_refuses_everything_else(
             anonymous.xadd(keys.inbound("alice"), fields)
         anonymous.close()
         stream = keys.inbound("alice")
+        item = submit_item(fields)
         agent_forbidden: list[Callable[[], object]] = [
+            lambda: alice.xadd(stream, fields),  # no XADD: the adapter picks every id
+            lambda: alice.xadd(stream, fields, id="18446744073709551615-18446744073709551615"),
+            lambda: alice.rpush(keys.submit("bob"), item),
+            lambda: alice.rpush(keys.submit(), item),
+            lambda: alice.lpush(keys.submit("alice"), item),
+            lambda: alice.lpop(keys.submit("alice")),
+            lambda: alice.ltrim(keys.submit("alice"), 1, 0),
+            lambda: alice.delete(keys.submit("alice")),
+            lambda: alice.lrange(keys.submit("alice"), 0, -1),
             lambda: alice.xadd(keys.inbound("bob"), fields),
             lambda: alice.xadd(keys.inbound(), fields),
             lambda: alice.xadd(keys.inbound_dead("alice"), {"dl.reason": "forged"}),
@@ -366,6 +378,8 @@ def test_documented_acl_runs_the_whole_pipeline_and_refuses_everything_else(
         receiver_forbidden: list[Callable[[], object]] = [
             lambda: rcv.xadd(keys.inbound("alice"), fields),
             lambda: rcv.xadd(keys.inbound(), fields),
+            lambda: rcv.rpush(keys.submit("alice"), item),
+            lambda: rcv.rpush(keys.submit(), item),
             lambda: rcv.xadd(keys.replies("alice"), {"v": "1"}),  # no forging its own replies
             lambda: rcv.xrange(keys.replies("bob")),
             lambda: rcv.xreadgroup("ba-receiver", "x", {keys.replies("bob"): ">"}),

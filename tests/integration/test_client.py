@@ -143,26 +143,26 @@ def test_a_requester_killed_while_waiting_collects_its_reply_with_result_after_a
 
 
 async def _lost_ack_request(url: str, keyring: Keyring, prefix: str) -> tuple[Any, int]:
-    """One request whose first publish reaches the stream but whose answer is lost: the
-    connection is killed (CLIENT KILL) right after the XADD ran."""
+    """One request whose first publish reaches the submit list but whose answer is lost: the
+    connection is killed (CLIENT KILL) right after the RPUSH ran."""
     conn: Any = redis.asyncio.Redis.from_url(url, socket_timeout=15)
     admin: Any = redis.asyncio.Redis.from_url(url)
-    real_xadd = conn.xadd
+    real_rpush = conn.rpush
     lost = 0
 
-    async def xadd(*args: Any, **kwargs: Any) -> Any:
+    async def rpush(*args: Any, **kwargs: Any) -> Any:
         nonlocal lost
-        entry = await real_xadd(*args, **kwargs)
+        entry = await real_rpush(*args, **kwargs)
         if lost == 0:
             lost += 1
             for c in await admin.client_list():
-                if c.get("cmd") == "xadd" or c.get("name") == "lost-ack":
+                if c.get("cmd") == "rpush" or c.get("name") == "lost-ack":
                     await admin.client_kill_filter(_id=c["id"])
-            raise redis.ConnectionError("connection killed after the XADD ran")
+            raise redis.ConnectionError("connection killed after the RPUSH ran")
         return entry
 
     await conn.client_setname("lost-ack")
-    conn.xadd = xadd
+    conn.rpush = rpush
     client = AsyncClient(conn, "alice", keyring, prefix=prefix, resend_after_s=0.2)
     try:
         reply = await client.request(None, {"v": 1}, message_id="lost-ack-1", timeout_s=60)

@@ -38,7 +38,7 @@ from broker_adapter.stages.receiver.receiver import Receiver, ReceiverConfig
 from broker_adapter.store import ReceiptStore, TaskStore, open_database
 from broker_adapter.store.db import Database
 from tests.support.cli import cli_env, count_rows
-from tests.support.ingest_script import age_pending, drain, task_counts
+from tests.support.ingest_script import age_pending, drain, task_counts, xadd_signed
 from tests.support.redis_server import RedisServer
 from tests.support.replies_script import (
     dispatcher_for,
@@ -251,8 +251,10 @@ def test_ingest_exception_while_checking_one_entry_dead_letters_only_that_entry(
 ) -> None:
     client: Any = connect(redis_server.url)
     keys = Keys(prefix)
-    pub = Publisher(client, keys, P, keyring)
-    ids = {m: pub.publish(_envelope(m, clock.now() + 3600)) for m in ("a", "boom", "b")}
+    ids = {
+        m: xadd_signed(client, keys, keyring, _envelope(m, clock.now() + 3600))
+        for m in ("a", "boom", "b")
+    }
     real = Keyring.authenticate
 
     def authenticate(self: Keyring, fields: Any) -> Any:

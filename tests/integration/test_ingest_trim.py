@@ -17,7 +17,7 @@ from broker_adapter.redis.client import connect, text
 from broker_adapter.stages.ingest.config import IngestConfig
 from broker_adapter.stages.ingest.ingest import Ingestor
 from broker_adapter.store import TaskStore
-from tests.support.ingest_script import drain, envelope, real_deadline
+from tests.support.ingest_script import drain, envelope, real_deadline, xadd_signed
 from tests.support.redis_server import RedisServer
 
 pytestmark = pytest.mark.integration
@@ -56,8 +56,10 @@ def test_a_second_group_that_reads_slowly_bounds_the_ingests_trim(
     ingestor, client = _ingestor(redis_server, prefix, tasks, keyring, clock, trim_keep_s=0)
     keys = Keys(prefix)
     stream = keys.inbound()
-    publisher = Publisher(client, keys, "alice", keyring)
-    ids = [publisher.publish(envelope(f"m{i}", deadline=real_deadline(7200))) for i in range(10)]
+    ids = [
+        xadd_signed(client, keys, keyring, envelope(f"m{i}", deadline=real_deadline(7200)))
+        for i in range(10)
+    ]
     client.xgroup_create(stream, "audit", id="0")
     drain(ingestor, client)
     assert ingestor.trim() == 0  # audit has read nothing: everything stays

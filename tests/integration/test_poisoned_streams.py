@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import redis
 
 from broker_adapter.client.publisher import Publisher
 from broker_adapter.clock import FakeClock
@@ -27,7 +28,7 @@ from broker_adapter.stages.ingest.config import IngestConfig
 from broker_adapter.stages.ingest.ingest import Ingestor
 from broker_adapter.store import TaskStore
 from tests.support.cli import cli_env
-from tests.support.ingest_script import drain, envelope, real_deadline, task_counts
+from tests.support.ingest_script import drain, envelope, real_deadline, task_counts, xadd_signed
 from tests.support.redis_server import RedisServer
 
 pytestmark = pytest.mark.integration
@@ -68,7 +69,7 @@ def _repair_cli(server: RedisServer, prefix: str, stream: str, *more: str) -> An
     )
 
 
-def test_the_largest_id_stops_publishing_until_streams_repair_and_intake_goes_on(
+def test_the_largest_id_stops_adding_until_streams_repair_and_nothing_published_is_lost(
     redis_server: RedisServer, prefix: str, tasks: TaskStore, keyring: Keyring, clock: FakeClock
 ) -> None:
     clock.set(time.time())
@@ -78,10 +79,11 @@ def test_the_largest_id_stops_publishing_until_streams_repair_and_intake_goes_on
     publisher = Publisher(client, keys, "alice", keyring)
     publisher.publish(envelope("before", deadline=real_deadline()))
     drain(ingestor, client)
-    publisher.publish(envelope("unread", deadline=real_deadline()))  # live: not yet read
-    client.xadd(stream, {"v": "1", "env": "{}"}, id=MAX_ID)  # a writer chose the id
-    with pytest.raises(BrokerAdapterError, match="exhausted the last possible ID"):
-        publisher.publish(envelope("blocked", deadline=real_deadline()))
+    xadd_signed(client, keys, keyring, envelope("unread", deadline=real_deadline()))  # live
+    client.xadd(stream, {"v": "1", "env": "{}"}, id=MAX_ID)  # a writer with +xadd chose the id
+    with pytest.raises(redis.ResponseError, match="exhausted the last possible ID"):
+        client.xadd(stream, {"v": "1"})  # no XADD * works on the stream any more
+    publisher.publish(envelope("blocked", deadline=real_deadline()))  # waits in the list
 
     res = _repair_cli(redis_server, prefix, stream)
     assert res.returncode == 0, res.stderr
@@ -91,9 +93,9 @@ def test_the_largest_id_stops_publishing_until_streams_repair_and_intake_goes_on
     assert out["groups"][INGEST_GROUP] != "$"
     assert "audit: streams repair by os user" in res.stderr
 
-    publisher.publish(envelope("after", deadline=real_deadline()))  # XADD * works again
+    publisher.publish(envelope("after", deadline=real_deadline()))
     drain(ingestor, client)  # the same ingestor, never stopped: its group was kept
-    assert task_counts(tasks) == {("alice", m): 1 for m in ("before", "unread", "after")}
+    assert task_counts(tasks) == {("alice", m): 1 for m in ("before", "unread", "blocked", "after")}
     dead = client.xrange(keys.inbound_dead())
     assert [f[b"dl.reason"] for _, f in dead] == [b"missing_field"]  # the poisoned entry
     assert client.xlen(out["kept_as"]) == 3  # kept for the operator, whole

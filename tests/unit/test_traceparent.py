@@ -222,7 +222,9 @@ def test_a_resend_in_another_trace_is_a_duplicate_and_a_conflict_answer_carries_
 
 
 def _published(client: Any, keys: Keys) -> list[dict[str, Any]]:
-    return [json.loads(f[b"env"]) for _, f in client.xrange(keys.inbound())]
+    """The envelopes of the items in the submit list (names and values in turn)."""
+    items = [json.loads(i) for i in client.lrange(keys.submit(), 0, -1)]
+    return [json.loads(dict(zip(i[::2], i[1::2], strict=True))["env"]) for i in items]
 
 
 def test_publisher_sends_the_traceparent_it_is_given() -> None:

@@ -209,7 +209,14 @@ class Ingestor:
             source = _Source(p, intake.authenticator(p, keyring))
             source.consumer = GroupConsumer(
                 GroupReader(
-                    client, stream, INGEST_GROUP, config.consumer, dead, reader_config, self.log
+                    client,
+                    stream,
+                    INGEST_GROUP,
+                    config.consumer,
+                    dead,
+                    reader_config,
+                    self.log,
+                    submit=self.keys.submit_for(stream),
                 ),
                 _POINTS,
                 screen=functools.partial(self._screen, source),
