@@ -23,6 +23,10 @@ from typing import Final, Literal, Protocol
 
 from broker_adapter.errors import TransientError
 
+#: A polling loop's default pause when idle (``first_s``) and its hand-off wait, seconds.
+DEFAULT_IDLE_POLL_S = 0.05
+DEFAULT_WAKE_POLL_S = 0.001
+
 #: An idle loop keeps looking every ``first_s`` this long after its last work, then backs
 #: off towards ``longest_s``.
 ALERT_AFTER_WORK_S = 1.0
