@@ -5,9 +5,10 @@ it starts. This check reads every module's top level (functions, classes, assign
 reports each name more than one module defines, except the per-module roles in
 ``ROLES`` (each module's own logger, type variables, a command module's hooks). It also
 reports every private name (a leading underscore) one module imports from another, or
-reads from a module it imported, and every name one module imports from another module that
-only imports it too (a re-export: the importer should name the defining module; a package's
-``__init__`` may re-export, that is its job). ``make test`` runs it:
+reads from a module it imported, and every name a module (of broker_adapter or tests)
+imports from another module that only imports it too (a re-export: the importer should name
+the defining module; a package's ``__init__`` may re-export, that is its job).
+``make test`` runs it:
 
     python tests/tools/check_names.py
 
