@@ -21,6 +21,7 @@ test: $(STAMP)
 	$(PY) -m mypy
 	$(VENV)/bin/lint-imports
 	$(PY) tests/tools/check_cycles.py
+	$(PY) tests/tools/check_names.py
 	$(MAKE) --no-print-directory dist
 	$(PY) -m pytest -q
 
@@ -41,6 +42,7 @@ typecheck: $(STAMP)
 layers: $(STAMP)
 	$(VENV)/bin/lint-imports
 	$(PY) tests/tools/check_cycles.py
+	$(PY) tests/tools/check_names.py
 
 bench: $(STAMP)
 	$(PY) bench/run.py

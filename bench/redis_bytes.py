@@ -39,7 +39,8 @@ RUN_PY = Path(__file__).resolve().parent / "run.py"
 
 def child_run(args: argparse.Namespace) -> int:
     """``broker-adapter run`` with a retention window (``Adapter``), until SIGTERM."""
-    from broker_adapter.app.adapter import Adapter, AdapterConfig
+    from broker_adapter.app.adapter import Adapter
+    from broker_adapter.app.adapter_config import AdapterConfig
 
     stop = threading.Event()
 

@@ -27,7 +27,8 @@ from broker_adapter.lazy_exports import lazy_exports
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:
-    from broker_adapter.app.adapter import Adapter, AdapterConfig
+    from broker_adapter.app.adapter import Adapter
+    from broker_adapter.app.adapter_config import AdapterConfig
     from broker_adapter.client.publisher import AsyncPublisher, Publisher
     from broker_adapter.client.request import AsyncClient, Client
     from broker_adapter.clock import Clock, FakeClock, SystemClock
@@ -61,7 +62,7 @@ if TYPE_CHECKING:
     from broker_adapter.handler.task import Task
     from broker_adapter.protocol.canonical import canonical_json
     from broker_adapter.protocol.envelope import Envelope
-    from broker_adapter.protocol.idempotency import effect_key as action_key
+    from broker_adapter.protocol.idempotency import action_key
     from broker_adapter.protocol.keys import Keys
     from broker_adapter.protocol.reply import BadReply, Reply
     from broker_adapter.protocol.signing import Keyring
@@ -73,9 +74,9 @@ if TYPE_CHECKING:
 
 #: Each public name, and the module and attribute it is read from when first used.
 _EXPORTS: dict[str, tuple[str, str]] = {
-    "action_key": ("broker_adapter.protocol.idempotency", "effect_key"),
+    "action_key": ("broker_adapter.protocol.idempotency", "action_key"),
     "Adapter": ("broker_adapter.app.adapter", "Adapter"),
-    "AdapterConfig": ("broker_adapter.app.adapter", "AdapterConfig"),
+    "AdapterConfig": ("broker_adapter.app.adapter_config", "AdapterConfig"),
     "AsyncClient": ("broker_adapter.client.request", "AsyncClient"),
     "AsyncPublisher": ("broker_adapter.client.publisher", "AsyncPublisher"),
     "AuthError": ("broker_adapter.errors", "AuthError"),

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from broker_adapter.stages.shared.handlers import Task
+from broker_adapter.handler.task import Task
 
 
 def echo(task: Task) -> dict[str, Any]:

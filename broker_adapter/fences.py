@@ -51,7 +51,7 @@ class TargetFenced(StaleError):
         super().__init__(key, "fence", f"target saw fence {highest}, write had {fence}")
 
 
-class Cursor(Protocol):
+class FenceCursor(Protocol):
     """The part of a DB-API 2.0 cursor ``SqlFence`` uses."""
 
     @property
@@ -116,7 +116,7 @@ class SqlFence:
             " (fence_key VARCHAR(255) PRIMARY KEY, fence BIGINT NOT NULL)"
         )
 
-    def advance(self, cursor: Cursor, key: str, fence: int) -> None:
+    def advance(self, cursor: FenceCursor, key: str, fence: int) -> None:
         """Accept ``fence`` for ``key`` (recording it as the highest) or refuse it, inside
         the caller's transaction: the caller makes its write after this, in the same
         transaction, and rolls back on ``TargetFenced``.
@@ -140,7 +140,7 @@ class SqlFence:
         highest = self.highest(cursor, key)
         raise TargetFenced(key, fence, -1 if highest is None else highest)
 
-    def highest(self, cursor: Cursor, key: str) -> int | None:
+    def highest(self, cursor: FenceCursor, key: str) -> int | None:
         """The highest fence recorded for ``key``, or ``None``."""
         cursor.execute(self._select, (key,))
         row = cursor.fetchone()

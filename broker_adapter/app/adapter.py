@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterable
 from functools import partial
 from typing import TYPE_CHECKING, Literal, TypeVar
 
-from broker_adapter.app.adapter_config import DEFAULT_WORKERS, AdapterConfig
+from broker_adapter.app.adapter_config import AdapterConfig
 from broker_adapter.app.binding import PrefixGuard, bind, claim_name, refuse_sqlite_copies
 from broker_adapter.app.metrics import Observed
 from broker_adapter.app.pool import WorkerPool
@@ -51,7 +51,7 @@ from broker_adapter.stages.ingest.ingest import Ingestor
 from broker_adapter.stages.reconcile.reconciler import Reconciler, run_reconciles
 from broker_adapter.stages.shared.handlers import load_app
 from broker_adapter.stages.shared.handoff import Handoff
-from broker_adapter.stages.worker.worker import WorkerConfig
+from broker_adapter.stages.worker.config import WorkerConfig
 from broker_adapter.store import OutboxStore, TaskStore
 from broker_adapter.store.approvals import ApprovalStore
 from broker_adapter.store.backends import open_store
@@ -67,7 +67,7 @@ from broker_adapter.store.urls import redacted_url
 if TYPE_CHECKING:
     from broker_adapter.store.postgres import PgDatabase
 
-__all__ = ["DEFAULT_WORKERS", "Adapter", "AdapterConfig"]
+__all__ = ["Adapter"]
 
 log = logging.getLogger("broker_adapter.app.adapter")
 S = TypeVar("S")

@@ -111,7 +111,7 @@ class Binding:
         return f"store {self.store[:8]} ({self.kind} at {self.where})"
 
 
-def describe(identity: StoreIdentity) -> str:
+def describe_store(identity: StoreIdentity) -> str:
     return f"store {identity.short} ({identity.kind} at {identity.where})"
 
 
@@ -146,21 +146,21 @@ def bind(
                 "%s had no store binding in Redis (a new Redis, or one that lost its data):"
                 " bound to this %s, which remembers %d message ids",
                 what,
-                describe(identity),
+                describe_store(identity),
                 identity.remembered,
             )
         else:
-            lg.info("%s bound to %s", what, describe(identity))
+            lg.info("%s bound to %s", what, describe_store(identity))
         return mine
     bound = Binding.loads(found)
     if bound.store != identity.store_id:
-        raise BindingRefused(refusal(what, bound, identity, fix))
+        raise BindingRefused(binding_refusal(what, bound, identity, fix))
     return bound
 
 
-def refusal(what: str, bound: Binding, identity: StoreIdentity, fix: str) -> str:
+def binding_refusal(what: str, bound: Binding, identity: StoreIdentity, fix: str) -> str:
     return (
-        f"{what} is bound to {bound.describe()}, not to this {describe(identity)}: two stores"
+        f"{what} is bound to {bound.describe()}, not to this {describe_store(identity)}: two stores"
         f" on one prefix would run resent requests twice. Fix: {fix}"
     )
 
@@ -290,7 +290,7 @@ def claim_name(
                 " unset for a unique one"
             )
     raise BindingRefused(
-        f"all {MAX_SLOTS} default consumer names of {describe(identity)} on this host are"
+        f"all {MAX_SLOTS} default consumer names of {describe_store(identity)} on this host are"
         f" held by live processes on prefix {keys.prefix!r}. Fix: stop some, or use --name"
     )
 
@@ -310,10 +310,10 @@ def refuse_sqlite_copies(client: Redis, keys: Keys, identity: StoreIdentity) -> 
         holder = _holder(raw)
         if holder.get("store") == identity.store_id and holder.get("machine") not in (here, ""):
             raise BindingRefused(
-                f"{describe(identity)} is served on prefix {keys.prefix!r} from another machine"
-                f" (consumer name {key.rpartition(':')[2]!r}): two copies of one SQLite database"
-                " keep separate inboxes and would run resent requests twice. Fix: serve it from"
-                " one machine, or move to PostgreSQL for several hosts (docs/SCALING.md)"
+                f"{describe_store(identity)} is served on prefix {keys.prefix!r} from another"
+                f" machine (consumer name {key.rpartition(':')[2]!r}): two copies of one SQLite"
+                " database keep separate inboxes and would run resent requests twice. Fix: serve"
+                " it from one machine, or move to PostgreSQL for several hosts (docs/SCALING.md)"
             )
 
 
@@ -391,7 +391,7 @@ class PrefixGuard:
         if bound.store != self.identity.store_id:
             raise BindingRefused(
                 f"{self.what} was bound to {bound.describe()} while this adapter of"
-                f" {describe(self.identity)} ran (by {bound.by}): stopping"
+                f" {describe_store(self.identity)} ran (by {bound.by}): stopping"
             )
 
     def run(self, stop: threading.Event) -> None:

@@ -54,7 +54,7 @@ class _Parser(argparse.ArgumentParser):
         self.exit(EXIT_USAGE, f"broker-adapter: error: {message}\n")
 
 
-def _add_redis(p: argparse.ArgumentParser, required: bool = True) -> None:
+def add_redis(p: argparse.ArgumentParser, required: bool = True) -> None:
     what = "the Redis holding the streams" if required else "also report what Redis holds"
     _option(
         p,
@@ -79,11 +79,11 @@ def _add_db(p: argparse.ArgumentParser, what: str) -> None:
     _option(p, "--db", what, env="BA_DB", required=True, metavar="PATH")
 
 
-def _add_prefix(p: argparse.ArgumentParser) -> None:
+def add_prefix(p: argparse.ArgumentParser) -> None:
     add_settings(p, AdapterConfig, ["prefix"])
 
 
-def _add_keyring(p: argparse.ArgumentParser, what: str, *, required: bool = True) -> None:
+def add_keyring(p: argparse.ArgumentParser, what: str, *, required: bool = True) -> None:
     _option(
         p,
         "--keyring",
@@ -94,7 +94,7 @@ def _add_keyring(p: argparse.ArgumentParser, what: str, *, required: bool = True
     )
 
 
-def _add_partitions(p: argparse.ArgumentParser) -> None:
+def add_partitions(p: argparse.ArgumentParser) -> None:
     add_settings(p, AdapterConfig, ["partitions"])
 
 
@@ -121,13 +121,13 @@ _METRICS = ["metrics_port", "metrics_host"]
 
 def _add_run(sub: argparse._SubParsersAction[_Parser]) -> None:
     run = sub.add_parser("run", help="run ingest, worker processes and the dispatcher")
-    _add_redis(run)
+    add_redis(run)
     _add_db(
         run,
         "the adapter's database: a SQLite file (created if absent), or a"
         " postgresql:// URL for a PostgreSQL database several adapters share",
     )
-    _add_prefix(run)
+    add_prefix(run)
     _option(
         run,
         "--handler",
@@ -144,7 +144,7 @@ def _add_run(sub: argparse._SubParsersAction[_Parser]) -> None:
         metavar="MOD:ROUTER",
     )
     # Checked by AdapterConfig, whose refusal says what each mode needs it for.
-    _add_keyring(
+    add_keyring(
         run, "needed: verifies requests and signs every reply (in ACL mode too)", required=False
     )
     # Every other setting of the tree, from its declaration (metrics last, as on receive).
@@ -160,8 +160,8 @@ def _add_run(sub: argparse._SubParsersAction[_Parser]) -> None:
 
 def _add_publish(sub: argparse._SubParsersAction[_Parser]) -> None:
     pub = sub.add_parser("publish", help="sign and publish one task envelope")
-    _add_redis(pub)
-    _add_prefix(pub)
+    add_redis(pub)
+    add_prefix(pub)
     _option(
         pub,
         "--principal",
@@ -170,7 +170,7 @@ def _add_publish(sub: argparse._SubParsersAction[_Parser]) -> None:
         required=True,
         metavar="P",
     )
-    _add_keyring(pub, "holds the principal's signing keys")
+    add_keyring(pub, "holds the principal's signing keys")
     _option(
         pub,
         "--key-id",
@@ -179,7 +179,7 @@ def _add_publish(sub: argparse._SubParsersAction[_Parser]) -> None:
         shown="the principal's first key",
         metavar="KID",
     )
-    _add_partitions(pub)
+    add_partitions(pub)
     _option(
         pub,
         "--id",
@@ -246,15 +246,15 @@ def _add_publish(sub: argparse._SubParsersAction[_Parser]) -> None:
 
 def _add_receive(sub: argparse._SubParsersAction[_Parser]) -> None:
     rcv = sub.add_parser("receive", help="apply replies once each (built-in recording effect)")
-    _add_redis(rcv)
+    add_redis(rcv)
     _add_db(
         rcv, "the receiver's database: a SQLite file (created if absent), or a postgresql:// URL"
     )
-    _add_prefix(rcv)
+    add_prefix(rcv)
     _option(
         rcv, "--principal", "whose replies to read", env="BA_PRINCIPAL", required=True, metavar="P"
     )
-    _add_keyring(rcv, "the principal's keys (replies are signed)")
+    add_keyring(rcv, "the principal's keys (replies are signed)")
     _option(
         rcv,
         "--consumer",
@@ -290,8 +290,8 @@ def _add_console(sub: argparse._SubParsersAction[_Parser]) -> None:
         help="an adapter's database: a SQLite file or a postgresql:// URL"
         " (repeat the flag to list several adapters' stores)",
     )
-    _add_redis(con)
-    _add_prefix(con)
+    add_redis(con)
+    add_prefix(con)
     con.add_argument("--port", type=int, default=8470, help="the port [default: 8470]")
     con.add_argument("--host", default="127.0.0.1", help="the address to bind [default: 127.0.0.1]")
     con.add_argument(
@@ -337,8 +337,8 @@ def build_parser() -> argparse.ArgumentParser:
         "status", help="received, processing, terminal, delivery (the database is only read)"
     )
     _add_db(st, "the adapter's database: a SQLite file (must exist), or a postgresql:// URL")
-    _add_redis(st, required=False)
-    _add_prefix(st)
+    add_redis(st, required=False)
+    add_prefix(st)
     _add_json(st)
     st.add_argument(
         "--watch",
@@ -385,8 +385,8 @@ def build_parser() -> argparse.ArgumentParser:
     for name, what in dl_help.items():
         p = dls.add_parser(name, help=what)
         _add_db(p, "the adapter's database: a SQLite file (must exist), or a postgresql:// URL")
-        _add_redis(p, required=False)
-        _add_prefix(p)
+        add_redis(p, required=False)
+        add_prefix(p)
         _add_json(p)
         if name != "list":
             p.add_argument("id", help="a reply id (dead reply) or a dead-letter entry id")
@@ -417,10 +417,10 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="DIR",
         help="keep the demo's databases in DIR and print how to open the web console on them",
     )
-    add_stream_commands(sub, _add_redis, _add_prefix)
-    add_task_commands(sub, _option, _add_db, _add_redis, _add_prefix, _add_keyring)
+    add_stream_commands(sub, add_redis, add_prefix)
+    add_task_commands(sub, _option, _add_db, add_redis, add_prefix, add_keyring)
     add_mcp_command(sub, sys.modules[__name__])
-    add_rebind(sub, _option, _add_redis, _add_db, _add_prefix)
+    add_rebind(sub, _option, add_redis, _add_db, add_prefix)
     return parser
 
 

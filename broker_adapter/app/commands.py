@@ -20,6 +20,7 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 from broker_adapter.app.audit import audit, bounded_seconds, bounded_text, os_user
+from broker_adapter.app.tasks_cli import print_json
 from broker_adapter.errors import ConfigError, TransientError
 
 if TYPE_CHECKING:
@@ -28,10 +29,6 @@ if TYPE_CHECKING:
     from broker_adapter.store.postgres import PgDatabase
 
 log = logging.getLogger("broker_adapter.app.cli")
-
-
-def _print_json(obj: Any) -> None:
-    print(json.dumps(obj, sort_keys=True, default=str))
 
 
 def _install_stop() -> threading.Event:
@@ -49,7 +46,8 @@ def _install_stop() -> threading.Event:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from broker_adapter.app.adapter import Adapter, AdapterConfig
+    from broker_adapter.app.adapter import Adapter
+    from broker_adapter.app.adapter_config import AdapterConfig
     from broker_adapter.app.options import settings_from
 
     if (args.handler is None) == (args.app is None):
@@ -114,7 +112,7 @@ def cmd_publish(args: argparse.Namespace) -> int:
         partitions=args.partitions,
     )
     publisher.publish(envelope)
-    _print_json(
+    print_json(
         {
             "stream": publisher.stream,
             "submit": publisher.submit,
@@ -255,7 +253,7 @@ def cmd_receipts(args: argparse.Namespace) -> int:
             "effects": r.effects,
         }
         if args.json:
-            _print_json(row)
+            print_json(row)
         else:
             print(f"{r.reply_id}  {r.message_id}  {r.status}  effects={r.effects}")
     db.close()
@@ -263,9 +261,9 @@ def cmd_receipts(args: argparse.Namespace) -> int:
 
 
 def cmd_backup(args: argparse.Namespace) -> int:
-    from broker_adapter.store.backup import snapshot
+    from broker_adapter.store.backup import write_snapshot
 
-    _print_json(snapshot(args.db, args.out))
+    print_json(write_snapshot(args.db, args.out))
     return 0
 
 
@@ -279,7 +277,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         return watch_status(db, args.redis, args.prefix, args.interval, as_json=args.json)
     report = collect_status(db, args.redis, args.prefix)
     if args.json:
-        _print_json(report)
+        print_json(report)
     else:
         print(format_status(report))
     return 0
@@ -317,7 +315,7 @@ def cmd_cancel(args: argparse.Namespace) -> int:
     try:
         task_id = cancel_task_id(args, db)
         audit("cancel", task_id=task_id, reason=reason, by=by)
-        _print_json(cancel_task(db, task_id, reason, by))
+        print_json(cancel_task(db, task_id, reason, by))
     finally:
         db.close()
     return 0

@@ -35,6 +35,7 @@ from broker_adapter import crashpoints
 from broker_adapter.client.publisher import Publisher
 from broker_adapter.errors import StaleError
 from broker_adapter.handler.effects import Observation, effect_spec, side_effect
+from broker_adapter.handler.task import Task
 from broker_adapter.protocol.canonical import canonical_json, sha256_hex
 from broker_adapter.protocol.deadletter import DeadLetter
 from broker_adapter.protocol.envelope import Envelope
@@ -49,8 +50,8 @@ from broker_adapter.stages.ingest.config import IngestConfig
 from broker_adapter.stages.ingest.ingest import Ingestor
 from broker_adapter.stages.receiver.receiver import Receiver, ReceiverConfig, effect_key
 from broker_adapter.stages.reconcile.reconciler import Reconciler
-from broker_adapter.stages.shared.handlers import Task
-from broker_adapter.stages.worker.worker import Worker, WorkerConfig
+from broker_adapter.stages.worker.config import WorkerConfig
+from broker_adapter.stages.worker.worker import Worker
 from broker_adapter.store import (
     AcceptItem,
     ClaimedTask,

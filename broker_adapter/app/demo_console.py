@@ -1,5 +1,5 @@
 """How ``broker-adapter demo`` points at the web console: with ``--keep DIR`` the demo's
-databases are copied there (``backup.snapshot``: consistent, mode 0600) with a tokens file
+databases are copied there (``backup.write_snapshot``: consistent, mode 0600) with a tokens file
 of one operator, and the report ends with the command that opens the console on them;
 without it the report says how to keep them."""
 
@@ -11,7 +11,7 @@ import secrets
 from pathlib import Path
 
 from broker_adapter.errors import ConfigError
-from broker_adapter.store.backup import snapshot
+from broker_adapter.store.backup import write_snapshot
 
 #: The demo's databases a console can show: the adapter's, and the charge story's (an
 #: unknown outcome, its reconcile and compensation).
@@ -35,7 +35,7 @@ def keep_for_console(workdir: Path, keep: Path) -> Path:
     tokens file."""
     keep.mkdir(parents=True, exist_ok=True)
     for name in KEPT:
-        snapshot(workdir / name, keep / name)
+        write_snapshot(workdir / name, keep / name)
     tokens = keep / "tokens.json"
     fd = os.open(tokens, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w") as out:

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from broker_adapter.app import outcome_views
 from broker_adapter.app.audit import audit, bounded_seconds, bounded_text, os_user
+from broker_adapter.app.options import Option
 from broker_adapter.errors import ConfigError
 from broker_adapter.protocol.idempotency import EFFECT_KEY_VERSION
 
@@ -35,8 +36,6 @@ if TYPE_CHECKING:
 
 #: The longest an approval may last, seconds (a year).
 MAX_APPROVAL_S = 366 * 86_400
-
-Option = Callable[..., None]
 
 
 def add_commands(sub: Any, option: Option, add_db: Callable[[Any, str], None]) -> None:

@@ -7,16 +7,17 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
+from broker_adapter.app.options import option
 from broker_adapter.errors import ConfigError
 
 DEFAULT_HTTP_PORT = 8471
-DEFAULT_TIMEOUT_S = 300.0
+DEFAULT_TOOL_TIMEOUT_S = 300.0
 
 
 def add_command(sub: argparse._SubParsersAction[Any], common: Any) -> None:
-    """Add ``mcp`` to the subcommands. ``common`` holds the CLI's flag helpers (``_option``,
-    ``_add_redis``, ``_add_prefix``, ``_add_partitions``, ``_add_keyring``), so that the
-    flags shared with other commands read alike."""
+    """Add ``mcp`` to the subcommands. ``common`` is the CLI module, whose flag helpers
+    (``add_redis``, ``add_prefix``, ``add_partitions``, ``add_keyring``) and ``options.option``
+    make the flags shared with other commands read alike."""
     p = sub.add_parser(
         "mcp",
         help="serve a router's tasks as MCP tools (stdio or streamable HTTP)",
@@ -24,11 +25,11 @@ def add_command(sub: argparse._SubParsersAction[Any], common: Any) -> None:
         " request and returns its reply, or (called as an MCP task) returns at once with the"
         " request's message id as the task id. Needs the 'mcp' extra.",
     )
-    common._add_redis(p)
-    common._add_prefix(p)
-    common._add_partitions(p)
-    common._add_keyring(p, "holds the principal's keys (signs requests, checks replies)")
-    common._option(
+    common.add_redis(p)
+    common.add_prefix(p)
+    common.add_partitions(p)
+    common.add_keyring(p, "holds the principal's keys (signs requests, checks replies)")
+    option(
         p,
         "--app",
         "the Router whose tasks are the tools, 'package.module:router'",
@@ -36,7 +37,7 @@ def add_command(sub: argparse._SubParsersAction[Any], common: Any) -> None:
         required=True,
         metavar="MOD:ROUTER",
     )
-    common._option(
+    option(
         p,
         "--app-dir",
         "directory put first on the import path to find the app",
@@ -44,7 +45,7 @@ def add_command(sub: argparse._SubParsersAction[Any], common: Any) -> None:
         default=".",
         metavar="DIR",
     )
-    common._option(
+    option(
         p,
         "--principal",
         "who the requests come from",
@@ -52,7 +53,7 @@ def add_command(sub: argparse._SubParsersAction[Any], common: Any) -> None:
         required=True,
         metavar="P",
     )
-    common._option(
+    option(
         p,
         "--instance",
         "this server's instance id (replies are routed to it)",
@@ -60,7 +61,7 @@ def add_command(sub: argparse._SubParsersAction[Any], common: Any) -> None:
         shown="the host name",
         metavar="ID",
     )
-    common._option(
+    option(
         p,
         "--transport",
         "stdio: one client on standard input and output;"
@@ -69,7 +70,7 @@ def add_command(sub: argparse._SubParsersAction[Any], common: Any) -> None:
         default="stdio",
         choices=("stdio", "http"),
     )
-    common._option(
+    option(
         p,
         "--host",
         "the address the HTTP transport binds",
@@ -77,7 +78,7 @@ def add_command(sub: argparse._SubParsersAction[Any], common: Any) -> None:
         default="127.0.0.1",
         metavar="HOST",
     )
-    common._option(
+    option(
         p,
         "--port",
         "the HTTP transport's port",
@@ -86,16 +87,16 @@ def add_command(sub: argparse._SubParsersAction[Any], common: Any) -> None:
         type=int,
         metavar="PORT",
     )
-    common._option(
+    option(
         p,
         "--timeout",
         "how long a plain tool call waits for its reply, seconds",
         env="BA_MCP_TIMEOUT_S",
-        default=DEFAULT_TIMEOUT_S,
+        default=DEFAULT_TOOL_TIMEOUT_S,
         type=float,
         metavar="S",
     )
-    common._option(
+    option(
         p,
         "--deadline",
         "each request's deadline, seconds after it is first published",

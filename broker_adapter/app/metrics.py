@@ -54,7 +54,7 @@ if TYPE_CHECKING:
     from broker_adapter.stages.ingest.ingest import Ingestor
     from broker_adapter.stages.receiver.receiver import Receiver
     from broker_adapter.stages.shared.publish import DispatcherStats
-    from broker_adapter.stages.worker.worker import WorkerStats
+    from broker_adapter.stages.worker.config import WorkerStats
 
 log = logging.getLogger("broker_adapter.app.metrics")
 

@@ -12,13 +12,16 @@ from __future__ import annotations
 
 import argparse
 import os
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Literal, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError
 from pydantic.fields import FieldInfo
 
 from broker_adapter.config import Flag, field_type, flag_of
+
+#: The type of ``option`` (a command module that is handed it names its parameter so).
+Option = Callable[..., None]
 
 
 class AppendOrEnv(argparse.Action):
@@ -119,7 +122,7 @@ def _flagged(model: type[BaseModel], path: tuple[str, ...] = ()) -> Iterator[tup
             yield from _flagged(kind, (name,))
 
 
-def _field(model: type[BaseModel], path: tuple[str, ...]) -> FieldInfo:
+def _field_info(model: type[BaseModel], path: tuple[str, ...]) -> FieldInfo:
     for name in path[:-1]:
         kind = model.model_fields[name].annotation
         assert isinstance(kind, type)
@@ -149,7 +152,7 @@ def add_settings(
     for path in wanted:
         if path in skip:
             continue
-        field = _field(model, path)
+        field = _field_info(model, path)
         cli = flag_of(field)
         assert cli is not None, f"{model.__name__}.{_dest(path)} has no flag"
         more = (what or {}).get(_dest(path))

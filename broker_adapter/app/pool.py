@@ -38,7 +38,8 @@ from broker_adapter.protocol.signing import Keyring
 from broker_adapter.redis.client import connect
 from broker_adapter.stages.shared.handlers import load_app
 from broker_adapter.stages.shared.handoff import Handoff, HandoffEndpoint
-from broker_adapter.stages.worker.worker import Worker, WorkerConfig
+from broker_adapter.stages.worker.config import WorkerConfig
+from broker_adapter.stages.worker.worker import Worker
 from broker_adapter.store import OutboxStore, TaskStore
 from broker_adapter.store.backends import open_store
 from broker_adapter.store.gate import WriteGate
@@ -48,7 +49,7 @@ from broker_adapter.store.urls import is_postgres_url
 #: How long ``stop`` waits beyond the longest grace before it SIGKILLs a child.
 STOP_MARGIN_S = 5.0
 #: How long ``stop`` waits for a child still starting up to install its SIGTERM handler.
-READY_TIMEOUT_S = 30.0
+CHILD_READY_TIMEOUT_S = 30.0
 
 
 class WorkerPool:
@@ -220,7 +221,7 @@ class WorkerPool:
             timeout_s = max(c.grace_s for c in self.configs) + STOP_MARGIN_S
         # A SIGTERM that arrives before the child installed its handler kills it outright:
         # let children that are still starting up get that far first.
-        ready_deadline = time.monotonic() + READY_TIMEOUT_S
+        ready_deadline = time.monotonic() + CHILD_READY_TIMEOUT_S
         for proc, ready in zip(self._procs, self._ready, strict=True):
             while proc.is_alive() and not ready.wait(0.05):
                 if time.monotonic() > ready_deadline:

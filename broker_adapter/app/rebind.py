@@ -19,7 +19,8 @@ import logging
 from dataclasses import asdict
 from typing import Any
 
-from broker_adapter.app.binding import Binding, BindingRefused, bind, describe
+from broker_adapter.app.binding import Binding, BindingRefused, bind, describe_store
+from broker_adapter.app.tasks_cli import print_json
 from broker_adapter.clock import SystemClock
 from broker_adapter.errors import ConfigError, TransientError
 from broker_adapter.protocol.keys import RECEIVER_GROUP, Keys
@@ -80,7 +81,7 @@ def rebind_command(args: argparse.Namespace) -> int:
     out: dict[str, Any] = {"what": what, "store": identity.store_id, "where": identity.where}
     if found is None:
         bind(client, key, identity, what=what, by=f"rebind by {args.by}", logger=log)
-        _print(
+        print_json(
             {
                 **out,
                 "rebound": False,
@@ -91,7 +92,7 @@ def rebind_command(args: argparse.Namespace) -> int:
         return 0
     bound = Binding.loads(found)
     if bound.store == identity.store_id:
-        _print(
+        print_json(
             {
                 **out,
                 "rebound": False,
@@ -114,13 +115,13 @@ def rebind_command(args: argparse.Namespace) -> int:
         raise TransientError(f"the binding of {what} changed while it was moved: run it again")
     forgets = (
         f"every message id {bound.describe()} remembers: a resend of a request it accepted"
-        f" (within its dedupe window) runs again on {describe(identity)}"
+        f" (within its dedupe window) runs again on {describe_store(identity)}"
     )
     log.warning(
         "%s moved from %s to %s by %s: %s",
         what,
         bound.describe(),
-        describe(identity),
+        describe_store(identity),
         args.by,
         forgets,
     )
@@ -134,7 +135,7 @@ def rebind_command(args: argparse.Namespace) -> int:
     if old is not None:
         report["forgotten_message_ids"] = old.remembered
         report["forgotten_since"] = old.oldest_at
-    _print(report)
+    print_json(report)
     return 0
 
 
@@ -157,10 +158,6 @@ def _old_store(target: str | None, bound: Binding) -> StoreIdentity | None:
     old = _identity(target)
     if old.store_id != bound.store:
         raise ConfigError(
-            f"--old-db {old.where} is {describe(old)}, not the bound {bound.describe()}"
+            f"--old-db {old.where} is {describe_store(old)}, not the bound {bound.describe()}"
         )
     return old
-
-
-def _print(obj: dict[str, Any]) -> None:
-    print(json.dumps(obj, sort_keys=True, default=str))

@@ -21,8 +21,6 @@ from broker_adapter.errors import ConfigError
 
 log = logging.getLogger("broker_adapter.app.audit")
 
-Option = Callable[..., None]
-
 
 def add_commands(
     sub: Any, add_redis: Callable[[Any], None], add_prefix: Callable[[Any], None]

@@ -15,7 +15,8 @@ from broker_adapter.errors import ConfigError
 EXIT_NO_REPLY = 3
 
 
-def _print(obj: Any) -> None:
+def print_json(obj: Any) -> None:
+    """``obj`` as one line of JSON (sorted keys) on stdout, as the CLI's commands print."""
     print(json.dumps(obj, sort_keys=True, default=str))
 
 
@@ -73,7 +74,7 @@ def cmd_tasks(args: argparse.Namespace) -> int:
     try:
         if args.tasks_command == "list":
             for row in list_tasks(db, state=args.state, principal=args.principal, limit=args.limit):
-                _print(row)
+                print_json(row)
             return 0
         rows = show_tasks(db, args.id, args.principal)
     finally:
@@ -81,7 +82,7 @@ def cmd_tasks(args: argparse.Namespace) -> int:
     if not rows:
         raise ConfigError(f"no task with task id or message id {args.id!r}")
     for row in rows:
-        _print(row)
+        print_json(row)
     return 0
 
 
@@ -100,7 +101,7 @@ def cmd_result(args: argparse.Namespace) -> int:
     reply = asyncio.run(look())
     out: dict[str, Any] = {"principal": args.principal, "message_id": args.message_id}
     if reply is not None:
-        _print(out | {"state": reply.status, "reply": dict(reply.body)})
+        print_json(out | {"state": reply.status, "reply": dict(reply.body)})
         return 0
     out["state"] = "unknown"
     if args.db:
@@ -116,7 +117,7 @@ def cmd_result(args: argparse.Namespace) -> int:
         if rows:
             out |= {"state": rows[0]["state"], "task_id": rows[0]["task_id"]}
     out["reply"] = None
-    _print(out)
+    print_json(out)
     return EXIT_NO_REPLY
 
 

@@ -81,7 +81,7 @@ def create_app(config: ConsoleConfig) -> Starlette:
     if not config.stores:
         raise ValueError("the console needs at least one store")
     env = Environment(loader=PackageLoader("broker_adapter.console", "templates"), autoescape=True)
-    env.globals.update(shown=shown, when=_when, age=_age)
+    env.globals.update(shown=shown, when=_when, age=_age_text)
     env.filters["qs"] = lambda d: urlencode({k: v for k, v in d.items() if v not in (None, "")})
     console = _Console(config, env)
     routes = [
@@ -108,7 +108,7 @@ def _when(at: Any) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(float(at))) + " UTC"
 
 
-def _age(seconds: Any) -> str:
+def _age_text(seconds: Any) -> str:
     if seconds is None:
         return "-"
     s = float(seconds)
@@ -119,7 +119,7 @@ def _age(seconds: Any) -> str:
     return f"{s / 3600:.1f} h"
 
 
-Handler = Callable[[Request, Operator, "_Ctx"], Awaitable[Response]]
+PageHandler = Callable[[Request, Operator, "_Ctx"], Awaitable[Response]]
 
 
 @dataclass(frozen=True)
@@ -188,7 +188,7 @@ class _Console:
             raise _Refused(404, f"no store number {str(raw)[:40]!r}")
         return _Ctx(token, index, self.config.stores[index])
 
-    def page(self, handler: Handler) -> Callable[[Request], Awaitable[Response]]:
+    def page(self, handler: PageHandler) -> Callable[[Request], Awaitable[Response]]:
         async def endpoint(request: Request) -> Response:
             session = self._session(request)
             if session is None:
@@ -209,7 +209,7 @@ class _Console:
 
         return endpoint
 
-    def action(self, handler: Handler) -> Callable[[Request], Awaitable[Response]]:
+    def action(self, handler: PageHandler) -> Callable[[Request], Awaitable[Response]]:
         async def endpoint(request: Request) -> Response:
             session = self._session(request)
             if session is None:

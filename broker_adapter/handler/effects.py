@@ -25,7 +25,7 @@ from typing import Any, Literal, TypeVar
 
 from broker_adapter.errors import ConfigError
 from broker_adapter.protocol.canonical import canonical_json, sha256_hex
-from broker_adapter.protocol.idempotency import EFFECT_KEY_VERSION, Intent, effect_key
+from broker_adapter.protocol.idempotency import EFFECT_KEY_VERSION, Intent, action_key
 from broker_adapter.store.task_types import ClaimedTask
 
 
@@ -120,7 +120,7 @@ class EffectSpec:
         """The idempotency key of this effect for ``task`` (the same in every attempt)."""
         arguments = self.arguments_of(task)
         intent = Intent(task.principal, task.message_id)
-        return effect_key(intent, self.action, arguments, version=self.version)
+        return action_key(intent, self.action, arguments, version=self.version)
 
     def arguments_of(self, task: ClaimedTask) -> Any:
         """The effect's arguments for ``task`` (``arguments``; default: the payload)."""

@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 from broker_adapter.clock import Clock, SystemClock
 from broker_adapter.errors import ConfigError, StaleError
-from broker_adapter.protocol.idempotency import EFFECT_KEY_VERSION, Intent, effect_key
+from broker_adapter.protocol.idempotency import EFFECT_KEY_VERSION, Intent, action_key
 from broker_adapter.store.task_types import ClaimedTask
 
 #: Why a task's ``cancelled()`` turned True.
@@ -163,10 +163,10 @@ class Task:
         """The idempotency key of one external effect of this request: derived from the
         intent (principal, message id), ``action`` and ``arguments`` (default: the
         payload), never from the attempt, the time or randomness
-        (``protocol.idempotency.effect_key``); the same in every attempt. Send it to the
+        (``protocol.idempotency.action_key``); the same in every attempt. Send it to the
         target, e.g. as an ``Idempotency-Key`` header."""
         args = self.payload if arguments is None else arguments
-        return effect_key(Intent(self.principal, self.message_id), action, args, version=version)
+        return action_key(Intent(self.principal, self.message_id), action, args, version=version)
 
     def effect_started(self) -> None:
         """Say, right before it, that the effect this handler cannot take back starts now

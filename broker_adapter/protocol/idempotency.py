@@ -7,7 +7,7 @@
   the current claim. It changes at every claim (fence + 1) and is what a holder presents to
   commit (rule 10) or to write to a fenced target (``broker_adapter.fences``). It orders
   attempts of one task; it never names an effect.
-* The **idempotency key** (``effect_key``): which effect. Derived from the intent, the
+* The **idempotency key** (``action_key``): which effect. Derived from the intent, the
   action's name, the action's canonical arguments and a version of the derivation, and
   from nothing else: not the attempt, not the time, not randomness. So every attempt of
   the same request asking the same action with the same arguments presents the same key,
@@ -32,12 +32,12 @@ from typing import Any, NamedTuple
 
 from broker_adapter.protocol.canonical import canonical_json, canonical_numbers, sha256_hex
 
-#: The derivation ``effect_key`` uses unless told otherwise.
+#: The derivation ``action_key`` uses unless told otherwise.
 EFFECT_KEY_VERSION = 1
 #: Longest action name accepted (an action names code, not data).
 ACTION_MAX_CHARS = 128
 
-#: ``(principal, message_id, action, arguments, version)`` and the key ``effect_key`` derives
+#: ``(principal, message_id, action, arguments, version)`` and the key ``action_key`` derives
 #: from them: any other implementation of the derivation must give the same key.
 EFFECT_KEY_VECTOR: tuple[tuple[str, str, str, Any, int], str] = (
     ("agent-7", "m-0001", "send_email", {"to": "ops@example.com", "n": 13.0}, 1),
@@ -52,7 +52,7 @@ class Intent(NamedTuple):
     message_id: str
 
 
-def effect_key(
+def action_key(
     intent: Intent, action: str, arguments: Any, *, version: int = EFFECT_KEY_VERSION
 ) -> str:
     """The idempotency key of one effect: ``"ba<version>-"`` and 32 hex digits.

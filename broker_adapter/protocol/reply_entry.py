@@ -15,7 +15,7 @@ from broker_adapter.protocol.canonical import sha256_hex
 from broker_adapter.protocol.reply import BadReply, Reply, load_body
 from broker_adapter.protocol.signing import REPLY_WIRE_VERSION, Keyring
 
-_FIELDS = (b"v", b"reply_id", b"hash", b"body", b"kid", b"sig")
+_REPLY_ENTRY_FIELDS = (b"v", b"reply_id", b"hash", b"body", b"kid", b"sig")
 _VERSION = REPLY_WIRE_VERSION.encode()
 
 
@@ -27,7 +27,7 @@ def verify_reply_entry(fields: Mapping[bytes, bytes], principal: str, keyring: K
         BadReply: ``bad_reply`` (fields, version, body), ``missing_field``,
             ``unknown_key``, ``bad_signature``, ``bad_hash`` or ``wrong_principal``.
     """
-    missing = [f.decode() for f in _FIELDS[:4] if f not in fields]
+    missing = [f.decode() for f in _REPLY_ENTRY_FIELDS[:4] if f not in fields]
     if missing:
         raise BadReply("bad_reply", f"missing field(s): {', '.join(missing)}")
     if fields[b"v"] != _VERSION:

@@ -12,9 +12,7 @@ import time
 
 from broker_adapter.errors import ConfigError
 from broker_adapter.redis.client import connect
-from broker_adapter.redis.server import RedisServer, binary_available, free_port
-
-READY_TIMEOUT_S = 10.0
+from broker_adapter.redis.server import READY_TIMEOUT_S, RedisServer, binary_available, free_port
 
 
 class EmbeddedRedis:

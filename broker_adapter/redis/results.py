@@ -23,7 +23,7 @@ from broker_adapter.redis.client import text
 from broker_adapter.redis.scripts import eval_many
 
 #: Index members purged per script call, and calls per purge at most.
-PURGE_BATCH = 500
+RESULT_PURGE_BATCH = 500
 MAX_PURGE_CALLS = 20
 
 #: KEYS[1] the result index; ARGV[1] the records' key prefix (``reply_result(P, "")``),
@@ -50,7 +50,7 @@ def purge_results(client: redis.Redis, index: str, record_prefix: str, before_ms
         record_prefix: the records' key prefix, ``keys.reply_result(P, "")``.
 
     Returns:
-        how many records went (at most ``PURGE_BATCH`` x ``MAX_PURGE_CALLS`` per call).
+        how many records went (at most ``RESULT_PURGE_BATCH`` x ``MAX_PURGE_CALLS`` per call).
 
     Raises:
         RedisUnavailable: Redis could not be reached (each call is atomic and safe to repeat).
@@ -58,12 +58,12 @@ def purge_results(client: redis.Redis, index: str, record_prefix: str, before_ms
     """
     removed = 0
     for _ in range(MAX_PURGE_CALLS):
-        args: list[bytes | str | int] = [record_prefix, int(before_ms), PURGE_BATCH]
+        args: list[bytes | str | int] = [record_prefix, int(before_ms), RESULT_PURGE_BATCH]
         (reply,) = eval_many(client, PURGE_SCRIPT, [([index], args)])
         if isinstance(reply, Exception):
             raise reply
         removed += int(reply)
-        if int(reply) < PURGE_BATCH:
+        if int(reply) < RESULT_PURGE_BATCH:
             break
     return removed
 

@@ -55,6 +55,6 @@ def open_store(
 def probe(url: str, timeout_s: float) -> str | None:
     """Why the PostgreSQL database at ``url`` cannot be written now (unreachable within
     ``timeout_s``, or a standby in recovery), or None: a readiness check."""
-    from broker_adapter.store.postgres.db import probe as pg_probe
+    from broker_adapter.store.postgres.db import probe_postgres
 
-    return pg_probe(url, timeout_s)
+    return probe_postgres(url, timeout_s)

@@ -29,7 +29,7 @@ COUNTED_TABLES = ("tasks", "inbox", "outbox", "receipts")
 SNAPSHOT_BUSY_TIMEOUT_MS = 10_000
 
 
-def snapshot(db_path: str | Path, out: str | Path) -> dict[str, Any]:
+def write_snapshot(db_path: str | Path, out: str | Path) -> dict[str, Any]:
     """Write a consistent copy of the database at ``db_path`` to ``out`` (which must not
     exist), with mode 0600.
 

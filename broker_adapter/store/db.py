@@ -35,23 +35,15 @@ from broker_adapter import crashpoints
 from broker_adapter.errors import ConfigError, StoreBusy, StoreError
 from broker_adapter.store.gate import WriteGate
 from broker_adapter.store.migrations import SCHEMA_VERSION, apply_migrations
-from broker_adapter.store.sql import SQLITE, Dialect, SqliteConnection
+from broker_adapter.store.sql import DEFAULT_BUSY_TIMEOUT_MS, SQLITE, Dialect, SqliteConnection
 
 Synchronous = Literal["FULL", "NORMAL", "EXTRA"]
-DEFAULT_BUSY_TIMEOUT_MS = 10_000
 #: A writer that finds the write lock taken tries again after about this long (jittered),
 #: then after 1.5 times as long each time, up to ``LOCK_WAIT_MAX_S``.
 LOCK_WAIT_FIRST_S = 0.00005
 LOCK_WAIT_MAX_S = 0.0005
 
 log = logging.getLogger("broker_adapter.store")
-
-
-def _add_column(c: sqlite3.Connection, table: str, column: str, decl: str) -> None:
-    """``ALTER TABLE ... ADD COLUMN`` unless the column is there already (idempotent, like
-    every migration). Adding a nullable column rewrites no row."""
-    if column not in {r[1] for r in c.execute(f"PRAGMA table_info({table})")}:
-        c.execute(f"ALTER TABLE {table} ADD COLUMN {column} {decl}")
 
 
 class Database:

@@ -8,10 +8,10 @@ Every fenced write checks exactly that, in one of two forms:
 
 * in SQL (``TASK_HELD`` / ``REPLY_HELD``), as the WHERE clause of the write itself, one
   statement instead of a read and a write (``held_params`` gives the parameters);
-* in Python (``refusal``), on a row read in the transaction: which part of the rule fails,
+* in Python (``fence_refusal``), on a row read in the transaction: which part of the rule fails,
   as the precise ``StaleError`` the caller raises or reports.
 
-A write whose SQL form matched nothing asks ``refusal`` why, on the row as it is.
+A write whose SQL form matched nothing asks ``fence_refusal`` why, on the row as it is.
 
 Two named variants of the task rule leave terms out, each for steps that a holder owes
 whatever the clock says (the worker bounds its handler by the deadline itself, and the
@@ -22,7 +22,7 @@ take-back of the clock ends what lapses):
   (``EffectsStore.to_unknown``: ``unknown`` outlives the deadline, which bounds new
   attempts, not finding out what one did) and parking a task for its approval
   (``ApprovalStore.wait_for_approval``: the wait has an end of its own). The reconcile
-  of an ``unknown`` task is held the same way (``refusal`` with ``deadline=False``).
+  of an ``unknown`` task is held the same way (``fence_refusal`` with ``deadline=False``).
 * ``TASK_OWNED``: neither lease nor deadline. The holder that stopped on a requested
   cancel ends its task ``cancelled`` with what it knows happened
   (``EffectsStore.end_requested_cancel``); the lapsed lease of such a task would end it
@@ -124,7 +124,7 @@ def claim_rows(
     return [by_id[i] for i in ids if i in by_id]
 
 
-def refusal(
+def fence_refusal(
     row: sqlite3.Row | Mapping[str, Any],
     key: str,
     owner: str,

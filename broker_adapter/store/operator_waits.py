@@ -20,14 +20,13 @@ pass, no call out of it; on PostgreSQL the rows another transaction holds are sk
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from broker_adapter.store.counters import OPERATOR_TIMEOUTS, count_in
 from broker_adapter.store.effects import EffectsStore
 from broker_adapter.store.lifecycle import to_terminal
-from broker_adapter.store.reconcile_log import log_reconcile, reply_member
+from broker_adapter.store.reconcile_log import loads_or_none, log_reconcile, reply_member
 from broker_adapter.store.sql import Conn
 from broker_adapter.store.task_types import TaskState
 
@@ -149,13 +148,9 @@ class OperatorWaits:
             ).fetchall()
         return {
             "task": dict(task),
-            "reconcile_log": [{**dict(r), "observed": _loads(r["observed"])} for r in log],
+            "reconcile_log": [{**dict(r), "observed": loads_or_none(r["observed"])} for r in log],
             "compensations": [dict(r) for r in comps],
         }
-
-
-def _loads(text: str | None) -> Any:
-    return None if text is None else json.loads(text)
 
 
 def _waiting(r: Any) -> WaitingTask:
@@ -199,12 +194,12 @@ def outcome_gauges(c: Conn, now: float) -> dict[str, float]:
         "SELECT count(*) AS n FROM compensations WHERE outcome = 'started'"
     ).fetchone()
     return {
-        "oldest_unknown_age_s": _age(now, row["unknown_since"]),
-        "oldest_operator_wait_age_s": _age(now, row["operator_since"]),
+        "oldest_unknown_age_s": _waited_s(now, row["unknown_since"]),
+        "oldest_operator_wait_age_s": _waited_s(now, row["operator_since"]),
         "operator_overdue": int(row["overdue"]),
         "compensations_open": int(open_["n"]),
     }
 
 
-def _age(now: float, since: float | None) -> float:
+def _waited_s(now: float, since: float | None) -> float:
     return 0.0 if since is None else round(max(0.0, now - float(since)), 3)

@@ -20,8 +20,8 @@ from broker_adapter.protocol.reply import encode_body
 from broker_adapter.store.fencing import (
     REPLY_HELD,
     REPLY_HELD_STATE,
+    fence_refusal,
     held_params,
-    refusal,
     update_held,
 )
 from broker_adapter.store.outbox_types import (
@@ -103,13 +103,13 @@ def holder_refusal(
     c: Conn, reply_id: str, owner: str, fence: int, now: float
 ) -> StaleError | UnknownReply:
     """Why a fenced write of ``reply_id`` matched nothing (``UnknownReply`` if no row):
-    ``fencing.refusal`` on the row as it is now."""
+    ``fencing.fence_refusal`` on the row as it is now."""
     row = c.execute(
         "SELECT state, owner, fence, lease_until FROM outbox WHERE reply_id = ?", (reply_id,)
     ).fetchone()
     if row is None:
         return UnknownReply(reply_id)
-    why = refusal(row, reply_id, owner, fence, now, state=REPLY_HELD_STATE, deadline=False)
+    why = fence_refusal(row, reply_id, owner, fence, now, state=REPLY_HELD_STATE, deadline=False)
     return why or StaleError(reply_id, "lease_expired")  # the clock moved on meanwhile
 
 

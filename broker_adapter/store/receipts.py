@@ -68,9 +68,9 @@ class Receipt:
 
 
 _NAMES = tuple(Receipt.__dataclass_fields__)
-_COLUMNS = ", ".join(_NAMES)
-_SELECT = f"SELECT {_COLUMNS} FROM receipts"
-_INSERT = f"INSERT INTO receipts ({_COLUMNS}) VALUES ({marks(len(_NAMES))})"
+_RECEIPT_COLUMNS = ", ".join(_NAMES)
+_SELECT = f"SELECT {_RECEIPT_COLUMNS} FROM receipts"
+_INSERT = f"INSERT INTO receipts ({_RECEIPT_COLUMNS}) VALUES ({marks(len(_NAMES))})"
 
 
 def _receipt(row: Any) -> Receipt:
@@ -83,7 +83,7 @@ def _receipt(row: Any) -> Receipt:
 #: effect(conn, reply) -> JSON value kept as the receipt's ``effect_result``; ``reply`` is
 #: the parsed body (``protocol.reply.Reply``). The connection is the open transaction's
 #: (``store.sql.Conn``: ``?`` placeholders): SQLite's ``Database.write`` connection, or
-#: PostgreSQL's ``store.postgres.db.Conn``.
+#: PostgreSQL's ``store.postgres.db.PgConn``.
 Effect = Callable[[Any, Reply], Any]
 
 

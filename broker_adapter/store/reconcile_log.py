@@ -14,7 +14,7 @@ from typing import Any, Literal
 from broker_adapter.protocol.canonical import canonical_json
 from broker_adapter.store.counters import RECONCILED, count_in
 from broker_adapter.store.evidence import ADAPTER_VERSION, EVIDENCE
-from broker_adapter.store.fencing import refusal
+from broker_adapter.store.fencing import fence_refusal
 from broker_adapter.store.sql import Conn
 from broker_adapter.store.task_types import TaskState, UnknownTask
 
@@ -33,7 +33,7 @@ class ReconcileRecord:
 
 
 def unknown_holder(c: Conn, task_id: str, owner: str, fence: int, now: float) -> Any:
-    """Rule 10 for a reconcile (``fencing.refusal``): the task is ``unknown``, held by
+    """Rule 10 for a reconcile (``fencing.fence_refusal``): the task is ``unknown``, held by
     ``owner`` under ``fence``, the lease not run out (the deadline does not count here:
     see ``fencing``). The row stays locked for the caller's writes (``for_update``)."""
     row = c.execute(
@@ -43,7 +43,9 @@ def unknown_holder(c: Conn, task_id: str, owner: str, fence: int, now: float) ->
     ).fetchone()
     if row is None:
         raise UnknownTask(task_id)
-    refused = refusal(row, task_id, owner, fence, now, state=TaskState.UNKNOWN, deadline=False)
+    refused = fence_refusal(
+        row, task_id, owner, fence, now, state=TaskState.UNKNOWN, deadline=False
+    )
     if refused is not None:
         raise refused
     return row
@@ -120,8 +122,9 @@ def reconcile_records(c: Conn, task_id: str) -> list[ReconcileRecord]:
         " WHERE task_id = ? ORDER BY at, fence",
         (task_id,),
     ).fetchall()
-    return [ReconcileRecord(**{**dict(r), "observed": _loads(r["observed"])}) for r in rows]
+    return [ReconcileRecord(**{**dict(r), "observed": loads_or_none(r["observed"])}) for r in rows]
 
 
-def _loads(text: str | None) -> Any:
+def loads_or_none(text: str | None) -> Any:
+    """A JSON column's value: ``None`` for SQL NULL."""
     return None if text is None else json.loads(text)

@@ -112,6 +112,11 @@ class Conn(Protocol):
     def executemany(self, sql: str, parameters: Iterable[Sequence[Any]], /) -> Cursor: ...
 
 
+#: How long a database of either engine waits for a lock before a write gives up
+#: (``StoreBusy``), milliseconds, unless told otherwise.
+DEFAULT_BUSY_TIMEOUT_MS: Final = 10_000
+
+
 class Db(Protocol):
     """A store's database, whichever engine: short transactions handing out a ``Conn``."""
 

@@ -27,7 +27,7 @@ from broker_adapter.protocol.reply import reply_id_for
 from broker_adapter.store import transitions
 from broker_adapter.store.counters import TASK_ATTEMPTS, count_in
 from broker_adapter.store.dbclock import read_now, tx_now
-from broker_adapter.store.fencing import TASK_HELD_STATE, claim_rows, refusal
+from broker_adapter.store.fencing import TASK_HELD_STATE, claim_rows, fence_refusal
 from broker_adapter.store.housekeeping import reconcile_in
 from broker_adapter.store.lifecycle import to_terminal
 from broker_adapter.store.sql import Conn
@@ -112,7 +112,7 @@ class TaskTx:
         return [claimed_task(r, owner, lease_until) for r in rows]
 
     def holder(self, c: Conn, task_id: str, owner: str, fence: int) -> Any:
-        """Check rule 10 (``fencing.refusal``, the deadline included); raise the refusal
+        """Check rule 10 (``fencing.fence_refusal``, the deadline included); raise the refusal
         (``StaleError``, and the caller's transaction rolls back) if any part fails.
         Returns the row (``_HOLDER_COLUMNS``), locked for the rest of the transaction where
         writers run at once (``for_update``): what was checked cannot change before the
@@ -127,7 +127,7 @@ class TaskTx:
         ).fetchone()
         if row is None:
             raise UnknownTask(task_id)
-        refused = refusal(
+        refused = fence_refusal(
             row,
             task_id,
             owner,
@@ -169,7 +169,7 @@ class TaskTx:
         )
         if row is None:
             return StaleError(task_id, "not_running", "no such task")
-        refused = refusal(
+        refused = fence_refusal(
             row,
             task_id,
             owner,

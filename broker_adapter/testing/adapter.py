@@ -16,7 +16,7 @@ from broker_adapter.protocol.keys import INGEST_GROUP, Keys
 from broker_adapter.redis.client import connect
 from broker_adapter.redis.probe import sample_groups
 
-READY_TIMEOUT_S = 30.0
+ADAPTER_READY_TIMEOUT_S = 30.0
 STOP_TIMEOUT_S = 30.0
 
 
@@ -71,7 +71,7 @@ class RunningAdapter:
         self.log_path = log_path or default_log
         self.proc: subprocess.Popen[bytes] | None = None
 
-    def start(self, timeout_s: float = READY_TIMEOUT_S) -> RunningAdapter:
+    def start(self, timeout_s: float = ADAPTER_READY_TIMEOUT_S) -> RunningAdapter:
         """Start it and wait until its ingest group exists on the inbound stream.
 
         Raises:

@@ -24,7 +24,8 @@ from broker_adapter.errors import ConfigError
 from broker_adapter.handler.router import Router
 from broker_adapter.protocol.envelope import Envelope
 from broker_adapter.protocol.reply import Reply
-from broker_adapter.stages.worker.worker import Worker, WorkerConfig
+from broker_adapter.stages.worker.config import WorkerConfig
+from broker_adapter.stages.worker.worker import Worker
 from broker_adapter.store import AcceptItem, OutboxStore, TaskStore, open_database
 
 #: The states a task leaves no more.

@@ -31,7 +31,8 @@ from contextlib import closing
 from pathlib import Path
 from typing import Any
 
-from broker_adapter.stages.shared.handlers import RetryableError, Task
+from broker_adapter.errors import RetryableError
+from broker_adapter.handler.task import Task
 
 ENV_EFFECTS_DB = "CHAOS_EFFECTS_DB"
 BUSY_TIMEOUT_S = 30.0

@@ -25,7 +25,7 @@ from broker_adapter.app.ops import collect_status, format_status
 from broker_adapter.clock import FakeClock
 from broker_adapter.handler.effects import effect_spec
 from broker_adapter.protocol.envelope import Envelope
-from broker_adapter.protocol.idempotency import Intent, effect_key
+from broker_adapter.protocol.idempotency import Intent, action_key
 from broker_adapter.stages.reconcile.reconciler import ReconcilePolicy, Reconciler
 from broker_adapter.stages.shared.handlers import load_handler
 from broker_adapter.store import AcceptItem, Database, OutboxStore, TaskStore, open_database
@@ -130,7 +130,7 @@ class Setup:
 
 
 def key_of(setup: Setup) -> str:
-    return effect_key(
+    return action_key(
         Intent("agent-a", "m1"), effect_handlers.ACTION, {"target": setup.target.url, "value": 1}
     )
 

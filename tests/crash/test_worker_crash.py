@@ -28,7 +28,7 @@ from broker_adapter.clock import FakeClock
 from broker_adapter.errors import ConfigError
 from broker_adapter.protocol.envelope import Envelope
 from broker_adapter.protocol.idempotency import idempotency_key_for
-from broker_adapter.stages.worker.worker import WorkerConfig
+from broker_adapter.stages.worker.config import WorkerConfig
 from broker_adapter.store import AcceptItem, OutboxStore, TaskStore
 from broker_adapter.store.task_types import TaskRow
 from tests.support.handlers import effects, init_effects_db, ledger

@@ -21,7 +21,7 @@ from broker_adapter.app.pool import WorkerPool
 from broker_adapter.clock import FakeClock
 from broker_adapter.errors import StoreBusy
 from broker_adapter.protocol.envelope import Envelope
-from broker_adapter.stages.worker.worker import WorkerConfig
+from broker_adapter.stages.worker.config import WorkerConfig
 from broker_adapter.store import AcceptItem, TaskStore, open_database
 from broker_adapter.store.gate import CHECK_S, WriteGate, _alive
 from tests.crash.test_worker_crash import wait_until

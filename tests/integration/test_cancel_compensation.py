@@ -18,9 +18,10 @@ from broker_adapter.clock import FakeClock
 from broker_adapter.handler.effects import CompensateFn, Observation, effect_spec, side_effect
 from broker_adapter.handler.task import Task
 from broker_adapter.protocol.envelope import Envelope
-from broker_adapter.protocol.idempotency import Intent, effect_key
+from broker_adapter.protocol.idempotency import Intent, action_key
 from broker_adapter.stages.reconcile.reconciler import ReconcilePolicy, Reconciler
-from broker_adapter.stages.worker.worker import Worker, WorkerConfig
+from broker_adapter.stages.worker.config import WorkerConfig
+from broker_adapter.stages.worker.worker import Worker
 from broker_adapter.store import AcceptItem, OutboxStore, TaskStore, open_database
 from broker_adapter.store.effects import EffectsStore
 from broker_adapter.store.evidence import key_digest
@@ -134,7 +135,7 @@ def test_a_cancelled_tasks_effect_that_happened_is_undone_once(
             (task_id,),
         ).fetchone()
     assert kept is not None
-    expected = key_digest(effect_key(Intent("agent-a", "m1"), ACTION, {"target": target.url}))
+    expected = key_digest(action_key(Intent("agent-a", "m1"), ACTION, {"target": target.url}))
     assert kept["task_digest"] == kept["log_digest"] == kept["comp_digest"] == expected
     assert kept["task_version"] == kept["log_version"] == kept["comp_version"]
     assert kept["task_version"]

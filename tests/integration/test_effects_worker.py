@@ -19,7 +19,8 @@ from broker_adapter.errors import RetryableError, TaskCancelled
 from broker_adapter.handler.effects import arguments_digest, side_effect
 from broker_adapter.handler.task import Task
 from broker_adapter.protocol.envelope import Envelope
-from broker_adapter.stages.worker.worker import Worker, WorkerConfig
+from broker_adapter.stages.worker.config import WorkerConfig
+from broker_adapter.stages.worker.worker import Worker
 from broker_adapter.store import AcceptItem, Database, OutboxStore, TaskStore, open_database
 from broker_adapter.store.approvals import ApprovalStore
 from broker_adapter.store.effects import EffectsStore

@@ -15,7 +15,8 @@ from typing import Any
 
 import pytest
 
-from broker_adapter.app.adapter import Adapter, AdapterConfig
+from broker_adapter.app.adapter import Adapter
+from broker_adapter.app.adapter_config import AdapterConfig
 from broker_adapter.clock import FakeClock
 from broker_adapter.protocol.keys import RECEIVER_GROUP, Keys
 from broker_adapter.redis.client import connect, text

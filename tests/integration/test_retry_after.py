@@ -18,7 +18,8 @@ from broker_adapter.clock import FakeClock
 from broker_adapter.errors import RetryableError
 from broker_adapter.handler.task import Task
 from broker_adapter.protocol.envelope import Envelope
-from broker_adapter.stages.worker.worker import Worker, WorkerConfig
+from broker_adapter.stages.worker.config import WorkerConfig
+from broker_adapter.stages.worker.worker import Worker
 from broker_adapter.store import AcceptItem, OutboxStore, TaskStore, open_database
 from broker_adapter.store.task_types import TaskPolicy
 from tests.support.fake_target import FakeTarget, FakeTargetClient, TargetError

@@ -19,15 +19,16 @@ import pytest
 from broker_adapter.backoff import Backoff
 from broker_adapter.clock import FakeClock
 from broker_adapter.errors import FencedError
+from broker_adapter.handler.task import Task
 from broker_adapter.protocol.envelope import Envelope
 from broker_adapter.protocol.keys import Keys
 from broker_adapter.redis.client import connect
 from broker_adapter.stages.dispatch.dispatcher import Dispatcher, DispatcherConfig
 from broker_adapter.stages.dispatch.loss import RECHECK_AFTER_S, LossEvent
-from broker_adapter.stages.shared.handlers import Task
-from broker_adapter.stages.shared.handoff import CLAIM, Handed
+from broker_adapter.stages.shared.loop import CLAIM, Handed
 from broker_adapter.stages.shared.publish import ReplyPublisher
-from broker_adapter.stages.worker.worker import Worker, WorkerConfig
+from broker_adapter.stages.worker.config import WorkerConfig
+from broker_adapter.stages.worker.worker import Worker
 from broker_adapter.store import AcceptItem, OutboxStore, TaskStore, open_database
 from broker_adapter.store.db import Database
 from broker_adapter.store.outbox_types import OutboxPolicy

@@ -16,9 +16,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from broker_adapter.errors import RetryableError
 from broker_adapter.handler.effects import side_effect
 from broker_adapter.handler.task import Task
-from broker_adapter.stages.shared.handlers import RetryableError
 from tests.support.handlers import record_effect
 
 

@@ -16,7 +16,8 @@ from contextlib import closing
 from pathlib import Path
 from typing import Any
 
-from broker_adapter.stages.shared.handlers import RetryableError, Task
+from broker_adapter.errors import RetryableError
+from broker_adapter.handler.task import Task
 
 NOT_CALLABLE = {"a": "dict"}  # for load_handler's "not callable" message
 EFFECTS_SCHEMA = (

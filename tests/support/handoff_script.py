@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from broker_adapter.stages.shared.handoff import Handed
+from broker_adapter.stages.shared.loop import Handed
 
 
 class ScriptedWait:

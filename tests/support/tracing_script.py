@@ -18,14 +18,15 @@ from typing import Any
 
 from broker_adapter.client.publisher import Publisher
 from broker_adapter.clock import FakeClock
+from broker_adapter.handler.task import Task
 from broker_adapter.protocol.envelope import Envelope
 from broker_adapter.protocol.keys import Keys
 from broker_adapter.redis.client import connect
 from broker_adapter.stages.ingest.config import IngestConfig
 from broker_adapter.stages.ingest.ingest import Ingestor
 from broker_adapter.stages.shared import tracing
-from broker_adapter.stages.shared.handlers import Task
-from broker_adapter.stages.worker.worker import Worker, WorkerConfig
+from broker_adapter.stages.worker.config import WorkerConfig
+from broker_adapter.stages.worker.worker import Worker
 from broker_adapter.store import ReceiptStore, TaskStore, open_database
 from tests.support.ingest_script import DEADLINE, drain, write_keyring
 from tests.support.replies_script import dispatcher_for, receiver_for, reply_keyring

@@ -27,7 +27,8 @@ from types import FrameType
 from broker_adapter.app.pool import WorkerPool
 from broker_adapter.clock import FakeClock
 from broker_adapter.redis.client import connect
-from broker_adapter.stages.worker.worker import Worker, WorkerConfig
+from broker_adapter.stages.worker.config import WorkerConfig
+from broker_adapter.stages.worker.worker import Worker
 from broker_adapter.store import OutboxStore, TaskStore
 from broker_adapter.store.backends import open_store
 from broker_adapter.store.task_types import TaskPolicy

@@ -15,7 +15,8 @@ from broker_adapter.clock import FakeClock
 from broker_adapter.errors import FencedError, StaleError, TaskCancelled
 from broker_adapter.handler.task import Task
 from broker_adapter.stages.shared.calls import call_handler
-from broker_adapter.stages.worker.worker import Worker, WorkerConfig
+from broker_adapter.stages.worker.config import WorkerConfig
+from broker_adapter.stages.worker.worker import Worker
 from broker_adapter.store import ClaimedTask, FailOutcome, open_database
 from broker_adapter.store.settle import Settlement
 from tests.support.store_script import LEASE_S, T0, Stores, item, open_any, stores

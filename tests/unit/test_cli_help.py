@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 import broker_adapter
-from broker_adapter.app.adapter import AdapterConfig
+from broker_adapter.app.adapter_config import AdapterConfig
 from broker_adapter.app.cli import build_parser
 from broker_adapter.app.options import settings_from
 from broker_adapter.config import derive, flag_of

@@ -8,18 +8,18 @@ from typing import Any
 
 import pytest
 
-from broker_adapter.app.adapter import AdapterConfig
+from broker_adapter.app.adapter_config import AdapterConfig
 from broker_adapter.backoff import Backoff
 from broker_adapter.config import ConfigModel
 from broker_adapter.errors import BrokerAdapterError, ConfigError, StageError
+from broker_adapter.errors import RetryableError as RetryableFromHandlers
 from broker_adapter.protocol.reply import BadReply
 from broker_adapter.redis.client import check_redis_url, connect
 from broker_adapter.redis.reader import ReaderConfig
 from broker_adapter.stages.dispatch.dispatcher import DispatcherConfig
 from broker_adapter.stages.ingest.config import IngestConfig
 from broker_adapter.stages.receiver.receiver import ReceiverConfig
-from broker_adapter.stages.shared.handlers import RetryableError as RetryableFromHandlers
-from broker_adapter.stages.worker.worker import WorkerConfig
+from broker_adapter.stages.worker.config import WorkerConfig
 from broker_adapter.store.outbox_types import OutboxPolicy
 from broker_adapter.store.task_types import TaskPolicy
 

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from broker_adapter.app.adapter import Adapter, AdapterConfig
+from broker_adapter.app.adapter import Adapter
+from broker_adapter.app.adapter_config import AdapterConfig
 from broker_adapter.errors import ConfigError, RedisUnavailable, StoreBusy, StoreError
 from broker_adapter.store import open_database
 from broker_adapter.store.db import Database

@@ -19,7 +19,7 @@ from broker_adapter.handler.effects import EffectSpec, Observation, effect_spec,
 from broker_adapter.stages.reconcile.reconciler import (
     ReconcilePolicy,
     Reconciler,
-    Step,
+    ReconcileStep,
     after_reconcile,
 )
 from broker_adapter.stages.worker.effect_gate import (
@@ -103,18 +103,20 @@ def test_after_call(end: CallEnd, started: bool, retryable: bool, expected: Afte
 
 def test_after_reconcile_done_retry_back_off_operator() -> None:
     now = T0
-    assert after_reconcile(Observation.happened(1), 0, POLICY, now) == Step("done")
-    assert after_reconcile(Observation.happened(1, applied=2), 0, POLICY, now) == Step(
+    assert after_reconcile(Observation.happened(1), 0, POLICY, now) == ReconcileStep("done")
+    assert after_reconcile(Observation.happened(1, applied=2), 0, POLICY, now) == ReconcileStep(
         "done", compensate=True
     )
-    assert after_reconcile(Observation.not_happened(), 2, POLICY, now) == Step("retry")
+    assert after_reconcile(Observation.not_happened(), 2, POLICY, now) == ReconcileStep("retry")
     step = after_reconcile(Observation.still_unknown(), 0, POLICY, now, random.Random(1))
     assert step.kind == "back_off"
     assert step.retry_at is not None
     ceiling = POLICY.backoff.ceiling(1)
     assert now + ceiling / 2 <= step.retry_at <= now + ceiling
     last = POLICY.max_tries - 1
-    assert after_reconcile(Observation.still_unknown(), last, POLICY, now) == Step("operator")
+    assert after_reconcile(Observation.still_unknown(), last, POLICY, now) == ReconcileStep(
+        "operator"
+    )
 
 
 @pytest.mark.parametrize(

@@ -12,13 +12,12 @@ from pathlib import Path
 import pytest
 
 from broker_adapter.clock import FakeClock
-from broker_adapter.errors import ConfigError, StaleError
+from broker_adapter.errors import ConfigError, RetryableError, StaleError
 from broker_adapter.handler.task import Task, TaskControl
 from broker_adapter.protocol.idempotency import idempotency_key_for
 from broker_adapter.stages.shared.calls import CallRun, RunOutcome, StopRun, call_handler
 from broker_adapter.stages.shared.handlers import (
     ERROR_TEXT_MAX_CHARS,
-    RetryableError,
     describe_error,
     is_retryable,
     load_handler,

@@ -12,10 +12,12 @@ import pytest
 
 from broker_adapter.clock import FakeClock
 from broker_adapter.errors import StoreBusy
+from broker_adapter.handler.task import Task
 from broker_adapter.protocol.envelope import Envelope
-from broker_adapter.stages.shared.handlers import Task
-from broker_adapter.stages.shared.handoff import CLAIM, LOOK, Handed, Handoff, HandoffEndpoint
-from broker_adapter.stages.worker.worker import Worker, WorkerConfig
+from broker_adapter.stages.shared.handoff import Handoff, HandoffEndpoint
+from broker_adapter.stages.shared.loop import CLAIM, LOOK, Handed
+from broker_adapter.stages.worker.config import WorkerConfig
+from broker_adapter.stages.worker.worker import Worker
 from broker_adapter.store import AcceptItem, TaskStore
 from broker_adapter.store.db import Database
 from broker_adapter.store.task_types import TaskPolicy

@@ -14,7 +14,7 @@ from broker_adapter.protocol.idempotency import (
     ACTION_MAX_CHARS,
     EFFECT_KEY_VECTOR,
     Intent,
-    effect_key,
+    action_key,
 )
 
 INTENT = Intent("agent-7", "m-0001")
@@ -28,16 +28,16 @@ def test_vector_is_sha256_of_the_documented_canonical_array() -> None:
         '{"n":13,"to":"ops@example.com"}]'
     ).encode()
     assert expected == f"ba{version}-{hashlib.sha256(material).hexdigest()[:32]}"
-    got = effect_key(Intent(principal, message_id), action, arguments, version=version)
+    got = action_key(Intent(principal, message_id), action, arguments, version=version)
     assert got == expected
 
 
 def test_same_inputs_same_key_in_another_process() -> None:
     """Nothing process-local (hash seeds, time, randomness) enters the key."""
-    here = effect_key(INTENT, "send_email", ARGS)
+    here = action_key(INTENT, "send_email", ARGS)
     code = (
-        "from broker_adapter.protocol.idempotency import Intent, effect_key;"
-        "print(effect_key(Intent('agent-7', 'm-0001'), 'send_email',"
+        "from broker_adapter.protocol.idempotency import Intent, action_key;"
+        "print(action_key(Intent('agent-7', 'm-0001'), 'send_email',"
         " {'n': 13, 'to': 'ops@example.com'}))"
     )
     there = subprocess.run(
@@ -47,12 +47,12 @@ def test_same_inputs_same_key_in_another_process() -> None:
         check=True,
         env={"PYTHONHASHSEED": "12345"},
     ).stdout.strip()
-    assert there == here == effect_key(INTENT, "send_email", dict(reversed(ARGS.items())))
+    assert there == here == action_key(INTENT, "send_email", dict(reversed(ARGS.items())))
 
 
 def test_numbers_are_canonical_so_a_resend_with_13_0_is_the_same_effect() -> None:
-    assert effect_key(INTENT, "a", {"n": 13.0}) == effect_key(INTENT, "a", {"n": 13})
-    assert effect_key(INTENT, "a", {"n": 1.3e1}) == effect_key(INTENT, "a", {"n": 13})
+    assert action_key(INTENT, "a", {"n": 13.0}) == action_key(INTENT, "a", {"n": 13})
+    assert action_key(INTENT, "a", {"n": 1.3e1}) == action_key(INTENT, "a", {"n": 13})
 
 
 @pytest.mark.parametrize(
@@ -72,15 +72,15 @@ def test_numbers_are_canonical_so_a_resend_with_13_0_is_the_same_effect() -> Non
 def test_any_input_change_changes_the_key(
     intent: Intent, action: str, arguments: Any, version: int
 ) -> None:
-    base = effect_key(INTENT, "send_email", ARGS)
-    other = effect_key(intent, action, arguments, version=version)
+    base = action_key(INTENT, "send_email", ARGS)
+    other = action_key(intent, action, arguments, version=version)
     assert other != base
     assert other.startswith(f"ba{version}-")
     assert len(other) == len(f"ba{version}-") + 32
 
 
 def test_two_actions_of_one_request_have_two_keys() -> None:
-    assert effect_key(INTENT, "charge", ARGS) != effect_key(INTENT, "receipt", ARGS)
+    assert action_key(INTENT, "charge", ARGS) != action_key(INTENT, "receipt", ARGS)
 
 
 @pytest.mark.parametrize(
@@ -100,4 +100,4 @@ def test_refuses_what_cannot_name_an_effect(
     intent: Intent, action: str, arguments: Any, version: int
 ) -> None:
     with pytest.raises(ValueError, match=r"."):
-        effect_key(intent, action, arguments, version=version)
+        action_key(intent, action, arguments, version=version)

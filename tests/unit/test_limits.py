@@ -136,7 +136,7 @@ def test_open_counts_are_pending_and_running_tasks_per_principal(tasks: TaskStor
 def test_run_takes_the_limits_from_flags_or_the_environment(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    from broker_adapter.app.adapter import AdapterConfig
+    from broker_adapter.app.adapter_config import AdapterConfig
     from broker_adapter.app.cli import build_parser
 
     base = [

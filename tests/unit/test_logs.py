@@ -16,7 +16,8 @@ from broker_adapter.app.logs import JsonFormatter, TextFormatter, fields_of
 from broker_adapter.clock import FakeClock
 from broker_adapter.protocol.envelope import Envelope
 from broker_adapter.protocol.reply import reply_id_for
-from broker_adapter.stages.worker.worker import Worker, WorkerConfig
+from broker_adapter.stages.worker.config import WorkerConfig
+from broker_adapter.stages.worker.worker import Worker
 from broker_adapter.store import AcceptItem, TaskStore
 from broker_adapter.store.effects import EffectsStore
 from broker_adapter.store.task_types import TaskPolicy

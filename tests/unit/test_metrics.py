@@ -21,7 +21,7 @@ from broker_adapter.redis.reader import ReaderStats
 from broker_adapter.stages.ingest.config import IngestStats
 from broker_adapter.stages.receiver.receiver import ReceiverStats
 from broker_adapter.stages.shared.publish import REPLY_PUBLISH, DispatcherStats
-from broker_adapter.stages.worker.worker import WorkerStats
+from broker_adapter.stages.worker.config import WorkerStats
 from broker_adapter.store import open_database
 
 

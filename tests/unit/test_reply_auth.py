@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from broker_adapter.app.adapter import Adapter, AdapterConfig
+from broker_adapter.app.adapter import Adapter
+from broker_adapter.app.adapter_config import AdapterConfig
 from broker_adapter.app.pool import WorkerPool
 from broker_adapter.clock import FakeClock
 from broker_adapter.errors import AuthError, ConfigError
@@ -17,7 +18,8 @@ from broker_adapter.protocol.reply import BadReply
 from broker_adapter.protocol.signing import Keyring, ReplySignature, reply_signature, signature
 from broker_adapter.redis.client import connect
 from broker_adapter.stages.receiver.receiver import parse_entry
-from broker_adapter.stages.worker.worker import Worker, WorkerConfig
+from broker_adapter.stages.worker.config import WorkerConfig
+from broker_adapter.stages.worker.worker import Worker
 from broker_adapter.store import TaskStore, open_database
 
 KEYS = {

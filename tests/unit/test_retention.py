@@ -440,6 +440,7 @@ def test_retention_flag_and_variable_reach_the_configs_and_stores(
 ) -> None:
     from broker_adapter.app import adapter as runner
     from broker_adapter.app import cli
+    from broker_adapter.app.adapter_config import AdapterConfig
     from broker_adapter.stages.receiver import receiver
 
     seen: dict[str, Any] = {}
@@ -448,7 +449,7 @@ def test_retention_flag_and_variable_reach_the_configs_and_stores(
         pass
 
     class FakeRunner:
-        def __init__(self, config: runner.AdapterConfig) -> None:
+        def __init__(self, config: AdapterConfig) -> None:
             seen["run"] = config
             raise Stop
 
@@ -496,7 +497,7 @@ def test_retention_flag_and_variable_reach_the_configs_and_stores(
     assert configs() == (90.0, 90.0)
     assert configs("--retention", "30") == (30.0, 30.0)  # the flag wins
     # The runner's policy (its ingest, workers and purge) carries it.
-    config = runner.AdapterConfig(
+    config = AdapterConfig(
         redis_url="redis://x",
         db_path=tmp_path / "p.db",
         handler="broker_adapter.examples:echo",

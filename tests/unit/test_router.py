@@ -17,9 +17,10 @@ from pydantic import BaseModel, Field
 from broker_adapter.clock import FakeClock
 from broker_adapter.errors import ConfigError, EnvelopeError, RetryableError
 from broker_adapter.handler.router import RouteError, Router, validate_payload
+from broker_adapter.handler.task import Task
 from broker_adapter.protocol.envelope import TASK_NAME_MAX_BYTES, Envelope
-from broker_adapter.stages.shared.handlers import Task
-from broker_adapter.stages.worker.worker import Worker, WorkerConfig
+from broker_adapter.stages.worker.config import WorkerConfig
+from broker_adapter.stages.worker.worker import Worker
 from broker_adapter.store import AcceptItem, Database, OutboxStore, TaskStore
 from broker_adapter.store.inbox import Outcome
 from broker_adapter.store.task_types import TaskPolicy

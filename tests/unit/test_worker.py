@@ -18,12 +18,12 @@ from pydantic import ValidationError
 
 from broker_adapter import crashpoints
 from broker_adapter.clock import FakeClock
-from broker_adapter.errors import ConfigError
+from broker_adapter.errors import ConfigError, RetryableError
+from broker_adapter.handler.task import Task
 from broker_adapter.protocol.bounds import PAYLOAD_MAX_BYTES, PAYLOAD_MAX_DEPTH, PAYLOAD_MAX_NODES
 from broker_adapter.protocol.envelope import Envelope
-from broker_adapter.stages.shared.handlers import RetryableError, Task
-from broker_adapter.stages.worker.config import DEFAULT_BATCH
-from broker_adapter.stages.worker.worker import Worker, WorkerConfig
+from broker_adapter.stages.worker.config import DEFAULT_BATCH, WorkerConfig
+from broker_adapter.stages.worker.worker import Worker
 from broker_adapter.store import (
     AcceptItem,
     ClaimedTask,

@@ -112,9 +112,14 @@ from broker_adapter.redis.trimming import (
     trim_with_dead_letters,
 )
 from broker_adapter.redis.trimming import now_ms as trim_now_ms
-from broker_adapter.stages.dispatch.loss import LossWatch, Watch
+from broker_adapter.stages.dispatch.loss import DEFAULT_LOSS_WINDOW_S, LossWatch, Watch
 from broker_adapter.stages.dispatch.replay import Replayer, ReplayResult
-from broker_adapter.stages.shared.loop import IdlePolicy, look
+from broker_adapter.stages.shared.loop import (
+    DEFAULT_IDLE_POLL_S,
+    DEFAULT_WAKE_POLL_S,
+    IdlePolicy,
+    look,
+)
 from broker_adapter.stages.shared.publish import (
     DEFAULT_RECORD_TTL_S,
     DEFAULT_RESULT_TTL_S,
@@ -128,12 +133,9 @@ from broker_adapter.store.outbox_types import OutboxRow
 if TYPE_CHECKING:
     from broker_adapter.redis.client import Redis
 
-DEFAULT_BATCH = 64
-DEFAULT_IDLE_POLL_S = 0.05
-DEFAULT_WAKE_POLL_S = 0.001
+DEFAULT_DISPATCH_BATCH = 64
 #: An idle dispatcher still runs a whole step (the data-loss watch included) this often.
 IDLE_STEP_EVERY_S = 0.5
-DEFAULT_LOSS_WINDOW_S = 2.0
 
 
 def default_owner() -> str:
@@ -175,7 +177,7 @@ class DispatcherConfig(ConfigModel):
 
     prefix: KeyPrefix = PREFIX_SETTING
     owner: str = Field(default_factory=default_owner, min_length=1, max_length=200)
-    batch: int = Field(default=DEFAULT_BATCH, ge=1, le=10_000)
+    batch: int = Field(default=DEFAULT_DISPATCH_BATCH, ge=1, le=10_000)
     record_ttl_s: float = Field(default=DEFAULT_RECORD_TTL_S, gt=0)
     idle_poll_s: float = Field(default=DEFAULT_IDLE_POLL_S, gt=0)
     wake_poll_s: float = Field(default=DEFAULT_WAKE_POLL_S, gt=0)

@@ -124,7 +124,7 @@ if TYPE_CHECKING:
 
     from broker_adapter.redis.client import Redis
 
-DEFAULT_COUNT = 64
+DEFAULT_REPLY_READ_COUNT = 64
 DEFAULT_TAKE_OVER_INTERVAL_S = 30.0
 #: A reply body is at most a result (the payload limits: 64 KiB canonical) and its metadata
 #: (ids, an error text of at most 4,000 characters): about 100 KB with every character
@@ -143,7 +143,7 @@ PURGE_STEP_BUDGET_S = 0.02
 REPLY_AGE_SLACK_S = 3600.0
 REPLY_FORMAT_VERSION = REPLY_WIRE_VERSION.encode()
 _HEX = frozenset("0123456789abcdef")
-_POINTS = CrashPoints(
+_RECEIVER_POINTS = CrashPoints(
     before_commit="receiver.before_commit",
     after_commit="receiver.after_commit",
     after_xack="receiver.after_xack",
@@ -184,7 +184,7 @@ class ReceiverConfig(ConfigModel):
     principal: Principal
     group: str = Field(default=RECEIVER_GROUP, min_length=1)
     consumer: str = Field(default="receiver-1", min_length=1)
-    count: int = Field(default=DEFAULT_COUNT, ge=1, le=MAX_COUNT)
+    count: int = Field(default=DEFAULT_REPLY_READ_COUNT, ge=1, le=MAX_COUNT)
     block_ms: int = BLOCK_MS_SETTING
     claim_min_idle_ms: int = IDLE_MS_SETTING
     max_deliveries: int = MAX_DELIVERIES_SETTING
@@ -399,7 +399,7 @@ class Receiver:
             self.log,
         )
         self._consumer = GroupConsumer(
-            reader, _POINTS, screen=self._screen, commit=self._apply, settle=self._settle
+            reader, _RECEIVER_POINTS, screen=self._screen, commit=self._apply, settle=self._settle
         )
         self._next_take_over = float("-inf")
         self._failed_last_step = False

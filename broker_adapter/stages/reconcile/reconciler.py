@@ -108,7 +108,7 @@ class ReconcilePolicy(ConfigModel):
 
 
 @dataclass(frozen=True)
-class Step:
+class ReconcileStep:
     """What to do with an ``unknown`` task after one reconcile.
 
     Attributes:
@@ -129,17 +129,17 @@ def after_reconcile(
     policy: ReconcilePolicy,
     now: float,
     rng: random.Random | None = None,
-) -> Step:
+) -> ReconcileStep:
     """The step after a reconcile that observed ``seen``, ``tries`` reconciles having found
     nothing before it."""
     if seen.outcome == "done":
-        return Step("done", compensate=seen.applied > 1)
+        return ReconcileStep("done", compensate=seen.applied > 1)
     if seen.outcome == "not-done":
-        return Step("retry")
+        return ReconcileStep("retry")
     tries += 1
     if tries >= policy.max_tries:
-        return Step("operator")
-    return Step("back_off", retry_at=now + policy.backoff.delay(tries, rng))
+        return ReconcileStep("operator")
+    return ReconcileStep("back_off", retry_at=now + policy.backoff.delay(tries, rng))
 
 
 # -- the reconciler -------------------------------------------------------------------------
@@ -248,7 +248,7 @@ class Reconciler:
         seen = self.observe(task)
         step = after_reconcile(seen, claim.tries, self.policy, self.effects.clock.now(), self.rng)
         if self.spec_of(task).reconcile is None:
-            step = Step("operator")
+            step = ReconcileStep("operator")
         args = (task.task_id, self.owner, task.fence)
         if step.kind in ("done", "retry") and self.effects.cancel_requested(task.task_id):
             if seen.outcome == "done":  # the cancel came too late: undo what happened

@@ -1,8 +1,8 @@
 """Handlers: what a handler is, loading ``module:callable`` specs, and how its errors read.
 
-A handler takes one ``handler.task.Task`` (re-exported here, where handler modules import it from)
-and returns a JSON value, or an awaitable of one; raising ``RetryableError`` asks for
-another attempt. The calls themselves are made by ``calls.CallRun``.
+A handler takes one ``handler.task.Task`` and returns a JSON value, or an awaitable of one;
+raising ``RetryableError`` asks for another attempt. The calls themselves are made by
+``calls.CallRun``.
 """
 
 from __future__ import annotations
@@ -15,10 +15,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, cast
 
-from broker_adapter.errors import ConfigError
-from broker_adapter.errors import RetryableError as RetryableError  # its old home, kept
+from broker_adapter.errors import ConfigError, RetryableError
 from broker_adapter.handler.router import Router, load_router
-from broker_adapter.handler.task import Task as Task  # what handler modules import
+from broker_adapter.handler.task import Task
 
 #: A handler takes one ``Task`` and returns a JSON value, or an awaitable of one.
 Handler = Callable[[Task], Any]

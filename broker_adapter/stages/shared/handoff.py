@@ -48,11 +48,7 @@ from collections.abc import Sequence
 from multiprocessing.connection import Connection
 from typing import Any, Final, Literal
 
-from broker_adapter.stages.shared.loop import CLAIM as CLAIM
-from broker_adapter.stages.shared.loop import LOOK as LOOK
-from broker_adapter.stages.shared.loop import Handed as Handed
-from broker_adapter.stages.shared.loop import Handle as Handle
-from broker_adapter.stages.shared.loop import IdleWait as IdleWait
+from broker_adapter.stages.shared.loop import CLAIM, LOOK, Handed, Handle
 from broker_adapter.store.inbox import AcceptItem, AcceptResult, Outcome
 from broker_adapter.store.tasks import TaskStore
 

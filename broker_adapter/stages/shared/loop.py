@@ -23,6 +23,12 @@ from typing import Final, Literal, Protocol
 
 from broker_adapter.errors import TransientError
 
+#: A polling loop's default longest pause between two looks when idle (``idle_poll_s``), and
+#: its pause between looks for ``ALERT_AFTER_WORK_S`` after its last work (``wake_poll_s``),
+#: seconds: the worker's and the dispatcher's defaults.
+DEFAULT_IDLE_POLL_S = 0.05
+DEFAULT_WAKE_POLL_S = 0.001
+
 #: An idle loop keeps looking every ``first_s`` this long after its last work, then backs
 #: off towards ``longest_s``.
 ALERT_AFTER_WORK_S = 1.0

@@ -64,7 +64,6 @@ if TYPE_CHECKING:
 #: How long a publication record dedupes its reply id (see "Publication records" in
 #: ``dispatcher``).
 DEFAULT_RECORD_TTL_S = 1800.0
-REPLY_FORMAT_VERSION = REPLY_WIRE_VERSION
 
 #: How long the result record of a request (``keys.reply_result``: its signed reply, what
 #: ``Client.result`` reads) lives at most (the dispatcher also purges it by its clock after
@@ -261,7 +260,7 @@ class ReplyPublisher:
                 ttl_ms,
                 r.reply_id,
                 body,
-                REPLY_FORMAT_VERSION,
+                REPLY_WIRE_VERSION,
                 kid,
                 sig,
             ]

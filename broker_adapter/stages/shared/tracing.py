@@ -235,7 +235,7 @@ class _HandlerSpan(_NoSpan):
 
 
 def handler_span(task: Any) -> _NoSpan:
-    """The ``ba.handler`` span of one call of ``task`` (a ``handlers.Task``), a context
+    """The ``ba.handler`` span of one call of ``task`` (a ``handler.task.Task``), a context
     manager; call ``ended(outcome)`` on it with the call's ``CallOutcome``."""
     tr = tracer()
     return _NO_SPAN if tr is None else _HandlerSpan(tr, task)

@@ -11,13 +11,12 @@ from pydantic import Field
 from broker_adapter.config import ConfigModel, setting
 from broker_adapter.metric_fields import Family
 from broker_adapter.protocol.keys import PREFIX_SETTING, KeyPrefix
+from broker_adapter.stages.shared.loop import DEFAULT_IDLE_POLL_S, DEFAULT_WAKE_POLL_S
 from broker_adapter.stages.shared.publish import DEFAULT_RECORD_TTL_S, DispatcherStats
 
 DEFAULT_BATCH = 128
 DEFAULT_BATCH_WINDOW_S = 0.05
 DEFAULT_CALL_TIMEOUT_S = 60.0
-DEFAULT_IDLE_POLL_S = 0.05
-DEFAULT_WAKE_POLL_S = 0.001
 DEFAULT_GRACE_S = 10.0
 DEFAULT_APPROVAL_TIMEOUT_S = 3600.0
 #: The most tasks one worker process runs at once (``WorkerConfig.concurrency``).

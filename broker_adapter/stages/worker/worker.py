@@ -53,10 +53,10 @@ from broker_adapter.stages.worker.concurrent_run import ConcurrentRun
 from broker_adapter.stages.worker.config import (
     HANDLER_TIME_WEIGHT,
     INITIAL_CLAIM,
+    WorkerConfig,
     WorkerMetricsSink,
+    WorkerStats,
 )
-from broker_adapter.stages.worker.config import WorkerConfig as WorkerConfig
-from broker_adapter.stages.worker.config import WorkerStats as WorkerStats
 from broker_adapter.stages.worker.effect_gate import EffectGate, stopped_how
 from broker_adapter.stages.worker.lease import Leases, renew_interval
 from broker_adapter.stages.worker.outcomes import count_committed, note_cancelled, settlement

@@ -40,7 +40,7 @@ from broker_adapter.store.postgres.schema import (
     current_version,
     migrate,
 )
-from broker_adapter.store.sql import POSTGRES, Dialect, pg_sql
+from broker_adapter.store.sql import DEFAULT_BUSY_TIMEOUT_MS, POSTGRES, Dialect, pg_sql
 from broker_adapter.store.urls import is_postgres_url, redacted_url
 
 log = logging.getLogger("broker_adapter.store")
@@ -52,7 +52,6 @@ log = logging.getLogger("broker_adapter.store")
 DEFAULT_POOL_MAX: Final = 3
 #: How long a statement waits for a row lock, and a caller for a pooled connection, before
 #: ``StoreBusy``: the SQLite store's busy timeout.
-DEFAULT_BUSY_TIMEOUT_MS: Final = 10_000
 #: Session settings of every pooled connection.
 _SESSION = (
     "SET lock_timeout = {busy}; SET idle_in_transaction_session_timeout = 60000;"
@@ -63,7 +62,7 @@ Row = dict[str, Any]
 RawConn = psycopg.Connection[Row]
 
 
-class Conn:
+class PgConn:
     """A pooled connection inside one transaction, as the store modules use it: portable
     SQL (``store.sql``: ``?`` placeholders) through ``execute``/``executemany``, and the
     driver's own connection as ``raw`` for what only PostgreSQL says (arrays, advisory
@@ -203,10 +202,10 @@ class PgDatabase:
         except PoolTimeout as exc:
             raise StoreBusy(f"no free connection to {self.path}: {exc}") from exc
         except psycopg.Error as exc:
-            raise translate(exc, self.path) from exc
+            raise translate_pg_error(exc, self.path) from exc
 
     @contextmanager
-    def write(self, op: str) -> Iterator[Conn]:
+    def write(self, op: str) -> Iterator[PgConn]:
         """Run one write transaction; crash points ``store.<op>.before_commit`` and
         ``store.<op>.after_commit`` fire around its COMMIT.
 
@@ -220,17 +219,17 @@ class PgDatabase:
         # psycopg's transaction block: BEGIN now, COMMIT at its end, ROLLBACK on an
         # exception; a ``conn.transaction()`` inside it is a SAVEPOINT.
         with self._connection() as conn, conn.transaction():
-            yield Conn(conn)
+            yield PgConn(conn)
             crashpoints.hit(f"store.{op}.before_commit")
         crashpoints.hit(f"store.{op}.after_commit")
 
     @contextmanager
-    def read(self) -> Iterator[Conn]:
+    def read(self) -> Iterator[PgConn]:
         """A read-only transaction (each statement sees what was committed before it)."""
         with self._connection() as conn:
             try:
                 conn.execute("SET TRANSACTION READ ONLY")
-                yield Conn(conn)
+                yield PgConn(conn)
             finally:
                 if not conn.closed:
                     conn.rollback()
@@ -264,7 +263,7 @@ class PgDatabase:
         self.close()
 
 
-def probe(url: str, timeout_s: float) -> str | None:
+def probe_postgres(url: str, timeout_s: float) -> str | None:
     """Why ``url``'s database cannot be written now, or None (a readiness check: one
     short connection, ``SELECT pg_is_in_recovery()``, nothing written)."""
     try:
@@ -277,7 +276,7 @@ def probe(url: str, timeout_s: float) -> str | None:
     return None
 
 
-def translate(exc: psycopg.Error, where: str) -> Exception:
+def translate_pg_error(exc: psycopg.Error, where: str) -> Exception:
     """The library's error for a driver error: ``StoreBusy`` when nothing was committed and
     trying again may succeed (a lost connection, a lock or deadlock timeout), else
     ``StoreError``."""
