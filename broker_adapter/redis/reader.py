@@ -36,13 +36,10 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import redis
-from pydantic import Field
 
-from broker_adapter.config import DEFAULT_CLAIM_MIN_IDLE_MS, ConfigModel, setting
 from broker_adapter.errors import BrokerAdapterError, GroupMissingError, RedisUnavailable
 from broker_adapter.protocol.deadletter import UNTRUSTED_COPY_BYTES
 from broker_adapter.redis import cluster
@@ -50,114 +47,17 @@ from broker_adapter.redis.admission import Admitted
 from broker_adapter.redis.client import text, translated
 from broker_adapter.redis.dead_lettering import DeadLetterWriter
 from broker_adapter.redis.entry import StreamEntry
+from broker_adapter.redis.entry_checks import (
+    count_admitted,
+    count_screened,
+    refusal,
+    with_deliveries,
+)
 from broker_adapter.redis.internals import discard, exchange, read_ahead, send_ahead
+from broker_adapter.redis.reader_config import ReaderConfig, ReaderStats
 from broker_adapter.redis.screening import Screened, ScreenedReads, ScreenLimits
 
-#: The most entries one read may ask for (``count``), and how many by default.
-MAX_COUNT = 10_000
-DEFAULT_COUNT = 256
-#: How long a read of new entries blocks by default, milliseconds.
-DEFAULT_BLOCK_MS = 1000
-#: Entries delivered more often than this go to the dead-letter stream (by default).
-DEFAULT_MAX_DELIVERIES = 10
-#: Entries with more fields than this are dead-lettered as ``too_many_fields``.
-DEFAULT_MAX_ENTRY_FIELDS = 64
-#: The range ``max_entry_fields`` may take: an entry needs a few fields, and the
-#: dead-letter script's argument list (two per copied field) must stay far below the
-#: 7,998 values Lua can unpack.
-MIN_ENTRY_FIELDS, MAX_ENTRY_FIELDS = 8, 1000
-#: A bare ``ReaderConfig``'s entry size limit (the ingest and the receiver set their own:
-#: ``ingest_config.DEFAULT_MAX_ENTRY_BYTES``, ``receiver.DEFAULT_MAX_REPLY_BYTES``).
-READER_MAX_ENTRY_BYTES = 1024 * 1024
-#: The most bytes of entries one read returns by default (``max_batch_bytes``).
-DEFAULT_MAX_BATCH_BYTES = 8 * 1024 * 1024
-
 log = logging.getLogger("broker_adapter.redis.reader")
-
-#: The reading settings that the ingest and the receiver hold too, declared once.
-COUNT_SETTING = setting(
-    DEFAULT_COUNT, ge=1, le=MAX_COUNT, help="entries per read (and per transaction)"
-)
-BLOCK_MS_SETTING = setting(
-    DEFAULT_BLOCK_MS,
-    ge=1,
-    help="how long a read of new entries blocks, ms (Redis reads BLOCK 0 as for ever)",
-)
-#: 0 takes an idle entry over at once (the ingest, and so ``run``, refuses it:
-#: ``ingest_config.CLAIM_MIN_IDLE_SETTING``).
-IDLE_MS_SETTING = setting(
-    DEFAULT_CLAIM_MIN_IDLE_MS,
-    ge=0,
-    help="entries idle this long in another consumer's list are taken over, ms",
-)
-MAX_DELIVERIES_SETTING = setting(
-    DEFAULT_MAX_DELIVERIES,
-    ge=1,
-    help="entries delivered more often go to the dead-letter stream",
-    flag="--max-deliveries",
-    env="BA_MAX_DELIVERIES",
-    metavar="N",
-)
-MAX_ENTRY_FIELDS_SETTING = setting(
-    DEFAULT_MAX_ENTRY_FIELDS,
-    ge=MIN_ENTRY_FIELDS,
-    le=MAX_ENTRY_FIELDS,
-    help="entries of more fields are dead-lettered too_many_fields unread; also the"
-    " most fields a dead letter copies",
-    flag="--max-entry-fields",
-    env="BA_MAX_ENTRY_FIELDS",
-    metavar="N",
-)
-
-
-class ReaderConfig(ConfigModel):
-    """How a ``GroupReader`` reads.
-
-    Attributes:
-        count: entries per read (1..10,000).
-        block_ms: how long a read of new entries blocks (at least 1: Redis reads ``BLOCK
-            0`` as "for ever").
-        claim_min_idle_ms: entries idle this long in another consumer's list are taken over.
-        max_deliveries: entries delivered more often than this go to the dead-letter stream.
-        max_entry_fields: entries of more fields (repeated names counted) are dead-lettered
-            as ``too_many_fields``; also the most fields a dead letter copies
-            (``MIN_ENTRY_FIELDS..MAX_ENTRY_FIELDS``).
-        max_entry_bytes: entries larger than this (all field names and values) are
-            dead-lettered as ``oversize`` before anyone parses them; also the most bytes
-            a dead letter copies. Reads are screened inside Redis (``screening``): a
-            larger entry never reaches this process, it is dead-lettered on the server.
-        max_batch_bytes: the most bytes of entries one read returns (the first always is).
-
-    Raises:
-        ConfigError: a value outside its bounds.
-    """
-
-    count: int = COUNT_SETTING
-    block_ms: int = BLOCK_MS_SETTING
-    claim_min_idle_ms: int = IDLE_MS_SETTING
-    max_deliveries: int = MAX_DELIVERIES_SETTING
-    max_entry_fields: int = MAX_ENTRY_FIELDS_SETTING
-    max_entry_bytes: int = Field(default=READER_MAX_ENTRY_BYTES, ge=1)
-    max_batch_bytes: int = Field(default=DEFAULT_MAX_BATCH_BYTES, ge=1)
-
-
-@dataclass
-class ReaderStats:
-    read: int = 0
-    replayed: int = 0
-    taken_over: int = 0
-    acked: int = 0
-    dead_lettered: int = 0
-    deleted: int = 0
-    group_recreated: int = 0
-    reconnects: int = 0
-    #: Entries acknowledged without any dead letter because even a minimal one failed.
-    dead_letter_failures: int = 0
-    #: Dead letters trimmed because their stream was at its cap.
-    dead_letters_capped: int = 0
-    #: Items moved from the submit list into the stream.
-    admitted: int = 0
-    by_reason: dict[str, int] = field(default_factory=dict)
 
 
 class GroupReader:
@@ -330,12 +230,7 @@ class GroupReader:
     def _screened(self, done: Screened) -> Screened:
         """Count and log what a screened read dead-lettered inside Redis; after a read that
         left an entry pending (its budget spent), replay the pending list next."""
-        for entry_id, reason in done.refused:
-            self.stats.dead_lettered += 1
-            self.stats.by_reason[reason] = self.stats.by_reason.get(reason, 0) + 1
-            self.log.warning(
-                "dead-lettered %s from %s: %s (screened in Redis)", entry_id, self.stream, reason
-            )
+        count_screened(done.refused, self.stats, self.log, self.stream)
         if done.left:
             self._replaying = True
         if done.admitted is not None:
@@ -344,34 +239,15 @@ class GroupReader:
 
     def _admission(self, admitted: Admitted) -> None:
         """Count and log what a read moved from the submit list (or refused there)."""
-        self.stats.admitted += admitted.count
-        for reason in admitted.refused:
-            dropped = reason.startswith("dropped:")
-            reason = reason.removeprefix("dropped:")
-            self.stats.dead_lettered += 1
-            self.stats.by_reason[reason] = self.stats.by_reason.get(reason, 0) + 1
-            if dropped:
-                self.stats.dead_letter_failures += 1
-                self.log.error(
-                    "ALARM: an item of %s was refused (%s) and no dead letter could be "
-                    "written to %s: it is gone",
-                    self.reads.submit,
-                    reason,
-                    self.dead_stream,
-                )
-            else:
-                self.log.warning(
-                    "dead-lettered an item of %s: %s (screened in Redis)", self.reads.submit, reason
-                )
-        if admitted.error and admitted.error != self._admit_error:
-            self.log.error(
-                "ALARM: cannot add entries of %s to %s (%s): they wait in the list "
-                '(docs/OPERATIONS.md, "A stream with ids in the future")',
-                self.reads.submit,
-                self.stream,
-                admitted.error,
-            )
-        self._admit_error = admitted.error
+        self._admit_error = count_admitted(
+            admitted,
+            self.stats,
+            self.log,
+            stream=self.stream,
+            submit=self.reads.submit,
+            dead_stream=self.dead_stream,
+            last_error=self._admit_error,
+        )
 
     def _counted(self, done: Screened) -> list[StreamEntry]:
         """The entries of a read of new ones (``_full`` notes whether more are waiting)."""
@@ -457,61 +333,22 @@ class GroupReader:
 
     def _with_deliveries(self, entries: list[StreamEntry]) -> list[StreamEntry]:
         """Attach delivery counts (from XPENDING) to entries that came from a pending list."""
-        ids = [e.entry_id for e in entries]
-        with translated():
-            rows = self.client.xpending_range(
-                self.stream,
-                self.group,
-                min=min(ids, key=_id_key),
-                max=max(ids, key=_id_key),
-                count=len(ids) * 2 + 10,
-                consumername=self.consumer,
-            )
-        counts = {text(r["message_id"]): int(r["times_delivered"]) for r in rows}  # type: ignore[arg-type]
-        return [e._replace(deliveries=counts.get(e.entry_id, 1)) for e in entries]
+        return with_deliveries(self.client, self.stream, self.group, self.consumer, entries)
 
     def _screen(self, batch: list[StreamEntry]) -> list[StreamEntry]:
         """The entries of ``batch`` fit to be parsed; the others are dead-lettered here."""
         good: list[StreamEntry] = []
         for entry in batch:
             try:
-                refusal = self._refusal(entry)
+                why = refusal(entry, self.config, self.stats)
             except Exception as exc:  # noqa: BLE001 - one entry's problem, not the batch's
                 self.dead_letter_exception(entry, exc, "screening it")
                 continue
-            if refusal is None:
+            if why is None:
                 good.append(entry)
             else:
-                self.dead_letter(entry, *refusal)
+                self.dead_letter(entry, *why)
         return good
-
-    def _refusal(self, entry: StreamEntry) -> tuple[str, str, dict[str, str]] | None:
-        """Why ``entry`` must not be handed on, as ``(reason, detail, extra)``, or None.
-
-        In this order: deleted, past the delivery limit, too many fields, too large, a
-        repeated field name. The checks look at counts and lengths only (the per-entry cost
-        on the hot path is a few list lengths)."""
-        cfg = self.config
-        fields = entry.fields
-        if fields is None:
-            self.stats.deleted += 1
-            return "payload_deleted", "entry was deleted or trimmed", {}
-        if entry.deliveries > cfg.max_deliveries:
-            detail = f"delivered {entry.deliveries} times, limit {cfg.max_deliveries}"
-            return "delivery_limit", detail, {}
-        pairs = entry.flat()
-        if len(pairs) > 2 * cfg.max_entry_fields:
-            detail = f"entry has {len(pairs) // 2} fields, limit {cfg.max_entry_fields}"
-            return "too_many_fields", detail, {"dl.field": ""}
-        size = sum(map(len, pairs))
-        if size > cfg.max_entry_bytes:
-            detail = f"entry is {size} bytes, limit {cfg.max_entry_bytes}"
-            return "oversize", detail, {"dl.field": ""}
-        if 2 * len(fields) != len(pairs):
-            name = text(_repeated_name(pairs))
-            detail = f"field {name!r} appears more than once"
-            return "duplicate_field", detail, {"dl.field": name}
-        return None
 
     def take_over(self) -> list[StreamEntry]:
         """XAUTOCLAIM one page of entries idle past ``claim_min_idle_ms`` (from any consumer).
@@ -643,18 +480,3 @@ class GroupReader:
         with translated():
             info = self.client.xpending(self.stream, self.group)
         return {text(c["name"]): int(c["pending"]) for c in info.get("consumers") or []}
-
-
-def _id_key(entry_id: str) -> tuple[int, int]:
-    ms, _, seq = entry_id.partition("-")
-    return int(ms), int(seq or 0)
-
-
-def _repeated_name(pairs: Sequence[bytes]) -> bytes:
-    """The first field name that ``pairs`` repeats (``b""`` if none does)."""
-    seen: set[bytes] = set()
-    for name in pairs[::2]:
-        if name in seen:
-            return name
-        seen.add(name)
-    return b""
