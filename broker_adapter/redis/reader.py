@@ -14,7 +14,7 @@ Delivery discipline:
   reads the next batch in its round trip, and after a whole batch ``prefetch`` sends the
   next read at once, so that Redis prepares it while the batch is checked and committed.
   What was read ahead and not yet handled is dropped on any error and comes back with the
-  replay.
+  replay (``reading_ahead``).
 * ``take_over`` runs XAUTOCLAIM with a carried cursor until it comes back to ``0-0``, so
   every idle entry of a dead consumer is eventually examined, not just the first page.
 * Reads are screened inside Redis (``screening``): an entry over ``max_entry_fields``
@@ -42,7 +42,6 @@ import redis
 
 from broker_adapter.errors import BrokerAdapterError, GroupMissingError, RedisUnavailable
 from broker_adapter.protocol.deadletter import UNTRUSTED_COPY_BYTES
-from broker_adapter.redis import cluster
 from broker_adapter.redis.admission import Admitted
 from broker_adapter.redis.client import text, translated
 from broker_adapter.redis.dead_lettering import DeadLetterWriter
@@ -53,14 +52,15 @@ from broker_adapter.redis.entry_checks import (
     refusal,
     with_deliveries,
 )
-from broker_adapter.redis.internals import discard, exchange, read_ahead, send_ahead
+from broker_adapter.redis.internals import exchange
 from broker_adapter.redis.reader_config import ReaderConfig, ReaderStats
+from broker_adapter.redis.reading_ahead import ReadingAhead
 from broker_adapter.redis.screening import Screened, ScreenedReads, ScreenLimits
 
 log = logging.getLogger("broker_adapter.redis.reader")
 
 
-class GroupReader:
+class GroupReader(ReadingAhead):
     """Reads one stream as one consumer of one group, at least once.
 
     Args:
@@ -259,78 +259,6 @@ class GroupReader:
         )
         return done.entries
 
-    # -- reading ahead ----------------------------------------------------------------------
-
-    def prefetch(self) -> bool:
-        """When the last read of new entries filled a whole batch, send the read of the next
-        batch now (without blocking) and return at once: Redis prepares it while the caller
-        checks and commits this one. The next ``ack`` (or ``read``) takes its reply, in the
-        round trip of its XACK. The entries it delivers are in this consumer's pending list
-        from then on, so any error before they are handled is recovered like any other:
-        ``reset``, then the replay of the pending list.
-
-        Returns:
-            whether a read was sent.
-
-        Raises:
-            RedisUnavailable: the send failed (the reader is reset).
-        """
-        if not self._full or self._replaying or self._ahead or self._inflight is not None:
-            return False
-        if cluster.is_cluster(self.client):  # a held connection would not follow a moved slot
-            return False
-        if not self.reads.screening:  # only a read known to work is sent ahead
-            return False
-        self._full = False
-        try:
-            with translated():
-                conn = send_ahead(self.client, self.reads.read_command(">"))
-        except BaseException:
-            self.reset()
-            raise
-        self._inflight = conn
-        return True
-
-    def _finish_prefetch(self, entry_ids: Sequence[str] | None) -> tuple[list[StreamEntry], int]:
-        """Take the prefetched read's reply, after sending the XACK of ``entry_ids`` on the same
-        connection (one round trip for both). Returns the screened entries and the XACK count
-        (a missing group is recreated, and nothing is returned).
-
-        Raises:
-            RedisUnavailable: the reader is reset (both commands may or may not have run).
-        """
-        conn, self._inflight = self._inflight, None
-        xack = ("XACK", self.stream, self.group, *entry_ids) if entry_ids else None
-        try:
-            with translated():
-                reply, acked_reply = read_ahead(self.client, conn, xack)  # reply: raw pairs
-        except GroupMissingError:
-            self._recreate_group()
-            return [], 0
-        except BrokerAdapterError as exc:
-            self.reset()
-            self.reads.note_failure(exc)
-            if self.reads.screening is None:
-                return [], 0  # the function went away (a new server): the next read loads it
-            raise
-        except BaseException:
-            self.reset()
-            raise
-        acked = int(acked_reply) if entry_ids else 0
-        self.stats.acked += acked
-        return self._new_entries(reply), acked
-
-    def _drop_inflight(self) -> None:
-        conn, self._inflight = self._inflight, None
-        if conn is not None:
-            discard(self.client.connection_pool, conn)
-
-    def _new_entries(self, reply: Any) -> list[StreamEntry]:
-        """The screened entries of a non-blocking read of new ones (``read_command(">")``),
-        read ahead for the next ``read`` (``_full`` notes whether it filled a batch)."""
-        done = self._screened(self.reads.parse_read(self.reads.read_command(">"), reply))
-        return self._screen(self._counted(done))
-
     def _with_deliveries(self, entries: list[StreamEntry]) -> list[StreamEntry]:
         """Attach delivery counts (from XPENDING) to entries that came from a pending list."""
         return with_deliveries(self.client, self.stream, self.group, self.consumer, entries)
@@ -420,33 +348,7 @@ class GroupReader:
             n = int(acked)
             self.stats.acked += n
             return n
-        if not self.reads.screening or cluster.is_cluster(self.client):
-            return self.ack(entry_ids)  # only a read known to work (a slot may migrate)
-        try:
-            with translated():
-                acked, reply = exchange(self.client, [xack, self.reads.read_command(">")], raw=True)
-        except GroupMissingError:
-            self._recreate_group()
-            return 0
-        except BrokerAdapterError as exc:
-            self.reset()
-            self.reads.note_failure(exc)
-            if self.reads.screening is None:
-                return 0  # the function went away: the replay acknowledges them again
-            raise
-        except BaseException:
-            self.reset()
-            raise
-        n = int(acked)
-        self.stats.acked += n
-        self._ahead = self._new_entries(reply)
-        return n
-
-    @property
-    def has_ahead(self) -> bool:
-        """Whether entries read ahead (by a peeking ``ack`` or a ``prefetch``) wait for the
-        next ``read``."""
-        return bool(self._ahead) or self._inflight is not None
+        return self._ack_and_read(xack, entry_ids)
 
     # -- dead letters (``dead_lettering``) ------------------------------------------------
 
