@@ -28,7 +28,7 @@ from broker_adapter.protocol.keys import (
     Principal,
 )
 from broker_adapter.redis.client import RedisUrl
-from broker_adapter.redis.reader import MAX_DELIVERIES_SETTING, MAX_ENTRY_FIELDS_SETTING
+from broker_adapter.redis.reader_config import MAX_DELIVERIES_SETTING, MAX_ENTRY_FIELDS_SETTING
 from broker_adapter.stages.ingest.config import (
     ACL_PRINCIPALS_SETTING,
     CLAIM_MIN_IDLE_SETTING,

@@ -14,7 +14,7 @@ Delivery discipline:
   reads the next batch in its round trip, and after a whole batch ``prefetch`` sends the
   next read at once, so that Redis prepares it while the batch is checked and committed.
   What was read ahead and not yet handled is dropped on any error and comes back with the
-  replay.
+  replay (``reading_ahead``).
 * ``take_over`` runs XAUTOCLAIM with a carried cursor until it comes back to ``0-0``, so
   every idle entry of a dead consumer is eventually examined, not just the first page.
 * Reads are screened inside Redis (``screening``): an entry over ``max_entry_fields``
@@ -36,131 +36,31 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import redis
-from pydantic import Field
 
-from broker_adapter.config import DEFAULT_CLAIM_MIN_IDLE_MS, ConfigModel, setting
 from broker_adapter.errors import BrokerAdapterError, GroupMissingError, RedisUnavailable
 from broker_adapter.protocol.deadletter import UNTRUSTED_COPY_BYTES
-from broker_adapter.redis import cluster
 from broker_adapter.redis.admission import Admitted
 from broker_adapter.redis.client import text, translated
 from broker_adapter.redis.dead_lettering import DeadLetterWriter
 from broker_adapter.redis.entry import StreamEntry
-from broker_adapter.redis.internals import discard, exchange, read_ahead, send_ahead
+from broker_adapter.redis.entry_checks import (
+    count_admitted,
+    count_screened,
+    refusal,
+    with_deliveries,
+)
+from broker_adapter.redis.internals import exchange
+from broker_adapter.redis.reader_config import ReaderConfig, ReaderStats
+from broker_adapter.redis.reading_ahead import ReadingAhead
 from broker_adapter.redis.screening import Screened, ScreenedReads, ScreenLimits
-
-#: The most entries one read may ask for (``count``), and how many by default.
-MAX_COUNT = 10_000
-DEFAULT_COUNT = 256
-#: How long a read of new entries blocks by default, milliseconds.
-DEFAULT_BLOCK_MS = 1000
-#: Entries delivered more often than this go to the dead-letter stream (by default).
-DEFAULT_MAX_DELIVERIES = 10
-#: Entries with more fields than this are dead-lettered as ``too_many_fields``.
-DEFAULT_MAX_ENTRY_FIELDS = 64
-#: The range ``max_entry_fields`` may take: an entry needs a few fields, and the
-#: dead-letter script's argument list (two per copied field) must stay far below the
-#: 7,998 values Lua can unpack.
-MIN_ENTRY_FIELDS, MAX_ENTRY_FIELDS = 8, 1000
-#: A bare ``ReaderConfig``'s entry size limit (the ingest and the receiver set their own:
-#: ``ingest_config.DEFAULT_MAX_ENTRY_BYTES``, ``receiver.DEFAULT_MAX_REPLY_BYTES``).
-READER_MAX_ENTRY_BYTES = 1024 * 1024
-#: The most bytes of entries one read returns by default (``max_batch_bytes``).
-DEFAULT_MAX_BATCH_BYTES = 8 * 1024 * 1024
 
 log = logging.getLogger("broker_adapter.redis.reader")
 
-#: The reading settings that the ingest and the receiver hold too, declared once.
-COUNT_SETTING = setting(
-    DEFAULT_COUNT, ge=1, le=MAX_COUNT, help="entries per read (and per transaction)"
-)
-BLOCK_MS_SETTING = setting(
-    DEFAULT_BLOCK_MS,
-    ge=1,
-    help="how long a read of new entries blocks, ms (Redis reads BLOCK 0 as for ever)",
-)
-#: 0 takes an idle entry over at once (the ingest, and so ``run``, refuses it:
-#: ``ingest_config.CLAIM_MIN_IDLE_SETTING``).
-IDLE_MS_SETTING = setting(
-    DEFAULT_CLAIM_MIN_IDLE_MS,
-    ge=0,
-    help="entries idle this long in another consumer's list are taken over, ms",
-)
-MAX_DELIVERIES_SETTING = setting(
-    DEFAULT_MAX_DELIVERIES,
-    ge=1,
-    help="entries delivered more often go to the dead-letter stream",
-    flag="--max-deliveries",
-    env="BA_MAX_DELIVERIES",
-    metavar="N",
-)
-MAX_ENTRY_FIELDS_SETTING = setting(
-    DEFAULT_MAX_ENTRY_FIELDS,
-    ge=MIN_ENTRY_FIELDS,
-    le=MAX_ENTRY_FIELDS,
-    help="entries of more fields are dead-lettered too_many_fields unread; also the"
-    " most fields a dead letter copies",
-    flag="--max-entry-fields",
-    env="BA_MAX_ENTRY_FIELDS",
-    metavar="N",
-)
 
-
-class ReaderConfig(ConfigModel):
-    """How a ``GroupReader`` reads.
-
-    Attributes:
-        count: entries per read (1..10,000).
-        block_ms: how long a read of new entries blocks (at least 1: Redis reads ``BLOCK
-            0`` as "for ever").
-        claim_min_idle_ms: entries idle this long in another consumer's list are taken over.
-        max_deliveries: entries delivered more often than this go to the dead-letter stream.
-        max_entry_fields: entries of more fields (repeated names counted) are dead-lettered
-            as ``too_many_fields``; also the most fields a dead letter copies
-            (``MIN_ENTRY_FIELDS..MAX_ENTRY_FIELDS``).
-        max_entry_bytes: entries larger than this (all field names and values) are
-            dead-lettered as ``oversize`` before anyone parses them; also the most bytes
-            a dead letter copies. Reads are screened inside Redis (``screening``): a
-            larger entry never reaches this process, it is dead-lettered on the server.
-        max_batch_bytes: the most bytes of entries one read returns (the first always is).
-
-    Raises:
-        ConfigError: a value outside its bounds.
-    """
-
-    count: int = COUNT_SETTING
-    block_ms: int = BLOCK_MS_SETTING
-    claim_min_idle_ms: int = IDLE_MS_SETTING
-    max_deliveries: int = MAX_DELIVERIES_SETTING
-    max_entry_fields: int = MAX_ENTRY_FIELDS_SETTING
-    max_entry_bytes: int = Field(default=READER_MAX_ENTRY_BYTES, ge=1)
-    max_batch_bytes: int = Field(default=DEFAULT_MAX_BATCH_BYTES, ge=1)
-
-
-@dataclass
-class ReaderStats:
-    read: int = 0
-    replayed: int = 0
-    taken_over: int = 0
-    acked: int = 0
-    dead_lettered: int = 0
-    deleted: int = 0
-    group_recreated: int = 0
-    reconnects: int = 0
-    #: Entries acknowledged without any dead letter because even a minimal one failed.
-    dead_letter_failures: int = 0
-    #: Dead letters trimmed because their stream was at its cap.
-    dead_letters_capped: int = 0
-    #: Items moved from the submit list into the stream.
-    admitted: int = 0
-    by_reason: dict[str, int] = field(default_factory=dict)
-
-
-class GroupReader:
+class GroupReader(ReadingAhead):
     """Reads one stream as one consumer of one group, at least once.
 
     Args:
@@ -330,12 +230,7 @@ class GroupReader:
     def _screened(self, done: Screened) -> Screened:
         """Count and log what a screened read dead-lettered inside Redis; after a read that
         left an entry pending (its budget spent), replay the pending list next."""
-        for entry_id, reason in done.refused:
-            self.stats.dead_lettered += 1
-            self.stats.by_reason[reason] = self.stats.by_reason.get(reason, 0) + 1
-            self.log.warning(
-                "dead-lettered %s from %s: %s (screened in Redis)", entry_id, self.stream, reason
-            )
+        count_screened(done.refused, self.stats, self.log, self.stream)
         if done.left:
             self._replaying = True
         if done.admitted is not None:
@@ -344,34 +239,15 @@ class GroupReader:
 
     def _admission(self, admitted: Admitted) -> None:
         """Count and log what a read moved from the submit list (or refused there)."""
-        self.stats.admitted += admitted.count
-        for reason in admitted.refused:
-            dropped = reason.startswith("dropped:")
-            reason = reason.removeprefix("dropped:")
-            self.stats.dead_lettered += 1
-            self.stats.by_reason[reason] = self.stats.by_reason.get(reason, 0) + 1
-            if dropped:
-                self.stats.dead_letter_failures += 1
-                self.log.error(
-                    "ALARM: an item of %s was refused (%s) and no dead letter could be "
-                    "written to %s: it is gone",
-                    self.reads.submit,
-                    reason,
-                    self.dead_stream,
-                )
-            else:
-                self.log.warning(
-                    "dead-lettered an item of %s: %s (screened in Redis)", self.reads.submit, reason
-                )
-        if admitted.error and admitted.error != self._admit_error:
-            self.log.error(
-                "ALARM: cannot add entries of %s to %s (%s): they wait in the list "
-                '(docs/OPERATIONS.md, "A stream with ids in the future")',
-                self.reads.submit,
-                self.stream,
-                admitted.error,
-            )
-        self._admit_error = admitted.error
+        self._admit_error = count_admitted(
+            admitted,
+            self.stats,
+            self.log,
+            stream=self.stream,
+            submit=self.reads.submit,
+            dead_stream=self.dead_stream,
+            last_error=self._admit_error,
+        )
 
     def _counted(self, done: Screened) -> list[StreamEntry]:
         """The entries of a read of new ones (``_full`` notes whether more are waiting)."""
@@ -383,135 +259,24 @@ class GroupReader:
         )
         return done.entries
 
-    # -- reading ahead ----------------------------------------------------------------------
-
-    def prefetch(self) -> bool:
-        """When the last read of new entries filled a whole batch, send the read of the next
-        batch now (without blocking) and return at once: Redis prepares it while the caller
-        checks and commits this one. The next ``ack`` (or ``read``) takes its reply, in the
-        round trip of its XACK. The entries it delivers are in this consumer's pending list
-        from then on, so any error before they are handled is recovered like any other:
-        ``reset``, then the replay of the pending list.
-
-        Returns:
-            whether a read was sent.
-
-        Raises:
-            RedisUnavailable: the send failed (the reader is reset).
-        """
-        if not self._full or self._replaying or self._ahead or self._inflight is not None:
-            return False
-        if cluster.is_cluster(self.client):  # a held connection would not follow a moved slot
-            return False
-        if not self.reads.screening:  # only a read known to work is sent ahead
-            return False
-        self._full = False
-        try:
-            with translated():
-                conn = send_ahead(self.client, self.reads.read_command(">"))
-        except BaseException:
-            self.reset()
-            raise
-        self._inflight = conn
-        return True
-
-    def _finish_prefetch(self, entry_ids: Sequence[str] | None) -> tuple[list[StreamEntry], int]:
-        """Take the prefetched read's reply, after sending the XACK of ``entry_ids`` on the same
-        connection (one round trip for both). Returns the screened entries and the XACK count
-        (a missing group is recreated, and nothing is returned).
-
-        Raises:
-            RedisUnavailable: the reader is reset (both commands may or may not have run).
-        """
-        conn, self._inflight = self._inflight, None
-        xack = ("XACK", self.stream, self.group, *entry_ids) if entry_ids else None
-        try:
-            with translated():
-                reply, acked_reply = read_ahead(self.client, conn, xack)  # reply: raw pairs
-        except GroupMissingError:
-            self._recreate_group()
-            return [], 0
-        except BrokerAdapterError as exc:
-            self.reset()
-            self.reads.note_failure(exc)
-            if self.reads.screening is None:
-                return [], 0  # the function went away (a new server): the next read loads it
-            raise
-        except BaseException:
-            self.reset()
-            raise
-        acked = int(acked_reply) if entry_ids else 0
-        self.stats.acked += acked
-        return self._new_entries(reply), acked
-
-    def _drop_inflight(self) -> None:
-        conn, self._inflight = self._inflight, None
-        if conn is not None:
-            discard(self.client.connection_pool, conn)
-
-    def _new_entries(self, reply: Any) -> list[StreamEntry]:
-        """The screened entries of a non-blocking read of new ones (``read_command(">")``),
-        read ahead for the next ``read`` (``_full`` notes whether it filled a batch)."""
-        done = self._screened(self.reads.parse_read(self.reads.read_command(">"), reply))
-        return self._screen(self._counted(done))
-
     def _with_deliveries(self, entries: list[StreamEntry]) -> list[StreamEntry]:
         """Attach delivery counts (from XPENDING) to entries that came from a pending list."""
-        ids = [e.entry_id for e in entries]
-        with translated():
-            rows = self.client.xpending_range(
-                self.stream,
-                self.group,
-                min=min(ids, key=_id_key),
-                max=max(ids, key=_id_key),
-                count=len(ids) * 2 + 10,
-                consumername=self.consumer,
-            )
-        counts = {text(r["message_id"]): int(r["times_delivered"]) for r in rows}  # type: ignore[arg-type]
-        return [e._replace(deliveries=counts.get(e.entry_id, 1)) for e in entries]
+        return with_deliveries(self.client, self.stream, self.group, self.consumer, entries)
 
     def _screen(self, batch: list[StreamEntry]) -> list[StreamEntry]:
         """The entries of ``batch`` fit to be parsed; the others are dead-lettered here."""
         good: list[StreamEntry] = []
         for entry in batch:
             try:
-                refusal = self._refusal(entry)
+                why = refusal(entry, self.config, self.stats)
             except Exception as exc:  # noqa: BLE001 - one entry's problem, not the batch's
                 self.dead_letter_exception(entry, exc, "screening it")
                 continue
-            if refusal is None:
+            if why is None:
                 good.append(entry)
             else:
-                self.dead_letter(entry, *refusal)
+                self.dead_letter(entry, *why)
         return good
-
-    def _refusal(self, entry: StreamEntry) -> tuple[str, str, dict[str, str]] | None:
-        """Why ``entry`` must not be handed on, as ``(reason, detail, extra)``, or None.
-
-        In this order: deleted, past the delivery limit, too many fields, too large, a
-        repeated field name. The checks look at counts and lengths only (the per-entry cost
-        on the hot path is a few list lengths)."""
-        cfg = self.config
-        fields = entry.fields
-        if fields is None:
-            self.stats.deleted += 1
-            return "payload_deleted", "entry was deleted or trimmed", {}
-        if entry.deliveries > cfg.max_deliveries:
-            detail = f"delivered {entry.deliveries} times, limit {cfg.max_deliveries}"
-            return "delivery_limit", detail, {}
-        pairs = entry.flat()
-        if len(pairs) > 2 * cfg.max_entry_fields:
-            detail = f"entry has {len(pairs) // 2} fields, limit {cfg.max_entry_fields}"
-            return "too_many_fields", detail, {"dl.field": ""}
-        size = sum(map(len, pairs))
-        if size > cfg.max_entry_bytes:
-            detail = f"entry is {size} bytes, limit {cfg.max_entry_bytes}"
-            return "oversize", detail, {"dl.field": ""}
-        if 2 * len(fields) != len(pairs):
-            name = text(_repeated_name(pairs))
-            detail = f"field {name!r} appears more than once"
-            return "duplicate_field", detail, {"dl.field": name}
-        return None
 
     def take_over(self) -> list[StreamEntry]:
         """XAUTOCLAIM one page of entries idle past ``claim_min_idle_ms`` (from any consumer).
@@ -583,33 +348,7 @@ class GroupReader:
             n = int(acked)
             self.stats.acked += n
             return n
-        if not self.reads.screening or cluster.is_cluster(self.client):
-            return self.ack(entry_ids)  # only a read known to work (a slot may migrate)
-        try:
-            with translated():
-                acked, reply = exchange(self.client, [xack, self.reads.read_command(">")], raw=True)
-        except GroupMissingError:
-            self._recreate_group()
-            return 0
-        except BrokerAdapterError as exc:
-            self.reset()
-            self.reads.note_failure(exc)
-            if self.reads.screening is None:
-                return 0  # the function went away: the replay acknowledges them again
-            raise
-        except BaseException:
-            self.reset()
-            raise
-        n = int(acked)
-        self.stats.acked += n
-        self._ahead = self._new_entries(reply)
-        return n
-
-    @property
-    def has_ahead(self) -> bool:
-        """Whether entries read ahead (by a peeking ``ack`` or a ``prefetch``) wait for the
-        next ``read``."""
-        return bool(self._ahead) or self._inflight is not None
+        return self._ack_and_read(xack, entry_ids)
 
     # -- dead letters (``dead_lettering``) ------------------------------------------------
 
@@ -643,18 +382,3 @@ class GroupReader:
         with translated():
             info = self.client.xpending(self.stream, self.group)
         return {text(c["name"]): int(c["pending"]) for c in info.get("consumers") or []}
-
-
-def _id_key(entry_id: str) -> tuple[int, int]:
-    ms, _, seq = entry_id.partition("-")
-    return int(ms), int(seq or 0)
-
-
-def _repeated_name(pairs: Sequence[bytes]) -> bytes:
-    """The first field name that ``pairs`` repeats (``b""`` if none does)."""
-    seen: set[bytes] = set()
-    for name in pairs[::2]:
-        if name in seen:
-            return name
-        seen.add(name)
-    return b""

@@ -19,7 +19,8 @@ import pytest
 
 from broker_adapter.protocol.keys import INGEST_GROUP
 from broker_adapter.redis.client import connect
-from broker_adapter.redis.reader import GroupReader, ReaderConfig
+from broker_adapter.redis.reader import GroupReader
+from broker_adapter.redis.reader_config import ReaderConfig
 from tests.support.cli import cli_env, count_rows, wait_for
 from tests.support.redis_server import RedisServer, require_binary
 

@@ -15,7 +15,7 @@ from broker_adapter.protocol.keys import Keys
 from broker_adapter.redis.client import connect
 from broker_adapter.redis.dead_lettering import DeadLetterWriter
 from broker_adapter.redis.entry import StreamEntry
-from broker_adapter.redis.reader import ReaderConfig, ReaderStats
+from broker_adapter.redis.reader_config import ReaderConfig, ReaderStats
 from tests.support.redis_server import RedisServer
 
 pytestmark = pytest.mark.integration

@@ -22,7 +22,8 @@ from broker_adapter.protocol.envelope import Envelope
 from broker_adapter.protocol.keys import Keys, partition_of
 from broker_adapter.protocol.signing import Keyring
 from broker_adapter.redis.client import connect, connect_async
-from broker_adapter.redis.reader import GroupReader, ReaderConfig
+from broker_adapter.redis.reader import GroupReader
+from broker_adapter.redis.reader_config import ReaderConfig
 from broker_adapter.redis.scripts import eval_many
 from broker_adapter.stages.dispatch.loss import LossEvent
 from broker_adapter.stages.ingest.config import IngestConfig

@@ -28,7 +28,7 @@ from broker_adapter.protocol.keys import Keys
 from broker_adapter.protocol.signing import Keyring
 from broker_adapter.redis.client import connect
 from broker_adapter.redis.repair import repair_stream
-from broker_adapter.redis.screening import SOURCE
+from broker_adapter.redis.screening_lua import SOURCE
 from broker_adapter.stages.ingest.config import IngestConfig
 from broker_adapter.stages.ingest.ingest import Ingestor
 from broker_adapter.store import TaskStore, open_database

@@ -7,7 +7,8 @@ from typing import Any
 import redis
 
 from broker_adapter.protocol.keys import Keys
-from broker_adapter.redis.reader import GroupReader, ReaderConfig
+from broker_adapter.redis.reader import GroupReader
+from broker_adapter.redis.reader_config import ReaderConfig
 from tests.support.backends import Backend
 
 

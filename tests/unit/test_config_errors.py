@@ -15,7 +15,7 @@ from broker_adapter.errors import BrokerAdapterError, ConfigError, StageError
 from broker_adapter.errors import RetryableError as RetryableFromHandlers
 from broker_adapter.protocol.reply import BadReply
 from broker_adapter.redis.client import check_redis_url, connect
-from broker_adapter.redis.reader import ReaderConfig
+from broker_adapter.redis.reader_config import ReaderConfig
 from broker_adapter.stages.dispatch.dispatcher import DispatcherConfig
 from broker_adapter.stages.ingest.config import IngestConfig
 from broker_adapter.stages.receiver.receiver import ReceiverConfig

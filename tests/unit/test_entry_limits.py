@@ -9,7 +9,7 @@ from broker_adapter.protocol.deadletter import describe, encodable
 from broker_adapter.protocol.reply import REPLY_MAX_DEPTH, BadReply, load_body
 from broker_adapter.redis.entry import StreamEntry
 from broker_adapter.redis.internals import stream_entries
-from broker_adapter.redis.reader import MAX_ENTRY_FIELDS, ReaderConfig
+from broker_adapter.redis.reader_config import MAX_ENTRY_FIELDS, ReaderConfig
 
 
 def test_encodable_escapes_only_what_utf8_cannot_encode() -> None:

@@ -17,7 +17,7 @@ from broker_adapter.app.adapter import stages_down
 from broker_adapter.app.metrics import AdapterCollector, Observed, WorkerMetrics
 from broker_adapter.app.serving import MetricsServer
 from broker_adapter.metric_fields import declared
-from broker_adapter.redis.reader import ReaderStats
+from broker_adapter.redis.reader_config import ReaderStats
 from broker_adapter.stages.ingest.config import IngestStats
 from broker_adapter.stages.receiver.receiver import ReceiverStats
 from broker_adapter.stages.shared.publish import REPLY_PUBLISH, DispatcherStats

@@ -26,7 +26,7 @@ from broker_adapter.protocol.keys import (
     KeyPrefix,
     Principal,
 )
-from broker_adapter.redis.reader import (
+from broker_adapter.redis.reader_config import (
     BLOCK_MS_SETTING,
     COUNT_SETTING,
     MAX_DELIVERIES_SETTING,

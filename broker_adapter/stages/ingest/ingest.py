@@ -76,7 +76,8 @@ from broker_adapter.protocol import deadletter
 from broker_adapter.protocol.keys import INGEST_GROUP, Keys
 from broker_adapter.protocol.signing import Authenticated, EntryFields, Keyring
 from broker_adapter.redis.entry import StreamEntry
-from broker_adapter.redis.reader import GroupReader, ReaderConfig
+from broker_adapter.redis.reader import GroupReader
+from broker_adapter.redis.reader_config import ReaderConfig
 from broker_adapter.redis.trimming import now_ms as trim_now_ms
 from broker_adapter.redis.trimming import trim_with_dead_letters
 from broker_adapter.stages.ingest import intake

@@ -93,13 +93,13 @@ from broker_adapter.protocol.reply import BadReply, Reply, load_body
 from broker_adapter.protocol.signing import REPLY_WIRE_VERSION, Keyring
 from broker_adapter.redis.client import text, translated
 from broker_adapter.redis.entry import StreamEntry
-from broker_adapter.redis.reader import (
+from broker_adapter.redis.reader import GroupReader
+from broker_adapter.redis.reader_config import (
     BLOCK_MS_SETTING,
     IDLE_MS_SETTING,
     MAX_COUNT,
     MAX_DELIVERIES_SETTING,
     MAX_ENTRY_FIELDS_SETTING,
-    GroupReader,
     ReaderConfig,
 )
 from broker_adapter.stages.shared import tracing
