@@ -4,7 +4,7 @@ logs what it refused.
 The reader refuses, before anyone parses them: deleted or trimmed entries, entries
 delivered more than ``max_deliveries`` times (the counts come from XPENDING:
 ``with_deliveries``), too many fields or bytes (a plain read's), and a repeated field name
-(``duplicate_field``): ``refusal``. Entries and submit-list items refused inside Redis
+(``duplicate_field``): ``entry_refusal``. Entries and submit-list items refused inside Redis
 (``screening``) are counted and logged here too (``count_screened``, ``count_admitted``).
 """
 
@@ -41,7 +41,7 @@ def with_deliveries(
     return [e._replace(deliveries=counts.get(e.entry_id, 1)) for e in entries]
 
 
-def refusal(
+def entry_refusal(
     entry: StreamEntry, cfg: ReaderConfig, stats: ReaderStats
 ) -> tuple[str, str, dict[str, str]] | None:
     """Why ``entry`` must not be handed on, as ``(reason, detail, extra)``, or None.

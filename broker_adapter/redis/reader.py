@@ -49,7 +49,7 @@ from broker_adapter.redis.entry import StreamEntry
 from broker_adapter.redis.entry_checks import (
     count_admitted,
     count_screened,
-    refusal,
+    entry_refusal,
     with_deliveries,
 )
 from broker_adapter.redis.internals import exchange
@@ -268,7 +268,7 @@ class GroupReader(ReadingAhead):
         good: list[StreamEntry] = []
         for entry in batch:
             try:
-                why = refusal(entry, self.config, self.stats)
+                why = entry_refusal(entry, self.config, self.stats)
             except Exception as exc:  # noqa: BLE001 - one entry's problem, not the batch's
                 self.dead_letter_exception(entry, exc, "screening it")
                 continue

@@ -517,7 +517,7 @@ class Receiver:
         return ack
 
     def _outcome(self, entry: StreamEntry, result: AppliedItem) -> bool:
-        """COUNT_SETTING one reply's outcome; True when its entry is to be acknowledged."""
+        """Count one reply's outcome; True when its entry is to be acknowledged."""
         if result.outcome is None:
             self.stats.effect_failures += 1
             self._failed_last_step = True
