@@ -24,14 +24,13 @@ from broker_adapter.store.dbclock import clock_report, read_now
 from broker_adapter.store.report import snapshot, task_counts
 
 
+def _streams(client: Any, pattern: str) -> list[str]:
+    """The keys matching ``pattern`` (SCAN), sorted, each once."""
+    return sorted({text(k) for k in call(lambda: list(client.scan_iter(match=pattern)))})
+
+
 def _dead_streams(client: Any, prefix: str) -> list[str]:
-    found = {text(k) for k in call(lambda: list(client.scan_iter(match=f"{prefix}:{{*}}:dead")))}
-    return sorted(found)
-
-
-def _inbound_streams(client: Any, prefix: str) -> list[str]:
-    found = {text(k) for k in call(lambda: list(client.scan_iter(match=f"{prefix}:{{in*}}:tasks")))}
-    return sorted(found)
+    return _streams(client, f"{prefix}:{{*}}:dead")
 
 
 def collect_status(db_path: Path | str, redis_url: str | None, prefix: str) -> dict[str, Any]:
@@ -52,7 +51,7 @@ def collect_status(db_path: Path | str, redis_url: str | None, prefix: str) -> d
     if redis_url:
         client: Any = connect(redis_url)
         streams: dict[str, Any] = {}
-        for stream in _inbound_streams(client, prefix):
+        for stream in _streams(client, f"{prefix}:{{in*}}:tasks"):
             info = call(partial(client.xpending, stream, INGEST_GROUP))
             streams[stream] = {
                 "length": call(partial(client.xlen, stream)),

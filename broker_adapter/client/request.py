@@ -20,12 +20,13 @@ same instance id, is the same request.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import logging
 import socket
 import threading
-from collections.abc import Coroutine
-from typing import TYPE_CHECKING, Any, Literal, TypeVar
+from collections.abc import Callable, Coroutine
+from typing import TYPE_CHECKING, Any, Concatenate, Literal, ParamSpec, TypeVar
 
 from broker_adapter.client.dead_letters import principal_dead_letters
 from broker_adapter.client.publisher import AsyncPublisher
@@ -53,6 +54,7 @@ if TYPE_CHECKING:
     from broker_adapter.redis.client import AsyncRedis
 
 T = TypeVar("T")
+P = ParamSpec("P")
 
 DEFAULT_TIMEOUT_S = 30.0
 DEFAULT_RESEND_AFTER_S = 2.0
@@ -388,6 +390,18 @@ class AsyncClient:
         await self.aclose()
 
 
+def _blocking(
+    method: Callable[Concatenate[AsyncClient, P], Coroutine[Any, Any, T]],
+) -> Callable[Concatenate[Client, P], T]:
+    """``method`` of a ``Client``: run on its loop and waited for (the same signature)."""
+
+    @functools.wraps(method)
+    def blocking(self: Client, /, *args: P.args, **kwargs: P.kwargs) -> T:
+        return self._run(method(self._client, *args, **kwargs))
+
+    return blocking
+
+
 class Client:
     """``AsyncClient`` without ``await``: the same arguments and methods, run on an event
     loop of its own (a daemon thread). Use one from any number of threads; close it (or use
@@ -421,41 +435,12 @@ class Client:
     def _run(self, work: Coroutine[Any, Any, T]) -> T:
         return asyncio.run_coroutine_threadsafe(work, self._loop).result()
 
-    def request(
-        self,
-        task: str | None,
-        payload: dict[str, Any],
-        *,
-        message_id: str | None = None,
-        key: str | None = None,
-        timeout_s: float = DEFAULT_TIMEOUT_S,
-        deadline_s: float | None = None,
-        max_attempts: int = 3,
-        correlation_id: str | None = None,
-        traceparent: str | None = None,
-    ) -> Reply:
-        """``AsyncClient.request``: publish, resend while waiting, return the reply."""
-        return self._run(
-            self._client.request(
-                task,
-                payload,
-                message_id=message_id,
-                key=key,
-                timeout_s=timeout_s,
-                deadline_s=deadline_s,
-                max_attempts=max_attempts,
-                correlation_id=correlation_id,
-                traceparent=traceparent,
-            )
-        )
-
-    def result(self, message_id: str) -> Reply | None:
-        """``AsyncClient.result``."""
-        return self._run(self._client.result(message_id))
-
-    def cancel(self, message_id: str, *, deadline_s: float = 300.0) -> str:
-        """``AsyncClient.cancel``."""
-        return self._run(self._client.cancel(message_id, deadline_s=deadline_s))
+    #: ``AsyncClient.request``: publish, resend while waiting, return the reply.
+    request = _blocking(AsyncClient.request)
+    #: ``AsyncClient.result``.
+    result = _blocking(AsyncClient.result)
+    #: ``AsyncClient.cancel``.
+    cancel = _blocking(AsyncClient.cancel)
 
     def message_id(self, message_id: str | None = None, key: str | None = None) -> str:
         return self._client.message_id(message_id, key)

@@ -10,9 +10,6 @@ from broker_adapter.errors import ConfigError
 
 log = logging.getLogger("broker_adapter.console")
 
-#: The console's port unless ``--port`` says otherwise.
-DEFAULT_PORT = 8470
-
 
 def cmd_console(args: argparse.Namespace) -> int:
     """Serve the console on ``args.host``:``args.port`` (127.0.0.1 unless told)."""

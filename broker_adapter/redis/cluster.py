@@ -259,10 +259,15 @@ def routed_exchange(
     else:
         raise TryAgainError(f"redis cluster: still redirected after {REDIRECTS} tries")
     if raise_errors:
-        for reply in replies:
-            if isinstance(reply, redis.ResponseError):
-                raise reply
+        raise_first_error(replies)
     return replies
+
+
+def raise_first_error(replies: list[Any]) -> None:
+    """Raise the first error reply among ``replies``, if any."""
+    for reply in replies:
+        if isinstance(reply, redis.ResponseError):
+            raise reply
 
 
 def _master(client: Any, slot: int | None) -> ClusterNode:

@@ -90,9 +90,7 @@ def exchange(
         raise
     pool.release(conn)
     if raise_errors:
-        for reply in replies:
-            if isinstance(reply, redis.ResponseError):
-                raise reply
+        cluster.raise_first_error(replies)
     return replies
 
 

@@ -45,7 +45,7 @@ from broker_adapter.handler.router import Router
 from broker_adapter.handler.task import Task
 from broker_adapter.protocol.keys import Keys
 from broker_adapter.protocol.signing import Keyring
-from broker_adapter.stages.shared.calls import CallOutcome, CallRun, RunOutcome, StopRun
+from broker_adapter.stages.shared.calls import CallOutcome, RunOutcome, StopRun
 from broker_adapter.stages.shared.handlers import Handler, load_handler
 from broker_adapter.stages.shared.loop import CLAIM, Handed, IdlePolicy, IdleWait, look
 from broker_adapter.stages.shared.publish import DispatcherStats, ReplyPublisher
@@ -252,15 +252,12 @@ class Worker:
             return 0
         ran: list[_Ran] = []
         finished = False
-        # The handlers run back to back on a call thread (``CallRun``; one per slot with
-        # ``concurrency``: ``ConcurrentRun``); this thread
+        # The handlers run back to back on a call thread per slot (``ConcurrentRun``, one
+        # ``CallRun`` per slot of ``concurrency``); this thread
         # supervises them (timeouts, the stop grace) and commits what ended: at the end of
         # the batch, or once the oldest uncommitted outcome is ``batch_window_s`` old.
-        slots = self.config.concurrency
-        run = (
-            CallRun(self.handler, tasks, self._prepare, after=self._after_call)
-            if slots == 1
-            else ConcurrentRun(self.handler, tasks, self._prepare, self._after_call, slots)
+        run = ConcurrentRun(
+            self.handler, tasks, self._prepare, self._after_call, self.config.concurrency
         )
         try:
             while True:
