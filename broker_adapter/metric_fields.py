@@ -1,9 +1,12 @@
 """Metrics declared on the counters that feed them: the fields of the stats dataclasses.
 
 A stage counts in a plain dataclass (``IngestStats``, ``ReceiverStats``,
-``DispatcherStats``, ``WorkerStats``). A field that is exported is declared with
-``Family.field``: the metric family it adds to (its name, without ``_total``, and its help)
-and the labels of the field's sample. A family is written once, as a ``Family`` constant,
+``DispatcherStats``, ``WorkerStats``, and its group readers' ``ReaderStats``). A field
+that is exported is declared with ``Family.field``: the metric family it adds to (its
+name, without ``_total``, and its help) and the labels of the field's sample. A
+``dict[str, int]`` field counting by a label whose values are not known in advance (a
+reader's dead letters by reason) is declared with ``Family.field_by``: one sample per
+key, the key as that label's value. A family is written once, as a ``Family`` constant,
 however many fields (of however many stats classes) add to it.
 
 Both metric paths read these declarations (``declared``): the adapter's collector, which
@@ -46,13 +49,33 @@ class Family:
         )
         return value
 
+    def field_by(self, label: str) -> dict[str, int]:
+        """A stats field (a ``dict`` of counters, empty at first) exported in this family
+        with one sample per key, the key as the value of ``label``. Only the adapter's
+        collector reads these (a worker process's counters have fixed labels)."""
+        value: dict[str, int] = dataclasses.field(
+            default_factory=dict, metadata={METADATA_KEY: Declared(self, {}, by=label)}
+        )
+        return value
+
 
 @dataclass(frozen=True)
 class Declared:
-    """What a stats field is exported as: its family and the labels of its sample."""
+    """What a stats field is exported as: its family and the labels of its sample.
+
+    Attributes:
+        by: the label that the keys of a ``dict`` field fill (``None``: an ``int`` field).
+    """
 
     family: Family
     labels: Mapping[str, str]
+    by: str | None = None
+
+    def samples(self, value: int | Mapping[str, int]) -> list[tuple[dict[str, str], int]]:
+        """The labels and value of each sample of a field holding ``value``."""
+        if isinstance(value, Mapping):
+            return [({**self.labels, str(self.by): k}, n) for k, n in value.items()]
+        return [(dict(self.labels), value)]
 
 
 def declared(stats: Any) -> list[tuple[str, Declared]]:

@@ -5,7 +5,8 @@ What is counted where:
 
 * The stages of this process (ingest, dispatcher, receiver) already count everything in
   their stats objects (``IngestStats``, ``ReaderStats``, ``DispatcherStats``,
-  ``ReceiverStats``). ``AdapterCollector`` reads them at scrape time: nothing is added to
+  ``ReceiverStats``), whose fields declare what they are exported as
+  (``metric_fields``). ``AdapterCollector`` reads them at scrape time: nothing is added to
   their hot paths, and with metrics off nothing runs at all (``prometheus_client`` is
   not even imported).
 * What the database holds (tasks by state, leases, outbox by state, the oldest unsent
@@ -40,7 +41,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from broker_adapter.errors import BrokerAdapterError
-from broker_adapter.metric_fields import REDIS_DATA_LOSS_ALARMS, Family, declared
+from broker_adapter.metric_fields import Family, declared
 from broker_adapter.redis.probe import StreamSample, redis_client, sample_groups
 from broker_adapter.stages.shared.publish import REPLY_PUBLISH, DispatcherStats
 from broker_adapter.stages.worker.config import TASK_OUTCOMES, WorkerStats
@@ -49,7 +50,6 @@ from broker_adapter.store.probe import DatabaseError
 if TYPE_CHECKING:
     from prometheus_client.metrics_core import Metric
 
-    from broker_adapter.redis.reader import GroupReader
     from broker_adapter.stages.dispatch.dispatcher import Dispatcher
     from broker_adapter.stages.ingest.ingest import Ingestor
     from broker_adapter.stages.receiver.receiver import Receiver
@@ -170,56 +170,10 @@ def _stats_families(out: Families, stats: object, stage: str = "") -> None:
     """The exported fields of a stats dataclass, as declared on them (``metric_fields``);
     ``stage``: the label of the families declared ``per_stage``."""
     for attr, d in declared(stats):
-        labels = {"stage": stage, **d.labels} if d.family.per_stage else dict(d.labels)
-        out.counter(d.family.name, d.family.help, getattr(stats, attr), **labels)
-
-
-def _reader_families(out: Families, stage: str, reader: GroupReader) -> None:
-    s = reader.stats
-    out.counter(
-        "ba_stream_entries_read", "New stream entries read (XREADGROUP >).", s.read, stage=stage
-    )
-    out.counter(
-        "ba_stream_entries_replayed",
-        "Entries re-read from the consumer's own pending list (after a start or an error).",
-        s.replayed,
-        stage=stage,
-    )
-    out.counter(
-        "ba_stream_entries_taken_over",
-        "Entries claimed from idle consumers (XAUTOCLAIM).",
-        s.taken_over,
-        stage=stage,
-    )
-    out.counter("ba_stream_entries_acked", "Entries acknowledged (XACK).", s.acked, stage=stage)
-    for reason, n in s.by_reason.items():
-        out.counter(
-            "ba_stream_dead_letters",
-            "Entries moved to a dead-letter stream, by reason.",
-            n,
-            stage=stage,
-            reason=reason,
-        )
-    out.counter(
-        "ba_stream_dead_letter_failures",
-        "Entries acknowledged without a dead letter because even a minimal one failed.",
-        s.dead_letter_failures,
-        stage=stage,
-    )
-    out.counter(
-        "ba_dead_letters_capped",
-        "Dead letters trimmed because their stream was at its cap.",
-        s.dead_letters_capped,
-        stage=stage,
-    )
-    out.counter(
-        "ba_redis_reconnects",
-        "Reads started over after a Redis or store error.",
-        s.reconnects,
-        stage=stage,
-    )
-    alarms = REDIS_DATA_LOSS_ALARMS
-    out.counter(alarms.name, alarms.help, s.group_recreated, stage=stage, kind="group_lost")
+        for labels, value in d.samples(getattr(stats, attr)):
+            if d.family.per_stage:
+                labels = {"stage": stage, **labels}
+            out.counter(d.family.name, d.family.help, value, **labels)
 
 
 def _stage_families(out: Families, observed: Observed) -> None:
@@ -228,12 +182,12 @@ def _stage_families(out: Families, observed: Observed) -> None:
         takeovers = LEASE_TAKEOVERS
         out.counter(takeovers.name, takeovers.help, ingestor.tasks.lease_takeovers)
         for reader in ingestor.readers:
-            _reader_families(out, "ingest", reader)
+            _stats_families(out, reader.stats, "ingest")
     for dispatcher in list(observed.dispatchers):
         _stats_families(out, dispatcher.stats, "dispatcher")
     for receiver in list(observed.receivers):
         _stats_families(out, receiver.stats)
-        _reader_families(out, "receiver", receiver.reader)
+        _stats_families(out, receiver.reader.stats, "receiver")
 
 
 def _database_families(out: Families, db_path: Path | str) -> None:

@@ -4,11 +4,12 @@ them with, and the counters it keeps (``ReaderConfig``, ``ReaderStats``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from pydantic import Field
 
 from broker_adapter.config import DEFAULT_CLAIM_MIN_IDLE_MS, ConfigModel, setting
+from broker_adapter.metric_fields import REDIS_DATA_LOSS_ALARMS, Family
 
 #: The most entries one read may ask for (``count``), and how many by default.
 MAX_COUNT = 10_000
@@ -96,20 +97,56 @@ class ReaderConfig(ConfigModel):
     max_batch_bytes: int = Field(default=DEFAULT_MAX_BATCH_BYTES, ge=1)
 
 
+# -- the counters ---------------------------------------------------------------------------
+
+STREAM_ENTRIES_READ = Family(
+    "ba_stream_entries_read", "New stream entries read (XREADGROUP >).", True
+)
+STREAM_ENTRIES_REPLAYED = Family(
+    "ba_stream_entries_replayed",
+    "Entries re-read from the consumer's own pending list (after a start or an error).",
+    per_stage=True,
+)
+STREAM_ENTRIES_TAKEN_OVER = Family(
+    "ba_stream_entries_taken_over", "Entries claimed from idle consumers (XAUTOCLAIM).", True
+)
+STREAM_ENTRIES_ACKED = Family(
+    "ba_stream_entries_acked", "Entries acknowledged (XACK).", per_stage=True
+)
+STREAM_DEAD_LETTERS = Family(
+    "ba_stream_dead_letters", "Entries moved to a dead-letter stream, by reason.", True
+)
+STREAM_DEAD_LETTER_FAILURES = Family(
+    "ba_stream_dead_letter_failures",
+    "Entries acknowledged without a dead letter because even a minimal one failed.",
+    per_stage=True,
+)
+DEAD_LETTERS_CAPPED = Family(
+    "ba_dead_letters_capped", "Dead letters trimmed because their stream was at its cap.", True
+)
+REDIS_RECONNECTS = Family(
+    "ba_redis_reconnects", "Reads started over after a Redis or store error.", True
+)
+
+
 @dataclass
 class ReaderStats:
-    read: int = 0
-    replayed: int = 0
-    taken_over: int = 0
-    acked: int = 0
+    """A reader's counters since start. The exported ones declare their metric
+    (``metric_fields``); the exporter labels them with the reader's stage."""
+
+    read: int = STREAM_ENTRIES_READ.field()
+    replayed: int = STREAM_ENTRIES_REPLAYED.field()
+    taken_over: int = STREAM_ENTRIES_TAKEN_OVER.field()
+    acked: int = STREAM_ENTRIES_ACKED.field()
     dead_lettered: int = 0
     deleted: int = 0
-    group_recreated: int = 0
-    reconnects: int = 0
+    group_recreated: int = REDIS_DATA_LOSS_ALARMS.field(kind="group_lost")
+    reconnects: int = REDIS_RECONNECTS.field()
     #: Entries acknowledged without any dead letter because even a minimal one failed.
-    dead_letter_failures: int = 0
+    dead_letter_failures: int = STREAM_DEAD_LETTER_FAILURES.field()
     #: Dead letters trimmed because their stream was at its cap.
-    dead_letters_capped: int = 0
+    dead_letters_capped: int = DEAD_LETTERS_CAPPED.field()
     #: Items moved from the submit list into the stream.
     admitted: int = 0
-    by_reason: dict[str, int] = field(default_factory=dict)
+    #: Dead letters by reason (a ``dataclasses.field``: a new dict per instance).
+    by_reason: dict[str, int] = STREAM_DEAD_LETTERS.field_by("reason")  # noqa: RUF009

@@ -22,6 +22,7 @@ import yaml
 
 from broker_adapter.metric_fields import declared
 from broker_adapter.protocol.signing import Keyring
+from broker_adapter.redis.reader_config import ReaderStats
 from broker_adapter.stages.ingest.config import IngestStats
 from broker_adapter.stages.receiver.receiver import ReceiverStats
 from broker_adapter.stages.shared.publish import DispatcherStats
@@ -45,7 +46,7 @@ def _exported_names() -> set[str]:
     source = (ROOT / "broker_adapter" / "app" / "metrics.py").read_text(encoding="utf-8")
     declared_on_fields = {
         d.family.name
-        for stats in (IngestStats, ReceiverStats, DispatcherStats, WorkerStats)
+        for stats in (IngestStats, ReaderStats, ReceiverStats, DispatcherStats, WorkerStats)
         for _, d in declared(stats)
     }
     return set(re.findall(r'"(ba_[a-z_]+)"', source)) | declared_on_fields

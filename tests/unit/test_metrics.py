@@ -148,8 +148,14 @@ def test_worker_counters_go_through_the_multiprocess_files_and_add_to_this_proce
 
 
 def _numbered(stats_type: Any, first: int) -> Any:
-    """A stats object whose declared fields hold first, first + 1, ... in field order."""
-    return stats_type(**{attr: first + i for i, (attr, _) in enumerate(declared(stats_type))})
+    """A stats object whose declared fields hold first, first + 1, ... in field order (a
+    field declared by a label: two keys, ``x`` and ``y``, holding that and its negation)."""
+    return stats_type(
+        **{
+            attr: first + i if d.by is None else {"x": first + i, "y": -(first + i)}
+            for i, (attr, d) in enumerate(declared(stats_type))
+        }
+    )
 
 
 def _sample_key(name: str, labels: dict[str, str]) -> str:
@@ -166,8 +172,13 @@ def test_both_metric_paths_export_every_declared_field_under_its_declaration(
     dispatcher, worker = _numbered(DispatcherStats, 300), _numbered(WorkerStats, 400)
     worker_publish = _numbered(DispatcherStats, 500)
     WorkerMetrics(tmp_path, "h").sync(worker, worker_publish, takeovers=0)
-    ingestor = SimpleNamespace(stats=ingest, readers=[], tasks=SimpleNamespace(lease_takeovers=0))
-    reader = SimpleNamespace(stream="r", stats=ReaderStats())
+    ingest_reader, receiver_reader = _numbered(ReaderStats, 600), _numbered(ReaderStats, 700)
+    ingestor = SimpleNamespace(
+        stats=ingest,
+        readers=[SimpleNamespace(stream="i", stats=ingest_reader)],
+        tasks=SimpleNamespace(lease_takeovers=0),
+    )
+    reader = SimpleNamespace(stream="r", stats=receiver_reader)
     observed = Observed(
         ingestors=[ingestor],  # type: ignore[list-item]
         dispatchers=[SimpleNamespace(stats=dispatcher)],  # type: ignore[list-item]
@@ -182,14 +193,19 @@ def test_both_metric_paths_export_every_declared_field_under_its_declaration(
         (dispatcher, "dispatcher", None),
         (worker, "", None),
         (worker_publish, "worker", REPLY_PUBLISH),
+        (ingest_reader, "ingest", None),
+        (receiver_reader, "receiver", None),
     ):
         for attr, d in declared(stats):
             if only is not None and d.family != only:
                 continue
-            labels = {"stage": stage, **d.labels} if d.family.per_stage else dict(d.labels)
-            key = _sample_key(d.family.name, labels)
-            want[key] = want.get(key, 0) + getattr(stats, attr)
-    assert len(want) >= 40
+            for labels, value in d.samples(getattr(stats, attr)):
+                if d.family.per_stage:
+                    labels = {"stage": stage, **labels}
+                key = _sample_key(d.family.name, labels)
+                want[key] = want.get(key, 0) + value
+    assert 'ba_stream_dead_letters_total{reason="y",stage="receiver"}' in want
+    assert len(want) >= 60
     assert {k: got.get(k) for k in want} == want
 
 
