@@ -45,21 +45,10 @@ retries of a failing effect are spaced by that pause rather than spent at once.
 
 Effects. The callback ``effect(conn, reply)`` (``reply``: the parsed body, a
 ``protocol.reply.Reply``) runs inside the receipt's transaction on the same connection: it
-must be a quick local write to this database, with no network call.
-An effect that leaves the transaction (HTTP, e-mail, a payment) must not be done blindly
-from the callback. Record an intent row instead, keyed by ``effect_key(reply)``, in the same
-transaction; a separate sender then performs the call carrying ``EffectKey.idempotency_key``
-(stable across resends: it is derived from the reply id) and ``EffectKey.fence`` (the
-fencing token the reply was committed under) to a system that checks them, and sends an
-outcome it cannot confirm to reconciliation rather than retrying it blindly::
-
-    def effect(conn, reply):
-        key = effect_key(reply)
-        conn.execute(
-            "INSERT INTO http_intents (idempotency_key, task_id, fence, payload)"
-            " VALUES (?, ?, ?, ?)",
-            (key.idempotency_key, key.task_id, key.fence, json.dumps(reply.result)),
-        )
+must be a quick local write to this database, with no network call. An effect that leaves
+the transaction records an intent row keyed by ``effect_key(reply)`` instead, for a sender
+that carries the key and the fence to a system that checks them (docs/API.md, "Receive
+replies").
 """
 
 from __future__ import annotations
