@@ -3,7 +3,7 @@ a request returns its verified reply; a failed task raises ``RequestFailed`` car
 reply; six requester processes of one principal, each with requests in flight at once, each
 get exactly their own replies; a requester SIGKILLed while waiting collects its reply with
 ``result`` after a restart; a publish whose acknowledgement was lost (its connection killed
-after the XADD) is resent and still makes one task and one reply."""
+after the RPUSH) is resent and still makes one task and one reply."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import asyncio
 import json
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -142,23 +143,29 @@ def test_a_requester_killed_while_waiting_collects_its_reply_with_result_after_a
     ]
 
 
-async def _lost_ack_request(url: str, keyring: Keyring, prefix: str) -> tuple[Any, int]:
+async def _lost_ack_request(
+    url: str, keyring: Keyring, prefix: str, resent: threading.Event
+) -> tuple[Any, int]:
     """One request whose first publish reaches the submit list but whose answer is lost: the
-    connection is killed (CLIENT KILL) right after the RPUSH ran."""
+    connection is killed (CLIENT KILL) right after the RPUSH ran. ``resent`` is set once the
+    client has pushed the same envelope again."""
     conn: Any = redis.asyncio.Redis.from_url(url, socket_timeout=15)
     admin: Any = redis.asyncio.Redis.from_url(url)
     real_rpush = conn.rpush
-    lost = 0
+    lost = pushes = 0
 
     async def rpush(*args: Any, **kwargs: Any) -> Any:
-        nonlocal lost
+        nonlocal lost, pushes
         entry = await real_rpush(*args, **kwargs)
+        pushes += 1
         if lost == 0:
             lost += 1
             for c in await admin.client_list():
                 if c.get("cmd") == "rpush" or c.get("name") == "lost-ack":
                     await admin.client_kill_filter(_id=c["id"])
             raise redis.ConnectionError("connection killed after the RPUSH ran")
+        if pushes >= 2:
+            resent.set()
         return entry
 
     await conn.client_setname("lost-ack")
@@ -176,16 +183,32 @@ async def _lost_ack_request(url: str, keyring: Keyring, prefix: str) -> tuple[An
 def test_a_request_whose_publish_acknowledgement_was_lost_makes_one_task_and_one_reply(
     redis_server: RedisServer, tmp_path: Path, keyring: Keyring, keyring_path: Path, prefix: str
 ) -> None:
+    """The adapter starts only once the client has pushed the envelope a second time, so
+    both copies reach the inbound stream whatever the timing."""
     db = tmp_path / "a.db"
     keys = Keys(prefix)
-    with running_adapter(redis_server.url, db, keyring_path, prefix):
-        reply, lost = asyncio.run(_lost_ack_request(redis_server.url, keyring, prefix))
-        assert lost == 1
-        assert reply.status == "done"
-        wait_for(
-            lambda: count_rows(db, "SELECT count(*) FROM outbox WHERE state = 'sent'"),
-            "the reply marked sent",
+    resent = threading.Event()
+    outcome: list[tuple[Any, int]] = []
+    requester = threading.Thread(
+        target=lambda: outcome.append(
+            asyncio.run(_lost_ack_request(redis_server.url, keyring, prefix, resent))
         )
+    )
+    requester.start()
+    try:
+        assert resent.wait(timeout=30), "the client never sent the envelope again"
+        with running_adapter(redis_server.url, db, keyring_path, prefix):
+            requester.join(timeout=90)
+            assert outcome, "the request did not return"
+            reply, lost = outcome[0]
+            assert lost == 1
+            assert reply.status == "done"
+            wait_for(
+                lambda: count_rows(db, "SELECT count(*) FROM outbox WHERE state = 'sent'"),
+                "the reply marked sent",
+            )
+    finally:
+        requester.join(timeout=90)
     r: Any = connect(redis_server.url)
     inbound = [f for _, f in r.xrange(keys.inbound())]
     assert len(inbound) >= 2  # the lost one and at least one resend, the same bytes
