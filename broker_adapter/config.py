@@ -7,12 +7,15 @@ and validators. ``Model(...)`` stays the way to build one; what it refuses comes
 field at fault, so callers and the CLI handle one error class and never see a pydantic
 traceback.
 
-A setting that several models hold is declared once, as a field made with ``setting`` (its
-bound, default, help text, and the flag and ``BA_*`` variable that set it on the command
-line), named ``*_SETTING`` in the module of the stage that owns it; each model that holds it
-uses that field, and ``derive`` builds a stage's model from the settings of the one above
-it. ``app.options`` makes the command
-line's flags from these declarations.
+The settings form one tree: ``AdapterConfig`` at the root holds what the whole adapter
+shares (the wiring, the lease, the retention window) and one ``section`` per stage, whose
+model the stage declares next to its own settings (``IngestSettings``, ``WorkerSettings``,
+``TaskSettings``, ``ReconcilePolicy``, ``MetricsSettings``). A setting is a field made with
+``setting`` (its bound, default, help text, and the flag and ``BA_*`` variable that set it
+on the command line), declared in one place: in its section, which the stage's full
+settings model extends, or, for the few that several unrelated models hold, as a
+``*_SETTING`` field named by each. ``derive`` builds a stage's model from the tree;
+``app.options`` makes the command line's flags from it.
 """
 
 from __future__ import annotations
@@ -89,30 +92,65 @@ def field_type(field: FieldInfo) -> Any:
     return Annotated[(field.annotation, *field.metadata)] if field.metadata else field.annotation
 
 
-def derive(model: type[M], source: BaseModel, **given: Any) -> M:
-    """``model`` built from the settings of ``source`` it has a field of the same name for,
-    and ``given`` (which wins): how a stage's settings come from the tree above it, without
-    copying them one by one."""
-    shared = {
-        name: getattr(source, name)
-        for name in model.model_fields
-        if name in type(source).model_fields and name not in given
-    }
+def section(model: type[M]) -> Any:
+    """A field holding a section of the settings tree: a ``model`` built with its defaults
+    when not given (a dict of its fields is accepted too). The command line's flags are
+    made from the settings of every section, at any depth (``app.options``); a nested
+    model that is a plain field (not a section) is that model's own and gets no flags."""
+    return Field(default_factory=model, json_schema_extra={"section": True})
+
+
+def is_section(field: FieldInfo) -> bool:
+    """Whether ``field`` was made by ``section``."""
+    extra = field.json_schema_extra
+    return isinstance(extra, dict) and extra.get("section") is True
+
+
+def derive(model: type[M], *sources: BaseModel, **given: Any) -> M:
+    """``model`` built from the settings of ``sources`` it has a field of the same name for
+    (a later source wins over an earlier one), and ``given`` (which wins over all): how a
+    stage's settings come from the tree above it, without copying them one by one."""
+    shared: dict[str, Any] = {}
+    for source in sources:
+        shared.update(
+            (name, getattr(source, name))
+            for name in model.model_fields
+            if name in type(source).model_fields and name not in given
+        )
     return model(**shared, **given)
 
 
+class SettingsRefused(ConfigError):
+    """A ``ConfigError`` of a settings model, with each problem apart: ``(path, why)``
+    (``path`` ``""``: the model as a whole), so that a section's refusal is told from the
+    root of the tree (``AdapterConfig.ingest.rate_limit: ...``)."""
+
+    def __init__(self, model: str, problems: list[tuple[str, str]]) -> None:
+        self.problems = problems
+        text = "; ".join(
+            f"{model}.{where}: {why}" if where else f"{model}: {why}" for where, why in problems
+        )
+        super().__init__(text or f"{model}: invalid")
+
+
 def refusal(model: str, exc: ValidationError) -> ConfigError:
-    """One ``ConfigError`` for everything ``exc`` found wrong: ``Model.field: why; ...``."""
-    problems = []
+    """One ``ConfigError`` for everything ``exc`` found wrong: ``Model.field: why; ...``;
+    what a section refused is named by its path from ``model``."""
+    problems: list[tuple[str, str]] = []
     for err in exc.errors(include_url=False):
         where = ".".join(str(part) for part in err.get("loc", ()))
         cause = err.get("ctx", {}).get("error")
+        if where and isinstance(cause, SettingsRefused):  # a section's: paths under it
+            problems.extend(
+                (f"{where}.{inner}" if inner else where, why) for inner, why in cause.problems
+            )
+            continue
         if isinstance(cause, EnvelopeError):  # its text repeats the field: keep the rest
             why = f"{cause.detail} [{cause.reason}]"
         else:
             why = str(err.get("msg", "invalid")).removeprefix("Value error, ")
-        problems.append(f"{model}.{where}: {why}" if where else f"{model}: {why}")
-    return ConfigError("; ".join(problems) or f"{model}: invalid")
+        problems.append((where, why))
+    return SettingsRefused(model, problems)
 
 
 class ConfigModel(BaseModel):

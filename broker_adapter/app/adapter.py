@@ -31,7 +31,7 @@ from broker_adapter.app.binding import PrefixGuard, bind, claim_name, refuse_sql
 from broker_adapter.app.metrics import Observed
 from broker_adapter.app.pool import WorkerPool
 from broker_adapter.app.serving import serve_metrics
-from broker_adapter.backoff import Backoff, call_until_stopped
+from broker_adapter.backoff import call_until_stopped
 from broker_adapter.clock import SystemClock
 from broker_adapter.config import derive
 from broker_adapter.errors import (
@@ -100,8 +100,8 @@ class Adapter:
         self.log = logger or log
         assert config.keyring_path is not None  # AdapterConfig requires it
         self.keyring = Keyring.load(config.keyring_path)
-        keyless = [p for p in config.acl_principals if not self.keyring.key_ids(p)]
-        if config.mode == "acl" and keyless:
+        keyless = [p for p in config.ingest.acl_principals if not self.keyring.key_ids(p)]
+        if config.ingest.mode == "acl" and keyless:
             raise ConfigError(
                 f"keyring {config.keyring_path} has no keys for ACL principal(s) "
                 f"{', '.join(keyless)}: their replies could not be signed"
@@ -120,11 +120,7 @@ class Adapter:
         }
         #: The first of them (the one a router of one declares), or ``None``.
         self.effect: EffectSpec | None = next(iter(self.effects.values()), None)
-        self.policy = derive(
-            TaskPolicy,
-            config,
-            backoff=Backoff(base_s=config.backoff_base_s, cap_s=config.backoff_cap_s),
-        )
+        self.policy = derive(TaskPolicy, config, config.tasks)
         #: The store's identity (read with the database's first open), and this adapter's
         #: consumer name once it holds it (``run``).
         self.identity: StoreIdentity | None = None
@@ -169,6 +165,7 @@ class Adapter:
         return derive(
             WorkerConfig,
             self.config,
+            self.config.worker,
             # unique per incarnation: a leftover of an earlier run never shares an owner name
             owner=f"{self.name}-w{i}-{os.getpid()}",
             record_ttl_s=self._dispatcher_config().record_window_s,
@@ -377,7 +374,7 @@ class Adapter:
                 cfg.handler,
                 self.name,
             )
-            with serve_metrics(self.observed, cfg.metrics_host, cfg.metrics_port):
+            with serve_metrics(self.observed, cfg.metrics.host, cfg.metrics.port):
                 return self._run(stop, guard)
         finally:
             guard.release()
@@ -436,7 +433,7 @@ class Adapter:
             stop.set()
             codes = pool.stop()
             for thread in threads:
-                thread.join(timeout=cfg.grace_s + 10)
+                thread.join(timeout=cfg.worker.grace_s + 10)
         if self.errors:
             stage, exc = self.errors[0]
             if isinstance(exc, ConfigError):

@@ -42,6 +42,7 @@ from broker_adapter.app.streams_cli import add_commands as add_stream_commands
 from broker_adapter.app.tasks_cli import add_task_commands, cmd_result, cmd_tasks
 from broker_adapter.console.serve import cmd_console
 from broker_adapter.errors import BrokerAdapterError, ConfigError
+from broker_adapter.stages.ingest.config import IngestSettings
 
 log = logging.getLogger("broker_adapter.app.cli")
 
@@ -95,7 +96,7 @@ def add_keyring(p: argparse.ArgumentParser, what: str, *, required: bool = True)
 
 
 def add_partitions(p: argparse.ArgumentParser) -> None:
-    add_settings(p, AdapterConfig, ["partitions"])
+    add_settings(p, IngestSettings, ["partitions"])
 
 
 def _add_log_format(p: argparse.ArgumentParser) -> None:
@@ -116,7 +117,7 @@ def _add_json(p: argparse.ArgumentParser) -> None:
 #: What ``--retention`` does for each command that takes it.
 _RUN_RETENTION = "requests older than this are forgotten, and deadlines further ahead refused"
 _RECEIVE_RETENTION = "receipts older than this are forgotten"
-_METRICS = ["metrics_port", "metrics_host"]
+_METRICS = ["metrics.port", "metrics.host"]
 
 
 def _add_run(sub: argparse._SubParsersAction[_Parser]) -> None:

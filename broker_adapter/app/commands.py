@@ -24,6 +24,7 @@ from broker_adapter.app.tasks_cli import print_json
 from broker_adapter.errors import ConfigError, TransientError
 
 if TYPE_CHECKING:
+    from broker_adapter.app.metrics import MetricsSettings
     from broker_adapter.stages.receiver.receiver import Receiver
     from broker_adapter.store.db import Database
     from broker_adapter.store.postgres import PgDatabase
@@ -164,12 +165,24 @@ def cmd_receive(args: argparse.Namespace) -> int:
     on_postgres = is_postgres_url(args.db)
     observed = Observed(db_path=args.db if on_postgres else Path(args.db), redis_url=args.redis)
     observed.add_receiver(receiver)
+    metrics = _metrics_settings(args)
     try:
-        with serve_metrics(observed, args.metrics_host, args.metrics_port, worker_files=False):
+        with serve_metrics(observed, metrics.host, metrics.port, worker_files=False):
             _receive_until(receiver, stop, args.until_idle, _receipt_binder(config, client, db))
     finally:
         db.close()
     return 0
+
+
+def _metrics_settings(args: argparse.Namespace) -> MetricsSettings:
+    """The metrics port's section of the settings tree, from ``--metrics-port`` and
+    ``--metrics-host``."""
+    from broker_adapter.app.adapter_config import AdapterConfig
+    from broker_adapter.app.metrics import MetricsSettings
+    from broker_adapter.app.options import settings_from
+
+    given = settings_from(args, AdapterConfig, ["metrics.port", "metrics.host"])
+    return MetricsSettings(**given.get("metrics", {}))
 
 
 def _receipt_binder(config: Any, client: Any, db: Any) -> Callable[[], object]:

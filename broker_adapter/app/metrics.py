@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+from broker_adapter.config import ConfigModel, setting
 from broker_adapter.errors import BrokerAdapterError
 from broker_adapter.metric_fields import Family, declared
 from broker_adapter.redis.probe import StreamSample, redis_client, sample_groups
@@ -59,6 +60,37 @@ if TYPE_CHECKING:
 log = logging.getLogger("broker_adapter.app.metrics")
 
 DEFAULT_METRICS_HOST = "127.0.0.1"
+
+
+class MetricsSettings(ConfigModel):
+    """The metrics port's section of the settings tree (``AdapterConfig.metrics``; the
+    receiver's command sets it too).
+
+    Attributes:
+        port: serve ``/metrics``, ``/healthz`` and ``/readyz`` on this port (``serving``);
+            ``None`` (default): off. 0 picks a free port.
+        host: the address the port binds.
+    """
+
+    port: int | None = setting(
+        None,
+        ge=0,
+        le=65535,
+        help="serve /metrics, /healthz and /readyz on this port",
+        flag="--metrics-port",
+        env="BA_METRICS_PORT",
+        metavar="PORT",
+        shown="off",
+    )
+    host: str = setting(
+        DEFAULT_METRICS_HOST,
+        help="the address the metrics port binds",
+        flag="--metrics-host",
+        env="BA_METRICS_HOST",
+        metavar="HOST",
+    )
+
+
 #: ``XINFO GROUPS`` is asked at most this often, seconds; scrapes in between reuse it.
 SAMPLE_EVERY_S = 5.0
 #: Each readiness check (Redis PING, the database's write lock) gives up after this long.

@@ -2,10 +2,11 @@
 
 ``option`` adds one flag: its help shows ``[default: D; env NAME]``, and the variable, when
 set, is its default, parsed like the flag's own value (the flag wins). ``add_settings`` adds
-a flag for every field of a settings model (nested models included) that ``config.setting``
-gave a flag, with that declaration's help, default and variable; the value is checked
-against the field's bounds as it is parsed, so a value out of bounds fails at the command
-line, naming its flag. ``settings_from`` reads those flags back as the model's fields.
+a flag for every field of a settings model (its sections included, at any depth) that
+``config.setting`` gave a flag, with that declaration's help, default and variable; the
+value is checked against the field's bounds as it is parsed, so a value out of bounds
+fails at the command line, naming its flag. A flag's ``dest`` is the field's path in the
+tree (``ingest.rate_limit``). ``settings_from`` reads those flags back as the model's fields.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Any, Literal, get_args, get_origin
 from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError
 from pydantic.fields import FieldInfo
 
-from broker_adapter.config import Flag, field_type, flag_of
+from broker_adapter.config import Flag, field_type, flag_of, is_section
 
 #: The type of ``option`` (a command module that is handed it names its parameter so).
 Option = Callable[..., None]
@@ -112,22 +113,25 @@ def _base(annotation: Any) -> type:
 
 
 def _flagged(model: type[BaseModel], path: tuple[str, ...] = ()) -> Iterator[tuple[str, ...]]:
-    """The paths of the fields of ``model`` that have a flag, and of its sections' (the
-    models it nests; not theirs: a ``Backoff`` inside a section is that section's own)."""
+    """The paths of the fields of ``model`` that have a flag, and of its sections' at any
+    depth (``config.section``; a nested model that is a plain field is its model's own)."""
     for name, field in model.model_fields.items():
-        kind = field.annotation
         if flag_of(field) is not None:
             yield (*path, name)
-        elif not path and isinstance(kind, type) and issubclass(kind, BaseModel):
-            yield from _flagged(kind, (name,))
+        elif is_section(field):
+            yield from _flagged(_section_model(model, name), (*path, name))
+
+
+def _section_model(model: type[BaseModel], name: str) -> type[BaseModel]:
+    kind = model.model_fields[name].annotation
+    assert isinstance(kind, type)
+    assert issubclass(kind, BaseModel)
+    return kind
 
 
 def _field_info(model: type[BaseModel], path: tuple[str, ...]) -> FieldInfo:
     for name in path[:-1]:
-        kind = model.model_fields[name].annotation
-        assert isinstance(kind, type)
-        assert issubclass(kind, BaseModel)
-        model = kind
+        model = _section_model(model, name)
     return model.model_fields[path[-1]]
 
 

@@ -1,9 +1,9 @@
 """The task store's records and policies, imported by every store module and importing
-none: the task states (``TaskState``, the sets of them and their SQL lists), ``TaskPolicy``
-(the store's limits), ``ClaimedTask`` (a claim, with the fence its holder must present) and
-the columns a claim reads (``CLAIM_COLUMNS``, derived from its fields), ``TaskRow`` (a task
-as the reads return it), ``Reconciled`` (what the clock did to one task) and
-``UnknownTask``.
+none: the task states (``TaskState``, the sets of them and their SQL lists), ``TaskSettings``
+and ``TaskPolicy`` (the store's limits), ``ClaimedTask`` (a claim, with the fence its
+holder must present) and the columns a claim reads (``CLAIM_COLUMNS``, derived from its
+fields), ``TaskRow`` (a task as the reads return it), ``Reconciled`` (what the clock did
+to one task) and ``UnknownTask``.
 
 The schemas' ``CHECK`` on ``tasks.state`` and the partial indexes repeat the states in
 their migrations, which are never edited; a state added here needs a migration too.
@@ -17,13 +17,12 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, Final
 
-from pydantic import Field
-
 from broker_adapter.backoff import Backoff
 from broker_adapter.config import (
     LEASE_SETTING,
     RETENTION_SETTING,
     ConfigModel,
+    section,
     setting,
 )
 from broker_adapter.errors import BrokerAdapterError
@@ -65,45 +64,13 @@ CLOCKED_SQL: Final = states_sql(CLOCKED_STATES)
 #: ``(task_id, transition, state, owner, attempts)`` of a transition the clock made.
 Reconciled = tuple[str, str, str, str | None, int | None]
 
-MAX_HOPS_SETTING = setting(
-    16,
-    ge=0,
-    help="requests further from their root task are answered hop_limit",
-    flag="--max-hops",
-    env="BA_MAX_HOPS",
-    metavar="N",
-)
-MAX_CHAIN_TASKS_SETTING = setting(
-    1000,
-    ge=1,
-    help="requests naming a correlation id under which this many tasks were stored"
-    " (within the retention window) are answered hop_limit",
-    flag="--max-chain-tasks",
-    env="BA_MAX_CHAIN_TASKS",
-    metavar="N",
-)
-CANCEL_GRACE_SETTING = setting(
-    30.0,
-    ge=0,
-    help="a running task whose cancel was requested keeps its lease this long for its"
-    " handler to stop, seconds",
-    flag="--cancel-grace",
-    env="BA_CANCEL_GRACE_S",
-    metavar="S",
-)
 
-
-class TaskPolicy(ConfigModel):
-    """Limits of the task state machine.
+class TaskSettings(ConfigModel):
+    """The task store's section of the settings tree (``AdapterConfig.tasks``): the limits
+    of the task state machine that ``run`` sets. ``TaskPolicy`` extends it.
 
     Attributes:
-        lease_s: lease granted by ``claim`` and ``renew``.
         max_hops: envelopes with more hops are accepted straight into ``hop_limit``.
-        retention_s: how long an inbox record dedupes its (principal, message_id); past it,
-            once the task is terminal and its deadline has passed, a reused id is a new
-            request. It also bounds deadlines: one further ahead than this is refused, so
-            that no request outlives the record that makes its replay a duplicate.
-        backoff: delay before a retryable failure runs again.
         max_chain_tasks: the chain budget: requests naming a ``correlation_id`` under which
             this many tasks were stored already (within the retention window, by any
             sender, with or without ``parent_id``) are accepted straight into
@@ -111,17 +78,55 @@ class TaskPolicy(ConfigModel):
         cancel_grace_s: a running task whose cancel was requested (``broker-adapter cancel``)
             keeps its lease this long for its handler to stop; then renewals are refused and
             the lapsed lease ends the task ``cancelled`` (``unknown`` if its effect started).
+        backoff: delay before a retryable failure runs again.
+    """
+
+    max_hops: int = setting(
+        16,
+        ge=0,
+        help="requests further from their root task are answered hop_limit",
+        flag="--max-hops",
+        env="BA_MAX_HOPS",
+        metavar="N",
+    )
+    max_chain_tasks: int = setting(
+        1000,
+        ge=1,
+        help="requests naming a correlation id under which this many tasks were stored"
+        " (within the retention window) are answered hop_limit",
+        flag="--max-chain-tasks",
+        env="BA_MAX_CHAIN_TASKS",
+        metavar="N",
+    )
+    cancel_grace_s: float = setting(
+        30.0,
+        ge=0,
+        help="a running task whose cancel was requested keeps its lease this long for its"
+        " handler to stop, seconds",
+        flag="--cancel-grace",
+        env="BA_CANCEL_GRACE_S",
+        metavar="S",
+    )
+    backoff: Backoff = section(Backoff)
+
+
+class TaskPolicy(TaskSettings):
+    """The task state machine's policy: its section of the tree (``TaskSettings``, whose
+    attributes it has) and the settings it shares with the other stages.
+
+    Attributes:
+        lease_s: lease granted by ``claim`` and ``renew``.
+        retention_s: how long an inbox record dedupes its (principal, message_id); past it,
+            once the task is terminal and its deadline has passed, a reused id is a new
+            request. It also bounds deadlines: one further ahead than this is refused, so
+            that no request outlives the record that makes its replay a duplicate.
 
     Raises:
         ConfigError: a lease or retention not above 0, or a negative ``max_hops``.
     """
 
     lease_s: float = LEASE_SETTING
-    max_hops: int = MAX_HOPS_SETTING
     retention_s: float = RETENTION_SETTING
-    backoff: Backoff = Field(default_factory=Backoff)
-    max_chain_tasks: int = MAX_CHAIN_TASKS_SETTING
-    cancel_grace_s: float = CANCEL_GRACE_SETTING
 
 
 @dataclass(frozen=True)

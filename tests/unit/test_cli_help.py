@@ -2,8 +2,9 @@
 variable table of docs/CONFIGURATION.md and the settings models (so that neither drifts from
 the parser).
 
-``python -m tests.unit.test_cli_help`` prints that table from the parser, to paste into the
-page when a command or a variable changes."""
+``python -m tests.unit.test_cli_help`` prints that table from the parser, and the table of
+``run``'s settings from the settings tree, to paste into the page when a command, a variable
+or a setting changes."""
 
 from __future__ import annotations
 
@@ -14,12 +15,14 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from pydantic import BaseModel
+from pydantic.fields import FieldInfo
 
 import broker_adapter
 from broker_adapter.app.adapter_config import AdapterConfig
 from broker_adapter.app.cli import build_parser
 from broker_adapter.app.options import settings_from
-from broker_adapter.config import derive, flag_of
+from broker_adapter.config import derive, flag_of, is_section
 from broker_adapter.protocol.envelope import Envelope
 from broker_adapter.stages.reconcile.reconciler import ReconcilePolicy
 from broker_adapter.store.task_types import TaskPolicy
@@ -120,45 +123,63 @@ def test_help_shows_defaults_and_variables() -> None:
 
 def test_the_flag_defaults_are_the_settings_defaults() -> None:
     run = {a.dest: a.default for a in _options(dict(_commands())["run"])}
-    fields = AdapterConfig.model_fields
     for dest in (
         "workers",
         "lease_s",
-        "grace_s",
-        "claim_min_idle_ms",
+        "worker.grace_s",
+        "ingest.claim_min_idle_ms",
         "prefix",
-        "mode",
-        "rate_limit",
-        "rate_burst",
-        "max_open_tasks",
+        "ingest.mode",
+        "ingest.rate_limit",
+        "ingest.rate_burst",
+        "ingest.max_open_tasks",
     ):
-        assert run[dest] == fields[dest].default, dest
+        assert run[dest] == _field(dest).default, dest
     publish = {a.dest: a.default for a in _options(dict(_commands())["publish"])}
     envelope = inspect.signature(Envelope.__init__).parameters
     assert publish["max_attempts"] == envelope["max_attempts"].default
 
 
+def _field(path: str) -> FieldInfo:
+    """The field of the settings tree at ``path`` (``ingest.rate_limit``)."""
+    model: type[BaseModel] = AdapterConfig
+    *sections, name = path.split(".")
+    for part in sections:
+        kind = model.model_fields[part].annotation
+        assert isinstance(kind, type)
+        assert issubclass(kind, BaseModel)
+        model = kind
+    return model.model_fields[name]
+
+
+def _tree(model: type[BaseModel], path: str = "") -> Iterator[tuple[str, FieldInfo]]:
+    """Every setting of the tree under ``model``, sections walked, with its path."""
+    for name, field in model.model_fields.items():
+        kind = field.annotation
+        if is_section(field):
+            assert isinstance(kind, type)
+            assert issubclass(kind, BaseModel)
+            yield from _tree(kind, f"{path}{name}.")
+        else:
+            yield f"{path}{name}", field
+
+
 def test_every_setting_of_the_tree_with_a_flag_is_a_flag_of_run_with_its_default() -> None:
     run = {a.dest: a for a in _options(dict(_commands())["run"])}
-    flagged = [
-        (name, field)
-        for name, field in AdapterConfig.model_fields.items()
-        if flag_of(field) is not None
-    ] + [
-        (f"reconcile.{name}", field)
-        for name, field in ReconcilePolicy.model_fields.items()
-        if flag_of(field) is not None
-    ]
-    # every setting of the tree has a flag; these four come from the flags every command
-    # shares (--redis, --db, --handler or --app, --keyring), the section from its own
-    wiring = {"redis_url", "db_path", "handler", "keyring_path", "reconcile"}
-    assert {name for name, _ in flagged} == set(AdapterConfig.model_fields) - wiring | {
-        "reconcile.operator_timeout_s",
-        "reconcile.operator_timeout_action",
+    settings = dict(_tree(AdapterConfig))
+    # every setting of the tree has a flag but these: the four the commands share (--redis,
+    # --db, --handler or --app, --keyring) and the reconciler's inner workings
+    wiring = {"redis_url", "db_path", "handler", "keyring_path"}
+    unflagged = {path for path, field in settings.items() if flag_of(field) is None}
+    assert unflagged - wiring == {
+        f"reconcile.{name}"
+        for name in ReconcilePolicy.model_fields
+        if not name.startswith("operator_timeout")
     }
-    for dest, field in flagged:
+    for dest, field in settings.items():
         cli = flag_of(field)
-        assert cli is not None
+        if cli is None:
+            continue
         action = run[dest]
         assert action.option_strings[0] == cli.flag, dest
         assert cli.env in (action.help or ""), dest
@@ -166,8 +187,40 @@ def test_every_setting_of_the_tree_with_a_flag_is_a_flag_of_run_with_its_default
             default = list(field.default) if isinstance(field.default, tuple) else field.default
             assert action.default == default, dest
     # the settings the review found unreachable from the command line
-    for dest in ("call_timeout_s", "worker_publish", "max_hops", "max_chain_tasks"):
+    for dest in ("worker.call_timeout_s", "worker_publish", "tasks.max_hops"):
         assert dest in run
+
+
+def settings_table() -> str:
+    """The Markdown table of every setting of ``run`` in the settings tree: its path, flag,
+    variable, default and help, in the tree's order."""
+    rows = ["| setting | flag | variable | default | meaning |", "|---|---|---|---|---|"]
+    for path, field in _tree(AdapterConfig):
+        cli = flag_of(field)
+        if cli is None:
+            continue
+        if cli.shown is not None:
+            default = cli.shown
+        elif cli.cli_default is not None:
+            default = f"`{cli.cli_default}`"
+        elif field.annotation is bool:
+            default = "on" if field.default else "off"
+        elif isinstance(field.default, tuple):
+            default = "none" if not field.default else ", ".join(field.default)
+        else:
+            default = f"`{field.default}`"
+        rows.append(f"| `{path}` | `{cli.flag}` | `{cli.env}` | {default} | {field.description} |")
+    return "\n".join(rows)
+
+
+def _documented_settings() -> str:
+    text = CONFIGURATION.read_text(encoding="utf-8")
+    section = text.split("\n## Settings of run\n", 1)[1].split("\n## ", 1)[0]
+    return "\n".join(line for line in section.splitlines() if line.startswith("|"))
+
+
+def test_the_docs_table_of_run_settings_is_the_settings_tree() -> None:
+    assert _documented_settings() == settings_table()
 
 
 _RUN = ["run", "--redis", "redis://127.0.0.1:1/0", "--db", "a.db", "--handler", "m:f"]
@@ -218,7 +271,7 @@ def test_a_variable_out_of_bounds_fails_at_parse_time_too(
         capsys.readouterr().err
     )
     monkeypatch.setenv("BA_CLAIM_MIN_IDLE_MS", "1")
-    assert build_parser().parse_args(_RUN).claim_min_idle_ms == 1
+    assert getattr(build_parser().parse_args(_RUN), "ingest.claim_min_idle_ms") == 1
 
 
 def test_the_flags_of_run_build_the_settings_tree(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -234,11 +287,15 @@ def test_the_flags_of_run_build_the_settings_tree(monkeypatch: pytest.MonkeyPatc
         keyring_path=Path("k.json"),
         **settings_from(args, AdapterConfig),
     )
-    assert (config.max_hops, config.call_timeout_s, config.worker_publish) == (3, 5.0, False)
+    assert (config.tasks.max_hops, config.worker.call_timeout_s, config.worker_publish) == (
+        3,
+        5.0,
+        False,
+    )
     assert config.reconcile.operator_timeout_s == 60.0
     assert config.reconcile.operator_timeout_action == "fail"
     assert config.app_dir == Path()  # the command line's default: the working directory
-    policy = derive(TaskPolicy, config)
+    policy = derive(TaskPolicy, config, config.tasks)
     assert (policy.max_hops, policy.lease_s, policy.retention_s) == (3, 30.0, 604800.0)
     ingest = config.ingest_config("a-ingest")
     assert (ingest.claim_min_idle_ms, ingest.prefix, ingest.max_entry_bytes) == (
@@ -254,11 +311,12 @@ def test_variables_are_defaults_and_the_flag_wins(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setenv("BA_ACL_PRINCIPALS", "alice, bob")
     monkeypatch.setenv("BA_APP_DIR", "/srv/app")
     args = build_parser().parse_args(base)
-    assert (args.workers, args.acl_principals, args.app_dir) == (5, ["alice", "bob"], "/srv/app")
+    principals = getattr(args, "ingest.acl_principals")
+    assert (args.workers, principals, args.app_dir) == (5, ["alice", "bob"], "/srv/app")
     args = build_parser().parse_args(
         [*base, "--workers", "3", "--acl-principal", "carol", "--acl-principal", "dave"]
     )
-    assert (args.workers, args.acl_principals) == (3, ["carol", "dave"])
+    assert (args.workers, getattr(args, "ingest.acl_principals")) == (3, ["carol", "dave"])
     monkeypatch.setenv("BA_REDIS_URL", "redis://127.0.0.1:2/0")
     monkeypatch.setenv("BA_DB", "b.db")
     monkeypatch.setenv("BA_HANDLER", "n:g")
@@ -281,4 +339,4 @@ def test_version(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 if __name__ == "__main__":
-    print(variable_table())
+    print(variable_table(), settings_table(), sep="\n\n")

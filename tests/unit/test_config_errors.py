@@ -41,7 +41,10 @@ def _run(**fields: Any) -> AdapterConfig:
         (lambda: _run(redis_url="http://x"), "AdapterConfig.redis_url: bad Redis URL: must start"),
         (lambda: _run(redis_url="redis://h:abc"), "AdapterConfig.redis_url: bad Redis URL: Port"),
         (lambda: _run(workers=0), "AdapterConfig.workers: "),
-        (lambda: _run(acl_principals=("bad name",), mode="acl"), "AdapterConfig.acl_principals.0:"),
+        (
+            lambda: _run(ingest={"acl_principals": ("bad name",), "mode": "acl"}),
+            "AdapterConfig.ingest.acl_principals.0:",
+        ),
         (lambda: _run(keyring_path=None), "AdapterConfig: signed mode needs a keyring"),
         (lambda: IngestConfig(consumer="c", count=0), "IngestConfig.count: "),
         (lambda: ReceiverConfig(principal="a b"), "ReceiverConfig.principal: may hold only"),
@@ -110,11 +113,11 @@ def test_task_policy_and_reader_bounds_both_sides(
 @pytest.mark.parametrize(
     ("fields", "ok"),
     [
-        ({"claim_min_idle_ms": 0}, False),  # the ingest's bound: refused before it starts
-        ({"claim_min_idle_ms": 1}, True),
-        ({"max_entry_bytes": 1023}, False),
-        ({"max_entry_bytes": 1024}, True),
-        ({"mode": "signed", "acl_principals": ("alice",)}, False),
+        ({"ingest": {"claim_min_idle_ms": 0}}, False),  # the ingest's bound: refused at once
+        ({"ingest": {"claim_min_idle_ms": 1}}, True),
+        ({"ingest": {"max_entry_bytes": 1023}}, False),
+        ({"ingest": {"max_entry_bytes": 1024}}, True),
+        ({"ingest": {"mode": "signed", "acl_principals": ("alice",)}}, False),
         ({"name": "bad/name"}, False),  # the ingest's consumer name would refuse it
         ({"name": "adapter-1"}, True),
     ],

@@ -133,6 +133,13 @@ def test_open_counts_are_pending_and_running_tasks_per_principal(tasks: TaskStor
     assert tasks.open_counts() == {"alice": 1}
 
 
+def _limits(args: object) -> tuple[object, ...]:
+    """``run``'s three ingress limits as parsed (their ``dest`` is their path in the tree)."""
+    return tuple(
+        getattr(args, f"ingest.{name}") for name in ("rate_limit", "rate_burst", "max_open_tasks")
+    )
+
+
 def test_run_takes_the_limits_from_flags_or_the_environment(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
@@ -151,17 +158,15 @@ def test_run_takes_the_limits_from_flags_or_the_environment(
     monkeypatch.setenv("BA_RATE_LIMIT", "2.5")
     monkeypatch.setenv("BA_MAX_OPEN_TASKS", "7")
     args = build_parser().parse_args([*base, "--rate-burst", "9"])
-    assert (args.rate_limit, args.rate_burst, args.max_open_tasks) == (2.5, 9, 7)
+    assert _limits(args) == (2.5, 9, 7)
     monkeypatch.delenv("BA_RATE_LIMIT")
     monkeypatch.delenv("BA_MAX_OPEN_TASKS")
     args = build_parser().parse_args(base)
-    assert (args.rate_limit, args.rate_burst, args.max_open_tasks) == (None, None, None)
+    assert _limits(args) == (None, None, None)
     with pytest.raises(ValueError, match="greater than 0"):
         AdapterConfig(
             redis_url="redis://x",
             db_path=tmp_path,
             handler="m:f",
-            mode="acl",
-            acl_principals=("a",),
-            rate_limit=0,
+            ingest={"mode": "acl", "acl_principals": ("a",), "rate_limit": 0},
         )

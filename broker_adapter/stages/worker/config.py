@@ -1,5 +1,6 @@
-"""A worker's settings (``WorkerConfig``), counters (``WorkerStats``), the sink its metrics
-go to and its fixed constants; see ``worker``."""
+"""A worker's section of the settings tree (``WorkerSettings``), its settings
+(``WorkerConfig``), counters (``WorkerStats``), the sink its metrics go to and its fixed
+constants; see ``worker``."""
 
 from __future__ import annotations
 
@@ -22,36 +23,50 @@ DEFAULT_APPROVAL_TIMEOUT_S = 3600.0
 #: The most tasks one worker process runs at once (``WorkerConfig.concurrency``).
 MAX_CONCURRENCY = 256
 
-#: The worker's settings that ``run`` sets (``AdapterConfig`` holds them too), declared once.
-CALL_TIMEOUT_SETTING = setting(
-    DEFAULT_CALL_TIMEOUT_S,
-    gt=0,
-    help="a handler call's timeout, seconds (a task's own overrides it; the deadline caps it)",
-    flag="--call-timeout",
-    env="BA_CALL_TIMEOUT_S",
-    metavar="S",
-)
-GRACE_SETTING = setting(
-    DEFAULT_GRACE_S,
-    ge=0,
-    help="on SIGTERM, how long running handlers may finish, seconds",
-    flag="--grace",
-    env="BA_GRACE_S",
-    metavar="S",
-)
-CONCURRENCY_SETTING = setting(
-    1,
-    ge=1,
-    le=MAX_CONCURRENCY,
-    help="tasks each worker process runs at once; async handlers share its one event loop",
-    flag="--concurrency",
-    env="BA_CONCURRENCY",
-    metavar="N",
-)
+
+class WorkerSettings(ConfigModel):
+    """The worker's section of the settings tree (``AdapterConfig.worker``): what ``run``
+    sets of how each worker process runs handlers. ``WorkerConfig`` extends it.
+
+    Attributes:
+        concurrency: how many handler calls run at once (``concurrent_run``): a claim
+            takes enough tasks to fill each slot; async handlers wait together on the
+            process's one event loop, sync ones run on a thread per slot.
+        call_timeout_s: per handler call; capped by the time left to the task's deadline
+            (a task's own ``call_timeout_s`` overrides it).
+        grace_s: on stop, how long the running handlers may still take.
+    """
+
+    concurrency: int = setting(
+        1,
+        ge=1,
+        le=MAX_CONCURRENCY,
+        help="tasks each worker process runs at once; async handlers share its one event loop",
+        flag="--concurrency",
+        env="BA_CONCURRENCY",
+        metavar="N",
+    )
+    call_timeout_s: float = setting(
+        DEFAULT_CALL_TIMEOUT_S,
+        gt=0,
+        help="a handler call's timeout, seconds (a task's own overrides it; the deadline caps it)",
+        flag="--call-timeout",
+        env="BA_CALL_TIMEOUT_S",
+        metavar="S",
+    )
+    grace_s: float = setting(
+        DEFAULT_GRACE_S,
+        ge=0,
+        help="on SIGTERM, how long running handlers may finish, seconds",
+        flag="--grace",
+        env="BA_GRACE_S",
+        metavar="S",
+    )
 
 
-class WorkerConfig(ConfigModel):
-    """One worker's settings.
+class WorkerConfig(WorkerSettings):
+    """One worker's settings: its section of the tree (``WorkerSettings``, whose attributes
+    it has) and what one worker needs besides.
 
     Attributes:
         owner: the name written as the lease owner; unique per running worker.
@@ -64,7 +79,6 @@ class WorkerConfig(ConfigModel):
             outcomes of a batch commit together (one transaction, one fsync) after its
             last handler, or before the next handler starts once the oldest uncommitted
             outcome is this old, seconds.
-        call_timeout_s: per handler call; capped by the time left to the task's deadline.
         renew_every_s: lease renewal interval; ``None`` means a third of the store's lease.
         idle_poll_s: the longest pause between two looks for work when idle, seconds. A
             look is a read (``TaskStore.has_work``: no write lock, no fsync); a claim
@@ -72,13 +86,9 @@ class WorkerConfig(ConfigModel):
         wake_poll_s: the pause between looks for ``loop.ALERT_AFTER_WORK_S`` after the last
             work, seconds; after that it doubles with every empty look, up to
             ``idle_poll_s``.
-        grace_s: on stop, how long the running handler may still take.
         prefix: the key prefix (see ``keys``), as the dispatcher's.
         record_ttl_s: how long its publication records live (the dispatcher's
             ``DispatcherConfig.record_window_s``).
-        concurrency: how many handler calls run at once (``concurrent_run``): a claim
-            takes enough tasks to fill each slot; async handlers wait together on the
-            process's one event loop, sync ones run on a thread per slot.
         approval_timeout_s: for a handler whose effect ``requires_approval``
             (``handler.effects.side_effect``): how long a task waits in ``waiting_approval`` for a
             valid approval record before it ends ``failed`` (never past its deadline).
@@ -87,15 +97,12 @@ class WorkerConfig(ConfigModel):
     owner: str = Field(min_length=1, max_length=128)
     batch: int = Field(default=DEFAULT_BATCH, ge=1, le=1000)
     batch_window_s: float = Field(default=DEFAULT_BATCH_WINDOW_S, ge=0)
-    call_timeout_s: float = CALL_TIMEOUT_SETTING
     renew_every_s: float | None = Field(default=None, gt=0)
     idle_poll_s: float = Field(default=DEFAULT_IDLE_POLL_S, gt=0)
     wake_poll_s: float = Field(default=DEFAULT_WAKE_POLL_S, gt=0)
-    grace_s: float = GRACE_SETTING
     prefix: KeyPrefix = PREFIX_SETTING
     record_ttl_s: float = Field(default=DEFAULT_RECORD_TTL_S, gt=0)
     approval_timeout_s: float = Field(default=DEFAULT_APPROVAL_TIMEOUT_S, gt=0)
-    concurrency: int = CONCURRENCY_SETTING
 
 
 #: Task outcomes; a worker's are counted in its memory, ``unknown`` by the database.
