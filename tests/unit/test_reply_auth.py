@@ -158,11 +158,11 @@ def _run_config(tmp_path: Path, keyring: Path | None, **over: object) -> Adapter
 
 def test_acl_mode_needs_a_keyring_with_every_acl_principals_keys(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="acl mode needs a keyring"):
-        _run_config(tmp_path, None, mode="acl", acl_principals=("alice",))
+        _run_config(tmp_path, None, ingest={"mode": "acl", "acl_principals": ("alice",)})
     path = tmp_path / "keys.json"
     path.write_text(json.dumps({"alice": {"a2": KEYS["alice"]["a2"]}}), encoding="utf-8")
     path.chmod(0o600)
-    ok = _run_config(tmp_path, path, mode="acl", acl_principals=("alice",))
+    ok = _run_config(tmp_path, path, ingest={"mode": "acl", "acl_principals": ("alice",)})
     assert Adapter(ok).keyring.key_ids("alice") == ("a2",)
     missing = _run_config(tmp_path, path, mode="acl", acl_principals=("alice", "bob", "carol"))
     with pytest.raises(ConfigError, match=r"no keys for ACL principal.*bob, carol"):
