@@ -1,6 +1,7 @@
 """Backing off: capped exponential backoff with jitter, shared by task retries and reply
 publication (``Backoff``), and the retry policy of the loops that talk to Redis or SQLite
-(``retrying``, ``run_until_stopped``, ``call_until_stopped``).
+(``retrying``: the stage loop's, ``stages.shared.loop.run_stage``, and a stage's set-up's,
+``call_until_stopped``).
 """
 
 from __future__ import annotations
@@ -77,62 +78,6 @@ def retrying(*, max_wait_s: float = 5.0, multiplier_s: float = 0.05) -> tenacity
             state.outcome.exception() if state.outcome else "?",
         ),
     )
-
-
-def run_until_stopped(
-    stop: threading.Event,
-    tick: Callable[[], object],
-    *,
-    before_sleep: Callable[[tenacity.RetryCallState], None] | None = None,
-    sleep: Callable[[float], object] | None = None,
-) -> None:
-    """Call ``tick`` until ``stop`` is set; on ``TransientError`` back off with the
-    ``retrying`` policy (a stop request cuts the backoff short) and go on.
-
-    The policy wraps a run of ticks, not each tick: its bookkeeping costs as much as the
-    work of a one-entry batch. A run ends at the first tick that succeeds after a backoff,
-    so that the backoff grows over consecutive failures only.
-
-    Args:
-        stop: set it to return (after the tick in progress).
-        tick: one iteration of the caller's loop.
-        before_sleep: called before each backoff instead of ``retrying``'s log line.
-        sleep: how a backoff waits (``stop.wait``: a stop ends it at once).
-
-    Raises:
-        BrokerAdapterError: a failure that is not transient (the loop stops loudly).
-    """
-    base = retrying()
-    announce = before_sleep or base.before_sleep
-    backed_off = False
-
-    def on_sleep(state: tenacity.RetryCallState) -> None:
-        nonlocal backed_off
-        backed_off = True
-        if announce is not None:
-            announce(state)
-
-    policy = base.copy(
-        stop=tenacity.stop_when_event_set(stop),
-        sleep=sleep or stop.wait,
-        before_sleep=on_sleep,
-    )
-
-    def ticks() -> None:
-        nonlocal backed_off
-        while not stop.is_set():
-            tick()
-            if backed_off:  # recovered: a fresh policy call starts the backoff over
-                backed_off = False
-                return
-
-    while not stop.is_set():
-        try:
-            policy(ticks)
-        except TransientError:
-            if not stop.is_set():  # pragma: no cover - the policy never gives up
-                raise
-            log.info("stopping during a backoff")
 
 
 def call_until_stopped(

@@ -93,7 +93,6 @@ from typing import TYPE_CHECKING
 from pydantic import Field
 
 from broker_adapter import crashpoints
-from broker_adapter.backoff import call_until_stopped
 from broker_adapter.clock import Clock
 from broker_adapter.config import RETENTION_SETTING, ConfigModel
 from broker_adapter.errors import (
@@ -119,6 +118,7 @@ from broker_adapter.stages.shared.loop import (
     DEFAULT_WAKE_POLL_S,
     IdlePolicy,
     look,
+    run_stage,
 )
 from broker_adapter.stages.shared.publish import (
     DEFAULT_RECORD_TTL_S,
@@ -351,29 +351,41 @@ class Dispatcher:
         return marked
 
     def run(self, stop: threading.Event) -> None:
-        """Call ``step`` until ``stop`` is set; back off (tenacity) on ``TransientError``.
+        """Call ``step`` until ``stop`` is set (``loop.run_stage``); back off (tenacity) on
+        ``TransientError``.
 
         After a step that marked nothing sent it looks at the outbox (a read) every
         ``wake_poll_s`` for ``ALERT_AFTER_WORK_S`` after its last publication, then at
         doubling intervals up to ``idle_poll_s``, and steps again as soon as a row is ready,
-        or after ``IDLE_STEP_EVERY_S`` in any case.
+        or after ``IDLE_STEP_EVERY_S`` in any case. Once stopped, rows claimed ahead are
+        published (steps that claim nothing more) before it returns.
         """
         idle = IdlePolicy(self.config.wake_poll_s, self.config.idle_poll_s)
-        while not stop.is_set() or self._ahead:  # rows claimed ahead are published first
-            marked = call_until_stopped(stop, lambda: self.step(claim_ahead=not stop.is_set()))
-            if marked is None:
-                return  # stopped during a backoff
+        stepped_at = time.monotonic()
+
+        def step() -> bool:
+            nonlocal stepped_at
+            marked = self.step(claim_ahead=not stop.is_set())
             stepped_at = time.monotonic()
-            if marked or self._ahead:
-                idle.worked()
-                continue
-            idle.wait_for_work(
-                stop.wait,
-                lambda: (
-                    time.monotonic() - stepped_at >= IDLE_STEP_EVERY_S  # noqa: B023
-                    or look(self.outbox.has_ready, self.log, "looking at the outbox")
-                ),
+            if not (marked or self._ahead):
+                return False
+            idle.worked()
+            return True
+
+        def due() -> bool:
+            return time.monotonic() - stepped_at >= IDLE_STEP_EVERY_S or look(
+                self.outbox.has_ready, self.log, "looking at the outbox"
             )
+
+        run_stage(
+            stop,
+            step,
+            log=self.log,
+            what="dispatcher",
+            wait=lambda: idle.wait_for_work(stop.wait, due),
+            pending=lambda: bool(self._ahead),
+            drain=self.step,
+        )
 
     # -- trimming -----------------------------------------------------------------------------
 

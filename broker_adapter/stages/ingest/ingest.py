@@ -65,8 +65,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
-import tenacity
-
 from broker_adapter import crashpoints
 from broker_adapter.clock import Clock, SystemClock
 from broker_adapter.config import derive
@@ -90,8 +88,8 @@ from broker_adapter.stages.shared.consumer import (
     CrashPoints,
     GroupConsumer,
     check_block_timeout,
-    run_consumers,
 )
+from broker_adapter.stages.shared.loop import run_stage
 from broker_adapter.store.inbox import AcceptItem, AcceptResult, Outcome
 from broker_adapter.store.tasks import TaskStore
 
@@ -351,26 +349,27 @@ class Ingestor:
         return handled + self.step()
 
     def run(self, stop: threading.Event) -> None:
-        """Ingest until ``stop`` is set, backing off (capped, jittered) on transient errors.
+        """Ingest until ``stop`` is set (``loop.run_stage``): ``tick`` after ``tick`` (the
+        reads block), backing off (capped, jittered) on transient errors, each counted in
+        ``stats.transient_errors``; once stopped, steps without ``peek`` while a reader has
+        entries read ahead, so that a clean stop leaves nothing read and unhandled.
 
         Raises:
             BrokerAdapterError: a non-transient failure (e.g. ``StoreError``, an ACL
                 refusal); the loop stops loudly rather than spin.
         """
 
-        def note(state: tenacity.RetryCallState) -> None:
+        def count(_exc: BaseException | None) -> None:
             self.stats.transient_errors += 1
-            exc = state.outcome.exception() if state.outcome else None
-            self.log.warning("ingest: transient failure, backing off: %s", exc)
 
-        run_consumers(
+        run_stage(
             stop,
             self.tick,
-            lambda: self.step(peek=False),
-            [source.consumer for source in self._sources],
-            self.log,
-            "ingest",
-            before_sleep=note,
+            log=self.log,
+            what="ingest",
+            pending=lambda: any(source.reader.has_ahead for source in self._sources),
+            drain=lambda: self.step(peek=False),
+            on_backoff=count,
         )
 
     # -- one batch --------------------------------------------------------------------------

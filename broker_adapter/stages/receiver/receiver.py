@@ -97,8 +97,8 @@ from broker_adapter.stages.shared.consumer import (
     CrashPoints,
     GroupConsumer,
     check_block_timeout,
-    run_consumers,
 )
+from broker_adapter.stages.shared.loop import run_stage
 from broker_adapter.store.receipts import (
     AppliedItem,
     Effect,
@@ -534,11 +534,18 @@ class Receiver:
         return True
 
     def run(self, stop: threading.Event) -> None:
-        """Call ``step`` until ``stop`` is set; back off (tenacity) on ``TransientError``.
+        """Call ``step`` until ``stop`` is set (``loop.run_stage``); back off (tenacity) on
+        ``TransientError``; once stopped, steps without ``peek`` while entries read ahead
+        wait, so that a clean stop leaves nothing read and unhandled.
 
         (A failing effect is retried after ``failed_step_pause_s``; ``step`` itself spaces
         the retries, and reads of new entries block for ``block_ms``, so nothing spins.)
         """
-        run_consumers(
-            stop, self.step, lambda: self.step(peek=False), [self._consumer], self.log, "receiver"
+        run_stage(
+            stop,
+            self.step,
+            log=self.log,
+            what="receiver",
+            pending=lambda: self.reader.has_ahead,
+            drain=lambda: self.step(peek=False),
         )

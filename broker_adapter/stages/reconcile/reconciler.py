@@ -48,7 +48,7 @@ from broker_adapter.handler.task import Task
 from broker_adapter.protocol.canonical import canonical_json
 from broker_adapter.stages.shared.calls import call_handler
 from broker_adapter.stages.shared.handlers import describe_error
-from broker_adapter.stages.shared.loop import run_passes
+from broker_adapter.stages.shared.loop import run_stage
 from broker_adapter.store.approvals import ApprovalStore
 from broker_adapter.store.cancel_reconcile import resolve_cancelled
 from broker_adapter.store.effects import EffectsStore, ReconcileClaim
@@ -318,13 +318,16 @@ def run_reconciles(
     approvals: ApprovalStore,
     logger: logging.Logger | None = None,
 ) -> None:
-    """Until ``stop``: release the approval waits (``ApprovalStore.release_waits``) and
-    reconcile a batch of ``unknown`` tasks (``Reconciler.run_once``), every
-    ``policy.every_s`` (at once again while batches come back full). A store that is busy
-    or failing is tried again at the next pass."""
+    """Until ``stop`` (``loop.run_stage``): release the approval waits
+    (``ApprovalStore.release_waits``) and reconcile a batch of ``unknown`` tasks
+    (``Reconciler.run_once``), every ``policy.every_s`` (at once again while batches come
+    back full). A store that is busy or failing is tried again after a backoff."""
 
     def one_pass() -> bool:
         approvals.release_waits()
         return reconciler.run_once() >= reconciler.policy.batch  # full: more may wait
 
-    run_passes(stop, one_pass, reconciler.policy.every_s, logger or log, "reconcile pass")
+    every_s = reconciler.policy.every_s
+    run_stage(
+        stop, one_pass, log=logger or log, what="reconcile pass", wait=lambda: stop.wait(every_s)
+    )

@@ -16,24 +16,20 @@ round trip), then the XACK's crash point. No Redis call happens inside the trans
   raise their delivery counts towards the reader's poison limit.
 * After any other error the reader is reset: its next read replays this consumer's own
   pending list before anything new.
-* ``run_consumers``, the stage's loop, ends at stop by handling the entries the last XACK
-  read ahead, so that a clean stop leaves nothing read and unhandled.
+* The stage's loop (``loop.run_stage``) ends at stop with a drain: steps without ``peek``
+  while the reader has entries read ahead (``GroupReader.has_ahead``), so that a clean stop
+  leaves nothing read and unhandled.
 """
 
 from __future__ import annotations
 
-import logging
-import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Generic, NamedTuple, TypeVar
-
-import tenacity
+from typing import Generic, NamedTuple, TypeVar
 
 from broker_adapter import crashpoints
-from broker_adapter.backoff import run_until_stopped
-from broker_adapter.errors import ConfigError, StoreBusy, TransientError
+from broker_adapter.errors import ConfigError, StoreBusy
 from broker_adapter.redis.cluster import socket_timeout
 from broker_adapter.redis.entry import StreamEntry
 from broker_adapter.redis.reader import GroupReader
@@ -231,30 +227,3 @@ class GroupConsumer(Generic[ItemT, ResultT]):
     def _hit(point: str | None) -> None:
         if point is not None:
             crashpoints.hit(point)
-
-
-def run_consumers(
-    stop: threading.Event,
-    tick: Callable[[], object],
-    drain: Callable[[], object],
-    consumers: Sequence[GroupConsumer[Any, Any]],
-    log: logging.Logger,
-    what: str,
-    *,
-    before_sleep: Callable[[tenacity.RetryCallState], None] | None = None,
-) -> None:
-    """A consuming stage's loop: ``tick`` until ``stop`` is set (``backoff.run_until_stopped``:
-    transient errors back off), then, when any consumer read entries ahead, one ``drain``
-    (the stage's step without peeking) so that a clean stop leaves nothing read and
-    unhandled; a transient failure then leaves them pending (logged).
-
-    Raises:
-        BrokerAdapterError: a failure that is not transient (the loop stops loudly).
-    """
-    run_until_stopped(stop, tick, before_sleep=before_sleep)
-    if not any(c.reader.has_ahead for c in consumers):
-        return
-    try:
-        drain()
-    except TransientError as exc:
-        log.warning("%s: entries read ahead stay pending (%s)", what, exc)

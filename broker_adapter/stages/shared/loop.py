@@ -1,16 +1,26 @@
-"""How stage loops wait: the idle policy of a polling loop, and the loop of a periodic pass.
+"""The stage loop (``run_stage``), and how a polling stage waits when idle (``IdlePolicy``).
 
-A shared stage helper, not a stage. The worker (``worker.Worker.run``) and the dispatcher
-(``dispatcher.Dispatcher.run``) follow the idle policy: how often to look for work when
-there is none. After its last work a loop looks again every ``first_s`` for
+A shared stage helper, not a stage. All five stages run ``run_stage``: the worker
+(``worker.Worker.run``), the dispatcher (``dispatcher.Dispatcher.run``), the ingest and the
+receiver (``Ingestor.run``, ``Receiver.run``: ``consumer.GroupConsumer`` steps) and the
+reconcile (``reconciler.run_reconciles``). It holds the rules they share, once:
+
+* a step until ``stop``; a ``TransientError`` backs off with ``backoff.retrying`` (logged
+  once per backoff; a stop ends the backoff at once and the loop returns);
+* after a step that found nothing, the stage's own wait (an ``IdlePolicy``, a hand-off, a
+  fixed interval; none for a stage whose reads block);
+* once stopped, the stage's drain of the work it already took (tasks or rows claimed ahead,
+  entries read ahead); a transient failure there ends the drain, the work left comes back
+  (leases run out, entries stay pending);
+* any other ``BrokerAdapterError`` propagates: the stage stops loudly.
+
+The idle policy is how often a polling loop (the worker, the dispatcher) looks for work
+when there is none. After its last work it looks again every ``first_s`` for
 ``ALERT_AFTER_WORK_S``, then the pause doubles with every empty look, up to ``longest_s``.
 A look is a read (``look``: no write lock, no fsync); a step follows only when it finds
 something. The pauses themselves are waits on the loop's stop event (or on a hand-off:
 ``IdleWait``, the worker's end of the ingest's hand-off), which the loop gives
 ``IdlePolicy.wait_for_work``.
-
-The reconcile (``effects.run_reconciles``) is a periodic pass (``run_passes``). The ingest
-and the receiver consume a stream (``consumer.run_consumers``).
 """
 
 from __future__ import annotations
@@ -21,6 +31,9 @@ import time
 from collections.abc import Callable
 from typing import Final, Literal, Protocol
 
+import tenacity
+
+from broker_adapter.backoff import retrying
 from broker_adapter.errors import TransientError
 
 #: A polling loop's default longest pause between two looks when idle (``idle_poll_s``), and
@@ -115,21 +128,84 @@ def look(probe: Callable[[], bool], log: logging.Logger, what: str) -> bool:
         return False
 
 
-def run_passes(
+def run_stage(
     stop: threading.Event,
-    one_pass: Callable[[], bool],
-    every_s: float,
+    step: Callable[[], object],
+    *,
     log: logging.Logger,
     what: str,
+    wait: Callable[[], object] | None = None,
+    pending: Callable[[], bool] | None = None,
+    drain: Callable[[], object] | None = None,
+    on_backoff: Callable[[BaseException | None], None] | None = None,
+    sleep: Callable[[float], object] | None = None,
 ) -> None:
-    """Run ``one_pass`` every ``every_s`` until ``stop`` is set, at once again while it
-    returns ``True`` (more is waiting). A transient failure is logged as ``what`` failing
-    and the pass is tried again at the next interval."""
+    """A stage's loop: ``step`` until ``stop`` is set, then the drain.
+
+    The backoff policy wraps a run of steps, not each step: its bookkeeping costs as much
+    as the work of a one-entry batch. A run ends at the first step that succeeds after a
+    backoff, so that the backoff grows over consecutive failures only.
+
+    Args:
+        stop: set it to stop (after the step or wait in progress; a backoff ends at once).
+        step: one step of the stage; truthy: it did work (step again at once), falsy: it
+            found nothing (``wait`` first).
+        log: where the backoffs and the drain's failure are reported.
+        what: the stage, as the log lines name it.
+        wait: the stage's wait after a step that found nothing (it returns early when
+            ``stop`` is set); ``None``: step again at once (the step's reads block).
+        pending: once stopped, whether work already taken waits (claimed or read ahead);
+            ``None``: never.
+        drain: how that work is done once stopped (``step`` by default), called while
+            ``pending()``; a ``TransientError`` ends the drain (logged): the work left
+            comes back by itself (leases run out, entries stay pending).
+        on_backoff: called with the failure before each backoff (e.g. to count it).
+        sleep: how a backoff waits (``stop.wait``: a stop ends it at once).
+
+    Raises:
+        BrokerAdapterError: a failure that is not transient (the stage stops loudly).
+    """
+    backed_off = False
+
+    def announce(state: tenacity.RetryCallState) -> None:
+        nonlocal backed_off
+        backed_off = True
+        exc = state.outcome.exception() if state.outcome else None
+        if on_backoff is not None:
+            on_backoff(exc)
+        log.warning(
+            "%s: transient failure (attempt %d), backing off: %s",
+            what,
+            state.attempt_number,
+            exc,
+        )
+
+    policy = retrying().copy(
+        stop=tenacity.stop_when_event_set(stop),
+        sleep=sleep or stop.wait,
+        before_sleep=announce,
+    )
+
+    def steps() -> None:
+        nonlocal backed_off
+        while not stop.is_set():
+            if not step() and wait is not None and not stop.is_set():
+                wait()
+            if backed_off:  # recovered: a fresh policy call starts the backoff over
+                backed_off = False
+                return
+
     while not stop.is_set():
-        more = False
         try:
-            more = one_pass()
+            policy(steps)
         except TransientError as exc:
-            log.warning("%s failed, will retry: %s", what, exc)
-        if not more and stop.wait(every_s):
+            if not stop.is_set():  # pragma: no cover - the policy never gives up
+                raise
+            log.info("%s: stopping during a backoff (%s)", what, exc)
+    finish = drain or step
+    while pending is not None and pending():
+        try:
+            finish()
+        except TransientError as exc:
+            log.warning("%s: stopping; the work taken ahead is left to come back: %s", what, exc)
             return

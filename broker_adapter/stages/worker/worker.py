@@ -47,7 +47,14 @@ from broker_adapter.protocol.keys import Keys
 from broker_adapter.protocol.signing import Keyring
 from broker_adapter.stages.shared.calls import CallOutcome, RunOutcome, StopRun
 from broker_adapter.stages.shared.handlers import Handler, load_handler
-from broker_adapter.stages.shared.loop import CLAIM, Handed, IdlePolicy, IdleWait, look
+from broker_adapter.stages.shared.loop import (
+    CLAIM,
+    Handed,
+    IdlePolicy,
+    IdleWait,
+    look,
+    run_stage,
+)
 from broker_adapter.stages.shared.publish import DispatcherStats, ReplyPublisher
 from broker_adapter.stages.worker.concurrent_run import ConcurrentRun
 from broker_adapter.stages.worker.config import (
@@ -306,7 +313,8 @@ class Worker:
         return processed
 
     def run(self, stop: threading.Event) -> None:
-        """Process tasks until ``stop`` is set.
+        """Process tasks until ``stop`` is set (``loop.run_stage``: a transient failure, e.g.
+        a busy store at the claim, backs off and the loop goes on).
 
         When there is nothing to claim it looks again every ``config.wake_poll_s`` for
         ``ALERT_AFTER_WORK_S`` after its last work, then at doubling intervals up to
@@ -318,7 +326,7 @@ class Worker:
         ``stop`` is set it claims nothing more; the running handler (and any task of the
         batch already claimed or handed) gets ``config.grace_s`` from that moment to
         finish. A handler still running then is abandoned and its task handed back as a
-        retryable failure.
+        retryable failure. Tasks claimed ahead (or handed while stopping) run in the drain.
 
         Args:
             stop: set it (e.g. from a SIGTERM handler) to drain and return.
@@ -331,23 +339,30 @@ class Worker:
         # With a hand-off, new work is announced: the poll is only the fallback.
         first_pause = self.config.wake_poll_s if self._handoff is None else self.config.idle_poll_s
         idle = IdlePolicy(first_pause, self.config.idle_poll_s)
+
+        def step() -> bool:
+            if not self._run_batch(None, claim_ahead=True):
+                return False
+            idle.worked()
+            # The commit's claim found nothing: look (a read) before claiming again.
+            return bool(self._ahead) or not self._found_none
+
+        def wait() -> None:
+            idle.wait_for_work(
+                lambda pause: self._idle_wait(stop, self._until_marks_due(pause)),
+                lambda: look(self.tasks.has_work, self.log, "looking for work"),
+                handed=lambda: self._woken_while_idle(idle.pause_s),
+            )
+
         try:
-            while not stop.is_set() or self._ahead:  # tasks claimed ahead run in the drain
-                try:
-                    processed = self._run_batch(None, claim_ahead=True)
-                except TransientError as exc:
-                    self.log.warning("claim failed, will retry: %s", exc)
-                    processed = 0
-                if processed:
-                    idle.worked()
-                    if self._ahead or not self._found_none:
-                        continue
-                    # The commit's claim found nothing: look (a read) before claiming again.
-                idle.wait_for_work(
-                    lambda pause: self._idle_wait(stop, self._until_marks_due(pause)),
-                    lambda: look(self.tasks.has_work, self.log, "looking for work"),
-                    handed=lambda: self._woken_while_idle(idle.pause_s),
-                )
+            run_stage(
+                stop,
+                step,
+                log=self.log,
+                what="worker",
+                wait=wait,
+                pending=lambda: bool(self._ahead),  # tasks claimed ahead run in the drain
+            )
             self._mark_sent()
         finally:
             self._stop = None
