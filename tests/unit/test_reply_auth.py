@@ -164,6 +164,8 @@ def test_acl_mode_needs_a_keyring_with_every_acl_principals_keys(tmp_path: Path)
     path.chmod(0o600)
     ok = _run_config(tmp_path, path, ingest={"mode": "acl", "acl_principals": ("alice",)})
     assert Adapter(ok).keyring.key_ids("alice") == ("a2",)
-    missing = _run_config(tmp_path, path, mode="acl", acl_principals=("alice", "bob", "carol"))
+    missing = _run_config(
+        tmp_path, path, ingest={"mode": "acl", "acl_principals": ("alice", "bob", "carol")}
+    )
     with pytest.raises(ConfigError, match=r"no keys for ACL principal.*bob, carol"):
         Adapter(missing)
