@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from broker_adapter.protocol.signing import Keyring
-from tests.support.cli import cli_env, count_rows, wait_for
+from tests.support.cli import cli_env, count_rows, publish, wait_for
 from tests.support.client_adapter import ROOT, running_adapter
 from tests.support.redis_server import RedisServer
 
@@ -42,20 +42,7 @@ def test_publish_result_tasks_and_cancel_by_message_id(
     db, keys = tmp_path / "a.db", str(tmp_path / "keys.json")
     common = ["--redis", redis_server.url, "--prefix", prefix]
     with running_adapter(redis_server.url, db, Path(keys), prefix):
-        pub = _cli(
-            "publish",
-            *common,
-            "--principal",
-            "alice",
-            "--keyring",
-            keys,
-            "--id",
-            "m 1",
-            "--payload",
-            '{"a": 1}',
-        )
-        assert pub.returncode == 0, pub.stderr
-        (printed,) = _lines(pub)
+        printed = publish(redis_server.url, keys, prefix, "m 1", {"a": 1})
         assert printed["key_id"] == "alice-2026"
         assert printed["reply_stream"] == f"{prefix}:{{out.alice}}:replies"
         assert printed["result"] == "broker-adapter result --principal alice --id 'm 1'"
