@@ -194,7 +194,7 @@ def _database_families(out: Families, db_path: Path | str) -> None:
     from broker_adapter.clock import SystemClock
     from broker_adapter.store.backends import open_store
     from broker_adapter.store.dbclock import clock_skew, read_now
-    from broker_adapter.store.report import snapshot
+    from broker_adapter.store.report import LIVE_NAMES, snapshot
 
     db = open_store(db_path, read_only=True)  # a SQLite file or a postgresql:// URL
     try:
@@ -210,7 +210,7 @@ def _database_families(out: Families, db_path: Path | str) -> None:
             skew,
         )
     p, delivery = report["processing"], report["delivery"]
-    live = [(state, p[state]) for state in ("pending", "running", "unknown", "waiting_approval")]
+    live = [(state, p[state]) for state in LIVE_NAMES]
     for state, n in [*live, *report["terminal"].items()]:
         out.gauge("ba_tasks", "Tasks by state (from the database).", n, state=state)
     out.gauge("ba_tasks_ready", "Pending tasks whose not_before has come.", p["ready"])

@@ -36,6 +36,7 @@ from broker_adapter.errors import BrokerAdapterError, ConfigError
 from broker_adapter.store import OutboxStore, TaskStore
 from broker_adapter.store import console_queries as q
 from broker_adapter.store.approvals import ApprovalStore
+from broker_adapter.store.report import LIVE_NAMES
 
 log = logging.getLogger("broker_adapter.console")
 
@@ -81,7 +82,7 @@ def create_app(config: ConsoleConfig) -> Starlette:
     if not config.stores:
         raise ValueError("the console needs at least one store")
     env = Environment(loader=PackageLoader("broker_adapter.console", "templates"), autoescape=True)
-    env.globals.update(shown=shown, when=_when, age=_age_text)
+    env.globals.update(shown=shown, when=_when, age=_age_text, live_states=LIVE_NAMES)
     env.filters["qs"] = lambda d: urlencode({k: v for k, v in d.items() if v not in (None, "")})
     console = _Console(config, env)
     routes = [
