@@ -21,7 +21,7 @@ from broker_adapter.protocol.keys import INGEST_GROUP
 from broker_adapter.redis.client import connect
 from broker_adapter.redis.reader import GroupReader
 from broker_adapter.redis.reader_config import ReaderConfig
-from tests.support.cli import cli_env, count_rows, publish_range, wait_for
+from tests.support.cli import cli_env, count_rows, publish_range, run_cli, wait_for
 from tests.support.redis_server import RedisServer, require_binary
 
 pytestmark = pytest.mark.integration
@@ -47,16 +47,9 @@ def _limited() -> None:
     resource.setrlimit(resource.RLIMIT_AS, (LIMIT_BYTES, LIMIT_BYTES))
 
 
-def _cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "broker_adapter", *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=cli_env(),
-        preexec_fn=_limited,
-    )
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    """The CLI under the address-space limit."""
+    return run_cli(*args, timeout=120, preexec_fn=_limited)
 
 
 def _keyring(tmp_path: Path) -> Path:

@@ -22,6 +22,7 @@ from tests.support.cli import cli_env as _env
 from tests.support.cli import count_rows as _count
 from tests.support.cli import error_line as _error_line
 from tests.support.cli import publish, publish_range
+from tests.support.cli import run_cli as _cli
 from tests.support.cli import wait_for as _wait_for
 from tests.support.ingest_script import real_deadline, write_keyring
 from tests.support.redis_server import RedisServer
@@ -69,19 +70,6 @@ RECEIVE = [
     "--until-idle",
     "0",
 ]
-
-
-def _cli(
-    *args: str, env: dict[str, str] | None = None, timeout: float = 60
-) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "broker_adapter", *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env or _env(),
-    )
 
 
 def _start_run(

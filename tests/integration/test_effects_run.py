@@ -14,23 +14,13 @@ from pathlib import Path
 import pytest
 
 from tests.support.cli import cli_env, count_rows, publish, wait_for
+from tests.support.cli import run_cli as _cli
 from tests.support.fake_target import FakeTarget
 from tests.support.redis_server import RedisServer
 
 pytestmark = pytest.mark.integration
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "broker_adapter", *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env=cli_env(),
-    )
 
 
 def test_run_holds_an_unapproved_effect_until_an_operator_approves_it(

@@ -32,17 +32,6 @@ def _keyring(path: Path, secret: str) -> Path:
     return path
 
 
-def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "broker_adapter", *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env=cli_env(),
-    )
-
-
 #: The deadline of every request the tests publish: a resend is the same request.
 DEADLINE = time.time() + 3600
 

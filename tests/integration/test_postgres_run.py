@@ -19,6 +19,7 @@ from broker_adapter.protocol.keys import Keys
 from broker_adapter.protocol.signing import Keyring
 from broker_adapter.redis.client import connect
 from tests.support.cli import cli_env, publish, publish_range, wait_for
+from tests.support.cli import run_cli as _cli
 from tests.support.fake_target import FakeTarget
 from tests.support.ingest_script import envelope, real_deadline
 from tests.support.redis_server import RedisServer
@@ -26,17 +27,6 @@ from tests.support.redis_server import RedisServer
 pytestmark = pytest.mark.integration
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "broker_adapter", *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env=cli_env(),
-    )
 
 
 def _start_run(

@@ -296,7 +296,8 @@ def test_cli_run_publish_receive_status_on_the_cluster_with_partitions(
     keyring: Keyring,
     prefix: str,
 ) -> None:
-    from tests.integration.test_cli import _cli, _receipts, _receive, _start_run, _stop
+    from tests.integration.test_cli import _receipts, _receive, _start_run, _stop
+    from tests.support.cli import run_cli as _cli
 
     url, keys_file = redis_cluster.url, tmp_path / "keys.json"  # the keyring fixture's file
     n, db, rdb = 6, tmp_path / "adapter.db", tmp_path / "receiver.db"

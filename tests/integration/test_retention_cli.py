@@ -19,11 +19,12 @@ from broker_adapter.clock import FakeClock
 from broker_adapter.protocol.keys import Keys
 from broker_adapter.store import ReceiptStore, TaskStore, open_database
 from broker_adapter.store.retention import PURGE_EVERY_S
-from tests.integration.test_cli import ROOT, _cli, _stop
+from tests.integration.test_cli import _stop
 from tests.integration.test_cli import keyring as keyring  # the fixture
+from tests.support.cli import ROOT, publish
 from tests.support.cli import cli_env as _env
 from tests.support.cli import count_rows as _count
-from tests.support.cli import publish
+from tests.support.cli import run_cli as _cli
 from tests.support.cli import wait_for as _wait_for
 from tests.support.redis_server import RedisServer
 from tests.support.replies_script import (

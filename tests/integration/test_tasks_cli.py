@@ -7,29 +7,18 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from broker_adapter.protocol.signing import Keyring
-from tests.support.cli import cli_env, count_rows, publish, wait_for
-from tests.support.client_adapter import ROOT, running_adapter
+from tests.support.cli import count_rows, publish, wait_for
+from tests.support.cli import run_cli as _cli
+from tests.support.client_adapter import running_adapter
 from tests.support.redis_server import RedisServer
 
 pytestmark = pytest.mark.integration
-
-
-def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "broker_adapter", *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env=cli_env(),
-    )
 
 
 def _lines(res: subprocess.CompletedProcess[str]) -> list[dict[str, Any]]:
