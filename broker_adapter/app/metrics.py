@@ -194,6 +194,7 @@ def _database_families(out: Families, db_path: Path | str) -> None:
     from broker_adapter.clock import SystemClock
     from broker_adapter.store.backends import open_store
     from broker_adapter.store.dbclock import clock_skew, read_now
+    from broker_adapter.store.outbox_types import OUTBOX_STATES
     from broker_adapter.store.report import LIVE_NAMES, snapshot
 
     db = open_store(db_path, read_only=True)  # a SQLite file or a postgresql:// URL
@@ -217,7 +218,7 @@ def _database_families(out: Families, db_path: Path | str) -> None:
     for lease in ("live", "expired"):
         out.gauge("ba_task_leases", "Running tasks by lease.", p[f"{lease}_leases"], lease=lease)
     out.gauge("ba_inbox_records", "Requests the inbox remembers.", report["received"]["inbox"])
-    for state in ("pending", "sending", "sent", "dead"):
+    for state in OUTBOX_STATES:
         out.gauge("ba_outbox_replies", "Outbox replies by state.", delivery[state], state=state)
     oldest = delivery["oldest_unsent_age_s"]
     out.gauge(
