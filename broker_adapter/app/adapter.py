@@ -20,7 +20,6 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
-import signal
 import threading
 from collections.abc import Callable, Iterable
 from functools import partial
@@ -31,6 +30,7 @@ from broker_adapter.app.binding import PrefixGuard, bind, claim_name, refuse_sql
 from broker_adapter.app.metrics import Observed
 from broker_adapter.app.pool import WorkerPool
 from broker_adapter.app.serving import serve_metrics
+from broker_adapter.app.stop_signals import stop_on_signals
 from broker_adapter.backoff import call_until_stopped
 from broker_adapter.clock import SystemClock
 from broker_adapter.config import derive
@@ -337,14 +337,11 @@ class Adapter:
             )
         configure(log_level, log_format)
         stop = threading.Event()
-        previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
-        for sig in previous:
-            signal.signal(sig, lambda signum, frame: stop.set())
+        restore = stop_on_signals(stop)
         try:
             return self.run(stop)
         finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
+            restore()
 
     def run(self, stop: threading.Event) -> int:
         """Run until ``stop`` is set. Returns the exit code (0 after a clean drain).

@@ -40,6 +40,7 @@ from broker_adapter.app.rebind import add_rebind, rebind_command
 from broker_adapter.app.streams_cli import COMMANDS as STREAM_COMMANDS
 from broker_adapter.app.streams_cli import add_commands as add_stream_commands
 from broker_adapter.app.tasks_cli import add_task_commands, cmd_result, cmd_tasks
+from broker_adapter.console import CONSOLE_HOST, CONSOLE_PORT
 from broker_adapter.console.serve import cmd_console
 from broker_adapter.errors import BrokerAdapterError, ConfigError
 from broker_adapter.stages.ingest.config import IngestSettings
@@ -293,8 +294,12 @@ def _add_console(sub: argparse._SubParsersAction[_Parser]) -> None:
     )
     add_redis(con)
     add_prefix(con)
-    con.add_argument("--port", type=int, default=8470, help="the port [default: 8470]")
-    con.add_argument("--host", default="127.0.0.1", help="the address to bind [default: 127.0.0.1]")
+    con.add_argument(
+        "--port", type=int, default=CONSOLE_PORT, help=f"the port [default: {CONSOLE_PORT}]"
+    )
+    con.add_argument(
+        "--host", default=CONSOLE_HOST, help=f"the address to bind [default: {CONSOLE_HOST}]"
+    )
     con.add_argument(
         "--tokens",
         required=True,

@@ -11,15 +11,14 @@ import argparse
 import json
 import logging
 import shlex
-import signal
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 from broker_adapter.app.audit import audit, bounded_seconds, bounded_text, os_user
+from broker_adapter.app.stop_signals import stop_on_signals
 from broker_adapter.app.tasks_cli import print_json
 from broker_adapter.errors import ConfigError, TransientError
 
@@ -30,17 +29,6 @@ if TYPE_CHECKING:
     from broker_adapter.store.postgres import PgDatabase
 
 log = logging.getLogger("broker_adapter.app.cli")
-
-
-def _install_stop() -> threading.Event:
-    stop = threading.Event()
-
-    def on_signal(signum: int, frame: FrameType | None) -> None:
-        stop.set()
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
-    return stop
 
 
 # -- commands ---------------------------------------------------------------------------
@@ -63,7 +51,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         keyring_path=Path(args.keyring) if args.keyring else None,
         **settings,
     )
-    stop = _install_stop()
+    stop = threading.Event()
+    stop_on_signals(stop)
     return Adapter(config).run(stop)
 
 
@@ -150,7 +139,8 @@ def cmd_receive(args: argparse.Namespace) -> int:
         retention_s=args.retention_s,
     )
     keyring = Keyring.load(args.keyring)
-    stop = _install_stop()
+    stop = threading.Event()
+    stop_on_signals(stop)
     # A cluster's client reads the slot map when it is made: while its seed node is down
     # (restarting) a receiver that runs until stopped waits for it, as for any outage.
     client = (

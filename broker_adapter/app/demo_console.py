@@ -10,6 +10,7 @@ import os
 import secrets
 from pathlib import Path
 
+from broker_adapter.console import CONSOLE_HOST, CONSOLE_PORT
 from broker_adapter.errors import ConfigError
 from broker_adapter.store.backup import write_snapshot
 
@@ -57,5 +58,5 @@ def console_hint(keep: Path | None, prefix: str) -> list[str]:
         "(pip install 'broker_adapter[console]'; any Redis will do, the demo's is gone):",
         f"  broker-adapter console {dbs} --redis redis://localhost:6390/0"
         f" --prefix {prefix} --tokens {keep / 'tokens.json'}",
-        f"then open http://127.0.0.1:8470/ and sign in with the token {token}",
+        f"then open http://{CONSOLE_HOST}:{CONSOLE_PORT}/ and sign in with the token {token}",
     ]

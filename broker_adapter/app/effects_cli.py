@@ -30,6 +30,7 @@ from broker_adapter.errors import ConfigError
 from broker_adapter.protocol.idempotency import EFFECT_KEY_VERSION
 
 if TYPE_CHECKING:
+    from broker_adapter.store.approvals import ApprovalStore
     from broker_adapter.store.db import Database
     from broker_adapter.store.postgres import PgDatabase
     from broker_adapter.store.task_types import TaskState
@@ -186,6 +187,15 @@ def resolve_unknown(
     )
 
 
+def approval_store(db: Database | PgDatabase) -> ApprovalStore:
+    """The approval records and waits of ``db``, through a task store's transaction object
+    (``approve``'s, ``approvals``', ``revoke``'s and the console's)."""
+    from broker_adapter.store import TaskStore
+    from broker_adapter.store.approvals import ApprovalStore
+
+    return ApprovalStore(TaskStore(db).tx)
+
+
 def grant_approval(
     db: Database | PgDatabase, what: dict[str, Any], who: str, expires_in: float, uses: int = 1
 ) -> str:
@@ -196,15 +206,13 @@ def grant_approval(
     Raises:
         ConfigError: ``expires_in`` is not above 0, ``uses`` below 1, or a field is empty.
     """
-    from broker_adapter.store import TaskStore
-    from broker_adapter.store.approvals import ApprovalStore
     from broker_adapter.store.dbclock import read_now
 
     if not expires_in > 0:
         raise ConfigError("--expires-in must be above 0")
     if uses < 1:
         raise ConfigError("--uses must be 1 or more")
-    store = ApprovalStore(TaskStore(db).tx)
+    store = approval_store(db)
     try:
         return store.grant_approval(
             what["action"],
@@ -239,8 +247,6 @@ def cmd_reconcile(args: argparse.Namespace) -> int:
 
 
 def cmd_approve(args: argparse.Namespace) -> int:
-    from broker_adapter.store import TaskStore
-    from broker_adapter.store.approvals import ApprovalStore
     from broker_adapter.store.backends import open_store
 
     bounded_seconds("--expires-in", args.expires_in, MAX_APPROVAL_S)
@@ -255,7 +261,7 @@ def cmd_approve(args: argparse.Namespace) -> int:
         uses=args.uses,
     )
     with open_store(args.db) as db:
-        what = _what_to_approve(args, ApprovalStore(TaskStore(db).tx))
+        what = _what_to_approve(args, approval_store(db))
         approval_id = grant_approval(db, what, _who(args.by), args.expires_in, args.uses)
     print(json.dumps({"approval_id": approval_id, **what, "uses": args.uses}, sort_keys=True))
     return 0
@@ -326,12 +332,10 @@ def _what_to_approve(args: argparse.Namespace, store: Any) -> dict[str, Any]:
 
 
 def cmd_approvals(args: argparse.Namespace) -> int:
-    from broker_adapter.store import TaskStore
-    from broker_adapter.store.approvals import ApprovalStore
     from broker_adapter.store.backends import open_store
 
     with open_store(args.db) as db:
-        waits = ApprovalStore(TaskStore(db).tx).waits()
+        waits = approval_store(db).waits()
     for wait in waits:
         row = dict(wait.__dict__)
         row["arguments"] = None if wait.arguments is None else json.loads(wait.arguments)
@@ -340,13 +344,11 @@ def cmd_approvals(args: argparse.Namespace) -> int:
 
 
 def cmd_revoke(args: argparse.Namespace) -> int:
-    from broker_adapter.store import TaskStore
-    from broker_adapter.store.approvals import ApprovalStore
     from broker_adapter.store.backends import open_store
 
     audit("revoke", approval_id=args.approval_id, by=args.by)
     with open_store(args.db) as db:
-        revoked = ApprovalStore(TaskStore(db).tx).revoke_approval(args.approval_id, _who(args.by))
+        revoked = approval_store(db).revoke_approval(args.approval_id, _who(args.by))
     print(json.dumps({"approval_id": args.approval_id, "revoked": revoked}, sort_keys=True))
     return 0 if revoked else 1
 

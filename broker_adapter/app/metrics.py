@@ -226,7 +226,8 @@ def _database_families(out: Families, db_path: Path | str) -> None:
     from broker_adapter.clock import SystemClock
     from broker_adapter.store.backends import open_store
     from broker_adapter.store.dbclock import clock_skew, read_now
-    from broker_adapter.store.report import snapshot
+    from broker_adapter.store.outbox_types import OUTBOX_STATES
+    from broker_adapter.store.report import LIVE_NAMES, snapshot
 
     db = open_store(db_path, read_only=True)  # a SQLite file or a postgresql:// URL
     try:
@@ -242,14 +243,14 @@ def _database_families(out: Families, db_path: Path | str) -> None:
             skew,
         )
     p, delivery = report["processing"], report["delivery"]
-    live = [(state, p[state]) for state in ("pending", "running", "unknown", "waiting_approval")]
+    live = [(state, p[state]) for state in LIVE_NAMES]
     for state, n in [*live, *report["terminal"].items()]:
         out.gauge("ba_tasks", "Tasks by state (from the database).", n, state=state)
     out.gauge("ba_tasks_ready", "Pending tasks whose not_before has come.", p["ready"])
     for lease in ("live", "expired"):
         out.gauge("ba_task_leases", "Running tasks by lease.", p[f"{lease}_leases"], lease=lease)
     out.gauge("ba_inbox_records", "Requests the inbox remembers.", report["received"]["inbox"])
-    for state in ("pending", "sending", "sent", "dead"):
+    for state in OUTBOX_STATES:
         out.gauge("ba_outbox_replies", "Outbox replies by state.", delivery[state], state=state)
     oldest = delivery["oldest_unsent_age_s"]
     out.gauge(

@@ -21,6 +21,7 @@ from broker_adapter.redis.client import call, connect, text
 from broker_adapter.store import OutboxStore
 from broker_adapter.store.backends import open_store
 from broker_adapter.store.dbclock import clock_report, read_now
+from broker_adapter.store.outbox_types import OUTBOX_STATES
 from broker_adapter.store.report import snapshot, task_counts
 
 
@@ -79,7 +80,7 @@ def format_status(report: dict[str, Any]) -> str:
         f"live leases {p['live_leases']}  expired leases {p['expired_leases']}",
         "terminal    " + "  ".join(f"{k} {v}" for k, v in t.items()),
         "delivery    "
-        + "  ".join(f"{k} {d[k]}" for k in ("pending", "sending", "sent", "dead"))
+        + "  ".join(f"{k} {d[k]}" for k in OUTBOX_STATES)
         + f"  oldest unsent {'-' if oldest is None else f'{oldest}s'}",
     ]
     for name, states in report.get("by_task", {}).items():

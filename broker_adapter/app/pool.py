@@ -30,9 +30,9 @@ from multiprocessing.connection import Connection
 from multiprocessing.context import SpawnProcess
 from multiprocessing.synchronize import Event as ProcessEvent
 from pathlib import Path
-from types import FrameType
 
 from broker_adapter.app.logforward import ChildLogs, forward_to_parent
+from broker_adapter.app.stop_signals import stop_on_signals
 from broker_adapter.errors import ConfigError
 from broker_adapter.protocol.signing import Keyring
 from broker_adapter.redis.client import connect
@@ -273,12 +273,7 @@ def _child_main(
         forward_to_parent(log_pipe, log_level)
     _die_with_parent(parent_pid)
     stop = threading.Event()
-
-    def on_signal(signum: int, frame: FrameType | None) -> None:
-        stop.set()
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    stop_on_signals(stop)
     db = open_store(db_path, gate=gate)
     try:
         metrics = None

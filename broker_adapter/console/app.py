@@ -25,6 +25,7 @@ from starlette.routing import Route
 
 from broker_adapter.app.commands import cancel_task
 from broker_adapter.app.effects_cli import (
+    approval_store,
     grant_approval,
     resolve_unknown,
     what_a_task_waits_for,
@@ -33,9 +34,9 @@ from broker_adapter.app.ops import replay_dead_letter
 from broker_adapter.console.auth import COOKIE, Csrf, Operator, Tokens
 from broker_adapter.console.sources import Store, dead_letters, shown
 from broker_adapter.errors import BrokerAdapterError, ConfigError
-from broker_adapter.store import OutboxStore, TaskStore
+from broker_adapter.store import OutboxStore
 from broker_adapter.store import console_queries as q
-from broker_adapter.store.approvals import ApprovalStore
+from broker_adapter.store.report import LIVE_NAMES
 
 log = logging.getLogger("broker_adapter.console")
 
@@ -81,7 +82,7 @@ def create_app(config: ConsoleConfig) -> Starlette:
     if not config.stores:
         raise ValueError("the console needs at least one store")
     env = Environment(loader=PackageLoader("broker_adapter.console", "templates"), autoescape=True)
-    env.globals.update(shown=shown, when=_when, age=_age_text)
+    env.globals.update(shown=shown, when=_when, age=_age_text, live_states=LIVE_NAMES)
     env.filters["qs"] = lambda d: urlencode({k: v for k, v in d.items() if v not in (None, "")})
     console = _Console(config, env)
     routes = [
@@ -392,7 +393,7 @@ class _Console:
         who = self._who(operator)
 
         def approve() -> str:
-            what = what_a_task_waits_for(ApprovalStore(TaskStore(ctx.store.db).tx), task_id)
+            what = what_a_task_waits_for(approval_store(ctx.store.db), task_id)
             return grant_approval(ctx.store.db, what, who, expires_in)
 
         try:

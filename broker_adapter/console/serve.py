@@ -12,7 +12,7 @@ log = logging.getLogger("broker_adapter.console")
 
 
 def cmd_console(args: argparse.Namespace) -> int:
-    """Serve the console on ``args.host``:``args.port`` (127.0.0.1 unless told)."""
+    """Serve the console on ``args.host``:``args.port`` (``console.CONSOLE_HOST`` unless told)."""
     try:
         import uvicorn
 

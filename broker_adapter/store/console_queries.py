@@ -17,7 +17,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Final
 
-from broker_adapter.store.report import TERMINAL_NAMES, snapshot
+from broker_adapter.store.report import LIVE_NAMES, TERMINAL_NAMES, snapshot
 from broker_adapter.store.sql import Conn, Db
 
 #: The columns of ``tasks`` the pipeline may be grouped by (a whitelist: the names are
@@ -25,13 +25,7 @@ from broker_adapter.store.sql import Conn, Db
 PIPELINE_GROUPS: Final = ("principal",)
 
 #: Task states ``search_tasks`` accepts.
-TASK_STATES: Final = (
-    "pending",
-    "running",
-    "waiting_approval",
-    "unknown",
-    *TERMINAL_NAMES,
-)
+TASK_STATES: Final = (*LIVE_NAMES, *TERMINAL_NAMES)
 
 #: Rows a search or a list returns at most.
 LIST_LIMIT: Final = 200

@@ -18,6 +18,7 @@ from broker_adapter.backoff import Backoff
 from broker_adapter.config import DEFAULT_LEASE_S, ConfigModel
 from broker_adapter.errors import BrokerAdapterError
 
+#: The states of an outbox reply, in the order the reports list them.
 OUTBOX_STATES = ("pending", "sending", "sent", "dead")
 #: A reply older than this is never sent again (``OutboxPolicy.reply_window_s``): six days,
 #: a day below a receiver's default window (``ReceiverConfig.max_reply_age_s``).

@@ -11,7 +11,7 @@ from broker_adapter.store.effects import effect_counts
 from broker_adapter.store.operator_waits import outcome_gauges
 from broker_adapter.store.outbox_types import OUTBOX_STATES
 from broker_adapter.store.sql import Conn, Db
-from broker_adapter.store.task_types import TERMINAL_STATES, TaskState
+from broker_adapter.store.task_types import LIVE_STATES, TERMINAL_STATES, TaskState
 
 
 def snapshot(db: Db, now: float) -> dict[str, Any]:
@@ -82,6 +82,8 @@ def _by(c: Conn, sql: str) -> dict[str, int]:
 
 #: The terminal states ``snapshot`` counts under ``terminal``, in ``TaskState``'s order.
 TERMINAL_NAMES = tuple(s.value for s in TaskState if s in TERMINAL_STATES)
+#: The live states (``snapshot`` counts each under ``processing``), in ``TaskState``'s order.
+LIVE_NAMES = tuple(s.value for s in TaskState if s in LIVE_STATES)
 
 
 def shape(

@@ -44,7 +44,9 @@ class TaskState(StrEnum):
 TERMINAL_STATES = frozenset(
     {TaskState.DONE, TaskState.FAILED, TaskState.CANCELLED, TaskState.EXPIRED, TaskState.HOP_LIMIT}
 )
-LIVE_STATES = frozenset({TaskState.PENDING, TaskState.RUNNING, TaskState.WAITING_APPROVAL})
+#: The states of a task that has not ended: every state but the terminal ones (a cancel
+#: still ends it).
+LIVE_STATES = frozenset(TaskState) - TERMINAL_STATES
 #: The states the clock ends at the deadline (``housekeeping``): the predicate of the
 #: partial index ``tasks_live_deadline``.
 CLOCKED_STATES = frozenset({TaskState.PENDING, TaskState.RUNNING})

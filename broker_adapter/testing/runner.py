@@ -27,9 +27,8 @@ from broker_adapter.protocol.reply import Reply
 from broker_adapter.stages.worker.config import WorkerConfig
 from broker_adapter.stages.worker.worker import Worker
 from broker_adapter.store import AcceptItem, OutboxStore, TaskStore, open_database
+from broker_adapter.store.task_types import TERMINAL_STATES
 
-#: The states a task leaves no more.
-TERMINAL = frozenset({"done", "failed", "cancelled", "expired", "hop_limit"})
 #: How many rounds of the worker ``run`` allows one request (each: one claim, or one wait
 #: on the fake clock for a retry's backoff).
 MAX_ROUNDS = 100
@@ -95,7 +94,7 @@ class TaskRunner:
             row = self.tasks.get(task_id)
             if row is None:
                 raise ConfigError(f"task {task_id} is gone")
-            if row.state in TERMINAL:
+            if row.state in TERMINAL_STATES:
                 return self.reply(task_id)
             if row.state == "pending" and row.not_before > self.clock.now():
                 self.clock.advance(row.not_before - self.clock.now())  # the retry's backoff

@@ -21,7 +21,7 @@ from broker_adapter.protocol.signing import Keyring
 from broker_adapter.redis.client import text
 from broker_adapter.store.backends import open_store
 from broker_adapter.store.identity import store_identity
-from tests.support.cli import cli_env, count_rows, error_line, wait_for
+from tests.support.cli import cli_env, count_rows, error_line, run_cli, wait_for
 from tests.support.handlers import init_effects_db
 from tests.support.ingest_script import envelope, real_deadline
 from tests.support.postgres import require_server
@@ -33,15 +33,8 @@ pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "broker_adapter", *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=cli_env(),
-    )
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return run_cli(*args, timeout=120)
 
 
 def _run_args(redis_url: str, db: str | Path, prefix: str, keyring: Path, *extra: str) -> list[str]:

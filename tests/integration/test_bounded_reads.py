@@ -21,7 +21,7 @@ from broker_adapter.protocol.keys import INGEST_GROUP
 from broker_adapter.redis.client import connect
 from broker_adapter.redis.reader import GroupReader
 from broker_adapter.redis.reader_config import ReaderConfig
-from tests.support.cli import cli_env, count_rows, wait_for
+from tests.support.cli import cli_env, count_rows, publish_range, run_cli, wait_for
 from tests.support.redis_server import RedisServer, require_binary
 
 pytestmark = pytest.mark.integration
@@ -47,16 +47,9 @@ def _limited() -> None:
     resource.setrlimit(resource.RLIMIT_AS, (LIMIT_BYTES, LIMIT_BYTES))
 
 
-def _cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "broker_adapter", *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=cli_env(),
-        preexec_fn=_limited,
-    )
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    """The CLI under the address-space limit."""
+    return run_cli(*args, timeout=120, preexec_fn=_limited)
 
 
 def _keyring(tmp_path: Path) -> Path:
@@ -64,26 +57,6 @@ def _keyring(tmp_path: Path) -> Path:
     path.write_text(json.dumps({"alice": {"k1": "alice-secret: a test key of 32 bytes or more"}}))
     path.chmod(0o600)
     return path
-
-
-def _publish(url: str, keyring: Path, prefix: str, ids: range) -> None:
-    for i in ids:
-        res = _cli(
-            "publish",
-            "--redis",
-            url,
-            "--principal",
-            "alice",
-            "--keyring",
-            str(keyring),
-            "--prefix",
-            prefix,
-            "--id",
-            f"m{i}",
-            "--payload",
-            json.dumps({"i": i}),
-        )
-        assert res.returncode == 0, res.stderr
 
 
 def _add_big(client: Any, stream: str, n: int) -> list[str]:
@@ -102,9 +75,9 @@ def test_run_and_receive_under_1gb_dead_letter_64mb_entries_and_do_the_work_behi
     client: Any = server.client()
     inbound = f"{prefix}:{{in}}:tasks"
     # While the adapter is down: two requests, five 64 MB entries, two more requests.
-    _publish(server.url, keyring, prefix, range(2))
+    publish_range(server.url, keyring, prefix, range(2), cli=_cli)
     big_in = _add_big(client, inbound, N_BIG)
-    _publish(server.url, keyring, prefix, range(2, 4))
+    publish_range(server.url, keyring, prefix, range(2, 4), cli=_cli)
     db = tmp_path / "adapter.db"
     run = subprocess.Popen(
         [
@@ -358,13 +331,13 @@ def test_flushall_and_del_under_blocking_reads_leave_ingest_and_receiver_running
         )
     ]
     try:
-        _publish(server.url, keyring, prefix, range(1))
+        publish_range(server.url, keyring, prefix, range(1), cli=_cli)
         wait_for(lambda: _receipts(rdb) == 1, "the first reply received", timeout_s=60)
         streams = (f"{prefix}:{{in}}:tasks", f"{prefix}:{{out.alice}}:replies")
         for i, wipe in enumerate(("FLUSHALL", "DEL")):
             wait_for(lambda: _blocked(client) >= 2, "the ingest and the receiver blocking")
             client.execute_command(*(("FLUSHALL",) if wipe == "FLUSHALL" else ("DEL", *streams)))
-            _publish(server.url, keyring, prefix, range(i + 1, i + 2))
+            publish_range(server.url, keyring, prefix, range(i + 1, i + 2), cli=_cli)
             want = i + 2
             wait_for(lambda: _receipts(rdb) == want, f"reply {want - 1} received", timeout_s=60)  # noqa: B023
             assert [p.poll() for p in procs] == [None, None]

@@ -21,6 +21,8 @@ from broker_adapter.store import AcceptItem, OutboxStore, TaskStore, open_databa
 from tests.support.cli import cli_env as _env
 from tests.support.cli import count_rows as _count
 from tests.support.cli import error_line as _error_line
+from tests.support.cli import publish, publish_range
+from tests.support.cli import run_cli as _cli
 from tests.support.cli import wait_for as _wait_for
 from tests.support.ingest_script import real_deadline, write_keyring
 from tests.support.redis_server import RedisServer
@@ -70,19 +72,6 @@ RECEIVE = [
 ]
 
 
-def _cli(
-    *args: str, env: dict[str, str] | None = None, timeout: float = 60
-) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "broker_adapter", *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env or _env(),
-    )
-
-
 def _start_run(
     redis_url: str, db: Path, keyring: Path, prefix: str, *extra: str
 ) -> subprocess.Popen[str]:
@@ -130,38 +119,6 @@ def keyring(tmp_path: Path) -> Path:
     return path
 
 
-def _publish(
-    redis_url: str,
-    keyring: Path,
-    prefix: str,
-    principal: str,
-    n: int,
-    *extra: str,
-    start: int = 0,
-) -> None:
-    for i in range(start, start + n):
-        res = _cli(
-            "publish",
-            "--redis",
-            redis_url,
-            "--principal",
-            principal,
-            "--keyring",
-            str(keyring),
-            "--prefix",
-            prefix,
-            "--id",
-            f"m{i}",
-            "--payload",
-            json.dumps({"i": i}),
-            *extra,
-        )
-        assert res.returncode == 0, res.stderr
-        ack = json.loads(res.stdout)
-        assert ack["message_id"] == f"m{i}"
-        assert ack["submit"].endswith(":submit")  # the adapter picks the entry id
-
-
 def _receipts(db: Path) -> list[dict[str, Any]]:
     res = _cli("receipts", "--db", str(db), "--json")
     assert res.returncode == 0, res.stderr
@@ -204,9 +161,9 @@ def test_cli_publish_run_receive_gives_one_effect_per_message(
     n = 12
     db, rdb = tmp_path / "adapter.db", tmp_path / "receiver.db"
     # resends of m0..m2 with the first deadline (--deadline): duplicates
-    deadline = ("--deadline", repr(time.time() + 300))
-    _publish(redis_server.url, keyring, prefix, "alice", n, *deadline)
-    _publish(redis_server.url, keyring, prefix, "alice", 3, *deadline)
+    deadline = time.time() + 300
+    publish_range(redis_server.url, keyring, prefix, range(n), deadline=deadline)
+    publish_range(redis_server.url, keyring, prefix, range(3), deadline=deadline)
     proc = _start_run(redis_server.url, db, keyring, prefix)
     try:
         _wait_for(
@@ -239,31 +196,14 @@ def test_cli_publish_resend_is_the_same_request_only_with_the_same_deadline(
     """``--deadline-in`` makes a new deadline at each call (another request under the same
     id: a conflict); ``--deadline`` with the deadline the first ack printed is a resend."""
 
-    def publish(*extra: str) -> dict[str, Any]:
-        res = _cli(
-            "publish",
-            "--redis",
-            redis_server.url,
-            "--principal",
-            "alice",
-            "--keyring",
-            str(keyring),
-            "--prefix",
-            prefix,
-            "--id",
-            "m-1",
-            "--payload",
-            '{"a": 1}',
-            *extra,
-        )
-        assert res.returncode == 0, res.stderr
-        ack: dict[str, Any] = json.loads(res.stdout)
-        return ack
+    def send(*extra: str, deadline: float | None = None) -> dict[str, Any]:
+        url = redis_server.url
+        return publish(url, keyring, prefix, "m-1", {"a": 1}, *extra, deadline=deadline)
 
-    first = publish("--deadline-in", "300")
-    again = publish("--deadline", repr(first["deadline"]))
+    first = send("--deadline-in", "300")
+    again = send(deadline=first["deadline"])
     assert (again["deadline"], again["fingerprint"]) == (first["deadline"], first["fingerprint"])
-    later = publish("--deadline-in", "300")
+    later = send("--deadline-in", "300")
     assert later["deadline"] != first["deadline"]
     assert later["fingerprint"] != first["fingerprint"]
 
@@ -273,7 +213,7 @@ def test_cli_run_killed_mid_stream_and_restarted_loses_and_doubles_nothing(
 ) -> None:
     n = 40
     db, rdb = tmp_path / "adapter.db", tmp_path / "receiver.db"
-    _publish(redis_server.url, keyring, prefix, "bob", n)
+    publish_range(redis_server.url, keyring, prefix, range(n), principal="bob")
     proc = _start_run(redis_server.url, db, keyring, prefix)
     _wait_for(lambda: _count(db, "SELECT count(*) FROM tasks") > 0, "first tasks ingested")
     proc.kill()  # SIGKILL the whole runner (its worker children die with their parent's pipe)
@@ -333,13 +273,13 @@ def test_cli_run_killed_after_handing_tasks_to_idle_workers_loses_nothing(
     )
     try:
         _wait_for(lambda: _count(db, "SELECT count(*) FROM sqlite_master") > 0, "database")
-        _publish(redis_server.url, keyring, prefix, "alice", 1)
+        publish_range(redis_server.url, keyring, prefix, range(1))
         # Its reply is out: both workers sit idle, waiting for the hand-off.
         _wait_for(
             lambda: _count(db, "SELECT count(*) FROM outbox WHERE state = 'sent'") == 1,
             "the first reply",
         )
-        _publish(redis_server.url, keyring, prefix, "alice", 1, start=1)
+        publish_range(redis_server.url, keyring, prefix, range(1, 2))
         assert proc.wait(timeout=WAIT_S) == -signal.SIGKILL
     finally:
         if proc.poll() is None:
@@ -369,7 +309,7 @@ def test_cli_sigterm_drains_cleanly(
     db = tmp_path / "adapter.db"
     proc = _start_run(redis_server.url, db, keyring, prefix)
     _wait_for(lambda: _count(db, "SELECT count(*) FROM sqlite_master") > 0, "database created")
-    _publish(redis_server.url, keyring, prefix, "alice", 3)
+    publish_range(redis_server.url, keyring, prefix, range(3))
     _wait_for(
         lambda: _count(db, "SELECT count(*) FROM outbox WHERE state = 'sent'") == 3, "replies"
     )
@@ -418,7 +358,7 @@ def test_cli_receive_with_keyring_applies_only_signed_replies(
     client.xadd(replies, forged("r-guessed", "not alice's secret, but 32 bytes long", "alice-2"))
     client.xadd(replies, forged("r-mallory", secrets["mallory"]["m-1"], "m-1"))
     db, rdb = tmp_path / "adapter.db", tmp_path / "receiver.db"
-    _publish(redis_server.url, keyring, prefix, "alice", 3)
+    publish_range(redis_server.url, keyring, prefix, range(3))
     proc = _start_run(redis_server.url, db, keyring, prefix)
     try:
         _wait_for(
@@ -654,24 +594,8 @@ def test_cli_app_dir_finds_the_handler_and_worker_logs_reach_the_runner(
         env=env,
     )
     try:
-        res = _cli(
-            "publish",
-            "--redis",
-            redis_server.url,
-            "--principal",
-            "alice",
-            "--keyring",
-            str(keyring),
-            "--prefix",
-            prefix,
-            "--id",
-            "m-explode",
-            "--max-attempts",
-            "1",
-            "--payload",
-            json.dumps({"secret": "payload-never-logged"}),
-        )
-        assert res.returncode == 0, res.stderr
+        payload = {"secret": "payload-never-logged"}
+        publish(redis_server.url, keyring, prefix, "m-explode", payload, "--max-attempts", "1")
         _wait_for(
             lambda: _count(db, "SELECT count(*) FROM outbox WHERE state = 'sent'") == 1,
             "the failed task's reply sent",

@@ -13,24 +13,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.cli import cli_env, count_rows, wait_for
+from tests.support.cli import cli_env, count_rows, publish, wait_for
+from tests.support.cli import run_cli as _cli
 from tests.support.fake_target import FakeTarget
 from tests.support.redis_server import RedisServer
 
 pytestmark = pytest.mark.integration
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "broker_adapter", *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env=cli_env(),
-    )
 
 
 def test_run_holds_an_unapproved_effect_until_an_operator_approves_it(
@@ -42,22 +32,7 @@ def test_run_holds_an_unapproved_effect_until_an_operator_approves_it(
     db = tmp_path / "adapter.db"
     with FakeTarget(tmp_path / "target", idempotent=False) as target:
         payload = {"target": target.url, "server": "web1", "human_approved": True}
-        sent = _cli(
-            "publish",
-            "--redis",
-            redis_server.url,
-            "--principal",
-            "alice",
-            "--keyring",
-            str(keyring),
-            "--prefix",
-            prefix,
-            "--id",
-            "restart-1",
-            "--payload",
-            json.dumps(payload),
-        )
-        assert sent.returncode == 0, sent.stderr
+        publish(redis_server.url, keyring, prefix, "restart-1", payload)
         run = subprocess.Popen(
             [
                 sys.executable,

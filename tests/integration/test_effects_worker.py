@@ -6,8 +6,6 @@ start sent to ``unknown``, and the operator's commands (``reconcile``, ``approve
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TypedDict
@@ -26,12 +24,11 @@ from broker_adapter.store.approvals import ApprovalStore
 from broker_adapter.store.effects import EffectsStore
 from broker_adapter.store.task_types import TaskPolicy
 from tests.support import effect_handlers
-from tests.support.cli import cli_env
+from tests.support.cli import run_cli as _cli
 from tests.support.fake_target import FakeTarget, FakeTargetClient
 
 pytestmark = pytest.mark.integration
 
-ROOT = Path(__file__).resolve().parents[2]
 T0 = 1_800_000_000.0
 APPROVAL_TIMEOUT_S = 60.0
 
@@ -253,17 +250,6 @@ def test_a_handler_marks_its_effect_started_per_call(
 
 
 # -- the operator's commands ----------------------------------------------------------------
-
-
-def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "broker_adapter", *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env=cli_env(),
-    )
 
 
 def test_cli_reconcile_answers_an_unknown_task_and_is_audited(tmp_path: Path) -> None:

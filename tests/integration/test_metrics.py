@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from tests.support.cli import cli_env, wait_for
+from tests.support.cli import cli_env, publish, publish_range, wait_for
 from tests.support.redis_server import RedisServer, free_port
 
 pytestmark = pytest.mark.integration
@@ -32,40 +32,8 @@ def _keyring(path: Path, secret: str) -> Path:
     return path
 
 
-def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "broker_adapter", *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env=cli_env(),
-    )
-
-
-#: The deadline of every request ``_publish`` sends.
+#: The deadline of every request the tests publish: a resend is the same request.
 DEADLINE = time.time() + 3600
-
-
-def _publish(url: str, keyring: Path, prefix: str, message_id: str, payload: object) -> None:
-    res = _cli(
-        "publish",
-        "--redis",
-        url,
-        "--principal",
-        "alice",
-        "--keyring",
-        str(keyring),
-        "--prefix",
-        prefix,
-        "--id",
-        message_id,
-        "--payload",
-        json.dumps(payload),
-        "--deadline",  # one deadline for every call: a resend is the same request
-        repr(DEADLINE),
-    )
-    assert res.returncode == 0, res.stderr
 
 
 def _start(*args: str) -> subprocess.Popen[str]:
@@ -132,11 +100,10 @@ def test_metrics_count_what_happened_and_readyz_follows_redis(
     keyring = _keyring(tmp_path / "keyring.json", SECRET)
     forger = _keyring(tmp_path / "forged.json", "not alice's secret, but 32 bytes long")
     n = 5
-    for i in range(n):
-        _publish(url, keyring, prefix, f"m{i}", {"i": i})
-    _publish(url, keyring, prefix, "m0", {"i": 0})  # the same request again: a duplicate
-    _publish(url, keyring, prefix, "m1", {"i": "other"})  # m1 with other content: a conflict
-    _publish(url, forger, prefix, "m9", {"i": 9})  # alice's key id, another secret
+    publish_range(url, keyring, prefix, range(n), deadline=DEADLINE)
+    publish(url, keyring, prefix, "m0", {"i": 0}, deadline=DEADLINE)  # again: a duplicate
+    publish(url, keyring, prefix, "m1", {"i": "other"}, deadline=DEADLINE)  # a conflict
+    publish(url, forger, prefix, "m9", {"i": 9}, deadline=DEADLINE)  # a bad secret
     db, rdb = tmp_path / "adapter.db", tmp_path / "receiver.db"
     port = free_port()
     run = _start(

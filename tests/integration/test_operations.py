@@ -17,8 +17,8 @@ from typing import IO, Any
 
 import pytest
 
-from tests.integration.test_metrics import _get, _keyring, _publish, _wait_counts
-from tests.support.cli import cli_env, count_rows, wait_for
+from tests.integration.test_metrics import DEADLINE, _get, _keyring, _wait_counts
+from tests.support.cli import cli_env, count_rows, publish, wait_for
 from tests.support.redis_server import RedisServer, free_port
 
 pytestmark = pytest.mark.integration
@@ -85,18 +85,23 @@ def test_counters_health_and_log_of_a_troubled_run(
             "--log-format",
             "json",
         )
+
+    def send(message_id: str, payload: dict[str, Any], keys: Path = keyring) -> None:
+        """Publish ``payload`` with the marker, at the one deadline (a resend: a duplicate)."""
+        publish(url, keys, prefix, message_id, {**payload, "m": MARKER}, deadline=DEADLINE)
+
     try:
         # A worker takes the held task and is SIGKILLed in its handler: its lease runs
         # out, the task runs again elsewhere (attempt 2) and is done.
-        _publish(url, keyring, prefix, "held", {"hold": str(hold), "m": MARKER})
+        send("held", {"hold": str(hold)})
         wait_for(hold.exists, "the held task's handler running")
         os.kill(int(hold.read_text()), signal.SIGKILL)
         for i in range(N):
-            _publish(url, keyring, prefix, f"m{i}", {"i": i, "m": MARKER})
-        _publish(url, keyring, prefix, "m0", {"i": 0, "m": MARKER})  # a duplicate
-        _publish(url, keyring, prefix, "m1", {"i": "other", "m": MARKER})  # a conflict
-        _publish(url, forger, prefix, "m9", {"i": 9, "m": MARKER})  # a bad signature
-        _publish(url, keyring, prefix, "bad", {"fail": True, "m": MARKER})  # handler raises
+            send(f"m{i}", {"i": i})
+        send("m0", {"i": 0})  # a duplicate
+        send("m1", {"i": "other"})  # a conflict
+        send("m9", {"i": 9}, forger)  # a bad signature
+        send("bad", {"fail": True})  # handler raises
         stored = N + 2  # held, m0..m3, bad
         want = {
             'ba_stream_entries_read_total{stage="ingest"}': stored + 3,

@@ -7,8 +7,6 @@ from __future__ import annotations
 import json
 import os
 import pwd
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -18,25 +16,17 @@ from broker_adapter.app.effects_cli import MAX_APPROVAL_S
 from broker_adapter.clock import SystemClock
 from broker_adapter.store import TaskStore, open_database
 from broker_adapter.store.inbox import AcceptItem
-from tests.support.cli import cli_env
+from tests.support.cli import cli_env, run_cli
 from tests.support.ingest_script import envelope, real_deadline
 
 pytestmark = pytest.mark.integration
 
-ROOT = Path(__file__).resolve().parents[2]
 REAL_USER = pwd.getpwuid(os.getuid()).pw_name
 FAKE = {"USER": "mallory-not-me", "LOGNAME": "mallory-not-me"}
 
 
 def _cli(*args: str) -> Any:
-    return subprocess.run(
-        [sys.executable, "-m", "broker_adapter", *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        env=cli_env(**FAKE),
-        timeout=60,
-    )
+    return run_cli(*args, env=cli_env(**FAKE))
 
 
 def test_cancel_records_who_ran_it_with_the_real_os_user(tmp_path: Path) -> None:

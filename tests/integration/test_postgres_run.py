@@ -18,7 +18,8 @@ from broker_adapter.client.publisher import Publisher
 from broker_adapter.protocol.keys import Keys
 from broker_adapter.protocol.signing import Keyring
 from broker_adapter.redis.client import connect
-from tests.support.cli import cli_env, wait_for
+from tests.support.cli import cli_env, publish, publish_range, wait_for
+from tests.support.cli import run_cli as _cli
 from tests.support.fake_target import FakeTarget
 from tests.support.ingest_script import envelope, real_deadline
 from tests.support.redis_server import RedisServer
@@ -26,17 +27,6 @@ from tests.support.redis_server import RedisServer
 pytestmark = pytest.mark.integration
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "broker_adapter", *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env=cli_env(),
-    )
 
 
 def _start_run(
@@ -93,30 +83,8 @@ def keyring(tmp_path: Path) -> Path:
     return path
 
 
-#: The deadline of every request ``_publish`` sends: a resend is the same request.
+#: The deadline of every request ``publish_range`` sends here: a resend is the same request.
 DEADLINE = time.time() + 3600
-
-
-def _publish(redis_url: str, keyring: Path, prefix: str, ids: range) -> None:
-    for i in ids:
-        res = _cli(
-            "publish",
-            "--redis",
-            redis_url,
-            "--principal",
-            "alice",
-            "--keyring",
-            str(keyring),
-            "--prefix",
-            prefix,
-            "--id",
-            f"m{i}",
-            "--payload",
-            json.dumps({"i": i}),
-            "--deadline",
-            repr(DEADLINE),
-        )
-        assert res.returncode == 0, res.stderr
 
 
 def _stop(proc: subprocess.Popen[str], sig: int = signal.SIGTERM) -> int:
@@ -131,15 +99,17 @@ def test_two_adapters_on_one_postgres_database_answer_each_request_once(
     the other takes its pending entries over: every request answered once, resends and
     takeovers deduplicated by the one inbox."""
     n = 30
-    _publish(redis_server.url, keyring, prefix, range(n))
-    _publish(redis_server.url, keyring, prefix, range(5))  # resends: duplicates
+    publish_range(redis_server.url, keyring, prefix, range(n), deadline=DEADLINE)
+    publish_range(
+        redis_server.url, keyring, prefix, range(5), deadline=DEADLINE
+    )  # resends: duplicates
     a = _start_run(redis_server.url, pg_url, keyring, prefix, "host-a")
     b = _start_run(redis_server.url, pg_url, keyring, prefix, "host-b")
     try:
         wait_for(lambda: _count(pg_url, "SELECT count(*) FROM tasks") > 0, "first tasks")
         a.kill()  # a dead host: its claimed tasks and pending entries are B's after the lease
         a.wait(timeout=30)
-        _publish(redis_server.url, keyring, prefix, range(n, n + 10))
+        publish_range(redis_server.url, keyring, prefix, range(n, n + 10), deadline=DEADLINE)
         wait_for(
             lambda: _count(pg_url, "SELECT count(*) FROM outbox WHERE state = 'sent'") == n + 10,
             "every reply sent",
@@ -298,22 +268,7 @@ def test_run_on_postgres_reconciles_an_effect_whose_answer_was_lost_once(
     task ``done`` with what it found. The effect happened once; the reply says how."""
     with FakeTarget(tmp_path / "target", idempotent=False) as target:
         payload = {"target": target.url, "value": 1, "hang_after": True}
-        sent = _cli(
-            "publish",
-            "--redis",
-            redis_server.url,
-            "--principal",
-            "alice",
-            "--keyring",
-            str(keyring),
-            "--prefix",
-            prefix,
-            "--id",
-            "apply-1",
-            "--payload",
-            json.dumps(payload),
-        )
-        assert sent.returncode == 0, sent.stderr
+        publish(redis_server.url, keyring, prefix, "apply-1", payload)
         a = _start_effects_run(redis_server.url, pg_url, keyring, prefix, "host-a", "irreversible")
         try:
             wait_for(lambda: len(target.effects()) == 1, "the effect to reach the target")
@@ -351,22 +306,7 @@ def test_a_cancel_of_a_running_task_on_postgres_is_a_request_its_handler_sees(
     """``broker-adapter cancel`` of a running task on PostgreSQL records a request: the
     handler sees it at its next check and stops, and the task ends ``cancelled`` with a
     reply saying what was done."""
-    sent = _cli(
-        "publish",
-        "--redis",
-        redis_server.url,
-        "--principal",
-        "alice",
-        "--keyring",
-        str(keyring),
-        "--prefix",
-        prefix,
-        "--id",
-        "long-1",
-        "--payload",
-        "{}",
-    )
-    assert sent.returncode == 0, sent.stderr
+    publish(redis_server.url, keyring, prefix, "long-1", {})
     run = _start_effects_run(redis_server.url, pg_url, keyring, prefix, "host-a", "cancellable")
     try:
         running = "SELECT count(*) FROM tasks WHERE state = 'running'"

@@ -5,8 +5,6 @@ reconcile log and compensations with their evidence; the answering form keeps it
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 from broker_adapter.handler.effects import EffectSpec
@@ -17,20 +15,8 @@ from broker_adapter.store.db import open_database
 from broker_adapter.store.effects import EffectsStore
 from broker_adapter.store.evidence import key_digest
 from broker_adapter.store.inbox import AcceptItem
-from tests.support.cli import cli_env, error_line
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "broker_adapter", *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env=cli_env(),
-    )
+from tests.support.cli import error_line
+from tests.support.cli import run_cli as _cli
 
 
 def _unknown(store: TaskStore, mid: str) -> str:

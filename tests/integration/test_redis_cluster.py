@@ -30,7 +30,7 @@ from broker_adapter.stages.ingest.config import IngestConfig
 from broker_adapter.stages.ingest.ingest import Ingestor
 from broker_adapter.store import TaskStore, open_database
 from broker_adapter.store.db import Database
-from tests.support.cli import count_rows, wait_for
+from tests.support.cli import count_rows, publish_range, wait_for
 from tests.support.ingest_script import envelope
 from tests.support.redis_cluster import (  # noqa: F401 - the fixtures
     REPLICATED_SLOT,
@@ -296,12 +296,13 @@ def test_cli_run_publish_receive_status_on_the_cluster_with_partitions(
     keyring: Keyring,
     prefix: str,
 ) -> None:
-    from tests.integration.test_cli import _cli, _publish, _receipts, _receive, _start_run, _stop
+    from tests.integration.test_cli import _receipts, _receive, _start_run, _stop
+    from tests.support.cli import run_cli as _cli
 
     url, keys_file = redis_cluster.url, tmp_path / "keys.json"  # the keyring fixture's file
     n, db, rdb = 6, tmp_path / "adapter.db", tmp_path / "receiver.db"
     for p in PRINCIPALS:
-        _publish(url, keys_file, prefix, p, n, "--partitions", "3")
+        publish_range(url, keys_file, prefix, range(n), "--partitions", "3", principal=p)
     keys, client = Keys(prefix), connect(url)
     junk = keys.inbound_partition(1)
     client.xadd(junk, {"v": "1", "env": "{not json", "kid": "k1", "sig": "00"})

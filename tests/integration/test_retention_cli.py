@@ -19,10 +19,12 @@ from broker_adapter.clock import FakeClock
 from broker_adapter.protocol.keys import Keys
 from broker_adapter.store import ReceiptStore, TaskStore, open_database
 from broker_adapter.store.retention import PURGE_EVERY_S
-from tests.integration.test_cli import ROOT, _cli, _stop
+from tests.integration.test_cli import _stop
 from tests.integration.test_cli import keyring as keyring  # the fixture
+from tests.support.cli import ROOT, publish
 from tests.support.cli import cli_env as _env
 from tests.support.cli import count_rows as _count
+from tests.support.cli import run_cli as _cli
 from tests.support.cli import wait_for as _wait_for
 from tests.support.redis_server import RedisServer
 from tests.support.replies_script import (
@@ -37,35 +39,16 @@ from tests.support.store_script import item
 pytestmark = pytest.mark.integration
 
 
-def _publish(url: str, keyring: Path, prefix: str, mid: str, deadline_in: float) -> None:
-    res = _cli(
-        "publish",
-        "--redis",
-        url,
-        "--principal",
-        "alice",
-        "--keyring",
-        str(keyring),
-        "--prefix",
-        prefix,
-        "--id",
-        mid,
-        "--payload",
-        "{}",
-        "--deadline-in",
-        str(deadline_in),
-    )
-    assert res.returncode == 0, res.stderr
-
-
 def test_run_and_receive_take_the_retention_from_the_environment_and_flag_and_purge(
     redis_server: RedisServer, tmp_path: Path, keyring: Path, prefix: str
 ) -> None:
     db, rdb = tmp_path / "adapter.db", tmp_path / "receiver.db"
     url = redis_server.url
     for i in range(4):
-        _publish(url, keyring, prefix, f"m{i}", 1)
-    _publish(url, keyring, prefix, "far", 30)  # further ahead than a 3 s window: refused
+        publish(url, keyring, prefix, f"m{i}", {}, "--deadline-in", "1")
+    publish(
+        url, keyring, prefix, "far", {}, "--deadline-in", "30"
+    )  # further ahead than a 3 s window: refused
     # The receiver, with --retention 1, reads while the replies are made (a reply older than
     # its window, about half a second here, would be refused as stale): it applies the
     # four, then forgets them.

@@ -7,29 +7,18 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from broker_adapter.protocol.signing import Keyring
-from tests.support.cli import cli_env, count_rows, wait_for
-from tests.support.client_adapter import ROOT, running_adapter
+from tests.support.cli import count_rows, publish, wait_for
+from tests.support.cli import run_cli as _cli
+from tests.support.client_adapter import running_adapter
 from tests.support.redis_server import RedisServer
 
 pytestmark = pytest.mark.integration
-
-
-def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "broker_adapter", *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env=cli_env(),
-    )
 
 
 def _lines(res: subprocess.CompletedProcess[str]) -> list[dict[str, Any]]:
@@ -42,20 +31,7 @@ def test_publish_result_tasks_and_cancel_by_message_id(
     db, keys = tmp_path / "a.db", str(tmp_path / "keys.json")
     common = ["--redis", redis_server.url, "--prefix", prefix]
     with running_adapter(redis_server.url, db, Path(keys), prefix):
-        pub = _cli(
-            "publish",
-            *common,
-            "--principal",
-            "alice",
-            "--keyring",
-            keys,
-            "--id",
-            "m 1",
-            "--payload",
-            '{"a": 1}',
-        )
-        assert pub.returncode == 0, pub.stderr
-        (printed,) = _lines(pub)
+        printed = publish(redis_server.url, keys, prefix, "m 1", {"a": 1})
         assert printed["key_id"] == "alice-2026"
         assert printed["reply_stream"] == f"{prefix}:{{out.alice}}:replies"
         assert printed["result"] == "broker-adapter result --principal alice --id 'm 1'"
