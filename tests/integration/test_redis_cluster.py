@@ -203,6 +203,11 @@ def test_a_killed_master_is_replaced_by_its_replica_and_ingest_goes_on(
             published[env.message_id] = env
             if i % 10 == 9 and killed_at is None and cluster.replica_caught_up():
                 replicated.update(f"f{j}" for j in range(i + 1))
+            if killed_at is None and i == total // 2:  # a slow ingest catches up first
+                wait_for(
+                    lambda: count_rows(db_path, "SELECT count(*) FROM tasks") >= total // 3,
+                    "a third of the tasks stored",
+                )
             stored = count_rows(db_path, "SELECT count(*) FROM tasks")
             if killed_at is None and stored >= total // 3:
                 killed_at = i
